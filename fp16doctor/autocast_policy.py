@@ -1,0 +1,213 @@
+"""CUDA's autocast policy, applied faithfully on the CPU.
+
+CPU autocast uses shorter op lists than CUDA: under fp16 autocast on CPU,
+softmax, layer_norm, exp, sum and pow run in fp16, where CUDA runs them in fp32
+(PyTorch's autocast op reference; ``aten/src/ATen/autocast_mode.h``). A CPU
+diagnosis that used CPU autocast as-is would report overflows the user's GPU
+never sees. So, for the duration of an AMP probe on CPU, fp16doctor replaces
+the ``AutocastCPU`` kernels with ones that follow the CUDA lists:
+
+* ``lower``: matrix products and convolutions take low-precision inputs and
+  produce a low-precision output. They are *emulated*: inputs are rounded to
+  the low dtype, the product is computed in fp32 (fp32 accumulation, as tensor
+  cores do) and the result rounded to the low dtype. Same numerics as a GPU,
+  at fp32 CPU speed instead of the much slower native CPU fp16 GEMM.
+* ``fp32``: low-precision inputs are cast up to fp32.
+* ``promote``: all floating inputs are cast to the widest floating input type.
+* ``banned``: raise as CUDA autocast does (``binary_cross_entropy``).
+* anything else CPU autocast would touch falls through: its inputs stay as they
+  are and the ops it calls meet the policy above, as on CUDA.
+
+The casts happen above autograd, like real autocast's, so the backward pass
+also sees low-precision tensors between layers (where gradient underflow
+happens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+from torch._C import DispatchKey, DispatchKeySet
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# Op base names by CUDA policy (autocast_mode.h: AT_FORALL_LOWER_PRECISION_FP,
+# AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE,
+# AT_FORALL_PROMOTE, plus the banned binary_cross_entropy).
+CUDA_LOWER = frozenset("""
+_convolution convolution conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d
+prelu addmm addmv addr matmul einsum mm mv linalg_vecdot linear addbmm baddbmm bmm chain_matmul
+linalg_multi_dot _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
+_scaled_dot_product_flash_attention scaled_dot_product_attention cudnn_convolution cudnn_convolution_transpose
+""".split())
+CUDA_FP32 = frozenset("""
+acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow softplus layer_norm
+native_layer_norm group_norm rms_norm frobenius_norm nuclear_norm cosine_similarity poisson_nll_loss
+cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss
+mse_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss multi_margin_loss
+binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp upsample_nearest1d _upsample_nearest_exact1d
+upsample_nearest2d _upsample_nearest_exact2d upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d
+upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa
+prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum norm
+""".split())
+CUDA_PROMOTE = frozenset("addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split())
+CUDA_BANNED = frozenset({"binary_cross_entropy"})
+
+BCE_BANNED_MESSAGE = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast. "
+    "Many models use a sigmoid layer right before the binary cross entropy layer. In this case, "
+    "combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits or "
+    "torch.nn.BCEWithLogitsLoss. (fp16doctor reproduces CUDA autocast, which raises this.)"
+)
+
+
+def cuda_policy(op_name: str) -> str:
+    """CUDA autocast's policy for an aten op (``"aten::softmax.int"`` or ``"softmax"``)."""
+    base = op_name.split("::")[-1].split(".")[0]
+    if base in CUDA_LOWER:
+        return "lower"
+    if base in CUDA_FP32:
+        return "fp32"
+    if base in CUDA_PROMOTE:
+        return "promote"
+    if base in CUDA_BANNED:
+        return "banned"
+    return "passthrough"
+
+
+def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, fn) for v in value)
+    return value
+
+
+def _eligible(t: torch.Tensor) -> bool:
+    """Autocast casts floating tensors other than fp64 (CUDA's ``is_eligible``)."""
+    return t.is_floating_point() and t.dtype != torch.float64
+
+
+def _widest(args: Any, kwargs: dict) -> torch.dtype | None:
+    widest: torch.dtype | None = None
+
+    def visit(t: torch.Tensor) -> torch.Tensor:
+        nonlocal widest
+        if _eligible(t) and (widest is None or torch.promote_types(widest, t.dtype) != widest):
+            widest = t.dtype if widest is None else torch.promote_types(widest, t.dtype)
+        return t
+
+    _map(list(args) + list(kwargs.values()), visit)
+    return widest
+
+
+_EXCLUDE_AUTOCAST_CPU = DispatchKeySet(DispatchKey.AutocastCPU)
+
+
+def _make_kernel(op: Any, policy: str) -> Callable[..., Any]:
+    """A Python kernel for the AutocastCPU key implementing ``policy`` for ``op``."""
+
+    def cast_args(args: tuple, kwargs: dict, fn: Callable[[torch.Tensor], torch.Tensor]) -> tuple[tuple, dict]:
+        return _map(args, fn), {k: _map(v, fn) for k, v in kwargs.items()}
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE_AUTOCAST_CPU):
+            if policy == "banned":
+                raise RuntimeError(BCE_BANNED_MESSAGE)
+            if policy == "fp32":
+                args, kwargs = cast_args(args, kwargs, lambda t: t.float() if _eligible(t) else t)
+                return op(*args, **kwargs)
+            if policy == "promote":
+                widest = _widest(args, kwargs)
+                if widest is not None:
+                    args, kwargs = cast_args(args, kwargs, lambda t: t.to(widest) if _eligible(t) else t)
+                return op(*args, **kwargs)
+            low = torch.get_autocast_dtype("cpu")
+            # Round inputs to the low dtype, compute with fp32 accumulation, round the result:
+            # the numerics of a tensor-core GEMM/convolution, at fp32 CPU speed.
+            args, kwargs = cast_args(args, kwargs, lambda t: t.to(low).float() if _eligible(t) else t)
+            out = op(*args, **kwargs)
+            return _map(out, lambda t: t.to(low) if _eligible(t) else t)
+
+    return kernel
+
+
+def _resolve(registration: str) -> Any | None:
+    """``"aten::softmax.int"`` -> ``torch.ops.aten.softmax.int`` (None when unavailable)."""
+    name = registration.split("::", 1)[1]
+    base, _, overload = name.partition(".")
+    try:
+        packet = getattr(torch.ops.aten, base)
+        return getattr(packet, overload or "default")
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def overridden_ops() -> dict[str, str]:
+    """Every op either autocast backend handles, with the CUDA policy the emulation applies."""
+    names = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"))
+    names |= set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCUDA"))
+    return {name: cuda_policy(name) for name in sorted(names) if name.startswith("aten::")}
+
+
+class _Installation:
+    """Reference-counted registration of the CUDA-policy kernels (nested probes share one)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._library: torch.library.Library | None = None
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._count == 0:
+                library = torch.library.Library("aten", "IMPL")
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+                    warnings.filterwarnings("ignore", message=".*Warning only once for all operators.*")
+                    for registration, policy in overridden_ops().items():
+                        op = _resolve(registration)
+                        name = registration.split("::", 1)[1]
+                        if policy == "passthrough":
+                            # Skip the key for this op only: ops it calls still meet autocast, as on CUDA
+                            # (cross_entropy_loss -> log_softmax, which CUDA runs in fp32).
+                            library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+                        elif op is not None:
+                            library.impl(name, _make_kernel(op, policy), "AutocastCPU")
+                self._library = library
+            self._count += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._count -= 1
+            if self._count == 0 and self._library is not None:
+                self._library._destroy()
+                self._library = None
+
+
+_INSTALLATION = _Installation()
+
+
+@contextlib.contextmanager
+def cuda_policy_on_cpu() -> Iterator[None]:
+    """While active, CPU autocast follows CUDA's op lists (see module docstring)."""
+    _INSTALLATION.acquire()
+    try:
+        yield
+    finally:
+        _INSTALLATION.release()
+
+
+def autocast_factory(device_type: str, dtype: torch.dtype | None, enabled: bool = True) -> Callable[[], Any]:
+    """A zero-argument callable returning a fresh autocast context, as ``train_step`` receives it.
+
+    The CPU variant needs :func:`cuda_policy_on_cpu` to be active (the probe
+    engine holds it for the whole probe) to reproduce CUDA's policy.
+    """
+    if not enabled or dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device_type, dtype=dtype)

@@ -1,0 +1,149 @@
+"""The command line. The only module that catches :class:`DoctorError` and sets exit codes.
+
+Options are ``Annotated`` aliases defined once and shared by the commands.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+from rich.console import Console
+
+from . import __version__
+from .errors import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, DoctorError
+
+app = typer.Typer(
+    name="fp16doctor",
+    help="A doctor for mixed-precision (fp16/bf16 AMP) training in PyTorch.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+EXIT_INTERNAL = 3
+
+TrainingFile = Annotated[Path, typer.Argument(help="The training file: defines model() and data(); see the README.", show_default=False)]
+ConfigFile = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config; overrides the file's CONFIG dict.")]
+Steps = Annotated[Optional[int], typer.Option("--steps", help="Training steps per probe (config key: steps).")]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Seed (config key: seed).")]
+Device = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda (config key: device).")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float16 | bfloat16 (config key: dtype).")]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object to stdout and nothing else.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")]
+
+
+def cli_layer(**values: Any) -> dict[str, Any]:
+    """The command-line flags as a config layer (only those given)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def guarded(debug: bool, job: Callable[[], int]) -> None:
+    """Run ``job``; map bad input to one red message and exit 2, never a traceback unless --debug."""
+    try:
+        code = job()
+    except DoctorError as exc:
+        if debug:
+            traceback.print_exc()
+        err.print(f"[bold red]error:[/] {exc.message}", highlight=False)
+        if exc.location:
+            err.print(f"  [red]at[/] {exc.location}", highlight=False)
+        if exc.hint:
+            err.print(f"  {exc.hint}", highlight=False)
+        raise typer.Exit(exc.exit_code)
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/]")
+        raise typer.Exit(130)
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: say so plainly
+        if debug:
+            traceback.print_exc()
+        err.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}", highlight=False)
+        err.print("  This is a bug in fp16doctor; run again with --debug for the traceback and report it.")
+        raise typer.Exit(EXIT_INTERNAL)
+    raise typer.Exit(code)
+
+
+def load(training_file: Path, config_file: Path | None, flags: dict[str, Any]):
+    """Training file + config layers -> (spec, config)."""
+    from .config import build_config, load_yaml
+    from .spec import load_training_file
+
+    spec = load_training_file(training_file)
+    config = build_config(spec.config, load_yaml(config_file) if config_file else None, flags)
+    return spec, config
+
+
+def print_json(payload: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+
+
+@app.callback(invoke_without_command=True)
+def main(version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False) -> None:
+    if version:
+        out.print(f"fp16doctor {__version__}")
+        raise typer.Exit(0)
+
+
+@app.command()
+def compare(
+    training_file: TrainingFile,
+    fp32: Annotated[bool, typer.Option("--fp32", help="Run the FP32 baseline (always run: it is the reference).")] = False,
+    amp: Annotated[bool, typer.Option("--amp", help="Run AMP as configured (dtype, scaler).")] = False,
+    bf16: Annotated[bool, typer.Option("--bf16", help="Run AMP in bfloat16 without a scaler.")] = False,
+    steps: Steps = None,
+    config: ConfigFile = None,
+    seed: Seed = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    tol: Annotated[float, typer.Option("--tol", help="Healthy when every loss is within this relative deviation of fp32 (x8 for bf16).")] = 1e-3,
+    divergence_tol: Annotated[float, typer.Option("--divergence-tol", help="Report the first step past this deviation (x8 for bf16).")] = 1e-2,
+    json_: Json = False,
+    csv: Annotated[Optional[Path], typer.Option("--csv", help="Write every mode's per-step record to this CSV file.")] = None,
+    debug: Debug = False,
+) -> None:
+    """Run precisions side by side from identical weights and batches. Exit 0 healthy, 1 drift/diverged, 2 bad input."""
+
+    def job() -> int:
+        from .compare import compare as run_compare
+        from .probe import Workbench
+        from .render import render_comparison
+
+        modes = [m for m, on in (("fp32", fp32), ("amp", amp), ("bf16", bf16)) if on] or ["fp32", "amp"]
+        spec, cfg = load(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
+        with err.status("preparing: drawing batches, building the model") as status:
+            bench = Workbench(spec, cfg)
+            result = run_compare(bench, modes, tolerance=tol, divergence=divergence_tol,
+                                 on_mode=lambda m: status.update(f"running the {m} probe ({cfg.steps} steps)"))
+        if csv is not None:
+            write_csv(csv, {m: t.records for m, t in result.trajectories.items()})
+        if json_:
+            print_json(result.to_json())
+        else:
+            render_comparison(result, out)
+        return EXIT_OK if result.healthy else EXIT_FINDINGS
+
+    guarded(debug, job)
+
+
+def write_csv(path: Path, frames: dict[str, Any]) -> None:
+    """All modes' records in one CSV with a ``mode`` column, written atomically."""
+    import pandas as pd
+
+    from .files import atomic_write_text
+
+    table = pd.concat([frame.assign(mode=mode) for mode, frame in frames.items()], ignore_index=True)
+    atomic_write_text(path, table.to_csv(index=False))
+
+
+def run() -> None:  # console-script entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run()

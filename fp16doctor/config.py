@@ -1,0 +1,210 @@
+"""The doctor's configuration: dataclasses with one documented field each.
+
+Sources, weakest first: the defaults below, the training file's ``CONFIG``
+dict, a YAML file given with ``--config``, command-line flags. Every source is
+a plain nested dict until :func:`build_config` validates the merged result, so
+an unknown key or a wrong type is reported once, naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float16", "bfloat16")
+
+
+def _doc(text: str) -> dict[str, str]:
+    """Field metadata holding the field's documentation (shown by ``config --explain``)."""
+    return {"doc": text}
+
+
+@dataclass
+class ScalerConfig:
+    """Settings of ``torch.amp.GradScaler`` (PyTorch's defaults)."""
+
+    enabled: bool = field(default=True, metadata=_doc("Use dynamic loss scaling (fp16 only; bf16 never needs it)."))
+    init_scale: float = field(default=65536.0, metadata=_doc("Initial loss scale; 2^16 is PyTorch's default."))
+    growth_factor: float = field(default=2.0, metadata=_doc("Factor the scale grows by after growth_interval clean steps."))
+    backoff_factor: float = field(default=0.5, metadata=_doc("Factor the scale shrinks by on a step with inf/NaN gradients."))
+    growth_interval: int = field(default=2000, metadata=_doc("Clean steps between two growths of the scale."))
+
+    def validate(self) -> None:
+        _require(self.init_scale > 0 and math.isfinite(self.init_scale), "scaler.init_scale", "a finite number > 0")
+        _require(self.growth_factor > 1.0, "scaler.growth_factor", "a number > 1")
+        _require(0.0 < self.backoff_factor < 1.0, "scaler.backoff_factor", "a number between 0 and 1")
+        _require(self.growth_interval >= 1, "scaler.growth_interval", "an integer >= 1")
+
+
+@dataclass
+class OverridesConfig:
+    """Runtime fixes the doctor applies in its own loop, without editing the training file.
+
+    A diagnosis writes these into the corrected config (``--fix-config``) so a
+    fix can be tried at once; the finding's code snippet shows the permanent edit.
+    """
+
+    fp32_modules: list[str] = field(default_factory=list, metadata=_doc("Module paths (as in named_modules()) run with autocast off, in fp32."))
+    fp32_weights: bool = field(default=False, metadata=_doc("Keep parameters, buffers and optimizer state in fp32 even if the training file casts the model to half."))
+    loss_in_fp32: bool = field(default=False, metadata=_doc("Compute the loss function in fp32: autocast off and half casts neutralised inside loss()."))
+    hold_scheduler_on_skip: bool = field(default=False, metadata=_doc("Do not step the LR scheduler on steps the GradScaler skipped."))
+    unscale_before_clip: bool = field(default=False, metadata=_doc("Unscale gradients before any clip_grad_norm_/clip_grad_value_ call in the training step."))
+
+
+@dataclass
+class DoctorConfig:
+    """Everything a probe, a diagnosis or a training run needs to know."""
+
+    steps: int = field(default=50, metadata=_doc("Training steps per probe."))
+    seed: int = field(default=0, metadata=_doc("Seed for model initialisation and every probe."))
+    device: str = field(default="auto", metadata=_doc("auto (cuda when available), cpu or cuda."))
+    dtype: str = field(default="float16", metadata=_doc("The low precision the user trains with: float16 or bfloat16."))
+    lr: float = field(default=1e-3, metadata=_doc("Learning rate of the default optimizer (AdamW); ignored when the file defines optimizer()."))
+    max_grad_norm: float | None = field(default=None, metadata=_doc("Clip the global gradient norm to this (after unscale_) in the default loop; null: no clipping."))
+    scaler: ScalerConfig = field(default_factory=ScalerConfig, metadata=_doc("GradScaler settings."))
+    overrides: OverridesConfig = field(default_factory=OverridesConfig, metadata=_doc("Runtime fixes applied by the doctor's loop."))
+
+    def validate(self) -> None:
+        _require(self.steps >= 1, "steps", "an integer >= 1")
+        _require(self.device in DEVICES, "device", " | ".join(DEVICES))
+        _require(self.dtype in DTYPES, "dtype", " | ".join(DTYPES))
+        _require(self.lr > 0 and math.isfinite(self.lr), "lr", "a finite number > 0")
+        if self.max_grad_norm is not None:
+            _require(self.max_grad_norm > 0, "max_grad_norm", "a number > 0 or null")
+        self.scaler.validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain nested dict (what YAML and JSON hold)."""
+        return dataclasses.asdict(self)
+
+
+def _require(ok: bool, key: str, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' must be {expected}.", hint="Fix the value in your config.")
+
+
+def _type_name(tp: Any) -> str:
+    return {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; accept only lossless conversions."""
+    if tp == "float | None" or tp == (float | None):
+        return None if value is None else _coerce(value, float, key)
+    if tp in ("list[str]", list[str]):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"config key '{key}' must be a list of strings, got {value!r}.")
+        return list(value)
+    tp = {"bool": bool, "int": int, "float": float, "str": str}.get(tp, tp)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(
+        f"config key '{key}' must be {_type_name(tp)}, got {type(value).__name__} {value!r}.",
+        hint="Fix the value in your config.",
+    )
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {type(data).__name__}.")
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.0)
+            suggestion = f" Did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"unknown config key '{prefix}{key}'.{suggestion}",
+                hint="Valid keys: " + ", ".join(prefix + k for k in known) + ".",
+            )
+        f = known[key]
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            kwargs[key] = _build(f.default_factory, value or {}, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, f.type, prefix + key)
+    return cls(**kwargs)
+
+
+def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; ``override`` wins, nested mappings merge key by key."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config with ``yaml.safe_load`` (never executes tags)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist.", hint="Check the path given to --config.")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"config file '{path}' is not valid YAML: {getattr(exc, 'problem', exc)}.", location=where) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of keys, got {type(data).__name__}.")
+    return data
+
+
+def build_config(*layers: Mapping[str, Any] | None) -> DoctorConfig:
+    """Merge the layers (weakest first) over the defaults and validate the result."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        if layer:
+            if not isinstance(layer, Mapping):
+                raise ConfigError(f"a config layer must be a mapping, got {type(layer).__name__}.")
+            merged = merge(merged, layer)
+    config = _build(DoctorConfig, merged, "")
+    config.validate()
+    return config
+
+
+def explain() -> list[tuple[str, Any, str]]:
+    """(key, default, doc) for every config key, nested keys dotted: the README table's source."""
+    rows: list[tuple[str, Any, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        instance = cls()
+        for f in fields(cls):
+            value = getattr(instance, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(type(value), f"{prefix}{f.name}.")
+            else:
+                rows.append((prefix + f.name, value, f.metadata.get("doc", "")))
+
+    walk(DoctorConfig, "")
+    return rows

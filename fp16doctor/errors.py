@@ -1,0 +1,48 @@
+"""One exception family for everything the library refuses.
+
+Library code raises these; only :mod:`fp16doctor.cli` catches them and turns
+them into one red message and an exit code. Keeping the mapping in one place
+means a CI script can rely on the exit codes documented in the README.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FINDINGS = 1
+EXIT_BAD_INPUT = 2
+
+
+class DoctorError(Exception):
+    """Base class: a problem the user can fix, with a hint saying how.
+
+    ``location`` is ``"file:line"`` in the user's code when one is known, so the
+    message can point at it instead of at fp16doctor's internals.
+    """
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, hint: str = "", location: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.location = location
+
+    def __str__(self) -> str:  # pragma: no cover - convenience for logs
+        parts = [self.message]
+        if self.location:
+            parts.append(f"at {self.location}")
+        if self.hint:
+            parts.append(self.hint)
+        return " - ".join(parts)
+
+
+class TrainingFileError(DoctorError):
+    """The training file is missing, broken, or breaks the contract."""
+
+
+class ConfigError(DoctorError):
+    """A config file or value is invalid (unknown key, wrong type, bad value)."""
+
+
+class BatchError(DoctorError):
+    """``data()`` yielded nothing, or something that is not a supported batch."""

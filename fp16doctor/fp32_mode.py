@@ -1,0 +1,81 @@
+"""The FP32 baseline: the user's training with every low-precision path switched off.
+
+A baseline that still contained the user's explicit ``.half()`` calls or their
+own ``torch.autocast`` blocks would not be a baseline. While
+:func:`full_precision` is active:
+
+* every low-precision dtype requested through the torch API (``.half()``,
+  ``.bfloat16()``, ``.to(torch.float16)``, ``.type(torch.HalfTensor)``,
+  ``dtype=torch.float16`` in factories and ops, ``Module.half()``) is replaced
+  by fp32, through a ``TorchFunctionMode`` so nothing is patched for other code;
+* every ``torch.autocast`` (also ``torch.cuda.amp.autocast``) the user's code
+  opens is disabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.amp import autocast_mode
+from torch.overrides import TorchFunctionMode
+
+LOW = (torch.float16, torch.bfloat16)
+_LOW_TENSOR_TYPES = {
+    "torch.HalfTensor": "torch.FloatTensor",
+    "torch.BFloat16Tensor": "torch.FloatTensor",
+    "torch.cuda.HalfTensor": "torch.cuda.FloatTensor",
+    "torch.cuda.BFloat16Tensor": "torch.cuda.FloatTensor",
+}
+_DOWNCAST_METHODS = {"half", "bfloat16"}
+
+
+def _fp32_arg(value: Any) -> Any:
+    """Replace one argument that asks for low precision by its fp32 equivalent."""
+    if isinstance(value, torch.dtype) and value in LOW:
+        return torch.float32
+    if isinstance(value, str) and value in _LOW_TENSOR_TYPES:
+        return _LOW_TENSOR_TYPES[value]
+    if isinstance(value, type) and getattr(value, "__module__", "").startswith("torch") and value.__name__ in ("HalfTensor", "BFloat16Tensor"):
+        return torch.FloatTensor
+    return value
+
+
+class NeutraliseHalfCasts(TorchFunctionMode):
+    """Rewrites low-precision dtype requests to fp32 (see module docstring)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in _DOWNCAST_METHODS and args and isinstance(args[0], torch.Tensor):
+            # x.half() -> x.float(), keeping memory_format and the like
+            return torch.Tensor.float(args[0], **kwargs)
+        args = tuple(_fp32_arg(a) for a in args)
+        if "dtype" in kwargs:
+            kwargs["dtype"] = _fp32_arg(kwargs["dtype"])
+        if name == "to" and len(args) >= 2 and isinstance(args[1], torch.Tensor) and args[1].dtype in LOW:
+            args = (args[0], args[1].device, torch.float32) + args[2:]  # x.to(other_half_tensor)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def autocast_disabled() -> Iterator[None]:
+    """Every ``torch.autocast(...)`` opened inside is created disabled."""
+    original = autocast_mode.autocast.__init__
+
+    def disabled_init(self: Any, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None) -> None:
+        original(self, device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled)
+
+    autocast_mode.autocast.__init__ = disabled_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        autocast_mode.autocast.__init__ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def full_precision() -> Iterator[None]:
+    """Both guards together: what the fp32 probe runs under."""
+    with autocast_disabled(), NeutraliseHalfCasts():
+        yield

@@ -1,0 +1,389 @@
+"""The probe engine: short trainings of the user's training in one precision mode.
+
+A :class:`Workbench` is made once per command: it loads nothing itself but
+holds the training spec, the config, the batches drawn once from ``data()``
+and the reference initial weights. Every :class:`Probe` it creates starts from
+those same weights and replays those same batches, so probes of different
+modes differ only by precision.
+
+Modes:
+
+* ``fp32``: the true baseline, every low-precision path off (see :mod:`.fp32_mode`).
+* ``amp``: the training as configured: the user's code as written, autocast
+  with the configured dtype (CUDA's op policy, also on CPU), the configured scaler.
+* ``bf16``: ``amp`` with bfloat16 and no scaler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import pandas as pd
+import torch
+
+from .autocast_policy import autocast_factory, cuda_policy_on_cpu
+from .batches import to_device
+from .config import DoctorConfig
+from .errors import DoctorError, TrainingFileError
+from .fp32_mode import full_precision
+from .loop import canonical_step, default_loss
+from .overrides import LossInFp32, keep_modules_in_fp32, watch_clipping
+from .recording import OptimizerWatch, RecordingGradScaler, StepTrace, finish_trace
+from .spec import TrainingSpec, build_model, draw_batches, user_frame
+
+MODES = ("fp32", "amp", "bf16")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+RECORD_COLUMNS = [
+    "step", "batch_index", "loss", "grad_norm", "lr", "loss_scale", "skipped", "optimizer_stepped",
+    "nonfinite_loss", "nonfinite_grads", "exception_type", "exception", "exception_location",
+]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` means CUDA when present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DoctorError("config asks for device 'cuda' but no CUDA device is available.", hint="Use device: auto or cpu.")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every RNG a training file may draw from."""
+    import numpy as np  # a pandas dependency, always present
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+@dataclass
+class ModeSettings:
+    """What a mode means concretely on this device."""
+
+    mode: str
+    low_dtype: torch.dtype | None
+    scaler_enabled: bool
+
+    @classmethod
+    def of(cls, mode: str, config: DoctorConfig) -> "ModeSettings":
+        if mode not in MODES:
+            raise DoctorError(f"unknown probe mode '{mode}'.", hint=f"Use one of {', '.join(MODES)}.")
+        if mode == "fp32":
+            return cls(mode, None, False)
+        if mode == "bf16":
+            return cls(mode, torch.bfloat16, False)
+        return cls(mode, DTYPES[config.dtype], config.scaler.enabled)
+
+
+@dataclass
+class ProbeSnapshot:
+    """Everything needed to take the same step again: weights, optimizer, scheduler, scaler, RNG, data position."""
+
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any] | None
+    scaler: dict[str, Any]
+    rng: dict[str, Any]
+    iteration: int
+    cursor: int
+
+
+@dataclass
+class StepRecord:
+    """One row of a probe's record (see ``RECORD_COLUMNS``)."""
+
+    step: int
+    batch_index: int
+    loss: float
+    grad_norm: float
+    lr: float
+    loss_scale: float
+    skipped: bool
+    optimizer_stepped: bool
+    nonfinite_loss: bool
+    nonfinite_grads: bool
+    exception_type: str | None = None
+    exception: str | None = None
+    exception_location: str | None = None
+    trace: StepTrace | None = field(default=None, repr=False)
+
+    def row(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in RECORD_COLUMNS}
+
+
+class Workbench:
+    """The shared ground of all probes of one command: spec, config, batches, initial weights."""
+
+    def __init__(self, spec: TrainingSpec, config: DoctorConfig, batch_count: int | None = None):
+        self.spec = spec
+        self.config = config
+        self.device = resolve_device(config.device)
+        seed_everything(config.seed)
+        self.batches = draw_batches(spec, batch_count or config.steps)
+        self.initial_state = self._reference_state()
+
+    def _reference_state(self) -> dict[str, torch.Tensor]:
+        """Seeded fp32 build: the weights every mode starts from (rounded where a mode stores half)."""
+        seed_everything(self.config.seed)
+        with full_precision():
+            model = build_model(self.spec)
+        return {k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone() for k, v in model.state_dict().items()}
+
+    def probe(self, mode: str, config: DoctorConfig | None = None, **options: Any) -> "Probe":
+        return Probe(self, mode, config or self.config, **options)
+
+
+class Probe:
+    """Live training objects for one mode; ``run`` steps them and returns the record."""
+
+    def __init__(self, bench: Workbench, mode: str, config: DoctorConfig, align_on_taken_steps: bool = False):
+        self.bench = bench
+        self.spec = bench.spec
+        self.config = config
+        self.settings = ModeSettings.of(mode, config)
+        self.mode = mode
+        self.device = bench.device
+        self.align = align_on_taken_steps
+        self.iteration = 0
+        self.cursor = 0
+        self.records: list[StepRecord] = []
+        self.failed: StepRecord | None = None
+        self.step_hooks: list[Callable[["Probe", StepRecord], None]] = []
+        """Called after each step with its record (instruments attach here)."""
+        with self.mode_context():
+            self.model = self._build_model()
+            self.optimizer = self._build_optimizer()
+            self.scheduler = self._call_user("scheduler", self.spec.scheduler, self.optimizer) if self.spec.scheduler else None
+        cfg = config.scaler
+        self.scaler = RecordingGradScaler(
+            self.device.type, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
+            backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval, enabled=self.settings.scaler_enabled,
+        )
+        self._watch = OptimizerWatch(self.optimizer, self.scaler)
+        self._loss_mode: LossInFp32 | None = None
+        if config.overrides.loss_in_fp32 and self.mode != "fp32":
+            self._loss_mode = LossInFp32(self.device.type)
+            self._loss_mode.attach(self.model)
+        self.autocast = autocast_factory(self.device.type, self.settings.low_dtype)
+        seed_everything(config.seed)  # dropout and friends draw the same numbers in every mode
+
+    # --- construction -------------------------------------------------------------------------
+    def _build_model(self) -> torch.nn.Module:
+        seed_everything(self.config.seed)
+        model = build_model(self.spec).to(self.device)
+        if self.mode == "fp32" or self.config.overrides.fp32_weights:
+            model.float()
+        keep_modules_in_fp32(model, self.config.overrides.fp32_modules, self.device.type)
+        state = model.state_dict()
+        missing = set(state) ^ set(self.bench.initial_state)
+        if missing:
+            raise TrainingFileError(
+                "model() builds a different model on each call (state keys differ: " + ", ".join(sorted(missing)[:5]) + ").",
+                hint="model() must build the same architecture every time it is called.",
+            )
+        with torch.no_grad():
+            for name, tensor in state.items():
+                tensor.copy_(self.bench.initial_state[name])
+        return model.train()
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        if self.spec.optimizer is None:
+            return torch.optim.AdamW(self.model.parameters(), lr=self.config.lr)
+        optimizer = self._call_user("optimizer", self.spec.optimizer, self.model.parameters())
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TrainingFileError(f"optimizer(params) returned {type(optimizer).__name__}, not a torch.optim.Optimizer.")
+        return optimizer
+
+    def _call_user(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except DoctorError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise TrainingFileError(f"{name}() raised {type(exc).__name__}: {exc}", location=self.spec.user_location(exc)) from exc
+
+    # --- contexts -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def mode_context(self) -> Iterator[None]:
+        """The precision environment of this mode (fp32 guards, or CUDA policy for CPU autocast)."""
+        with contextlib.ExitStack() as stack:
+            if self.mode == "fp32":
+                stack.enter_context(full_precision())
+            elif self.device.type == "cpu":
+                stack.enter_context(cuda_policy_on_cpu())
+            yield
+
+    # --- stepping -----------------------------------------------------------------------------
+    def _loss_fn(self) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
+        user_loss = self.spec.loss or default_loss
+
+        def checked_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+            loss = user_loss(model, batch)
+            self._loss_value(loss, check_only=True)  # a non-scalar loss is bad input, not a numerical fault
+            return loss
+
+        return checked_loss
+
+    def _run_step(self, batch: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(watch_clipping(self.scaler, self.optimizer, self.spec.module, self.config.overrides.unscale_before_clip))
+            if self._loss_mode is not None:
+                stack.enter_context(self._loss_mode)
+            if self.spec.train_step is not None:
+                return self.spec.train_step(self.model, batch, self.optimizer, self.scaler, self.autocast)
+            return canonical_step(self.model, batch, self.optimizer, self.scaler, self.autocast, self._loss_fn(), self.config.max_grad_norm)
+
+    def step(self) -> StepRecord:
+        """Take one training step and record it. A user exception ends the probe (``self.failed``)."""
+        batch_index = self.cursor % len(self.bench.batches)
+        batch = to_device(self.bench.batches[batch_index], self.device, torch.float32 if self.mode == "fp32" else None)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+        self.scaler.trace = trace = StepTrace(scale_used=scale)
+        rng_before = self._rng_state() if self.align else None
+        try:
+            loss = self._run_step(batch)
+        except DoctorError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's exception is evidence, not a crash
+            record = self._exception_record(exc, batch_index, lr, scale, trace)
+            self.failed = record
+            self.records.append(record)
+            return record
+        loss_value = self._loss_value(loss)
+        finish_trace(trace, self.optimizer)
+        stepped = trace.optimizer_stepped and not trace.found_inf  # fused optimizers are called, then skip inside
+        skipped = not stepped
+        grad_norm = float(trace.grad_norm if trace.grad_norm is not None else float("nan"))
+        record = StepRecord(
+            step=self.iteration, batch_index=batch_index, loss=loss_value, grad_norm=grad_norm, lr=lr,
+            loss_scale=scale, skipped=skipped, optimizer_stepped=stepped,
+            nonfinite_loss=not math.isfinite(loss_value), nonfinite_grads=not math.isfinite(grad_norm), trace=trace,
+        )
+        self._advance(skipped)
+        if skipped and rng_before is not None:
+            self._set_rng_state(rng_before)  # the retry draws the same dropout masks as fp32's step did
+        self.records.append(record)
+        for hook in self.step_hooks:
+            hook(self, record)
+        return record
+
+    def _advance(self, skipped: bool) -> None:
+        hold = skipped and (self.align or self.config.overrides.hold_scheduler_on_skip)
+        if self.scheduler is not None and not hold:
+            self.scheduler.step()
+        if not (skipped and self.align):
+            self.cursor += 1
+        self.iteration += 1
+
+    def _loss_value(self, loss: Any, check_only: bool = False) -> float:
+        if not isinstance(loss, torch.Tensor):
+            where = "train_step()" if self.spec.train_step else "loss()"
+            raise TrainingFileError(f"{where} returned {type(loss).__name__}, not a tensor.", hint="Return the scalar loss tensor.")
+        if loss.numel() != 1:
+            where = "train_step()" if self.spec.train_step else ("loss()" if self.spec.loss else "the default loss")
+            raise TrainingFileError(
+                f"{where} returned a loss of shape {tuple(loss.shape)}; a scalar is needed.",
+                hint="Reduce it, e.g. `loss.mean()`.",
+            )
+        return 0.0 if check_only else float(loss.detach().float().item())
+
+    def _exception_record(self, exc: Exception, batch_index: int, lr: float, scale: float, trace: StepTrace) -> StepRecord:
+        location = user_frame(exc, self.spec.path)
+        if location is None:  # the deepest frame that is not torch or fp16doctor: still the user's code
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" not in f.filename and "fp16doctor" not in f.filename]
+            location = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+        self.iteration += 1
+        return StepRecord(
+            step=self.iteration - 1, batch_index=batch_index, loss=float("nan"), grad_norm=float("nan"), lr=lr,
+            loss_scale=scale, skipped=True, optimizer_stepped=trace.optimizer_stepped, nonfinite_loss=True,
+            nonfinite_grads=True, exception_type=type(exc).__name__, exception=str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+            exception_location=location, trace=trace,
+        )
+
+    def run(self, steps: int | None = None, max_iterations: int | None = None, stop_on_nonfinite_loss: bool = False) -> pd.DataFrame:
+        """Take ``steps`` steps (with alignment: until that many optimizer steps were taken, at most ``max_iterations``).
+
+        ``stop_on_nonfinite_loss`` ends the run at the first inf/NaN loss: retrying a batch whose
+        forward pass overflows (alignment) would only repeat the same failure.
+        """
+        steps = steps if steps is not None else self.config.steps
+        # Aligned runs allow extra iterations for skipped steps: a scale settling from far too high
+        # needs one skip per halving (2^40 -> 2^16 is 24 skips).
+        limit = max_iterations if max_iterations is not None else (2 * steps + 32 if self.align else steps)
+        taken = 0
+        with self.mode_context():
+            for _ in range(limit):
+                record = self.step()
+                if self.failed is not None or (stop_on_nonfinite_loss and record.nonfinite_loss):
+                    break
+                taken += 0 if record.skipped else 1
+                if self.align and taken >= steps:
+                    break
+        return self.frame()
+
+    def frame(self) -> pd.DataFrame:
+        """The record so far as a DataFrame with ``RECORD_COLUMNS``."""
+        return pd.DataFrame([r.row() for r in self.records], columns=RECORD_COLUMNS)
+
+    # --- snapshot / restore -------------------------------------------------------------------
+    @staticmethod
+    def _rng_state() -> dict[str, Any]:
+        import numpy as np
+
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return rng
+
+    @staticmethod
+    def _set_rng_state(rng: dict[str, Any]) -> None:
+        import numpy as np
+
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def snapshot(self) -> ProbeSnapshot:
+        rng = self._rng_state()
+        return ProbeSnapshot(
+            model=copy.deepcopy(self.model.state_dict()),
+            optimizer=copy.deepcopy(self.optimizer.state_dict()),
+            scheduler=copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            scaler=copy.deepcopy(self.scaler.state_dict()),
+            rng=rng, iteration=self.iteration, cursor=self.cursor,
+        )
+
+    def restore(self, snap: ProbeSnapshot) -> None:
+        self.model.load_state_dict(snap.model)
+        self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+        if self.scheduler is not None and snap.scheduler is not None:
+            self.scheduler.load_state_dict(snap.scheduler)
+        if snap.scaler:
+            self.scaler.load_state_dict(snap.scaler)
+        self._set_rng_state(snap.rng)
+        self.iteration, self.cursor = snap.iteration, snap.cursor
+        self.records = [r for r in self.records if r.step < snap.iteration]
+        self.failed = None
+
+    def close(self) -> None:
+        self._watch.close()
+
+
+def run_probe(bench: Workbench, mode: str, steps: int | None = None, **options: Any) -> pd.DataFrame:
+    """Convenience: build a probe of ``mode`` and run it."""
+    probe = bench.probe(mode, **options)
+    try:
+        return probe.run(steps)
+    finally:
+        probe.close()

@@ -1,0 +1,97 @@
+"""Terminal rendering with rich. The library returns data; only this module draws it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .compare import Comparison
+
+VERDICT_STYLE = {"healthy": "bold green", "drift": "bold yellow", "diverged": "bold red"}
+STEP_BY_STEP_LIMIT = 30
+"""Runs up to this many steps are shown step by step; longer ones are summarised."""
+
+
+def fmt(value: Any, digits: int = 6) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.3f}%"
+
+
+def _shown_steps(total: int) -> list[int]:
+    if total <= STEP_BY_STEP_LIMIT:
+        return list(range(total))
+    stride = max(1, total // 10)
+    return sorted(set(range(0, total, stride)) | {total - 1})
+
+
+def render_comparison(result: Comparison, console: Console) -> None:
+    """Per-step table (or a sample of steps for long runs), then per-mode summary and verdict."""
+    table = Table(title="Loss and gradient norm on aligned optimizer steps", title_justify="left")
+    table.add_column("step", justify="right")
+    for mode in result.modes:
+        table.add_column(f"{mode} loss", justify="right")
+        table.add_column(f"{mode} |g|", justify="right")
+        if mode != "fp32":
+            table.add_column(f"{mode} dev", justify="right")
+            table.add_column(f"{mode} skips", justify="right")
+    for k in _shown_steps(result.steps):
+        cells = [str(k)]
+        for mode in result.modes:
+            entries = result.trajectories[mode].aligned
+            entry = entries[k] if k < len(entries) else None
+            cells += [fmt(entry["loss"]) if entry else "-", fmt(entry["grad_norm"], 4) if entry else "-"]
+            if mode != "fp32":
+                devs = result.rel_dev.get(mode, [])
+                dev = devs[k] if k < len(devs) else None
+                style = "" if dev is None or dev <= result.tolerance[mode] else ("yellow" if dev <= result.divergence[mode] else "red")
+                cells += [f"[{style}]{pct(dev)}[/]" if style else pct(dev), str(entry["skipped_before"]) if entry else "-"]
+        table.add_row(*cells)
+    if result.steps > STEP_BY_STEP_LIMIT:
+        table.caption = f"{result.steps} steps: every {max(1, result.steps // 10)}th shown"
+    console.print(table)
+
+    summary = Table(title="Summary per mode", title_justify="left")
+    for column in ("mode", "verdict", "worst dev", "at step", "first > div tol", "skips", "tol / div tol"):
+        summary.add_column(column)
+    for mode in result.modes[1:]:
+        verdict = result.verdict_by_mode[mode]
+        summary.add_row(
+            mode, f"[{VERDICT_STYLE[verdict]}]{verdict}[/]", pct(result.max_rel_dev.get(mode)),
+            fmt(result.max_rel_dev_step.get(mode)), fmt(result.first_divergent_step.get(mode)),
+            str(result.trajectories[mode].skipped), f"{pct(result.tolerance[mode])} / {pct(result.divergence[mode])}",
+        )
+    console.print(summary)
+    for mode, trajectory in result.trajectories.items():
+        if trajectory.exception:
+            exc = trajectory.exception
+            console.print(f"[red]{mode}: {exc['type']} at step {exc['step']}: {exc['message']}[/] ({exc['location'] or 'no location'})")
+        skips = trajectory.skipped
+        if mode != "fp32" and skips and result.verdict_by_mode.get(mode) != "diverged":
+            console.print(f"[dim]{mode}: {skips} step(s) skipped by the GradScaler (scale settling); trajectories aligned on steps taken.[/]")
+    console.print(_verdict_line(result))
+
+
+def _verdict_line(result: Comparison) -> str:
+    style = VERDICT_STYLE[result.verdict]
+    if result.verdict == "healthy":
+        return f"[{style}]healthy[/]: every mode stays within tolerance of fp32."
+    parts = []
+    for mode, verdict in result.verdict_by_mode.items():
+        if verdict == "diverged":
+            step = result.first_nonfinite_step.get(mode)
+            parts.append(f"{mode}: first non-finite step {step}" + (" (the fp32 baseline itself)" if mode == "fp32" else ""))
+        elif verdict == "drift":
+            parts.append(f"{mode}: largest deviation {pct(result.max_rel_dev[mode])} at step {result.max_rel_dev_step[mode]}")
+    return f"[{style}]{result.verdict}[/]: " + "; ".join(parts)

@@ -1,0 +1,125 @@
+"""The probe engine: modes, determinism, identical starts, snapshots, skip detection, user exceptions."""
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import MLP_FILE, SAMPLES
+from fp16doctor.config import build_config
+from fp16doctor.probe import RECORD_COLUMNS, Workbench
+from fp16doctor.spec import load_training_file
+
+
+def bench_for(path, **config):
+    spec = load_training_file(path)
+    return Workbench(spec, build_config(spec.config, {"device": "cpu", **config}))
+
+
+def test_record_has_the_documented_columns(training_file):
+    frame = bench_for(training_file(MLP_FILE), steps=3).probe("fp32").run()
+    assert list(frame.columns) == RECORD_COLUMNS and len(frame) == 3
+    assert frame["loss"].notna().all() and (frame["grad_norm"] > 0).all()
+    assert not frame["skipped"].any() and frame["optimizer_stepped"].all()
+
+
+@pytest.mark.parametrize("mode", ["fp32", "amp", "bf16"])
+def test_two_probes_of_a_mode_are_bit_identical(mode):
+    bench = bench_for(SAMPLES / "transformer_encoder.py", steps=4)  # dropout included
+    first, second = bench.probe(mode).run(), bench.probe(mode).run()
+    pd.testing.assert_frame_equal(first, second, check_exact=True)
+
+
+def test_every_mode_starts_from_the_same_weights():
+    bench = bench_for(SAMPLES / "cnn_batchnorm.py", steps=1)
+    states = {m: bench.probe(m).model.state_dict() for m in ("fp32", "amp", "bf16")}
+    for name, tensor in states["fp32"].items():
+        assert torch.equal(tensor, states["amp"][name]) and torch.equal(tensor, states["bf16"][name])
+
+
+def test_fp32_probe_neutralises_the_users_half_casts(training_file):
+    source = MLP_FILE.replace(
+        "return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))",
+        "return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).half()",
+    )
+    bench = bench_for(training_file(source), steps=2)
+    fp32 = bench.probe("fp32")
+    assert all(p.dtype == torch.float32 for p in fp32.model.parameters())
+    assert not fp32.run()["exception_type"].notna().any()
+    amp = bench.probe("amp")
+    assert all(p.dtype == torch.float16 for p in amp.model.parameters())
+
+
+def test_half_parameters_surface_as_a_recorded_exception_with_location(training_file):
+    source = MLP_FILE.replace("nn.Linear(16, 3))", "nn.Linear(16, 3)).half()") + (
+        "\nimport torch.nn.functional as F\ndef loss(model, batch):\n    return F.cross_entropy(model(batch[0].half()).float(), batch[1])\n"
+    )
+    frame = bench_for(training_file(source), steps=3).probe("amp").run()
+    assert len(frame) == 1  # the probe stops at the exception
+    row = frame.iloc[0]
+    assert row["exception_type"] == "ValueError" and "FP16 gradients" in row["exception"]
+
+
+def test_user_exception_mid_run_is_evidence(training_file):
+    source = MLP_FILE + """
+calls = {"n": 0}
+import torch.nn.functional as F
+def loss(model, batch):
+    calls["n"] += 1
+    if calls["n"] == 3:
+        raise KeyError("label column missing")
+    return F.cross_entropy(model(batch[0]), batch[1])
+"""
+    path = training_file(source)
+    frame = bench_for(path, steps=5).probe("fp32").run()
+    assert len(frame) == 3
+    last = frame.iloc[-1]
+    assert last["exception_type"] == "KeyError" and "label column" in last["exception"]
+    raise_line = next(i for i, line in enumerate(path.read_text().splitlines(), 1) if "raise KeyError" in line)
+    assert last["exception_location"] == f"{path}:{raise_line}"
+
+
+def test_snapshot_restore_replays_identically():
+    bench = bench_for(SAMPLES / "transformer_encoder.py", steps=6)
+    probe = bench.probe("amp")
+    probe.run(2)
+    snap = probe.snapshot()
+    first = probe.run(3).iloc[2:].reset_index(drop=True)
+    probe.restore(snap)
+    second = probe.run(3).iloc[2:].reset_index(drop=True)
+    pd.testing.assert_frame_equal(first, second, check_exact=True)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_skipped_steps_are_detected_from_the_scalers_found_inf(training_file, fused):
+    source = MLP_FILE + f"\nimport torch\ndef optimizer(params):\n    return torch.optim.Adam(params, lr=1e-3, fused={fused})\n"
+    bench = bench_for(training_file(source), steps=4, scaler={"init_scale": 2.0**40})
+    probe = bench.probe("amp")
+    weights = [p.detach().clone() for p in probe.model.parameters()]
+    frame = probe.run()
+    assert frame["skipped"].iloc[0] and not frame["optimizer_stepped"].iloc[0]
+    assert frame["nonfinite_grads"].iloc[0] and not frame["nonfinite_loss"].iloc[0]
+    assert frame["loss_scale"].iloc[1] == frame["loss_scale"].iloc[0] / 2  # backoff after the skip
+    if frame["skipped"].all():
+        assert all(torch.equal(w, p) for w, p in zip(weights, probe.model.parameters()))
+
+
+def test_custom_train_step_is_observed(training_file):
+    source = MLP_FILE + """
+import torch.nn.functional as F
+def train_step(model, batch, optimizer, scaler, autocast):
+    optimizer.zero_grad()
+    with autocast():
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss
+"""
+    frame = bench_for(training_file(source), steps=3).probe("amp").run()
+    assert frame["optimizer_stepped"].all() and (frame["grad_norm"] > 0).all()
+    assert (frame["loss_scale"] == 65536.0).all()
+
+
+def test_scheduler_steps_once_per_step():
+    frame = bench_for(SAMPLES / "transformer_encoder.py", steps=4).probe("fp32").run()
+    assert frame["lr"].tolist() == pytest.approx([5e-4 * min(1.0, (k + 1) / 10) for k in range(4)])
