@@ -32,6 +32,7 @@ from .batches import to_device
 from .config import DoctorConfig
 from .errors import DoctorError, TrainingFileError
 from .fp32_mode import full_precision
+from .instruments import InstrumentOptions, Instruments
 from .loop import canonical_step, default_loss
 from .overrides import LossInFp32, keep_modules_in_fp32, watch_clipping
 from .recording import OptimizerWatch, RecordingGradScaler, StepTrace, finish_trace
@@ -157,7 +158,8 @@ class Probe:
         self.records: list[StepRecord] = []
         self.failed: StepRecord | None = None
         self.step_hooks: list[Callable[["Probe", StepRecord], None]] = []
-        """Called after each step with its record (instruments attach here)."""
+        """Called after each step with its record."""
+        self.instruments: Instruments | None = None
         with self.mode_context():
             self.model = self._build_model()
             self.optimizer = self._build_optimizer()
@@ -249,17 +251,21 @@ class Probe:
         scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
         self.scaler.trace = trace = StepTrace(scale_used=scale)
         rng_before = self._rng_state() if self.align else None
+        if self.instruments is not None:
+            self.instruments.begin_step(self.iteration, scale)
         try:
             loss = self._run_step(batch)
         except DoctorError:
             raise
         except Exception as exc:  # noqa: BLE001 - a user's exception is evidence, not a crash
+            self._end_instruments(trace)
             record = self._exception_record(exc, batch_index, lr, scale, trace)
             self.failed = record
             self.records.append(record)
             return record
         loss_value = self._loss_value(loss)
         finish_trace(trace, self.optimizer)
+        self._end_instruments(trace)
         stepped = trace.optimizer_stepped and not trace.found_inf  # fused optimizers are called, then skip inside
         skipped = not stepped
         grad_norm = float(trace.grad_norm if trace.grad_norm is not None else float("nan"))
@@ -275,6 +281,16 @@ class Probe:
         for hook in self.step_hooks:
             hook(self, record)
         return record
+
+    def instrument(self, options: InstrumentOptions | None = None) -> Instruments:
+        """Attach the numerics instruments (see :mod:`.instruments`) to this probe's model and optimizer."""
+        if self.instruments is None:
+            self.instruments = Instruments(self.model, self.optimizer, options)
+        return self.instruments
+
+    def _end_instruments(self, trace: StepTrace) -> None:
+        if self.instruments is not None:
+            self.instruments.end_step(grads_unscaled=trace.unscaled or not trace.scaled)
 
     def _advance(self, skipped: bool) -> None:
         hold = skipped and (self.align or self.config.overrides.hold_scheduler_on_skip)
@@ -378,6 +394,8 @@ class Probe:
 
     def close(self) -> None:
         self._watch.close()
+        if self.instruments is not None:
+            self.instruments.detach()
 
 
 def run_probe(bench: Workbench, mode: str, steps: int | None = None, **options: Any) -> pd.DataFrame:

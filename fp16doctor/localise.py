@@ -1,0 +1,207 @@
+"""Localisation: which module and which operator first produced a non-finite value.
+
+Monitoring stays cheap (the instruments). When a probe meets its first
+non-finite step, that step is replayed (probes are deterministic: a fresh
+probe of the same mode is run to the step before, or restored from a
+snapshot) with a per-operator tracer on: a ``TorchDispatchMode`` that checks
+every aten op's inputs and outputs. The first op whose output is non-finite
+while all its floating inputs are finite is the culprit; it is attributed to
+the innermost module running at that moment (forward), to the module whose
+output gradient was last produced (backward), to the loss (forward ops outside
+the model) or to the optimizer.
+
+On CPU the emulated low-precision GEMM computes in fp32 and rounds the result
+to fp16; an overflow then shows up at the rounding cast. The tracer blames
+the op that produced the cast's input (e.g. ``aten::mm``), as a GPU would.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .probe import Probe, Workbench
+
+CASTS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_to_dtype"}
+OUTSIDE_MODEL = "<loss: outside the model>"
+
+
+@dataclass
+class Localisation:
+    """Where the first non-finite value came from."""
+
+    step: int
+    batch_index: int
+    phase: str
+    """forward | loss | backward | optimizer"""
+    module: str | None
+    operator: str
+    input_ranges: list[tuple[float, float]]
+    output: str
+    """What came out: "nan", "+inf", "-inf" or a mix, and its dtype."""
+    note: str = ""
+    mode: str = "amp"
+
+    def describe(self) -> str:
+        where = self.module or "?"
+        ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
+        return f"{self.operator} in {where} ({self.phase}) at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}" + (f"; {self.note}" if self.note else "")
+
+    def key(self) -> tuple:
+        return (self.step, self.phase, self.module, self.operator)
+
+
+def _floats(value: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            out.extend(_floats(v))
+    elif isinstance(value, dict):
+        for v in value.values():
+            out.extend(_floats(v))
+    return out
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return t.numel() == 0 or bool(torch.isfinite(t).all())
+
+
+def _range(t: torch.Tensor) -> tuple[float, float]:
+    if t.numel() == 0:
+        return (0.0, 0.0)
+    lo, hi = torch.aminmax(t.detach().double().reshape(-1))
+    return (float(lo), float(hi))
+
+
+def _describe_bad(t: torch.Tensor) -> str:
+    kinds = []
+    if torch.isnan(t).any():
+        kinds.append("nan")
+    if (t == math.inf).any():
+        kinds.append("+inf")
+    if (t == -math.inf).any():
+        kinds.append("-inf")
+    return "/".join(kinds) + f" ({str(t.dtype).replace('torch.', '')})"
+
+
+@dataclass
+class _Context:
+    stack: list[str] = field(default_factory=list)
+    backward_module: str | None = None
+    in_optimizer: bool = False
+
+
+class NonFiniteTracer(TorchDispatchMode):
+    """Checks every aten op; keeps the first one that turns finite inputs into non-finite outputs."""
+
+    def __init__(self, context: _Context):
+        super().__init__()
+        self.context = context
+        self.found: dict[str, Any] | None = None
+        self._producers: dict[int, tuple[weakref.ref, str, list[tuple[float, float]]]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.found is not None:
+            return out
+        name = func._schema.name if hasattr(func, "_schema") else str(func)
+        inputs = _floats(args) + _floats(kwargs)
+        outputs = _floats(out)
+        if not outputs:
+            return out
+        bad = next((t for t in outputs if not _finite(t)), None)
+        if bad is None:
+            if name not in CASTS:  # remember who produced each tensor, to see through rounding casts
+                ranges = [_range(t) for t in inputs]
+                for t in outputs:
+                    self._producers[id(t)] = (weakref.ref(t), name, ranges)
+            return out
+        if not all(_finite(t) for t in inputs):
+            return out
+        operator, ranges, note = name, [_range(t) for t in inputs], ""
+        if name in CASTS and inputs:
+            producer = self._producers.get(id(inputs[0]))
+            if producer is not None and producer[0]() is inputs[0]:
+                operator, ranges = producer[1], producer[2]
+                note = f"its result, max |x| = {max(abs(v) for v in _range(inputs[0])):.4g}, overflowed when rounded to {str(bad.dtype).replace('torch.', '')}"
+            else:
+                note = f"overflowed when cast to {str(bad.dtype).replace('torch.', '')}"
+        self.found = {"phase": self._phase(), "module": self._module(), "operator": operator,
+                      "input_ranges": ranges, "output": _describe_bad(bad), "note": note}
+        return out
+
+    def _phase(self) -> str:
+        if self.context.in_optimizer:
+            return "optimizer"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward" if self.context.stack else "loss"
+
+    def _module(self) -> str | None:
+        phase = self._phase()
+        if phase == "backward":
+            return self.context.backward_module
+        if phase == "optimizer":
+            return None
+        return self.context.stack[-1] if self.context.stack else OUTSIDE_MODEL
+
+
+def trace_step(probe: Probe) -> Localisation | None:
+    """Take ``probe``'s next step with the tracer on; the first non-finite op, or None."""
+    context = _Context()
+    names = {m: n or "<root>" for n, m in probe.model.named_modules()}
+
+    def push(module: torch.nn.Module, args: Any) -> None:
+        context.stack.append(names[module])
+
+    def pop(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if context.stack:
+            context.stack.pop()
+        for t in _floats(output):
+            if t.requires_grad:
+                t.register_hook(lambda g, n=names[module]: setattr(context, "backward_module", n))
+
+    def optimizer_on(*_: Any) -> None:
+        context.in_optimizer = True
+
+    def optimizer_off(*_: Any) -> None:
+        context.in_optimizer = False
+
+    handles = []
+    for module in probe.model.modules():
+        handles.append(module.register_forward_pre_hook(push))
+        handles.append(module.register_forward_hook(pop))
+    handles.append(probe.optimizer.register_step_pre_hook(optimizer_on))
+    handles.append(probe.optimizer.register_step_post_hook(optimizer_off))
+    tracer = NonFiniteTracer(context)
+    step, batch_index = probe.iteration, probe.cursor % len(probe.bench.batches)
+    try:
+        with probe.mode_context(), tracer:
+            probe.step()
+    finally:
+        for h in handles:
+            h.remove()
+    if tracer.found is None:
+        return None
+    return Localisation(step=step, batch_index=batch_index, mode=probe.mode, **tracer.found)
+
+
+def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: bool = False) -> Localisation | None:
+    """Replay ``mode`` deterministically up to ``step`` and trace that step."""
+    probe = bench.probe(mode, config, align_on_taken_steps=align)
+    try:
+        with probe.mode_context():
+            while probe.iteration < step and probe.failed is None:
+                probe.step()
+        return trace_step(probe)
+    finally:
+        probe.close()

@@ -1,0 +1,274 @@
+"""Numerics instruments on small purpose-built trainings: each statistic is right."""
+
+import math
+
+import pytest
+import torch
+
+from fp16doctor.config import build_config
+from fp16doctor.instruments import InstrumentOptions, Instruments, magnitude_histogram, precision_map, tensor_vector
+from fp16doctor.localise import OUTSIDE_MODEL, localise
+from fp16doctor.numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
+from fp16doctor.probe import Workbench
+from fp16doctor.spec import load_training_file
+
+EXACT = InstrumentOptions(sample=0)
+
+
+def bench_for(training_file, source, **config):
+    spec = load_training_file(training_file(source))
+    return Workbench(spec, build_config(spec.config, {"device": "cpu", "steps": 2, **config}))
+
+
+def instrumented_run(bench, mode="amp", steps=1, options=EXACT):
+    probe = bench.probe(mode)
+    instruments = probe.instrument(options)
+    frame = probe.run(steps)
+    return probe, instruments, frame
+
+
+OVERFLOW = """
+import torch
+from torch import nn
+
+class Amplify(nn.Module):                      # a projection with huge weights: 64 * 40 * 40 = 102400
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 8, bias=False)
+    def forward(self, x):
+        return self.proj(x)
+
+def model():
+    net = nn.Sequential(nn.Identity(), Amplify(), nn.ReLU())
+    with torch.no_grad():
+        net[1].proj.weight.fill_(40.0)
+    return net
+
+def data():
+    return [(torch.full((4, 64), 40.0), torch.zeros(4, dtype=torch.long))]
+"""
+
+
+def test_overflowing_layer_is_measured_and_localised(training_file):
+    bench = bench_for(training_file, OVERFLOW)
+    _, instruments, _ = instrumented_run(bench)
+    forward = instruments.frames()["forward"].set_index("module")
+    assert forward.loc["1.proj", "posinf"] == 32 and forward.loc["1.proj", "nan"] == 0
+    assert forward.loc["1.proj", "over_fp16_max"] == 1.0 and forward.loc["1.proj", "inputs_finite"]
+    assert forward.loc["0", "posinf"] == 0 and forward.loc["0", "abs_max"] == 40.0
+    first = instruments.first_nonfinite_forward()
+    assert first["module"] == "1.proj"  # the innermost culprit, not its parent "1"
+    loc = localise(bench, "amp", 0)
+    assert (loc.module, loc.phase) == ("1.proj", "forward")
+    assert loc.operator in ("aten::mm", "aten::matmul", "aten::linear")
+    assert loc.input_ranges[0] == (40.0, 40.0) and "+inf" in loc.output and "float16" in loc.note
+    # the same training in fp32 stays finite
+    _, fp32_instruments, _ = instrumented_run(bench, "fp32")
+    assert fp32_instruments.first_nonfinite_forward() is None
+    assert fp32_instruments.frames()["forward"].set_index("module").loc["1.proj", "abs_max"] == 102400.0
+
+
+UNDERFLOW = """
+import torch
+from torch import nn
+
+def model():                                   # 12 sigmoid layers: sigmoid' <= 1/4 shrinks gradients layer by layer
+    layers = []
+    for _ in range(12):
+        layer = nn.Linear(32, 32, bias=False)
+        nn.init.normal_(layer.weight, std=32 ** -0.5)
+        layers += [layer, nn.Sigmoid()]
+    return nn.Sequential(*layers)
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 32, generator=g), torch.randint(0, 32, (16,), generator=g))]
+
+CONFIG = {"scaler": {"enabled": False}}
+"""
+
+
+def test_underflowing_deep_stack_predicted_and_observed(training_file):
+    bench = bench_for(training_file, UNDERFLOW)
+    capture = capture_gradients(bench.probe("fp32"))
+    predicted = predicted_underflow(capture, scale=1.0).set_index(["kind", "name"])
+    first, last = predicted.loc[("param", "0.weight"), "predicted_underflow"], predicted.loc[("param", "22.weight"), "predicted_underflow"]
+    assert first > 0.5 and last == 0.0  # early layers flush to zero without loss scaling
+    assert predicted_underflow(capture, scale=2.0**24).loc[:, "predicted_underflow"].max() < 0.01
+    observed = observed_underflow(bench).set_index(["kind", "name"])
+    assert observed.loc[("param", "0.weight"), "observed_underflow"] > 0.5
+    assert observed.loc[("param", "22.weight"), "observed_underflow"] == 0.0
+    window = scale_window(capture)
+    assert window.feasible and window.low > 1.0  # scaling is needed
+    per = window.per_tensor.set_index(["kind", "name"])
+    assert per.loc[("param", "0.weight"), "min_scale"] > per.loc[("param", "22.weight"), "min_scale"]
+    s = window.recommended()
+    assert window.low <= s <= window.high and math.log2(s).is_integer()
+    # at the recommended scale, at most 0.1% of any tensor's non-zero gradients flush to zero
+    assert predicted_underflow(capture, s)["predicted_underflow"].max() <= 1e-3 + 1e-9
+
+
+def test_activation_gradients_are_recorded_scaled(training_file):
+    bench = bench_for(training_file, UNDERFLOW, scaler={"enabled": True, "init_scale": 1024.0})
+    _, instruments, _ = instrumented_run(bench)
+    grads = instruments.frames()["activation_grads"]
+    assert set(grads["loss_scale"]) == {1024.0} and set(grads["dtype"]) == {"float16"}
+    deepest = grads.set_index("module").loc["0"]
+    assert deepest["zero_share"] > 0.1  # fp16 flushed part of the first layer's grad_output
+    assert grads.set_index("module").loc["22", "zero_share"] == 0.0  # the last layer's are intact
+
+
+HALF_BATCHNORM = """
+import torch
+from torch import nn
+
+def model():
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 2))
+    net[1].half()                                 # "saves memory": the norm layer stored in fp16
+    return net
+
+def data():
+    return [(torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))]
+
+def loss(model, batch):
+    x, y = batch
+    h = model[0](x)
+    h = model[1](h.half())
+    return torch.nn.functional.cross_entropy(model[4](model[3](model[2](h)).float()), y)
+"""
+
+
+def test_precision_map_shows_a_half_batchnorm(training_file):
+    bench = bench_for(training_file, HALF_BATCHNORM, scaler={"enabled": False})
+    probe, instruments, frame = instrumented_run(bench)
+    table = precision_map(probe.model, probe.optimizer, instruments.compute_dtypes).set_index("module")
+    assert table.loc["1", "param_dtypes"] == "float16" and "float16" in table.loc["1", "buffer_dtypes"]
+    assert table.loc["1", "compute_dtype"] == "float16"
+    assert table.loc["0", "param_dtypes"] == "float32" and table.loc["0", "compute_dtype"] == "float16"
+    assert table.loc["1", "optimizer_state_dtypes"] == "float16"  # AdamW keeps state in the parameter's dtype
+    assert table.loc["4", "optimizer_state_dtypes"] == "float32"
+
+
+HALF_LOSS = """
+import torch
+from torch import nn
+
+def model():
+    return nn.Linear(16, 4)
+
+def data():
+    return [(torch.randn(8, 16), torch.randint(0, 4, (8,)))]
+
+def loss(model, batch):
+    x, y = batch
+    logits = model(x)
+    return (logits.half() - nn.functional.one_hot(y, 4).half()).pow(2).mean().half()
+"""
+
+
+def test_loss_dtype_is_recorded(training_file):
+    bench = bench_for(training_file, HALF_LOSS)
+    probe = bench.probe("amp")
+    record = probe.run(1)
+    assert probe.records[0].trace.loss_dtype == "float16"
+    fp32 = bench.probe("fp32")
+    fp32.run(1)
+    assert fp32.records[0].trace.loss_dtype == "float32"  # the baseline neutralises the half casts
+
+
+LOST_UPDATES = """
+import torch
+from torch import nn
+
+def model():
+    net = nn.Linear(64, 64)
+    with torch.no_grad():
+        net.weight.fill_(1.0)                   # weights near 1.0: fp16 spacing 2^-10
+    return net.half()
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(32, 64, generator=g), torch.randint(0, 64, (32,), generator=g))]
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=1e-4)   # lr * grad far below half a spacing at 1.0
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x.half()).float(), y)
+
+CONFIG = {"scaler": {"enabled": False}}
+"""
+
+
+def test_lost_updates_in_fp16_parameters(training_file):
+    bench = bench_for(training_file, LOST_UPDATES)
+    _, instruments, frame = instrumented_run(bench)
+    assert frame["optimizer_stepped"].all()
+    updates = instruments.frames()["updates"].set_index("param")
+    assert updates.loc["weight", "lost_update_share"] > 0.9 and updates.loc["weight", "dtype"] == "float16"
+    _, fp32_instruments, _ = instrumented_run(bench, "fp32")
+    fp32_updates = fp32_instruments.frames()["updates"].set_index("param")
+    assert fp32_updates.loc["weight", "lost_update_share"] < updates.loc["weight", "lost_update_share"] / 5
+    assert 0 < fp32_updates.loc["weight", "update_to_weight"] < 1e-3
+
+
+def test_param_gradient_statistics_match_direct_computation(training_file):
+    from conftest import MLP_FILE
+
+    bench = bench_for(training_file, MLP_FILE)
+    probe, instruments, _ = instrumented_run(bench, "fp32")
+    rows = instruments.frames()["param_grads"].set_index("param")
+    for name, param in probe.model.named_parameters():
+        assert rows.loc[name, "grad_norm"] == pytest.approx(float(param.grad.norm()), rel=1e-5)
+        assert rows.loc[name, "zero_share"] == pytest.approx(float((param.grad == 0).double().mean()))
+
+
+def test_localisation_of_a_loss_outside_the_model():
+    from conftest import SAMPLES
+
+    spec = load_training_file(SAMPLES / "loss_in_half.py")
+    bench = Workbench(spec, build_config(spec.config, {"device": "cpu", "steps": 2}))
+    loc = localise(bench, "amp", 0)
+    assert (loc.phase, loc.module, loc.operator) == ("loss", OUTSIDE_MODEL, "aten::exp")
+    assert loc.input_ranges[0][1] > math.log(65504)  # exp of more than ln(65504) = 11.09
+    assert localise(bench, "fp32", 0) is None
+
+
+def test_histogram_buckets_and_sampling():
+    x = torch.tensor([0.0, 2.0**-30, -(2.0**-20), 1.0, -70000.0, 3.0])
+    assert magnitude_histogram(x, 0).tolist() == [1, 1, 1, 2, 1]
+    big = torch.randn(1_000_000)
+    exact = magnitude_histogram(big, 0).double() / big.numel()
+    sampled = magnitude_histogram(big, 65536).double()
+    assert 60000 <= sampled.sum() <= 65536
+    sampled /= sampled.sum()
+    assert torch.allclose(exact, sampled, atol=0.01)
+
+
+def test_one_host_transfer_per_step(training_file, monkeypatch):
+    from conftest import MLP_FILE
+
+    bench = bench_for(training_file, MLP_FILE)
+    probe = bench.probe("amp")
+    instruments = probe.instrument()
+    transfers = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: transfers.append(self.shape) or original(self))
+    probe.run(2)
+    assert len(transfers) == 2  # one stacked transfer per step, healthy steps need no second one
+    assert len(instruments.forward_rows) > 0 and len(instruments.param_rows) > 0
+
+
+def test_sampling_interval(training_file):
+    from conftest import MLP_FILE
+
+    bench = bench_for(training_file, MLP_FILE, steps=4)
+    _, instruments, _ = instrumented_run(bench, "amp", steps=4, options=InstrumentOptions(every=2))
+    assert sorted(set(instruments.frames()["forward"]["step"])) == [0, 2]
+
+
+def test_tensor_vector_layout():
+    v = tensor_vector([torch.tensor([0.0, 1.0, -2.0, 1e5])], [torch.tensor([3.0, -4.0])], 0).tolist()
+    assert v[:5] == [-4.0, 3.0, -2.0, 1e5, 4.0]
+    assert v[5:] == [1.0, 0.0, 0.0, 2.0, 1.0]
