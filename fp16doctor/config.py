@@ -54,10 +54,11 @@ class OverridesConfig:
     """
 
     fp32_modules: list[str] = field(default_factory=list, metadata=_doc("Module paths (as in named_modules()) run with autocast off, in fp32."))
-    fp32_weights: bool = field(default=False, metadata=_doc("Keep parameters, buffers and optimizer state in fp32 even if the training file casts the model to half."))
+    fp32_weights: bool = field(default=False, metadata=_doc("fp32 master weights: parameters, buffers and optimizer state stay fp32 (the file's half casts are neutralised) and the forward runs under autocast."))
     loss_in_fp32: bool = field(default=False, metadata=_doc("Compute the loss function in fp32: autocast off and half casts neutralised inside loss()."))
     hold_scheduler_on_skip: bool = field(default=False, metadata=_doc("Do not step the LR scheduler on steps the GradScaler skipped."))
     unscale_before_clip: bool = field(default=False, metadata=_doc("Unscale gradients before any clip_grad_norm_/clip_grad_value_ call in the training step."))
+    max_lr: float | None = field(default=None, metadata=_doc("Cap every parameter group's learning rate at this value after each scheduler step (lowers a schedule's peak)."))
 
 
 @dataclass
@@ -80,6 +81,8 @@ class DoctorConfig:
         _require(self.lr > 0 and math.isfinite(self.lr), "lr", "a finite number > 0")
         if self.max_grad_norm is not None:
             _require(self.max_grad_norm > 0, "max_grad_norm", "a number > 0 or null")
+        if self.overrides.max_lr is not None:
+            _require(self.overrides.max_lr > 0, "overrides.max_lr", "a number > 0 or null")
         self.scaler.validate()
 
     def to_dict(self) -> dict[str, Any]:

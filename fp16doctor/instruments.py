@@ -119,7 +119,7 @@ class _Pending:
     rows: list[tuple[str, str, int, str]] = field(default_factory=list)  # (kind, name, order, dtype)
     vectors: list[torch.Tensor] = field(default_factory=list)
     tensors: list[list[torch.Tensor]] = field(default_factory=list)  # kept for exact counts on bad steps
-    seen: set[int] = field(default_factory=set)  # ids of outputs already measured (a container returns its child's)
+    seen: dict[int, int] = field(default_factory=dict)  # output id -> index of its vector (a container returns its child's)
 
 
 class Instruments:
@@ -193,16 +193,22 @@ class Instruments:
         if not self._active:
             return
         name = self.names.get(module, type(module).__name__)
-        outputs = [t for t in _floating_leaves(output) if id(t) not in self._pending.seen]
-        if not outputs:
+        leaves = _floating_leaves(output)
+        if not leaves:
             return
-        self._pending.seen.update(id(t) for t in outputs)
         order = self._order
         self._order += 1
-        dtype = str(outputs[0].dtype).replace("torch.", "")
+        dtype = str(leaves[0].dtype).replace("torch.", "")
         self.compute_dtypes[name] = dtype
+        outputs = [t for t in leaves if id(t) not in self._pending.seen]
+        if not outputs:  # a container handing on its child's output: reuse the child's numbers
+            if self.options.forward:
+                self._queue_alias(name, order, dtype, leaves[0], _floating_leaves(args))
+            return
         if self.options.forward:
             self._queue("forward", name, order, dtype, outputs, _floating_leaves(args))
+            for t in outputs:
+                self._pending.seen[id(t)] = len(self._pending.vectors) - 1
         if self.options.activation_grads:
             for t in outputs:
                 if t.requires_grad:
@@ -213,6 +219,13 @@ class Instruments:
             if self._active and grad is not None:
                 self._queue("activation_grad", name, order, str(grad.dtype).replace("torch.", ""), [grad], [])
         return hook
+
+    def _queue_alias(self, name: str, order: int, dtype: str, output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+        source = self._pending.vectors[self._pending.seen[id(output)]]
+        own_inputs = tensor_vector([output], inputs, 1)[:OUT_MIN] if inputs else source[:OUT_MIN]
+        self._pending.rows.append(("forward", name, order, dtype))
+        self._pending.vectors.append(torch.cat([own_inputs, source[OUT_MIN:]]))
+        self._pending.tensors.append(self._pending.tensors[self._pending.seen[id(output)]])
 
     def _queue(self, kind: str, name: str, order: int, dtype: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
         self._pending.rows.append((kind, name, order, dtype))

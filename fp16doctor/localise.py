@@ -28,6 +28,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .probe import Probe, Workbench
 
 CASTS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_to_dtype"}
+RESHAPES = {"aten::_unsafe_view", "aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::permute",
+            "aten::expand", "aten::squeeze", "aten::unsqueeze", "aten::alias", "aten::contiguous", "aten::clone"}
+"""Ops that move values without computing: they pass their input's producer on."""
+UNINITIALISED = {"aten::empty_like", "aten::empty", "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided"}
+"""Ops whose output is uninitialised memory (garbage may be NaN): never a culprit."""
 OUTSIDE_MODEL = "<loss: outside the model>"
 
 
@@ -81,6 +86,12 @@ def _range(t: torch.Tensor) -> tuple[float, float]:
     return (float(lo), float(hi))
 
 
+def _asks_for_nonfinite(args: tuple, kwargs: dict) -> bool:
+    """A non-finite scalar argument: the op writes inf/NaN because it was told to (attention masks)."""
+    scalars = [a for a in list(args) + list(kwargs.values()) if isinstance(a, float)]
+    return any(not math.isfinite(a) for a in scalars)
+
+
 def _describe_bad(t: torch.Tensor) -> str:
     kinds = []
     if torch.isnan(t).any():
@@ -120,13 +131,10 @@ class NonFiniteTracer(TorchDispatchMode):
             return out
         bad = next((t for t in outputs if not _finite(t)), None)
         if bad is None:
-            if name not in CASTS:  # remember who produced each tensor, to see through rounding casts
-                ranges = [_range(t) for t in inputs]
-                for t in outputs:
-                    self._producers[id(t)] = (weakref.ref(t), name, ranges)
+            self._remember(func, name, inputs, outputs)
             return out
-        if not all(_finite(t) for t in inputs):
-            return out
+        if name in UNINITIALISED or not inputs or not all(_finite(t) for t in inputs) or _asks_for_nonfinite(args, kwargs):
+            return out  # factories (uninitialised memory), or an infinity on purpose: masked_fill(mask, -inf)
         operator, ranges, note = name, [_range(t) for t in inputs], ""
         if name in CASTS and inputs:
             producer = self._producers.get(id(inputs[0]))
@@ -139,6 +147,20 @@ class NonFiniteTracer(TorchDispatchMode):
                       "input_ranges": ranges, "output": _describe_bad(bad), "note": note}
         return out
 
+    def _remember(self, func: Any, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        """Who produced each tensor, to see through rounding casts; views pass their input's producer on."""
+        if name in CASTS:
+            return
+        if (getattr(func, "is_view", False) or name in RESHAPES) and inputs:
+            known = self._producers.get(id(inputs[0]))
+            if known is not None and known[0]() is inputs[0]:
+                for t in outputs:
+                    self._producers[id(t)] = (weakref.ref(t), known[1], known[2])
+            return
+        ranges = [_range(t) for t in inputs]
+        for t in outputs:
+            self._producers[id(t)] = (weakref.ref(t), name, ranges)
+
     def _phase(self) -> str:
         if self.context.in_optimizer:
             return "optimizer"
@@ -149,7 +171,7 @@ class NonFiniteTracer(TorchDispatchMode):
     def _module(self) -> str | None:
         phase = self._phase()
         if phase == "backward":
-            return self.context.backward_module
+            return self.context.backward_module or OUTSIDE_MODEL  # no module output reached yet: the loss's backward
         if phase == "optimizer":
             return None
         return self.context.stack[-1] if self.context.stack else OUTSIDE_MODEL

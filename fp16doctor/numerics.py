@@ -104,10 +104,11 @@ class ScaleWindow:
     def recommended(self) -> float:
         """A power of two inside the window, 8x below the top for headroom (gradients grow in training)."""
         if not self.feasible:
-            return float(2 ** round(math.log2(max(self.high, 1.0))))
+            return float(max(2 ** round(math.log2(max(self.high, 1.0))), 1))
         top = 2 ** math.floor(math.log2(self.high))
         candidate = top / 8
-        return float(max(candidate, 2 ** math.ceil(math.log2(self.low)))) if candidate >= self.low else float(top)
+        chosen = max(candidate, 2 ** math.ceil(math.log2(self.low))) if candidate >= self.low else top
+        return float(max(chosen, 1))  # GradScaler never needs to shrink the loss
 
 
 def scale_window(capture: GradientCapture, keep: float = KEEP) -> ScaleWindow:

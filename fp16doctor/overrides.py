@@ -50,6 +50,18 @@ def keep_modules_in_fp32(model: torch.nn.Module, paths: list[str], device_type: 
         module.forward = fp32_forward  # instance attribute: Module.__call__ picks it up
 
 
+def autocast_forward(model: torch.nn.Module, autocast: Callable[[], Any]) -> None:
+    """Run the model's forward under the probe's autocast (for loops that cast the model to half instead)."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def forward_under_autocast(*args: Any, **kwargs: Any) -> Any:
+        with autocast():
+            return forward(*args, **kwargs)
+
+    model.forward = forward_under_autocast
+
+
 class LossInFp32(NeutraliseHalfCasts):
     """Outside the model's forward: half casts neutralised and autocast off, so the loss runs in fp32.
 

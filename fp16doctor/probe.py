@@ -21,6 +21,7 @@ import copy
 import math
 import random
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -31,14 +32,18 @@ from .autocast_policy import autocast_factory, cuda_policy_on_cpu
 from .batches import to_device
 from .config import DoctorConfig
 from .errors import DoctorError, TrainingFileError
-from .fp32_mode import full_precision
+from .fp32_mode import NeutraliseHalfCasts, full_precision
 from .instruments import InstrumentOptions, Instruments
 from .loop import canonical_step, default_loss
-from .overrides import LossInFp32, keep_modules_in_fp32, watch_clipping
+from .overrides import LossInFp32, autocast_forward, keep_modules_in_fp32, watch_clipping
 from .recording import OptimizerWatch, RecordingGradScaler, StepTrace, finish_trace
 from .spec import TrainingSpec, build_model, draw_batches, user_frame
 
 MODES = ("fp32", "amp", "bf16")
+SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
+"""PyTorch's warning when the scheduler steps after a skipped optimizer step: the doctor reports that itself."""
+DEFAULT_INSTRUMENTS = InstrumentOptions()
+"""Every probe carries the numerics instruments (about 4% of a step, benchmarks/overhead.py)."""
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 RECORD_COLUMNS = [
@@ -139,13 +144,17 @@ class Workbench:
         return {k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone() for k, v in model.state_dict().items()}
 
     def probe(self, mode: str, config: DoctorConfig | None = None, **options: Any) -> "Probe":
+        """A fresh probe of ``mode`` (instruments attached unless ``instruments=None``)."""
         return Probe(self, mode, config or self.config, **options)
 
 
 class Probe:
     """Live training objects for one mode; ``run`` steps them and returns the record."""
 
-    def __init__(self, bench: Workbench, mode: str, config: DoctorConfig, align_on_taken_steps: bool = False):
+    def __init__(
+        self, bench: Workbench, mode: str, config: DoctorConfig, align_on_taken_steps: bool = False,
+        instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS,
+    ):
         self.bench = bench
         self.spec = bench.spec
         self.config = config
@@ -160,7 +169,7 @@ class Probe:
         self.step_hooks: list[Callable[["Probe", StepRecord], None]] = []
         """Called after each step with its record."""
         self.instruments: Instruments | None = None
-        with self.mode_context():
+        with self.mode_context(), (NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext()):
             self.model = self._build_model()
             self.optimizer = self._build_optimizer()
             self.scheduler = self._call_user("scheduler", self.spec.scheduler, self.optimizer) if self.spec.scheduler else None
@@ -170,11 +179,19 @@ class Probe:
             backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval, enabled=self.settings.scaler_enabled,
         )
         self._watch = OptimizerWatch(self.optimizer, self.scaler)
-        self._loss_mode: LossInFp32 | None = None
-        if config.overrides.loss_in_fp32 and self.mode != "fp32":
-            self._loss_mode = LossInFp32(self.device.type)
-            self._loss_mode.attach(self.model)
         self.autocast = autocast_factory(self.device.type, self.settings.low_dtype)
+        self._step_modes: list[Any] = []
+        """Torch-function modes active during every step (runtime fixes)."""
+        if config.overrides.loss_in_fp32 and self.mode != "fp32":
+            loss_mode = LossInFp32(self.device.type)
+            loss_mode.attach(self.model)
+            self._step_modes.append(loss_mode)
+        if config.overrides.fp32_weights and self.mode != "fp32":
+            # fp32 master weights: the file's half casts become fp32, the forward runs under autocast.
+            self._step_modes.append(NeutraliseHalfCasts())
+            autocast_forward(self.model, self.autocast)
+        if instruments is not None:
+            self.instrument(instruments)
         seed_everything(config.seed)  # dropout and friends draw the same numbers in every mode
 
     # --- construction -------------------------------------------------------------------------
@@ -237,8 +254,8 @@ class Probe:
     def _run_step(self, batch: Any) -> Any:
         with contextlib.ExitStack() as stack:
             stack.enter_context(watch_clipping(self.scaler, self.optimizer, self.spec.module, self.config.overrides.unscale_before_clip))
-            if self._loss_mode is not None:
-                stack.enter_context(self._loss_mode)
+            for mode in self._step_modes:
+                stack.enter_context(mode)
             if self.spec.train_step is not None:
                 return self.spec.train_step(self.model, batch, self.optimizer, self.scaler, self.autocast)
             return canonical_step(self.model, batch, self.optimizer, self.scaler, self.autocast, self._loss_fn(), self.config.max_grad_norm)
@@ -284,6 +301,9 @@ class Probe:
 
     def instrument(self, options: InstrumentOptions | None = None) -> Instruments:
         """Attach the numerics instruments (see :mod:`.instruments`) to this probe's model and optimizer."""
+        if self.instruments is not None and options is not None and options != self.instruments.options:
+            self.instruments.detach()
+            self.instruments = None
         if self.instruments is None:
             self.instruments = Instruments(self.model, self.optimizer, options)
         return self.instruments
@@ -295,7 +315,13 @@ class Probe:
     def _advance(self, skipped: bool) -> None:
         hold = skipped and (self.align or self.config.overrides.hold_scheduler_on_skip)
         if self.scheduler is not None and not hold:
-            self.scheduler.step()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)
+                self.scheduler.step()
+        cap = self.config.overrides.max_lr
+        if cap is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = min(group["lr"], cap)
         if not (skipped and self.align):
             self.cursor += 1
         self.iteration += 1

@@ -1,0 +1,177 @@
+"""The diagnosis as data: evidence in, findings out. Rendering lives elsewhere."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from ..config import DoctorConfig
+from ..datascan import FieldScan
+from ..localise import Localisation
+
+SEVERITIES = ("error", "warning", "info")
+
+
+@dataclass
+class Fix:
+    """What to change: a sentence, a code snippet for the permanent edit, and a config patch to try it now."""
+
+    summary: str
+    code: str = ""
+    config_patch: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"summary": self.summary, "code": self.code, "config_patch": self.config_patch}
+
+
+@dataclass
+class Finding:
+    """One cause, with the measurements that point at it."""
+
+    cause: str
+    severity: str
+    title: str
+    evidence: dict[str, Any]
+    fix: Fix
+    confidence: float = 1.0
+    """0..1: how directly the evidence shows the cause (ranking within the same severity and causal order)."""
+    order: int = 0
+    """Causal order of the cause (data before model before precision settings); set by the rule."""
+    rank: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "cause": self.cause, "severity": self.severity, "title": self.title,
+            "evidence": jsonable(self.evidence), "fix": self.fix.to_json(), "confidence": round(self.confidence, 3),
+        }
+
+
+@dataclass
+class StageReport:
+    """One triage stage: ran or skipped (and why), and what it found in a sentence."""
+
+    name: str
+    status: str
+    summary: str
+    seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "summary": self.summary,
+                "seconds": round(self.seconds, 2), "details": jsonable(self.details)}
+
+
+@dataclass
+class ProbeSummary:
+    """A probe's record with the instruments' tables and what the step traces observed."""
+
+    mode: str
+    records: pd.DataFrame
+    tables: dict[str, pd.DataFrame]
+    precision: pd.DataFrame
+    clip_calls: list[dict[str, Any]]
+    loss_dtypes: list[str]
+    first_nonfinite_forward: dict[str, Any] | None
+    scaler_enabled: bool
+
+    @property
+    def exception(self) -> dict[str, Any] | None:
+        bad = self.records[self.records["exception_type"].notna()]
+        if bad.empty:
+            return None
+        row = bad.iloc[0]
+        return {"step": int(row["step"]), "type": row["exception_type"], "message": row["exception"], "location": row["exception_location"]}
+
+    def first_step(self, column: str) -> int | None:
+        hits = self.records.index[self.records[column].astype(bool)]
+        return int(self.records.loc[hits[0], "step"]) if len(hits) else None
+
+    @property
+    def first_nonfinite_loss(self) -> int | None:
+        return self.first_step("nonfinite_loss")
+
+    @property
+    def first_nonfinite_grads(self) -> int | None:
+        return self.first_step("nonfinite_grads")
+
+    @property
+    def finite(self) -> bool:
+        return self.first_nonfinite_loss is None and self.first_nonfinite_grads is None and self.exception is None
+
+    @property
+    def skip_steps(self) -> list[int]:
+        return [int(s) for s in self.records.loc[self.records["skipped"].astype(bool), "step"]]
+
+
+@dataclass
+class Evidence:
+    """Everything the stages measured; rules read it, nothing else."""
+
+    config: DoctorConfig
+    device: str
+    steps: int
+    has_scheduler: bool
+    has_train_step: bool
+    data: list[FieldScan] = field(default_factory=list)
+    fp32: ProbeSummary | None = None
+    amp: ProbeSummary | None = None
+    bf16: ProbeSummary | None = None
+    localisation: Localisation | None = None
+    localisation_deterministic: bool | None = None
+    fp32_localisation: Localisation | None = None
+    window: Any = None
+    predicted_underflow: pd.DataFrame | None = None
+    observed_underflow: pd.DataFrame | None = None
+    sweep: pd.DataFrame | None = None
+    recommended_scaler: dict[str, Any] | None = None
+    lr_peak: dict[str, Any] | None = None
+    gap: dict[str, Any] | None = None
+    bf16_supported: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Diagnosis:
+    """The ranked findings, the stages, and the evidence behind them."""
+
+    findings: list[Finding]
+    stages: list[StageReport]
+    evidence: Evidence
+
+    @property
+    def healthy(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    @property
+    def verdict(self) -> str:
+        return "healthy" if self.healthy else "unhealthy"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "verdict": self.verdict,
+            "findings": [f.to_json() for f in self.findings],
+            "stages": [s.to_json() for s in self.stages],
+        }
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON types only; non-finite floats become strings ("inf", "nan") in evidence."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if hasattr(value, "item") and not isinstance(value, (int, float)):
+        try:
+            value = value.item()
+        except (ValueError, AttributeError):
+            return str(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
+    return str(value)

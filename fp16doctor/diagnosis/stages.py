@@ -1,0 +1,480 @@
+"""The triage stages. Each measures, fills :class:`Evidence`, and reports what it found.
+
+The order is the expert's: data, FP32 baseline, AMP as configured,
+localisation of the first bad step, the loss-scale sweep, the pause at the LR
+schedule's peak, the precision-gap search. A stage that cannot add anything is
+skipped with the reason; the FP32 and AMP probes always run.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pandas as pd
+import torch
+
+from ..compare import compare
+from ..config import DoctorConfig, build_config, merge
+from ..datascan import scan_batches
+from ..instruments import precision_map
+from ..localise import localise
+from ..numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
+from ..probe import SCHEDULER_ORDER_WARNING, Probe, Workbench, seed_everything
+from .model import Evidence, ProbeSummary, StageReport
+
+UNDERFLOW_ALARM = 0.05
+"""Underflow rate over 5% calls for a higher scale (mixed-precision-notes.md, rules of thumb)."""
+GAP_TOLERANCE = 1e-3
+"""Same-state loss deviation under 0.1% is healthy; over 1% needs a look (mixed-precision-notes.md)."""
+GAP_ERROR = 1e-2
+BF16_FACTOR = 8.0
+
+
+@dataclass
+class StageContext:
+    """What every stage gets: the workbench, the config, the evidence so far, and the run options."""
+
+    bench: Workbench
+    config: DoctorConfig
+    evidence: Evidence
+    ci: bool = False
+    states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """FP32 trajectory weights by step, shared by the stages that evaluate the same states."""
+    loss_floor: float = 0.0
+    """The denominator floor of same-state loss deviations (10% of the initial fp32 loss)."""
+
+    def with_config(self, patch: dict[str, Any]) -> DoctorConfig:
+        return build_config(merge(self.config.to_dict(), patch))
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+
+def summarise(probe: Probe) -> ProbeSummary:
+    """Turn a finished probe into the summary the rules read."""
+    tables = probe.instruments.frames() if probe.instruments is not None else {}
+    clip_calls = [dict(c, step=r.step) for r in probe.records if r.trace for c in r.trace.clip_calls]
+    loss_dtypes = sorted({r.trace.loss_dtype for r in probe.records if r.trace and r.trace.loss_dtype})
+    return ProbeSummary(
+        mode=probe.mode, records=probe.frame(), tables=tables,
+        precision=precision_map(probe.model, probe.optimizer, probe.instruments.compute_dtypes if probe.instruments else None),
+        clip_calls=clip_calls, loss_dtypes=loss_dtypes,
+        first_nonfinite_forward=probe.instruments.first_nonfinite_forward() if probe.instruments else None,
+        scaler_enabled=probe.scaler.is_enabled(),
+    )
+
+
+def run_mode(ctx: StageContext, mode: str, config: DoctorConfig | None = None, steps: int | None = None) -> ProbeSummary:
+    probe = ctx.bench.probe(mode, config or ctx.config)
+    try:
+        probe.run(steps or ctx.evidence.steps)
+        return summarise(probe)
+    finally:
+        probe.close()
+
+
+def fp32_state_at(ctx: StageContext, step: int) -> dict[str, torch.Tensor]:
+    """The FP32 trajectory's weights at ``step`` (cached: several stages evaluate the same states)."""
+    cache = ctx.states
+    if step not in cache:
+        reference = ctx.bench.probe("fp32", ctx.config, instruments=None)
+        try:
+            with reference.mode_context():
+                while reference.iteration < step:
+                    reference.step()
+            cache[step] = copy.deepcopy(reference.model.state_dict())
+        finally:
+            reference.close()
+    return cache[step]
+
+
+def probe_at(ctx: StageContext, mode: str, config: DoctorConfig, step: int) -> Probe:
+    """A probe of ``mode`` holding the FP32 trajectory's weights at ``step``, about to take that step."""
+    probe = ctx.bench.probe(mode, config, instruments=None)
+    probe.model.load_state_dict(fp32_state_at(ctx, step))
+    probe.iteration = probe.cursor = step
+    seed_everything(ctx.config.seed + step)  # the same dropout masks in every mode
+    return probe
+
+
+def same_state_losses(ctx: StageContext, step: int, configs: dict[str, tuple[str, DoctorConfig]]) -> dict[str, float]:
+    """Loss of each (mode, config) on the FP32 trajectory's state at ``step``: same weights, same batch."""
+    losses = {}
+    for key, (mode, config) in configs.items():
+        probe = probe_at(ctx, mode, config, step)
+        try:
+            with probe.mode_context():
+                losses[key] = probe.step().loss
+        finally:
+            probe.close()
+    return losses
+
+
+def rel_dev(value: float, reference: float, floor: float = 1e-12) -> float:
+    """|value - reference| relative to the reference, or to ``floor`` when the reference is smaller.
+
+    The floor keeps a loss that training drove to ~0 from turning fp16's
+    absolute rounding noise into a huge relative deviation.
+    """
+    if not (math.isfinite(value) and math.isfinite(reference)):
+        return math.inf
+    return abs(value - reference) / max(abs(reference), floor, 1e-12)
+
+
+LOSS_FLOOR_SHARE = 0.1
+"""Deviations are measured against at least 10% of the initial fp32 loss (see :func:`rel_dev`)."""
+
+
+# --- stages ------------------------------------------------------------------------------------------
+
+def stage_data(ctx: StageContext) -> StageReport:
+    ctx.evidence.data = scan = scan_batches(ctx.bench.batches)
+    bad = [f for f in scan if f.nonfinite]
+    extreme = [f for f in scan if f.floating and f.abs_max >= 1e3]
+    distinct = len({id(b) for b in ctx.bench.batches})
+    parts = [f"{distinct} batches, {len(scan)} fields"]
+    if bad:
+        parts.append("non-finite values in " + ", ".join(f"'{f.field}' ({f.nan} NaN, {f.posinf + f.neginf} inf; first in batch {f.first_nonfinite['batch']})" for f in bad))
+    if extreme:
+        parts.append("extreme magnitudes in " + ", ".join(f"'{f.field}' (|x| up to {f.abs_max:.3g})" for f in extreme))
+    if not bad and not extreme:
+        parts.append("all finite, magnitudes fp16 can carry")
+    return StageReport("data scan", "ran", "; ".join(parts), details={"fields": [f.to_json() for f in scan]})
+
+
+def stage_fp32(ctx: StageContext) -> StageReport:
+    ctx.evidence.fp32 = summary = run_mode(ctx, "fp32")
+    return StageReport("fp32 baseline", "ran", _probe_sentence(summary), details=_probe_details(summary))
+
+
+def stage_amp(ctx: StageContext) -> StageReport:
+    ctx.evidence.amp = summary = run_mode(ctx, "amp")
+    return StageReport("amp as configured", "ran", _probe_sentence(summary), details=_probe_details(summary))
+
+
+def _probe_sentence(summary: ProbeSummary) -> str:
+    rec = summary.records
+    if summary.exception:
+        e = summary.exception
+        return f"stopped at step {e['step']}: {e['type']}: {e['message']} ({e['location']})"
+    parts = [f"{len(rec)} steps, loss {rec['loss'].iloc[0]:.4g} -> {rec['loss'].iloc[-1]:.4g}"]
+    if summary.first_nonfinite_loss is not None:
+        parts.append(f"loss non-finite from step {summary.first_nonfinite_loss}")
+    skips = summary.skip_steps
+    if skips:
+        parts.append(f"{len(skips)} skipped step(s) (first {skips[:5]})")
+    return "; ".join(parts)
+
+
+def _probe_details(summary: ProbeSummary) -> dict[str, Any]:
+    rec = summary.records
+    return {
+        "steps": len(rec), "first_nonfinite_loss": summary.first_nonfinite_loss,
+        "first_nonfinite_grads": summary.first_nonfinite_grads, "skipped_steps": summary.skip_steps,
+        "final_loss": float(rec["loss"].iloc[-1]) if len(rec) else None, "exception": summary.exception,
+    }
+
+
+def stage_localise(ctx: StageContext) -> StageReport:
+    ev = ctx.evidence
+    notes = []
+    if ev.fp32 is not None and not ev.fp32.finite and ev.fp32.exception is None:
+        step = _bad_step(ev.fp32)
+        ev.fp32_localisation = localise(ctx.bench, "fp32", step, ctx.config)
+        if ev.fp32_localisation:
+            notes.append("fp32: " + ev.fp32_localisation.describe())
+    amp = ev.amp
+    if amp is None or amp.finite or amp.exception is not None:
+        if not notes:
+            return StageReport("localisation", "skipped", "no non-finite step to localise")
+        return StageReport("localisation", "ran", "; ".join(notes))
+    step = _bad_step(amp)
+    first = localise(ctx.bench, "amp", step, ctx.config)
+    second = localise(ctx.bench, "amp", step, ctx.config)
+    ev.localisation = first
+    ev.localisation_deterministic = (first.key() if first else None) == (second.key() if second else None)
+    if first is None:
+        notes.append(f"amp step {step}: the replay stayed finite (non-deterministic fault?)")
+    else:
+        notes.append("amp: " + first.describe() + ("" if ev.localisation_deterministic else " (the replay differed: non-deterministic)"))
+    return StageReport("localisation", "ran", "; ".join(notes),
+                       details={"amp": first.__dict__ if first else None, "deterministic": ev.localisation_deterministic,
+                                "fp32": ev.fp32_localisation.__dict__ if ev.fp32_localisation else None})
+
+
+def _bad_step(summary: ProbeSummary) -> int:
+    candidates = [s for s in (summary.first_nonfinite_loss, summary.first_nonfinite_grads) if s is not None]
+    return min(candidates)
+
+
+def stage_scale(ctx: StageContext) -> StageReport:
+    """The loss-scale window from FP32 gradients, underflow at the configured scale, and the sweep."""
+    ev, cfg = ctx.evidence, ctx.config
+    if cfg.dtype != "float16":
+        return StageReport("loss-scale sweep", "skipped", "bfloat16 has fp32's range: no loss scaling needed")
+    if ev.fp32 is None or not ev.fp32.finite:
+        return StageReport("loss-scale sweep", "skipped", "the fp32 baseline is not finite: scaling cannot help")
+    capture = capture_gradients(ctx.bench.probe("fp32", instruments=None))
+    ev.window = window = scale_window(capture)
+    configured = cfg.scaler.init_scale if cfg.scaler.enabled else 1.0
+    ev.predicted_underflow = predicted_underflow(capture, configured)
+    ev.observed_underflow = observed_underflow(ctx.bench, config=cfg)
+    worst_predicted = float(ev.predicted_underflow["predicted_underflow"].max()) if len(ev.predicted_underflow) else 0.0
+    worst_observed = float(ev.observed_underflow["observed_underflow"].max()) if len(ev.observed_underflow) else 0.0
+    amp = ev.amp
+    skips = len(amp.skip_steps) if amp is not None else 0
+    needs_sweep = skips > 0 or worst_observed > UNDERFLOW_ALARM or worst_predicted > UNDERFLOW_ALARM or not cfg.scaler.enabled
+    summary = (f"window [{window.low:.3g}, {window.high:.3g}] (recommended {window.recommended():.0f}); "
+               f"at the configured scale {configured:.0f}: predicted underflow {worst_predicted:.1%}, observed {worst_observed:.1%}")
+    if not needs_sweep:
+        return StageReport("loss-scale sweep", "skipped", summary + "; no skips or underflow: nothing to sweep",
+                           details={"window": [window.low, window.high]})
+    if amp is not None and amp.first_nonfinite_loss is not None:
+        return StageReport("loss-scale sweep", "skipped", summary + "; the loss itself is non-finite: a forward problem that no scale can fix",
+                           details={"window": [window.low, window.high]})
+    ev.sweep = sweep = _sweep(ctx, capture, window)
+    ev.recommended_scaler = _recommend(ctx, sweep, window)
+    summary += f"; swept {len(sweep)} settings; recommended {ev.recommended_scaler}"
+    return StageReport("loss-scale sweep", "ran", summary, details={"sweep": sweep.to_dict("records"), "recommended": ev.recommended_scaler})
+
+
+def _sweep_scales(window: Any, ci: bool) -> list[float]:
+    low = max(1.0, window.low / 16) if window.feasible else 1.0
+    high = min(2.0**24, window.high * 16) if window.feasible else 2.0**24
+    exponents = range(int(math.floor(math.log2(low))), int(math.ceil(math.log2(high))) + 1, 2 if not ci else 4)
+    scales = sorted({float(2**e) for e in exponents} | {window.recommended()})
+    return [s for s in scales if 1.0 <= s <= 2.0**24]
+
+
+def _sweep(ctx: StageContext, capture: Any, window: Any) -> pd.DataFrame:
+    """Each setting: skipped-step rate, predicted underflow and loss deviation from fp32 on aligned steps."""
+    steps = min(ctx.evidence.steps, 10 if ctx.ci else 20)
+    rows = []
+    settings: list[dict[str, Any]] = [{"init_scale": s} for s in _sweep_scales(window, ctx.ci)]
+    amp = ctx.evidence.amp
+    if amp is not None and len(amp.skip_steps) >= 3:  # skips recur: try slower growth too
+        base = window.recommended()
+        for interval in (ctx.config.scaler.growth_interval * 10, ctx.config.scaler.growth_interval * 100):
+            settings.append({"init_scale": base, "growth_interval": int(interval)})
+    for setting in settings:
+        config = ctx.with_config({"scaler": {"enabled": True, **setting}})
+        result = compare(ctx.bench, ["amp"], steps=steps, config=config)
+        trajectory = result.trajectories["amp"]
+        iterations = len(trajectory.records)
+        under = predicted_underflow(capture, setting["init_scale"])["predicted_underflow"].max()
+        rows.append({
+            "init_scale": setting["init_scale"], "growth_interval": setting.get("growth_interval", ctx.config.scaler.growth_interval),
+            "skip_rate": trajectory.skipped / max(iterations, 1), "predicted_underflow": float(under),
+            "max_rel_dev": result.max_rel_dev.get("amp"), "verdict": result.verdict_by_mode["amp"],
+        })
+    return pd.DataFrame(rows)
+
+
+def _recommend(ctx: StageContext, sweep: pd.DataFrame, window: Any) -> dict[str, Any]:
+    """The setting with no divergence, underflow under 0.1% and the fewest skips, then closest to fp32."""
+    ok = sweep[(sweep["verdict"] != "diverged") & (sweep["predicted_underflow"] <= 1e-3)]
+    if ok.empty:
+        ok = sweep[sweep["verdict"] != "diverged"]
+    if ok.empty:
+        return {"init_scale": window.recommended(), "growth_interval": ctx.config.scaler.growth_interval}
+    ok = ok.assign(dev=ok["max_rel_dev"].fillna(math.inf))
+    best = ok.sort_values(["skip_rate", "dev", "init_scale"], ascending=[True, True, False]).iloc[0]
+    return {"init_scale": float(best["init_scale"]), "growth_interval": int(best["growth_interval"])}
+
+
+def scheduler_lrs(ctx: StageContext) -> list[float]:
+    """Dry-run a copy of the user's scheduler over the run, on a throw-away optimizer."""
+    spec = ctx.bench.spec
+    dummy = [torch.nn.Parameter(torch.zeros(1))]
+    optimizer = spec.optimizer(dummy) if spec.optimizer else torch.optim.AdamW(dummy, lr=ctx.config.lr)
+    scheduler = spec.scheduler(optimizer)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)  # no optimizer steps in a dry run
+        for _ in range(ctx.evidence.steps):
+            lrs.append(float(optimizer.param_groups[0]["lr"]))
+            scheduler.step()
+    return lrs
+
+
+def stage_lr_peak(ctx: StageContext) -> StageReport:
+    ev = ctx.evidence
+    if not ev.has_scheduler:
+        return StageReport("LR schedule peak", "skipped", "no scheduler() in the training file")
+    lrs = scheduler_lrs(ctx)
+    peak = max(range(len(lrs)), key=lrs.__getitem__)
+    ratios = [lrs[t] / lrs[t - 1] if lrs[t - 1] > 0 else math.inf for t in range(1, len(lrs))]
+    jump = (max(range(len(ratios)), key=ratios.__getitem__) + 1) if ratios else 0
+    ev.lr_peak = info = {"lrs": lrs, "peak_step": peak, "peak_lr": lrs[peak], "jump_step": jump,
+                         "jump_ratio": ratios[jump - 1] if ratios else 1.0}
+    amp = ev.amp
+    trouble = None
+    if amp is not None and not amp.finite:
+        trouble = _bad_step(amp) if amp.exception is None else None
+    events = sorted({peak, jump} - {0})
+    near = [e for e in events if trouble is not None and e <= trouble <= e + 3]
+    summary = f"peak lr {lrs[peak]:.3g} at step {peak}; largest jump x{info['jump_ratio']:.3g} at step {jump}"
+    if not near:
+        return StageReport("LR schedule peak", "skipped", summary + "; no trouble at the peak or jump to explain", details=info)
+    event = near[0]
+    info.update(_pause(ctx, event, lrs))
+    summary += (f"; paused at step {event}: at lr {lrs[event]:.3g} the step is {'finite' if info['finite_at_peak'] else 'NOT finite'}, "
+                f"at the pre-peak lr {lrs[event - 1]:.3g} it is {'finite' if info['finite_before_peak'] else 'NOT finite'}")
+    return StageReport("LR schedule peak", "ran", summary, details=info)
+
+
+def _pause(ctx: StageContext, event: int, lrs: list[float]) -> dict[str, Any]:
+    """Train to the step before ``event``, then take it at its own and at the previous learning rate."""
+    probe = ctx.bench.probe("amp", ctx.config)
+    try:
+        with probe.mode_context():
+            while probe.iteration < event and probe.failed is None:
+                probe.step()
+            snap = probe.snapshot()
+            at_peak = _instrumented_step(probe)
+            probe.restore(snap)
+            before = _instrumented_step(probe, lr=lrs[event - 1])
+    finally:
+        probe.close()
+    return {"pause_step": event, "finite_at_peak": at_peak["finite"], "finite_before_peak": before["finite"],
+            "update_to_weight_at_peak": at_peak["update_to_weight"], "update_to_weight_before_peak": before["update_to_weight"],
+            "activation_max_at_peak": at_peak["activation_max"], "activation_max_before_peak": before["activation_max"]}
+
+
+def _instrumented_step(probe: Probe, lr: float | None = None) -> dict[str, Any]:
+    """Take the step (at ``lr`` if given) and the one after it: an update's damage shows in the next forward."""
+    rows_before = len(probe.instruments.update_rows), len(probe.instruments.forward_rows)
+    records = []
+    for _ in range(2):
+        if lr is not None:
+            for group in probe.optimizer.param_groups:
+                group["lr"] = lr
+        records.append(probe.step())
+    updates = probe.instruments.update_rows[rows_before[0]:]
+    forward = probe.instruments.forward_rows[rows_before[1]:]
+    weights_finite = all(torch.isfinite(p).all() for p in probe.model.parameters())
+    return {
+        "finite": all(r.exception_type is None and not r.nonfinite_loss and not r.nonfinite_grads for r in records) and weights_finite,
+        "update_to_weight": max((u["update_to_weight"] for u in updates), default=0.0),
+        "activation_max": max((f["abs_max"] for f in forward), default=0.0),
+    }
+
+
+def stage_precision_gap(ctx: StageContext) -> StageReport:
+    ev, cfg = ctx.evidence, ctx.config
+    amp = ev.amp
+    if amp is None or amp.exception is not None or amp.first_nonfinite_loss is not None:
+        return StageReport("precision-gap search", "skipped", "AMP is not finite: a range problem, not a precision gap")
+    tolerance = GAP_TOLERANCE * (BF16_FACTOR if cfg.dtype == "bfloat16" else 1.0)
+    states = sorted({0, ev.steps // 2, ev.steps - 1}) if not ctx.ci else sorted({0, ev.steps - 1})
+    floor = LOSS_FLOOR_SHARE * abs(float(ev.fp32.records["loss"].iloc[0])) if ev.fp32 is not None and len(ev.fp32.records) else 0.0
+    ctx.loss_floor = floor
+    gaps = {}
+    for step in states:
+        losses = same_state_losses(ctx, step, {"fp32": ("fp32", cfg), "amp": ("amp", cfg)})
+        gaps[step] = rel_dev(losses["amp"], losses["fp32"], floor)
+    worst_step = max(gaps, key=gaps.get)
+    gap = gaps[worst_step]
+    ev.gap = info = {"same_state_rel_dev": gaps, "worst_step": worst_step, "gap": gap, "tolerance": tolerance}
+    if gap <= tolerance:
+        return StageReport("precision-gap search", "skipped",
+                           f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step})", details=info)
+    ranked = _rank_modules(ctx, worst_step)
+    info["ranked_modules"] = ranked[:8]
+    fix = _search_fp32_set(ctx, worst_step, [r["module"] for r in ranked], tolerance)
+    info.update(fix)
+    closed = fix.get("closing_set")
+    summary = f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}); "
+    summary += f"keeping {closed} in fp32 closes it ({fix['closed_gap']:.3%})" if closed else "no fp32 module set tried closes it"
+    return StageReport("precision-gap search", "ran", summary, details=info)
+
+
+def _rank_modules(ctx: StageContext, step: int) -> list[dict[str, Any]]:
+    """Per module: the relative error its output adds over its input, AMP against fp32, same state and batch."""
+    outputs: dict[str, dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
+    for mode in ("fp32", "amp"):
+        probe = probe_at(ctx, mode, ctx.config, step)
+        names = {m: n for n, m in probe.model.named_modules() if n}
+        captured: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+
+        def hook(module: torch.nn.Module, args: Any, output: Any, captured=captured, names=names) -> None:
+            if module in names and names[module] not in captured:
+                first_in = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+                out = output if isinstance(output, torch.Tensor) else next((o for o in (output if isinstance(output, (tuple, list)) else []) if isinstance(o, torch.Tensor)), None)
+                captured[names[module]] = (first_in.detach().double().clone() if first_in is not None else None,
+                                           out.detach().double().clone() if out is not None and out.is_floating_point() else None)
+
+        handles = [m.register_forward_hook(hook) for m in names]
+        try:
+            with probe.mode_context():
+                probe.step()
+        finally:
+            for h in handles:
+                h.remove()
+            probe.close()
+        outputs[mode] = captured
+    ranked = []
+    for name, (in32, out32) in outputs["fp32"].items():
+        in16, out16 = outputs["amp"].get(name, (None, None))
+        if out32 is None or out16 is None or out32.shape != out16.shape:
+            continue
+        err_out = _rel_err(out16, out32)
+        err_in = _rel_err(in16, in32) if in32 is not None and in16 is not None and in32.shape == in16.shape else 0.0
+        ranked.append({"module": name, "added_error": max(err_out - err_in, 0.0), "output_error": err_out, "input_error": err_in})
+    ranked.sort(key=lambda r: r["added_error"], reverse=True)
+    return ranked
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    diff = torch.linalg.vector_norm((a - b).nan_to_num(nan=1e30, posinf=1e30, neginf=1e30)).item()
+    return diff / max(torch.linalg.vector_norm(b).item(), 1e-30)
+
+
+def _search_fp32_set(ctx: StageContext, step: int, candidates: list[str], tolerance: float) -> dict[str, Any]:
+    """The smallest set of modules (greedy, in ranked order) whose fp32 fallback closes the gap."""
+    limit = 3 if ctx.ci else 6
+    chosen: list[str] = []
+    tried = []
+    for name in candidates[:limit]:
+        trial = chosen + [name]
+        config = ctx.with_config({"overrides": {"fp32_modules": trial}})
+        losses = same_state_losses(ctx, step, {"fp32": ("fp32", ctx.config), "amp": ("amp", config)})
+        gap = rel_dev(losses["amp"], losses["fp32"], ctx.loss_floor)
+        tried.append({"fp32_modules": trial, "gap": gap})
+        if gap <= tolerance:
+            return {"closing_set": trial, "closed_gap": gap, "tried": tried}
+        best_before = min((t["gap"] for t in tried[:-1]), default=math.inf)
+        if gap < best_before:
+            chosen = trial  # keep a module only if it helps
+    return {"closing_set": None, "closed_gap": None, "tried": tried}
+
+
+def stage_bf16(ctx: StageContext) -> StageReport:
+    ev = ctx.evidence
+    amp = ev.amp
+    under = ev.observed_underflow
+    range_trouble = amp is not None and (
+        amp.first_nonfinite_loss is not None
+        or len(amp.skip_steps) > max(2, 0.1 * len(amp.records))  # more than a settling scale's few skips
+        or (under is not None and len(under) and float(under["observed_underflow"].max()) > UNDERFLOW_ALARM)
+    )
+    if ctx.config.dtype == "bfloat16" or not range_trouble:
+        return StageReport("bf16 check", "skipped", "no fp16 range trouble to compare against" if ctx.config.dtype != "bfloat16" else "already bfloat16")
+    ev.bf16 = summary = run_mode(ctx, "bf16")
+    ev.bf16_supported = torch.cuda.is_bf16_supported() if ctx.bench.device.type == "cuda" else True
+    return StageReport("bf16 check", "ran", _probe_sentence(summary), details=_probe_details(summary))
+
+
+STAGES: list[tuple[str, Callable[[StageContext], StageReport]]] = [
+    ("data scan", stage_data),
+    ("fp32 baseline", stage_fp32),
+    ("amp as configured", stage_amp),
+    ("localisation", stage_localise),
+    ("loss-scale sweep", stage_scale),
+    ("LR schedule peak", stage_lr_peak),
+    ("precision-gap search", stage_precision_gap),
+    ("bf16 check", stage_bf16),
+]

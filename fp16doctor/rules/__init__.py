@@ -1,0 +1,63 @@
+"""Diagnosis rules: one cause per file, found by walking this package.
+
+Each rule module defines one :class:`Rule` subclass with a stable ``code``
+(the cause), a severity, a causal ``order`` (data before model before
+precision settings), a ``check`` that turns measured :class:`Evidence` into
+findings, and its own cases: the sample models that must get this cause on
+top (``triggers``) and the healthy ones that must not get it. The cases become
+tests (tests/test_rules.py) and the rule's docstring its documentation
+(``fp16doctor rules``). Adding a rule touches one file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any, ClassVar
+
+from ..diagnosis.model import Evidence, Finding, Fix
+
+
+class Rule:
+    """Base class. Subclasses set the class attributes and implement :meth:`check`."""
+
+    code: ClassVar[str]
+    """The stable cause code (part of the JSON contract)."""
+    severity: ClassVar[str] = "error"
+    order: ClassVar[int] = 100
+    """Causal order: lower runs earlier in the chain of causes and ranks first."""
+    suppresses: ClassVar[tuple[str, ...]] = ()
+    """Causes that are symptoms when this one is found (an error finding of this rule hides them)."""
+    triggers: ClassVar[tuple[str, ...]] = ()
+    """Sample models (file names in sample_models/) whose top cause is this rule's."""
+    passes: ClassVar[tuple[str, ...]] = ("mlp.py", "cnn_batchnorm.py", "transformer_encoder.py")
+    """Sample models that must not get this cause as an error."""
+    verifiable: ClassVar[bool] = True
+    """Whether the fix's config patch can repair the training (false for data causes and model bugs)."""
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        raise NotImplementedError
+
+    def finding(self, title: str, evidence: dict[str, Any], fix: Fix, confidence: float = 1.0, severity: str | None = None) -> Finding:
+        return Finding(cause=self.code, severity=severity or self.severity, title=title, evidence=evidence,
+                       fix=fix, confidence=confidence, order=self.order)
+
+    @classmethod
+    def doc(cls) -> str:
+        return (cls.__doc__ or "").strip()
+
+
+def all_rules() -> list[Rule]:
+    """Instantiate every Rule subclass defined in this package's modules, in causal order."""
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+    rules = [cls() for cls in _subclasses(Rule) if "code" in cls.__dict__]
+    return sorted(rules, key=lambda r: (r.order, r.code))
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_subclasses(sub))
+    return out

@@ -1,0 +1,50 @@
+"""The LR scheduler steps on steps the GradScaler skipped, drifting ahead of the optimizer.
+
+Evidence: skipped AMP steps on which the scheduler still stepped, measured
+against the schedule: a warm-up whose first steps are skipped is partly lost.
+"""
+
+from __future__ import annotations
+
+from ..diagnosis.model import Evidence, Finding, Fix
+from . import Rule
+
+RUN_SHARE = 0.05
+WARMUP_SHARE = 0.25
+
+
+class SchedulerSkipDrift(Rule):
+    code = "scheduler-skip-drift"
+    order = 85
+    severity = "warning"
+    triggers = ("warmup_skips.py",)
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        amp = ev.amp
+        if not ev.has_scheduler or amp is None or ev.config.overrides.hold_scheduler_on_skip:
+            return []
+        skipped = amp.skip_steps
+        if not skipped:
+            return []
+        peak = (ev.lr_peak or {}).get("peak_step") or 0
+        in_warmup = [s for s in skipped if s < peak]
+        run_share = len(skipped) / max(len(amp.records), 1)
+        warmup_share = len(in_warmup) / peak if peak else 0.0
+        severity = "error" if run_share >= RUN_SHARE and warmup_share >= WARMUP_SHARE else "warning"
+        return [self.finding(
+            f"The scheduler stepped on {len(skipped)} skipped step(s)"
+            + (f", {len(in_warmup)} of the {peak} warm-up steps" if peak else "") + ": the LR runs ahead of the optimizer",
+            {"skipped_steps": skipped[:30], "drift_steps": len(skipped), "warmup_steps": peak,
+             "warmup_share_lost": warmup_share, "run_share": run_share},
+            Fix(
+                "Step the scheduler only when the optimizer stepped.",
+                code=(
+                    "scale_before = scaler.get_scale()\n"
+                    "scaler.step(optimizer); scaler.update()\n"
+                    "if scaler.get_scale() >= scale_before:   # not skipped\n"
+                    "    scheduler.step()"
+                ),
+                config_patch={"overrides": {"hold_scheduler_on_skip": True}},
+            ),
+            severity=severity,
+        )]
