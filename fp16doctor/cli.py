@@ -37,6 +37,7 @@ Device = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cu
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float16 | bfloat16 (config key: dtype).")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object to stdout and nothing else.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")]
+Force = Annotated[bool, typer.Option("--force", help="Overwrite output files that already exist (otherwise: ask, or refuse without a terminal).")]
 
 
 def cli_layer(**values: Any) -> dict[str, Any]:
@@ -71,12 +72,30 @@ def guarded(debug: bool, job: Callable[[], int]) -> None:
 
 def load(training_file: Path, config_file: Path | None, flags: dict[str, Any]):
     """Training file + config layers -> (spec, config)."""
-    from .config import build_config, load_yaml
+    spec, config, _ = load_layers(training_file, config_file, flags)
+    return spec, config
+
+
+def load_layers(training_file: Path, config_file: Path | None, flags: dict[str, Any]):
+    """(spec, config, the user's own layers merged): the layers are what --fix-config starts from."""
+    from .config import build_config, load_yaml, merge
     from .spec import load_training_file
 
     spec = load_training_file(training_file)
-    config = build_config(spec.config, load_yaml(config_file) if config_file else None, flags)
-    return spec, config
+    yaml_layer = load_yaml(config_file) if config_file else {}
+    config = build_config(spec.config, yaml_layer, flags)
+    return spec, config, merge(merge(spec.config, yaml_layer), flags)
+
+
+def check_writable(path: Path, force: bool) -> None:
+    """Nothing the user has is overwritten without asking: confirm on a terminal, else require --force."""
+    from .errors import DoctorError
+
+    if not path.exists() or force:
+        return
+    if sys.stdin.isatty() and typer.confirm(f"{path} exists. Overwrite it?", default=False, err=True):
+        return
+    raise DoctorError(f"'{path}' already exists; not overwriting it.", hint="Choose another path, or pass --force to overwrite.")
 
 
 def print_json(payload: dict[str, Any]) -> None:
@@ -129,6 +148,74 @@ def compare(
         return EXIT_OK if result.healthy else EXIT_FINDINGS
 
     guarded(debug, job)
+
+
+@app.command()
+def diagnose(
+    training_file: TrainingFile,
+    config: ConfigFile = None,
+    steps: Steps = None,
+    seed: Seed = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    json_: Json = False,
+    report: Annotated[Optional[Path], typer.Option("--report", help="Write a Markdown report of the diagnosis.")] = None,
+    fix_config: Annotated[Optional[Path], typer.Option("--fix-config", help="Write your config with every fix's config patch applied (YAML).")] = None,
+    ci: Annotated[bool, typer.Option("--ci", help="CI smoke check: fewer steps, only the stages the evidence calls for.")] = False,
+    junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report (one test case per cause).")] = None,
+    scan_batches: Annotated[Optional[int], typer.Option("--scan-batches", help="Scan this many batches in the data scan (default: those the probes use).")] = None,
+    force: Force = False,
+    debug: Debug = False,
+) -> None:
+    """Run the triage and print a ranked diagnosis. Exit 0 healthy, 1 any error finding, 2 bad input."""
+
+    def job() -> int:
+        from .diagnosis import DiagnoseOptions, fixed_config
+        from .diagnosis import diagnose as run_diagnose
+        from .files import atomic_write_text
+        from .render import render_diagnosis
+        from .report import fixed_config_yaml, junit_xml, markdown
+        from .rules import all_rules
+
+        for path in (report, fix_config, junit):
+            if path is not None:
+                check_writable(path, force)
+        spec, cfg, layers = load_layers(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
+        with err.status("diagnosing") as status:
+            result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches),
+                                  on_stage=lambda name: status.update(f"stage: {name}"))
+        name = str(training_file)
+        if report is not None:
+            atomic_write_text(report, markdown(result, name))
+        if fix_config is not None:
+            atomic_write_text(fix_config, fixed_config_yaml(fixed_config(layers, result), result, name))
+        if junit is not None:
+            atomic_write_text(junit, junit_xml(result, name, [r.code for r in all_rules()]))
+        if json_:
+            print_json(result.to_json())
+        else:
+            render_diagnosis(result, out, name)
+            for label, path in (("report", report), ("corrected config", fix_config), ("JUnit report", junit)):
+                if path is not None:
+                    out.print(f"[dim]{label} written to {path}[/]")
+        return EXIT_OK if result.healthy else EXIT_FINDINGS
+
+    guarded(debug, job)
+
+
+@app.command()
+def rules() -> None:
+    """List the cause codes with what each rule looks for."""
+    from rich.table import Table
+
+    from .rules import all_rules
+
+    table = Table(title="Causes fp16doctor diagnoses", title_justify="left", show_lines=True)
+    for column in ("code", "severity", "what it means, and the evidence"):
+        table.add_column(column, overflow="fold")
+    for rule in all_rules():
+        table.add_row(rule.code, rule.severity, rule.doc())
+    out.print(table)
 
 
 def write_csv(path: Path, frames: dict[str, Any]) -> None:

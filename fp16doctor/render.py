@@ -5,10 +5,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rich.console import Console
+import yaml
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.panel import Panel
+from rich.syntax import Syntax
 from rich.table import Table
 
 from .compare import Comparison
+from .diagnosis.model import Diagnosis, Finding, jsonable
 
 VERDICT_STYLE = {"healthy": "bold green", "drift": "bold yellow", "diverged": "bold red"}
 STEP_BY_STEP_LIMIT = 30
@@ -76,7 +81,7 @@ def render_comparison(result: Comparison, console: Console) -> None:
     for mode, trajectory in result.trajectories.items():
         if trajectory.exception:
             exc = trajectory.exception
-            console.print(f"[red]{mode}: {exc['type']} at step {exc['step']}: {exc['message']}[/] ({exc['location'] or 'no location'})")
+            console.print(f"[red]{mode}: {exc['type']} at step {exc['step']}: {escape(exc['message'] or '')}[/] ({escape(exc['location'] or 'no location')})")
         skips = trajectory.skipped
         if mode != "fp32" and skips and result.verdict_by_mode.get(mode) != "diverged":
             console.print(f"[dim]{mode}: {skips} step(s) skipped by the GradScaler (scale settling); trajectories aligned on steps taken.[/]")
@@ -95,3 +100,43 @@ def _verdict_line(result: Comparison) -> str:
         elif verdict == "drift":
             parts.append(f"{mode}: largest deviation {pct(result.max_rel_dev[mode])} at step {result.max_rel_dev_step[mode]}")
     return f"[{style}]{result.verdict}[/]: " + "; ".join(parts)
+
+
+SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
+
+
+def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str) -> None:
+    """Summary line, the stages, then the ranked findings with evidence and fix snippets."""
+    errors = [f for f in diagnosis.findings if f.severity == "error"]
+    if diagnosis.healthy:
+        console.print(f"[bold green]healthy[/]: {training_file} trains in mixed precision like its FP32 twin"
+                      + (f" ({len(diagnosis.findings)} note(s) below)" if diagnosis.findings else "") + ".")
+    else:
+        console.print(f"[bold red]unhealthy[/]: {len(errors)} error finding(s) in {escape(training_file)}; top cause: [bold]{errors[0].cause}[/]")
+    stages = Table(title="Triage", title_justify="left", show_lines=False)
+    for column in ("stage", "status", "what it found"):
+        stages.add_column(column, overflow="fold")
+    for stage in diagnosis.stages:
+        status = "[green]ran[/]" if stage.status == "ran" else "[dim]skipped[/]"
+        stages.add_row(stage.name, status, escape(stage.summary))
+    console.print(stages)
+    for finding in diagnosis.findings:
+        console.print(_finding_panel(finding))
+
+
+def _finding_panel(finding: Finding) -> Panel:
+    evidence = Table.grid(padding=(0, 2))
+    evidence.add_column(style="dim")
+    evidence.add_column(overflow="fold")
+    for key, value in jsonable(finding.evidence).items():
+        text = value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+        evidence.add_row(key, escape(text.removesuffix("\n...")))
+    parts: list = [f"[bold]{escape(finding.title)}[/]", "", "[underline]Evidence[/]", evidence, "", f"[underline]Fix[/] {escape(finding.fix.summary)}"]
+    if finding.fix.code:
+        parts.append(Syntax(finding.fix.code, "python", theme="ansi_dark", background_color="default"))
+    if finding.fix.config_patch:
+        parts += ["[dim]config patch:[/]", Syntax(yaml.safe_dump(finding.fix.config_patch, sort_keys=False).rstrip(), "yaml",
+                                                   theme="ansi_dark", background_color="default")]
+    style = SEVERITY_STYLE[finding.severity]
+    return Panel(Group(*parts), title=f"[{style}]{finding.rank}. {finding.severity}: {finding.cause}[/]", title_align="left",
+                 border_style=style.split()[-1])

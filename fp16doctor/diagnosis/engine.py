@@ -12,7 +12,7 @@ from ..spec import TrainingSpec
 from .model import SEVERITIES, Diagnosis, Evidence, Finding, StageReport
 from .stages import STAGES, StageContext
 
-CI_STEPS = 12
+CI_STEPS = 20
 """--ci: probes this long (a smoke check, under a minute per model on 2 cores)."""
 
 

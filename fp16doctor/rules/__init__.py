@@ -44,7 +44,10 @@ class Rule:
 
     @classmethod
     def doc(cls) -> str:
-        return (cls.__doc__ or "").strip()
+        """The rule's documentation: its module's docstring (one rule per file)."""
+        import sys
+
+        return (sys.modules[cls.__module__].__doc__ or "").strip()
 
 
 def all_rules() -> list[Rule]:

@@ -1,18 +1,25 @@
 """The loss scale is too high: gradients overflow in backward step after step.
 
-Evidence: the share of AMP steps skipped (or with non-finite gradients when
-the training scales by hand) while the loss stays finite and fp32 gradients
-are finite, the scale's trajectory, and the derived largest safe scale.
+Evidence: AMP steps skipped (or with non-finite gradients when the training
+scales by hand) while the loss and the fp32 gradients stay finite: a scale that
+never settles, a settling that costs more than ten skipped steps (from
+init_scale down to the largest safe scale derived from fp32 gradients, at the
+configured backoff), or a quarter of the steps after settling still
+overflowing. A few skips while a default scale settles are normal.
 """
 
 from __future__ import annotations
+
+import math
 
 from ..diagnosis.model import Evidence, Finding, Fix
 from . import Rule
 from ._helpers import fp32_finite, scale_patch, skip_runs
 
-SKIP_SHARE = 0.25
-"""A quarter of the steps lost to overflow is past any settling phase."""
+PERSISTENT_SHARE = 0.25
+"""After the first step taken, a quarter of the steps still overflowing is past any settling."""
+SETTLING_LIMIT = 10
+"""More skips than this before the scale settles wastes real training (each halving costs one)."""
 
 
 class ScaleOverflow(Rule):
@@ -25,22 +32,39 @@ class ScaleOverflow(Rule):
         if amp is None or amp.exception is not None or amp.first_nonfinite_loss is not None or not fp32_finite(ev):
             return []
         rec = amp.records
-        overflowing = rec["skipped"].astype(bool) | rec["nonfinite_grads"].astype(bool)
-        share = float(overflowing.mean()) if len(rec) else 0.0
-        if share < SKIP_SHARE:
+        overflowing = (rec["skipped"].astype(bool) | rec["nonfinite_grads"].astype(bool)).tolist()
+        if not any(overflowing):
             return []
-        steps = [int(s) for s in rec.loc[overflowing, "step"]]
+        leading = next((i for i, bad in enumerate(overflowing) if not bad), len(overflowing))
+        after = overflowing[leading:]
+        persistent = sum(after) / len(after) if after else 1.0
+        settling = self._expected_settling(ev)
+        if not (leading == len(overflowing) or leading > SETTLING_LIMIT or settling > SETTLING_LIMIT
+                or (persistent >= PERSISTENT_SHARE and sum(after) >= 3)):
+            return []
+        steps = [int(s) for s, bad in zip(rec["step"], overflowing) if bad]
         runs = skip_runs(steps)
         patch = scale_patch(ev)
+        why = (f"the scale never settled in {len(rec)} steps" if leading == len(overflowing)
+               else f"settling from init_scale {ev.config.scaler.init_scale:.3g} takes ~{settling} skipped steps" if settling > SETTLING_LIMIT
+               else f"{persistent:.0%} of the steps after settling still overflow")
         return [self.finding(
-            f"Gradients overflow in {share:.0%} of AMP steps ({len(steps)} of {len(rec)}; longest run {max(map(len, runs))}): the loss scale is too high",
-            {"overflow_share": share, "overflow_steps": steps[:30], "scale_first": float(rec["loss_scale"].iloc[0]),
+            f"Gradients overflow in {len(steps)} of {len(rec)} AMP steps (longest run {max(map(len, runs))}): {why}; the loss scale is too high",
+            {"overflow_steps": steps[:30], "leading_skips": leading, "persistent_share": persistent,
+             "expected_settling_skips": settling, "scale_first": float(rec["loss_scale"].iloc[0]),
              "scale_last": float(rec["loss_scale"].iloc[-1]), "scaler_enabled": amp.scaler_enabled,
-             "max_safe_scale": ev.window.high if ev.window is not None else None,
-             "recommended": patch["scaler"]},
+             "max_safe_scale": ev.window.high if ev.window is not None else None, "recommended": patch["scaler"]},
             Fix(
                 f"Use dynamic loss scaling from init_scale {patch['scaler']['init_scale']:.0f} with backoff 0.5.",
                 code=f"scaler = torch.amp.GradScaler('cuda', init_scale={patch['scaler']['init_scale']:.0f}, backoff_factor=0.5)",
                 config_patch=patch,
             ),
         )]
+
+    @staticmethod
+    def _expected_settling(ev: Evidence) -> int:
+        """Skips the configured scaler needs to come down from init_scale to the largest safe scale."""
+        scaler = ev.config.scaler
+        if ev.window is None or not scaler.enabled or scaler.init_scale <= ev.window.high:
+            return 0
+        return math.ceil(math.log(scaler.init_scale / ev.window.high) / math.log(1 / scaler.backoff_factor))

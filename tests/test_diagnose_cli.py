@@ -1,0 +1,82 @@
+"""``fp16doctor diagnose`` as a user (and a CI job) runs it."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import yaml
+
+from conftest import SAMPLES, run_cli
+from fp16doctor.config import build_config
+
+
+def test_json_is_one_object_in_the_documented_shape():
+    proc = run_cli("diagnose", SAMPLES / "loss_in_half.py", "--json")
+    assert proc.returncode == 1, proc.stderr
+    payload = json.loads(proc.stdout)
+    assert payload["verdict"] == "unhealthy"
+    first = payload["findings"][0]
+    assert first["rank"] == 1 and first["cause"] == "loss-in-half" and first["severity"] == "error"
+    assert set(first) >= {"rank", "cause", "severity", "title", "evidence", "fix"}
+    assert set(first["fix"]) == {"summary", "code", "config_patch"}
+    assert first["fix"]["config_patch"] == {"overrides": {"loss_in_fp32": True}}
+    names = [s["name"] for s in payload["stages"]]
+    assert names[:3] == ["data scan", "fp32 baseline", "amp as configured"]
+    assert all(s["status"] in ("ran", "skipped") and s["summary"] for s in payload["stages"])
+
+
+def test_healthy_sample_exits_zero_and_says_so():
+    proc = run_cli("diagnose", SAMPLES / "mlp.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "healthy" in proc.stdout and "Triage" in proc.stdout
+
+
+def test_report_fix_config_and_junit(tmp_path):
+    report, fixed, junit = tmp_path / "r.md", tmp_path / "fixed.yaml", tmp_path / "j.xml"
+    proc = run_cli("diagnose", SAMPLES / "clip_before_unscale.py", "--report", report, "--fix-config", fixed, "--junit", junit)
+    assert proc.returncode == 1, proc.stderr
+    text = report.read_text()
+    assert "clip-before-unscale" in text and "## Stages" in text and "```python" in text
+    config = yaml.safe_load(fixed.read_text())
+    assert config["overrides"]["unscale_before_clip"] is True and config["steps"] == 20  # the user's CONFIG kept
+    build_config(config)  # a valid config
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite.get("failures") == "1" and int(suite.get("tests")) == 16
+    failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
+    assert failed == ["clip-before-unscale"]
+    # the corrected config, given back, gives a healthy diagnosis
+    again = run_cli("diagnose", SAMPLES / "clip_before_unscale.py", "--config", fixed, "--json")
+    assert again.returncode == 0, again.stdout[-2000:]
+    assert json.loads(again.stdout)["verdict"] == "healthy"
+
+
+def test_existing_files_are_not_overwritten_without_force(tmp_path):
+    target = tmp_path / "fixed.yaml"
+    target.write_text("mine: true\n")
+    proc = run_cli("diagnose", SAMPLES / "mlp.py", "--fix-config", target)
+    assert proc.returncode == 2 and "already exists" in proc.stderr
+    assert target.read_text() == "mine: true\n"
+    proc = run_cli("diagnose", SAMPLES / "mlp.py", "--fix-config", target, "--force", "--steps", "5")
+    assert proc.returncode == 0 and "mine" not in target.read_text()
+
+
+def test_ci_fast_path_with_junit(tmp_path):
+    junit = tmp_path / "j.xml"
+    proc = run_cli("diagnose", SAMPLES / "scale_too_high.py", "--ci", "--junit", junit, "--json")
+    assert proc.returncode == 1
+    payload = json.loads(proc.stdout)
+    assert payload["findings"][0]["cause"] == "scale-overflow"
+    assert ET.parse(junit).getroot().find("testsuite").get("failures") == "1"
+
+
+def test_bad_input_gets_exit_two(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("import torch\ndef model():\n    return torch.nn.Linear(2, 2)\n")
+    proc = run_cli("diagnose", broken)
+    assert proc.returncode == 2 and "data()" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_rules_command_lists_every_code():
+    proc = run_cli("rules")
+    assert proc.returncode == 0
+    for code in ("nonfinite-data", "precision-gap", "bf16-advice"):
+        assert code in proc.stdout

@@ -1,0 +1,135 @@
+"""Rules: stable unique codes, their own sample cases, and fixes that really fix.
+
+Every rule names the sample models whose top cause it is (``triggers``) and
+the healthy ones it must leave alone (``passes``); this file turns them into
+tests. Diagnoses are cached per (sample, config) for the session.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import SAMPLES
+from fp16doctor.config import build_config
+from fp16doctor.diagnosis import DiagnoseOptions, diagnose, fixed_config
+from fp16doctor.rules import all_rules
+from fp16doctor.spec import load_training_file
+
+CONTRACT_CODES = {
+    "nonfinite-data", "extreme-data", "fp32-divergence", "loss-in-half", "activation-overflow", "grad-underflow",
+    "scale-overflow", "scale-growth", "half-weights", "half-batchnorm", "half-optimizer-state",
+    "clip-before-unscale", "lr-schedule-peak", "scheduler-skip-drift", "precision-gap", "bf16-advice",
+}
+RULES = all_rules()
+HEALTHY = ["mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"]
+
+
+@functools.lru_cache(maxsize=None)
+def diagnosed(sample: str, patch: str = "{}", ci: bool = False):
+    spec = load_training_file(SAMPLES / sample)
+    layers = {**spec.config, **json.loads(patch)}
+    config = build_config(layers, {"device": "cpu"})
+    return layers, diagnose(spec, config, DiagnoseOptions(ci=ci))
+
+
+def test_codes_are_unique_and_exactly_the_contract():
+    codes = [r.code for r in RULES]
+    assert len(codes) == len(set(codes))
+    assert set(codes) == CONTRACT_CODES
+
+
+def test_every_rule_documents_itself_and_has_a_sample():
+    for rule in RULES:
+        assert rule.doc(), rule.code
+        assert rule.severity in ("error", "warning", "info")
+        if rule.code != "bf16-advice":  # advice never tops a diagnosis with errors
+            assert rule.triggers, rule.code
+        for sample in rule.triggers + rule.passes:
+            assert (SAMPLES / sample).is_file(), sample
+
+
+TRIGGERS = [(r.code, s) for r in RULES for s in r.triggers]
+
+
+@pytest.mark.parametrize("code,sample", TRIGGERS, ids=[f"{c}:{s}" for c, s in TRIGGERS])
+def test_sample_gets_its_top_cause(code, sample):
+    _, result = diagnosed(sample)
+    assert result.findings, f"{sample}: no findings"
+    top = result.findings[0]
+    assert top.cause == code, [(f.cause, f.severity, f.title) for f in result.findings]
+    assert top.evidence and top.fix.summary
+    expected_severity = next(r.severity for r in RULES if r.code == code)
+    assert top.severity in ("error", expected_severity)
+
+
+@pytest.mark.parametrize("sample", HEALTHY)
+def test_healthy_samples_have_no_error_finding(sample):
+    _, result = diagnosed(sample)
+    assert result.healthy, [(f.cause, f.title) for f in result.findings]
+    assert {r.code for r in RULES if sample in r.passes} & {f.cause for f in result.findings if f.severity == "error"} == set()
+
+
+VERIFIABLE = [(r.code, s) for r in RULES if r.verifiable for s in r.triggers]
+
+
+@pytest.mark.parametrize("code,sample", VERIFIABLE, ids=[f"{c}:{s}" for c, s in VERIFIABLE])
+def test_applying_the_config_patch_fixes_the_training(code, sample):
+    layers, result = diagnosed(sample)
+    patched = fixed_config(layers, result)
+    assert patched != layers  # the fix changed something
+    _, again = diagnosed(sample, json.dumps(patched))
+    assert again.healthy, [(f.cause, f.title) for f in again.findings if f.severity == "error"]
+
+
+def test_a_root_cause_hides_its_symptoms():
+    _, result = diagnosed("nan_in_data.py")
+    causes = [f.cause for f in result.findings]
+    assert causes == ["nonfinite-data"]  # not fp32-divergence, not scale-overflow
+    evidence = result.findings[0].evidence
+    assert evidence["first"]["batch"] == 3 and evidence["first"]["position"] == [5, 7] and evidence["batches"] == [3, 11]
+
+
+def test_user_exception_in_a_probe_is_evidence():
+    _, result = diagnosed("model_half.py")
+    finding = result.findings[0]
+    assert finding.cause == "half-weights"
+    assert "FP16 gradients" in finding.evidence["exception"]["message"]
+    assert finding.fix.config_patch["overrides"]["fp32_weights"] is True
+
+
+def test_ranking_is_severity_then_causal_order():
+    for sample in ("loss_in_half.py", "warmup_skips.py", "bf16_pretrained_ffn.py"):
+        _, result = diagnosed(sample)
+        keys = [(("error", "warning", "info").index(f.severity), f.order) for f in result.findings]
+        assert keys == sorted(keys)
+        assert [f.rank for f in result.findings] == list(range(1, len(result.findings) + 1))
+
+
+def test_localisation_names_module_and_operator():
+    _, result = diagnosed("bf16_pretrained_ffn.py")
+    finding = result.findings[0]
+    assert finding.evidence["module"] == "block.ff.wo" and finding.evidence["operator"] == "aten::mm"
+    assert finding.evidence["deterministic"] is True
+    assert finding.fix.config_patch == {"overrides": {"fp32_modules": ["block"]}}  # the block whose fp32 output fits fp16
+
+
+def test_loss_scale_recommendation_lies_in_the_derived_window():
+    _, result = diagnosed("no_loss_scaling.py")
+    finding = result.findings[0]
+    low, high = finding.evidence["scale_window"]
+    assert low <= finding.fix.config_patch["scaler"]["init_scale"] <= high
+    assert finding.fix.config_patch["scaler"]["enabled"] is True
+
+
+@pytest.mark.parametrize("sample", ["fast_variance_norm.py", "scale_grows_fast.py", "half_optimizer_state.py", "mlp.py"])
+def test_ci_fast_path_agrees_with_the_full_diagnosis(sample):
+    _, full = diagnosed(sample)
+    _, fast = diagnosed(sample, ci=True)
+    assert fast.verdict == full.verdict
+    if full.findings and not full.healthy:
+        assert fast.findings[0].cause == full.findings[0].cause
+    assert fast.evidence.steps <= 20
