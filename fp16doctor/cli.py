@@ -37,6 +37,12 @@ Device = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cu
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float16 | bfloat16 (config key: dtype).")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object to stdout and nothing else.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")]
+RunDir = Annotated[Optional[Path], typer.Option("--run-dir", help="Where the run keeps metrics.csv, checkpoints/ and summary.json (default: runs/<training file name>).")]
+CheckpointEvery = Annotated[int, typer.Option("--checkpoint-every", min=1, help="K: a checkpoint every K steps.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in the run directory.")]
+OnNonfinite = Annotated[str, typer.Option("--on-nonfinite", help="skip (like the GradScaler; stop after --max-nonfinite in a row) or stop.")]
+MaxNonfinite = Annotated[int, typer.Option("--max-nonfinite", min=1, help="Consecutive non-finite steps after which a skipping run stops.")]
+Nproc = Annotated[int, typer.Option("--nproc", min=1, help="Processes (torchrun + DistributedDataParallel; gloo on CPU, nccl on CUDA).")]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite output files that already exist (otherwise: ask, or refuse without a terminal).")]
 
 
@@ -164,10 +170,20 @@ def diagnose(
     ci: Annotated[bool, typer.Option("--ci", help="CI smoke check: fewer steps, only the stages the evidence calls for.")] = False,
     junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report (one test case per cause).")] = None,
     scan_batches: Annotated[Optional[int], typer.Option("--scan-batches", help="Scan this many batches in the data scan (default: those the probes use).")] = None,
+    train_: Annotated[bool, typer.Option("--train", help="Then run the corrected training (see `train`); the exit code is the run's.")] = False,
+    train_steps: Annotated[Optional[int], typer.Option("--train-steps", help="Steps of the corrected run (default: the config's steps).")] = None,
+    run_dir: RunDir = None,
+    checkpoint_every: CheckpointEvery = 50,
+    on_nonfinite: OnNonfinite = "skip",
+    max_nonfinite: MaxNonfinite = 20,
+    nproc: Nproc = 1,
     force: Force = False,
     debug: Debug = False,
 ) -> None:
-    """Run the triage and print a ranked diagnosis. Exit 0 healthy, 1 any error finding, 2 bad input."""
+    """Run the triage and print a ranked diagnosis. Exit 0 healthy, 1 any error finding, 2 bad input.
+
+    With --train: then run the corrected training; exit 0 when it reaches its last step, 1 when it stops.
+    """
 
     def job() -> int:
         from .diagnosis import DiagnoseOptions, fixed_config
@@ -198,9 +214,131 @@ def diagnose(
             for label, path in (("report", report), ("corrected config", fix_config), ("JUnit report", junit)):
                 if path is not None:
                     out.print(f"[dim]{label} written to {path}[/]")
-        return EXIT_OK if result.healthy else EXIT_FINDINGS
+        if not train_:
+            return EXIT_OK if result.healthy else EXIT_FINDINGS
+        from .config import build_config
+
+        corrected = fixed_config(layers, result)
+        if train_steps is not None:
+            corrected["steps"] = train_steps
+        options = train_options(training_file, run_dir, checkpoint_every, False, on_nonfinite, max_nonfinite, force)
+        return run_training(spec, build_config(corrected, cli_layer(device=device)), options, nproc, training_file, quiet=json_)
 
     guarded(debug, job)
+
+
+@app.command()
+def train(
+    training_file: TrainingFile,
+    config: ConfigFile = None,
+    steps: Steps = None,
+    seed: Seed = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    run_dir: RunDir = None,
+    checkpoint_every: CheckpointEvery = 50,
+    resume: Resume = False,
+    on_nonfinite: OnNonfinite = "skip",
+    max_nonfinite: MaxNonfinite = 20,
+    nproc: Nproc = 1,
+    force: Force = False,
+    debug: Debug = False,
+) -> None:
+    """Run the (corrected) training: every fix of the config applied, checkpoints that survive a crash.
+
+    Exit 0 when it reaches its last step, 1 when it stops on non-finite steps or an exception, 2 bad input, 130 on Ctrl-C.
+    """
+
+    def job() -> int:
+        spec, cfg = load(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
+        options = train_options(training_file, run_dir, checkpoint_every, resume, on_nonfinite, max_nonfinite, force)
+        return run_training(spec, cfg, options, nproc, training_file)
+
+    guarded(debug, job)
+
+
+def train_options(training_file: Path, run_dir: Path | None, checkpoint_every: int, resume: bool,
+                  on_nonfinite: str, max_nonfinite: int, force: bool):
+    """Validate the run options; never start a fresh run over an earlier one without asking."""
+    import shutil
+
+    from .errors import DoctorError
+    from .train import TrainOptions, checkpoint_paths
+
+    if on_nonfinite not in ("skip", "stop"):
+        raise DoctorError(f"--on-nonfinite must be skip or stop, got '{on_nonfinite}'.")
+    directory = run_dir or Path("runs") / training_file.stem
+    earlier = checkpoint_paths(directory) + [p for p in (directory / "metrics.csv",) if p.exists()]
+    if earlier and not resume:
+        if not force and not (sys.stdin.isatty() and typer.confirm(f"{directory} holds an earlier run. Start over and replace it?", default=False, err=True)):
+            raise DoctorError(f"'{directory}' holds an earlier run (checkpoints, metrics).",
+                              hint="Pass --resume to continue it, --run-dir for a new one, or --force to replace it.")
+        shutil.rmtree(directory / "checkpoints", ignore_errors=True)
+    return TrainOptions(run_dir=directory, checkpoint_every=checkpoint_every, resume=resume,
+                        on_nonfinite=on_nonfinite, max_nonfinite=max_nonfinite)
+
+
+def run_training(spec: Any, cfg: Any, options: Any, nproc: int, training_file: Path, quiet: bool = False) -> int:
+    """One process in this one, or ``nproc`` under torchrun; then the summary and the exit code."""
+    from .render import render_training
+    from .train import Trainer, TrainResult
+
+    console = err if quiet else out
+    if nproc == 1:
+        result = train_here(Trainer(spec, cfg, options))
+    else:
+        result = train_distributed(spec, cfg, options, nproc, training_file)
+    render_training(result, options.run_dir, console)
+    if result.status == "interrupted":
+        return 130
+    return EXIT_OK if result.ok else EXIT_FINDINGS
+
+
+def train_here(trainer: Any) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=err, transient=False) as progress:
+        task = progress.add_task("train", total=trainer.config.steps, completed=0, stats="")
+        state = {"skipped": 0, "t0": None, "n": 0}
+
+        def on_step(row: dict[str, Any]) -> None:
+            import time
+
+            state["t0"] = state["t0"] or time.perf_counter()
+            state["n"] += 1
+            state["skipped"] += int(row["skipped"])
+            rate = state["n"] / max(time.perf_counter() - state["t0"], 1e-9)
+            progress.update(task, completed=row["step"] + 1,
+                            stats=f"loss {row['loss']:.4g}  scale {row['loss_scale']:.0f}  skipped {state['skipped']}  {rate:.1f} it/s")
+
+        return trainer.run(on_step)
+
+
+def train_distributed(spec: Any, cfg: Any, options: Any, nproc: int, training_file: Path) -> Any:
+    """torchrun with ``nproc`` processes of :mod:`fp16doctor.worker`; the outcome comes back through summary.json."""
+    import json
+    import subprocess
+    from dataclasses import asdict
+
+    from .errors import DoctorError
+    from .files import atomic_write_text
+    from .train import TrainResult
+
+    options.run_dir.mkdir(parents=True, exist_ok=True)
+    launch = options.run_dir / "launch.json"
+    payload = {"training_file": str(Path(training_file).resolve()), "config": cfg.to_dict(),
+               "options": {**asdict(options), "run_dir": str(options.run_dir.resolve())}}
+    atomic_write_text(launch, json.dumps(payload, indent=2))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "fp16doctor.worker", str(launch)]
+    proc = subprocess.run(command)
+    summary = options.run_dir / "summary.json"
+    if proc.returncode == 2 or not summary.exists():
+        raise DoctorError(f"the {nproc}-process run failed (torchrun exit code {proc.returncode}).",
+                          hint="Its processes' messages are above; try --nproc 1 to see the problem in one process.")
+    data = json.loads(summary.read_text())
+    return TrainResult(**data)
 
 
 @app.command()

@@ -43,7 +43,7 @@ class Localisation:
     step: int
     batch_index: int
     phase: str
-    """forward | loss | backward | optimizer"""
+    """data | forward | loss | backward | optimizer"""
     module: str | None
     operator: str
     input_ranges: list[tuple[float, float]]
@@ -84,6 +84,15 @@ def _range(t: torch.Tensor) -> tuple[float, float]:
         return (0.0, 0.0)
     lo, hi = torch.aminmax(t.detach().double().reshape(-1))
     return (float(lo), float(hi))
+
+
+def _nonfinite_field(batch: Any) -> tuple[str, torch.Tensor] | None:
+    from .batches import iter_tensors
+
+    for name, tensor in iter_tensors(batch):
+        if tensor.is_floating_point() and not _finite(tensor):
+            return name, tensor
+    return None
 
 
 def _asks_for_nonfinite(args: tuple, kwargs: dict) -> bool:
@@ -177,8 +186,8 @@ class NonFiniteTracer(TorchDispatchMode):
         return self.context.stack[-1] if self.context.stack else OUTSIDE_MODEL
 
 
-def trace_step(probe: Probe) -> Localisation | None:
-    """Take ``probe``'s next step with the tracer on; the first non-finite op, or None."""
+def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) -> Localisation | None:
+    """Take ``probe``'s next step (on ``batch`` if given) with the tracer on; the first non-finite op, or None."""
     context = _Context()
     names = {m: n or "<root>" for n, m in probe.model.named_modules()}
 
@@ -205,10 +214,20 @@ def trace_step(probe: Probe) -> Localisation | None:
     handles.append(probe.optimizer.register_step_pre_hook(optimizer_on))
     handles.append(probe.optimizer.register_step_post_hook(optimizer_off))
     tracer = NonFiniteTracer(context)
-    step, batch_index = probe.iteration, probe.cursor % len(probe.bench.batches)
+    step = probe.iteration
+    if batch_index is None:
+        batch_index = probe.cursor % len(probe.bench.batches) if batch is None else probe.cursor
+    bad_field = _nonfinite_field(batch if batch is not None else probe.bench.batches[batch_index])
+    if bad_field is not None:  # the values came in with the data: no operator made them
+        for h in handles:
+            h.remove()
+        name, tensor = bad_field
+        return Localisation(step=step, batch_index=batch_index, mode=probe.mode, phase="data", module=None,
+                            operator=f"<batch field '{name}'>", input_ranges=[], output=_describe_bad(tensor),
+                            note="the batch itself holds non-finite values")
     try:
         with probe.mode_context(), tracer:
-            probe.step()
+            probe.step(batch, batch_index)
     finally:
         for h in handles:
             h.remove()

@@ -260,10 +260,17 @@ class Probe:
                 return self.spec.train_step(self.model, batch, self.optimizer, self.scaler, self.autocast)
             return canonical_step(self.model, batch, self.optimizer, self.scaler, self.autocast, self._loss_fn(), self.config.max_grad_norm)
 
-    def step(self) -> StepRecord:
-        """Take one training step and record it. A user exception ends the probe (``self.failed``)."""
-        batch_index = self.cursor % len(self.bench.batches)
-        batch = to_device(self.bench.batches[batch_index], self.device, torch.float32 if self.mode == "fp32" else None)
+    def step(self, batch: Any = None, batch_index: int | None = None) -> StepRecord:
+        """Take one training step and record it. A user exception ends the probe (``self.failed``).
+
+        Without ``batch`` the step replays the workbench's batch at the data cursor; a
+        training run streams its own batches in.
+        """
+        if batch is None:
+            batch_index = self.cursor % len(self.bench.batches)
+            batch = self.bench.batches[batch_index]
+        batch_index = self.cursor if batch_index is None else batch_index
+        batch = to_device(batch, self.device, torch.float32 if self.mode == "fp32" else None)
         lr = float(self.optimizer.param_groups[0]["lr"])
         scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
         self.scaler.trace = trace = StepTrace(scale_used=scale)

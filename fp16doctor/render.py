@@ -140,3 +140,24 @@ def _finding_panel(finding: Finding) -> Panel:
     style = SEVERITY_STYLE[finding.severity]
     return Panel(Group(*parts), title=f"[{style}]{finding.rank}. {finding.severity}: {finding.cause}[/]", title_align="left",
                  border_style=style.split()[-1])
+
+
+def render_training(result: Any, run_dir: Any, console: Console) -> None:
+    """The run's final summary."""
+    style = {"completed": "bold green", "stopped": "bold red", "failed": "bold red", "interrupted": "bold yellow"}[result.status]
+    table = Table(title=f"Training run: [{style}]{result.status}[/]" + (f" ({escape(result.reason)})" if result.reason else ""),
+                  title_justify="left", show_header=False)
+    table.add_column(style="dim")
+    table.add_column(overflow="fold")
+    table.add_row("steps", f"{result.first_step} -> {result.steps}")
+    table.add_row("final loss", fmt(result.final_loss))
+    table.add_row("skipped steps", str(result.skipped))
+    table.add_row("non-finite steps", str(result.nonfinite))
+    if result.first_nonfinite:
+        table.add_row("first non-finite", escape(f"step {result.first_nonfinite['step']}: {result.first_nonfinite.get('explanation', '')}"))
+    table.add_row("last checkpoint", escape(str(result.last_checkpoint)))
+    table.add_row("run directory", escape(str(run_dir)) + "  (metrics.csv, checkpoints/, summary.json)")
+    table.add_row("time", f"{result.seconds:.1f} s")
+    console.print(table)
+    for finding in result.findings:
+        console.print(f"[yellow]{finding['severity']}: {finding['cause']}[/]: {escape(finding['title'])}. {escape(finding['fix'])}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import subprocess
 import sys
@@ -49,3 +51,26 @@ def data():
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(6)]
 """
+
+
+@functools.lru_cache(maxsize=None)
+def diagnosed(sample: str, patch: str = "{}", ci: bool = False):
+    """(the user's config layers, the diagnosis) of a sample model, cached for the whole session."""
+    from fp16doctor.config import build_config
+    from fp16doctor.diagnosis import DiagnoseOptions, diagnose
+    from fp16doctor.spec import load_training_file
+
+    spec = load_training_file(SAMPLES / sample)
+    layers = {**spec.config, **json.loads(patch)}
+    config = build_config(layers, {"device": "cpu"})
+    return layers, diagnose(spec, config, DiagnoseOptions(ci=ci))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` need a GPU: skipped where there is none (CI is CPU-only)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -7,17 +7,13 @@ tests. Diagnoses are cached per (sample, config) for the session.
 
 from __future__ import annotations
 
-import functools
 import json
-from pathlib import Path
 
 import pytest
 
-from conftest import SAMPLES
-from fp16doctor.config import build_config
-from fp16doctor.diagnosis import DiagnoseOptions, diagnose, fixed_config
+from conftest import SAMPLES, diagnosed
+from fp16doctor.diagnosis import fixed_config
 from fp16doctor.rules import all_rules
-from fp16doctor.spec import load_training_file
 
 CONTRACT_CODES = {
     "nonfinite-data", "extreme-data", "fp32-divergence", "loss-in-half", "activation-overflow", "grad-underflow",
@@ -26,14 +22,6 @@ CONTRACT_CODES = {
 }
 RULES = all_rules()
 HEALTHY = ["mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"]
-
-
-@functools.lru_cache(maxsize=None)
-def diagnosed(sample: str, patch: str = "{}", ci: bool = False):
-    spec = load_training_file(SAMPLES / sample)
-    layers = {**spec.config, **json.loads(patch)}
-    config = build_config(layers, {"device": "cpu"})
-    return layers, diagnose(spec, config, DiagnoseOptions(ci=ci))
 
 
 def test_codes_are_unique_and_exactly_the_contract():
