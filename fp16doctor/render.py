@@ -108,7 +108,9 @@ SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold c
 def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str) -> None:
     """Summary line, the stages, then the ranked findings with evidence and fix snippets."""
     errors = [f for f in diagnosis.findings if f.severity == "error"]
-    if diagnosis.healthy:
+    if not errors and diagnosis.unexplained:
+        console.print(f"[bold red]unhealthy[/]: the training raised an exception under AMP that no rule explains (below).")
+    elif diagnosis.healthy:
         console.print(f"[bold green]healthy[/]: {training_file} trains in mixed precision like its FP32 twin"
                       + (f" ({len(diagnosis.findings)} note(s) below)" if diagnosis.findings else "") + ".")
     else:
@@ -122,6 +124,10 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
     console.print(stages)
     for finding in diagnosis.findings:
         console.print(_finding_panel(finding))
+    for item in diagnosis.unexplained:
+        exc = item["exception"]
+        console.print(f"[bold red]the {item['probe']} probe raised {exc['type']} at step {exc['step']}[/]: {escape(str(exc['message']))} "
+                      f"({escape(str(exc['location']))}); no rule explains it: fix the training code there.")
 
 
 def _finding_panel(finding: Finding) -> Panel:

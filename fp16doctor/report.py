@@ -25,7 +25,11 @@ def markdown(diagnosis: Diagnosis, training_file: str) -> str:
     for stage in diagnosis.stages:
         lines.append(f"| {stage.name} | {stage.status} | {stage.summary.replace('|', '/')} |")
     lines += ["", "## Findings", ""]
-    if not diagnosis.findings:
+    for item in diagnosis.unexplained:
+        exc = item["exception"]
+        lines += [f"**The {item['probe']} probe raised {exc['type']} at step {exc['step']}**: {exc['message']} "
+                  f"(`{exc['location']}`); no rule explains it: fix the training code there.", ""]
+    if not diagnosis.findings and not diagnosis.unexplained:
         lines.append("No findings: AMP behaves like its FP32 twin.")
     for f in diagnosis.findings:
         lines += [f"### {f.rank}. [{f.severity}] `{f.cause}`: {f.title}", "", "Evidence:", ""]

@@ -80,3 +80,22 @@ def test_rules_command_lists_every_code():
     assert proc.returncode == 0
     for code in ("nonfinite-data", "precision-gap", "bf16-advice"):
         assert code in proc.stdout
+
+
+def test_an_unexplained_amp_exception_is_never_healthy(tmp_path):
+    path = tmp_path / "mixes_dtypes.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def model():\n    return nn.Linear(4, 2)\n\n"
+        "def data():\n    return [(torch.randn(3, 4), torch.tensor([0, 1, 0]))]\n\n"
+        "def loss(model, batch):\n"
+        "    x, y = batch\n"
+        "    with torch.autocast('cpu', enabled=False):\n"
+        "        h = model(x.half())   # a half input into an fp32 layer, outside autocast\n"
+        "    return nn.functional.cross_entropy(h.float(), y)\n"
+    )
+    proc = run_cli("diagnose", path, "--json", "--steps", "3")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    payload = json.loads(proc.stdout)
+    assert payload["verdict"] == "unhealthy"
+    assert payload["unexplained"][0]["probe"] == "amp" and payload["unexplained"][0]["exception"]["location"].endswith(":13")

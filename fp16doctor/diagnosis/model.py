@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,8 +143,18 @@ class Diagnosis:
     evidence: Evidence
 
     @property
+    def unexplained(self) -> list[dict[str, Any]]:
+        """Exceptions the training raised in a probe that no finding accounts for (never "healthy")."""
+        explained = {json_key(f.evidence.get("exception")) for f in self.findings if f.evidence.get("exception")}
+        out = []
+        for summary in (self.evidence.fp32, self.evidence.amp):
+            if summary is not None and summary.exception is not None and json_key(summary.exception) not in explained:
+                out.append({"probe": summary.mode, "exception": summary.exception})
+        return out
+
+    @property
     def healthy(self) -> bool:
-        return not any(f.severity == "error" for f in self.findings)
+        return not any(f.severity == "error" for f in self.findings) and not self.unexplained
 
     @property
     def verdict(self) -> str:
@@ -154,7 +165,12 @@ class Diagnosis:
             "verdict": self.verdict,
             "findings": [f.to_json() for f in self.findings],
             "stages": [s.to_json() for s in self.stages],
+            "unexplained": jsonable(self.unexplained),
         }
+
+
+def json_key(value: Any) -> str:
+    return json.dumps(jsonable(value), sort_keys=True)
 
 
 def jsonable(value: Any) -> Any:
