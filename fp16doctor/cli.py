@@ -31,7 +31,7 @@ EXIT_INTERNAL = 3
 
 TrainingFile = Annotated[Path, typer.Argument(help="The training file: defines model() and data(); see the README.", show_default=False)]
 ConfigFile = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config; overrides the file's CONFIG dict.")]
-Steps = Annotated[Optional[int], typer.Option("--steps", help="Training steps per probe (config key: steps).")]
+Steps = Annotated[Optional[int], typer.Option("--steps", help="Training steps: per probe, or of the run for train (config key: steps).")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Seed (config key: seed).")]
 Device = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda (config key: device).")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float16 | bfloat16 (config key: dtype).")]

@@ -99,3 +99,11 @@ def test_an_unexplained_amp_exception_is_never_healthy(tmp_path):
     payload = json.loads(proc.stdout)
     assert payload["verdict"] == "unhealthy"
     assert payload["unexplained"][0]["probe"] == "amp" and payload["unexplained"][0]["exception"]["location"].endswith(":13")
+
+
+def test_scan_batches_reaches_beyond_the_probes_batches():
+    short = run_cli("diagnose", SAMPLES / "nan_in_data.py", "--steps", "5", "--json")
+    scanned = run_cli("diagnose", SAMPLES / "nan_in_data.py", "--steps", "5", "--scan-batches", "20", "--json")
+    short_evidence = json.loads(short.stdout)["findings"][0]["evidence"]
+    full_evidence = json.loads(scanned.stdout)["findings"][0]["evidence"]
+    assert short_evidence["batches"] == [3] and full_evidence["batches"] == [3, 11]

@@ -271,3 +271,26 @@ def test_fp16_gradient_compression_is_reported(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert [f["cause"] for f in summary["findings"]] == ["ddp-half-allreduce"]
     assert "fp16_compress_hook" in summary["findings"][0]["title"]
+
+
+def test_a_user_exception_mid_run_stops_with_its_location(tmp_path):
+    path = tmp_path / "breaks.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        import torch.nn.functional as F
+        calls = {"n": 0}
+        def model():
+            return nn.Linear(4, 2)
+        def data():
+            return [(torch.randn(3, 4), torch.tensor([0, 1, 0]))] * 4
+        def loss(model, batch):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("the label file is gone")
+            return F.cross_entropy(model(batch[0]), batch[1])
+    """))
+    proc = run_cli("train", path, "--steps", "6", "--run-dir", tmp_path / "run")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "the label file is gone" in proc.stdout and "breaks.py:13" in proc.stdout
+    assert len(pd.read_csv(tmp_path / "run" / "metrics.csv")) == 2
