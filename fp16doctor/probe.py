@@ -23,6 +23,7 @@ import random
 import traceback
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pandas as pd
@@ -166,8 +167,6 @@ class Probe:
         self.cursor = 0
         self.records: list[StepRecord] = []
         self.failed: StepRecord | None = None
-        self.step_hooks: list[Callable[["Probe", StepRecord], None]] = []
-        """Called after each step with its record."""
         self.instruments: Instruments | None = None
         with self.mode_context(), (NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext()):
             self.model = self._build_model()
@@ -180,21 +179,27 @@ class Probe:
         )
         self._watch = OptimizerWatch(self.optimizer, self.scaler)
         self.autocast = autocast_factory(self.device.type, self.settings.low_dtype)
-        self._step_modes: list[Any] = []
-        """Torch-function modes active during every step (runtime fixes)."""
-        if config.overrides.loss_in_fp32 and self.mode != "fp32":
-            loss_mode = LossInFp32(self.device.type)
-            loss_mode.attach(self.model)
-            self._step_modes.append(loss_mode)
-        if config.overrides.fp32_weights and self.mode != "fp32":
-            # fp32 master weights: the file's half casts become fp32, the forward runs under autocast.
-            self._step_modes.append(NeutraliseHalfCasts())
-            autocast_forward(self.model, self.autocast)
+        self._step_modes = self._runtime_fixes()
         if instruments is not None:
             self.instrument(instruments)
         seed_everything(config.seed)  # dropout and friends draw the same numbers in every mode
 
     # --- construction -------------------------------------------------------------------------
+    def _runtime_fixes(self) -> list[Any]:
+        """The torch-function modes that ``config.overrides`` keep active during every step."""
+        if self.mode == "fp32":
+            return []  # the baseline has nothing to fix
+        modes: list[Any] = []
+        if self.config.overrides.loss_in_fp32:
+            loss_mode = LossInFp32(self.device.type)
+            loss_mode.attach(self.model)
+            modes.append(loss_mode)
+        if self.config.overrides.fp32_weights:
+            # fp32 master weights: the file's half casts become fp32, the forward runs under autocast.
+            modes.append(NeutraliseHalfCasts())
+            autocast_forward(self.model, self.autocast)
+        return modes
+
     def _build_model(self) -> torch.nn.Module:
         seed_everything(self.config.seed)
         model = build_model(self.spec).to(self.device)
@@ -302,8 +307,6 @@ class Probe:
         if skipped and rng_before is not None:
             self._set_rng_state(rng_before)  # the retry draws the same dropout masks as fp32's step did
         self.records.append(record)
-        for hook in self.step_hooks:
-            hook(self, record)
         return record
 
     def instrument(self, options: InstrumentOptions | None = None) -> Instruments:
@@ -346,10 +349,7 @@ class Probe:
         return 0.0 if check_only else float(loss.detach().float().item())
 
     def _exception_record(self, exc: Exception, batch_index: int, lr: float, scale: float, trace: StepTrace) -> StepRecord:
-        location = user_frame(exc, self.spec.path)
-        if location is None:  # the deepest frame that is not torch or fp16doctor: still the user's code
-            frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" not in f.filename and "fp16doctor" not in f.filename]
-            location = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+        location = user_frame(exc, self.spec.path) or _outside_torch_frame(exc)
         self.iteration += 1
         return StepRecord(
             step=self.iteration - 1, batch_index=batch_index, loss=float("nan"), grad_norm=float("nan"), lr=lr,
@@ -429,6 +429,15 @@ class Probe:
         self._watch.close()
         if self.instruments is not None:
             self.instruments.detach()
+
+
+def _outside_torch_frame(exc: BaseException) -> str | None:
+    """The deepest frame outside PyTorch: a helper module of the user's, or the doctor's canonical step."""
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    wrappers = {str(Path(__file__).with_name(n).resolve()) for n in ("recording.py", "overrides.py")}  # the doctor's thin wrappers
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(torch_dir) and str(Path(f.filename).resolve()) not in wrappers]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
 
 
 def run_probe(bench: Workbench, mode: str, steps: int | None = None, **options: Any) -> pd.DataFrame:
