@@ -123,3 +123,35 @@ def train_step(model, batch, optimizer, scaler, autocast):
 def test_scheduler_steps_once_per_step():
     frame = bench_for(SAMPLES / "transformer_encoder.py", steps=4).probe("fp32").run()
     assert frame["lr"].tolist() == pytest.approx([5e-4 * min(1.0, (k + 1) / 10) for k in range(4)])
+
+
+def test_amp_probe_on_cpu_sees_what_cuda_autocast_would(training_file):
+    """exp of values past ln(65504) inside autocast: CUDA runs exp in fp32 (finite), plain CPU autocast in fp16 (inf)."""
+    source = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+class SoftplusByHand(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.log1p(torch.exp(h))   # exp of ~12: 1.6e5, beyond fp16
+
+def model():
+    net = SoftplusByHand()
+    with torch.no_grad():
+        net.proj.weight.fill_(0.0)
+        net.proj.bias.fill_(12.0)
+    return net
+
+def data():
+    return [(torch.randn(6, 8), torch.randint(0, 4, (6,)))]
+"""
+    probe = bench_for(training_file(source), steps=1).probe("amp")
+    frame = probe.run()
+    assert not frame["nonfinite_loss"].any()  # faithful to CUDA's fp32 list
+    with torch.autocast("cpu", dtype=torch.float16):  # what plain CPU autocast would have shown
+        assert torch.isinf(torch.exp(torch.full((2,), 12.0).half())).all()

@@ -17,3 +17,19 @@ def test_torch_is_pinned_in_every_install_command():
     for command in re.findall(r"```bash\n(.+?)\n```", readme):
         if "pip install" in command:
             assert "torch==2.13.0" in command
+
+
+def test_the_readme_training_file_example_runs(tmp_path):
+    from fp16doctor.compare import compare
+    from fp16doctor.config import build_config
+    from fp16doctor.probe import Workbench
+    from fp16doctor.spec import load_training_file
+
+    readme = (ROOT / "README.md").read_text()
+    example = next(block for block in re.findall(r"```python\n(.+?)```", readme, re.S) if "def train_step" in block)
+    path = tmp_path / "readme_example.py"
+    path.write_text(example)
+    spec = load_training_file(path)
+    assert spec.train_step is not None and spec.loss is not None
+    result = compare(Workbench(spec, build_config(spec.config, {"device": "cpu", "steps": 4})), ["amp"])
+    assert result.verdict == "healthy"
