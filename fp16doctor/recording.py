@@ -21,7 +21,9 @@ class StepTrace:
     """What one training step did, as observed."""
 
     scaled: bool = False
-    """``scaler.scale(loss)`` was called (with the scaler enabled)."""
+    """``scaler.scale(loss)`` was called with the scaler enabled."""
+    scale_called: bool = False
+    """``scaler.scale(loss)`` was called at all (False: the step scales by hand, or not at all)."""
     unscaled: bool = False
     """``scaler.unscale_`` ran (explicitly, or implicitly inside ``scaler.step``)."""
     found_inf: bool = False
@@ -58,6 +60,7 @@ class RecordingGradScaler(torch.amp.GradScaler):
         self.trace = StepTrace()
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
+        self.trace.scale_called = True
         if self.is_enabled():
             self.trace.scaled = True
             self.trace.scale_used = float(self.get_scale())

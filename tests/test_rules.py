@@ -121,3 +121,49 @@ def test_ci_fast_path_agrees_with_the_full_diagnosis(sample):
     if full.findings and not full.healthy:
         assert fast.findings[0].cause == full.findings[0].cause
     assert fast.evidence.steps <= 20
+
+
+HAND_ROLLED = """import torch
+from torch import nn
+import torch.nn.functional as F
+
+CONFIG = {"steps": 20, "scaler": {"enabled": False}}
+STATIC_SCALE = 2.0 ** 26
+
+def model():
+    return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(10, 32, generator=g)
+    for _ in range(20):
+        y = torch.randint(0, 10, (64,), generator=g)
+        yield c[y] + 0.5 * torch.randn(64, 32, generator=g), y
+
+def train_step(model, batch, optimizer, scaler, autocast):
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    with autocast():
+        loss = F.cross_entropy(model(x), y)
+    (loss * STATIC_SCALE).backward()
+    grads = [p.grad for p in model.parameters()]
+    if all(torch.isfinite(g).all() for g in grads):
+        for g in grads:
+            g.div_(STATIC_SCALE)
+        optimizer.step()
+    return loss
+"""
+
+
+def test_hand_rolled_static_scaling_is_recognised(tmp_path):
+    from fp16doctor.config import build_config
+    from fp16doctor.diagnosis import diagnose
+    from fp16doctor.spec import load_training_file
+
+    path = tmp_path / "hand_rolled.py"
+    path.write_text(HAND_ROLLED)
+    spec = load_training_file(path)
+    result = diagnose(spec, build_config(spec.config, {"device": "cpu", "steps": 8}))
+    top = result.findings[0]
+    assert top.cause == "scale-overflow" and top.evidence["scaler_called"] is False
+    assert "scaler.scale(loss).backward()" in top.fix.code

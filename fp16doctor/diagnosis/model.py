@@ -77,6 +77,8 @@ class ProbeSummary:
     loss_dtypes: list[str]
     first_nonfinite_forward: dict[str, Any] | None
     scaler_enabled: bool
+    scaler_called: bool = True
+    """Whether the training step called scaler.scale() (a hand-rolled loop may not)."""
 
     @property
     def exception(self) -> dict[str, Any] | None:

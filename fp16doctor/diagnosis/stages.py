@@ -64,6 +64,7 @@ def summarise(probe: Probe) -> ProbeSummary:
         clip_calls=clip_calls, loss_dtypes=loss_dtypes,
         first_nonfinite_forward=probe.instruments.first_nonfinite_forward() if probe.instruments else None,
         scaler_enabled=probe.scaler.is_enabled(),
+        scaler_called=any(r.trace.scale_called for r in probe.records if r.trace),
     )
 
 

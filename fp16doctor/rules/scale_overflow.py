@@ -44,6 +44,8 @@ class ScaleOverflow(Rule):
             return []
         steps = [int(s) for s, bad in zip(rec["step"], overflowing) if bad]
         runs = skip_runs(steps)
+        if not amp.scaler_called:  # the step scales by hand: the measured window carries its static factor
+            return [self._hand_rolled(steps, len(rec))]
         patch = scale_patch(ev)
         why = (f"the scale never settled in {len(rec)} steps" if leading == len(overflowing)
                else f"settling from init_scale {ev.config.scaler.init_scale:.3g} takes ~{settling} skipped steps" if settling > SETTLING_LIMIT
@@ -60,6 +62,19 @@ class ScaleOverflow(Rule):
                 config_patch=patch,
             ),
         )]
+
+    def _hand_rolled(self, steps: list[int], total: int) -> Finding:
+        patch = {"scaler": {"enabled": True, "init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}}
+        return self.finding(
+            f"Gradients overflow in {len(steps)} of {total} AMP steps, and the step never calls scaler.scale(): a static, hand-rolled loss scale is too high",
+            {"overflow_steps": steps[:30], "scaler_called": False},
+            Fix(
+                "Replace the hand-rolled static scaling by the GradScaler passed to train_step (dynamic: it backs off on overflow).",
+                code=("scaler.scale(loss).backward()      # instead of (loss * STATIC_SCALE).backward()\n"
+                      "scaler.unscale_(optimizer)\nscaler.step(optimizer)\nscaler.update()"),
+                config_patch=patch,
+            ),
+        )
 
     @staticmethod
     def _expected_settling(ev: Evidence) -> int:
