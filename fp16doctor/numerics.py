@@ -133,13 +133,15 @@ def scale_window(capture: GradientCapture, keep: float = KEEP) -> ScaleWindow:
     return ScaleWindow(frame, float(frame["min_scale"].max()), float(frame["max_scale"].min()))
 
 
-def observed_underflow(bench: Workbench, state_from: Probe | None = None, config: Any = None) -> pd.DataFrame:
+def observed_underflow(bench: Workbench, state_from: Probe | None = None, config: Any = None,
+                       reference: GradientCapture | None = None) -> pd.DataFrame:
     """Per tensor: the share of gradients non-zero in FP32 but zero in AMP, same weights and batch.
 
     Both probes take the same step from the same state (``state_from``'s weights
     and position, or the start); AMP gradients are compared after unscaling.
+    ``reference``: an FP32 capture of that same step, when the caller already has one.
     """
-    fp32, amp = bench.probe("fp32", config), bench.probe("amp", config)
+    fp32, amp = bench.probe("fp32", config, instruments=None), bench.probe("amp", config, instruments=None)
     try:
         if state_from is not None:
             snap = state_from.snapshot()
@@ -148,7 +150,8 @@ def observed_underflow(bench: Workbench, state_from: Probe | None = None, config
                 probe.iteration, probe.cursor = snap.iteration, snap.cursor
             if state_from.scaler.is_enabled() and amp.scaler.is_enabled():
                 amp.scaler.load_state_dict(state_from.scaler.state_dict())
-        reference = capture_gradients(fp32)
+        if reference is None or state_from is not None:
+            reference = capture_gradients(fp32)
         low = capture_gradients(amp)
     finally:
         fp32.close()

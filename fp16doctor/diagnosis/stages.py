@@ -218,11 +218,15 @@ def stage_scale(ctx: StageContext) -> StageReport:
         return StageReport("loss-scale sweep", "skipped", "bfloat16 has fp32's range: no loss scaling needed")
     if ev.fp32 is None or not ev.fp32.finite:
         return StageReport("loss-scale sweep", "skipped", "the fp32 baseline is not finite: scaling cannot help")
-    capture = capture_gradients(ctx.bench.probe("fp32", instruments=None))
+    reference = ctx.bench.probe("fp32", cfg, instruments=None)
+    try:
+        capture = capture_gradients(reference)  # step 0 from the start: the same step observed_underflow compares
+    finally:
+        reference.close()
     ev.window = window = scale_window(capture)
     configured = cfg.scaler.init_scale if cfg.scaler.enabled else 1.0
     ev.predicted_underflow = predicted_underflow(capture, configured)
-    ev.observed_underflow = observed_underflow(ctx.bench, config=cfg)
+    ev.observed_underflow = observed_underflow(ctx.bench, config=cfg, reference=capture)
     worst_predicted = float(ev.predicted_underflow["predicted_underflow"].max()) if len(ev.predicted_underflow) else 0.0
     worst_observed = float(ev.observed_underflow["observed_underflow"].max()) if len(ev.observed_underflow) else 0.0
     amp = ev.amp
