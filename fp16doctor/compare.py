@@ -35,6 +35,8 @@ class ModeTrajectory:
     aligned: list[dict[str, Any]]
     skipped: int
     exception: dict[str, Any] | None
+    first_nonfinite_module: str | None = None
+    """From the probe's instruments: the first module whose output turned non-finite from finite inputs."""
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Comparison:
             "verdict_by_mode": self.verdict_by_mode,
             "skipped_steps": {m: t.skipped for m, t in self.trajectories.items()},
             "exceptions": {m: t.exception for m, t in self.trajectories.items() if t.exception},
+            "first_nonfinite_module": {m: t.first_nonfinite_module for m, t in self.trajectories.items() if t.first_nonfinite_module},
             "tolerance": self.tolerance,
             "divergence_tolerance": self.divergence,
         }
@@ -145,6 +148,8 @@ def compare(
         probe = bench.probe(mode, config, align_on_taken_steps=True)
         try:
             trajectories[mode] = _align(mode, probe.run(steps, stop_on_nonfinite_loss=True))
+            first = probe.instruments.first_nonfinite_forward() if probe.instruments is not None else None
+            trajectories[mode].first_nonfinite_module = first["module"] if first else None
         finally:
             probe.close()
     reference = trajectories["fp32"].aligned

@@ -96,7 +96,9 @@ def _verdict_line(result: Comparison) -> str:
     for mode, verdict in result.verdict_by_mode.items():
         if verdict == "diverged":
             step = result.first_nonfinite_step.get(mode)
-            parts.append(f"{mode}: first non-finite step {step}" + (" (the fp32 baseline itself)" if mode == "fp32" else ""))
+            module = result.trajectories[mode].first_nonfinite_module
+            parts.append(f"{mode}: first non-finite step {step}" + (f" (in module '{module}')" if module else "")
+                         + (" (the fp32 baseline itself)" if mode == "fp32" else ""))
         elif verdict == "drift":
             parts.append(f"{mode}: largest deviation {pct(result.max_rel_dev[mode])} at step {result.max_rel_dev_step[mode]}")
     return f"[{style}]{result.verdict}[/]: " + "; ".join(parts)

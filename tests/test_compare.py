@@ -31,6 +31,13 @@ def test_overflowing_loss_diverges_at_step_zero():
     assert result.verdict == "diverged"
     assert result.verdict_by_mode == {"amp": "diverged", "bf16": "healthy"}
     assert result.first_nonfinite_step["amp"] == 0 and result.first_divergent_step["amp"] == 0
+    assert result.trajectories["amp"].first_nonfinite_module is None  # the overflow is in the loss, outside any module
+
+
+def test_diverged_mode_names_its_first_nonfinite_module():
+    result = compare(bench_for(SAMPLES / "bf16_pretrained_ffn.py", steps=3), ["amp"])
+    assert result.verdict == "diverged" and result.trajectories["amp"].first_nonfinite_module == "block.ff.wo"
+    assert result.to_json()["first_nonfinite_module"] == {"amp": "block.ff.wo"}
 
 
 def test_precision_loss_is_drift_with_its_worst_step():

@@ -79,17 +79,25 @@ def run_mode(ctx: StageContext, mode: str, config: DoctorConfig | None = None, s
 
 def fp32_state_at(ctx: StageContext, step: int) -> dict[str, torch.Tensor]:
     """The FP32 trajectory's weights at ``step`` (cached: several stages evaluate the same states)."""
-    cache = ctx.states
-    if step not in cache:
-        reference = ctx.bench.probe("fp32", ctx.config, instruments=None)
-        try:
-            with reference.mode_context():
+    if step not in ctx.states:
+        remember_fp32_states(ctx, [step])
+    return ctx.states[step]
+
+
+def remember_fp32_states(ctx: StageContext, steps: list[int]) -> None:
+    """One FP32 run up to the last of ``steps``, keeping the weights at each of them."""
+    wanted = sorted(set(steps) - set(ctx.states))
+    if not wanted:
+        return
+    reference = ctx.bench.probe("fp32", ctx.config, instruments=None)
+    try:
+        with reference.mode_context():
+            for step in wanted:
                 while reference.iteration < step:
                     reference.step()
-            cache[step] = copy.deepcopy(reference.model.state_dict())
-        finally:
-            reference.close()
-    return cache[step]
+                ctx.states[step] = copy.deepcopy(reference.model.state_dict())
+    finally:
+        reference.close()
 
 
 def probe_at(ctx: StageContext, mode: str, config: DoctorConfig, step: int) -> Probe:
@@ -377,6 +385,7 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     states = sorted({0, ev.steps // 2, ev.steps - 1}) if not ctx.ci else sorted({0, ev.steps - 1})
     floor = LOSS_FLOOR_SHARE * abs(float(ev.fp32.records["loss"].iloc[0])) if ev.fp32 is not None and len(ev.fp32.records) else 0.0
     ctx.loss_floor = floor
+    remember_fp32_states(ctx, states)
     gaps = {}
     for step in states:
         losses = same_state_losses(ctx, step, {"fp32": ("fp32", cfg), "amp": ("amp", cfg)})
