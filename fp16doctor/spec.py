@@ -10,14 +10,17 @@ packages with one another.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+import inspect
 import itertools
 import sys
 import traceback
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -72,6 +75,66 @@ def user_frame(exc: BaseException, path: Path) -> str | None:
     return found
 
 
+class UserModules:
+    """The modules the training file's code imported: out of ``sys.modules`` between calls, back in during them.
+
+    Loading a training file must leave ``sys.modules`` and ``sys.path`` as they
+    were; but libraries that import lazily (Hugging Face's) would re-import a
+    fresh copy of themselves if their package vanished while the user's code
+    runs. So every call into the file (and every batch drawn from ``data()``)
+    runs with the file's imports in place and its folder on ``sys.path``.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = str(directory.resolve())
+        self.modules: dict[str, types.ModuleType] = {}
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        saved_path, before = list(sys.path), set(sys.modules)
+        sys.modules.update({k: v for k, v in self.modules.items() if k not in sys.modules})
+        sys.path.insert(0, self.directory)  # siblings of the file import as they would under `python file.py`
+        try:
+            yield
+        finally:
+            sys.path[:] = saved_path
+            for name in set(sys.modules) - before:
+                self.modules[name] = sys.modules.pop(name)
+
+    def wrap(self, fn: Callable[..., Any] | None) -> Callable[..., Any] | None:
+        if fn is None:
+            return None
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.active():
+                return fn(*args, **kwargs)
+
+        return call
+
+    def wrap_data(self, fn: Callable[[], Iterable[Any]]) -> Callable[[], Iterable[Any]]:
+        """``data()`` whose iteration (a generator's body, a DataLoader) also runs with the file's imports."""
+
+        @functools.wraps(fn)
+        def data() -> Iterable[Any]:
+            with self.active():
+                source = fn()
+            return self._iterate(source)
+
+        return data
+
+    def _iterate(self, source: Iterable[Any]) -> Iterator[Any]:
+        with self.active():
+            iterator = iter(source)
+        while True:
+            with self.active():
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return
+            yield item
+
+
 def load_training_file(path: str | Path) -> TrainingSpec:
     """Import the training file in isolation and check the contract's names."""
     path = Path(path)
@@ -80,7 +143,8 @@ def load_training_file(path: str | Path) -> TrainingSpec:
             f"training file '{path}' does not exist.",
             hint="Pass the path of a Python file that defines model() and data().",
         )
-    module = _import_isolated(path)
+    scope = UserModules(path.parent)
+    module = _import_isolated(path, scope)
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         raise TrainingFileError(
@@ -96,16 +160,14 @@ def load_training_file(path: str | Path) -> TrainingSpec:
     config = getattr(module, "CONFIG", None) or {}
     if not isinstance(config, dict):
         raise TrainingFileError(f"CONFIG in '{path}' must be a dict, got {type(config).__name__}.")
-    return TrainingSpec(path=path, module=module, model=module.model, data=module.data, config=config, **optional)
+    return TrainingSpec(path=path, module=module, model=scope.wrap(module.model), data=scope.wrap_data(module.data),
+                        config=config, **{name: scope.wrap(fn) for name, fn in optional.items()})
 
 
-def _import_isolated(path: Path) -> types.ModuleType:
-    """Execute the file as a fresh module; restore sys.path and sys.modules afterwards."""
-    saved_path = list(sys.path)
-    saved_modules = set(sys.modules)
+def _import_isolated(path: Path, scope: UserModules) -> types.ModuleType:
+    """Execute the file as a fresh module inside ``scope``: sys.path and sys.modules are restored afterwards."""
     module_name = f"_fp16doctor_user_{path.stem}_{abs(hash(str(path.resolve()))):x}"
-    try:
-        sys.path.insert(0, str(path.resolve().parent))  # siblings of the file import as they would under `python file.py`
+    with scope.active():
         spec = importlib.util.spec_from_file_location(module_name, path)
         if spec is None or spec.loader is None:
             raise TrainingFileError(f"'{path}' cannot be loaded as a Python file.", hint="Give a .py file.")
@@ -125,11 +187,7 @@ def _import_isolated(path: Path) -> types.ModuleType:
                 location=user_frame(exc, path),
                 hint="The file's top level must run without error (python your_file.py should work).",
             ) from exc
-        return module
-    finally:
-        sys.path[:] = saved_path
-        for name in set(sys.modules) - saved_modules:
-            del sys.modules[name]
+    return module
 
 
 def build_model(spec: TrainingSpec) -> torch.nn.Module:
@@ -145,7 +203,7 @@ def build_model(spec: TrainingSpec) -> torch.nn.Module:
         raise TrainingFileError(
             f"model() returned {type(model).__name__}, not a torch.nn.Module.",
             hint="Return the module itself (e.g. `return nn.Sequential(...)`).",
-            location=f"{spec.path}:{spec.model.__code__.co_firstlineno}",
+            location=f"{spec.path}:{inspect.unwrap(spec.model).__code__.co_firstlineno}",
         )
     return model
 
@@ -166,7 +224,7 @@ def draw_batches(spec: TrainingSpec, count: int) -> list[Any]:
         raise TrainingFileError(
             "data() yielded no batches.",
             hint="Return at least one batch: a tensor, a tuple/list of tensors or a dict of tensors.",
-            location=f"{spec.path}:{spec.data.__code__.co_firstlineno}",
+            location=f"{spec.path}:{inspect.unwrap(spec.data).__code__.co_firstlineno}",
         )
     for index, batch in enumerate(first):
         check_batch(batch, index)

@@ -91,3 +91,21 @@ def test_batch_without_default_loss_asks_for_loss(training_file):
     bench = Workbench(load_training_file(training_file(source)), build_config({"steps": 1, "device": "cpu"}))
     with pytest.raises(BatchError, match="loss"):
         bench.probe("fp32").run()
+
+
+def test_the_files_imports_are_back_in_place_while_its_code_runs(training_file, tmp_path):
+    """A lazily importing library must find its own package while the user's code runs (no second copy)."""
+    (tmp_path / "lazy_helper_for_test.py").write_text("import sys\nWIDTH = 8\ndef me():\n    return sys.modules.get(__name__)\n")
+    path = training_file(
+        "import torch\nimport lazy_helper_for_test as helper\n\n"
+        "def model():\n    assert helper.me() is helper   # its module object is the one in sys.modules\n"
+        "    import lazy_helper_for_test\n    assert lazy_helper_for_test is helper\n"
+        "    return torch.nn.Linear(helper.WIDTH, 2)\n\n"
+        "def data():\n    import lazy_helper_for_test\n    assert lazy_helper_for_test is helper\n"
+        "    yield (torch.randn(3, 8), torch.tensor([0, 1, 0]))\n"
+    )
+    before = set(sys.modules)
+    spec = load_training_file(path)
+    assert isinstance(build_model(spec), torch.nn.Module)
+    assert len(draw_batches(spec, 2)) == 2
+    assert set(sys.modules) == before  # and gone again between calls
