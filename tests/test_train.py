@@ -294,3 +294,17 @@ def test_a_user_exception_mid_run_stops_with_its_location(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "the label file is gone" in proc.stdout and "breaks.py:13" in proc.stdout
     assert len(pd.read_csv(tmp_path / "run" / "metrics.csv")) == 2
+
+
+@pytest.mark.slow
+def test_two_process_resume_reproduces_the_uninterrupted_run(tmp_path):
+    path = tmp_path / "micro.py"
+    path.write_text(DDP_FILE.replace("{micro}", "True").replace("{extra}", "").replace(
+        "nn.Linear(12, 32), nn.Tanh()", "nn.Linear(12, 32), nn.Dropout(0.2), nn.Tanh()"))  # every rank's RNG matters
+    common = ("--nproc", "2", "--device", "cpu")
+    assert run_cli("train", path, *common, "--run-dir", tmp_path / "full").returncode == 0
+    assert run_cli("train", path, *common, "--run-dir", tmp_path / "part", "--steps", "3").returncode == 0
+    resumed = run_cli("train", path, *common, "--run-dir", tmp_path / "part", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    full = pd.read_csv(tmp_path / "full" / "metrics.csv")["loss"].tolist()
+    assert pd.read_csv(tmp_path / "part" / "metrics.csv")["loss"].tolist() == full
