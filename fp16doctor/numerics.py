@@ -17,7 +17,8 @@ import pandas as pd
 import torch
 
 from .instruments import FP16_MAX, FP16_MIN_SUBNORMAL, _sample
-from .probe import Probe, Workbench, seed_everything
+from .probe import Probe, Workbench
+from .rng import seed_everything
 
 KEEP = 0.999
 """Share of non-zero gradients a loss scale must keep representable."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import random
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from .fp32_mode import NeutraliseHalfCasts, full_precision
 from .instruments import InstrumentOptions, Instruments
 from .loop import canonical_step, default_loss
 from .overrides import LossInFp32, autocast_forward, keep_modules_in_fp32, watch_clipping
+from .rng import rng_state, seed_everything, set_rng_state
 from .recording import OptimizerWatch, RecordingGradScaler, StepTrace, finish_trace
 from .spec import TrainingSpec, build_model, draw_batches, user_frame
 
@@ -60,15 +60,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise DoctorError("config asks for device 'cuda' but no CUDA device is available.", hint="Use device: auto or cpu.")
     return torch.device(name)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed every RNG a training file may draw from."""
-    import numpy as np  # a pandas dependency, always present
-
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
 
 
 @dataclass
@@ -279,7 +270,7 @@ class Probe:
         lr = float(self.optimizer.param_groups[0]["lr"])
         scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
         self.scaler.trace = trace = StepTrace(scale_used=scale)
-        rng_before = self._rng_state() if self.align else None
+        rng_before = rng_state() if self.align else None
         if self.instruments is not None:
             self.instruments.begin_step(self.iteration, scale)
         try:
@@ -305,7 +296,7 @@ class Probe:
         )
         self._advance(skipped)
         if skipped and rng_before is not None:
-            self._set_rng_state(rng_before)  # the retry draws the same dropout masks as fp32's step did
+            set_rng_state(rng_before)  # the retry draws the same dropout masks as fp32's step did
         self.records.append(record)
         return record
 
@@ -384,27 +375,8 @@ class Probe:
         return pd.DataFrame([r.row() for r in self.records], columns=RECORD_COLUMNS)
 
     # --- snapshot / restore -------------------------------------------------------------------
-    @staticmethod
-    def _rng_state() -> dict[str, Any]:
-        import numpy as np
-
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        return rng
-
-    @staticmethod
-    def _set_rng_state(rng: dict[str, Any]) -> None:
-        import numpy as np
-
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        if "cuda" in rng:
-            torch.cuda.set_rng_state_all(rng["cuda"])
-
     def snapshot(self) -> ProbeSnapshot:
-        rng = self._rng_state()
+        rng = rng_state()
         return ProbeSnapshot(
             model=copy.deepcopy(self.model.state_dict()),
             optimizer=copy.deepcopy(self.optimizer.state_dict()),
@@ -420,7 +392,7 @@ class Probe:
             self.scheduler.load_state_dict(snap.scheduler)
         if snap.scaler:
             self.scaler.load_state_dict(snap.scaler)
-        self._set_rng_state(snap.rng)
+        set_rng_state(snap.rng)
         self.iteration, self.cursor = snap.iteration, snap.cursor
         self.records = [r for r in self.records if r.step < snap.iteration]
         self.failed = None
@@ -438,12 +410,3 @@ def _outside_torch_frame(exc: BaseException) -> str | None:
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if not str(Path(f.filename).resolve()).startswith(torch_dir) and str(Path(f.filename).resolve()) not in wrappers]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
-
-
-def run_probe(bench: Workbench, mode: str, steps: int | None = None, **options: Any) -> pd.DataFrame:
-    """Convenience: build a probe of ``mode`` and run it."""
-    probe = bench.probe(mode, **options)
-    try:
-        return probe.run(steps)
-    finally:
-        probe.close()

@@ -24,14 +24,12 @@ import io
 import json
 import math
 import os
-import random
 import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 
 from .batches import check_batch
@@ -41,6 +39,7 @@ from .files import atomic_write_bytes, atomic_write_text
 from .instruments import InstrumentOptions
 from .localise import trace_step
 from .probe import Probe, Workbench
+from .rng import rng_state, set_rng_state
 from .spec import TrainingSpec
 
 KEEP_CHECKPOINTS = 3
@@ -131,28 +130,6 @@ class BatchStream:
             self.next()
 
 
-def _rng_state() -> dict[str, Any]:
-    """RNG state in types ``torch.load(weights_only=True)`` accepts."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(), "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def checkpoint_paths(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "checkpoints").glob("step_*.pt"))
 
@@ -221,10 +198,10 @@ class Trainer:
     # --- checkpoints -------------------------------------------------------------------------------
     def _checkpoint(self, step: int) -> str | None:
         """Rank 0 writes model, optimizer, scheduler, scaler, every rank's RNG and the data position."""
-        rngs = [_rng_state()]
+        rngs = [rng_state()]
         if self.dist.world > 1:
             rngs = [None] * self.dist.world
-            torch.distributed.all_gather_object(rngs, _rng_state())
+            torch.distributed.all_gather_object(rngs, rng_state())
         if not self.dist.main:
             return None
         probe = self.probe
@@ -257,7 +234,7 @@ class Trainer:
             self.probe.scheduler.load_state_dict(state["scheduler"])
         self.probe.scaler.load_state_dict(state["scaler"])
         self.stream.skip(state["data_position"])  # data() replays deterministically up to the position...
-        _set_rng_state(state["rng"][self.dist.rank])  # ...then the RNG continues where it stopped
+        set_rng_state(state["rng"][self.dist.rank])  # ...then the RNG continues where it stopped
         self.probe.iteration = self.probe.cursor = state["step"]
         return int(state["step"])
 

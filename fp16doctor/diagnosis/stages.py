@@ -23,7 +23,8 @@ from ..datascan import scan_batches
 from ..instruments import precision_map
 from ..localise import localise
 from ..numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
-from ..probe import SCHEDULER_ORDER_WARNING, Probe, Workbench, seed_everything
+from ..probe import SCHEDULER_ORDER_WARNING, Probe, Workbench
+from ..rng import seed_everything
 from .model import Evidence, ProbeSummary, StageReport
 
 UNDERFLOW_ALARM = 0.05

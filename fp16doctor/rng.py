@@ -1,0 +1,43 @@
+"""Every random-number generator a training file may draw from: seeding, saving, restoring.
+
+The saved state uses only types ``torch.load(weights_only=True)`` accepts, so the
+same helpers serve in-memory probe snapshots and on-disk training checkpoints.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np  # a pandas dependency, always present
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def rng_state() -> dict[str, Any]:
+    """The state of every generator (CUDA's too where present)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(), "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
