@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fp16doctor.config import build_config  # noqa: E402
-from fp16doctor.instruments import Instruments  # noqa: E402
 from fp16doctor.probe import Workbench  # noqa: E402
 from fp16doctor.spec import load_training_file  # noqa: E402
 

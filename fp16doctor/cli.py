@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 
 from . import __version__
-from .errors import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, DoctorError
+from .errors import EXIT_FINDINGS, EXIT_OK, DoctorError
 
 app = typer.Typer(
     name="fp16doctor",
@@ -281,7 +281,7 @@ def train_options(training_file: Path, run_dir: Path | None, checkpoint_every: i
 def run_training(spec: Any, cfg: Any, options: Any, nproc: int, training_file: Path, quiet: bool = False) -> int:
     """One process in this one, or ``nproc`` under torchrun; then the summary and the exit code."""
     from .render import render_training
-    from .train import Trainer, TrainResult
+    from .train import Trainer
 
     console = err if quiet else out
     if nproc == 1:

@@ -111,7 +111,7 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
     """Summary line, the stages, then the ranked findings with evidence and fix snippets."""
     errors = [f for f in diagnosis.findings if f.severity == "error"]
     if not errors and diagnosis.unexplained:
-        console.print(f"[bold red]unhealthy[/]: the training raised an exception under AMP that no rule explains (below).")
+        console.print("[bold red]unhealthy[/]: the training raised an exception under AMP that no rule explains (below).")
     elif diagnosis.healthy:
         console.print(f"[bold green]healthy[/]: {training_file} trains in mixed precision like its FP32 twin"
                       + (f" ({len(diagnosis.findings)} note(s) below)" if diagnosis.findings else "") + ".")

@@ -7,7 +7,6 @@ Marked ``cuda``: skipped without a GPU (CI is CPU-only). Run on a GPU machine wi
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import SAMPLES, diagnosed
 from fp16doctor.config import build_config

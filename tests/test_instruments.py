@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp16doctor.config import build_config
-from fp16doctor.instruments import InstrumentOptions, Instruments, magnitude_histogram, precision_map, tensor_vector
+from fp16doctor.instruments import InstrumentOptions, magnitude_histogram, precision_map, tensor_vector
 from fp16doctor.localise import OUTSIDE_MODEL, localise
 from fp16doctor.numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
 from fp16doctor.probe import Workbench
@@ -169,7 +169,7 @@ def loss(model, batch):
 def test_loss_dtype_is_recorded(training_file):
     bench = bench_for(training_file, HALF_LOSS)
     probe = bench.probe("amp")
-    record = probe.run(1)
+    probe.run(1)
     assert probe.records[0].trace.loss_dtype == "float16"
     fp32 = bench.probe("fp32")
     fp32.run(1)

@@ -133,7 +133,6 @@ class Evidence:
     lr_peak: dict[str, Any] | None = None
     gap: dict[str, Any] | None = None
     bf16_supported: bool = True
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
