@@ -2,38 +2,41 @@
 
 The training file is plain Python that never imports fp16doctor. It defines
 ``model()`` and ``data()`` and, optionally, ``loss``, ``optimizer``,
-``scheduler``, ``train_step`` and ``CONFIG``. Loading it must not leave traces
-in the interpreter (``sys.path``, ``sys.modules``), because the doctor may load
-several files in one process (tests do) and must not shadow the user's
-packages with one another.
+``scheduler``, ``train_step`` and ``CONFIG``.
+
+It is loaded the way ``python -c "import your_file"`` run from its folder would
+load it: the file's folder goes on ``sys.path`` (siblings import), the module
+is registered in ``sys.modules`` under the file's name (classes defined in it
+pickle, so DataLoader worker processes, also spawned ones, and ``torch.save``
+of whole objects work), and whatever the file imports stays imported. Nothing
+is ever removed from ``sys.modules``: libraries import lazily (torch's own
+``torch._dynamo``, Hugging Face ``transformers``) and a second import of them
+breaks class identity or registers their operators twice.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.util
 import inspect
 import itertools
+import keyword
 import sys
 import traceback
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 
-# Import what training files commonly import before loading one: modules the
-# user's import adds are removed from sys.modules again, and torch submodules
-# must not be imported twice (class identity would break).
-import torch.nn.functional  # noqa: F401
-import torch.optim.lr_scheduler  # noqa: F401
-import torch.utils.data  # noqa: F401
-
 from .errors import TrainingFileError
 
+MARKER = "__fp16doctor_training_file__"
+"""Attribute set on a loaded training module: its resolved path (a reload under the same name is ours)."""
+
 REQUIRED = ("model", "data")
+COMPILED_NOTE = ("model() returns a torch.compile'd module: the doctor runs the module it wraps, uncompiled (eager), "
+                 "so that its instruments can see every submodule and aten operator; backend='eager' gives the same numerics.")
 OPTIONAL_CALLABLES = ("loss", "optimizer", "scheduler", "train_step")
 
 
@@ -50,6 +53,12 @@ class TrainingSpec:
     scheduler: Callable[..., Any] | None
     train_step: Callable[..., Any] | None
     config: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    """Things the user should know about how the doctor ran their file (printed once, in yellow)."""
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
 
     @property
     def name(self) -> str:
@@ -75,76 +84,15 @@ def user_frame(exc: BaseException, path: Path) -> str | None:
     return found
 
 
-class UserModules:
-    """The modules the training file's code imported: out of ``sys.modules`` between calls, back in during them.
-
-    Loading a training file must leave ``sys.modules`` and ``sys.path`` as they
-    were; but libraries that import lazily (Hugging Face's) would re-import a
-    fresh copy of themselves if their package vanished while the user's code
-    runs. So every call into the file (and every batch drawn from ``data()``)
-    runs with the file's imports in place and its folder on ``sys.path``.
-    """
-
-    def __init__(self, directory: Path):
-        self.directory = str(directory.resolve())
-        self.modules: dict[str, types.ModuleType] = {}
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        saved_path, before = list(sys.path), set(sys.modules)
-        sys.modules.update({k: v for k, v in self.modules.items() if k not in sys.modules})
-        sys.path.insert(0, self.directory)  # siblings of the file import as they would under `python file.py`
-        try:
-            yield
-        finally:
-            sys.path[:] = saved_path
-            for name in set(sys.modules) - before:
-                self.modules[name] = sys.modules.pop(name)
-
-    def wrap(self, fn: Callable[..., Any] | None) -> Callable[..., Any] | None:
-        if fn is None:
-            return None
-
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with self.active():
-                return fn(*args, **kwargs)
-
-        return call
-
-    def wrap_data(self, fn: Callable[[], Iterable[Any]]) -> Callable[[], Iterable[Any]]:
-        """``data()`` whose iteration (a generator's body, a DataLoader) also runs with the file's imports."""
-
-        @functools.wraps(fn)
-        def data() -> Iterable[Any]:
-            with self.active():
-                source = fn()
-            return self._iterate(source)
-
-        return data
-
-    def _iterate(self, source: Iterable[Any]) -> Iterator[Any]:
-        with self.active():
-            iterator = iter(source)
-        while True:
-            with self.active():
-                try:
-                    item = next(iterator)
-                except StopIteration:
-                    return
-            yield item
-
-
 def load_training_file(path: str | Path) -> TrainingSpec:
-    """Import the training file in isolation and check the contract's names."""
+    """Import the training file as plain Python would, and check the contract's names."""
     path = Path(path)
     if not path.is_file():
         raise TrainingFileError(
             f"training file '{path}' does not exist.",
             hint="Pass the path of a Python file that defines model() and data().",
         )
-    scope = UserModules(path.parent)
-    module = _import_isolated(path, scope)
+    module = _import_as_module(path)
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         raise TrainingFileError(
@@ -160,34 +108,75 @@ def load_training_file(path: str | Path) -> TrainingSpec:
     config = getattr(module, "CONFIG", None) or {}
     if not isinstance(config, dict):
         raise TrainingFileError(f"CONFIG in '{path}' must be a dict, got {type(config).__name__}.")
-    return TrainingSpec(path=path, module=module, model=scope.wrap(module.model), data=scope.wrap_data(module.data),
-                        config=config, **{name: scope.wrap(fn) for name, fn in optional.items()})
+    return TrainingSpec(path=path, module=module, model=module.model, data=module.data, config=config, **optional)
 
 
-def _import_isolated(path: Path, scope: UserModules) -> types.ModuleType:
-    """Execute the file as a fresh module inside ``scope``: sys.path and sys.modules are restored afterwards."""
-    module_name = f"_fp16doctor_user_{path.stem}_{abs(hash(str(path.resolve()))):x}"
-    with scope.active():
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise TrainingFileError(f"'{path}' cannot be loaded as a Python file.", hint="Give a .py file.")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses and pickling look the module up while it executes
-        try:
-            spec.loader.exec_module(module)
-        except SyntaxError as exc:
-            raise TrainingFileError(
-                f"syntax error in training file: {exc.msg}.",
-                location=f"{exc.filename}:{exc.lineno}",
-                hint="Fix the line shown and run again.",
-            ) from exc
-        except Exception as exc:  # noqa: BLE001 - anything the user's top level raises
-            raise TrainingFileError(
-                f"importing the training file raised {type(exc).__name__}: {exc}",
-                location=user_frame(exc, path),
-                hint="The file's top level must run without error (python your_file.py should work).",
-            ) from exc
+def module_name_for(path: Path) -> str:
+    """The name the file is imported under: its own name, unless that would shadow another module.
+
+    Under its own name (as ``import your_file`` would), classes defined in the
+    file can be pickled into worker processes, which import it again from the
+    folder on ``sys.path``. A name taken by another module (``torch.py``,
+    ``json.py``, a package beside the file) gets a private name instead.
+    """
+    stem = path.stem
+    private = f"_fp16doctor_training_{abs(hash(str(path.resolve()))):x}"
+    if not stem.isidentifier() or keyword.iskeyword(stem) or stem in sys.builtin_module_names or stem in sys.stdlib_module_names:
+        return private
+    loaded = sys.modules.get(stem)
+    if loaded is not None:
+        return stem if getattr(loaded, MARKER, None) is not None else private
+    try:
+        found = importlib.util.find_spec(stem)
+    except (ImportError, ValueError):
+        return private
+    same_file = found is not None and found.origin is not None and Path(found.origin).resolve() == path.resolve()
+    return stem if found is None or same_file else private
+
+
+def _import_as_module(path: Path) -> types.ModuleType:
+    """Execute the file as a module registered in ``sys.modules``, its folder first on ``sys.path``."""
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # siblings of the file import as they would under `python file.py`
+    module_name = module_name_for(path)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise TrainingFileError(f"'{path}' cannot be loaded as a Python file.", hint="Give a .py file.")
+    module = importlib.util.module_from_spec(spec)
+    setattr(module, MARKER, str(path.resolve()))
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up while it executes
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        sys.modules.pop(module_name, None)  # only the broken file itself: never what it imported
+        raise TrainingFileError(
+            f"syntax error in training file: {exc.msg}.",
+            location=f"{exc.filename}:{exc.lineno}",
+            hint="Fix the line shown and run again.",
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - anything the user's top level raises
+        sys.modules.pop(module_name, None)
+        raise TrainingFileError(
+            f"importing the training file raised {type(exc).__name__}: {exc}",
+            location=user_frame(exc, path),
+            hint="The file's top level must run without error (python your_file.py should work).",
+        ) from exc
     return module
+
+
+def uncompiled(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    """The module a ``torch.compile`` wrapper holds, and whether there was one.
+
+    The doctor measures the eager module: its instruments hook every submodule
+    and its tracer follows every aten operator, which a compiled graph hides,
+    and the numerics of AMP are the eager ops' (``backend="eager"`` runs exactly
+    them; inductor fuses some of them, rounding less often, never more).
+    """
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule":
+        return inner, True
+    return model, False
 
 
 def build_model(spec: TrainingSpec) -> torch.nn.Module:
@@ -205,6 +194,9 @@ def build_model(spec: TrainingSpec) -> torch.nn.Module:
             hint="Return the module itself (e.g. `return nn.Sequential(...)`).",
             location=f"{spec.path}:{inspect.unwrap(spec.model).__code__.co_firstlineno}",
         )
+    model, compiled = uncompiled(model)
+    if compiled:
+        spec.note(COMPILED_NOTE)
     return model
 
 

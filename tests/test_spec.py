@@ -1,5 +1,6 @@
-"""Loading training files: the contract's names, isolation, and bad input."""
+"""Loading training files: the contract's names, plain-Python import semantics, and bad input."""
 
+import pickle
 import sys
 
 import pytest
@@ -18,14 +19,35 @@ def test_loads_the_contract_names(training_file):
     assert isinstance(build_model(spec), torch.nn.Module)
 
 
-def test_import_leaves_sys_path_and_modules_as_they_were(training_file, tmp_path):
-    (tmp_path / "helper_mod_for_test.py").write_text("WIDTH = 8\n")
-    path = training_file("import json, colorsys\nimport helper_mod_for_test\n" + MLP_FILE)
-    path_before, modules_before = list(sys.path), set(sys.modules)
+def test_loading_keeps_the_files_imports_and_registers_it_by_name(training_file, tmp_path):
+    """As `python -c "import train_me"` would: nothing the file imported is removed again (a lazily
+    imported library imported twice breaks: torch._dynamo's operator library, transformers)."""
+    (tmp_path / "helper_mod_for_spec_test.py").write_text("WIDTH = 8\n")
+    path = training_file("import colorsys\nimport helper_mod_for_spec_test\n" + MLP_FILE)
     spec = load_training_file(path)
-    assert sys.path == path_before
-    assert set(sys.modules) == modules_before
-    assert spec.module.helper_mod_for_test.WIDTH == 8  # the sibling import itself worked
+    assert sys.modules["train_me"] is spec.module and spec.module.__name__ == "train_me"
+    assert sys.modules["helper_mod_for_spec_test"] is spec.module.helper_mod_for_spec_test  # still imported
+    assert "colorsys" in sys.modules and str(tmp_path.resolve()) in sys.path
+    assert spec.module.helper_mod_for_spec_test.WIDTH == 8
+
+
+def test_classes_defined_in_the_file_pickle(training_file):
+    """DataLoader workers and torch.save of whole objects pickle the file's classes by module name."""
+    spec = load_training_file(training_file(MLP_FILE + "\nclass Pairs:\n    def __init__(self, n):\n        self.n = n\n"))
+    copy = pickle.loads(pickle.dumps(spec.module.Pairs(3)))
+    assert type(copy) is spec.module.Pairs and copy.n == 3
+
+
+def test_a_file_named_like_another_module_does_not_shadow_it(training_file):
+    path = training_file(MLP_FILE, name="json.py")
+    spec = load_training_file(path)
+    assert spec.module.__name__ != "json" and sys.modules["json"].__name__ == "json" and hasattr(sys.modules["json"], "dumps")
+
+
+def test_a_broken_file_is_not_left_registered(training_file):
+    with pytest.raises(TrainingFileError):
+        load_training_file(training_file("import torch\nX = 1 / 0\n", name="broken_for_spec_test.py"))
+    assert "broken_for_spec_test" not in sys.modules
 
 
 def test_missing_file():
@@ -91,21 +113,3 @@ def test_batch_without_default_loss_asks_for_loss(training_file):
     bench = Workbench(load_training_file(training_file(source)), build_config({"steps": 1, "device": "cpu"}))
     with pytest.raises(BatchError, match="loss"):
         bench.probe("fp32").run()
-
-
-def test_the_files_imports_are_back_in_place_while_its_code_runs(training_file, tmp_path):
-    """A lazily importing library must find its own package while the user's code runs (no second copy)."""
-    (tmp_path / "lazy_helper_for_test.py").write_text("import sys\nWIDTH = 8\ndef me():\n    return sys.modules.get(__name__)\n")
-    path = training_file(
-        "import torch\nimport lazy_helper_for_test as helper\n\n"
-        "def model():\n    assert helper.me() is helper   # its module object is the one in sys.modules\n"
-        "    import lazy_helper_for_test\n    assert lazy_helper_for_test is helper\n"
-        "    return torch.nn.Linear(helper.WIDTH, 2)\n\n"
-        "def data():\n    import lazy_helper_for_test\n    assert lazy_helper_for_test is helper\n"
-        "    yield (torch.randn(3, 8), torch.tensor([0, 1, 0]))\n"
-    )
-    before = set(sys.modules)
-    spec = load_training_file(path)
-    assert isinstance(build_model(spec), torch.nn.Module)
-    assert len(draw_batches(spec, 2)) == 2
-    assert set(sys.modules) == before  # and gone again between calls
