@@ -37,7 +37,7 @@ from .instruments import InstrumentOptions, Instruments
 from .loop import canonical_step, default_loss
 from .overrides import LossInFp32, autocast_forward, keep_modules_in_fp32, watch_clipping
 from .rng import rng_state, seed_everything, set_rng_state
-from .recording import OptimizerWatch, RecordingGradScaler, StepTrace, finish_trace
+from .recording import OptimizerWatch, RecordingGradScaler, StepTrace, finish_trace, step_outcome
 from .spec import TrainingSpec, build_model, draw_batches, user_frame
 
 MODES = ("fp32", "amp", "bf16")
@@ -48,9 +48,11 @@ DEFAULT_INSTRUMENTS = InstrumentOptions()
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 RECORD_COLUMNS = [
-    "step", "batch_index", "loss", "grad_norm", "lr", "loss_scale", "skipped", "optimizer_stepped",
+    "step", "batch_index", "loss", "grad_norm", "lr", "loss_scale", "skipped", "optimizer_stepped", "micro_step",
     "nonfinite_loss", "nonfinite_grads", "exception_type", "exception", "exception_location",
 ]
+"""``skipped``: an optimizer step was attempted and did not happen (the scaler found inf/NaN);
+``micro_step``: no optimizer step was attempted (gradient accumulation); ``optimizer_stepped``: the weights moved."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,6 +108,7 @@ class StepRecord:
     loss_scale: float
     skipped: bool
     optimizer_stepped: bool
+    micro_step: bool
     nonfinite_loss: bool
     nonfinite_grads: bool
     exception_type: str | None = None
@@ -286,15 +289,15 @@ class Probe:
         loss_value = self._loss_value(loss)
         finish_trace(trace, self.optimizer)
         self._end_instruments(trace)
-        stepped = trace.optimizer_stepped and not trace.found_inf  # fused optimizers are called, then skip inside
-        skipped = not stepped
         grad_norm = float(trace.grad_norm if trace.grad_norm is not None else float("nan"))
+        outcome = step_outcome(trace, nonfinite_grads=not math.isfinite(grad_norm))
+        skipped = outcome == "skipped"
         record = StepRecord(
             step=self.iteration, batch_index=batch_index, loss=loss_value, grad_norm=grad_norm, lr=lr,
-            loss_scale=scale, skipped=skipped, optimizer_stepped=stepped,
+            loss_scale=scale, skipped=skipped, optimizer_stepped=outcome == "stepped", micro_step=outcome == "accumulated",
             nonfinite_loss=not math.isfinite(loss_value), nonfinite_grads=not math.isfinite(grad_norm), trace=trace,
         )
-        self._advance(skipped)
+        self._advance(skipped, optimizer_step=outcome != "accumulated")
         if skipped and rng_before is not None:
             set_rng_state(rng_before)  # the retry draws the same dropout masks as fp32's step did
         self.records.append(record)
@@ -313,9 +316,10 @@ class Probe:
         if self.instruments is not None:
             self.instruments.end_step(grads_unscaled=trace.unscaled or not trace.scaled)
 
-    def _advance(self, skipped: bool) -> None:
+    def _advance(self, skipped: bool, optimizer_step: bool = True) -> None:
+        """Move the data cursor, and the scheduler once per optimizer step (not per accumulation micro-step)."""
         hold = skipped and (self.align or self.config.overrides.hold_scheduler_on_skip)
-        if self.scheduler is not None and not hold:
+        if self.scheduler is not None and optimizer_step and not hold:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)
                 self.scheduler.step()
@@ -344,7 +348,7 @@ class Probe:
         self.iteration += 1
         return StepRecord(
             step=self.iteration - 1, batch_index=batch_index, loss=float("nan"), grad_norm=float("nan"), lr=lr,
-            loss_scale=scale, skipped=True, optimizer_stepped=trace.optimizer_stepped, nonfinite_loss=True,
+            loss_scale=scale, skipped=True, optimizer_stepped=trace.optimizer_stepped, micro_step=False, nonfinite_loss=True,
             nonfinite_grads=True, exception_type=type(exc).__name__, exception=str(exc).strip().splitlines()[0] if str(exc).strip() else "",
             exception_location=location, trace=trace,
         )

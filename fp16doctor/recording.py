@@ -28,6 +28,8 @@ class StepTrace:
     """``scaler.unscale_`` ran (explicitly, or implicitly inside ``scaler.step``)."""
     found_inf: bool = False
     """The scaler found inf/NaN gradients and skipped (read before ``update()``)."""
+    step_called: bool = False
+    """``scaler.step(optimizer)`` was called: an optimizer step was attempted (it may be skipped)."""
     optimizer_stepped: bool = False
     """``optimizer.step()`` actually ran."""
     grad_norm: float | None = None
@@ -75,6 +77,7 @@ class RecordingGradScaler(torch.amp.GradScaler):
             self.trace.grad_norm = global_grad_norm(optimizer_params(optimizer))
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.trace.step_called = True
         if self.is_enabled() and not self.trace.unscaled:
             # What step() does first anyway (fused optimizers accept it too); done here so the
             # unscaled norm is recorded even on the steps the scaler skips.
@@ -105,6 +108,24 @@ class OptimizerWatch:
 
     def close(self) -> None:
         self._handle.remove()
+
+
+def step_outcome(trace: StepTrace, nonfinite_grads: bool = False) -> str:
+    """What the iteration did to the weights: ``"stepped"``, ``"skipped"`` or ``"accumulated"``.
+
+    Only an attempted optimizer step that did not happen is a skip (the scaler
+    found inf/NaN, or a fused optimizer skipped inside): an iteration that never
+    called ``scaler.step`` nor ``optimizer.step`` is a gradient-accumulation
+    micro-step, in FP32 as much as in AMP. The exception is a loop without a
+    GradScaler that leaves inf/NaN gradients unapplied: its own, hand-rolled skip.
+    """
+    if trace.optimizer_stepped and not trace.found_inf:  # fused optimizers are called, then skip inside
+        return "stepped"
+    if trace.step_called or trace.optimizer_stepped:
+        return "skipped"
+    if nonfinite_grads and not trace.scaled:
+        return "skipped"
+    return "accumulated"
 
 
 def finish_trace(trace: StepTrace, optimizer: torch.optim.Optimizer) -> None:

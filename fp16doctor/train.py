@@ -43,7 +43,9 @@ from .rng import rng_state, set_rng_state
 from .spec import TrainingSpec
 
 KEEP_CHECKPOINTS = 3
-METRIC_COLUMNS = ["step", "loss", "grad_norm", "lr", "loss_scale", "skipped", "nonfinite", "seconds"]
+METRIC_COLUMNS = ["step", "loss", "grad_norm", "lr", "loss_scale", "skipped", "nonfinite", "seconds", "micro_step"]
+"""``skipped``: the scaler skipped an attempted optimizer step; ``micro_step``: a gradient-accumulation
+micro-batch (no optimizer step attempted, not a skip)."""
 
 
 @dataclass
@@ -262,7 +264,7 @@ class Trainer:
                 nonfinite = self._agree(record.nonfinite_loss or record.nonfinite_grads)
                 row = {"step": step, "loss": self._global_mean(record.loss), "grad_norm": record.grad_norm, "lr": record.lr,
                        "loss_scale": record.loss_scale, "skipped": record.skipped, "nonfinite": nonfinite,
-                       "seconds": time.perf_counter() - tick}
+                       "seconds": time.perf_counter() - tick, "micro_step": record.micro_step}
                 self._write_metric(metrics, row)
                 result.steps = step + 1
                 result.skipped += int(record.skipped)
