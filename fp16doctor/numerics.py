@@ -33,6 +33,10 @@ class GradientCapture:
     """The loss scale the activation gradients were computed at (parameter gradients are unscaled)."""
 
 
+NEGLIGIBLE_RMS = 1e-4
+"""A tensor's gradient whose RMS is under 1e-4 of the median of its kind's carries no training signal."""
+
+
 def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
     """Take one step of ``probe`` keeping its gradients, then restore the probe to before the step.
 
@@ -136,7 +140,7 @@ def scale_window(capture: GradientCapture, keep: float = KEEP) -> ScaleWindow:
 
 def observed_underflow(bench: Workbench, state_from: Probe | None = None, config: Any = None,
                        reference: GradientCapture | None = None) -> pd.DataFrame:
-    """Per tensor: the share of gradients non-zero in FP32 but zero in AMP, same weights and batch.
+    """Per tensor: the share of gradients non-zero in FP32 but zero in AMP (of the elements, and of their L1 mass).
 
     Both probes take the same step from the same state (``state_from``'s weights
     and position, or the start); AMP gradients are compared after unscaling.
@@ -165,8 +169,20 @@ def observed_underflow(bench: Workbench, state_from: Probe | None = None, config
         wanted = g32 != 0
         lost = wanted & (g16 == 0)
         kind, name = key.split(":", 1)
+        magnitude = g32.abs().double()
         rows.append({
             "kind": kind, "name": name, "scale": low.scale,
             "observed_underflow": float(lost.sum()) / max(int(wanted.sum()), 1),
+            # The share of the gradient's L1 mass that flushed: entries far below the rest (a
+            # sharp softmax's tails, a key bias's exact-zero gradient in rounding noise) carry none.
+            "observed_underflow_mass": float(magnitude[lost].sum() / magnitude.sum()) if bool(wanted.any()) else 0.0,
+            "rms": float(magnitude.pow(2).mean().sqrt()) if magnitude.numel() else 0.0,
         })
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return frame
+    # A gradient many orders below the other tensors' of its kind is zero in exact arithmetic
+    # (a key bias under softmax's shift invariance) and rounding noise in fp32: its flushing is no loss.
+    typical = frame.groupby("kind")["rms"].transform("median")
+    frame["negligible"] = frame["rms"] < NEGLIGIBLE_RMS * typical
+    return frame

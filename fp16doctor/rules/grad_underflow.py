@@ -1,9 +1,13 @@
 """Gradients flush to zero in fp16: loss scaling off or too small.
 
-Evidence: the share of gradients non-zero in fp32 but zero in AMP (same
-weights and batch), per parameter and per activation gradient; and the share
-predicted from fp32 gradients at the configured scale. Over 5% calls for a
-higher scale (mixed-precision-notes.md).
+Evidence: the gradients non-zero in fp32 but zero in AMP (same weights and
+batch), per parameter and per activation gradient, as a share of the elements
+and of the gradient's L1 mass. Over 5% calls for a higher scale
+(mixed-precision-notes.md); the alarm is on the mass: elements many orders
+below the rest of their tensor (a sharp softmax's tails, gradients that are
+zero in exact arithmetic and rounding noise in fp32) carry nothing when they
+flush, and a tensor whose whole gradient is under 1e-4 of the typical one is
+such noise.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ ALARM = 0.05
 class GradUnderflow(Rule):
     code = "grad-underflow"
     order = 71
+    explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
     triggers = ("no_loss_scaling.py",)
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -25,17 +30,24 @@ class GradUnderflow(Rule):
             return []
         if ev.amp is None or ev.amp.first_nonfinite_loss is not None:
             return []  # a forward that overflows zeroes gradients for other reasons
-        observed = ev.observed_underflow.sort_values("observed_underflow", ascending=False)
-        worst = observed.iloc[0]
-        if worst["observed_underflow"] <= ALARM:
+        observed = ev.observed_underflow
+        if "negligible" in observed:
+            observed = observed[~observed["negligible"].astype(bool)]  # rounding noise of an exact-zero gradient
+        if observed.empty:
             return []
-        flagged = observed[observed["observed_underflow"] > ALARM]
+        observed = observed.sort_values("observed_underflow_mass", ascending=False)
+        worst = observed.iloc[0]
+        if worst["observed_underflow_mass"] <= ALARM:
+            return []
+        flagged = observed[observed["observed_underflow_mass"] > ALARM]
         patch = scale_patch(ev)
         configured = ev.config.scaler.init_scale if ev.config.scaler.enabled else None
         return [self.finding(
-            f"{worst['observed_underflow']:.0%} of {worst['kind']} gradients of '{worst['name']}' flush to zero in fp16"
+            f"{worst['observed_underflow']:.0%} of {worst['kind']} gradients of '{worst['name']}' "
+            f"({worst['observed_underflow_mass']:.0%} of their mass) flush to zero in fp16"
             + (" (loss scaling is off)" if configured is None else f" at loss scale {configured:.0f}"),
-            {"worst": {"kind": worst["kind"], "name": worst["name"], "observed_underflow": float(worst["observed_underflow"])},
+            {"worst": {"kind": worst["kind"], "name": worst["name"], "observed_underflow": float(worst["observed_underflow"]),
+                       "observed_underflow_mass": float(worst["observed_underflow_mass"])},
              "tensors_over_5pct": len(flagged), "scaler_enabled": ev.config.scaler.enabled, "configured_scale": configured,
              "scale_window": [ev.window.low, ev.window.high] if ev.window is not None else None,
              "recommended": patch["scaler"]},
