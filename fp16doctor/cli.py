@@ -104,6 +104,12 @@ def check_writable(path: Path, force: bool) -> None:
     raise DoctorError(f"'{path}' already exists; not overwriting it.", hint="Choose another path, or pass --force to overwrite.")
 
 
+def show_notes(spec: Any) -> None:
+    """What the user should know about how their file was run (stderr: --json output stays one object)."""
+    for note in spec.notes:
+        err.print(f"[yellow]note:[/] {note}", highlight=False)
+
+
 def print_json(payload: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(payload, indent=2, allow_nan=False) + "\n")
 
@@ -145,6 +151,7 @@ def compare(
             bench = Workbench(spec, cfg)
             result = run_compare(bench, modes, tolerance=tol, divergence=divergence_tol,
                                  on_mode=lambda m: status.update(f"running the {m} probe ({cfg.steps} steps)"))
+        show_notes(spec)
         if csv is not None:
             write_csv(csv, {m: t.records for m, t in result.trajectories.items()})
         if json_:
@@ -187,6 +194,7 @@ def diagnose(
 
     def job() -> int:
         from .diagnosis import DiagnoseOptions, fixed_config
+        from .diagnosis.engine import UNEXPLAINED
         from .diagnosis import diagnose as run_diagnose
         from .files import atomic_write_text
         from .render import render_diagnosis
@@ -200,13 +208,14 @@ def diagnose(
         with err.status("diagnosing") as status:
             result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches),
                                   on_stage=lambda name: status.update(f"stage: {name}"))
+        show_notes(spec)
         name = str(training_file)
         if report is not None:
             atomic_write_text(report, markdown(result, name))
         if fix_config is not None:
             atomic_write_text(fix_config, fixed_config_yaml(fixed_config(layers, result), result, name))
         if junit is not None:
-            atomic_write_text(junit, junit_xml(result, name, [r.code for r in all_rules()]))
+            atomic_write_text(junit, junit_xml(result, name, [r.code for r in all_rules()] + [UNEXPLAINED]))
         if json_:
             print_json(result.to_json())
         else:
@@ -252,7 +261,9 @@ def train(
     def job() -> int:
         spec, cfg = load(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
         options = train_options(training_file, run_dir, checkpoint_every, resume, on_nonfinite, max_nonfinite, force)
-        return run_training(spec, cfg, options, nproc, training_file)
+        code = run_training(spec, cfg, options, nproc, training_file)
+        show_notes(spec)
+        return code
 
     guarded(debug, job)
 

@@ -17,13 +17,16 @@ import pandas as pd
 
 from .config import DoctorConfig
 from .probe import Workbench
+from .symptoms import BF16_FACTOR, Symptom, measure
 
 DEFAULT_TOLERANCE = 1e-3
 """Healthy when every aligned loss is within 0.1% of fp32 (mixed-precision-notes.md, rules of thumb)."""
 DEFAULT_DIVERGENCE = 1e-2
 """A deviation past 1% is worth a look: its first step is reported."""
-BF16_FACTOR = 8.0
-"""bf16 keeps 7 mantissa bits against fp16's 10: about 8x the rounding error."""
+VERDICTS = ("healthy", "drift", "unstable", "diverged")
+"""Per mode, worst last: ``unstable`` is a trajectory that agrees with fp32 on the steps taken while the
+GradScaler skips beyond its calibration or updates are lost (see :mod:`fp16doctor.symptoms`)."""
+UNSTABLE_SYMPTOMS = ("skips", "lost-updates")
 
 
 @dataclass
@@ -37,6 +40,10 @@ class ModeTrajectory:
     exception: dict[str, Any] | None
     first_nonfinite_module: str | None = None
     """From the probe's instruments: the first module whose output turned non-finite from finite inputs."""
+    updates: pd.DataFrame | None = None
+    """The instruments' per-parameter update health (lost updates), when instrumented."""
+    symptoms: list[Symptom] = field(default_factory=list)
+    """The measured symptoms against fp32 (:mod:`fp16doctor.symptoms`), the same as ``diagnose`` uses."""
 
 
 @dataclass
@@ -88,6 +95,7 @@ class Comparison:
             "skipped_steps": {m: t.skipped for m, t in self.trajectories.items()},
             "exceptions": {m: t.exception for m, t in self.trajectories.items() if t.exception},
             "first_nonfinite_module": {m: t.first_nonfinite_module for m, t in self.trajectories.items() if t.first_nonfinite_module},
+            "symptoms": {m: [s.to_json() for s in t.symptoms] for m, t in self.trajectories.items() if m != "fp32"},
             "tolerance": self.tolerance,
             "divergence_tolerance": self.divergence,
         }
@@ -150,6 +158,7 @@ def compare(
             trajectories[mode] = _align(mode, probe.run(steps, stop_on_nonfinite_loss=True))
             first = probe.instruments.first_nonfinite_forward() if probe.instruments is not None else None
             trajectories[mode].first_nonfinite_module = first["module"] if first else None
+            trajectories[mode].updates = probe.instruments.frames().get("updates") if probe.instruments is not None else None
         finally:
             probe.close()
     reference = trajectories["fp32"].aligned
@@ -160,14 +169,15 @@ def compare(
     )
     for mode in modes[1:]:
         factor = BF16_FACTOR if _is_bf16(mode, config) else 1.0
+        theirs, ours = trajectories["fp32"], trajectories[mode]
+        ours.symptoms = measure(ours.records, theirs.records, ours.updates, theirs.updates, bf16=_is_bf16(mode, config))
         result.tolerance[mode] = tolerance * factor
         result.divergence[mode] = divergence * factor
         _score(result, mode, reference, ref_nonfinite, steps)
     if ref_nonfinite is not None:
         result.verdict_by_mode["fp32"] = "diverged"
         result.first_divergent_step["fp32"] = ref_nonfinite
-    order = {"healthy": 0, "drift": 1, "diverged": 2}
-    result.verdict = max(result.verdict_by_mode.values(), key=order.__getitem__, default="healthy")
+    result.verdict = max(result.verdict_by_mode.values(), key=VERDICTS.index, default="healthy")
     return result
 
 
@@ -205,4 +215,5 @@ def _score(result: Comparison, mode: str, reference: list[dict], ref_nonfinite: 
     else:
         result.first_divergent_step[mode] = past
         worst_dev = result.max_rel_dev[mode] or 0.0
-        result.verdict_by_mode[mode] = "healthy" if worst_dev <= result.tolerance[mode] else "drift"
+        unstable = any(s.code in UNSTABLE_SYMPTOMS for s in result.trajectories[mode].symptoms)
+        result.verdict_by_mode[mode] = "unstable" if unstable else ("healthy" if worst_dev <= result.tolerance[mode] else "drift")

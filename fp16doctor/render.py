@@ -15,7 +15,7 @@ from rich.table import Table
 from .compare import Comparison
 from .diagnosis.model import Diagnosis, Finding, jsonable
 
-VERDICT_STYLE = {"healthy": "bold green", "drift": "bold yellow", "diverged": "bold red"}
+VERDICT_STYLE = {"healthy": "bold green", "drift": "bold yellow", "unstable": "bold red", "diverged": "bold red"}
 STEP_BY_STEP_LIMIT = 30
 """Runs up to this many steps are shown step by step; longer ones are summarised."""
 
@@ -83,7 +83,7 @@ def render_comparison(result: Comparison, console: Console) -> None:
             exc = trajectory.exception
             console.print(f"[red]{mode}: {exc['type']} at step {exc['step']}: {escape(exc['message'] or '')}[/] ({escape(exc['location'] or 'no location')})")
         skips = trajectory.skipped
-        if mode != "fp32" and skips and result.verdict_by_mode.get(mode) != "diverged":
+        if mode != "fp32" and skips and result.verdict_by_mode.get(mode) not in ("diverged", "unstable"):
             console.print(f"[dim]{mode}: {skips} step(s) skipped by the GradScaler (scale settling); trajectories aligned on steps taken.[/]")
     console.print(_verdict_line(result))
 
@@ -101,6 +101,8 @@ def _verdict_line(result: Comparison) -> str:
                          + (" (the fp32 baseline itself)" if mode == "fp32" else ""))
         elif verdict == "drift":
             parts.append(f"{mode}: largest deviation {pct(result.max_rel_dev[mode])} at step {result.max_rel_dev_step[mode]}")
+        elif verdict == "unstable":
+            parts.append(f"{mode}: " + "; ".join(s.description for s in result.trajectories[mode].symptoms))
     return f"[{style}]{result.verdict}[/]: " + "; ".join(parts)
 
 

@@ -9,7 +9,13 @@ from typing import Any, Callable
 from ..config import DoctorConfig, build_config, merge
 from ..probe import Workbench
 from ..spec import TrainingSpec
-from .model import SEVERITIES, Diagnosis, Evidence, Finding, StageReport
+from ..symptoms import Symptom, measure
+from .model import SEVERITIES, Diagnosis, Evidence, Finding, Fix, StageReport
+
+UNEXPLAINED = "unexplained"
+"""The cause code of symptoms that no rule explains (an error finding: never healthy)."""
+UNEXPLAINED_ORDER = 95
+"""Ranks after every specific cause of the same severity."""
 from .stages import STAGES, StageContext
 
 CI_STEPS = 20
@@ -46,7 +52,75 @@ def diagnose(
         report = stage(ctx)
         report.seconds = time.perf_counter() - start
         stages.append(report)
-    return Diagnosis(findings=rank(evaluate_rules(evidence)), stages=stages, evidence=evidence)
+    evidence.symptoms = measure_symptoms(evidence)
+    findings = explain_symptoms(evaluate_rules(evidence), evidence)
+    return Diagnosis(findings=rank(findings), stages=stages, evidence=evidence, notes=list(spec.notes))
+
+
+def measure_symptoms(ev: Evidence) -> list[Symptom]:
+    """The AMP probe's symptoms against the FP32 baseline (see :mod:`fp16doctor.symptoms`)."""
+    if ev.amp is None:
+        return []
+    gap = ev.gap.get("gap") if ev.gap else None
+    return measure(ev.amp.records, ev.fp32.records if ev.fp32 is not None else None,
+                   ev.amp.tables.get("updates"), ev.fp32.tables.get("updates") if ev.fp32 is not None else None,
+                   same_state_gap=gap, bf16=ev.config.dtype == "bfloat16")
+
+
+def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Finding]:
+    """Tie every symptom to the findings that explain it; what no rule explains becomes an ``unexplained`` error.
+
+    A warning whose rule explains a measured symptom becomes an error: the
+    verdict follows the symptoms, the rules only say why.
+    """
+    from ..rules import all_rules
+
+    explains = {rule.code: rule.explains for rule in all_rules()}
+    unexplained = []
+    for symptom in ev.symptoms:
+        candidates = [f for f in findings if symptom.code in explains.get(f.cause, ())]
+        errors = [f for f in candidates if f.severity == "error"]
+        if not errors:
+            warnings_ = sorted((f for f in candidates if f.severity == "warning"), key=lambda f: (f.order, -f.confidence))
+            if warnings_:
+                warnings_[0].severity = "error"
+                errors = warnings_[:1]
+        for finding in errors:
+            finding.evidence.setdefault("symptoms", []).append(symptom.code)
+        ev.explained[symptom.code] = [f.cause for f in errors]
+        if not errors:
+            unexplained.append(symptom)
+    if unexplained:
+        findings.append(unexplained_finding(unexplained, ev))
+    return findings
+
+
+def unexplained_finding(symptoms: list[Symptom], ev: Evidence) -> Finding:
+    """The honest finding for symptoms no rule explains: what was measured, where it starts, what to look at."""
+    evidence: dict[str, Any] = {"symptoms": [s.to_json() for s in symptoms]}
+    loc = ev.localisation
+    if loc is not None:
+        evidence["localisation"] = {"module": loc.module, "operator": loc.operator, "phase": loc.phase,
+                                    "step": loc.step, "batch": loc.batch_index}
+    where = f"; it starts in {loc.module} ({loc.operator}, {loc.phase}) at step {loc.step}, batch {loc.batch_index}" if loc else ""
+    if ev.amp is not None and ev.amp.exception is not None:
+        evidence["exception"] = ev.amp.exception
+        where += f"; AMP raised {ev.amp.exception['type']} at {ev.amp.exception['location']}"
+    inspect = ["re-run `fp16doctor compare FILE --fp32 --amp --steps N` to see where the curves part"]
+    if loc is not None:
+        inspect.insert(0, f"print the inputs and output of {loc.module} at step {loc.step} (batch {loc.batch_index}) under AMP and FP32")
+    codes = {s.code for s in symptoms}
+    if "skips" in codes or "nonfinite" in codes:
+        inspect.append("try a lower scaler.init_scale and bf16 to tell range from precision trouble")
+    if codes & {"same-state-gap", "trajectory-drift", "lost-updates"}:
+        inspect.append("keep the suspect modules in fp32 (overrides.fp32_modules) one at a time")
+    return Finding(
+        cause=UNEXPLAINED, severity="error",
+        title="Measured under AMP, explained by no rule: " + "; ".join(s.description for s in symptoms) + where,
+        evidence=evidence,
+        fix=Fix("No rule recognises this pattern. Inspect next: " + "; ".join(inspect) + "."),
+        confidence=0.5, order=UNEXPLAINED_ORDER,
+    )
 
 
 def evaluate_rules(evidence: Evidence) -> list[Finding]:

@@ -133,6 +133,10 @@ class Evidence:
     lr_peak: dict[str, Any] | None = None
     gap: dict[str, Any] | None = None
     bf16_supported: bool = True
+    symptoms: list[Any] = field(default_factory=list)
+    """The measured symptoms (:class:`fp16doctor.symptoms.Symptom`) of the AMP probe against FP32."""
+    explained: dict[str, list[str]] = field(default_factory=dict)
+    """Per symptom code, the causes whose error findings explain it (empty: the ``unexplained`` finding)."""
 
 
 @dataclass
@@ -142,11 +146,14 @@ class Diagnosis:
     findings: list[Finding]
     stages: list[StageReport]
     evidence: Evidence
+    notes: list[str] = field(default_factory=list)
+    """How the doctor ran the training file (e.g. a torch.compile'd model run uncompiled)."""
 
     @property
     def unexplained(self) -> list[dict[str, Any]]:
         """Exceptions the training raised in a probe that no finding accounts for (never "healthy")."""
-        explained = {json_key(f.evidence.get("exception")) for f in self.findings if f.evidence.get("exception")}
+        explained = {json_key(f.evidence.get("exception")) for f in self.findings
+                     if f.evidence.get("exception") and f.cause != "unexplained"}
         out = []
         for summary in (self.evidence.fp32, self.evidence.amp):
             if summary is not None and summary.exception is not None and json_key(summary.exception) not in explained:
@@ -167,6 +174,9 @@ class Diagnosis:
             "findings": [f.to_json() for f in self.findings],
             "stages": [s.to_json() for s in self.stages],
             "unexplained": jsonable(self.unexplained),
+            "symptoms": [jsonable(dict(s.to_json(), explained_by=self.evidence.explained.get(s.code, [])))
+                         for s in self.evidence.symptoms],
+            "notes": self.notes,
         }
 
 

@@ -123,6 +123,15 @@ def same_state_losses(ctx: StageContext, step: int, configs: dict[str, tuple[str
     return losses
 
 
+def worst_underflow(observed: pd.DataFrame | None) -> float:
+    """The largest share of a tensor's gradient mass that flushed to zero, negligible gradients left out."""
+    if observed is None or observed.empty:
+        return 0.0
+    if "negligible" in observed:
+        observed = observed[~observed["negligible"].astype(bool)]
+    return float(observed["observed_underflow_mass"].max()) if len(observed) else 0.0
+
+
 def rel_dev(value: float, reference: float, floor: float = 1e-12) -> float:
     """|value - reference| relative to the reference, or to ``floor`` when the reference is smaller.
 
@@ -237,12 +246,13 @@ def stage_scale(ctx: StageContext) -> StageReport:
     ev.predicted_underflow = predicted_underflow(capture, configured)
     ev.observed_underflow = observed_underflow(ctx.bench, config=cfg, reference=capture)
     worst_predicted = float(ev.predicted_underflow["predicted_underflow"].max()) if len(ev.predicted_underflow) else 0.0
-    worst_observed = float(ev.observed_underflow["observed_underflow"].max()) if len(ev.observed_underflow) else 0.0
+    worst_observed = worst_underflow(ev.observed_underflow)
     amp = ev.amp
     skips = len(amp.skip_steps) if amp is not None else 0
     needs_sweep = skips > 0 or worst_observed > UNDERFLOW_ALARM or worst_predicted > UNDERFLOW_ALARM or not cfg.scaler.enabled
     summary = (f"window [{window.low:.3g}, {window.high:.3g}] (recommended {window.recommended():.0f}); "
-               f"at the configured scale {configured:.0f}: predicted underflow {worst_predicted:.1%}, observed {worst_observed:.1%}")
+               f"at the configured scale {configured:.0f}: predicted underflow {worst_predicted:.1%} of elements, "
+               f"observed {worst_observed:.1%} of a tensor's gradient mass")
     if not needs_sweep:
         return StageReport("loss-scale sweep", "skipped", summary + "; no skips or underflow: nothing to sweep",
                            details={"window": [window.low, window.high]})
@@ -474,7 +484,7 @@ def stage_bf16(ctx: StageContext) -> StageReport:
     range_trouble = amp is not None and (
         amp.first_nonfinite_loss is not None
         or len(amp.skip_steps) > max(2, 0.1 * len(amp.records))  # more than a settling scale's few skips
-        or (under is not None and len(under) and float(under["observed_underflow"].max()) > UNDERFLOW_ALARM)
+        or (under is not None and len(under) and worst_underflow(under) > UNDERFLOW_ALARM)
     )
     if ctx.config.dtype == "bfloat16" or not range_trouble:
         return StageReport("bf16 check", "skipped", "no fp16 range trouble to compare against" if ctx.config.dtype != "bfloat16" else "already bfloat16")

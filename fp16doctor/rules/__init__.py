@@ -26,6 +26,8 @@ class Rule:
     severity: ClassVar[str] = "error"
     order: ClassVar[int] = 100
     """Causal order: lower runs earlier in the chain of causes and ranks first."""
+    explains: ClassVar[tuple[str, ...]] = ()
+    """The measured symptoms (:mod:`fp16doctor.symptoms` codes) an error finding of this rule accounts for."""
     suppresses: ClassVar[tuple[str, ...]] = ()
     """Causes that are symptoms when this one is found (an error finding of this rule hides them)."""
     triggers: ClassVar[tuple[str, ...]] = ()

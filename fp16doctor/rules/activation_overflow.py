@@ -16,6 +16,7 @@ from ..localise import OUTSIDE_MODEL
 class ActivationOverflow(Rule):
     code = "activation-overflow"
     order = 60
+    explains = ('nonfinite', 'skips')
     triggers = ("bf16_pretrained_ffn.py",)
     suppresses = ("scale-overflow", "scheduler-skip-drift")
 

@@ -14,6 +14,7 @@ from . import Rule
 class ClipBeforeUnscale(Rule):
     code = "clip-before-unscale"
     order = 65
+    explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
     triggers = ("clip_before_unscale.py",)
 
     def check(self, ev: Evidence) -> list[Finding]:

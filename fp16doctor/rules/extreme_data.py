@@ -15,6 +15,7 @@ from ._helpers import fp32_finite
 class ExtremeData(Rule):
     code = "extreme-data"
     order = 20
+    explains = ('nonfinite', 'skips', 'amp-exception', 'trajectory-drift')
     verifiable = False
     triggers = ("raw_sensor_features.py",)
     suppresses = ("activation-overflow", "scale-overflow", "scheduler-skip-drift")

@@ -14,6 +14,7 @@ from . import Rule
 class Fp32Divergence(Rule):
     code = "fp32-divergence"
     order = 30
+    explains = ('nonfinite', 'skips', 'amp-exception', 'lost-updates', 'same-state-gap', 'trajectory-drift')
     verifiable = False
     triggers = ("log_of_zero.py",)
     suppresses = ("scale-overflow", "scale-growth", "activation-overflow", "loss-in-half", "grad-underflow",

@@ -15,6 +15,7 @@ from ._helpers import LOW_DTYPES, is_norm
 class HalfBatchnorm(Rule):
     code = "half-batchnorm"
     order = 41
+    explains = ('nonfinite', 'amp-exception', 'skips', 'same-state-gap', 'trajectory-drift')
     triggers = ("half_batchnorm.py",)
 
     def check(self, ev: Evidence) -> list[Finding]:

@@ -16,6 +16,7 @@ from ._helpers import LOW_DTYPES
 class HalfOptimizerState(Rule):
     code = "half-optimizer-state"
     order = 42
+    explains = ('nonfinite', 'skips', 'lost-updates', 'trajectory-drift', 'same-state-gap')
     triggers = ("half_optimizer_state.py",)
 
     def check(self, ev: Evidence) -> list[Finding]:

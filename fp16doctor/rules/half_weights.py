@@ -15,6 +15,7 @@ from ._helpers import half_param_modules, is_norm
 class HalfWeights(Rule):
     code = "half-weights"
     order = 40
+    explains = ('nonfinite', 'skips', 'amp-exception', 'lost-updates', 'trajectory-drift', 'same-state-gap')
     triggers = ("model_half.py",)
     suppresses = ("half-batchnorm", "half-optimizer-state", "grad-underflow", "precision-gap", "loss-in-half")
 

@@ -15,6 +15,7 @@ from ._helpers import LOW_DTYPES, fp32_finite
 class LossInHalf(Rule):
     code = "loss-in-half"
     order = 50
+    explains = ('nonfinite', 'skips', 'same-state-gap', 'trajectory-drift')
     triggers = ("loss_in_half.py",)
     suppresses = ("activation-overflow", "scale-overflow", "precision-gap", "scheduler-skip-drift")
 

@@ -16,6 +16,7 @@ from ._helpers import fp32_finite
 class LrSchedulePeak(Rule):
     code = "lr-schedule-peak"
     order = 80
+    explains = ('nonfinite', 'skips', 'trajectory-drift')
     triggers = ("warmup_peak.py",)
     suppresses = ("scale-overflow", "scheduler-skip-drift")
 

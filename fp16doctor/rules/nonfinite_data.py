@@ -14,6 +14,7 @@ from . import Rule
 class NonfiniteData(Rule):
     code = "nonfinite-data"
     order = 10
+    explains = ('nonfinite', 'skips', 'amp-exception', 'trajectory-drift')
     verifiable = False
     triggers = ("nan_in_data.py",)
     suppresses = ("fp32-divergence", "scale-overflow", "scale-growth", "activation-overflow", "loss-in-half",

@@ -15,6 +15,7 @@ from . import Rule
 class PrecisionGap(Rule):
     code = "precision-gap"
     order = 90
+    explains = ('same-state-gap', 'trajectory-drift', 'skips')
     triggers = ("fast_variance_norm.py",)
 
     def check(self, ev: Evidence) -> list[Finding]:

@@ -17,6 +17,7 @@ MIN_RECURRENCES = 2
 class ScaleGrowth(Rule):
     code = "scale-growth"
     order = 72
+    explains = ('skips', 'nonfinite', 'trajectory-drift')
     triggers = ("scale_grows_fast.py",)
 
     def check(self, ev: Evidence) -> list[Finding]:

@@ -1,7 +1,8 @@
 """The loss scale is too high: gradients overflow in backward step after step.
 
 Evidence: AMP steps skipped (or with non-finite gradients when the training
-scales by hand) while the loss and the fp32 gradients stay finite: a scale that
+scales by hand: then the overflowed gradients reach the weights and the loss
+turns NaN one step later) while the fp32 loss and gradients stay finite: a scale that
 never settles, a settling that costs more than ten skipped steps (from
 init_scale down to the largest safe scale derived from fp32 gradients, at the
 configured backoff), or a quarter of the steps after settling still
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import math
 
-from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis.model import Evidence, Finding, Fix, ProbeSummary
+from ..symptoms import attempts
 from . import Rule
 from ._helpers import fp32_finite, scale_patch, skip_runs
 
@@ -25,13 +27,16 @@ SETTLING_LIMIT = 10
 class ScaleOverflow(Rule):
     code = "scale-overflow"
     order = 70
+    explains = ('skips', 'nonfinite', 'trajectory-drift')
     triggers = ("scale_too_high.py",)
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp = ev.amp
-        if amp is None or amp.exception is not None or amp.first_nonfinite_loss is not None or not fp32_finite(ev):
+        if amp is None or amp.exception is not None or not fp32_finite(ev):
             return []
-        rec = amp.records
+        if amp.first_nonfinite_loss is not None and not self._weights_poisoned_by_hand(amp):
+            return []  # the forward itself overflows: no loss scale causes that
+        rec = attempts(amp.records)
         overflowing = (rec["skipped"].astype(bool) | rec["nonfinite_grads"].astype(bool)).tolist()
         if not any(overflowing):
             return []
@@ -75,6 +80,12 @@ class ScaleOverflow(Rule):
                 config_patch=patch,
             ),
         )
+
+    @staticmethod
+    def _weights_poisoned_by_hand(amp: ProbeSummary) -> bool:
+        """A hand-scaled step without a GradScaler applies overflowed gradients: the loss turns NaN only after them."""
+        grads = amp.first_nonfinite_grads
+        return not amp.scaler_called and grads is not None and grads < amp.first_nonfinite_loss
 
     @staticmethod
     def _expected_settling(ev: Evidence) -> int:

@@ -16,6 +16,7 @@ WARMUP_SHARE = 0.25
 class SchedulerSkipDrift(Rule):
     code = "scheduler-skip-drift"
     order = 85
+    explains = ('trajectory-drift',)
     severity = "warning"
     triggers = ("warmup_skips.py",)
 
