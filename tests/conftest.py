@@ -31,12 +31,12 @@ def training_file(tmp_path):
     return write
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``python -m fp16doctor`` as a user would, capturing stdout and stderr apart."""
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m fp16doctor`` in a fresh process, as a user would, capturing stdout and stderr apart."""
     return subprocess.run(
         [sys.executable, "-m", "fp16doctor", *map(str, args)],
         capture_output=True, text=True, cwd=cwd or ROOT, timeout=timeout,
-        env={**os.environ, "COLUMNS": "160"},
+        env={**os.environ, "COLUMNS": "160", **(env or {})},
     )
 
 

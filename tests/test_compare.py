@@ -49,11 +49,26 @@ def test_precision_loss_is_drift_with_its_worst_step():
 
 def test_skips_of_a_settling_scale_are_aligned_not_called_drift(training_file):
     # An init_scale far too high: the first steps overflow and are skipped while the scale backs off.
-    bench = bench_for(training_file(MLP_FILE), steps=8, scaler={"init_scale": 2.0**30})
+    bench = bench_for(training_file(MLP_FILE), steps=8, scaler={"init_scale": 2.0**26})
     result = compare(bench, ["amp"])
     assert result.trajectories["amp"].skipped >= 3
-    assert result.verdict == "healthy"
+    assert result.verdict == "healthy" and result.trajectories["amp"].symptoms == []
     assert result.trajectories["amp"].aligned[0]["skipped_before"] >= 3
+
+
+def test_a_scale_that_settles_too_slowly_is_unstable_not_healthy(training_file):
+    """2^30 needs 12 halvings (more than a scale's calibration allows): the steps taken agree, the run does not."""
+    bench = bench_for(training_file(MLP_FILE), steps=8, scaler={"init_scale": 2.0**30})
+    result = compare(bench, ["amp"])
+    assert result.verdict == "unstable" and result.verdict_by_mode == {"amp": "unstable"}
+    assert [s.code for s in result.trajectories["amp"].symptoms] == ["skips"]
+    assert result.to_json()["symptoms"]["amp"][0]["measured"]["leading"] == 12
+
+
+def test_a_scale_that_keeps_growing_past_the_window_is_unstable():
+    result = compare(bench_for(SAMPLES / "scale_grows_fast.py", steps=40), ["amp"])
+    skips = next(s for s in result.trajectories["amp"].symptoms if s.code == "skips")
+    assert result.verdict_by_mode["amp"] == "unstable" and skips.measured["after_settling"] >= 3
 
 
 def test_bf16_tolerance_is_eight_times_fp16():

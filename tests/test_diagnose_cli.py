@@ -7,6 +7,7 @@ import yaml
 
 from conftest import SAMPLES, run_cli
 from fp16doctor.config import build_config
+from fp16doctor.rules import all_rules
 
 
 def test_json_is_one_object_in_the_documented_shape():
@@ -40,7 +41,7 @@ def test_report_fix_config_and_junit(tmp_path):
     assert config["overrides"]["unscale_before_clip"] is True and config["steps"] == 20  # the user's CONFIG kept
     build_config(config)  # a valid config
     suite = ET.parse(junit).getroot().find("testsuite")
-    assert suite.get("failures") == "1" and int(suite.get("tests")) == 16
+    assert suite.get("failures") == "1" and int(suite.get("tests")) == len(all_rules()) + 1  # every cause and `unexplained`
     failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
     assert failed == ["clip-before-unscale"]
     # the corrected config, given back, gives a healthy diagnosis
@@ -99,6 +100,8 @@ def test_an_unexplained_amp_exception_is_never_healthy(tmp_path):
     payload = json.loads(proc.stdout)
     assert payload["verdict"] == "unhealthy"
     assert payload["unexplained"][0]["probe"] == "amp" and payload["unexplained"][0]["exception"]["location"].endswith(":13")
+    finding = next(f for f in payload["findings"] if f["cause"] == "unexplained")  # a finding like any other cause
+    assert finding["severity"] == "error" and finding["evidence"]["symptoms"][0]["symptom"] == "amp-exception"
 
 
 def test_scan_batches_reaches_beyond_the_probes_batches():

@@ -99,8 +99,8 @@ def test_skipped_steps_are_detected_from_the_scalers_found_inf(training_file, fu
     assert frame["skipped"].iloc[0] and not frame["optimizer_stepped"].iloc[0]
     assert frame["nonfinite_grads"].iloc[0] and not frame["nonfinite_loss"].iloc[0]
     assert frame["loss_scale"].iloc[1] == frame["loss_scale"].iloc[0] / 2  # backoff after the skip
-    if frame["skipped"].all():
-        assert all(torch.equal(w, p) for w, p in zip(weights, probe.model.parameters()))
+    assert frame["skipped"].all() and not frame["micro_step"].any()  # 2^40 needs more than 4 halvings to settle
+    assert all(torch.equal(w, p) for w, p in zip(weights, probe.model.parameters()))  # no skipped step moved a weight
 
 
 def test_custom_train_step_is_observed(training_file):

@@ -58,7 +58,7 @@ def test_sample_gets_its_top_cause(code, sample):
 def test_healthy_samples_have_no_error_finding(sample):
     _, result = diagnosed(sample)
     assert result.healthy, [(f.cause, f.title) for f in result.findings]
-    assert {r.code for r in RULES if sample in r.passes} & {f.cause for f in result.findings if f.severity == "error"} == set()
+    assert result.evidence.symptoms == [], [s.description for s in result.evidence.symptoms]  # measured, not only ruled out
 
 
 VERIFIABLE = [(r.code, s) for r in RULES if r.verifiable for s in r.triggers]
@@ -113,14 +113,19 @@ def test_loss_scale_recommendation_lies_in_the_derived_window():
     assert finding.fix.config_patch["scaler"]["enabled"] is True
 
 
-@pytest.mark.parametrize("sample", ["fast_variance_norm.py", "scale_grows_fast.py", "half_optimizer_state.py", "mlp.py"])
+@pytest.mark.parametrize("sample", ["fast_variance_norm.py", "scale_grows_fast.py", "half_optimizer_state.py"])
 def test_ci_fast_path_agrees_with_the_full_diagnosis(sample):
     _, full = diagnosed(sample)
     _, fast = diagnosed(sample, ci=True)
-    assert fast.verdict == full.verdict
-    if full.findings and not full.healthy:
-        assert fast.findings[0].cause == full.findings[0].cause
-    assert fast.evidence.steps <= 20
+    assert not full.healthy and not fast.healthy
+    assert fast.findings[0].cause == full.findings[0].cause
+    assert fast.evidence.steps <= 20 and fast.evidence.steps <= full.evidence.steps
+
+
+def test_ci_fast_path_keeps_a_healthy_model_healthy():
+    _, full = diagnosed("mlp.py")
+    _, fast = diagnosed("mlp.py", ci=True)
+    assert full.healthy and fast.healthy and fast.evidence.steps <= 20
 
 
 HAND_ROLLED = """import torch

@@ -66,8 +66,11 @@ def test_first_nonfinite_step_is_diagnosed_next_to_the_run(tmp_path):
 
 
 def test_stop_policy_and_consecutive_limit(tmp_path):
-    stopped = trainer_for(SAMPLES / "log_of_zero.py", tmp_path / "a", steps=10).run()
-    assert not stopped.ok and stopped.status == "stopped" and stopped.steps < 10 or stopped.nonfinite == stopped.steps
+    spec = load_training_file(SAMPLES / "log_of_zero.py")  # every batch gives log(0): every step is non-finite
+    cfg = build_config(spec.config, {"device": "cpu", "steps": 10})
+    stopped = Trainer(spec, cfg, TrainOptions(run_dir=tmp_path / "a", max_nonfinite=3)).run()
+    assert not stopped.ok and stopped.status == "stopped"
+    assert stopped.steps == 3 and stopped.nonfinite == 3 and "3 non-finite steps in a row" in stopped.reason
     spec = load_training_file(SAMPLES / "nan_in_data.py")
     cfg = build_config(spec.config, {"device": "cpu", "steps": 12})
     result = Trainer(spec, cfg, TrainOptions(run_dir=tmp_path / "b", on_nonfinite="stop")).run()

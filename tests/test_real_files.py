@@ -1,0 +1,98 @@
+"""Training files written the way people write them, run through the CLI in a fresh process each.
+
+The first release passed every test in one warm process while most real files crashed the
+CLI: modules a user's code imports lazily (torch._dynamo, transformers) broke when the loader
+scoped them. These tests run `fp16doctor` as a subprocess, exactly as a user does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from conftest import ROOT, run_cli
+
+FILES = ROOT / "tests" / "training_files"
+HEALTHY = ["own_optimizer.py", "hf_bert.py", "hf_checkpointing.py", "compiled.py", "dataloader_workers.py",
+           "uses_sibling.py", "grad_accumulation.py"]
+
+
+def diagnose_json(name: str, *extra: str, env: dict | None = None) -> tuple[int, dict, str]:
+    proc = run_cli("diagnose", FILES / name, "--ci", "--json", *extra, env=env)
+    assert proc.returncode in (0, 1), f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    return proc.returncode, json.loads(proc.stdout), proc.stderr
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_realistic_healthy_file_is_diagnosed_healthy(name):
+    code, report, _ = diagnose_json(name)
+    errors = [(f["cause"], f["title"]) for f in report["findings"] if f["severity"] == "error"]
+    assert code == 0 and report["verdict"] == "healthy", errors
+    assert report["symptoms"] == []
+    assert {s["name"]: s["status"] for s in report["stages"]}["fp32 baseline"] == "ran"
+
+
+def test_spawned_dataloader_workers_import_the_files_dataset_class():
+    code, report, stderr = diagnose_json("dataloader_workers.py", env={"DATALOADER_START": "spawn"})
+    assert code == 0 and report["verdict"] == "healthy", stderr[-2000:]
+
+
+def test_a_compiled_model_is_run_uncompiled_and_the_user_is_told():
+    code, report, stderr = diagnose_json("compiled.py")
+    assert code == 0 and any("torch.compile" in note for note in report["notes"])
+    assert "uncompiled" in " ".join(stderr.split())  # on stderr, so --json stays one object on stdout
+
+
+def test_static_hand_rolled_loss_scaling_is_never_healthy():
+    """AMP NaN from the second step with a finite FP32 baseline: a symptom, explained by scale-overflow."""
+    code, report, _ = diagnose_json("static_loss_scale.py")
+    assert code == 1 and report["verdict"] == "unhealthy"
+    top = report["findings"][0]
+    assert top["cause"] == "scale-overflow" and top["evidence"]["scaler_called"] is False
+    assert "GradScaler" in top["fix"]["summary"]
+    nonfinite = next(s for s in report["symptoms"] if s["symptom"] == "nonfinite")
+    assert nonfinite["explained_by"] == ["scale-overflow"] and nonfinite["measured"]["first_nonfinite_step"] <= 1
+
+
+def compare_json(name: str, *extra: str) -> dict:
+    proc = run_cli("compare", FILES / name, "--json", *extra)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def test_accumulation_micro_steps_are_not_skips_in_compare():
+    report = compare_json("grad_accumulation.py", "--steps", "12")
+    assert report["skipped_steps"] == {"fp32": 0, "amp": 0} and report["verdict_by_mode"]["amp"] != "unstable"
+    assert report["symptoms"]["amp"] == []
+
+
+def test_accumulation_micro_steps_are_not_skips_in_train(tmp_path):
+    proc = run_cli("train", FILES / "grad_accumulation.py", "--steps", "8", "--run-dir", tmp_path / "run", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    metrics = pd.read_csv(tmp_path / "run" / "metrics.csv")
+    assert metrics["micro_step"].tolist() == [True, True, True, False] * 2  # the optimizer steps every 4th micro-batch
+    assert not metrics["skipped"].any()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped"] == 0
+
+
+def test_checkpointed_recompute_sees_the_same_precision_policy_as_the_forward():
+    """Activation checkpointing recomputes the forward in backward: same autocast policy and same FP32 guards,
+    so every loss and gradient norm equals the uncheckpointed model's, in fp32 and in AMP."""
+    plain = compare_json("hf_bert.py", "--steps", "4")
+    checkpointed = compare_json("hf_checkpointing.py", "--steps", "4")
+    for mode in ("fp32", "amp"):
+        for a, b in zip(plain["steps"], checkpointed["steps"]):
+            assert a[mode]["loss"] == pytest.approx(b[mode]["loss"], rel=1e-5)
+            assert a[mode]["grad_norm"] == pytest.approx(b[mode]["grad_norm"], rel=1e-4)
+    assert checkpointed["verdict"] == "healthy"
+
+
+def test_own_optimizer_and_scheduler_through_compare_and_train(tmp_path):
+    assert compare_json("own_optimizer.py", "--steps", "8")["verdict"] == "healthy"
+    proc = run_cli("train", FILES / "own_optimizer.py", "--steps", "6", "--run-dir", tmp_path / "run", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lrs = pd.read_csv(tmp_path / "run" / "metrics.csv")["lr"].tolist()
+    assert lrs[0] < lrs[1] < lrs[2] < lrs[3] and lrs[4] == pytest.approx(0.05) and lrs[5] < lrs[4]  # warm-up, then cosine
+

@@ -1,0 +1,35 @@
+"""Every sample model through `fp16doctor diagnose --ci --json` in a fresh process: no crash, the right cause.
+
+A sample's expected top cause is the one whose rule lists it in ``triggers``; the healthy samples
+are the ones every rule lists in ``passes``. Exit 3 (an internal error) anywhere fails.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import SAMPLES, run_cli
+from fp16doctor.rules import all_rules
+
+RULES = all_rules()
+EXPECTED = {sample: rule.code for rule in RULES for sample in rule.triggers}
+HEALTHY = sorted(set.intersection(*(set(rule.passes) for rule in RULES)))
+SAMPLE_FILES = sorted(p.name for p in SAMPLES.glob("*.py"))
+
+
+def test_every_sample_is_a_trigger_or_healthy():
+    assert set(SAMPLE_FILES) == set(EXPECTED) | set(HEALTHY)
+
+
+@pytest.mark.parametrize("sample", SAMPLE_FILES)
+def test_sample_diagnosed_from_a_fresh_process(sample):
+    proc = run_cli("diagnose", SAMPLES / sample, "--ci", "--json")
+    assert proc.returncode in (0, 1), f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    report = json.loads(proc.stdout)
+    if sample in HEALTHY:
+        assert proc.returncode == 0 and report["verdict"] == "healthy", report["findings"]
+        return
+    assert proc.returncode == 1 and report["verdict"] == "unhealthy"
+    assert report["findings"][0]["cause"] == EXPECTED[sample], [(f["cause"], f["title"]) for f in report["findings"]]
