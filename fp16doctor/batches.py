@@ -18,19 +18,35 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Apply ``fn`` to every tensor leaf, keeping the container structure."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, dict):
-        mapped = {k: map_tensors(v, fn) for k, v in batch.items()}
-        if type(batch) is dict:
-            return mapped
-        try:  # keep OrderedDict and friends; fall back to a plain dict
-            return type(batch)(mapped)
-        except Exception:  # noqa: BLE001
-            return mapped
+    if isinstance(batch, dict):  # keeps OrderedDict and friends; falls back to a plain dict
+        return map_tensors_of(batch, {k: map_tensors(v, fn) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(map_tensors(v, fn) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(map_tensors(v, fn) for v in batch)
     return batch
+
+
+def map_named_tensors(batch: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], prefix: str = "") -> Any:
+    """:func:`map_tensors` with each leaf's field path (as :func:`iter_tensors` names it) passed to ``fn``."""
+    if isinstance(batch, torch.Tensor):
+        return fn(prefix or "batch", batch)
+    if isinstance(batch, dict):
+        return map_tensors_of(batch, {k: map_named_tensors(v, fn, f"{prefix}.{k}" if prefix else str(k)) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        items = [map_named_tensors(v, fn, f"{prefix}.{i}" if prefix else str(i)) for i, v in enumerate(batch)]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch
+
+
+def map_tensors_of(original: dict, mapped: dict) -> dict:
+    """``mapped`` in ``original``'s dict type where it can be rebuilt (OrderedDict, ModelOutput-like)."""
+    if type(original) is dict:
+        return mapped
+    try:
+        return type(original)(mapped)
+    except Exception:  # noqa: BLE001
+        return mapped
 
 
 def iter_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

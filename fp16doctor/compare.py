@@ -17,11 +17,12 @@ import pandas as pd
 
 from .config import DoctorConfig
 from .probe import Workbench
-from .symptoms import BF16_FACTOR, Symptom, measure
+from .symptoms import Symptom, measure
+from .thresholds import BF16_FACTOR, GAP_ERROR, GAP_TOLERANCE
 
-DEFAULT_TOLERANCE = 1e-3
+DEFAULT_TOLERANCE = GAP_TOLERANCE
 """Healthy when every aligned loss is within 0.1% of fp32 (mixed-precision-notes.md, rules of thumb)."""
-DEFAULT_DIVERGENCE = 1e-2
+DEFAULT_DIVERGENCE = GAP_ERROR
 """A deviation past 1% is worth a look: its first step is reported."""
 VERDICTS = ("healthy", "drift", "unstable", "diverged")
 """Per mode, worst last: ``unstable`` is a trajectory that agrees with fp32 on the steps taken while the
@@ -144,23 +145,23 @@ def compare(
     divergence: float = DEFAULT_DIVERGENCE,
     config: DoctorConfig | None = None,
     on_mode: Callable[[str], None] | None = None,
+    reference: ModeTrajectory | None = None,
 ) -> Comparison:
-    """Run ``modes`` (fp32 is always the reference) and compare them on aligned optimizer steps."""
+    """Run ``modes`` (fp32 is always the reference) and compare them on aligned optimizer steps.
+
+    ``reference``: an fp32 trajectory of the same bench and steps already run (a sweep compares
+    many settings against one baseline instead of recomputing it per setting).
+    """
     config = config or bench.config
     steps = steps or config.steps
     modes = ["fp32"] + [m for m in dict.fromkeys(modes) if m != "fp32"]
-    trajectories = {}
+    trajectories = {"fp32": reference} if reference is not None else {}
     for mode in modes:
+        if mode in trajectories:
+            continue
         if on_mode is not None:
             on_mode(mode)
-        probe = bench.probe(mode, config, align_on_taken_steps=True)
-        try:
-            trajectories[mode] = _align(mode, probe.run(steps, stop_on_nonfinite_loss=True))
-            first = probe.instruments.first_nonfinite_forward() if probe.instruments is not None else None
-            trajectories[mode].first_nonfinite_module = first["module"] if first else None
-            trajectories[mode].updates = probe.instruments.frames().get("updates") if probe.instruments is not None else None
-        finally:
-            probe.close()
+        trajectories[mode] = run_aligned(bench, mode, config, steps)
     reference = trajectories["fp32"].aligned
     ref_nonfinite = next((k for k, e in enumerate(reference) if not e["finite"]), None)
     result = Comparison(
@@ -179,6 +180,20 @@ def compare(
         result.first_divergent_step["fp32"] = ref_nonfinite
     result.verdict = max(result.verdict_by_mode.values(), key=VERDICTS.index, default="healthy")
     return result
+
+
+def run_aligned(bench: Workbench, mode: str, config: DoctorConfig, steps: int) -> ModeTrajectory:
+    """One mode's probe run aligned on optimizer steps taken, with what its instruments saw."""
+    probe = bench.probe(mode, config, align_on_taken_steps=True)
+    try:
+        trajectory = _align(mode, probe.run(steps, stop_on_nonfinite_loss=True))
+        if probe.instruments is not None:
+            first = probe.instruments.first_nonfinite_forward()
+            trajectory.first_nonfinite_module = first["module"] if first else None
+            trajectory.updates = probe.instruments.frames().get("updates")
+        return trajectory
+    finally:
+        probe.close()
 
 
 def _is_bf16(mode: str, config: DoctorConfig) -> bool:

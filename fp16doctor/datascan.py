@@ -18,9 +18,8 @@ import torch
 
 from .batches import iter_tensors
 from .instruments import FP16_MAX, FP16_MIN_SUBNORMAL
+from .thresholds import EXTREME_INPUT, IGNORE_INDEX
 
-EXTREME = 1e3
-"""|x| from which a raw input is extreme for fp16 (mixed-precision-notes.md: "magnitudes in the thousands and up")."""
 
 
 @dataclass
@@ -42,6 +41,10 @@ class FieldScan:
     first_nonfinite: dict[str, Any] | None = None
     """{"batch": i, "position": [...], "value": "nan"} of the first non-finite value."""
     nonfinite_batches: list[int] = field(default_factory=list)
+    ignored_only_batches: list[int] = field(default_factory=list)
+    """Integer fields: batches in which every value equals IGNORE_INDEX (no valid target at all)."""
+    valid_counts: list[int] = field(default_factory=list)
+    """Integer fields: per scanned batch, the values that are not IGNORE_INDEX (valid targets, for label fields)."""
 
     @property
     def nonfinite(self) -> int:
@@ -72,11 +75,20 @@ def scan_batches(batches: list[Any]) -> list[FieldScan]:
     return list(fields.values())
 
 
+def _count_targets(scan: FieldScan, t: torch.Tensor, batch: int) -> None:
+    """Valid targets per batch of an integer field (values other than IGNORE_INDEX, the loss's padding)."""
+    ignored = t == IGNORE_INDEX
+    scan.valid_counts.append(int((~ignored).sum()))
+    if bool(ignored.all()):
+        scan.ignored_only_batches.append(batch)
+
+
 def _scan_tensor(scan: FieldScan, t: torch.Tensor, batch: int) -> None:
     scan.numel += t.numel()
     if not t.is_floating_point() or not t.numel():
         if t.numel() and not t.is_complex() and t.dtype != torch.bool:
             scan.abs_max = max(scan.abs_max, float(t.abs().max()))
+            _count_targets(scan, t, batch)
         return
     x = t.double()
     nan, pos, neg = torch.isnan(x), x == math.inf, x == -math.inf
@@ -94,6 +106,6 @@ def _scan_tensor(scan: FieldScan, t: torch.Tensor, batch: int) -> None:
     if a.numel():
         scan.abs_max = max(scan.abs_max, float(a.max()))
         scan.over_fp16_max += int((a > FP16_MAX).sum())
-        scan.extreme += int((a >= EXTREME).sum())
+        scan.extreme += int((a >= EXTREME_INPUT).sum())
         scan.below_fp16_subnormal += int(((a > 0) & (a < FP16_MIN_SUBNORMAL)).sum())
         scan.nonzero += int((a > 0).sum())

@@ -19,9 +19,9 @@ import torch
 from .instruments import FP16_MAX, FP16_MIN_SUBNORMAL, _sample
 from .probe import Probe, Workbench
 from .rng import seed_everything
+from .thresholds import KEEP_MASS, NEGLIGIBLE_RMS
 
-KEEP = 0.999
-"""Share of non-zero gradients a loss scale must keep representable."""
+KEEP = KEEP_MASS
 
 
 @dataclass
@@ -33,8 +33,6 @@ class GradientCapture:
     """The loss scale the activation gradients were computed at (parameter gradients are unscaled)."""
 
 
-NEGLIGIBLE_RMS = 1e-4
-"""A tensor's gradient whose RMS is under 1e-4 of the median of its kind's carries no training signal."""
 
 
 def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
@@ -81,14 +79,17 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
 
 
 def predicted_underflow(capture: GradientCapture, scale: float) -> pd.DataFrame:
-    """Per tensor: the share of non-zero FP32 gradients with |g S| < 2^-24 (flushed to zero in fp16)."""
+    """Per tensor: the share of non-zero FP32 gradients with |g S| < 2^-24 (flushed to zero in fp16), of the
+    elements and of their L1 mass."""
     rows = []
     for key, g in capture.tensors.items():
         a = g.abs()
-        nonzero = a[a > 0]
-        share = float((nonzero * scale < FP16_MIN_SUBNORMAL).double().mean()) if nonzero.numel() else 0.0
+        nonzero = a[a > 0].double()
+        flushed = nonzero * scale < FP16_MIN_SUBNORMAL
+        share = float(flushed.double().mean()) if nonzero.numel() else 0.0
+        mass = float(nonzero[flushed].sum() / nonzero.sum()) if nonzero.numel() else 0.0
         kind, name = key.split(":", 1)
-        rows.append({"kind": kind, "name": name, "scale": scale, "predicted_underflow": share})
+        rows.append({"kind": kind, "name": name, "scale": scale, "predicted_underflow": share, "predicted_underflow_mass": mass})
     return pd.DataFrame(rows)
 
 
@@ -98,7 +99,7 @@ class ScaleWindow:
 
     per_tensor: pd.DataFrame
     low: float
-    """Smallest scale keeping 99.9% of non-zero gradients of every tensor (max over tensors)."""
+    """Smallest scale keeping 99.9% of every tensor's gradient mass (max over tensors carrying signal)."""
     high: float
     """Largest scale keeping every gradient under 65504 (min over tensors)."""
 
@@ -117,25 +118,36 @@ class ScaleWindow:
 
 
 def scale_window(capture: GradientCapture, keep: float = KEEP) -> ScaleWindow:
-    """Derive the window from an FP32 capture (activation gradients there are unscaled)."""
+    """Derive the window from an FP32 capture (activation gradients there are unscaled).
+
+    The low bound keeps ``keep`` of every tensor's gradient *mass* above fp16's
+    smallest subnormal (elements far below the rest carry nothing when they
+    flush), and ignores tensors whose gradient is rounding noise (see
+    :data:`NEGLIGIBLE_RMS`); the high bound keeps every gradient under 65504.
+    """
     rows = []
     for key, g in capture.tensors.items():
         a = g.abs()
         nonzero = a[(a > 0) & torch.isfinite(a)]
         if not nonzero.numel():
             continue
-        k = max(1, int(math.floor((1 - keep) * nonzero.numel())))
-        small = float(torch.kthvalue(nonzero, k).values)
-        largest = float(nonzero.max())
+        ordered = nonzero.double().sort().values
+        mass = ordered.cumsum(0)
+        flushable = int(torch.searchsorted(mass, (1 - keep) * mass[-1], right=True))
+        small = float(ordered[min(flushable, ordered.numel() - 1)])
+        largest = float(ordered[-1])
         kind, name = key.split(":", 1)
         rows.append({
             "kind": kind, "name": name, "quantile_small": small, "abs_max": largest,
             "min_scale": FP16_MIN_SUBNORMAL / small, "max_scale": FP16_MAX / largest,
+            "rms": float(a.double().pow(2).mean().sqrt()),
         })
     frame = pd.DataFrame(rows)
     if frame.empty:
         return ScaleWindow(frame, 1.0, 2.0**24)
-    return ScaleWindow(frame, float(frame["min_scale"].max()), float(frame["max_scale"].min()))
+    frame["negligible"] = frame["rms"] < NEGLIGIBLE_RMS * frame.groupby("kind")["rms"].transform("median")
+    signal = frame[~frame["negligible"]]
+    return ScaleWindow(frame, float(signal["min_scale"].max()), float(frame["max_scale"].min()))
 
 
 def observed_underflow(bench: Workbench, state_from: Probe | None = None, config: Any = None,

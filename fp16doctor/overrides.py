@@ -106,7 +106,7 @@ def watch_clipping(scaler: RecordingGradScaler, optimizer: torch.optim.Optimizer
             trace = scaler.trace
             still_scaled = trace.scaled and not trace.unscaled
             if still_scaled and unscale_first:
-                scaler.unscale_(optimizer)
+                scaler.unscale_(optimizer, _implicit=True)  # the doctor's fix, not a call of the loop's
             trace.clip_calls.append({"function": name, "scaled": still_scaled and not unscale_first, "scale": trace.scale_used})
             return original(*args, **kwargs)
 

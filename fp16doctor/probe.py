@@ -49,7 +49,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 RECORD_COLUMNS = [
     "step", "batch_index", "loss", "grad_norm", "lr", "loss_scale", "skipped", "optimizer_stepped", "micro_step",
-    "nonfinite_loss", "nonfinite_grads", "exception_type", "exception", "exception_location",
+    "nonfinite_loss", "nonfinite_grads", "exception_type", "exception", "exception_location", "exception_module",
 ]
 """``skipped``: an optimizer step was attempted and did not happen (the scaler found inf/NaN);
 ``micro_step``: no optimizer step was attempted (gradient accumulation); ``optimizer_stepped``: the weights moved."""
@@ -114,6 +114,8 @@ class StepRecord:
     exception_type: str | None = None
     exception: str | None = None
     exception_location: str | None = None
+    exception_module: str | None = None
+    """The deepest module of the model whose forward was running when the exception was raised."""
     trace: StepTrace | None = field(default=None, repr=False)
 
     def row(self) -> dict[str, Any]:
@@ -350,7 +352,7 @@ class Probe:
             step=self.iteration - 1, batch_index=batch_index, loss=float("nan"), grad_norm=float("nan"), lr=lr,
             loss_scale=scale, skipped=True, optimizer_stepped=trace.optimizer_stepped, micro_step=False, nonfinite_loss=True,
             nonfinite_grads=True, exception_type=type(exc).__name__, exception=str(exc).strip().splitlines()[0] if str(exc).strip() else "",
-            exception_location=location, trace=trace,
+            exception_location=location, exception_module=raising_module(exc, self.model), trace=trace,
         )
 
     def run(self, steps: int | None = None, max_iterations: int | None = None, stop_on_nonfinite_loss: bool = False) -> pd.DataFrame:
@@ -405,6 +407,19 @@ class Probe:
         self._watch.close()
         if self.instruments is not None:
             self.instruments.detach()
+
+
+def raising_module(exc: BaseException, model: torch.nn.Module) -> str | None:
+    """The name of the deepest submodule of ``model`` whose code was on the stack when ``exc`` was raised."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
 
 
 def _outside_torch_frame(exc: BaseException) -> str | None:

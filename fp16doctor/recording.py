@@ -39,6 +39,8 @@ class StepTrace:
     loss_dtype: str | None = None
     clip_calls: list[dict[str, Any]] = field(default_factory=list)
     """One entry per clip_grad_norm_/clip_grad_value_ call: whether gradients were still scaled."""
+    scaler_calls: list[str] = field(default_factory=list)
+    """The GradScaler calls of the iteration in order (``scale``, ``unscale_``, ``step``, ``update``), as the loop made them."""
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], divide_by: float = 1.0) -> float:
@@ -63,6 +65,7 @@ class RecordingGradScaler(torch.amp.GradScaler):
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
         self.trace.scale_called = True
+        self.trace.scaler_calls.append("scale")
         if self.is_enabled():
             self.trace.scaled = True
             self.trace.scale_used = float(self.get_scale())
@@ -70,7 +73,9 @@ class RecordingGradScaler(torch.amp.GradScaler):
             self.trace.loss_dtype = str(outputs.dtype).replace("torch.", "")
         return super().scale(outputs)
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer, _implicit: bool = False) -> None:
+        if not _implicit:
+            self.trace.scaler_calls.append("unscale_")
         super().unscale_(optimizer)
         if self.is_enabled():
             self.trace.unscaled = True
@@ -78,13 +83,15 @@ class RecordingGradScaler(torch.amp.GradScaler):
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         self.trace.step_called = True
-        if self.is_enabled() and not self.trace.unscaled:
+        self.trace.scaler_calls.append("step")
+        if self.is_enabled() and not self.trace.unscaled and self._scale is not None:
             # What step() does first anyway (fused optimizers accept it too); done here so the
             # unscaled norm is recorded even on the steps the scaler skips.
-            self.unscale_(optimizer)
+            self.unscale_(optimizer, _implicit=True)
         return super().step(optimizer, *args, **kwargs)
 
     def update(self, new_scale: Any = None) -> None:
+        self.trace.scaler_calls.append("update")
         if self.is_enabled():
             states = self._per_optimizer_states.values()
             found = [v for state in states for v in state["found_inf_per_device"].values()]

@@ -128,6 +128,12 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
     console.print(stages)
     for finding in diagnosis.findings:
         console.print(_finding_panel(finding))
+    if diagnosis.corrected is not None:
+        c = diagnosis.corrected
+        style = "green" if c["healthy_after"] else "yellow"
+        console.print(f"[{style}]corrected config[/] ({', '.join(c['from_findings'])}): {escape(c['summary'])}"
+                      + ("" if c["healthy_after"] else f"; symptoms left: {', '.join(c['symptoms_after'])}")
+                      + (f"; also needs data changes: {', '.join(c['needs_data_changes'])}" if c["needs_data_changes"] else ""))
     for item in diagnosis.unexplained:
         exc = item["exception"]
         console.print(f"[bold red]the {item['probe']} probe raised {exc['type']} at step {exc['step']}[/]: {escape(str(exc['message']))} "
@@ -147,9 +153,23 @@ def _finding_panel(finding: Finding) -> Panel:
     if finding.fix.config_patch:
         parts += ["[dim]config patch:[/]", Syntax(yaml.safe_dump(finding.fix.config_patch, sort_keys=False).rstrip(), "yaml",
                                                    theme="ansi_dark", background_color="default")]
+    if finding.verification:
+        parts.append(verification_line(finding.verification))
     style = SEVERITY_STYLE[finding.severity]
     return Panel(Group(*parts), title=f"[{style}]{finding.rank}. {finding.severity}: {finding.cause}[/]", title_align="left",
                  border_style=style.split()[-1])
+
+
+def verification_line(v: dict[str, Any]) -> str:
+    """One line under a fix: what trying it measured."""
+    if not v.get("tried"):
+        return f"[dim]not verified: {escape(v.get('reason', ''))}[/]"
+    if v["repaired"]:
+        return f"[green]verified:[/] {escape(v['summary'])}"
+    if v["removed_share"] is None:
+        return f"[dim]tried (no measured symptom to remove):[/] {escape(v['summary'])}"
+    left = ", ".join(v["symptoms_after"])
+    return f"[yellow]tried, symptoms left ({escape(left)}):[/] {escape(v['summary'])}"
 
 
 def render_training(result: Any, run_dir: Any, console: Console) -> None:

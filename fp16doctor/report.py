@@ -40,15 +40,40 @@ def markdown(diagnosis: Diagnosis, training_file: str) -> str:
         if f.fix.config_patch:
             lines += ["Config patch (try it now with `--config`, see `--fix-config`):", "", "```yaml",
                       yaml.safe_dump(f.fix.config_patch, sort_keys=False).rstrip(), "```", ""]
+        if f.verification:
+            lines += [verification_text(f.verification), ""]
+    if diagnosis.corrected is not None:
+        lines += ["## Corrected config", "", corrected_text(diagnosis.corrected), ""]
     return "\n".join(lines) + "\n"
 
 
+def verification_text(v: dict[str, Any]) -> str:
+    """What trying a fix measured, as one sentence."""
+    if not v.get("tried"):
+        return f"Not verified: {v.get('reason', '')}."
+    state = ("verified" if v["repaired"] else "tried, no measured symptom to remove" if v["removed_share"] is None
+             else f"tried, symptoms left: {', '.join(v['symptoms_after'])}")
+    return f"Tried {v['tried']}: {state}: {v['summary']} (symptoms before: {', '.join(v['symptoms_before']) or 'none'})."
+
+
+def corrected_text(c: dict[str, Any]) -> str:
+    before = ", ".join(c["symptoms_before"]) or "none"
+    after = ", ".join(c["symptoms_after"]) or "none"
+    text = f"Measured with every verified patch applied: symptoms before: {before}; after: {after} ({c['summary']})."
+    if c["needs_data_changes"]:
+        text += f" Data changes still needed: {', '.join(c['needs_data_changes'])}."
+    return text
+
+
 def fixed_config_yaml(config: dict[str, Any], diagnosis: Diagnosis, training_file: str) -> str:
-    """The corrected config as YAML, with a header naming the findings it applies."""
-    applied = [f for f in diagnosis.findings if f.fix.config_patch and f.severity != "info"]
+    """The corrected config as YAML, with a header naming the findings it applies and what it measured."""
+    applied = ([f for f in diagnosis.findings if f.cause in diagnosis.corrected["from_findings"]] if diagnosis.corrected
+               else [f for f in diagnosis.findings if f.fix.config_patch and f.severity != "info"])
     header = [f"# fp16doctor: corrected config for {training_file}",
               "# Applies the config patches of these findings (the code snippets in the report make them permanent):"]
     header += [f"#   {f.rank}. {f.cause}: {f.title}" for f in applied] or ["#   (none: nothing to change)"]
+    if diagnosis.corrected is not None:
+        header.append("# " + corrected_text(diagnosis.corrected))
     header.append("# Use with: fp16doctor train " + training_file + " --config <this file>")
     return "\n".join(header) + "\n" + yaml.safe_dump(jsonable(config), sort_keys=False)
 

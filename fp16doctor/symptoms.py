@@ -7,9 +7,13 @@ baseline's; a training with any symptom is never called healthy.
 
 The symptoms (``code``: what it means):
 
+* ``fp32-nonfinite``: the FP32 baseline itself turns inf/NaN or raises (diagnose only:
+  the data, the learning rate or the model is at fault, or a precision fix must hold there too).
 * ``nonfinite``: the loss turns inf/NaN under AMP, or inf/NaN gradients reach the
   optimizer, while FP32 stays finite (gradients the GradScaler caught are ``skips``).
 * ``amp-exception``: the training raises under AMP but not in FP32.
+Every number is in :mod:`fp16doctor.thresholds`, with its source.
+
 * ``skips``: the GradScaler skips steps beyond its calibration: more than
   ``CALIBRATION_SKIPS`` before the first step taken (a scale settling from far too
   high), or, after it, at least ``RECURRING_SKIPS`` skipped steps making up
@@ -34,26 +38,10 @@ from typing import Any
 
 import pandas as pd
 
-CALIBRATION_SKIPS = 10
-"""Skips allowed before the first step taken: each halves the scale, so 2^16 settles down to 2^6 in 10."""
-RECURRING_SKIPS = 3
-RECURRING_SHARE = 0.1
-"""After settling, 3 or more skips making up 10% of the attempted steps: the scale keeps overflowing."""
-LOST_UPDATE_EXCESS = 0.25
-"""A quarter more of the updates lost than in FP32: the weights' storage precision eats the training."""
-GAP_ERROR = 1e-2
-"""Same-state loss deviation over 1% needs a look (mixed-precision-notes.md, rules of thumb)."""
-DRIFT_ERROR = 0.1
-"""The loss curves ending 10% apart (relative to at least 10% of the initial loss): a visible accuracy loss.
-Measured: two settling skips in a 40-step probe whose loss falls tenfold already put the curves 7% apart
-(sample_models/scale_grows_fast.py with its corrected config), so 5% would call data order drift."""
-LOSS_FLOOR_SHARE = 0.1
-"""Deviations are measured against at least 10% of the initial FP32 loss (a loss driven to ~0 would turn
-fp16's absolute rounding noise into huge relative deviations)."""
-BF16_FACTOR = 8.0
-"""bf16 keeps 7 mantissa bits against fp16's 10: about 8x the rounding error, 8x the tolerances."""
+from .thresholds import (BF16_FACTOR, CALIBRATION_SKIPS, DRIFT_ERROR, GAP_ERROR, LOSS_FLOOR_SHARE, LOST_UPDATE_EXCESS,
+                         RECURRING_SHARE, RECURRING_SKIPS)
 
-SYMPTOM_CODES = ("nonfinite", "amp-exception", "skips", "lost-updates", "same-state-gap", "trajectory-drift")
+SYMPTOM_CODES = ("fp32-nonfinite", "nonfinite", "amp-exception", "skips", "lost-updates", "same-state-gap", "trajectory-drift")
 
 
 @dataclass
@@ -86,7 +74,10 @@ def exception_of(records: pd.DataFrame) -> dict[str, Any] | None:
     if bad.empty:
         return None
     row = bad.iloc[0]
-    return {"step": int(row["step"]), "type": row["exception_type"], "message": row["exception"], "location": row["exception_location"]}
+    out = {"step": int(row["step"]), "type": row["exception_type"], "message": row["exception"], "location": row["exception_location"]}
+    if isinstance(row.get("exception_module"), str):
+        out["module"] = row["exception_module"]
+    return out
 
 
 def unhandled_nonfinite(records: pd.DataFrame) -> pd.Series:
@@ -182,6 +173,19 @@ def loss_floor(fp32: pd.DataFrame) -> float:
     """10% of the initial FP32 loss: the smallest denominator of a relative loss deviation."""
     losses = [float(v) for v in fp32["loss"] if math.isfinite(float(v))]
     return LOSS_FLOOR_SHARE * abs(losses[0]) if losses else 0.0
+
+
+def baseline_symptoms(fp32: pd.DataFrame | None) -> list[Symptom]:
+    """The FP32 baseline's own failure, if any (``fp32-nonfinite``)."""
+    if fp32 is None:
+        return []
+    exception, bad = exception_of(fp32), first_nonfinite(fp32)
+    if exception is None and bad is None:
+        return []
+    step = min(s for s in (bad, exception["step"] if exception else None) if s is not None)
+    what = f"raises {exception['type']}" if exception is not None and step == exception["step"] else "turns non-finite"
+    return [Symptom("fp32-nonfinite", f"the FP32 baseline itself {what} at step {step}",
+                    {"first_failing_step": step, "exception": exception}, step)]
 
 
 def measure(

@@ -19,6 +19,7 @@ CONTRACT_CODES = {
     "nonfinite-data", "extreme-data", "fp32-divergence", "loss-in-half", "activation-overflow", "grad-underflow",
     "scale-overflow", "scale-growth", "half-weights", "half-batchnorm", "half-optimizer-state",
     "clip-before-unscale", "lr-schedule-peak", "scheduler-skip-drift", "precision-gap", "bf16-advice",
+    "constant-out-of-range", "empty-targets", "scaler-misuse",
 }
 RULES = all_rules()
 HEALTHY = ["mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"]

@@ -1,4 +1,5 @@
-"""Every sample model through `fp16doctor diagnose --ci --json` in a fresh process: no crash, the right cause.
+"""Every sample model through `fp16doctor diagnose --ci --json` in a fresh process: no crash, the right cause,
+every error finding's fix tried (or why not), and a repairing fix on top whenever there is one.
 
 A sample's expected top cause is the one whose rule lists it in ``triggers``; the healthy samples
 are the ones every rule lists in ``passes``. Exit 3 (an internal error) anywhere fails.
@@ -32,4 +33,9 @@ def test_sample_diagnosed_from_a_fresh_process(sample):
         assert proc.returncode == 0 and report["verdict"] == "healthy", report["findings"]
         return
     assert proc.returncode == 1 and report["verdict"] == "unhealthy"
-    assert report["findings"][0]["cause"] == EXPECTED[sample], [(f["cause"], f["title"]) for f in report["findings"]]
+    findings = report["findings"]
+    assert findings[0]["cause"] == EXPECTED[sample], [(f["cause"], f["title"]) for f in findings]
+    errors = [f for f in findings if f["severity"] == "error"]
+    assert all(f["verification"] and (f["verification"]["tried"] or f["verification"]["reason"]) for f in errors)
+    if any(f["verification"] and f["verification"]["repaired"] for f in findings):
+        assert findings[0]["verification"]["repaired"], "a verified fix exists but another cause ranks first"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -9,14 +10,15 @@ from typing import Any, Callable
 from ..config import DoctorConfig, build_config, merge
 from ..probe import Workbench
 from ..spec import TrainingSpec
-from ..symptoms import Symptom, measure
+from ..symptoms import Symptom, baseline_symptoms, measure
 from .model import SEVERITIES, Diagnosis, Evidence, Finding, Fix, StageReport
+from .stages import STAGES, StageContext, same_state_gap
+from .verify import Verifier, repair_rank
 
 UNEXPLAINED = "unexplained"
 """The cause code of symptoms that no rule explains (an error finding: never healthy)."""
 UNEXPLAINED_ORDER = 95
 """Ranks after every specific cause of the same severity."""
-from .stages import STAGES, StageContext
 
 CI_STEPS = 20
 """--ci: probes this long (a smoke check, under a minute per model on 2 cores)."""
@@ -53,8 +55,76 @@ def diagnose(
         report.seconds = time.perf_counter() - start
         stages.append(report)
     evidence.symptoms = measure_symptoms(evidence)
-    findings = explain_symptoms(evaluate_rules(evidence), evidence)
-    return Diagnosis(findings=rank(findings), stages=stages, evidence=evidence, notes=list(spec.notes))
+    if on_stage is not None:
+        on_stage("verifying fixes")
+    start = time.perf_counter()
+    findings, hidden = evaluate_rules(evidence)
+    verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
+    verify_findings(findings, evidence, verifier)
+    # A root cause hides its symptoms' findings, unless trying a hidden finding's fix repaired the training.
+    findings = [f for f in findings if f.cause not in hidden or repair_rank(f) == 0]
+    demote_unrepairing(findings)
+    findings = explain_symptoms(findings, evidence)
+    corrected = verify_corrected(findings, evidence, verifier)
+    stages.append(StageReport("fix verification", "ran" if any(f.verification for f in findings) else "skipped",
+                              _verification_sentence(findings, corrected), seconds=time.perf_counter() - start,
+                              details={"corrected": corrected}))
+    return Diagnosis(findings=rank(findings), stages=stages, evidence=evidence, notes=list(spec.notes), corrected=corrected)
+
+
+def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier) -> None:
+    """Try the intervention of every error finding, and of every warning that explains a measured symptom."""
+    from ..rules import rules_by_code
+
+    rules = rules_by_code()
+    measured = {s.code for s in ev.symptoms}
+    for finding in findings:
+        rule = rules[finding.cause]
+        if finding.severity == "error" or (finding.severity == "warning" and measured & set(rule.explains)):
+            finding.verification = verifier.verify(rule.intervention(finding, ev), rule.nothing_to_try)
+
+
+def demote_unrepairing(findings: list[Finding]) -> None:
+    """An error whose fix, tried, removed none of the measured symptoms becomes a warning that says so."""
+    for finding in findings:
+        if finding.severity == "error" and repair_rank(finding) == 3:
+            finding.severity = "warning"
+            finding.demoted = True
+            finding.title += f" (tried: {finding.verification['tried']}; it did not change the outcome)"
+
+
+def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) -> dict[str, Any] | None:
+    """All verified config patches together, checked once more: the corrected config's measured before/after."""
+    from .verify import Intervention
+
+    usable = [f for f in findings if f.severity == "error" and f.fix.config_patch and repair_rank(f) != 3]
+    data = [f.cause for f in findings if f.severity == "error" and f.verification and f.verification.get("tried")
+            and not f.fix.config_patch]
+    if not usable:
+        return None
+    patch: dict[str, Any] = {}
+    for finding in usable:
+        patch = merge_patch(patch, finding.fix.config_patch)
+    single = usable[0].verification if len(usable) == 1 else None
+    if single and single.get("config_patch") == patch:
+        after, summary = single["symptoms_after"], single.get("summary", "")
+    else:
+        outcome = verifier.run(Intervention("the corrected config", config_patch=patch))
+        after, summary = [s.code for s in outcome.symptoms], outcome.summary()
+    return {"config_patch": patch, "from_findings": [f.cause for f in usable], "symptoms_before": [s.code for s in ev.symptoms],
+            "symptoms_after": after, "healthy_after": not after, "summary": summary, "needs_data_changes": data}
+
+
+def _verification_sentence(findings: list[Finding], corrected: dict[str, Any] | None) -> str:
+    tried = [f for f in findings if f.verification and f.verification.get("tried")]
+    if not tried and corrected is None:
+        return "no fix to try"
+    parts = [f"{f.cause}: " + ("repaired" if f.verification["repaired"] else
+                               f"removed {f.verification['removed_share']:.0%} of the symptoms" if f.verification["removed_share"] is not None
+                               else "no measured symptom to remove") for f in tried]
+    if corrected is not None:
+        parts.append("corrected config: " + corrected["summary"])
+    return "; ".join(parts)
 
 
 def measure_symptoms(ev: Evidence) -> list[Symptom]:
@@ -62,7 +132,7 @@ def measure_symptoms(ev: Evidence) -> list[Symptom]:
     if ev.amp is None:
         return []
     gap = ev.gap.get("gap") if ev.gap else None
-    return measure(ev.amp.records, ev.fp32.records if ev.fp32 is not None else None,
+    return baseline_symptoms(ev.fp32.records if ev.fp32 is not None else None) + measure(ev.amp.records, ev.fp32.records if ev.fp32 is not None else None,
                    ev.amp.tables.get("updates"), ev.fp32.tables.get("updates") if ev.fp32 is not None else None,
                    same_state_gap=gap, bf16=ev.config.dtype == "bfloat16")
 
@@ -78,7 +148,7 @@ def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Finding]:
     explains = {rule.code: rule.explains for rule in all_rules()}
     unexplained = []
     for symptom in ev.symptoms:
-        candidates = [f for f in findings if symptom.code in explains.get(f.cause, ())]
+        candidates = [f for f in findings if symptom.code in explains.get(f.cause, ()) and not f.demoted]
         errors = [f for f in candidates if f.severity == "error"]
         if not errors:
             warnings_ = sorted((f for f in candidates if f.severity == "warning"), key=lambda f: (f.order, -f.confidence))
@@ -123,8 +193,8 @@ def unexplained_finding(symptoms: list[Symptom], ev: Evidence) -> Finding:
     )
 
 
-def evaluate_rules(evidence: Evidence) -> list[Finding]:
-    """Every rule's findings, minus the symptoms of a root cause found as an error."""
+def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], set[str]]:
+    """Every rule's findings, and the causes that a root cause found as an error marks as its symptoms."""
     from ..rules import all_rules
 
     rules = all_rules()
@@ -136,19 +206,32 @@ def evaluate_rules(evidence: Evidence) -> list[Finding]:
         if any(f.severity == "error" for f in found):
             suppressors[rule.code] = rule.suppresses
     hidden = {code for root, codes in suppressors.items() for code in codes if code != root}
-    return [f for f in findings if f.cause not in hidden]
+    return findings, hidden
 
 
 def rank(findings: list[Finding]) -> list[Finding]:
-    """Severity first, then causal order (data, model, precision settings), then confidence."""
-    ordered = sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), f.order, -f.confidence))
+    """Severity; then what the fix, tried, repaired (all symptoms, some, nothing measured, none); then the
+    smaller change; then a root cause before the causes it names as its symptoms (``suppresses``); then
+    causal order (data, model, precision settings); then confidence."""
+    from ..rules import rules_by_code
+
+    rules = rules_by_code()
+    symptoms_of_others = {code for f in findings if f.severity == "error" for code in rules[f.cause].suppresses if code != f.cause}
+
+    def size(f: Finding) -> float:
+        return f.verification["size"] if f.verification and f.verification.get("size") is not None else math.inf
+
+    ordered = sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), repair_rank(f), size(f),
+                                              f.cause in symptoms_of_others, f.order, -f.confidence))
     for index, finding in enumerate(ordered, 1):
         finding.rank = index
     return ordered
 
 
 def fixed_config(user_layers: dict[str, Any], diagnosis: Diagnosis) -> dict[str, Any]:
-    """The user's config with every finding's config patch applied (lists of modules are merged)."""
+    """The user's config with the verified corrected patch (else every non-info finding's patch) applied."""
+    if diagnosis.corrected is not None:
+        return merge_patch(dict(user_layers), diagnosis.corrected["config_patch"])
     out = dict(user_layers)
     for finding in diagnosis.findings:
         if finding.severity == "info":

@@ -12,6 +12,7 @@ import pandas as pd
 from ..config import DoctorConfig
 from ..datascan import FieldScan
 from ..localise import Localisation
+from ..symptoms import exception_of
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -42,11 +43,16 @@ class Finding:
     order: int = 0
     """Causal order of the cause (data before model before precision settings); set by the rule."""
     rank: int = 0
+    verification: dict[str, Any] | None = None
+    """What trying the fix measured (:mod:`.verify`): tried, symptoms before/after, share removed."""
+    demoted: bool = False
+    """An error whose fix, tried, changed nothing: now a warning, and it explains no symptom."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "cause": self.cause, "severity": self.severity, "title": self.title,
             "evidence": jsonable(self.evidence), "fix": self.fix.to_json(), "confidence": round(self.confidence, 3),
+            "verification": jsonable({k: v for k, v in self.verification.items() if k != "size"}) if self.verification else None,
         }
 
 
@@ -79,14 +85,12 @@ class ProbeSummary:
     scaler_enabled: bool
     scaler_called: bool = True
     """Whether the training step called scaler.scale() (a hand-rolled loop may not)."""
+    scaler_calls: list[list[str]] = field(default_factory=list)
+    """Per iteration, the GradScaler calls the loop made, in order (``scale``, ``unscale_``, ``step``, ``update``)."""
 
     @property
     def exception(self) -> dict[str, Any] | None:
-        bad = self.records[self.records["exception_type"].notna()]
-        if bad.empty:
-            return None
-        row = bad.iloc[0]
-        return {"step": int(row["step"]), "type": row["exception_type"], "message": row["exception"], "location": row["exception_location"]}
+        return exception_of(self.records)
 
     def first_step(self, column: str) -> int | None:
         hits = self.records.index[self.records[column].astype(bool)]
@@ -148,6 +152,8 @@ class Diagnosis:
     evidence: Evidence
     notes: list[str] = field(default_factory=list)
     """How the doctor ran the training file (e.g. a torch.compile'd model run uncompiled)."""
+    corrected: dict[str, Any] | None = None
+    """The verified fixes' config patches together, checked once more: patch, symptoms before and after."""
 
     @property
     def unexplained(self) -> list[dict[str, Any]]:
@@ -177,6 +183,7 @@ class Diagnosis:
             "symptoms": [jsonable(dict(s.to_json(), explained_by=self.evidence.explained.get(s.code, [])))
                          for s in self.evidence.symptoms],
             "notes": self.notes,
+            "corrected": jsonable(self.corrected),
         }
 
 

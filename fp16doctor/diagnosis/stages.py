@@ -17,7 +17,7 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from ..compare import compare
+from ..compare import compare, run_aligned
 from ..config import DoctorConfig, build_config, merge
 from ..datascan import scan_batches
 from ..instruments import precision_map
@@ -25,14 +25,9 @@ from ..localise import localise
 from ..numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
 from ..probe import SCHEDULER_ORDER_WARNING, Probe, Workbench
 from ..rng import seed_everything
+from ..thresholds import BF16_FACTOR, GAP_TOLERANCE, KEEP_MASS, LOSS_FLOOR_SHARE, UNDERFLOW_ALARM
 from .model import Evidence, ProbeSummary, StageReport
 
-UNDERFLOW_ALARM = 0.05
-"""Underflow rate over 5% calls for a higher scale (mixed-precision-notes.md, rules of thumb)."""
-GAP_TOLERANCE = 1e-3
-"""Same-state loss deviation under 0.1% is healthy; over 1% needs a look (mixed-precision-notes.md)."""
-GAP_ERROR = 1e-2
-BF16_FACTOR = 8.0
 
 
 @dataclass
@@ -66,6 +61,7 @@ def summarise(probe: Probe) -> ProbeSummary:
         first_nonfinite_forward=probe.instruments.first_nonfinite_forward() if probe.instruments else None,
         scaler_enabled=probe.scaler.is_enabled(),
         scaler_called=any(r.trace.scale_called for r in probe.records if r.trace),
+        scaler_calls=[list(r.trace.scaler_calls) if r.trace else [] for r in probe.records],
     )
 
 
@@ -132,6 +128,12 @@ def worst_underflow(observed: pd.DataFrame | None) -> float:
     return float(observed["observed_underflow_mass"].max()) if len(observed) else 0.0
 
 
+def same_state_gap(ctx: StageContext, config: DoctorConfig, step: int) -> float:
+    """AMP under ``config`` against fp32 on the FP32 trajectory's state at ``step``: same weights, same batch."""
+    losses = same_state_losses(ctx, step, {"fp32": ("fp32", ctx.config), "amp": ("amp", config)})
+    return rel_dev(losses["amp"], losses["fp32"], ctx.loss_floor)
+
+
 def rel_dev(value: float, reference: float, floor: float = 1e-12) -> float:
     """|value - reference| relative to the reference, or to ``floor`` when the reference is smaller.
 
@@ -143,8 +145,6 @@ def rel_dev(value: float, reference: float, floor: float = 1e-12) -> float:
     return abs(value - reference) / max(abs(reference), floor, 1e-12)
 
 
-LOSS_FLOOR_SHARE = 0.1
-"""Deviations are measured against at least 10% of the initial fp32 loss (see :func:`rel_dev`)."""
 
 
 # --- stages ------------------------------------------------------------------------------------------
@@ -245,13 +245,15 @@ def stage_scale(ctx: StageContext) -> StageReport:
     configured = cfg.scaler.init_scale if cfg.scaler.enabled else 1.0
     ev.predicted_underflow = predicted_underflow(capture, configured)
     ev.observed_underflow = observed_underflow(ctx.bench, config=cfg, reference=capture)
-    worst_predicted = float(ev.predicted_underflow["predicted_underflow"].max()) if len(ev.predicted_underflow) else 0.0
+    worst_predicted = float(ev.predicted_underflow["predicted_underflow_mass"].max()) if len(ev.predicted_underflow) else 0.0
     worst_observed = worst_underflow(ev.observed_underflow)
     amp = ev.amp
     skips = len(amp.skip_steps) if amp is not None else 0
     needs_sweep = skips > 0 or worst_observed > UNDERFLOW_ALARM or worst_predicted > UNDERFLOW_ALARM or not cfg.scaler.enabled
-    summary = (f"window [{window.low:.3g}, {window.high:.3g}] (recommended {window.recommended():.0f}); "
-               f"at the configured scale {configured:.0f}: predicted underflow {worst_predicted:.1%} of elements, "
+    summary = (f"window [{window.low:.3g}, {window.high:.3g}] (recommended {window.recommended():.0f}"
+               + ("" if window.feasible else "; infeasible: no scale keeps the small gradients without overflowing the large")
+               + "); "
+               f"at the configured scale {configured:.0f}: predicted underflow {worst_predicted:.1%}, "
                f"observed {worst_observed:.1%} of a tensor's gradient mass")
     if not needs_sweep:
         return StageReport("loss-scale sweep", "skipped", summary + "; no skips or underflow: nothing to sweep",
@@ -283,12 +285,13 @@ def _sweep(ctx: StageContext, capture: Any, window: Any) -> pd.DataFrame:
         base = window.recommended()
         for interval in (ctx.config.scaler.growth_interval * 10, ctx.config.scaler.growth_interval * 100):
             settings.append({"init_scale": base, "growth_interval": int(interval)})
+    baseline = run_aligned(ctx.bench, "fp32", ctx.config, steps)  # one FP32 reference for every setting
     for setting in settings:
         config = ctx.with_config({"scaler": {"enabled": True, **setting}})
-        result = compare(ctx.bench, ["amp"], steps=steps, config=config)
+        result = compare(ctx.bench, ["amp"], steps=steps, config=config, reference=baseline)
         trajectory = result.trajectories["amp"]
         iterations = len(trajectory.records)
-        under = predicted_underflow(capture, setting["init_scale"])["predicted_underflow"].max()
+        under = predicted_underflow(capture, setting["init_scale"])["predicted_underflow_mass"].max()
         rows.append({
             "init_scale": setting["init_scale"], "growth_interval": setting.get("growth_interval", ctx.config.scaler.growth_interval),
             "skip_rate": trajectory.skipped / max(iterations, 1), "predicted_underflow": float(under),
@@ -299,7 +302,7 @@ def _sweep(ctx: StageContext, capture: Any, window: Any) -> pd.DataFrame:
 
 def _recommend(ctx: StageContext, sweep: pd.DataFrame, window: Any) -> dict[str, Any]:
     """The setting with no divergence, underflow under 0.1% and the fewest skips, then closest to fp32."""
-    ok = sweep[(sweep["verdict"] != "diverged") & (sweep["predicted_underflow"] <= 1e-3)]
+    ok = sweep[(sweep["verdict"] != "diverged") & (sweep["predicted_underflow"] <= 1 - KEEP_MASS)]
     if ok.empty:
         ok = sweep[sweep["verdict"] != "diverged"]
     if ok.empty:
@@ -465,9 +468,7 @@ def _search_fp32_set(ctx: StageContext, step: int, candidates: list[str], tolera
     tried = []
     for name in candidates[:limit]:
         trial = chosen + [name]
-        config = ctx.with_config({"overrides": {"fp32_modules": trial}})
-        losses = same_state_losses(ctx, step, {"fp32": ("fp32", ctx.config), "amp": ("amp", config)})
-        gap = rel_dev(losses["amp"], losses["fp32"], ctx.loss_floor)
+        gap = same_state_gap(ctx, ctx.with_config({"overrides": {"fp32_modules": trial}}), step)
         tried.append({"fp32_modules": trial, "gap": gap})
         if gap <= tolerance:
             return {"closing_set": trial, "closed_gap": gap, "tried": tried}

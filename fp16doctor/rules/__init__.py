@@ -37,8 +37,22 @@ class Rule:
     verifiable: ClassVar[bool] = True
     """Whether the fix's config patch can repair the training (false for data causes and model bugs)."""
 
+    nothing_to_try: ClassVar[str] = "the fix is a code change; the doctor has nothing it can apply for it"
+    """What the verification says when :meth:`intervention` offers nothing to try."""
+
     def check(self, ev: Evidence) -> list[Finding]:
         raise NotImplementedError
+
+    def intervention(self, finding: Finding, ev: Evidence) -> Any:
+        """What trying this finding's fix means (:class:`fp16doctor.diagnosis.verify.Intervention`), or None.
+
+        By default: its config patch, applied by the doctor's own loop.
+        """
+        from ..diagnosis.verify import Intervention
+
+        if not finding.fix.config_patch:
+            return None
+        return Intervention("the config patch " + _flat(finding.fix.config_patch), config_patch=finding.fix.config_patch)
 
     def finding(self, title: str, evidence: dict[str, Any], fix: Fix, confidence: float = 1.0, severity: str | None = None) -> Finding:
         return Finding(cause=self.code, severity=severity or self.severity, title=title, evidence=evidence,
@@ -50,6 +64,30 @@ class Rule:
         import sys
 
         return (sys.modules[cls.__module__].__doc__ or "").strip()
+
+
+def _flat(patch: dict[str, Any], prefix: str = "") -> str:
+    parts = []
+    for key, value in patch.items():
+        name = f"{prefix}{key}"
+        parts.append(_flat(value, name + ".") if isinstance(value, dict) else f"{name}={value}")
+    return ", ".join(parts)
+
+
+def rules_by_code() -> dict[str, Rule]:
+    """Every rule by its cause code (the `unexplained` finding has a rule of its own: nothing to try)."""
+    rules = {rule.code: rule for rule in all_rules()}
+    rules.setdefault("unexplained", _Unexplained())
+    return rules
+
+
+class _Unexplained(Rule):
+    """Symptoms no rule explains (made by the engine, not by a check)."""
+
+    nothing_to_try = "no rule recognises the pattern, so there is no fix to try"
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        return []
 
 
 def all_rules() -> list[Rule]:

@@ -6,8 +6,9 @@ first non-finite AMP operator fed directly by such magnitudes (fp32 finite).
 
 from __future__ import annotations
 
-from ..datascan import EXTREME
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis.verify import Intervention, standardise
+from ..thresholds import EXTREME_INPUT
 from . import Rule
 from ._helpers import fp32_finite
 
@@ -20,13 +21,17 @@ class ExtremeData(Rule):
     triggers = ("raw_sensor_features.py",)
     suppresses = ("activation-overflow", "scale-overflow", "scheduler-skip-drift")
 
+    def intervention(self, finding: Finding, ev: Evidence) -> Intervention:
+        field = finding.evidence["field"]
+        return Intervention(f"the batches with '{field}' standardised per feature", batches=standardise(field))
+
     def check(self, ev: Evidence) -> list[Finding]:
-        extreme = [f for f in ev.data if f.floating and not f.nonfinite and f.abs_max >= EXTREME]
+        extreme = [f for f in ev.data if f.floating and not f.nonfinite and f.abs_max >= EXTREME_INPUT]
         loc = ev.localisation
         if not extreme or loc is None or loc.phase != "forward" or not fp32_finite(ev):
             return []
         fed = max((max(abs(lo), abs(hi)) for lo, hi in loc.input_ranges), default=0.0)
-        if fed < EXTREME:
+        if fed < EXTREME_INPUT:
             return []
         field = max(extreme, key=lambda f: f.abs_max)
         return [self.finding(

@@ -14,11 +14,13 @@ from . import Rule
 class Fp32Divergence(Rule):
     code = "fp32-divergence"
     order = 30
-    explains = ('nonfinite', 'skips', 'amp-exception', 'lost-updates', 'same-state-gap', 'trajectory-drift')
+    explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'amp-exception', 'lost-updates', 'same-state-gap', 'trajectory-drift')
     verifiable = False
     triggers = ("log_of_zero.py",)
     suppresses = ("scale-overflow", "scale-growth", "activation-overflow", "loss-in-half", "grad-underflow",
                   "lr-schedule-peak", "precision-gap", "scheduler-skip-drift", "bf16-advice", "clip-before-unscale")
+
+    nothing_to_try = "FP32 fails too: the data, the learning rate or the model is at fault, and no precision setting can fix that"
 
     def check(self, ev: Evidence) -> list[Finding]:
         fp32 = ev.fp32

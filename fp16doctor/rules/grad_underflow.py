@@ -15,8 +15,8 @@ from __future__ import annotations
 from ..diagnosis.model import Evidence, Finding, Fix
 from . import Rule
 from ._helpers import fp32_finite, scale_patch
+from ..thresholds import UNDERFLOW_ALARM
 
-ALARM = 0.05
 
 
 class GradUnderflow(Rule):
@@ -37,11 +37,23 @@ class GradUnderflow(Rule):
             return []
         observed = observed.sort_values("observed_underflow_mass", ascending=False)
         worst = observed.iloc[0]
-        if worst["observed_underflow_mass"] <= ALARM:
+        if worst["observed_underflow_mass"] <= UNDERFLOW_ALARM:
             return []
-        flagged = observed[observed["observed_underflow_mass"] > ALARM]
+        flagged = observed[observed["observed_underflow_mass"] > UNDERFLOW_ALARM]
         patch = scale_patch(ev)
         configured = ev.config.scaler.init_scale if ev.config.scaler.enabled else None
+        if configured is not None:  # curing underflow never means a smaller scale
+            patch["scaler"]["init_scale"] = max(patch["scaler"]["init_scale"], configured)
+        window = ev.window
+        if window is not None and not window.feasible:
+            summary = (f"No single loss scale fits: keeping 99.9% of the gradient mass needs {window.low:.3g}, while the "
+                       f"largest gradients overflow above {window.high:.3g}. Use init_scale "
+                       f"{patch['scaler']['init_scale']:.0f} (the sweep's best measured setting), or train in bf16.")
+        elif window is not None:
+            summary = (f"Enable GradScaler with init_scale {patch['scaler']['init_scale']:.0f} (the smallest scale keeping "
+                       f"99.9% of the gradient mass is {window.low:.3g}).")
+        else:
+            summary = "Enable GradScaler."
         return [self.finding(
             f"{worst['observed_underflow']:.0%} of {worst['kind']} gradients of '{worst['name']}' "
             f"({worst['observed_underflow_mass']:.0%} of their mass) flush to zero in fp16"
@@ -49,11 +61,11 @@ class GradUnderflow(Rule):
             {"worst": {"kind": worst["kind"], "name": worst["name"], "observed_underflow": float(worst["observed_underflow"]),
                        "observed_underflow_mass": float(worst["observed_underflow_mass"])},
              "tensors_over_5pct": len(flagged), "scaler_enabled": ev.config.scaler.enabled, "configured_scale": configured,
-             "scale_window": [ev.window.low, ev.window.high] if ev.window is not None else None,
+             "scale_window": [window.low, window.high] if window is not None else None,
+             "window_feasible": window.feasible if window is not None else None,
              "recommended": patch["scaler"]},
             Fix(
-                f"Enable GradScaler with init_scale {patch['scaler']['init_scale']:.0f} (the smallest scale keeping 99.9% of gradients is {ev.window.low:.3g})."
-                if ev.window is not None else "Enable GradScaler.",
+                summary,
                 code=(f"scaler = torch.amp.GradScaler('cuda', init_scale={patch['scaler']['init_scale']:.0f})\n"
                       "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()"),
                 config_patch=patch,

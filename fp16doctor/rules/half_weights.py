@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..diagnosis.model import Evidence, Finding, Fix
 from . import Rule
 from ._helpers import half_param_modules, is_norm
+from ..thresholds import HALF_WEIGHTS_LOST_SHARE
 
 
 class HalfWeights(Rule):
@@ -38,7 +39,7 @@ class HalfWeights(Rule):
         patch = {"overrides": {"fp32_weights": True}}
         if ev.config.dtype == "float16":
             patch["scaler"] = {"enabled": True}
-        severity = "error" if ("float16" in dtypes or unscale_error or lost > 0.05) else "warning"
+        severity = "error" if ("float16" in dtypes or unscale_error or lost > HALF_WEIGHTS_LOST_SHARE) else "warning"
         return [self.finding(
             f"Parameters are stored in {'/'.join(d for d in dtypes if d)} ({len(half)} modules): no fp32 master weights"
             + (f", {lost:.0%} of updates lost" if lost else ""),

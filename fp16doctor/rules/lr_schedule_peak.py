@@ -3,7 +3,8 @@
 Evidence: a dry run of the scheduler (peak and largest jump), AMP's first bad
 step right at that event, and the pause: from the same snapshot, the step at
 the peak LR goes non-finite while the same step at the pre-peak LR stays
-finite (with update-to-weight ratios and activation maxima of both).
+finite (with update-to-weight ratios and activation maxima of both). The FP32
+baseline may fail at the peak too: the pause still shows the LR is the cause.
 """
 
 from __future__ import annotations
@@ -16,21 +17,22 @@ from ._helpers import fp32_finite
 class LrSchedulePeak(Rule):
     code = "lr-schedule-peak"
     order = 80
-    explains = ('nonfinite', 'skips', 'trajectory-drift')
+    explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'trajectory-drift')
     triggers = ("warmup_peak.py",)
     suppresses = ("scale-overflow", "scheduler-skip-drift")
 
     def check(self, ev: Evidence) -> list[Finding]:
         info = ev.lr_peak
-        if not info or "pause_step" not in info or not fp32_finite(ev):
+        if not info or "pause_step" not in info:
             return []
         if info["finite_at_peak"] or not info["finite_before_peak"]:
             return []
         event = info["pause_step"]
         lrs = info["lrs"]
         safe = lrs[event - 1]
+        also = "" if fp32_finite(ev) else " (FP32 breaks there too)"
         return [self.finding(
-            f"Training breaks at step {event}, where the schedule reaches lr {lrs[event]:.3g}; the same step at {safe:.3g} stays finite",
+            f"Training breaks at step {event}, where the schedule reaches lr {lrs[event]:.3g}{also}; the same step at {safe:.3g} stays finite",
             {"step": event, "lr_at_event": lrs[event], "lr_before": safe, "peak_step": info["peak_step"],
              "jump_step": info["jump_step"], "jump_ratio": info["jump_ratio"],
              "update_to_weight": {"at_peak": info["update_to_weight_at_peak"], "before_peak": info["update_to_weight_before_peak"]},

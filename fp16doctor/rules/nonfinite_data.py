@@ -8,17 +8,22 @@ symptom of it, in fp32 as in AMP.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis.verify import Intervention, drop_rows
 from . import Rule
 
 
 class NonfiniteData(Rule):
     code = "nonfinite-data"
     order = 10
-    explains = ('nonfinite', 'skips', 'amp-exception', 'trajectory-drift')
+    explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'amp-exception', 'trajectory-drift')
     verifiable = False
     triggers = ("nan_in_data.py",)
     suppresses = ("fp32-divergence", "scale-overflow", "scale-growth", "activation-overflow", "loss-in-half",
                   "grad-underflow", "lr-schedule-peak", "precision-gap", "scheduler-skip-drift", "bf16-advice")
+
+    def intervention(self, finding: Finding, ev: Evidence) -> Intervention:
+        field = finding.evidence["field"]
+        return Intervention(f"the batches without the rows whose '{field}' is non-finite", batches=drop_rows(field))
 
     def check(self, ev: Evidence) -> list[Finding]:
         findings = []

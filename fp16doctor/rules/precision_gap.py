@@ -8,7 +8,7 @@ output adds in AMP, and the smallest set whose fp32 fallback closes the gap.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
-from ..diagnosis.stages import GAP_ERROR
+from ..thresholds import GAP_ERROR, GAP_TOLERANCE
 from . import Rule
 
 
@@ -23,7 +23,7 @@ class PrecisionGap(Rule):
         if not gap or gap["gap"] <= gap["tolerance"]:
             return []
         closing = gap.get("closing_set")
-        severity = "error" if gap["gap"] > GAP_ERROR * (gap["tolerance"] / 1e-3) else "warning"
+        severity = "error" if gap["gap"] > GAP_ERROR * (gap["tolerance"] / GAP_TOLERANCE) else "warning"
         evidence = {"gap": gap["gap"], "step": gap["worst_step"], "tolerance": gap["tolerance"],
                     "same_state_rel_dev": gap["same_state_rel_dev"], "ranked_modules": gap.get("ranked_modules", [])[:5],
                     "closing_set": closing, "closed_gap": gap.get("closed_gap")}

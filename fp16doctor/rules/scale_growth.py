@@ -9,8 +9,8 @@ from __future__ import annotations
 from ..diagnosis.model import Evidence, Finding, Fix
 from . import Rule
 from ._helpers import fp32_finite, skip_runs
+from ..thresholds import SCALE_GROWTH_RECURRENCES
 
-MIN_RECURRENCES = 2
 """A skip right after a growth, twice: at PyTorch's default interval (2000) a probe never even grows."""
 
 
@@ -34,7 +34,7 @@ class ScaleGrowth(Rule):
         later = [int(rec["step"].iloc[i]) for i in later_rows]
         grew = [i for i in later_rows if i > 0 and scales[i] > scales[i - 1]]  # the skip came right after a growth
         runs = skip_runs(later)
-        if len(runs) < MIN_RECURRENCES or len(grew) < MIN_RECURRENCES:
+        if len(runs) < SCALE_GROWTH_RECURRENCES or len(grew) < SCALE_GROWTH_RECURRENCES:
             return []
         gaps = [b[0] - a[-1] for a, b in zip(runs, runs[1:])]
         interval = ev.config.scaler.growth_interval

@@ -17,12 +17,7 @@ from ..diagnosis.model import Evidence, Finding, Fix, ProbeSummary
 from ..symptoms import attempts
 from . import Rule
 from ._helpers import fp32_finite, scale_patch, skip_runs
-
-PERSISTENT_SHARE = 0.25
-"""After the first step taken, a quarter of the steps still overflowing is past any settling."""
-SETTLING_LIMIT = 10
-"""More skips than this before the scale settles wastes real training (each halving costs one)."""
-
+from ..thresholds import CALIBRATION_SKIPS, PERSISTENT_OVERFLOW_SHARE
 
 class ScaleOverflow(Rule):
     code = "scale-overflow"
@@ -44,8 +39,8 @@ class ScaleOverflow(Rule):
         after = overflowing[leading:]
         persistent = sum(after) / len(after) if after else 1.0
         settling = self._expected_settling(ev)
-        if not (leading == len(overflowing) or leading > SETTLING_LIMIT or settling > SETTLING_LIMIT
-                or (persistent >= PERSISTENT_SHARE and sum(after) >= 3)):
+        if not (leading == len(overflowing) or leading > CALIBRATION_SKIPS or settling > CALIBRATION_SKIPS
+                or (persistent >= PERSISTENT_OVERFLOW_SHARE and sum(after) >= 3)):
             return []
         steps = [int(s) for s, bad in zip(rec["step"], overflowing) if bad]
         runs = skip_runs(steps)
@@ -53,7 +48,7 @@ class ScaleOverflow(Rule):
             return [self._hand_rolled(steps, len(rec))]
         patch = scale_patch(ev)
         why = (f"the scale never settled in {len(rec)} steps" if leading == len(overflowing)
-               else f"settling from init_scale {ev.config.scaler.init_scale:.3g} takes ~{settling} skipped steps" if settling > SETTLING_LIMIT
+               else f"settling from init_scale {ev.config.scaler.init_scale:.3g} takes ~{settling} skipped steps" if settling > CALIBRATION_SKIPS
                else f"{persistent:.0%} of the steps after settling still overflow")
         return [self.finding(
             f"Gradients overflow in {len(steps)} of {len(rec)} AMP steps (longest run {max(map(len, runs))}): {why}; the loss scale is too high",
@@ -69,7 +64,8 @@ class ScaleOverflow(Rule):
         )]
 
     def _hand_rolled(self, steps: list[int], total: int) -> Finding:
-        patch = {"scaler": {"enabled": True, "init_scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}}
+        # No config patch: the file's train_step scales by hand, so the scaler settings of the
+        # config never reach it; the fix is the code change below (nothing for the doctor to try).
         return self.finding(
             f"Gradients overflow in {len(steps)} of {total} AMP steps, and the step never calls scaler.scale(): a static, hand-rolled loss scale is too high",
             {"overflow_steps": steps[:30], "scaler_called": False},
@@ -77,7 +73,6 @@ class ScaleOverflow(Rule):
                 "Replace the hand-rolled static scaling by the GradScaler passed to train_step (dynamic: it backs off on overflow).",
                 code=("scaler.scale(loss).backward()      # instead of (loss * STATIC_SCALE).backward()\n"
                       "scaler.unscale_(optimizer)\nscaler.step(optimizer)\nscaler.update()"),
-                config_patch=patch,
             ),
         )
 

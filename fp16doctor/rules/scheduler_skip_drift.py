@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
 from . import Rule
+from ..thresholds import SKIP_DRIFT_RUN_SHARE, SKIP_DRIFT_WARMUP_SHARE
 
-RUN_SHARE = 0.05
-WARMUP_SHARE = 0.25
 
 
 class SchedulerSkipDrift(Rule):
@@ -31,7 +30,7 @@ class SchedulerSkipDrift(Rule):
         in_warmup = [s for s in skipped if s < peak]
         run_share = len(skipped) / max(len(amp.records), 1)
         warmup_share = len(in_warmup) / peak if peak else 0.0
-        severity = "error" if run_share >= RUN_SHARE and warmup_share >= WARMUP_SHARE else "warning"
+        severity = "error" if run_share >= SKIP_DRIFT_RUN_SHARE and warmup_share >= SKIP_DRIFT_WARMUP_SHARE else "warning"
         return [self.finding(
             f"The scheduler stepped on {len(skipped)} skipped step(s)"
             + (f", {len(in_warmup)} of the {peak} warm-up steps" if peak else "") + ": the LR runs ahead of the optimizer",

@@ -1,0 +1,178 @@
+"""Trying each cause's fix: the intervention a finding proposes, measured on a short probe.
+
+A rule explains symptoms; whether its fix removes them is measured, not
+assumed. Every error finding's :class:`Intervention` (a config patch and
+runtime overrides for precision causes, cleaned or standardised batches for
+data causes, the capped learning rate for a schedule's peak) is applied to a
+probe from the same initial weights and batches, and the symptoms are measured
+again with the definitions that decide the verdict (:mod:`fp16doctor.symptoms`).
+The ranking then prefers the finding whose intervention removes the symptom.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pandas as pd
+import torch
+
+from ..batches import iter_tensors, map_named_tensors
+from ..config import DoctorConfig
+from ..symptoms import Symptom, baseline_symptoms, loss_floor, measure, relative_deviation, skip_profile, tail_losses
+from .model import Evidence, Finding
+
+
+@dataclass
+class Intervention:
+    """What trying a finding's fix means concretely."""
+
+    description: str
+    config_patch: dict[str, Any] = field(default_factory=dict)
+    batches: Callable[[list[Any]], list[Any]] | None = None
+    """For data causes: the batches with the offending rows dropped or the field standardised."""
+
+    def size(self, current: dict[str, Any]) -> int:
+        """How big a change this is against the ``current`` config: settings it changes (a module list
+        counts its modules), a data edit counts 1."""
+        return _changed(self.config_patch, current) + (1 if self.batches is not None else 0)
+
+    @property
+    def touches_fp32(self) -> bool:
+        """Whether the FP32 baseline changes too (other data, a capped learning rate), so it must run again."""
+        return self.batches is not None or "max_lr" in self.config_patch.get("overrides", {})
+
+
+def _changed(patch: Any, current: Any) -> int:
+    if isinstance(patch, dict):
+        current = current if isinstance(current, dict) else {}
+        return sum(_changed(v, current.get(k)) for k, v in patch.items())
+    if patch == current:
+        return 0
+    if isinstance(patch, list):
+        return max(len([p for p in patch if p not in (current or [])]), 1)
+    return 1
+
+
+@dataclass
+class Outcome:
+    """The probes of one intervention: the records the symptoms are measured on."""
+
+    amp: pd.DataFrame
+    fp32: pd.DataFrame
+    symptoms: list[Symptom]
+
+    def summary(self) -> str:
+        """ "AMP finite, 0 skips after calibration, final loss within 0.3% of FP32" """
+        if any(s.code == "fp32-nonfinite" for s in self.symptoms):
+            return "the FP32 baseline still fails"
+        parts = []
+        bad = next((s for s in self.symptoms if s.code in ("nonfinite", "amp-exception")), None)
+        parts.append("AMP finite" if bad is None else f"AMP still fails ({bad.description})")
+        profile = skip_profile(self.amp)
+        parts.append(f"{profile['after_settling']} skip(s) after calibration"
+                     + (f" ({profile['leading']} while the scale settled)" if profile["leading"] else ""))
+        tails = tail_losses(self.amp, self.fp32)
+        if bad is None and tails is not None:
+            parts.append(f"final loss within {relative_deviation(tails[0], tails[1], loss_floor(self.fp32)):.1%} of FP32")
+        return ", ".join(parts)
+
+
+def apply_batches(batches: list[Any], edit: Callable[[Any], Any]) -> list[Any]:
+    """``edit`` applied to each distinct batch once (a cycled short dataset stays cycled)."""
+    done: dict[int, Any] = {}
+    return [done.setdefault(id(b), edit(b)) for b in batches]
+
+
+def drop_rows(field_name: str) -> Callable[[list[Any]], list[Any]]:
+    """The batches without the rows (first dimension) where ``field_name`` holds a non-finite value."""
+
+    def clean(batch: Any) -> Any:
+        target = dict(iter_tensors(batch)).get(field_name)
+        if target is None or not target.is_floating_point() or target.dim() == 0:
+            return batch
+        keep = torch.isfinite(target).reshape(target.shape[0], -1).all(dim=1)
+        rows = target.shape[0]
+        return map_named_tensors(batch, lambda _, t: t[keep] if t.dim() and t.shape[0] == rows else t)
+
+    return lambda batches: apply_batches(batches, clean)
+
+
+def standardise(field_name: str) -> Callable[[list[Any]], list[Any]]:
+    """The batches with ``field_name`` standardised per feature (mean and std over every batch)."""
+
+    def edit(batches: list[Any]) -> list[Any]:
+        values = [dict(iter_tensors(b))[field_name] for b in {id(b): b for b in batches}.values()]
+        stacked = torch.cat([v.double().reshape(v.shape[0], -1) for v in values])
+        mean, std = stacked.mean(0), stacked.std(0).clamp_min(1e-6)
+
+        def fix(name: str, t: torch.Tensor) -> torch.Tensor:
+            if name != field_name:
+                return t
+            flat = (t.double().reshape(t.shape[0], -1) - mean) / std
+            return flat.reshape(t.shape).to(t.dtype)
+
+        return apply_batches(batches, lambda b: map_named_tensors(b, fix))
+
+    return edit
+
+
+class Verifier:
+    """Runs interventions on short probes against the diagnosis's FP32 baseline (reused, not recomputed)."""
+
+    def __init__(self, ctx: Any, measure_gap: Callable[[DoctorConfig, int], float] | None = None):
+        self.ctx = ctx
+        self.ev: Evidence = ctx.evidence
+        self.measure_gap = measure_gap
+
+    def before(self) -> list[Symptom]:
+        return self.ev.symptoms
+
+    def run(self, intervention: Intervention) -> Outcome:
+        """The AMP probe (and FP32 where the intervention changes it) with the intervention applied."""
+        from .stages import run_mode
+
+        config = self.ctx.with_config(intervention.config_patch)
+        ctx = self.ctx
+        if intervention.batches is not None:
+            ctx = copy.copy(self.ctx)
+            ctx.bench = copy.copy(self.ctx.bench)
+            ctx.bench.batches = intervention.batches(self.ctx.bench.batches)
+        amp = run_mode(ctx, "amp", config)
+        fp32 = run_mode(ctx, "fp32", config) if intervention.touches_fp32 else self.ev.fp32
+        gap = None
+        if self.measure_gap is not None and self.ev.gap and any(s.code == "same-state-gap" for s in self.ev.symptoms):
+            gap = self.measure_gap(config, int(self.ev.gap["worst_step"]))
+        symptoms = baseline_symptoms(fp32.records) + measure(
+            amp.records, fp32.records, amp.tables.get("updates"), fp32.tables.get("updates"),
+            same_state_gap=gap, bf16=config.dtype == "bfloat16")
+        return Outcome(amp=amp.records, fp32=fp32.records, symptoms=symptoms)
+
+    def verify(self, intervention: Intervention | None, nothing_to_try: str) -> dict[str, Any]:
+        """The ``verification`` record of one finding: what was tried, symptoms before and after, the share removed."""
+        before = [s.code for s in self.before()]
+        if intervention is None:
+            return {"tried": None, "reason": nothing_to_try, "symptoms_before": before, "symptoms_after": None,
+                    "removed_share": None, "repaired": False, "size": math.inf}
+        outcome = self.run(intervention)
+        after = [s.code for s in outcome.symptoms]
+        removed = [c for c in before if c not in after]
+        return {
+            "tried": intervention.description, "config_patch": intervention.config_patch,
+            "symptoms_before": before, "symptoms_after": after,
+            "removed_share": len(removed) / len(before) if before else None,
+            "repaired": bool(before) and not after, "size": intervention.size(self.ctx.config.to_dict()),
+            "summary": outcome.summary(),
+        }
+
+
+def repair_rank(finding: Finding) -> int:
+    """0: its intervention removed every symptom; 1: some; 2: nothing measured or nothing to try; 3: removed nothing."""
+    v = finding.verification
+    if not v or v.get("removed_share") is None:
+        return 2
+    if v["repaired"]:
+        return 0
+    return 1 if v["removed_share"] > 0 else 3

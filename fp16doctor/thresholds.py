@@ -1,0 +1,66 @@
+"""Every number a verdict or a rule depends on, in one place, each with where it comes from.
+
+"notes" is ../shared/mixed-precision-notes.md (the triage knowledge this product
+encodes); "PyTorch" is PyTorch's own documentation or source; "measured" names
+the measurement that set it. Rules, stages and symptoms import from here and
+nowhere else, so a threshold is changed once and stays consistent.
+"""
+
+from __future__ import annotations
+
+# --- fp16 itself (notes, "Formats") --------------------------------------------------------------
+FP16_MAX = 65504.0
+"""Largest finite fp16 value."""
+
+# --- comparing AMP with FP32 (notes, "Rules of thumb in use") ------------------------------------
+GAP_TOLERANCE = 1e-3
+"""Same-state loss deviation under 0.1% is healthy (notes: "under 0.1% difference is healthy")."""
+GAP_ERROR = 1e-2
+"""Over 1% needs a look (notes: "over 1% needs a look"): the ``same-state-gap`` symptom, the precision-gap error."""
+BF16_FACTOR = 8.0
+"""bf16 keeps 7 mantissa bits against fp16's 10 (notes, "Formats"): about 8x the rounding error, 8x the tolerances."""
+LOSS_FLOOR_SHARE = 0.1
+"""Loss deviations are relative to at least 10% of the initial FP32 loss (measured: a loss driven to ~0 turns
+fp16's absolute rounding noise into deviations of several hundred percent on healthy samples)."""
+DRIFT_ERROR = 0.1
+"""The loss curves ending 10% apart: the ``trajectory-drift`` symptom (measured: two settling skips in a 40-step
+probe whose loss falls tenfold put the curves 7% apart, sample_models/scale_grows_fast.py corrected)."""
+
+# --- the loss scale (notes, "How AMP is meant to work" and "Rules of thumb") -----------------------
+UNDERFLOW_ALARM = 0.05
+"""An underflow rate over 5% calls for a higher scale (notes); applied to a tensor's gradient mass."""
+KEEP_MASS = 0.999
+"""A loss scale must keep 99.9% of each tensor's gradient mass above fp16's smallest subnormal."""
+NEGLIGIBLE_RMS = 1e-4
+"""A gradient whose RMS is under 1e-4 of its kind's median is rounding noise of an exact zero (measured: the
+key bias of a tiny BERT, zero by softmax's shift invariance, sits 1e-5 below the median)."""
+CALIBRATION_SKIPS = 10
+"""Skips a dynamic scale may take to settle: each halves it, 2^16 down to 2^6 in 10."""
+RECURRING_SKIPS = 3
+RECURRING_SHARE = 0.1
+"""After settling, 3 or more skips making up 10% of the attempted steps: the scale keeps overflowing (a default
+scaler grows once per 2000 clean steps, so it skips about once per 2000: PyTorch's GradScaler defaults)."""
+PERSISTENT_OVERFLOW_SHARE = 0.25
+"""scale-overflow: a quarter of the steps after settling still overflowing is past any settling."""
+SCALE_GROWTH_RECURRENCES = 2
+"""scale-growth: skips recurring at least twice after growth (notes: "Bursts of NaN that recover")."""
+
+# --- updates ---------------------------------------------------------------------------------------
+LOST_UPDATE_EXCESS = 0.25
+"""A quarter more of the updates lost than in FP32: the weights' storage precision eats the training (notes,
+"Lost updates")."""
+HALF_WEIGHTS_LOST_SHARE = 0.05
+"""half-weights: bf16 weights are an error once 5% of their updates are lost."""
+
+# --- the schedule ----------------------------------------------------------------------------------
+SKIP_DRIFT_RUN_SHARE = 0.05
+SKIP_DRIFT_WARMUP_SHARE = 0.25
+"""scheduler-skip-drift is an error when skipped steps are 5% of the run and 25% of the warm-up."""
+
+# --- data ------------------------------------------------------------------------------------------
+EXTREME_INPUT = 1e3
+"""|x| from which a raw input is extreme for fp16 (notes: "magnitudes in the thousands and up")."""
+IGNORE_INDEX = -100
+"""PyTorch's default ``ignore_index`` of cross_entropy/nll_loss (and Hugging Face's label padding)."""
+CONSTANT_MAGNITUDE = 1e8
+"""Values this large in a cast's input are constants (masks, ``finfo`` limits), not activations."""

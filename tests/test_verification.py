@@ -1,0 +1,75 @@
+"""Verified fixes: each cause's intervention is tried, and the ranking follows what it repaired."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import yaml
+
+from conftest import ROOT, SAMPLES, run_cli
+from fp16doctor.diagnosis.engine import demote_unrepairing, rank
+from fp16doctor.diagnosis.model import Finding, Fix
+from fp16doctor.numerics import GradientCapture, scale_window
+
+FILES = ROOT / "tests" / "training_files"
+
+
+def finding(cause, order, verification=None, severity="error"):
+    return Finding(cause=cause, severity=severity, title=cause, evidence={}, fix=Fix("x"), order=order, verification=verification)
+
+
+def verified(repaired, removed, size=1):
+    return {"tried": "something", "symptoms_before": ["nonfinite"], "symptoms_after": [] if repaired else ["nonfinite"],
+            "removed_share": removed, "repaired": repaired, "size": size, "summary": ""}
+
+
+def test_a_repairing_fix_outranks_an_earlier_cause_whose_fix_does_not():
+    vague = finding("fp32-divergence", 30, {"tried": None, "reason": "nothing", "removed_share": None, "repaired": False})
+    precise = finding("lr-schedule-peak", 80, verified(True, 1.0))
+    assert [f.cause for f in rank([vague, precise])] == ["lr-schedule-peak", "fp32-divergence"]
+
+
+def test_among_repairing_fixes_the_smaller_change_ranks_first():
+    big = finding("scale-overflow", 70, verified(True, 1.0, size=3))
+    small = finding("lr-schedule-peak", 80, verified(True, 1.0, size=1))
+    assert [f.cause for f in rank([big, small])] == ["lr-schedule-peak", "scale-overflow"]
+
+
+def test_a_fix_that_removes_nothing_is_demoted_to_a_warning_that_says_so():
+    useless, useful = finding("grad-underflow", 71, verified(False, 0.0)), finding("precision-gap", 90, verified(True, 1.0))
+    demote_unrepairing([useless, useful])
+    assert useless.severity == "warning" and useless.demoted and "did not change the outcome" in useless.title
+    assert useful.severity == "error"
+
+
+def test_the_window_keeps_gradient_mass_not_element_counts():
+    """A tail of entries a trillion times smaller than the rest carries no mass: it must not drag the low bound up."""
+    g = torch.cat([torch.full((1000,), 1e-3), torch.full((10,), 1e-15)])
+    window = scale_window(GradientCapture(tensors={"param:w": g, "param:v": torch.full((50,), 1e-3)}, scale=1.0))
+    assert window.low < 1.0 < window.high  # 1e-3 * S above 2^-24 needs S > 0.06; the 1e-15 tail would need 6e7
+
+
+def test_fp32_divergence_at_a_schedule_jump_gets_the_precise_cause():
+    proc = run_cli("diagnose", FILES / "lr_jump_fp32_diverges.py", "--ci", "--json")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    top, causes = report["findings"][0], [f["cause"] for f in report["findings"]]
+    assert top["cause"] == "lr-schedule-peak" and top["verification"]["repaired"] is True
+    assert "fp32-nonfinite" in top["verification"]["symptoms_before"] and top["verification"]["symptoms_after"] == []
+    vague = report["findings"][causes.index("fp32-divergence")]
+    assert vague["verification"]["tried"] is None and vague["verification"]["reason"]
+    assert report["corrected"]["healthy_after"] is True and report["corrected"]["config_patch"] == {"overrides": {"max_lr": 0.001}}
+
+
+def test_fix_config_header_carries_the_measured_before_and_after(tmp_path):
+    fixed = tmp_path / "fixed.yaml"
+    proc = run_cli("diagnose", SAMPLES / "warmup_peak.py", "--ci", "--fix-config", fixed)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    text = fixed.read_text()
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    assert any("symptoms before: skips" in line and "after: none" in line for line in header), header
+    assert yaml.safe_load(text)["overrides"]["max_lr"] == 0.0001
+    assert "verified:" in " ".join(proc.stdout.split())  # the terminal shows what trying the fix measured
+    again = run_cli("diagnose", SAMPLES / "warmup_peak.py", "--ci", "--json", "--config", fixed)
+    assert again.returncode == 0 and json.loads(again.stdout)["verdict"] == "healthy", again.stdout[-3000:]
