@@ -1,0 +1,68 @@
+"""GradScaler calls in the wrong order or count.
+
+Evidence: the sequence of GradScaler calls of each iteration, as the loop made
+them (`scale`, `unscale_`, `step`, `update`), and GradScaler's own refusals:
+`unscale_` twice before `update` ("unscale_() has already been called on this
+optimizer since the last update()"), e.g. on every accumulation micro-step;
+`update()` in an iteration without a `step()`; `step()` on gradients never
+scaled ("_scale is None"); `update()` more than once in an iteration (one
+scaler, two optimizers, `update` between them). PyTorch's "CUDA Automatic Mixed
+Precision examples" give the recipe for each loop shape (mixed-precision-notes.md).
+"""
+
+from __future__ import annotations
+
+from ..diagnosis.model import Evidence, Finding, Fix
+from . import Rule
+
+REFUSALS = {
+    "has already been called on this optimizer since the last update": "unscale_ called twice before update()",
+    "_scale is None": "step()/unscale_() on gradients that scaler.scale() never scaled",
+    "No inf checks were recorded": "step() after unscale_ found no gradients to check",
+}
+RECIPE = """# gradient accumulation: scale every micro-batch, unscale/clip/step/update once
+scaler.scale(loss / accumulate).backward()
+if (micro + 1) % accumulate == 0:
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+# two optimizers: scaler.step(opt1); scaler.step(opt2); then ONE scaler.update()"""
+
+
+class ScalerMisuse(Rule):
+    code = "scaler-misuse"
+    order = 66
+    verifiable = False
+    explains = ("amp-exception", "skips", "nonfinite", "lost-updates", "trajectory-drift")
+    triggers = ("scaler_misuse.py",)
+    suppresses = ("scale-overflow", "scale-growth", "scheduler-skip-drift", "bf16-advice")
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        amp = ev.amp
+        if amp is None or not amp.scaler_enabled:
+            return []
+        problems = []
+        exc = amp.exception
+        if exc is not None:
+            problems += [what for text, what in REFUSALS.items() if text in (exc["message"] or "")]
+        calls = amp.scaler_calls
+        for step, sequence in enumerate(calls):
+            if "update" in sequence and "step" not in sequence and "scale" in sequence:
+                problems.append(f"update() without step() in iteration {step} (the scale changes between micro-batches)")
+            if sequence.count("update") > 1:
+                problems.append(f"update() {sequence.count('update')} times in iteration {step}")
+            if "step" in sequence and not amp.scaler_called:
+                problems.append("step() while scaler.scale() is never called: the gradients were never scaled")
+        problems = list(dict.fromkeys(problems))
+        if not problems:
+            return []
+        first = exc["step"] if exc is not None else 0
+        window = calls[max(0, first - 3):first + 1]
+        return [self.finding(
+            f"GradScaler misuse: {problems[0]}",
+            {"problems": problems[:5], "scaler_calls_per_iteration": window, "exception": exc},
+            Fix("Call the GradScaler once per optimizer step in PyTorch's order: scale every backward; "
+                "unscale_, clip, step and update once, after the last micro-batch.", code=RECIPE),
+        )]
