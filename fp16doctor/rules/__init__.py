@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from ..diagnosis.model import Evidence, Finding, Fix
 
@@ -34,6 +34,10 @@ class Rule:
     """Sample models (file names in sample_models/) whose top cause is this rule's."""
     passes: ClassVar[tuple[str, ...]] = ("mlp.py", "cnn_batchnorm.py", "transformer_encoder.py")
     """Sample models that must not get this cause as an error."""
+    fires_on: ClassVar[tuple[Callable[[], Evidence], ...]] = ()
+    """Small evidence fixtures (:mod:`fp16doctor.diagnosis.fixtures`) on which this rule must report its cause."""
+    quiet_on: ClassVar[tuple[Callable[[], Evidence], ...]] = ()
+    """Fixtures on which it must stay quiet: the near misses that tell the cause apart."""
     verifiable: ClassVar[bool] = True
     """Whether the fix's config patch can repair the training (false for data causes and model bugs)."""
 

@@ -8,6 +8,7 @@ keeps the smallest enclosing module whose fp32 output fits fp16 in fp32.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ._helpers import enclosing_fp32_safe, fp32_finite, module_abs_max
 from ..localise import OUTSIDE_MODEL
@@ -18,6 +19,8 @@ class ActivationOverflow(Rule):
     order = 60
     explains = ('nonfinite', 'skips')
     triggers = ("bf16_pretrained_ffn.py",)
+    fires_on = (lambda: fx.evidence(localisation=fx.localisation("forward", "block.ff")),)
+    quiet_on = (lambda: fx.evidence(), lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>")))
     suppresses = ("scale-overflow", "scheduler-skip-drift")
 
     def check(self, ev: Evidence) -> list[Finding]:

@@ -7,6 +7,7 @@ same training stayed finite.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 
 
@@ -15,6 +16,8 @@ class Bf16Advice(Rule):
     order = 100
     severity = "info"
     verifiable = False
+    fires_on = (lambda: fx.evidence(bf16=fx.probe("bf16")),)
+    quiet_on = (lambda: fx.evidence(), lambda: fx.evidence(bf16=fx.probe("bf16", fx.records(nonfinite_loss=[3]))))
 
     def check(self, ev: Evidence) -> list[Finding]:
         if ev.bf16 is None or not ev.bf16.finite or not ev.bf16_supported:

@@ -8,6 +8,7 @@ A threshold of 1.0 then clips to 1/65536 of the intended norm.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 
 
@@ -16,6 +17,8 @@ class ClipBeforeUnscale(Rule):
     order = 65
     explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
     triggers = ("clip_before_unscale.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": True, "scale": 65536.0, "step": 0}])),)
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": False, "scale": 65536.0, "step": 0}])),)
 
     def check(self, ev: Evidence) -> list[Finding]:
         if ev.amp is None:

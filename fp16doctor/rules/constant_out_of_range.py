@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ._helpers import fp32_finite
 from ..thresholds import CONSTANT_MAGNITUDE
@@ -29,6 +30,16 @@ class ConstantOutOfRange(Rule):
     order = 45
     explains = ("amp-exception", "nonfinite", "skips")
     triggers = ("mask_fill_constant.py",)
+    fires_on = (
+        lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 0, "type": "RuntimeError", "module": "attn",
+                                                                     "message": "value cannot be converted to type c10::Half without overflow"}))),
+        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])),
+                            localisation=fx.localisation("forward", "attn", "aten::_to_copy", [(-3.4e38, 0.0)], "-inf (float16)")),
+    )
+    quiet_on = (
+        lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 0, "type": "RuntimeError", "message": "shape mismatch"}))),
+        lambda: fx.evidence(localisation=fx.localisation("forward", "attn", "aten::_to_copy", [(-7e4, 7e4)])),
+    )
     suppresses = ("activation-overflow", "scale-overflow")
 
     def check(self, ev: Evidence) -> list[Finding]:

@@ -15,6 +15,7 @@ from ..diagnosis.model import Evidence, Finding, Fix, ProbeSummary
 from ..diagnosis.verify import Intervention, apply_batches
 from ..batches import iter_tensors
 from ..thresholds import IGNORE_INDEX
+from ..diagnosis import fixtures as fx
 from . import Rule
 
 
@@ -24,6 +25,11 @@ class EmptyTargets(Rule):
     verifiable = False
     explains = ("fp32-nonfinite", "nonfinite", "skips", "trajectory-drift")
     triggers = ("empty_targets.py",)
+    fires_on = (lambda: fx.evidence(data=[fx.field("1", floating=False, ignored_only_batches=[2], valid_counts=[5, 5, 0])],
+                                    fp32=fx.probe("fp32", fx.records(nonfinite_loss=[2, 3]))),)
+    quiet_on = (lambda: fx.evidence(data=[fx.field("1", floating=False, ignored_only_batches=[2], valid_counts=[5, 5, 0])]),
+                lambda: fx.evidence(data=[fx.field("1", floating=False, valid_counts=[5, 5, 5])],
+                                    fp32=fx.probe("fp32", fx.records(nonfinite_loss=[2]))))
     suppresses = ("fp32-divergence", "scale-overflow", "scale-growth", "lr-schedule-peak", "scheduler-skip-drift", "bf16-advice")
 
     def check(self, ev: Evidence) -> list[Finding]:

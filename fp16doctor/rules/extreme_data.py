@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..diagnosis.model import Evidence, Finding, Fix
 from ..diagnosis.verify import Intervention, standardise
 from ..thresholds import EXTREME_INPUT
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ._helpers import fp32_finite
 
@@ -19,6 +20,9 @@ class ExtremeData(Rule):
     explains = ('nonfinite', 'skips', 'amp-exception', 'trajectory-drift')
     verifiable = False
     triggers = ("raw_sensor_features.py",)
+    fires_on = (lambda: fx.evidence(data=[fx.field(abs_max=5e4, extreme=300)], amp=fx.probe(record=fx.records(skipped=[0, 1])),
+                                    localisation=fx.localisation("forward", "0", "aten::addmm", [(-5e4, 5e4)])),)
+    quiet_on = (lambda: fx.evidence(data=[fx.field(abs_max=8.0)], localisation=fx.localisation("forward", "0", "aten::addmm", [(-8.0, 8.0)])),)
     suppresses = ("activation-overflow", "scale-overflow", "scheduler-skip-drift")
 
     def intervention(self, finding: Finding, ev: Evidence) -> Intervention:

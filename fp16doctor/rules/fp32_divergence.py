@@ -8,6 +8,7 @@ exception the training raised in fp32.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 
 
@@ -17,6 +18,8 @@ class Fp32Divergence(Rule):
     explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'amp-exception', 'lost-updates', 'same-state-gap', 'trajectory-drift')
     verifiable = False
     triggers = ("log_of_zero.py",)
+    fires_on = (lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(nonfinite_loss=[3, 4]))),)
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[3]))),)
     suppresses = ("scale-overflow", "scale-growth", "activation-overflow", "loss-in-half", "grad-underflow",
                   "lr-schedule-peak", "precision-gap", "scheduler-skip-drift", "bf16-advice", "clip-before-unscale")
 

@@ -13,6 +13,7 @@ such noise.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ._helpers import fp32_finite, scale_patch
 from ..thresholds import UNDERFLOW_ALARM
@@ -24,6 +25,10 @@ class GradUnderflow(Rule):
     order = 71
     explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
     triggers = ("no_loss_scaling.py",)
+    fires_on = (lambda: fx.evidence(config={"scaler": {"enabled": False}}, window=fx.window(512.0, 1e6),
+                                    observed_underflow=fx.underflow(("0.weight", 0.6, 0.4, False))),)
+    quiet_on = (lambda: fx.evidence(window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("0.weight", 0.6, 0.01, False))),
+                lambda: fx.evidence(window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("attn.key.bias", 0.6, 0.6, True))))
 
     def check(self, ev: Evidence) -> list[Finding]:
         if ev.config.dtype != "float16" or not fp32_finite(ev) or ev.observed_underflow is None or ev.observed_underflow.empty:

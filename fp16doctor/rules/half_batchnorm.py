@@ -8,6 +8,7 @@ while the rest of the model keeps fp32. Running variances accumulate in fp16's
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ._helpers import LOW_DTYPES, is_norm
 
@@ -17,6 +18,8 @@ class HalfBatchnorm(Rule):
     order = 41
     explains = ('nonfinite', 'amp-exception', 'skips', 'same-state-gap', 'trajectory-drift')
     triggers = ("half_batchnorm.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "BatchNorm2d", "float16", "float16", "float32")))),)
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "BatchNorm2d", "float32", "float32", "float32")))),)
 
     def check(self, ev: Evidence) -> list[Finding]:
         if ev.amp is None:

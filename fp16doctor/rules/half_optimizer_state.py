@@ -9,6 +9,7 @@ then divides by zero.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ._helpers import LOW_DTYPES
 
@@ -18,6 +19,8 @@ class HalfOptimizerState(Rule):
     order = 42
     explains = ('nonfinite', 'skips', 'lost-updates', 'trajectory-drift', 'same-state-gap')
     triggers = ("half_optimizer_state.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float32", None, "float16")))),)
+    quiet_on = (lambda: fx.evidence(),)
 
     def check(self, ev: Evidence) -> list[Finding]:
         if ev.amp is None:

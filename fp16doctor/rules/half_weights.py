@@ -8,6 +8,7 @@ gradients" when the training uses one.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ._helpers import half_param_modules, is_norm
 from ..thresholds import HALF_WEIGHTS_LOST_SHARE
@@ -18,6 +19,8 @@ class HalfWeights(Rule):
     order = 40
     explains = ('nonfinite', 'skips', 'amp-exception', 'lost-updates', 'trajectory-drift', 'same-state-gap')
     triggers = ("model_half.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16")))),)
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "LayerNorm", "float16", None, "float32")))),)
     suppresses = ("half-batchnorm", "half-optimizer-state", "grad-underflow", "precision-gap", "loss-in-half")
 
     def check(self, ev: Evidence) -> list[Finding]:

@@ -8,6 +8,7 @@ refused binary_cross_entropy), while fp32 is finite.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite
 
@@ -17,6 +18,9 @@ class LossInHalf(Rule):
     order = 50
     explains = ('nonfinite', 'skips', 'same-state-gap', 'trajectory-drift')
     triggers = ("loss_in_half.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]), loss_dtypes=["float16"]),
+                                    localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float16)")),)
+    quiet_on = (lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float32)")),)
     suppresses = ("activation-overflow", "scale-overflow", "precision-gap", "scheduler-skip-drift")
 
     def check(self, ev: Evidence) -> list[Finding]:

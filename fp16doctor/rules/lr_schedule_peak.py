@@ -10,8 +10,15 @@ baseline may fail at the peak too: the pause still shows the LR is the cause.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ._helpers import fp32_finite
+
+
+PAUSE = {"pause_step": 4, "lrs": [1e-4] * 4 + [1e-1] * 6, "finite_before_peak": True, "peak_step": 4, "jump_step": 4,
+         "jump_ratio": 1000.0, "update_to_weight_at_peak": 0.5, "update_to_weight_before_peak": 1e-4,
+         "activation_max_at_peak": 7e4, "activation_max_before_peak": 30.0}
+"""The LR-peak stage's pause, as the cases use it."""
 
 
 class LrSchedulePeak(Rule):
@@ -19,6 +26,8 @@ class LrSchedulePeak(Rule):
     order = 80
     explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'trajectory-drift')
     triggers = ("warmup_peak.py",)
+    fires_on = (lambda: fx.evidence(has_scheduler=True, lr_peak=PAUSE | {"finite_at_peak": False}),)
+    quiet_on = (lambda: fx.evidence(has_scheduler=True, lr_peak=PAUSE | {"finite_at_peak": True}),)
     suppresses = ("scale-overflow", "scheduler-skip-drift")
 
     def check(self, ev: Evidence) -> list[Finding]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
 from ..diagnosis.verify import Intervention, drop_rows
+from ..diagnosis import fixtures as fx
 from . import Rule
 
 
@@ -18,6 +19,9 @@ class NonfiniteData(Rule):
     explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'amp-exception', 'trajectory-drift')
     verifiable = False
     triggers = ("nan_in_data.py",)
+    fires_on = (lambda: fx.evidence(data=[fx.field(nan=3, first_nonfinite={"batch": 1, "position": [0, 2], "value": "nan"},
+                                             nonfinite_batches=[1])]),)
+    quiet_on = (lambda: fx.evidence(data=[fx.field(abs_max=3.0)]),)
     suppresses = ("fp32-divergence", "scale-overflow", "scale-growth", "activation-overflow", "loss-in-half",
                   "grad-underflow", "lr-schedule-peak", "precision-gap", "scheduler-skip-drift", "bf16-advice")
 

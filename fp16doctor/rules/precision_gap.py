@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
 from ..thresholds import GAP_ERROR, GAP_TOLERANCE
+from ..diagnosis import fixtures as fx
 from . import Rule
 
 
@@ -17,6 +18,9 @@ class PrecisionGap(Rule):
     order = 90
     explains = ('same-state-gap', 'trajectory-drift', 'skips')
     triggers = ("fast_variance_norm.py",)
+    fires_on = (lambda: fx.evidence(gap={"gap": 0.5, "tolerance": 1e-3, "worst_step": 0, "same_state_rel_dev": {0: 0.5},
+                                         "closing_set": ["norm"], "closed_gap": 1e-4}),)
+    quiet_on = (lambda: fx.evidence(gap={"gap": 5e-4, "tolerance": 1e-3, "worst_step": 0, "same_state_rel_dev": {0: 5e-4}}),)
 
     def check(self, ev: Evidence) -> list[Finding]:
         gap = ev.gap

@@ -7,6 +7,7 @@ grew, with a small growth_interval.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ._helpers import fp32_finite, skip_runs
 from ..thresholds import SCALE_GROWTH_RECURRENCES
@@ -19,6 +20,8 @@ class ScaleGrowth(Rule):
     order = 72
     explains = ('skips', 'nonfinite', 'trajectory-drift')
     triggers = ("scale_grows_fast.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 3, 6, 9], scales=[64, 32, 64, 128, 64, 128, 256, 128, 256, 512]))),)
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 1]))),)
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp = ev.amp

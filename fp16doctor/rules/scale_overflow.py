@@ -15,6 +15,7 @@ import math
 
 from ..diagnosis.model import Evidence, Finding, Fix, ProbeSummary
 from ..symptoms import attempts
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ._helpers import fp32_finite, scale_patch, skip_runs
 from ..thresholds import CALIBRATION_SKIPS, PERSISTENT_OVERFLOW_SHARE
@@ -24,6 +25,11 @@ class ScaleOverflow(Rule):
     order = 70
     explains = ('skips', 'nonfinite', 'trajectory-drift')
     triggers = ("scale_too_high.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(10)))),
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_grads=range(10), nonfinite_loss=range(1, 10)),
+                                                 scaler_called=False, scaler_enabled=False)))
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 1]))),
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]))))
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp = ev.amp

@@ -13,6 +13,7 @@ Precision examples" give the recipe for each loop shape (mixed-precision-notes.m
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 
 REFUSALS = {
@@ -37,6 +38,12 @@ class ScalerMisuse(Rule):
     verifiable = False
     explains = ("amp-exception", "skips", "nonfinite", "lost-updates", "trajectory-drift")
     triggers = ("scaler_misuse.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 1, "type": "RuntimeError",
+                                    "message": "unscale_() has already been called on this optimizer since the last update()."}),
+                                    scaler_calls=[["scale", "unscale_"], ["scale", "unscale_"]])),
+                lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "update"]] * 10)))
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "unscale_", "step", "update"]] * 10)),
+                lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale"], ["scale"], ["scale"], ["scale", "unscale_", "step", "update"]])))
     suppresses = ("scale-overflow", "scale-growth", "scheduler-skip-drift", "bf16-advice")
 
     def check(self, ev: Evidence) -> list[Finding]:

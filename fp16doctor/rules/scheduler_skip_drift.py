@@ -7,6 +7,7 @@ against the schedule: a warm-up whose first steps are skipped is partly lost.
 from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
+from ..diagnosis import fixtures as fx
 from . import Rule
 from ..thresholds import SKIP_DRIFT_RUN_SHARE, SKIP_DRIFT_WARMUP_SHARE
 
@@ -18,6 +19,9 @@ class SchedulerSkipDrift(Rule):
     explains = ('trajectory-drift',)
     severity = "warning"
     triggers = ("warmup_skips.py",)
+    fires_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak={"peak_step": 8}),)
+    quiet_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak={"peak_step": 8},
+                                    config={"overrides": {"hold_scheduler_on_skip": True}}),)
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp = ev.amp

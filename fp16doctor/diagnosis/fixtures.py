@@ -1,0 +1,102 @@
+"""Evidence built by hand: the small cases each rule carries (``fires_on`` / ``quiet_on``).
+
+A rule is tested without a diagnosis: its cases build just the measurements it
+reads (a probe record, a precision map, a localisation, a data field) and
+everything else stays at a healthy default: a finite FP32 and AMP run of ten
+steps whose loss falls smoothly, fp32 parameters, nothing localised.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import pandas as pd
+
+from ..config import build_config
+from ..datascan import FieldScan
+from ..localise import Localisation
+from ..numerics import ScaleWindow
+from ..probe import RECORD_COLUMNS
+from .model import Evidence, ProbeSummary
+
+PRECISION_COLUMNS = ["module", "type", "compute_dtype", "param_dtypes", "buffer_dtypes", "optimizer_state_dtypes"]
+
+
+def records(
+    steps: int = 10,
+    skipped: Iterable[int] = (),
+    nonfinite_loss: Iterable[int] = (),
+    nonfinite_grads: Iterable[int] = (),
+    scales: list[float] | None = None,
+    exception: dict[str, Any] | None = None,
+) -> pd.DataFrame:
+    """A probe record: a loss falling from 2.0, the given steps skipped or non-finite, an exception ending it."""
+    skipped, bad_loss, bad_grads = set(skipped), set(nonfinite_loss), set(nonfinite_grads)
+    rows = []
+    for i in range(steps):
+        raised = exception is not None and i == exception["step"]
+        rows.append({
+            "step": i, "batch_index": i, "loss": math.nan if i in bad_loss or raised else 2.0 - 0.05 * i,
+            "grad_norm": math.inf if i in bad_grads or i in skipped else 1.0, "lr": 1e-3,
+            "loss_scale": scales[i] if scales else 65536.0, "skipped": i in skipped or raised,
+            "optimizer_stepped": i not in skipped and not raised, "micro_step": False,
+            "nonfinite_loss": i in bad_loss or raised, "nonfinite_grads": i in bad_grads or i in skipped or raised,
+            "exception_type": exception["type"] if raised else None, "exception": exception["message"] if raised else None,
+            "exception_location": exception.get("location", "train.py:1") if raised else None,
+            "exception_module": exception.get("module") if raised else None,
+        })
+        if raised:
+            break
+    return pd.DataFrame(rows, columns=RECORD_COLUMNS)
+
+
+def precision(*rows: tuple[str, str, str, str | None, str | None]) -> pd.DataFrame:
+    """(module, type, param dtypes, buffer dtypes, optimizer-state dtypes) per module."""
+    table = rows or (("0", "Linear", "float32", None, "float32"),)
+    return pd.DataFrame([{"module": m, "type": t, "compute_dtype": None, "param_dtypes": p, "buffer_dtypes": b,
+                          "optimizer_state_dtypes": o} for m, t, p, b, o in table], columns=PRECISION_COLUMNS)
+
+
+def probe(mode: str = "amp", record: pd.DataFrame | None = None, **fields: Any) -> ProbeSummary:
+    """A probe summary; ``fields`` set any other :class:`ProbeSummary` field."""
+    values: dict[str, Any] = {"tables": {}, "precision": precision(), "clip_calls": [], "loss_dtypes": ["float32"],
+                              "first_nonfinite_forward": None, "scaler_enabled": mode == "amp"}
+    values.update(fields)
+    return ProbeSummary(mode=mode, records=record if record is not None else records(), **values)
+
+
+def evidence(amp: ProbeSummary | None = None, fp32: ProbeSummary | None = None, config: dict[str, Any] | None = None,
+             **fields: Any) -> Evidence:
+    """Evidence of a healthy ten-step diagnosis, with ``amp``/``fp32``/``fields`` replacing what a case measures."""
+    amp = amp or probe("amp")
+    ev = Evidence(config=build_config(config or {}), device="cpu", steps=len(amp.records),
+                  has_scheduler=fields.pop("has_scheduler", False), has_train_step=fields.pop("has_train_step", False),
+                  fp32=fp32 or probe("fp32"), amp=amp)
+    for name, value in fields.items():
+        setattr(ev, name, value)
+    return ev
+
+
+def localisation(phase: str = "forward", module: str | None = "layer", operator: str = "aten::mm",
+                 input_ranges: list[tuple[float, float]] | None = None, output: str = "+inf (float16)", step: int = 0) -> Localisation:
+    return Localisation(step=step, batch_index=step, phase=phase, module=module, operator=operator,
+                        input_ranges=input_ranges or [(-300.0, 300.0)], output=output)
+
+
+def field(name: str = "0", floating: bool = True, **values: Any) -> FieldScan:
+    """One data field's scan (ten batches of 100 values unless ``values`` say otherwise)."""
+    scan = FieldScan(name, "float32" if floating else "int64", floating, numel=1000)
+    for key, value in values.items():
+        setattr(scan, key, value)
+    return scan
+
+
+def window(low: float, high: float) -> ScaleWindow:
+    return ScaleWindow(pd.DataFrame(), low, high)
+
+
+def underflow(*rows: tuple[str, float, float, bool]) -> pd.DataFrame:
+    """(tensor name, element share, mass share, negligible) per parameter gradient."""
+    return pd.DataFrame([{"kind": "param", "name": n, "scale": 1.0, "observed_underflow": e, "observed_underflow_mass": m,
+                          "rms": 1e-6, "negligible": neg} for n, e, m, neg in rows])
