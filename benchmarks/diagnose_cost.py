@@ -47,6 +47,8 @@ def probes_seconds(spec, config) -> float:
 def main(paths: list[str]) -> None:
     torch.set_num_threads(2)
     samples = [Path(p) for p in paths] or sorted((ROOT / "sample_models").glob("*.py"))
+    warm = load_training_file(samples[0])  # one-time costs (imports, kernel registration) stay out of the ratios
+    diagnose(warm, build_config(warm.config, {"device": "cpu"}), DiagnoseOptions(ci=True))
     print(f"{'sample':28} {'probes s':>9} {'diagnose s':>11} {'ratio':>6} {'--ci s':>7}")
     ratios = []
     for path in samples:
@@ -57,7 +59,8 @@ def main(paths: list[str]) -> None:
         ci = timed(lambda: diagnose(spec, config, DiagnoseOptions(ci=True)))
         ratios.append(full / base)
         print(f"{path.name:28} {base:9.2f} {full:11.2f} {full / base:6.1f} {ci:7.1f}", flush=True)
-    print(f"median diagnose / (FP32 + AMP probes) = {sorted(ratios)[len(ratios) // 2]:.1f} (target < 4)")
+    print(f"median diagnose / (FP32 + AMP probes) = {sorted(ratios)[len(ratios) // 2]:.1f}, "
+          f"worst {max(ratios):.1f} (target < 4)")
 
 
 if __name__ == "__main__":

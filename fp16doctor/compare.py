@@ -16,7 +16,8 @@ from typing import Any, Callable
 import pandas as pd
 
 from .config import DoctorConfig
-from .probe import Workbench
+from .instruments import InstrumentOptions
+from .probe import DEFAULT_INSTRUMENTS, Workbench
 from .symptoms import Symptom, measure
 from .thresholds import BF16_FACTOR, GAP_ERROR, GAP_TOLERANCE
 
@@ -146,6 +147,7 @@ def compare(
     config: DoctorConfig | None = None,
     on_mode: Callable[[str], None] | None = None,
     reference: ModeTrajectory | None = None,
+    instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS,
 ) -> Comparison:
     """Run ``modes`` (fp32 is always the reference) and compare them on aligned optimizer steps.
 
@@ -161,7 +163,7 @@ def compare(
             continue
         if on_mode is not None:
             on_mode(mode)
-        trajectories[mode] = run_aligned(bench, mode, config, steps)
+        trajectories[mode] = run_aligned(bench, mode, config, steps, instruments)
     reference = trajectories["fp32"].aligned
     ref_nonfinite = next((k for k, e in enumerate(reference) if not e["finite"]), None)
     result = Comparison(
@@ -182,9 +184,10 @@ def compare(
     return result
 
 
-def run_aligned(bench: Workbench, mode: str, config: DoctorConfig, steps: int) -> ModeTrajectory:
-    """One mode's probe run aligned on optimizer steps taken, with what its instruments saw."""
-    probe = bench.probe(mode, config, align_on_taken_steps=True)
+def run_aligned(bench: Workbench, mode: str, config: DoctorConfig, steps: int,
+                instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS) -> ModeTrajectory:
+    """One mode's probe run aligned on optimizer steps taken, with what its instruments saw (``None``: uninstrumented)."""
+    probe = bench.probe(mode, config, align_on_taken_steps=True, instruments=instruments)
     try:
         trajectory = _align(mode, probe.run(steps, stop_on_nonfinite_loss=True))
         if probe.instruments is not None:

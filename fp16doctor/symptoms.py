@@ -95,6 +95,17 @@ def first_nonfinite(records: pd.DataFrame) -> int | None:
     return first_step(records, unhandled_nonfinite(records))
 
 
+def skip_runs(steps: list[int]) -> list[list[int]]:
+    """Consecutive runs of skipped steps."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs
+
+
 def skip_profile(records: pd.DataFrame) -> dict[str, Any]:
     """Skips before the first step taken (calibration) and after it, over attempted optimizer steps."""
     tried = attempts(records[records["exception_type"].isna()])

@@ -60,27 +60,35 @@ def diagnose(
     start = time.perf_counter()
     findings, hidden = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
-    verify_findings(findings, evidence, verifier)
+    verify_findings(findings, evidence, verifier, hidden)
     # A root cause hides its symptoms' findings, unless trying a hidden finding's fix repaired the training.
     findings = [f for f in findings if f.cause not in hidden or repair_rank(f) == 0]
     demote_unrepairing(findings)
-    findings = explain_symptoms(findings, evidence)
+    findings = rank(explain_symptoms(findings, evidence))
     corrected = verify_corrected(findings, evidence, verifier)
     stages.append(StageReport("fix verification", "ran" if any(f.verification for f in findings) else "skipped",
                               _verification_sentence(findings, corrected), seconds=time.perf_counter() - start,
                               details={"corrected": corrected}))
-    return Diagnosis(findings=rank(findings), stages=stages, evidence=evidence, notes=list(spec.notes), corrected=corrected)
+    return Diagnosis(findings=findings, stages=stages, evidence=evidence, notes=list(spec.notes), corrected=corrected)
 
 
-def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier) -> None:
-    """Try the intervention of every error finding, and of every warning that explains a measured symptom."""
+def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier, hidden: set[str]) -> None:
+    """Try the intervention of every error finding, and of every warning that explains a measured symptom.
+
+    The findings a root cause hides are tried only when no visible finding's fix repaired the training:
+    then one of them may hold the fix, and it must not stay hidden.
+    """
     from ..rules import rules_by_code
 
     rules = rules_by_code()
     measured = {s.code for s in ev.symptoms}
-    for finding in findings:
-        rule = rules[finding.cause]
-        if finding.severity == "error" or (finding.severity == "warning" and measured & set(rule.explains)):
+    candidates = [f for f in findings if f.severity == "error"
+                  or (f.severity == "warning" and measured & set(rules[f.cause].explains))]
+    for group in ([f for f in candidates if f.cause not in hidden], [f for f in candidates if f.cause in hidden]):
+        if group and group[0].cause in hidden and any(repair_rank(f) == 0 for f in candidates):
+            return
+        for finding in group:
+            rule = rules[finding.cause]
             finding.verification = verifier.verify(rule.intervention(finding, ev), rule.nothing_to_try)
 
 
@@ -94,10 +102,13 @@ def demote_unrepairing(findings: list[Finding]) -> None:
 
 
 def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) -> dict[str, Any] | None:
-    """All verified config patches together, checked once more: the corrected config's measured before/after."""
+    """The corrected config and its measured before/after: the top-ranked fix alone when, tried, it repaired
+    everything (the smallest change that works), else every verified config patch together, checked once more."""
     from .verify import Intervention
 
     usable = [f for f in findings if f.severity == "error" and f.fix.config_patch and repair_rank(f) != 3]
+    if usable and usable[0] is findings[0] and repair_rank(usable[0]) == 0:
+        usable = usable[:1]
     data = [f.cause for f in findings if f.severity == "error" and f.verification and f.verification.get("tried")
             and not f.fix.config_patch]
     if not usable:

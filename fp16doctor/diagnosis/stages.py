@@ -25,6 +25,7 @@ from ..localise import localise
 from ..numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
 from ..probe import SCHEDULER_ORDER_WARNING, Probe, Workbench
 from ..rng import seed_everything
+from ..symptoms import skip_runs
 from ..thresholds import BF16_FACTOR, GAP_TOLERANCE, KEEP_MASS, LOSS_FLOOR_SHARE, UNDERFLOW_ALARM
 from .model import Evidence, ProbeSummary, StageReport
 
@@ -267,28 +268,35 @@ def stage_scale(ctx: StageContext) -> StageReport:
     return StageReport("loss-scale sweep", "ran", summary, details={"sweep": sweep.to_dict("records"), "recommended": ev.recommended_scaler})
 
 
+SWEEP_SETTINGS = 4
+"""At most this many initial scales (plus the recommended one): powers of 16 around the derived window."""
+
+
 def _sweep_scales(window: Any, ci: bool) -> list[float]:
+    """Powers of 16 (2^8 apart with --ci) from 16x below the window to 16x above it, nearest the recommended scale."""
     low = max(1.0, window.low / 16) if window.feasible else 1.0
     high = min(2.0**24, window.high * 16) if window.feasible else 2.0**24
-    exponents = range(int(math.floor(math.log2(low))), int(math.ceil(math.log2(high))) + 1, 2 if not ci else 4)
-    scales = sorted({float(2**e) for e in exponents} | {window.recommended()})
+    centre = math.log2(window.recommended())
+    exponents = range(int(math.floor(math.log2(low))), int(math.ceil(math.log2(high))) + 1, 4 if not ci else 8)
+    nearest = sorted(exponents, key=lambda e: abs(e - centre))[:SWEEP_SETTINGS]
+    scales = sorted({float(2**e) for e in nearest} | {window.recommended()})
     return [s for s in scales if 1.0 <= s <= 2.0**24]
 
 
 def _sweep(ctx: StageContext, capture: Any, window: Any) -> pd.DataFrame:
     """Each setting: skipped-step rate, predicted underflow and loss deviation from fp32 on aligned steps."""
-    steps = min(ctx.evidence.steps, 10 if ctx.ci else 20)
+    steps = min(ctx.evidence.steps, 10)  # the scale settles (or not) within the first steps
     rows = []
     settings: list[dict[str, Any]] = [{"init_scale": s} for s in _sweep_scales(window, ctx.ci)]
     amp = ctx.evidence.amp
-    if amp is not None and len(amp.skip_steps) >= 3:  # skips recur: try slower growth too
+    if amp is not None and len(skip_runs(amp.skip_steps)) >= 3:  # skips keep coming back: try slower growth too
         base = window.recommended()
         for interval in (ctx.config.scaler.growth_interval * 10, ctx.config.scaler.growth_interval * 100):
             settings.append({"init_scale": base, "growth_interval": int(interval)})
-    baseline = run_aligned(ctx.bench, "fp32", ctx.config, steps)  # one FP32 reference for every setting
+    baseline = run_aligned(ctx.bench, "fp32", ctx.config, steps, instruments=None)  # one FP32 reference for every setting
     for setting in settings:
         config = ctx.with_config({"scaler": {"enabled": True, **setting}})
-        result = compare(ctx.bench, ["amp"], steps=steps, config=config, reference=baseline)
+        result = compare(ctx.bench, ["amp"], steps=steps, config=config, reference=baseline, instruments=None)
         trajectory = result.trajectories["amp"]
         iterations = len(trajectory.records)
         under = predicted_underflow(capture, setting["init_scale"])["predicted_underflow_mass"].max()

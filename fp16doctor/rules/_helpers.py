@@ -61,14 +61,3 @@ def scale_patch(ev: Evidence) -> dict[str, Any]:
     interval = rec.get("growth_interval") or max(ev.config.scaler.growth_interval, 2000)
     return {"scaler": {"enabled": True, "init_scale": float(init), "growth_factor": 2.0, "backoff_factor": 0.5,
                        "growth_interval": int(interval)}}
-
-
-def skip_runs(steps: list[int]) -> list[list[int]]:
-    """Consecutive runs of skipped steps."""
-    runs: list[list[int]] = []
-    for s in steps:
-        if runs and s == runs[-1][-1] + 1:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
-    return runs

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from ..diagnosis.model import Evidence, Finding, Fix
 from ..diagnosis import fixtures as fx
+from ..symptoms import skip_runs
 from . import Rule
-from ._helpers import fp32_finite, skip_runs
+from ._helpers import fp32_finite
 from ..thresholds import SCALE_GROWTH_RECURRENCES
 
 """A skip right after a growth, twice: at PyTorch's default interval (2000) a probe never even grows."""

@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 
 from ..diagnosis.model import Evidence, Finding, Fix, ProbeSummary
-from ..symptoms import attempts
+from ..symptoms import attempts, skip_runs
 from ..diagnosis import fixtures as fx
 from . import Rule
-from ._helpers import fp32_finite, scale_patch, skip_runs
+from ._helpers import fp32_finite, scale_patch
 from ..thresholds import CALIBRATION_SKIPS, PERSISTENT_OVERFLOW_SHARE
 
 class ScaleOverflow(Rule):
