@@ -43,6 +43,8 @@ Resume = Annotated[bool, typer.Option("--resume", help="Continue from the newest
 OnNonfinite = Annotated[str, typer.Option("--on-nonfinite", help="skip (like the GradScaler; stop after --max-nonfinite in a row) or stop.")]
 MaxNonfinite = Annotated[int, typer.Option("--max-nonfinite", min=1, help="Consecutive non-finite steps after which a skipping run stops.")]
 Nproc = Annotated[int, typer.Option("--nproc", min=1, help="Processes (torchrun + DistributedDataParallel; gloo on CPU, nccl on CUDA).")]
+HtmlFile = Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report with plots (inline SVG, no network).")]
+Wide = Annotated[bool, typer.Option("--wide", help="Every column at full precision, however wide the terminal.")]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite output files that already exist (otherwise: ask, or refuse without a terminal).")]
 
 
@@ -104,6 +106,11 @@ def check_writable(path: Path, force: bool) -> None:
     raise DoctorError(f"'{path}' already exists; not overwriting it.", hint="Choose another path, or pass --force to overwrite.")
 
 
+def figures_folder(report: Path) -> Path:
+    """Where ``--report FILE.md`` puts its figures: ``FILE_figures/`` beside it."""
+    return report.with_name(report.stem + "_figures")
+
+
 def show_notes(spec: Any) -> None:
     """What the user should know about how their file was run (stderr: --json output stays one object)."""
     for note in spec.notes:
@@ -136,6 +143,9 @@ def compare(
     divergence_tol: Annotated[float, typer.Option("--divergence-tol", help="Report the first step past this deviation (x8 for bf16).")] = 1e-2,
     json_: Json = False,
     csv: Annotated[Optional[Path], typer.Option("--csv", help="Write every mode's per-step record to this CSV file.")] = None,
+    html: HtmlFile = None,
+    wide: Wide = False,
+    force: Force = False,
     debug: Debug = False,
 ) -> None:
     """Run precisions side by side from identical weights and batches. Exit 0 healthy, 1 drift/diverged, 2 bad input."""
@@ -145,6 +155,9 @@ def compare(
         from .probe import Workbench
         from .render import render_comparison
 
+        for path in (csv, html):
+            if path is not None:
+                check_writable(path, force)
         modes = [m for m, on in (("fp32", fp32), ("amp", amp), ("bf16", bf16)) if on] or ["fp32", "amp"]
         spec, cfg = load(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
         with err.status("preparing: drawing batches, building the model") as status:
@@ -154,10 +167,17 @@ def compare(
         show_notes(spec)
         if csv is not None:
             write_csv(csv, {m: t.records for m, t in result.trajectories.items()})
+        if html is not None:
+            from .files import atomic_write_text
+            from .htmlreport import comparison_html
+
+            atomic_write_text(html, comparison_html(result, str(training_file)))
         if json_:
             print_json(result.to_json())
         else:
-            render_comparison(result, out)
+            render_comparison(result, out, wide=wide)
+            if html is not None:
+                out.print(f"[dim]HTML report written to {html}[/]")
         return EXIT_OK if result.healthy else EXIT_FINDINGS
 
     guarded(debug, job)
@@ -176,6 +196,7 @@ def diagnose(
     fix_config: Annotated[Optional[Path], typer.Option("--fix-config", help="Write your config with every fix's config patch applied (YAML).")] = None,
     ci: Annotated[bool, typer.Option("--ci", help="CI smoke check: fewer steps, only the stages the evidence calls for.")] = False,
     junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report (one test case per cause).")] = None,
+    html: HtmlFile = None,
     scan_batches: Annotated[Optional[int], typer.Option("--scan-batches", help="Scan this many batches in the data scan (default: those the probes use).")] = None,
     train_: Annotated[bool, typer.Option("--train", help="Then run the corrected training (see `train`); the exit code is the run's.")] = False,
     train_steps: Annotated[Optional[int], typer.Option("--train-steps", help="Steps of the corrected run (default: the config's steps).")] = None,
@@ -201,7 +222,7 @@ def diagnose(
         from .report import fixed_config_yaml, junit_xml, markdown
         from .rules import all_rules
 
-        for path in (report, fix_config, junit):
+        for path in (report, fix_config, junit, html, figures_folder(report) if report is not None else None):
             if path is not None:
                 check_writable(path, force)
         spec, cfg, layers = load_layers(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
@@ -211,7 +232,16 @@ def diagnose(
         show_notes(spec)
         name = str(training_file)
         if report is not None:
-            atomic_write_text(report, markdown(result, name))
+            from .htmlreport import write_figures
+            from .plots import diagnosis_figures
+
+            folder = figures_folder(report)
+            figures = write_figures(diagnosis_figures(result), folder)
+            atomic_write_text(report, markdown(result, name, [(f, f"{folder.name}/{file}") for f, file in figures]))
+        if html is not None:
+            from .htmlreport import diagnosis_html
+
+            atomic_write_text(html, diagnosis_html(result, name))
         if fix_config is not None:
             atomic_write_text(fix_config, fixed_config_yaml(fixed_config(layers, result), result, name))
         if junit is not None:
@@ -220,7 +250,7 @@ def diagnose(
             print_json(result.to_json())
         else:
             render_diagnosis(result, out, name)
-            for label, path in (("report", report), ("corrected config", fix_config), ("JUnit report", junit)):
+            for label, path in (("report", report), ("HTML report", html), ("corrected config", fix_config), ("JUnit report", junit)):
                 if path is not None:
                     out.print(f"[dim]{label} written to {path}[/]")
         if not train_:

@@ -270,7 +270,11 @@ class Instruments:
         buckets = torch.bucketize(flat * self._scale, _edges(flat.device), right=True)
         counts = torch.bincount(ids * 5 + buckets, minlength=5 * len(grads)).reshape(len(grads), 5).double()
         amax = torch.stack([m.double() for m in torch._foreach_norm(samples, ord=math.inf)])  # max |g| per sample
-        block = torch.cat([norms[:, None], counts, amax[:, None], torch.zeros(len(grads), VECTOR - 7, dtype=torch.float64, device=flat.device)], 1)
+        # The L1 mass that flushes (bucket 1) and the whole mass: underflow that matters is a share of the mass.
+        flushed = torch.bincount(ids, weights=(flat * (buckets == 1)).double(), minlength=len(grads))
+        mass = torch.bincount(ids, weights=flat.double(), minlength=len(grads))
+        block = torch.cat([norms[:, None], counts, amax[:, None], flushed[:, None], mass[:, None],
+                           torch.zeros(len(grads), VECTOR - 9, dtype=torch.float64, device=flat.device)], 1)
         for (name, g), vector in zip(named, block.unbind(0)):
             self._pending.rows.append(("param_grad", name, -1, str(g.dtype).replace("torch.", "")))
             self._pending.vectors.append(vector)
@@ -344,6 +348,7 @@ class Instruments:
                 **base, "grad_norm": norm, "nan": nan, "posinf": pos, "neginf": neg,
                 "zero_share": 1.0 - nonzero / max(sample_n, 1.0),
                 "underflow_at_scale": under / max(nonzero, 1.0), "grad_abs_max": amax, "loss_scale": self._scale,
+                "underflow_mass_at_scale": v[7] / v[8] if v[8] > 0 else 0.0,
             })
         else:
             lost, wanted, delta, weight = v[:4]

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import yaml
+from rich import box
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.panel import Panel
@@ -14,6 +15,7 @@ from rich.table import Table
 
 from .compare import Comparison
 from .diagnosis.model import Diagnosis, Finding, jsonable
+from .numbers import human, humanize
 
 VERDICT_STYLE = {"healthy": "bold green", "drift": "bold yellow", "unstable": "bold red", "diverged": "bold red"}
 STEP_BY_STEP_LIMIT = 30
@@ -41,43 +43,76 @@ def _shown_steps(total: int) -> list[int]:
     return sorted(set(range(0, total, stride)) | {total - 1})
 
 
-def render_comparison(result: Comparison, console: Console) -> None:
-    """Per-step table (or a sample of steps for long runs), then per-mode summary and verdict."""
-    table = Table(title="Loss and gradient norm on aligned optimizer steps", title_justify="left")
-    table.add_column("step", justify="right")
-    for mode in result.modes:
-        table.add_column(f"{mode} loss", justify="right")
-        table.add_column(f"{mode} |g|", justify="right")
-        if mode != "fp32":
-            table.add_column(f"{mode} dev", justify="right")
-            table.add_column(f"{mode} skips", justify="right")
-    for k in _shown_steps(result.steps):
-        cells = [str(k)]
-        for mode in result.modes:
-            entries = result.trajectories[mode].aligned
-            entry = entries[k] if k < len(entries) else None
-            cells += [fmt(entry["loss"]) if entry else "-", fmt(entry["grad_norm"], 4) if entry else "-"]
-            if mode != "fp32":
-                devs = result.rel_dev.get(mode, [])
-                dev = devs[k] if k < len(devs) else None
-                style = "" if dev is None or dev <= result.tolerance[mode] else ("yellow" if dev <= result.divergence[mode] else "red")
-                cells += [f"[{style}]{pct(dev)}[/]" if style else pct(dev), str(entry["skipped_before"]) if entry else "-"]
-        table.add_row(*cells)
-    if result.steps > STEP_BY_STEP_LIMIT:
-        table.caption = f"{result.steps} steps: every {max(1, result.steps // 10)}th shown"
-    console.print(table)
+COLUMN_WIDTH = 10
+"""Characters a compact number column takes, padding and rule included (``0.494``, ``1.4e+02``, ``12.5%``)."""
 
-    summary = Table(title="Summary per mode", title_justify="left")
-    for column in ("mode", "verdict", "worst dev", "at step", "first > div tol", "skips", "tol / div tol"):
-        summary.add_column(column)
+
+def _step_columns(result: Comparison, width: int, wide: bool) -> list[tuple[str, str, str]]:
+    """(header, mode, what) of the step table's columns, in priority order, dropping the least useful to fit ``width``."""
+    wanted: list[tuple[int, tuple[str, str, str]]] = []
+    for mode in result.modes:
+        wanted.append((0, (f"{mode}\nloss", mode, "loss")))
+        if mode != "fp32":
+            wanted.append((1, (f"{mode}\ndev", mode, "dev")))
+            wanted.append((3, (f"{mode}\nskips", mode, "skips")))
+        wanted.append((2, (f"{mode}\n|g|", mode, "grad_norm")))
+    if wide:
+        return [c for _, c in wanted]
+    budget, chosen = max(width - 8, COLUMN_WIDTH), set()  # the step column and the table's margins
+    for priority, column in sorted(wanted, key=lambda pc: pc[0]):
+        if (len(chosen) + 1) * COLUMN_WIDTH > budget:
+            break
+        chosen.add(column)
+    return [c for _, c in wanted if c in chosen]
+
+
+def render_comparison(result: Comparison, console: Console, wide: bool = False) -> None:
+    """A compact summary per mode first, then the step table fitted to the terminal (``wide``: everything)."""
+    summary = Table(title="Summary per mode", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("mode", "verdict", "worst dev", "at step", "first > div", "skips"):
+        summary.add_column(column, no_wrap=True)
     for mode in result.modes[1:]:
         verdict = result.verdict_by_mode[mode]
         summary.add_row(
-            mode, f"[{VERDICT_STYLE[verdict]}]{verdict}[/]", pct(result.max_rel_dev.get(mode)),
-            fmt(result.max_rel_dev_step.get(mode)), fmt(result.first_divergent_step.get(mode)),
-            str(result.trajectories[mode].skipped), f"{pct(result.tolerance[mode])} / {pct(result.divergence[mode])}",
+            mode, f"[{VERDICT_STYLE[verdict]}]{verdict}[/]", human(result.max_rel_dev.get(mode), percent=True),
+            human(result.max_rel_dev_step.get(mode)), human(result.first_divergent_step.get(mode)),
+            str(result.trajectories[mode].skipped),
         )
     console.print(summary)
+    tolerances = ", ".join(f"{m} {human(result.tolerance[m], percent=True)} / {human(result.divergence[m], percent=True)}"
+                           for m in result.modes[1:])
+    console.print(f"[dim]tolerance / divergence tolerance: {tolerances}[/]")
+
+    digits = 6 if wide else 3
+    columns = _step_columns(result, console.width, wide)
+    table = Table(title="Loss and gradient norm on aligned optimizer steps", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("step", justify="right", no_wrap=True)
+    for header, _, _ in columns:
+        table.add_column(header, justify="right", no_wrap=True)
+    for k in _shown_steps(result.steps):
+        cells = [str(k)]
+        for _, mode, what in columns:
+            entries = result.trajectories[mode].aligned
+            entry = entries[k] if k < len(entries) else None
+            if what in ("loss", "grad_norm"):
+                cells.append(human(entry[what], digits) if entry else "-")
+            elif what == "skips":
+                cells.append(str(entry["skipped_before"]) if entry else "-")
+            else:
+                devs = result.rel_dev.get(mode, [])
+                dev = devs[k] if k < len(devs) else None
+                style = "" if dev is None or dev <= result.tolerance[mode] else ("yellow" if dev <= result.divergence[mode] else "red")
+                text = human(dev, 2, percent=True)
+                cells.append(f"[{style}]{text}[/]" if style else text)
+        table.add_row(*cells)
+    notes = []
+    if result.steps > STEP_BY_STEP_LIMIT:
+        notes.append(f"every {max(1, result.steps // 10)}th of {result.steps} steps shown")
+    dropped = len(result.modes) * 2 + 2 * (len(result.modes) - 1) - len(columns)
+    if dropped:
+        notes.append(f"{dropped} column(s) left out to fit: --wide or --csv for all")
+    table.caption = "; ".join(notes) or None
+    console.print(table)
     for mode, trajectory in result.trajectories.items():
         if trajectory.exception:
             exc = trajectory.exception
@@ -144,7 +179,7 @@ def _finding_panel(finding: Finding) -> Panel:
     evidence = Table.grid(padding=(0, 2))
     evidence.add_column(style="dim")
     evidence.add_column(overflow="fold")
-    for key, value in jsonable(finding.evidence).items():
+    for key, value in humanize(jsonable(finding.evidence)).items():
         text = value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
         evidence.add_row(key, escape(text.removesuffix("\n...")))
     parts: list = [f"[bold]{escape(finding.title)}[/]", "", "[underline]Evidence[/]", evidence, "", f"[underline]Fix[/] {escape(finding.fix.summary)}"]

@@ -9,15 +9,20 @@ from typing import Any
 import yaml
 
 from .diagnosis.model import Diagnosis, Finding, jsonable
+from .numbers import humanize
 
 
 def _evidence_lines(finding: Finding) -> list[str]:
-    return [f"- `{key}`: {json.dumps(jsonable(value))}" for key, value in finding.evidence.items()]
+    return [f"- `{key}`: {json.dumps(humanize(jsonable(value)))}" for key, value in finding.evidence.items()]
 
 
-def markdown(diagnosis: Diagnosis, training_file: str) -> str:
-    """A self-contained Markdown report: verdict, stages, ranked findings with evidence and fixes."""
+def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, str]] | None = None) -> str:
+    """A Markdown report: verdict, the figures (linked files beside it), stages, ranked findings with evidence and fixes."""
     lines = [f"# fp16doctor diagnosis: `{training_file}`", "", f"**Verdict: {diagnosis.verdict}**", ""]
+    if figures:
+        lines += ["## Plots", ""]
+        for figure, link in figures:
+            lines += [f"![{figure.title}]({link})", "", f"*{figure.title}*: {figure.caption}", ""]
     errors = [f for f in diagnosis.findings if f.severity == "error"]
     lines.append(f"{len(errors)} error finding(s), {len(diagnosis.findings) - len(errors)} other(s). "
                  f"Device: {diagnosis.evidence.device}; {diagnosis.evidence.steps} steps per probe.")

@@ -11,7 +11,7 @@ from ..config import DoctorConfig, build_config, merge
 from ..probe import Workbench
 from ..spec import TrainingSpec
 from ..symptoms import Symptom, baseline_symptoms, measure
-from .model import SEVERITIES, Diagnosis, Evidence, Finding, Fix, StageReport
+from .model import SEVERITIES, Diagnosis, Evidence, Finding, Fix, StageReport, public
 from .stages import STAGES, StageContext, same_state_gap
 from .verify import Verifier, repair_rank
 
@@ -68,7 +68,7 @@ def diagnose(
     corrected = verify_corrected(findings, evidence, verifier)
     stages.append(StageReport("fix verification", "ran" if any(f.verification for f in findings) else "skipped",
                               _verification_sentence(findings, corrected), seconds=time.perf_counter() - start,
-                              details={"corrected": corrected}))
+                              details={"corrected": public(corrected)}))
     return Diagnosis(findings=findings, stages=stages, evidence=evidence, notes=list(spec.notes), corrected=corrected)
 
 
@@ -118,12 +118,13 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
         patch = merge_patch(patch, finding.fix.config_patch)
     single = usable[0].verification if len(usable) == 1 else None
     if single and single.get("config_patch") == patch:
-        after, summary = single["symptoms_after"], single.get("summary", "")
+        after, summary, records = single["symptoms_after"], single.get("summary", ""), single.get("_amp_records")
     else:
         outcome = verifier.run(Intervention("the corrected config", config_patch=patch))
-        after, summary = [s.code for s in outcome.symptoms], outcome.summary()
+        after, summary, records = [s.code for s in outcome.symptoms], outcome.summary(), outcome.amp
     return {"config_patch": patch, "from_findings": [f.cause for f in usable], "symptoms_before": [s.code for s in ev.symptoms],
-            "symptoms_after": after, "healthy_after": not after, "summary": summary, "needs_data_changes": data}
+            "symptoms_after": after, "healthy_after": not after, "summary": summary, "needs_data_changes": data,
+            "_amp_records": records}
 
 
 def _verification_sentence(findings: list[Finding], corrected: dict[str, Any] | None) -> str:

@@ -52,7 +52,7 @@ class Finding:
         return {
             "rank": self.rank, "cause": self.cause, "severity": self.severity, "title": self.title,
             "evidence": jsonable(self.evidence), "fix": self.fix.to_json(), "confidence": round(self.confidence, 3),
-            "verification": jsonable({k: v for k, v in self.verification.items() if k != "size"}) if self.verification else None,
+            "verification": jsonable({k: v for k, v in public(self.verification).items() if k != "size"}) if self.verification else None,
         }
 
 
@@ -183,8 +183,13 @@ class Diagnosis:
             "symptoms": [jsonable(dict(s.to_json(), explained_by=self.evidence.explained.get(s.code, [])))
                          for s in self.evidence.symptoms],
             "notes": self.notes,
-            "corrected": jsonable(self.corrected),
+            "corrected": jsonable(public(self.corrected)),
         }
+
+
+def public(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A record without its private entries (``_``-prefixed: data kept for plots, not for JSON)."""
+    return None if record is None else {k: v for k, v in record.items() if not k.startswith("_")}
 
 
 def json_key(value: Any) -> str:

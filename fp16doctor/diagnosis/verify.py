@@ -164,7 +164,7 @@ class Verifier:
             "symptoms_before": before, "symptoms_after": after,
             "removed_share": len(removed) / len(before) if before else None,
             "repaired": bool(before) and not after, "size": intervention.size(self.ctx.config.to_dict()),
-            "summary": outcome.summary(),
+            "summary": outcome.summary(), "_amp_records": outcome.amp,
         }
 
 
