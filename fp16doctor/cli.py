@@ -106,6 +106,23 @@ def check_writable(path: Path, force: bool) -> None:
     raise DoctorError(f"'{path}' already exists; not overwriting it.", hint="Choose another path, or pass --force to overwrite.")
 
 
+def capsule_training_file(capsule: Path | None, training_file: Path | None) -> Path:
+    """The training file to diagnose: the one given, or the capsule's ``train_capsule.py``."""
+    from .errors import DoctorError
+
+    if capsule is None:
+        if training_file is None:
+            raise DoctorError("no training file given.", hint="fp16doctor diagnose model.py, or --capsule DIR for a watch's capsule.")
+        return training_file
+    if training_file is not None:
+        raise DoctorError("give a training file or --capsule, not both.")
+    path = capsule / "train_capsule.py"
+    if not path.is_file():
+        raise DoctorError(f"'{capsule}' is not a replay capsule (no train_capsule.py in it).",
+                          hint="Pass the folder the watch printed after 'Capsule:'.")
+    return path
+
+
 def figures_folder(report: Path) -> Path:
     """Where ``--report FILE.md`` puts its figures: ``FILE_figures/`` beside it."""
     return report.with_name(report.stem + "_figures")
@@ -185,7 +202,8 @@ def compare(
 
 @app.command()
 def diagnose(
-    training_file: TrainingFile,
+    training_file: Annotated[Optional[Path], typer.Argument(help="The training file: defines model() and data(); see the README.", show_default=False)] = None,
+    capsule: Annotated[Optional[Path], typer.Option("--capsule", help="Diagnose a replay capsule written by fp16doctor's watch (a folder with train_capsule.py).")] = None,
     config: ConfigFile = None,
     steps: Steps = None,
     seed: Seed = None,
@@ -211,9 +229,12 @@ def diagnose(
     """Run the triage and print a ranked diagnosis. Exit 0 healthy, 1 any error finding, 2 bad input.
 
     With --train: then run the corrected training; exit 0 when it reaches its last step, 1 when it stops.
+    With --capsule DIR: diagnose the saved state and batch of a watched run (see the README's callbacks).
     """
+    given = training_file
 
     def job() -> int:
+        training_file = capsule_training_file(capsule, given)
         from .diagnosis import DiagnoseOptions, fixed_config
         from .diagnosis.engine import UNEXPLAINED
         from .diagnosis import diagnose as run_diagnose

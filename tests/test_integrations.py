@@ -1,0 +1,151 @@
+"""The watch inside real trainers (Lightning and the Hugging Face Trainer), on CPU, with faults injected at a known
+step: the callback alarms at that step, writes a capsule, and `diagnose --capsule` names the cause."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+
+sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+
+L = pytest.importorskip("lightning")
+transformers = pytest.importorskip("transformers")
+
+FAULT_STEP = 5
+
+
+def fit_lightning(tmp_path: Path, **faults):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from torch.utils.data import DataLoader
+
+    from fp16doctor.integrations.lightning import FP16DoctorCallback
+    from lit_faults import BATCH, Classifier, Pairs
+
+    callback = FP16DoctorCallback(capsule_dir=tmp_path / "capsules")
+    # Lightning turns precision="16-mixed" into bf16 on the CPU: a MixedPrecision plugin with a GradScaler we
+    # construct keeps fp16 autocast and real loss scaling there.
+    trainer = L.Trainer(accelerator="cpu", plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+                        max_steps=16, callbacks=[callback], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    loader = DataLoader(Pairs(nan_at=faults.get("nan_at")), batch_size=BATCH, shuffle=False)
+    trainer.fit(Classifier(overflow_at=faults.get("overflow_at")), loader)
+    return trainer, callback
+
+
+def diagnose_capsule(capsule: Path) -> dict:
+    proc = run_cli("diagnose", "--ci", "--json", "--capsule", capsule)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_lightning_healthy_run_raises_no_alarm(tmp_path):
+    trainer, callback = fit_lightning(tmp_path)
+    assert callback.watch.alarm is None and trainer.global_step == 16
+    assert len(callback.watch.history) == 16 and not (tmp_path / "capsules").exists()
+    assert all(h.loss_scale > 1 for h in callback.watch.history)  # the plugin's GradScaler was found
+
+
+def test_lightning_nan_batch_alarms_at_its_step_and_the_capsule_names_the_data(tmp_path):
+    trainer, callback = fit_lightning(tmp_path, nan_at=FAULT_STEP)
+    alarm = callback.watch.alarm
+    assert alarm is not None and alarm.kind == "nonfinite" and alarm.step == FAULT_STEP
+    assert trainer.global_step <= FAULT_STEP + 1  # stopped
+    state = torch.load(alarm.capsule / "capsule.pt", weights_only=True)
+    assert torch.isnan(state["batches"][0][0]).any() and state["step"] == FAULT_STEP
+    report = diagnose_capsule(alarm.capsule)
+    assert report["findings"][0]["cause"] == "nonfinite-data"
+
+
+def test_lightning_overflowing_activation_alarms_and_the_capsule_names_the_module(tmp_path):
+    trainer, callback = fit_lightning(tmp_path, overflow_at=FAULT_STEP)
+    alarm = callback.watch.alarm
+    assert alarm is not None and alarm.step == FAULT_STEP
+    report = diagnose_capsule(alarm.capsule)
+    top = report["findings"][0]
+    assert top["cause"] == "activation-overflow" and top["evidence"]["module"].startswith("block")
+    assert top["verification"]["repaired"] is True
+
+
+class TinyTagger(torch.nn.Module):
+    """An HF-style model: keyword inputs, a dict output with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 2))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        loss = torch.nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return {"loss": loss, "logits": logits}
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, nan_at=None, batch=8, size=8 * 20):
+        g = torch.Generator().manual_seed(1)
+        self.x, self.batch, self.nan_at = torch.randn(size, 16, generator=g), batch, nan_at
+        self.y = (self.x[:, 1] > 0).long()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        x = self.x[index].clone()
+        if self.nan_at is not None and index // (self.batch * 2) == self.nan_at:  # 2 micro-batches per optimizer step
+            x[0] = float("nan")
+        return {"x": x, "labels": self.y[index]}
+
+
+def train_hf(tmp_path: Path, nan_at=None):
+    from transformers import Trainer, TrainingArguments
+
+    from fp16doctor.integrations.hf import FP16DoctorCallback
+
+    callback = FP16DoctorCallback(capsule_dir=tmp_path / "capsules")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                             max_steps=8, learning_rate=1e-3, bf16=True, use_cpu=True, report_to=[], logging_steps=50,
+                             save_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+    class InOrder(Trainer):  # the fault must land at a known step: no shuffling
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    trainer = InOrder(model=TinyTagger(), args=args, train_dataset=Rows(nan_at), callbacks=[callback])
+    trainer.train()
+    return trainer, callback
+
+
+def test_hf_trainer_healthy_run_raises_no_alarm(tmp_path):
+    trainer, callback = train_hf(tmp_path)
+    assert callback.watch.alarm is None and trainer.state.global_step == 8
+    assert len(callback.watch.history) == 8  # one check per optimizer step, not per micro-batch
+
+
+def test_hf_trainer_nan_batch_alarms_at_its_optimizer_step(tmp_path):
+    trainer, callback = train_hf(tmp_path, nan_at=3)
+    alarm = callback.watch.alarm
+    assert alarm is not None and alarm.kind == "nonfinite" and alarm.step == 3  # global_step before the 4th step
+    assert trainer.state.global_step == 4  # stopped right after
+    state = torch.load(alarm.capsule / "capsule.pt", weights_only=True)
+    assert len(state["batches"]) == 2  # both micro-batches of the failing optimizer step
+    report = diagnose_capsule(alarm.capsule)
+    assert report["findings"][0]["cause"] == "nonfinite-data"
+
+
+def test_a_missing_framework_is_one_clear_import_error():
+    code = ("import sys; sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None; "
+            "sys.modules['pytorch_lightning'] = None\n"
+            "try:\n    import fp16doctor.integrations.lightning\nexcept ImportError as e:\n    print(e)")
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout
+    assert "fp16doctor[lightning]" in out
+
+
+def test_capsule_argument_errors_are_bad_input(tmp_path):
+    assert run_cli("diagnose", "--capsule", tmp_path).returncode == 2
+    assert run_cli("diagnose").returncode == 2

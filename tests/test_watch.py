@@ -1,0 +1,64 @@
+"""The watch engine in a hand-written loop: each alarm at the step it should fire, and capsules that load."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fp16doctor.watch import Watch, WatchOptions
+
+
+def loop(tmp_path, steps=12, init_scale=2.0**16, spike_at=None, nan_at=None, **options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    watch = Watch(model, WatchOptions(capsule_dir=tmp_path, spike_window=6, **options), dtype="float16")
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        if step == spike_at:
+            x = x * 300
+        if step == nan_at:
+            x[0, 0] = float("nan")
+        watch.capture_batch((x, y))
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        watch.record_loss(loss)
+        scaler.scale(loss).backward()
+        alarm = watch.before_optimizer_step(step, optimizer, scaler, grads_scaled=True)
+        scaler.step(optimizer)
+        scaler.update()
+        if alarm is not None:
+            return watch, alarm
+    return watch, None
+
+
+def test_a_healthy_loop_raises_nothing_and_reads_unscaled_norms(tmp_path):
+    watch, alarm = loop(tmp_path)
+    assert alarm is None and len(watch.history) == 12 and not any(tmp_path.iterdir())
+    assert all(0 < h.grad_norm < 100 for h in watch.history)  # divided by the 65536 scale
+
+
+def test_nan_loss_alarms_at_its_step_with_a_loadable_capsule(tmp_path):
+    watch, alarm = loop(tmp_path, nan_at=7)
+    assert alarm.kind == "nonfinite" and alarm.step == 7 and "Diagnose it: fp16doctor diagnose --capsule" in alarm.pointer()
+    state = torch.load(alarm.capsule / "capsule.pt", weights_only=True)
+    assert state["step"] == 7 and torch.isnan(state["batches"][0][0]).any() and state["scaler"]["scale"] > 1
+    assert (alarm.capsule / "train_capsule.py").is_file() and (alarm.capsule / "config.json").is_file()
+
+
+def test_a_scale_far_too_high_alarms_as_a_skip_streak(tmp_path):
+    watch, alarm = loop(tmp_path, init_scale=2.0**60, skip_streak=4)
+    assert alarm.kind == "skip-streak" and alarm.step == 3 and all(h.skipped for h in watch.history)
+
+
+def test_a_collapsed_scale_alarms(tmp_path):
+    watch, alarm = loop(tmp_path, init_scale=2.0**60, skip_streak=1000, min_scale=2.0**50)
+    assert alarm.kind == "scale-collapse" and watch.history[-1].loss_scale <= 2.0**50
+
+
+def test_a_loss_spike_alarms(tmp_path):
+    watch, alarm = loop(tmp_path, spike_at=9)
+    assert alarm.kind == "loss-spike" and alarm.step == 9
