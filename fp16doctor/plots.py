@@ -16,10 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from .thresholds import FP16_MAX
-
-FP16_MIN_NORMAL = 2.0**-14
-FP16_MIN_SUBNORMAL = 2.0**-24
+from .instruments import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 MAX_ROWS = 40
 """Layers shown in the per-layer plots: the most extreme ones when a model has more."""
 COLOURS = {"fp32": "#1f77b4", "amp": "#d62728", "bf16": "#2ca02c", "corrected": "#9467bd"}

@@ -8,10 +8,6 @@ nowhere else, so a threshold is changed once and stays consistent.
 
 from __future__ import annotations
 
-# --- fp16 itself (notes, "Formats") --------------------------------------------------------------
-FP16_MAX = 65504.0
-"""Largest finite fp16 value."""
-
 # --- comparing AMP with FP32 (notes, "Rules of thumb in use") ------------------------------------
 GAP_TOLERANCE = 1e-3
 """Same-state loss deviation under 0.1% is healthy (notes: "under 0.1% difference is healthy")."""

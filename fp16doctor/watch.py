@@ -107,7 +107,7 @@ class Watch:
     # --- feeding -------------------------------------------------------------------------------------
     def capture_batch(self, batch: Any) -> None:
         """A micro-batch of the current optimizer step (kept on the CPU until the step is checked)."""
-        self._batches.append(map_tensors(batch, lambda t: t.detach().to("cpu", copy=True)))
+        self._batches.append(map_tensors(batch, _cpu_copy))
 
     def record_loss(self, loss: torch.Tensor | float) -> None:
         """A micro-batch's loss (a device tensor: no synchronisation here)."""
@@ -177,8 +177,8 @@ class Watch:
         enabled = scaler is not None and scaler.is_enabled()
         state = {
             "format": 1, "framework": self.framework, "step": numbers.step,
-            "model": {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
-            "optimizer": _to_cpu(inner.state_dict()), "optimizer_class": f"{cls.__module__}.{cls.__qualname__}",
+            "model": map_tensors(dict(self.model.state_dict()), _cpu_copy),
+            "optimizer": map_tensors(inner.state_dict(), _cpu_copy), "optimizer_class": f"{cls.__module__}.{cls.__qualname__}",
             "optimizer_defaults": constructor_settings(inner),
             "scaler": scaler.state_dict() if enabled else None, "batches": self._batches, "rng": rng_state(),
             "alarm": {"kind": self.alarm.kind if self.alarm else None, "message": self.alarm.message if self.alarm else ""},
@@ -229,14 +229,8 @@ def import_roots(model: torch.nn.Module) -> list[str]:
     return roots
 
 
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
 
 
 def _save(obj: Any) -> bytes:
