@@ -148,6 +148,7 @@ def compare(
     on_mode: Callable[[str], None] | None = None,
     reference: ModeTrajectory | None = None,
     instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS,
+    max_iterations: int | None = None,
 ) -> Comparison:
     """Run ``modes`` (fp32 is always the reference) and compare them on aligned optimizer steps.
 
@@ -163,7 +164,7 @@ def compare(
             continue
         if on_mode is not None:
             on_mode(mode)
-        trajectories[mode] = run_aligned(bench, mode, config, steps, instruments)
+        trajectories[mode] = run_aligned(bench, mode, config, steps, instruments, max_iterations)
     reference = trajectories["fp32"].aligned
     ref_nonfinite = next((k for k, e in enumerate(reference) if not e["finite"]), None)
     result = Comparison(
@@ -185,11 +186,11 @@ def compare(
 
 
 def run_aligned(bench: Workbench, mode: str, config: DoctorConfig, steps: int,
-                instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS) -> ModeTrajectory:
+                instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS, max_iterations: int | None = None) -> ModeTrajectory:
     """One mode's probe run aligned on optimizer steps taken, with what its instruments saw (``None``: uninstrumented)."""
     probe = bench.probe(mode, config, align_on_taken_steps=True, instruments=instruments)
     try:
-        trajectory = _align(mode, probe.run(steps, stop_on_nonfinite_loss=True))
+        trajectory = _align(mode, probe.run(steps, max_iterations=max_iterations, stop_on_nonfinite_loss=True))
         if probe.instruments is not None:
             first = probe.instruments.first_nonfinite_forward()
             trajectory.first_nonfinite_module = first["module"] if first else None

@@ -26,7 +26,7 @@ from ..numerics import capture_gradients, observed_underflow, predicted_underflo
 from ..probe import SCHEDULER_ORDER_WARNING, Probe, Workbench
 from ..rng import seed_everything
 from ..symptoms import skip_runs
-from ..thresholds import BF16_FACTOR, GAP_TOLERANCE, KEEP_MASS, LOSS_FLOOR_SHARE, UNDERFLOW_ALARM
+from ..thresholds import BF16_FACTOR, CALIBRATION_SKIPS, GAP_TOLERANCE, KEEP_MASS, LOSS_FLOOR_SHARE, UNDERFLOW_ALARM
 from .model import Evidence, ProbeSummary, StageReport
 
 
@@ -296,7 +296,9 @@ def _sweep(ctx: StageContext, capture: Any, window: Any) -> pd.DataFrame:
     baseline = run_aligned(ctx.bench, "fp32", ctx.config, steps, instruments=None)  # one FP32 reference for every setting
     for setting in settings:
         config = ctx.with_config({"scaler": {"enabled": True, **setting}})
-        result = compare(ctx.bench, ["amp"], steps=steps, config=config, reference=baseline, instruments=None)
+        # A setting still skipping after the calibration allowance has failed: no need to watch it further.
+        result = compare(ctx.bench, ["amp"], steps=steps, config=config, reference=baseline, instruments=None,
+                         max_iterations=steps + CALIBRATION_SKIPS + 2)
         trajectory = result.trajectories["amp"]
         iterations = len(trajectory.records)
         under = predicted_underflow(capture, setting["init_scale"])["predicted_underflow_mass"].max()
