@@ -151,3 +151,19 @@ def test_a_missing_framework_is_one_clear_import_error():
 def test_capsule_argument_errors_are_bad_input(tmp_path):
     assert run_cli("diagnose", "--capsule", tmp_path).returncode == 2
     assert run_cli("diagnose").returncode == 2
+
+
+@pytest.mark.cuda
+def test_hf_trainer_fp16_on_gpu_reads_the_accelerators_scaler(tmp_path):
+    """fp16 in the HF Trainer needs CUDA: there the callback finds accelerate's GradScaler and unscales by hand."""
+    from transformers import Trainer, TrainingArguments
+
+    from fp16doctor.integrations.hf import FP16DoctorCallback
+
+    callback = FP16DoctorCallback(capsule_dir=tmp_path / "capsules")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=6, fp16=True,
+                             max_grad_norm=0.0, report_to=[], save_strategy="no", disable_tqdm=True)
+    Trainer(model=TinyTagger(), args=args, train_dataset=Rows(), callbacks=[callback]).train()
+    assert callback.watch.alarm is None and len(callback.watch.history) == 6
+    assert all(h.loss_scale > 1 for h in callback.watch.history)
+    assert all(0 < h.grad_norm < 1e3 for h in callback.watch.history if not h.skipped)  # divided by the scale
