@@ -165,8 +165,27 @@ def stage_data(ctx: StageContext) -> StageReport:
     return StageReport("data scan", "ran", "; ".join(parts), details={"fields": [f.to_json() for f in scan]})
 
 
+def gap_states(ctx: StageContext) -> list[int]:
+    """The FP32 trajectory steps at which the precision-gap search compares AMP with FP32 on the same state."""
+    steps = ctx.evidence.steps
+    return sorted({0, steps // 2, steps - 1}) if not ctx.ci else sorted({0, steps - 1})
+
+
 def stage_fp32(ctx: StageContext) -> StageReport:
-    ctx.evidence.fp32 = summary = run_mode(ctx, "fp32")
+    """The baseline run; it also keeps its weights at the steps the precision-gap search evaluates (no second run)."""
+    probe = ctx.bench.probe("fp32", ctx.config)
+    wanted = set(gap_states(ctx))
+    try:
+        with probe.mode_context():
+            for _ in range(ctx.evidence.steps):
+                if probe.iteration in wanted:
+                    ctx.states[probe.iteration] = copy.deepcopy(probe.model.state_dict())
+                probe.step()
+                if probe.failed is not None:
+                    break
+        ctx.evidence.fp32 = summary = summarise(probe)
+    finally:
+        probe.close()
     return StageReport("fp32 baseline", "ran", _probe_sentence(summary), details=_probe_details(summary))
 
 
@@ -262,6 +281,11 @@ def stage_scale(ctx: StageContext) -> StageReport:
     if amp is not None and amp.first_nonfinite_loss is not None:
         return StageReport("loss-scale sweep", "skipped", summary + "; the loss itself is non-finite: a forward problem that no scale can fix",
                            details={"window": [window.low, window.high]})
+    event = skips_start_at_schedule_event(ctx)
+    if event is not None and not (worst_observed > UNDERFLOW_ALARM or not cfg.scaler.enabled):
+        return StageReport("loss-scale sweep", "skipped", summary + f"; the skips start right at the LR schedule's peak or jump "
+                           f"(step {event}): a sweep from the start cannot see them, the LR-peak stage pauses there",
+                           details={"window": [window.low, window.high], "schedule_event": event})
     ev.sweep = sweep = _sweep(ctx, capture, window)
     ev.recommended_scaler = _recommend(ctx, sweep, window)
     summary += f"; swept {len(sweep)} settings; recommended {ev.recommended_scaler}"
@@ -337,16 +361,30 @@ def scheduler_lrs(ctx: StageContext) -> list[float]:
     return lrs
 
 
+def schedule_events(lrs: list[float]) -> dict[str, Any]:
+    """The schedule's peak and its largest jump (the step and the ratio to the step before)."""
+    peak = max(range(len(lrs)), key=lrs.__getitem__)
+    ratios = [lrs[t] / lrs[t - 1] if lrs[t - 1] > 0 else math.inf for t in range(1, len(lrs))]
+    jump = (max(range(len(ratios)), key=ratios.__getitem__) + 1) if ratios else 0
+    return {"lrs": lrs, "peak_step": peak, "peak_lr": lrs[peak], "jump_step": jump, "jump_ratio": ratios[jump - 1] if ratios else 1.0}
+
+
+def skips_start_at_schedule_event(ctx: StageContext) -> int | None:
+    """The LR event (peak or largest jump, after step 0) right before AMP's first skip, if the skips start there."""
+    amp = ctx.evidence.amp
+    if not ctx.evidence.has_scheduler or amp is None or not amp.skip_steps:
+        return None
+    info = schedule_events(scheduler_lrs(ctx))
+    first = amp.skip_steps[0]
+    return next((e for e in sorted({info["peak_step"], info["jump_step"]} - {0}) if e <= first <= e + 3), None)
+
+
 def stage_lr_peak(ctx: StageContext) -> StageReport:
     ev = ctx.evidence
     if not ev.has_scheduler:
         return StageReport("LR schedule peak", "skipped", "no scheduler() in the training file")
-    lrs = scheduler_lrs(ctx)
-    peak = max(range(len(lrs)), key=lrs.__getitem__)
-    ratios = [lrs[t] / lrs[t - 1] if lrs[t - 1] > 0 else math.inf for t in range(1, len(lrs))]
-    jump = (max(range(len(ratios)), key=ratios.__getitem__) + 1) if ratios else 0
-    ev.lr_peak = info = {"lrs": lrs, "peak_step": peak, "peak_lr": lrs[peak], "jump_step": jump,
-                         "jump_ratio": ratios[jump - 1] if ratios else 1.0}
+    ev.lr_peak = info = schedule_events(scheduler_lrs(ctx))
+    lrs, peak, jump = info["lrs"], info["peak_step"], info["jump_step"]
     amp = ev.amp
     trouble = None
     if amp is not None and not amp.finite:
@@ -406,7 +444,7 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     if amp is None or amp.exception is not None or amp.first_nonfinite_loss is not None:
         return StageReport("precision-gap search", "skipped", "AMP is not finite: a range problem, not a precision gap")
     tolerance = GAP_TOLERANCE * (BF16_FACTOR if cfg.dtype == "bfloat16" else 1.0)
-    states = sorted({0, ev.steps // 2, ev.steps - 1}) if not ctx.ci else sorted({0, ev.steps - 1})
+    states = gap_states(ctx)
     floor = LOSS_FLOOR_SHARE * abs(float(ev.fp32.records["loss"].iloc[0])) if ev.fp32 is not None and len(ev.fp32.records) else 0.0
     ctx.loss_floor = floor
     remember_fp32_states(ctx, states)
