@@ -14,7 +14,9 @@ from typing import Any
 import yaml
 
 from .diagnosis.model import Diagnosis, Finding, jsonable
+from .diagnosis.verify import verification_status
 from .numbers import human, humanize
+from .report import corrected_text
 from .plots import Figure, comparison_figures, diagnosis_figures
 
 STYLE = """
@@ -38,7 +40,8 @@ table { border-collapse: collapse; font-size: 0.9em; margin: 6px 0; max-width: 1
 td, th { border: 1px solid #ddd; padding: 3px 6px; vertical-align: top; text-align: left; }
 th { background: #f0f0f0; } .scroll { overflow-x: auto; }
 pre { background: #f4f4f4; padding: 8px; overflow-x: auto; font-size: 0.85em; margin: 6px 0; }
-.verification { font-weight: 600; } .verified { color: var(--ok); } .tried { color: var(--warn); } .untried { color: var(--muted); }
+.verification { font-weight: 600; } .verified { color: var(--ok); } .partial { color: var(--warn); }
+.untried, .unmeasured { color: var(--muted); }
 code { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
 """
 
@@ -73,12 +76,9 @@ def _table(rows: list[list[Any]], header: list[str] | None = None) -> str:
 def verification_html(v: dict[str, Any] | None) -> str:
     if not v:
         return ""
-    if not v.get("tried"):
-        return f'<p class="verification untried">Not verified: {_e(v.get("reason", ""))}</p>'
-    if v["repaired"]:
-        return f'<p class="verification verified">Verified: {_e(v["summary"])} (tried {_e(v["tried"])})</p>'
-    left = ", ".join(v.get("symptoms_after") or []) or "none measured"
-    return f'<p class="verification tried">Tried {_e(v["tried"])}: symptoms left: {_e(left)}; {_e(v["summary"])}</p>'
+    status, text = verification_status(v)
+    tried = f" (tried {v['tried']})" if v.get("tried") else ""
+    return f'<p class="verification {status}">{_e(text[0].upper() + text[1:] + tried)}</p>'
 
 
 def finding_html(finding: Finding) -> str:
@@ -126,9 +126,7 @@ def diagnosis_html(diagnosis: Diagnosis, training_file: str) -> str:
     if diagnosis.corrected is not None:
         c = diagnosis.corrected
         body.append("<h2>Corrected config</h2>")
-        body.append(f"<p>Measured with {', '.join(c['from_findings'])} applied: symptoms before: "
-                    f"{_e(', '.join(c['symptoms_before']) or 'none')}; after: {_e(', '.join(c['symptoms_after']) or 'none')} "
-                    f"({_e(c['summary'])}).</p>")
+        body.append(f"<p>{_e(corrected_text(c))}</p>")
         body.append(highlighted(yaml.safe_dump(jsonable(c["config_patch"]), sort_keys=False).rstrip(), "yaml"))
     body.append("<h2>Triage stages</h2>")
     body.append(_table([[s.name, s.status, f"{s.seconds:.2f} s", s.summary] for s in diagnosis.stages],

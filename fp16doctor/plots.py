@@ -8,6 +8,7 @@ saying what to look for, and data attributes the tests compare with the JSON.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import re
@@ -33,7 +34,9 @@ class Figure:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+@functools.lru_cache(maxsize=None)
 def _pyplot() -> Any:
+    """pyplot, configured once: no display, text as paths (no fonts to fetch), stable SVG ids."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: render to files only

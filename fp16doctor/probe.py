@@ -355,11 +355,13 @@ class Probe:
             exception_location=location, exception_module=raising_module(exc, self.model), trace=trace,
         )
 
-    def run(self, steps: int | None = None, max_iterations: int | None = None, stop_on_nonfinite_loss: bool = False) -> pd.DataFrame:
+    def run(self, steps: int | None = None, max_iterations: int | None = None, stop_on_nonfinite_loss: bool = False,
+            before_step: Callable[["Probe"], None] | None = None) -> pd.DataFrame:
         """Take ``steps`` steps (with alignment: until that many optimizer steps were taken, at most ``max_iterations``).
 
         ``stop_on_nonfinite_loss`` ends the run at the first inf/NaN loss: retrying a batch whose
-        forward pass overflows (alignment) would only repeat the same failure.
+        forward pass overflows (alignment) would only repeat the same failure. ``before_step`` sees the
+        probe before each step (e.g. to keep its weights at chosen steps).
         """
         steps = steps if steps is not None else self.config.steps
         # Aligned runs allow extra iterations for skipped steps: a scale settling from far too high
@@ -368,6 +370,8 @@ class Probe:
         taken = 0
         with self.mode_context():
             for _ in range(limit):
+                if before_step is not None:
+                    before_step(self)
                 record = self.step()
                 if self.failed is not None or (stop_on_nonfinite_loss and record.nonfinite_loss):
                     break

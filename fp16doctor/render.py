@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import yaml
@@ -15,25 +14,12 @@ from rich.table import Table
 
 from .compare import Comparison
 from .diagnosis.model import Diagnosis, Finding, jsonable
+from .diagnosis.verify import verification_status
 from .numbers import human, humanize
 
 VERDICT_STYLE = {"healthy": "bold green", "drift": "bold yellow", "unstable": "bold red", "diverged": "bold red"}
 STEP_BY_STEP_LIMIT = 30
 """Runs up to this many steps are shown step by step; longer ones are summarised."""
-
-
-def fmt(value: Any, digits: int = 6) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return str(value)
-        return f"{value:.{digits}g}"
-    return str(value)
-
-
-def pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.3f}%"
 
 
 def _shown_steps(total: int) -> list[int]:
@@ -135,7 +121,7 @@ def _verdict_line(result: Comparison) -> str:
             parts.append(f"{mode}: first non-finite step {step}" + (f" (in module '{module}')" if module else "")
                          + (" (the fp32 baseline itself)" if mode == "fp32" else ""))
         elif verdict == "drift":
-            parts.append(f"{mode}: largest deviation {pct(result.max_rel_dev[mode])} at step {result.max_rel_dev_step[mode]}")
+            parts.append(f"{mode}: largest deviation {human(result.max_rel_dev[mode], percent=True)} at step {result.max_rel_dev_step[mode]}")
         elif verdict == "unstable":
             parts.append(f"{mode}: " + "; ".join(s.description for s in result.trajectories[mode].symptoms))
     return f"[{style}]{result.verdict}[/]: " + "; ".join(parts)
@@ -195,16 +181,13 @@ def _finding_panel(finding: Finding) -> Panel:
                  border_style=style.split()[-1])
 
 
+VERIFICATION_STYLE = {"untried": "dim", "verified": "green", "unmeasured": "dim", "partial": "yellow"}
+
+
 def verification_line(v: dict[str, Any]) -> str:
     """One line under a fix: what trying it measured."""
-    if not v.get("tried"):
-        return f"[dim]not verified: {escape(v.get('reason', ''))}[/]"
-    if v["repaired"]:
-        return f"[green]verified:[/] {escape(v['summary'])}"
-    if v["removed_share"] is None:
-        return f"[dim]tried (no measured symptom to remove):[/] {escape(v['summary'])}"
-    left = ", ".join(v["symptoms_after"])
-    return f"[yellow]tried, symptoms left ({escape(left)}):[/] {escape(v['summary'])}"
+    status, text = verification_status(v)
+    return f"[{VERIFICATION_STYLE[status]}]{escape(text)}[/]"
 
 
 def render_training(result: Any, run_dir: Any, console: Console) -> None:
@@ -215,7 +198,7 @@ def render_training(result: Any, run_dir: Any, console: Console) -> None:
     table.add_column(style="dim")
     table.add_column(overflow="fold")
     table.add_row("steps", f"{result.first_step} -> {result.steps}")
-    table.add_row("final loss", fmt(result.final_loss))
+    table.add_row("final loss", human(result.final_loss, 6))
     table.add_row("skipped steps", str(result.skipped))
     table.add_row("non-finite steps", str(result.nonfinite))
     if result.first_nonfinite:

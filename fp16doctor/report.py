@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from .diagnosis.model import Diagnosis, Finding, jsonable
+from .diagnosis.verify import verification_status
 from .numbers import humanize
 
 
@@ -54,17 +55,18 @@ def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, 
 
 def verification_text(v: dict[str, Any]) -> str:
     """What trying a fix measured, as one sentence."""
+    _, text = verification_status(v)
     if not v.get("tried"):
-        return f"Not verified: {v.get('reason', '')}."
-    state = ("verified" if v["repaired"] else "tried, no measured symptom to remove" if v["removed_share"] is None
-             else f"tried, symptoms left: {', '.join(v['symptoms_after'])}")
-    return f"Tried {v['tried']}: {state}: {v['summary']} (symptoms before: {', '.join(v['symptoms_before']) or 'none'})."
+        return text[0].upper() + text[1:] + "."
+    return f"Tried {v['tried']}: {text} (symptoms before: {', '.join(v['symptoms_before']) or 'none'})."
 
 
 def corrected_text(c: dict[str, Any]) -> str:
+    """The corrected config's measured before and after, as one sentence."""
     before = ", ".join(c["symptoms_before"]) or "none"
     after = ", ".join(c["symptoms_after"]) or "none"
-    text = f"Measured with every verified patch applied: symptoms before: {before}; after: {after} ({c['summary']})."
+    text = (f"Measured with the corrected config ({', '.join(c['from_findings'])}): symptoms before: {before}; "
+            f"after: {after} ({c['summary']}).")
     if c["needs_data_changes"]:
         text += f" Data changes still needed: {', '.join(c['needs_data_changes'])}."
     return text

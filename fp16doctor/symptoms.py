@@ -199,6 +199,15 @@ def baseline_symptoms(fp32: pd.DataFrame | None) -> list[Symptom]:
                     {"first_failing_step": step, "exception": exception}, step)]
 
 
+def probe_symptoms(amp: Any, fp32: Any, same_state_gap: float | None = None, bf16: bool = False) -> list[Symptom]:
+    """All symptoms of an AMP probe summary against the FP32 one (``.records``/``.tables``): the baseline's own
+    failure first, then :func:`measure`. What diagnose's verdict and every fix's verification are measured with."""
+    fp32_records = fp32.records if fp32 is not None else None
+    return baseline_symptoms(fp32_records) + measure(
+        amp.records, fp32_records, amp.tables.get("updates"), fp32.tables.get("updates") if fp32 is not None else None,
+        same_state_gap=same_state_gap, bf16=bf16)
+
+
 def measure(
     mode: pd.DataFrame,
     fp32: pd.DataFrame | None,

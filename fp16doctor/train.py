@@ -35,7 +35,7 @@ import torch
 from .batches import check_batch
 from .config import DoctorConfig
 from .errors import DoctorError, TrainingFileError
-from .files import atomic_write_bytes, atomic_write_text
+from .files import atomic_torch_save, atomic_write_text
 from .instruments import InstrumentOptions
 from .localise import trace_step
 from .probe import Probe, Workbench
@@ -214,10 +214,8 @@ class Trainer:
             "scaler": probe.scaler.state_dict(), "rng": rngs,
             "config": json.loads(json.dumps(self.config.to_dict())),
         }
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
         path = self.run_dir / "checkpoints" / f"step_{step:08d}.pt"
-        atomic_write_bytes(path, buffer.getvalue())  # temp file + rename: a crash never leaves a broken one
+        atomic_torch_save(path, state)  # temp file + rename: a crash never leaves a broken one
         for old in checkpoint_paths(self.run_dir)[:-KEEP_CHECKPOINTS]:
             old.unlink(missing_ok=True)
         return str(path)

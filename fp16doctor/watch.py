@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from .batches import map_tensors
-from .files import atomic_write_bytes, atomic_write_text
+from .files import atomic_torch_save, atomic_write_text
 from .rng import rng_state
 
 ALARMS = ("nonfinite", "skip-streak", "scale-collapse", "loss-spike")
@@ -184,9 +184,8 @@ class Watch:
             "alarm": {"kind": self.alarm.kind if self.alarm else None, "message": self.alarm.message if self.alarm else ""},
             "history": [asdict(h) for h in self.history[-50:]], "import_paths": import_roots(self.model),
         }
-        buffer = _save(state)
-        atomic_write_bytes(folder / "capsule.pt", buffer)
-        atomic_write_bytes(folder / "model.pt", _save(_detached_module(self.model)))
+        atomic_torch_save(folder / "capsule.pt", state)
+        atomic_torch_save(folder / "model.pt", _detached_module(self.model))
         dtype = self.dtype or ("float16" if enabled else "bfloat16")
         config = capsule_config(numbers, scaler, len(self._batches), dtype)
         atomic_write_text(folder / "config.json", json.dumps(config, indent=2))
@@ -231,14 +230,6 @@ def import_roots(model: torch.nn.Module) -> list[str]:
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
-
-
-def _save(obj: Any) -> bytes:
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def _detached_module(model: torch.nn.Module) -> torch.nn.Module:

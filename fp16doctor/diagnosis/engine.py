@@ -10,7 +10,7 @@ from typing import Any, Callable
 from ..config import DoctorConfig, build_config, merge
 from ..probe import Workbench
 from ..spec import TrainingSpec
-from ..symptoms import Symptom, baseline_symptoms, measure
+from ..symptoms import Symptom, probe_symptoms
 from .model import SEVERITIES, Diagnosis, Evidence, Finding, Fix, StageReport, public
 from .stages import STAGES, StageContext, same_state_gap
 from .verify import Verifier, repair_rank
@@ -143,10 +143,7 @@ def measure_symptoms(ev: Evidence) -> list[Symptom]:
     """The AMP probe's symptoms against the FP32 baseline (see :mod:`fp16doctor.symptoms`)."""
     if ev.amp is None:
         return []
-    gap = ev.gap.get("gap") if ev.gap else None
-    return baseline_symptoms(ev.fp32.records if ev.fp32 is not None else None) + measure(ev.amp.records, ev.fp32.records if ev.fp32 is not None else None,
-                   ev.amp.tables.get("updates"), ev.fp32.tables.get("updates") if ev.fp32 is not None else None,
-                   same_state_gap=gap, bf16=ev.config.dtype == "bfloat16")
+    return probe_symptoms(ev.amp, ev.fp32, ev.gap.get("gap") if ev.gap else None, bf16=ev.config.dtype == "bfloat16")
 
 
 def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Finding]:
@@ -155,9 +152,9 @@ def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Finding]:
     A warning whose rule explains a measured symptom becomes an error: the
     verdict follows the symptoms, the rules only say why.
     """
-    from ..rules import all_rules
+    from ..rules import rules_by_code
 
-    explains = {rule.code: rule.explains for rule in all_rules()}
+    explains = {code: rule.explains for code, rule in rules_by_code().items()}
     unexplained = []
     for symptom in ev.symptoms:
         candidates = [f for f in findings if symptom.code in explains.get(f.cause, ()) and not f.demoted]

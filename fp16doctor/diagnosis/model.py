@@ -12,7 +12,7 @@ import pandas as pd
 from ..config import DoctorConfig
 from ..datascan import FieldScan
 from ..localise import Localisation
-from ..symptoms import exception_of
+from ..symptoms import exception_of, first_step
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -93,8 +93,7 @@ class ProbeSummary:
         return exception_of(self.records)
 
     def first_step(self, column: str) -> int | None:
-        hits = self.records.index[self.records[column].astype(bool)]
-        return int(self.records.loc[hits[0], "step"]) if len(hits) else None
+        return first_step(self.records, self.records[column])
 
     @property
     def first_nonfinite_loss(self) -> int | None:

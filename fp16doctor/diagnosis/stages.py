@@ -25,8 +25,8 @@ from ..localise import localise
 from ..numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
 from ..probe import SCHEDULER_ORDER_WARNING, Probe, Workbench
 from ..rng import seed_everything
-from ..symptoms import skip_runs
-from ..thresholds import BF16_FACTOR, CALIBRATION_SKIPS, GAP_TOLERANCE, KEEP_MASS, LOSS_FLOOR_SHARE, UNDERFLOW_ALARM
+from ..symptoms import loss_floor, relative_deviation, skip_runs
+from ..thresholds import BF16_FACTOR, CALIBRATION_SKIPS, GAP_TOLERANCE, KEEP_MASS, UNDERFLOW_ALARM
 from .model import Evidence, ProbeSummary, StageReport
 
 
@@ -42,7 +42,7 @@ class StageContext:
     states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     """FP32 trajectory weights by step, shared by the stages that evaluate the same states."""
     loss_floor: float = 0.0
-    """The denominator floor of same-state loss deviations (10% of the initial fp32 loss)."""
+    """The denominator floor of same-state loss deviations (:func:`fp16doctor.symptoms.loss_floor`)."""
 
     def with_config(self, patch: dict[str, Any]) -> DoctorConfig:
         return build_config(merge(self.config.to_dict(), patch))
@@ -66,10 +66,11 @@ def summarise(probe: Probe) -> ProbeSummary:
     )
 
 
-def run_mode(ctx: StageContext, mode: str, config: DoctorConfig | None = None, steps: int | None = None) -> ProbeSummary:
+def run_mode(ctx: StageContext, mode: str, config: DoctorConfig | None = None, steps: int | None = None,
+             before_step: Callable[[Probe], None] | None = None) -> ProbeSummary:
     probe = ctx.bench.probe(mode, config or ctx.config)
     try:
-        probe.run(steps or ctx.evidence.steps)
+        probe.run(steps or ctx.evidence.steps, before_step=before_step)
         return summarise(probe)
     finally:
         probe.close()
@@ -132,20 +133,7 @@ def worst_underflow(observed: pd.DataFrame | None) -> float:
 def same_state_gap(ctx: StageContext, config: DoctorConfig, step: int) -> float:
     """AMP under ``config`` against fp32 on the FP32 trajectory's state at ``step``: same weights, same batch."""
     losses = same_state_losses(ctx, step, {"fp32": ("fp32", ctx.config), "amp": ("amp", config)})
-    return rel_dev(losses["amp"], losses["fp32"], ctx.loss_floor)
-
-
-def rel_dev(value: float, reference: float, floor: float = 1e-12) -> float:
-    """|value - reference| relative to the reference, or to ``floor`` when the reference is smaller.
-
-    The floor keeps a loss that training drove to ~0 from turning fp16's
-    absolute rounding noise into a huge relative deviation.
-    """
-    if not (math.isfinite(value) and math.isfinite(reference)):
-        return math.inf
-    return abs(value - reference) / max(abs(reference), floor, 1e-12)
-
-
+    return relative_deviation(losses["amp"], losses["fp32"], ctx.loss_floor)
 
 
 # --- stages ------------------------------------------------------------------------------------------
@@ -173,19 +161,13 @@ def gap_states(ctx: StageContext) -> list[int]:
 
 def stage_fp32(ctx: StageContext) -> StageReport:
     """The baseline run; it also keeps its weights at the steps the precision-gap search evaluates (no second run)."""
-    probe = ctx.bench.probe("fp32", ctx.config)
     wanted = set(gap_states(ctx))
-    try:
-        with probe.mode_context():
-            for _ in range(ctx.evidence.steps):
-                if probe.iteration in wanted:
-                    ctx.states[probe.iteration] = copy.deepcopy(probe.model.state_dict())
-                probe.step()
-                if probe.failed is not None:
-                    break
-        ctx.evidence.fp32 = summary = summarise(probe)
-    finally:
-        probe.close()
+
+    def keep_state(probe: Probe) -> None:
+        if probe.iteration in wanted:
+            ctx.states[probe.iteration] = copy.deepcopy(probe.model.state_dict())
+
+    ctx.evidence.fp32 = summary = run_mode(ctx, "fp32", before_step=keep_state)
     return StageReport("fp32 baseline", "ran", _probe_sentence(summary), details=_probe_details(summary))
 
 
@@ -445,13 +427,13 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
         return StageReport("precision-gap search", "skipped", "AMP is not finite: a range problem, not a precision gap")
     tolerance = GAP_TOLERANCE * (BF16_FACTOR if cfg.dtype == "bfloat16" else 1.0)
     states = gap_states(ctx)
-    floor = LOSS_FLOOR_SHARE * abs(float(ev.fp32.records["loss"].iloc[0])) if ev.fp32 is not None and len(ev.fp32.records) else 0.0
+    floor = loss_floor(ev.fp32.records) if ev.fp32 is not None else 0.0
     ctx.loss_floor = floor
     remember_fp32_states(ctx, states)
     gaps = {}
     for step in states:
         losses = same_state_losses(ctx, step, {"fp32": ("fp32", cfg), "amp": ("amp", cfg)})
-        gaps[step] = rel_dev(losses["amp"], losses["fp32"], floor)
+        gaps[step] = relative_deviation(losses["amp"], losses["fp32"], floor)
     worst_step = max(gaps, key=gaps.get)
     gap = gaps[worst_step]
     ev.gap = info = {"same_state_rel_dev": gaps, "worst_step": worst_step, "gap": gap, "tolerance": tolerance}

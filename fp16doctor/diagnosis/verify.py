@@ -21,7 +21,7 @@ import torch
 
 from ..batches import iter_tensors, map_named_tensors
 from ..config import DoctorConfig
-from ..symptoms import Symptom, baseline_symptoms, loss_floor, measure, relative_deviation, skip_profile, tail_losses
+from ..symptoms import Symptom, loss_floor, probe_symptoms, relative_deviation, skip_profile, tail_losses
 from .model import Evidence, Finding
 
 
@@ -127,9 +127,6 @@ class Verifier:
         self.ev: Evidence = ctx.evidence
         self.measure_gap = measure_gap
 
-    def before(self) -> list[Symptom]:
-        return self.ev.symptoms
-
     def run(self, intervention: Intervention) -> Outcome:
         """The AMP probe (and FP32 where the intervention changes it) with the intervention applied."""
         from .stages import run_mode
@@ -145,14 +142,12 @@ class Verifier:
         gap = None
         if self.measure_gap is not None and self.ev.gap and any(s.code == "same-state-gap" for s in self.ev.symptoms):
             gap = self.measure_gap(config, int(self.ev.gap["worst_step"]))
-        symptoms = baseline_symptoms(fp32.records) + measure(
-            amp.records, fp32.records, amp.tables.get("updates"), fp32.tables.get("updates"),
-            same_state_gap=gap, bf16=config.dtype == "bfloat16")
+        symptoms = probe_symptoms(amp, fp32, gap, bf16=config.dtype == "bfloat16")
         return Outcome(amp=amp.records, fp32=fp32.records, symptoms=symptoms)
 
     def verify(self, intervention: Intervention | None, nothing_to_try: str) -> dict[str, Any]:
         """The ``verification`` record of one finding: what was tried, symptoms before and after, the share removed."""
-        before = [s.code for s in self.before()]
+        before = [s.code for s in self.ev.symptoms]
         if intervention is None:
             return {"tried": None, "reason": nothing_to_try, "symptoms_before": before, "symptoms_after": None,
                     "removed_share": None, "repaired": False, "size": math.inf}
@@ -166,6 +161,18 @@ class Verifier:
             "repaired": bool(before) and not after, "size": intervention.size(self.ctx.config.to_dict()),
             "summary": outcome.summary(), "_amp_records": outcome.amp,
         }
+
+
+def verification_status(v: dict[str, Any]) -> tuple[str, str]:
+    """What trying a fix measured, for every renderer: a status (``untried``, ``verified``, ``unmeasured``:
+    nothing was measured to remove, ``partial``: symptoms left) and the plain sentence."""
+    if not v.get("tried"):
+        return "untried", f"not verified: {v.get('reason', '')}"
+    if v["repaired"]:
+        return "verified", f"verified: {v['summary']}"
+    if v["removed_share"] is None:
+        return "unmeasured", f"tried (no measured symptom to remove): {v['summary']}"
+    return "partial", f"tried, symptoms left ({', '.join(v['symptoms_after'])}): {v['summary']}"
 
 
 def repair_rank(finding: Finding) -> int:
