@@ -51,11 +51,17 @@ class Localisation:
     """What came out: "nan", "+inf", "-inf" or a mix, and its dtype."""
     note: str = ""
     mode: str = "amp"
+    replayed: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    """(loss, loss scale) of each step the replay took before the traced one: compared with the original
+    run's, they tell whether the fault reproduces deterministically."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "replayed"}
 
     def describe(self) -> str:
-        where = self.module or "?"
+        where = "the optimizer" if self.phase == "optimizer" and not self.module else f"{self.module or '?'} ({self.phase})"
         ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
-        return f"{self.operator} in {where} ({self.phase}) at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}" + (f"; {self.note}" if self.note else "")
+        return f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}" + (f"; {self.note}" if self.note else "")
 
     def key(self) -> tuple:
         return (self.step, self.phase, self.module, self.operator)
@@ -237,12 +243,26 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
 
 
 def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: bool = False) -> Localisation | None:
-    """Replay ``mode`` deterministically up to ``step`` and trace that step."""
+    """Replay ``mode`` deterministically up to ``step`` and trace that step.
+
+    When nothing in that step turns finite values non-finite (its inputs, the weights, already were),
+    the step before is traced from a snapshot: an optimizer update that wrote inf/NaN into the weights
+    leaves that step's loss and gradients finite, and shows only in the next forward.
+    """
     probe = bench.probe(mode, config, align_on_taken_steps=align)
     try:
         with probe.mode_context():
-            while probe.iteration < step and probe.failed is None:
+            while probe.iteration < step - 1 and probe.failed is None:
                 probe.step()
-        return trace_step(probe)
+            before = probe.snapshot() if step > 0 and probe.failed is None else None
+            if before is not None:
+                probe.step()
+        found = trace_step(probe) if probe.failed is None else None
+        if found is None and before is not None:
+            probe.restore(before)
+            found = trace_step(probe)
+        if found is not None:
+            found.replayed = [(r.loss, r.loss_scale) for r in probe.records if r.step < found.step]
+        return found
     finally:
         probe.close()

@@ -341,7 +341,7 @@ class Trainer:
             instruments = self.probe.instrument(InstrumentOptions())
             localisation = trace_step(self.probe, batches[-1], step)
             first = instruments.first_nonfinite_forward()
-            report["localisation"] = localisation.__dict__ if localisation else None
+            report["localisation"] = localisation.to_json() if localisation else None
             report["first_nonfinite_module"] = first
             report["explanation"] = self._explain(row, localisation)
         finally:

@@ -272,3 +272,16 @@ def test_tensor_vector_layout():
     v = tensor_vector([torch.tensor([0.0, 1.0, -2.0, 1e5])], [torch.tensor([3.0, -4.0])], 0).tolist()
     assert v[:5] == [-4.0, 3.0, -2.0, 1e5, 4.0]
     assert v[5:] == [1.0, 0.0, 0.0, 2.0, 1.0]
+
+
+def test_an_optimizer_that_writes_inf_into_the_weights_is_localised_at_its_own_step():
+    """The loss first turns NaN at step 1, whose every input (the weights) is already inf: the update
+    of step 0 wrote it, so the replay traces step 0 and blames the optimizer's division."""
+    from conftest import SAMPLES
+
+    spec = load_training_file(SAMPLES / "half_optimizer_state.py")
+    bench = Workbench(spec, build_config(spec.config, {"device": "cpu", "steps": 3}))
+    loc = localise(bench, "amp", 1)
+    assert (loc.step, loc.phase, loc.module, loc.operator) == (0, "optimizer", None, "aten::div")
+    assert loc.replayed == [] and "in the optimizer at step 0" in loc.describe()
+    assert "float16" in loc.output

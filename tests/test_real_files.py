@@ -96,3 +96,13 @@ def test_own_optimizer_and_scheduler_through_compare_and_train(tmp_path):
     lrs = pd.read_csv(tmp_path / "run" / "metrics.csv")["lr"].tolist()
     assert lrs[0] < lrs[1] < lrs[2] < lrs[3] and lrs[4] == pytest.approx(0.05) and lrs[5] < lrs[4]  # warm-up, then cosine
 
+
+
+def test_a_fault_whose_run_does_not_replay_the_same_is_reported_non_deterministic():
+    """The replay reaches the fault at the same step, but its losses on the way differ from the AMP run's
+    (the model draws from a generator no seed resets): the localisation says it is not deterministic."""
+    code, report, _ = diagnose_json("unseeded_noise_overflow.py")
+    assert code == 1
+    localisation = next(s for s in report["stages"] if s["name"] == "localisation")
+    assert localisation["details"]["amp"]["step"] == 3 and localisation["details"]["amp"]["module"] == "inp"
+    assert localisation["details"]["deterministic"] is False and "non-deterministic" in localisation["summary"]

@@ -20,10 +20,10 @@ import torch
 from ..compare import compare, run_aligned
 from ..config import DoctorConfig, build_config, merge
 from ..datascan import scan_batches
-from ..instruments import precision_map
+from ..instruments import InstrumentOptions, precision_map
 from ..localise import localise
 from ..numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
-from ..probe import SCHEDULER_ORDER_WARNING, Probe, Workbench
+from ..probe import DEFAULT_INSTRUMENTS, SCHEDULER_ORDER_WARNING, Probe, ProbeSnapshot, Workbench
 from ..rng import seed_everything
 from ..symptoms import loss_floor, relative_deviation, skip_runs
 from ..thresholds import BF16_FACTOR, CALIBRATION_SKIPS, GAP_TOLERANCE, KEEP_MASS, UNDERFLOW_ALARM
@@ -43,9 +43,24 @@ class StageContext:
     """FP32 trajectory weights by step, shared by the stages that evaluate the same states."""
     loss_floor: float = 0.0
     """The denominator floor of same-state loss deviations (:func:`fp16doctor.symptoms.loss_floor`)."""
+    amp_snapshots: dict[int, ProbeSnapshot] = field(default_factory=dict)
+    """The AMP probe's full state right before the LR schedule's peak and jump: the LR-peak stage
+    pauses there without replaying the run (at most two snapshots)."""
+    _schedule: dict[str, Any] | None = None
 
     def with_config(self, patch: dict[str, Any]) -> DoctorConfig:
         return build_config(merge(self.config.to_dict(), patch))
+
+    def schedule(self) -> dict[str, Any] | None:
+        """The LR schedule's peak and largest jump (:func:`schedule_events`), dry-run once; None without a scheduler."""
+        if self._schedule is None and self.evidence.has_scheduler:
+            self._schedule = schedule_events(scheduler_lrs(self))
+        return self._schedule
+
+    def schedule_event_steps(self) -> list[int]:
+        """The steps (after step 0) where the learning rate peaks or jumps."""
+        info = self.schedule()
+        return sorted({info["peak_step"], info["jump_step"]} - {0}) if info else []
 
 
 # --- helpers -----------------------------------------------------------------------------------------
@@ -67,8 +82,11 @@ def summarise(probe: Probe) -> ProbeSummary:
 
 
 def run_mode(ctx: StageContext, mode: str, config: DoctorConfig | None = None, steps: int | None = None,
-             before_step: Callable[[Probe], None] | None = None) -> ProbeSummary:
-    probe = ctx.bench.probe(mode, config or ctx.config)
+             before_step: Callable[[Probe], None] | None = None,
+             instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS) -> ProbeSummary:
+    """Run a fresh probe of ``mode`` (every instrument unless told fewer: a probe whose tables no rule reads
+    need not pay for them) and summarise it."""
+    probe = ctx.bench.probe(mode, config or ctx.config, instruments=instruments)
     try:
         probe.run(steps or ctx.evidence.steps, before_step=before_step)
         return summarise(probe)
@@ -172,7 +190,14 @@ def stage_fp32(ctx: StageContext) -> StageReport:
 
 
 def stage_amp(ctx: StageContext) -> StageReport:
-    ctx.evidence.amp = summary = run_mode(ctx, "amp")
+    """AMP as configured; it also keeps its state right before the LR schedule's events (no replay to pause there)."""
+    events = set(ctx.schedule_event_steps())
+
+    def keep_snapshot(probe: Probe) -> None:
+        if probe.iteration in events:
+            ctx.amp_snapshots[probe.iteration] = probe.snapshot()
+
+    ctx.evidence.amp = summary = run_mode(ctx, "amp", before_step=keep_snapshot)
     return StageReport("amp as configured", "ran", _probe_sentence(summary), details=_probe_details(summary))
 
 
@@ -214,16 +239,29 @@ def stage_localise(ctx: StageContext) -> StageReport:
         return StageReport("localisation", "ran", "; ".join(notes))
     step = _bad_step(amp)
     first = localise(ctx.bench, "amp", step, ctx.config)
-    second = localise(ctx.bench, "amp", step, ctx.config)
     ev.localisation = first
-    ev.localisation_deterministic = (first.key() if first else None) == (second.key() if second else None)
+    ev.localisation_deterministic = first is not None and reproduces(first, amp)
     if first is None:
         notes.append(f"amp step {step}: the replay stayed finite (non-deterministic fault?)")
     else:
         notes.append("amp: " + first.describe() + ("" if ev.localisation_deterministic else " (the replay differed: non-deterministic)"))
     return StageReport("localisation", "ran", "; ".join(notes),
-                       details={"amp": first.__dict__ if first else None, "deterministic": ev.localisation_deterministic,
-                                "fp32": ev.fp32_localisation.__dict__ if ev.fp32_localisation else None})
+                       details={"amp": first.to_json() if first else None, "deterministic": ev.localisation_deterministic,
+                                "fp32": ev.fp32_localisation.to_json() if ev.fp32_localisation else None})
+
+
+def reproduces(found: Any, original: ProbeSummary) -> bool:
+    """Whether the replay walked the original run's path: the same loss and loss scale at every step before
+    the traced one (bit for bit), and the fault at the same step. One replay checked against the original
+    run is as strict as two replays checked against each other, at half the cost."""
+    rows = original.records[original.records["step"] < found.step]
+    expected = list(zip(rows["loss"].astype(float), rows["loss_scale"].astype(float)))
+    return len(expected) == len(found.replayed) and all(
+        _same(a, b) and _same(c, d) for (a, c), (b, d) in zip(expected, found.replayed))
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _bad_step(summary: ProbeSummary) -> int:
@@ -261,7 +299,7 @@ def stage_scale(ctx: StageContext) -> StageReport:
         return StageReport("loss-scale sweep", "skipped", summary + "; no skips or underflow: nothing to sweep",
                            details={"window": [window.low, window.high]})
     if amp is not None and amp.first_nonfinite_loss is not None:
-        return StageReport("loss-scale sweep", "skipped", summary + "; the loss itself is non-finite: a forward problem that no scale can fix",
+        return StageReport("loss-scale sweep", "skipped", summary + "; the loss itself turns non-finite: no loss scale can fix that",
                            details={"window": [window.low, window.high]})
     event = skips_start_at_schedule_event(ctx)
     if event is not None and not (worst_observed > UNDERFLOW_ALARM or not cfg.scaler.enabled):
@@ -356,23 +394,21 @@ def skips_start_at_schedule_event(ctx: StageContext) -> int | None:
     amp = ctx.evidence.amp
     if not ctx.evidence.has_scheduler or amp is None or not amp.skip_steps:
         return None
-    info = schedule_events(scheduler_lrs(ctx))
     first = amp.skip_steps[0]
-    return next((e for e in sorted({info["peak_step"], info["jump_step"]} - {0}) if e <= first <= e + 3), None)
+    return next((e for e in ctx.schedule_event_steps() if e <= first <= e + 3), None)
 
 
 def stage_lr_peak(ctx: StageContext) -> StageReport:
     ev = ctx.evidence
     if not ev.has_scheduler:
         return StageReport("LR schedule peak", "skipped", "no scheduler() in the training file")
-    ev.lr_peak = info = schedule_events(scheduler_lrs(ctx))
+    ev.lr_peak = info = dict(ctx.schedule())
     lrs, peak, jump = info["lrs"], info["peak_step"], info["jump_step"]
     amp = ev.amp
     trouble = None
     if amp is not None and not amp.finite:
         trouble = _bad_step(amp) if amp.exception is None else None
-    events = sorted({peak, jump} - {0})
-    near = [e for e in events if trouble is not None and e <= trouble <= e + 3]
+    near = [e for e in ctx.schedule_event_steps() if trouble is not None and e <= trouble <= e + 3]
     summary = f"peak lr {lrs[peak]:.3g} at step {peak}; largest jump x{info['jump_ratio']:.3g} at step {jump}"
     if not near:
         return StageReport("LR schedule peak", "skipped", summary + "; no trouble at the peak or jump to explain", details=info)
@@ -384,13 +420,17 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
 
 
 def _pause(ctx: StageContext, event: int, lrs: list[float]) -> dict[str, Any]:
-    """Train to the step before ``event``, then take it at its own and at the previous learning rate."""
+    """From the AMP run's state right before ``event`` (kept by the AMP stage, else replayed), take that step
+    at its own and at the previous learning rate."""
     probe = ctx.bench.probe("amp", ctx.config)
     try:
         with probe.mode_context():
-            while probe.iteration < event and probe.failed is None:
-                probe.step()
-            snap = probe.snapshot()
+            snap = ctx.amp_snapshots.get(event)
+            if snap is None:
+                while probe.iteration < event and probe.failed is None:
+                    probe.step()
+                snap = probe.snapshot()
+            probe.restore(snap)
             at_peak = _instrumented_step(probe)
             probe.restore(snap)
             before = _instrumented_step(probe, lr=lrs[event - 1])
@@ -519,7 +559,7 @@ def stage_bf16(ctx: StageContext) -> StageReport:
     )
     if ctx.config.dtype == "bfloat16" or not range_trouble:
         return StageReport("bf16 check", "skipped", "no fp16 range trouble to compare against" if ctx.config.dtype != "bfloat16" else "already bfloat16")
-    ev.bf16 = summary = run_mode(ctx, "bf16")
+    ev.bf16 = summary = run_mode(ctx, "bf16", instruments=None)  # the bf16 advice reads the records only
     ev.bf16_supported = torch.cuda.is_bf16_supported() if ctx.bench.device.type == "cuda" else True
     return StageReport("bf16 check", "ran", _probe_sentence(summary), details=_probe_details(summary))
 

@@ -21,8 +21,13 @@ import torch
 
 from ..batches import iter_tensors, map_named_tensors
 from ..config import DoctorConfig
+from ..instruments import InstrumentOptions
 from ..symptoms import Symptom, loss_floor, probe_symptoms, relative_deviation, skip_profile, tail_losses
 from .model import Evidence, Finding
+
+
+SYMPTOM_INSTRUMENTS = InstrumentOptions(forward=False, activation_grads=False, param_grads=False, updates=True)
+"""What measuring the symptoms needs beyond the step records: the lost-update share (no rule reads these probes)."""
 
 
 @dataclass
@@ -137,8 +142,8 @@ class Verifier:
             ctx = copy.copy(self.ctx)
             ctx.bench = copy.copy(self.ctx.bench)
             ctx.bench.batches = intervention.batches(self.ctx.bench.batches)
-        amp = run_mode(ctx, "amp", config)
-        fp32 = run_mode(ctx, "fp32", config) if intervention.touches_fp32 else self.ev.fp32
+        amp = run_mode(ctx, "amp", config, instruments=SYMPTOM_INSTRUMENTS)
+        fp32 = run_mode(ctx, "fp32", config, instruments=SYMPTOM_INSTRUMENTS) if intervention.touches_fp32 else self.ev.fp32
         gap = None
         if self.measure_gap is not None and self.ev.gap and any(s.code == "same-state-gap" for s in self.ev.symptoms):
             gap = self.measure_gap(config, int(self.ev.gap["worst_step"]))
