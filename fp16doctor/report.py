@@ -78,7 +78,11 @@ def fixed_config_yaml(config: dict[str, Any], diagnosis: Diagnosis, training_fil
                else [f for f in diagnosis.findings if f.fix.config_patch and f.severity != "info"])
     header = [f"# fp16doctor: corrected config for {training_file}",
               "# Applies the config patches of these findings (the code snippets in the report make them permanent):"]
-    header += [f"#   {f.rank}. {f.cause}: {f.title}" for f in applied] or ["#   (none: nothing to change)"]
+    header += [f"#   {f.rank}. {f.cause}: {f.title}" for f in applied] or ["#   (none: no config setting repairs this training)"]
+    code_fixes = [f for f in diagnosis.findings if f.severity == "error" and not f.fix.config_patch and f not in applied]
+    if code_fixes:
+        header.append("# Still needed, in the training file or the data (no config setting does it):")
+        header += [f"#   {f.rank}. {f.cause}: {f.fix.summary}" for f in code_fixes]
     if diagnosis.corrected is not None:
         header.append("# " + corrected_text(diagnosis.corrected))
     header.append("# Use with: fp16doctor train " + training_file + " --config <this file>")

@@ -1,5 +1,6 @@
 """Every sample model through `fp16doctor diagnose --ci --json` in a fresh process: no crash, the right cause,
-every error finding's fix tried (or why not), and a repairing fix on top whenever there is one.
+every error finding's fix tried (or why not), a repairing fix on top whenever there is one, and the
+`--fix-config` it writes diagnosed healthy (or, for a data or code fix, saying what is still needed).
 
 A sample's expected top cause is the one whose rule lists it in ``triggers``; the healthy samples
 are the ones every rule lists in ``passes``. Exit 3 (an internal error) anywhere fails.
@@ -25,8 +26,9 @@ def test_every_sample_is_a_trigger_or_healthy():
 
 
 @pytest.mark.parametrize("sample", SAMPLE_FILES)
-def test_sample_diagnosed_from_a_fresh_process(sample):
-    proc = run_cli("diagnose", SAMPLES / sample, "--ci", "--json")
+def test_sample_diagnosed_from_a_fresh_process(sample, tmp_path):
+    fixed = tmp_path / "fixed.yaml"
+    proc = run_cli("diagnose", SAMPLES / sample, "--ci", "--json", "--fix-config", fixed)
     assert proc.returncode in (0, 1), f"exit {proc.returncode}: {proc.stderr[-2000:]}"
     report = json.loads(proc.stdout)
     if sample in HEALTHY:
@@ -39,3 +41,9 @@ def test_sample_diagnosed_from_a_fresh_process(sample):
     assert all(f["verification"] and (f["verification"]["tried"] or f["verification"]["reason"]) for f in errors)
     if any(f["verification"] and f["verification"]["repaired"] for f in findings):
         assert findings[0]["verification"]["repaired"], "a verified fix exists but another cause ranks first"
+    if report["corrected"] is None:  # a data or code fix: the corrected config says what is still needed
+        assert "Still needed" in fixed.read_text() and findings[0]["cause"] in fixed.read_text()
+        return
+    again = run_cli("diagnose", SAMPLES / sample, "--ci", "--json", "--config", fixed)
+    assert again.returncode == 0, f"the corrected config, re-diagnosed: {again.stdout[-3000:]}"
+    assert json.loads(again.stdout)["verdict"] == "healthy"
