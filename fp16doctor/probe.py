@@ -334,9 +334,16 @@ class Probe:
         self.iteration += 1
 
     def _loss_value(self, loss: Any, check_only: bool = False) -> float:
+        returned = type(loss).__name__
+        if self.spec.train_step is not None:
+            loss = reported_loss(loss)
+            if isinstance(loss, (int, float)):  # `return loss.item()`: the step already ran, the value is all we need
+                return float(loss)
         if not isinstance(loss, torch.Tensor):
             where = "train_step()" if self.spec.train_step else "loss()"
-            raise TrainingFileError(f"{where} returned {type(loss).__name__}, not a tensor.", hint="Return the scalar loss tensor.")
+            hint = ("Return the loss: a scalar tensor or a number (an output with a `loss` field, or a tuple with the "
+                    "loss first, works too)." if self.spec.train_step else "Return the scalar loss tensor.")
+            raise TrainingFileError(f"{where} returned {returned}, not a loss.", hint=hint)
         if loss.numel() != 1:
             where = "train_step()" if self.spec.train_step else ("loss()" if self.spec.loss else "the default loss")
             raise TrainingFileError(
@@ -411,6 +418,26 @@ class Probe:
         self._watch.close()
         if self.instruments is not None:
             self.instruments.detach()
+
+
+def reported_loss(value: Any) -> Any:
+    """The loss inside what a ``train_step`` returned: the tensor or number itself, a mapping's or an output
+    object's ``loss`` (Hugging Face's ``ModelOutput``), or the first item of a tuple or list."""
+    import numbers
+
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, dict) and "loss" in value:
+        return reported_loss(value["loss"])
+    if not isinstance(value, (str, bytes)) and getattr(value, "loss", None) is not None:
+        return reported_loss(value.loss)
+    if isinstance(value, (tuple, list)) and value:
+        return reported_loss(value[0])
+    return value
 
 
 def raising_module(exc: BaseException, model: torch.nn.Module) -> str | None:

@@ -3,6 +3,7 @@
 import json
 import xml.etree.ElementTree as ET
 
+import pytest
 import yaml
 
 from conftest import SAMPLES, run_cli
@@ -74,6 +75,42 @@ def test_bad_input_gets_exit_two(tmp_path):
     broken.write_text("import torch\ndef model():\n    return torch.nn.Linear(2, 2)\n")
     proc = run_cli("diagnose", broken)
     assert proc.returncode == 2 and "data()" in proc.stderr and "Traceback" not in proc.stderr
+
+
+STEP_RETURNING = """
+import torch
+def model():
+    return torch.nn.Linear(4, 2)
+def data():
+    for _ in range(4):
+        yield torch.randn(8, 4), torch.randint(0, 2, (8,))
+def train_step(model, batch, optimizer, scaler, autocast):
+    optimizer.zero_grad()
+    with autocast():
+        loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return {RETURNED}
+"""
+
+
+@pytest.mark.parametrize("returned", ["{'loss': loss, 'logits': None}", "(loss, None)", "float(loss)"])
+def test_a_train_step_may_return_the_loss_inside_an_output(tmp_path, returned):
+    path = tmp_path / "step.py"
+    path.write_text(STEP_RETURNING.replace("{RETURNED}", returned))
+    proc = run_cli("diagnose", path, "--ci", "--json", "--steps", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fp32 = next(s for s in json.loads(proc.stdout)["stages"] if s["name"] == "fp32 baseline")
+    assert fp32["details"]["final_loss"] > 0
+
+
+def test_a_train_step_that_returns_nothing_is_bad_input(tmp_path):
+    path = tmp_path / "step.py"
+    path.write_text(STEP_RETURNING.replace("{RETURNED}", "None"))
+    proc = run_cli("diagnose", path, "--ci", "--steps", "4")
+    assert proc.returncode == 2 and "train_step() returned NoneType, not a loss" in " ".join(proc.stderr.split())
+    assert "Traceback" not in proc.stderr
 
 
 def test_rules_command_lists_every_code():
