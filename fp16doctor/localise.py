@@ -200,11 +200,16 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
     def push(module: torch.nn.Module, args: Any) -> None:
         context.stack.append(names[module])
 
+    hooked: dict[int, torch.Tensor] = {}  # by id; holding the tensor keeps its id from being reused this step
+
     def pop(module: torch.nn.Module, args: Any, output: Any) -> None:
         if context.stack:
             context.stack.pop()
         for t in _floats(output):
-            if t.requires_grad:
+            # A tensor a parent returns as it is (``return self.head(h)``) keeps its innermost module: the
+            # backward ops that follow its gradient are that module's.
+            if t.requires_grad and id(t) not in hooked:
+                hooked[id(t)] = t
                 t.register_hook(lambda g, n=names[module]: setattr(context, "backward_module", n))
 
     def optimizer_on(*_: Any) -> None:

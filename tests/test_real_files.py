@@ -16,7 +16,7 @@ from conftest import ROOT, run_cli
 
 FILES = ROOT / "tests" / "training_files"
 HEALTHY = ["own_optimizer.py", "hf_bert.py", "hf_checkpointing.py", "compiled.py", "dataloader_workers.py",
-           "uses_sibling.py", "grad_accumulation.py"]
+           "uses_sibling.py", "grad_accumulation.py", "returns_item.py"]
 
 
 def diagnose_json(name: str, *extra: str, env: dict | None = None) -> tuple[int, dict, str]:
@@ -106,3 +106,20 @@ def test_a_fault_whose_run_does_not_replay_the_same_is_reported_non_deterministi
     localisation = next(s for s in report["stages"] if s["name"] == "localisation")
     assert localisation["details"]["amp"]["step"] == 3 and localisation["details"]["amp"]["module"] == "inp"
     assert localisation["details"]["deterministic"] is False and "non-deterministic" in localisation["summary"]
+
+
+def test_recurring_gradient_overflow_gets_the_scale_its_gradients_call_for():
+    """The sweep's recommendation is the scale the FP32 gradients call for (the window's), not the lowest one
+    a short run happens to put a little closer to FP32; and the overflowing backward op is blamed on the
+    module that owns it (the head), not on the model that merely returns the head's output."""
+    code, report, _ = diagnose_json("unscaled_attention.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "scale-overflow" and top["verification"]["repaired"] is True
+    sweep = next(s for s in report["stages"] if s["name"] == "loss-scale sweep")
+    derived = sweep["details"]["window_recommended"]
+    row = next(r for r in sweep["details"]["sweep"] if r["init_scale"] == derived)
+    assert row["skip_rate"] == 0 and row["verdict"] != "diverged"  # the derived scale works: it is the one to give
+    assert sweep["details"]["recommended"]["init_scale"] == derived, sweep["summary"]
+    localisation = next(s for s in report["stages"] if s["name"] == "localisation")["details"]["amp"]
+    assert (localisation["module"], localisation["phase"]) == ("head", "backward")

@@ -26,7 +26,7 @@ from ..numerics import capture_gradients, observed_underflow, predicted_underflo
 from ..probe import DEFAULT_INSTRUMENTS, SCHEDULER_ORDER_WARNING, Probe, ProbeSnapshot, Workbench
 from ..rng import seed_everything
 from ..symptoms import loss_floor, relative_deviation, skip_runs
-from ..thresholds import BF16_FACTOR, CALIBRATION_SKIPS, GAP_TOLERANCE, KEEP_MASS, UNDERFLOW_ALARM
+from ..thresholds import BF16_FACTOR, CALIBRATION_SKIPS, DRIFT_ERROR, GAP_TOLERANCE, KEEP_MASS, UNDERFLOW_ALARM
 from .model import Evidence, ProbeSummary, StageReport
 
 
@@ -299,7 +299,8 @@ def stage_scale(ctx: StageContext) -> StageReport:
         return StageReport("loss-scale sweep", "skipped", summary + "; no skips or underflow: nothing to sweep",
                            details={"window": [window.low, window.high]})
     if amp is not None and amp.first_nonfinite_loss is not None:
-        return StageReport("loss-scale sweep", "skipped", summary + "; the loss itself turns non-finite: no loss scale can fix that",
+        why = "AMP raised an exception" if amp.exception is not None else "the loss itself turns non-finite"
+        return StageReport("loss-scale sweep", "skipped", summary + f"; {why}: no loss scale can fix that",
                            details={"window": [window.low, window.high]})
     event = skips_start_at_schedule_event(ctx)
     if event is not None and not (worst_observed > UNDERFLOW_ALARM or not cfg.scaler.enabled):
@@ -309,7 +310,8 @@ def stage_scale(ctx: StageContext) -> StageReport:
     ev.sweep = sweep = _sweep(ctx, capture, window)
     ev.recommended_scaler = _recommend(ctx, sweep, window)
     summary += f"; swept {len(sweep)} settings; recommended {ev.recommended_scaler}"
-    return StageReport("loss-scale sweep", "ran", summary, details={"sweep": sweep.to_dict("records"), "recommended": ev.recommended_scaler})
+    return StageReport("loss-scale sweep", "ran", summary, details={"window": [window.low, window.high], "window_recommended": window.recommended(), "sweep": sweep.to_dict("records"),
+                                                             "recommended": ev.recommended_scaler})
 
 
 SWEEP_SETTINGS = 4
@@ -355,14 +357,19 @@ def _sweep(ctx: StageContext, capture: Any, window: Any) -> pd.DataFrame:
 
 
 def _recommend(ctx: StageContext, sweep: pd.DataFrame, window: Any) -> dict[str, Any]:
-    """The setting with no divergence, underflow under 0.1% and the fewest skips, then closest to fp32."""
+    """The setting with no divergence, underflow under 0.1% and the fewest skips; then the closest to fp32,
+    where that differs by a symptom's worth (deviations under ``DRIFT_ERROR`` are data-order noise of a
+    short run, not a reason to pick a scale); then the scale nearest the window's recommended one (the most
+    headroom on both sides), then the larger."""
     ok = sweep[(sweep["verdict"] != "diverged") & (sweep["predicted_underflow"] <= 1 - KEEP_MASS)]
     if ok.empty:
         ok = sweep[sweep["verdict"] != "diverged"]
     if ok.empty:
         return {"init_scale": window.recommended(), "growth_interval": ctx.config.scaler.growth_interval}
-    ok = ok.assign(dev=ok["max_rel_dev"].fillna(math.inf))
-    best = ok.sort_values(["skip_rate", "dev", "init_scale"], ascending=[True, True, False]).iloc[0]
+    dev = ok["max_rel_dev"].fillna(math.inf)
+    ok = ok.assign(dev_band=(dev >= DRIFT_ERROR).astype(int) + (dev == math.inf).astype(int),
+                   distance=(ok["init_scale"].map(math.log2) - math.log2(window.recommended())).abs())
+    best = ok.sort_values(["skip_rate", "dev_band", "distance", "init_scale"], ascending=[True, True, True, False]).iloc[0]
     return {"init_scale": float(best["init_scale"]), "growth_interval": int(best["growth_interval"])}
 
 
