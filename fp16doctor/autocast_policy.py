@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
+from torch.amp import autocast_mode
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -200,6 +201,38 @@ def cuda_policy_on_cpu() -> Iterator[None]:
         yield
     finally:
         _INSTALLATION.release()
+
+
+@contextlib.contextmanager
+def rewritten_autocast(rewrite: Callable[[str, Any, bool], tuple[str, Any, bool]]) -> Iterator[None]:
+    """Every ``torch.autocast(...)`` (also ``torch.cuda.amp.autocast``) opened inside is created with its
+    ``(device_type, dtype, enabled)`` rewritten. Scoped to the probe's step and restored after it: the one
+    way to reach the user's own autocast blocks, which no dispatch mode sees."""
+    original = autocast_mode.autocast.__init__
+
+    def init(self: Any, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None) -> None:
+        device_type, dtype, enabled = rewrite(device_type, dtype, enabled)
+        original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+    autocast_mode.autocast.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        autocast_mode.autocast.__init__ = original  # type: ignore[method-assign]
+
+
+def cuda_autocast_on_cpu() -> contextlib.AbstractContextManager[None]:
+    """The user's ``torch.autocast("cuda", ...)`` blocks act on CPU autocast, as they would on the GPU they
+    were written for: ``autocast("cuda", enabled=False)`` around a sensitive block keeps it in fp32 in a CPU
+    probe too, instead of being a no-op (CUDA is absent) under the probe's CPU autocast. Without a dtype,
+    CUDA autocast means fp16."""
+
+    def to_cpu(device_type: str, dtype: Any, enabled: bool) -> tuple[str, Any, bool]:
+        if device_type == "cuda":
+            return "cpu", dtype if dtype is not None else torch.float16, enabled
+        return device_type, dtype, enabled
+
+    return rewritten_autocast(to_cpu)
 
 
 def autocast_factory(device_type: str, dtype: torch.dtype | None, enabled: bool = True) -> Callable[[], Any]:

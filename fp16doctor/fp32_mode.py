@@ -18,8 +18,9 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-from torch.amp import autocast_mode
 from torch.overrides import TorchFunctionMode
+
+from .autocast_policy import rewritten_autocast
 
 LOW = (torch.float16, torch.bfloat16)
 _LOW_TENSOR_TYPES = {
@@ -59,19 +60,9 @@ class NeutraliseHalfCasts(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def autocast_disabled() -> Iterator[None]:
+def autocast_disabled() -> contextlib.AbstractContextManager[None]:
     """Every ``torch.autocast(...)`` opened inside is created disabled."""
-    original = autocast_mode.autocast.__init__
-
-    def disabled_init(self: Any, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None) -> None:
-        original(self, device_type, dtype=dtype, enabled=False, cache_enabled=cache_enabled)
-
-    autocast_mode.autocast.__init__ = disabled_init  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        autocast_mode.autocast.__init__ = original  # type: ignore[method-assign]
+    return rewritten_autocast(lambda device_type, dtype, enabled: (device_type, dtype, False))
 
 
 @contextlib.contextmanager

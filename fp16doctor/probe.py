@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import pandas as pd
 import torch
 
-from .autocast_policy import autocast_factory, cuda_policy_on_cpu
+from .autocast_policy import autocast_factory, cuda_autocast_on_cpu, cuda_policy_on_cpu
 from .batches import to_device
 from .config import DoctorConfig
 from .errors import DoctorError, TrainingFileError
@@ -150,8 +150,11 @@ class Probe:
 
     def __init__(
         self, bench: Workbench, mode: str, config: DoctorConfig, align_on_taken_steps: bool = False,
-        instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS,
+        instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS, hold_scheduler_on_retry: bool = True,
     ):
+        """``align_on_taken_steps``: a skipped step retries the same batch with the same RNG, the scheduler
+        held (``compare``'s alignment); ``hold_scheduler_on_retry=False`` lets the scheduler step on a skip as
+        the user's loop does, so an alignment removes the lag of skipped steps but not the schedule's."""
         self.bench = bench
         self.spec = bench.spec
         self.config = config
@@ -159,6 +162,7 @@ class Probe:
         self.mode = mode
         self.device = bench.device
         self.align = align_on_taken_steps
+        self.hold_on_retry = align_on_taken_steps and hold_scheduler_on_retry
         self.iteration = 0
         self.cursor = 0
         self.records: list[StepRecord] = []
@@ -239,6 +243,7 @@ class Probe:
                 stack.enter_context(full_precision())
             elif self.device.type == "cpu":
                 stack.enter_context(cuda_policy_on_cpu())
+                stack.enter_context(cuda_autocast_on_cpu())
             yield
 
     # --- stepping -----------------------------------------------------------------------------
@@ -320,7 +325,7 @@ class Probe:
 
     def _advance(self, skipped: bool, optimizer_step: bool = True) -> None:
         """Move the data cursor, and the scheduler once per optimizer step (not per accumulation micro-step)."""
-        hold = skipped and (self.align or self.config.overrides.hold_scheduler_on_skip)
+        hold = skipped and (self.hold_on_retry or self.config.overrides.hold_scheduler_on_skip)
         if self.scheduler is not None and optimizer_step and not hold:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)

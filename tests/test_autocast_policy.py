@@ -1,5 +1,7 @@
 """The CPU AMP probe follows CUDA's autocast op lists, op by op."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,3 +150,24 @@ def test_every_cuda_autocast_registration_has_a_policy():
     assert overridden["aten::softmax.int"] == "fp32" and overridden["aten::linear"] == "lower"
     cpu_only = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")) - cuda
     assert any(overridden[name] == "passthrough" for name in cpu_only if name in overridden)  # CPU-only ops fall through
+
+
+def test_a_users_cuda_autocast_block_acts_on_cpu_autocast_in_a_probe():
+    """GPU code's `autocast("cuda", enabled=False)` keeps its block in fp32 on CPU too; outside the probe's
+    context CUDA autocast on a CPU tensor changes nothing (the block would run in fp16)."""
+    from fp16doctor.autocast_policy import cuda_autocast_on_cpu
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+
+    def block_dtype() -> torch.dtype:
+        with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast("cuda", enabled=False):
+                return (a @ b).dtype
+
+    with cuda_policy_on_cpu(), cuda_autocast_on_cpu():
+        assert block_dtype() == torch.float32
+        with torch.autocast("cuda"):  # CUDA's default autocast dtype is fp16
+            assert (a @ b).dtype == torch.float16
+    with cuda_policy_on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available": torch disables the CUDA autocast
+        assert block_dtype() == torch.float16

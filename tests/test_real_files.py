@@ -123,3 +123,12 @@ def test_recurring_gradient_overflow_gets_the_scale_its_gradients_call_for():
     assert sweep["details"]["recommended"]["init_scale"] == derived, sweep["summary"]
     localisation = next(s for s in report["stages"] if s["name"] == "localisation")["details"]["amp"]
     assert (localisation["module"], localisation["phase"]) == ("head", "backward")
+
+
+def test_a_block_kept_in_fp32_with_cuda_autocast_stays_fp32_in_a_cpu_probe():
+    """`autocast("cuda", enabled=False)` around a block whose values pass 65504: healthy, as on a GPU; the
+    scale's 3 settling skips are calibration, and their lag is no drift."""
+    code, report, _ = diagnose_json("gpu_style_fp32_block.py")
+    assert code == 0 and report["verdict"] == "healthy", report["findings"]
+    amp = next(s for s in report["stages"] if s["name"] == "amp as configured")
+    assert amp["details"]["first_nonfinite_loss"] is None and 0 < len(amp["details"]["skipped_steps"]) <= 3

@@ -10,9 +10,9 @@ from typing import Any, Callable
 from ..config import DoctorConfig, build_config, merge
 from ..probe import Workbench
 from ..spec import TrainingSpec
-from ..symptoms import Symptom, probe_symptoms
+from ..symptoms import Symptom
 from .model import SEVERITIES, Diagnosis, Evidence, Finding, Fix, StageReport, public
-from .stages import STAGES, StageContext, same_state_gap
+from .stages import STAGES, StageContext, measured_symptoms, same_state_gap
 from .verify import Verifier, repair_rank
 
 UNEXPLAINED = "unexplained"
@@ -54,7 +54,8 @@ def diagnose(
         report = stage(ctx)
         report.seconds = time.perf_counter() - start
         stages.append(report)
-    evidence.symptoms = measure_symptoms(evidence)
+    evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
+                                          evidence.gap.get("gap") if evidence.gap else None)
     if on_stage is not None:
         on_stage("verifying fixes")
     start = time.perf_counter()
@@ -137,13 +138,6 @@ def _verification_sentence(findings: list[Finding], corrected: dict[str, Any] | 
     if corrected is not None:
         parts.append("corrected config: " + corrected["summary"])
     return "; ".join(parts)
-
-
-def measure_symptoms(ev: Evidence) -> list[Symptom]:
-    """The AMP probe's symptoms against the FP32 baseline (see :mod:`fp16doctor.symptoms`)."""
-    if ev.amp is None:
-        return []
-    return probe_symptoms(ev.amp, ev.fp32, ev.gap.get("gap") if ev.gap else None, bf16=ev.config.dtype == "bfloat16")
 
 
 def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Finding]:

@@ -25,7 +25,7 @@ from ..localise import localise
 from ..numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
 from ..probe import DEFAULT_INSTRUMENTS, SCHEDULER_ORDER_WARNING, Probe, ProbeSnapshot, Workbench
 from ..rng import seed_everything
-from ..symptoms import loss_floor, relative_deviation, skip_runs
+from ..symptoms import Symptom, loss_floor, measure, probe_symptoms, relative_deviation, skip_runs
 from ..thresholds import BF16_FACTOR, CALIBRATION_SKIPS, DRIFT_ERROR, GAP_TOLERANCE, KEEP_MASS, UNDERFLOW_ALARM
 from .model import Evidence, ProbeSummary, StageReport
 
@@ -152,6 +152,34 @@ def same_state_gap(ctx: StageContext, config: DoctorConfig, step: int) -> float:
     """AMP under ``config`` against fp32 on the FP32 trajectory's state at ``step``: same weights, same batch."""
     losses = same_state_losses(ctx, step, {"fp32": ("fp32", ctx.config), "amp": ("amp", config)})
     return relative_deviation(losses["amp"], losses["fp32"], ctx.loss_floor)
+
+
+def measured_symptoms(ctx: StageContext, config: DoctorConfig, amp: ProbeSummary | None, fp32: ProbeSummary | None,
+                      gap: float | None) -> list[Symptom]:
+    """The symptoms of an AMP probe against FP32 (:func:`fp16doctor.symptoms.probe_symptoms`): the verdict's
+    and every fix's verification.
+
+    A trajectory drift after skipped steps is measured again on an AMP run aligned on the steps taken (a
+    skipped batch retried with the same RNG; the scheduler still steps on a skip, as the user's loop does):
+    a run that skipped k steps is k updates behind on other batches, and on a short probe that lag alone can
+    look like a drift. What remains aligned is precision's, or the schedule's.
+    """
+    if amp is None:
+        return []
+    bf16 = config.dtype == "bfloat16"
+    found = probe_symptoms(amp, fp32, gap, bf16=bf16)
+    if fp32 is None or not amp.skip_steps or not any(s.code == "trajectory-drift" for s in found):
+        return found
+    aligned = ctx.bench.probe("amp", config, align_on_taken_steps=True, instruments=None, hold_scheduler_on_retry=False)
+    try:
+        records = aligned.run(ctx.evidence.steps)
+    finally:
+        aligned.close()
+    drift = [s for s in measure(records, fp32.records, bf16=bf16) if s.code == "trajectory-drift"]
+    for symptom in drift:
+        symptom.measured["aligned_on_steps_taken"] = True
+        symptom.description += " (aligned on the steps taken: not the lag of the skipped steps)"
+    return [s for s in found if s.code != "trajectory-drift"] + drift
 
 
 # --- stages ------------------------------------------------------------------------------------------

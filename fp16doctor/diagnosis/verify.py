@@ -22,7 +22,7 @@ import torch
 from ..batches import iter_tensors, map_named_tensors
 from ..config import DoctorConfig
 from ..instruments import InstrumentOptions
-from ..symptoms import Symptom, loss_floor, probe_symptoms, relative_deviation, skip_profile, tail_losses
+from ..symptoms import Symptom, loss_floor, relative_deviation, skip_profile, tail_losses
 from .model import Evidence, Finding
 
 
@@ -134,7 +134,7 @@ class Verifier:
 
     def run(self, intervention: Intervention) -> Outcome:
         """The AMP probe (and FP32 where the intervention changes it) with the intervention applied."""
-        from .stages import run_mode
+        from .stages import measured_symptoms, run_mode
 
         config = self.ctx.with_config(intervention.config_patch)
         ctx = self.ctx
@@ -147,7 +147,7 @@ class Verifier:
         gap = None
         if self.measure_gap is not None and self.ev.gap and any(s.code == "same-state-gap" for s in self.ev.symptoms):
             gap = self.measure_gap(config, int(self.ev.gap["worst_step"]))
-        symptoms = probe_symptoms(amp, fp32, gap, bf16=config.dtype == "bfloat16")
+        symptoms = measured_symptoms(ctx, config, amp, fp32, gap)
         return Outcome(amp=amp.records, fp32=fp32.records, symptoms=symptoms)
 
     def verify(self, intervention: Intervention | None, nothing_to_try: str) -> dict[str, Any]:
