@@ -56,6 +56,16 @@ def _floating_leaves(value: Any) -> list[torch.Tensor]:
     return [t for _, t in iter_tensors(value) if t.is_floating_point()]
 
 
+def grad_values(p: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient as a dense tensor of its values: a sparse gradient (``nn.Embedding(sparse=True)``)
+    gives its coalesced values, which hold its every non-zero entry (norms, extremes and shares stay exact)."""
+    g = p.grad
+    if g is None:
+        return None
+    g = g.detach()
+    return g.coalesce().values() if g.is_sparse else g
+
+
 def _sample(flat: torch.Tensor, size: int) -> torch.Tensor:
     if size <= 0 or flat.numel() <= size:
         return flat
@@ -254,12 +264,14 @@ class Instruments:
         if self.options.updates:
             # A strided sample of each parameter (the same elements after the step): lost updates and
             # the update-to-weight ratio are measured on it, without copying whole parameters.
-            self._before = {p: _sample(p.detach().reshape(-1), self.options.sample).clone() for p in self.param_names if p.grad is not None}
+            # Sparse gradients are left out: their values do not line up with the parameter's elements.
+            self._before = {p: _sample(p.detach().reshape(-1), self.options.sample).clone() for p in self.param_names
+                            if p.grad is not None and not p.grad.is_sparse}
 
     def _take_param_grads(self, divide_by: float) -> None:
         """Per-parameter gradient statistics, batched across parameters (a handful of ops in all)."""
         self._param_grads_taken = True
-        named = [(name, p.grad.detach()) for p, name in self.param_names.items() if p.grad is not None]
+        named = [(name, grad_values(p)) for p, name in self.param_names.items() if p.grad is not None]
         if not named:
             return
         grads = [g for _, g in named]

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .instruments import FP16_MAX, FP16_MIN_SUBNORMAL, _sample
+from .instruments import FP16_MAX, FP16_MIN_SUBNORMAL, _sample, grad_values
 from .probe import Probe, Workbench
 from .rng import seed_everything
 from .thresholds import KEEP_MASS, NEGLIGIBLE_RMS
@@ -57,7 +57,7 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
     def pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         for p, n in params.items():
             if p.grad is not None:
-                keep(f"param:{n}", p.grad)
+                keep(f"param:{n}", grad_values(p))
 
     handles = [m.register_forward_hook(forward_hook) for m in probe.model.modules()]
     handles.append(probe.optimizer.register_step_pre_hook(pre_step))
@@ -70,7 +70,7 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
             divide = scale if record.trace and record.trace.scaled and not record.trace.unscaled else 1.0
             for p, n in params.items():
                 if p.grad is not None:
-                    keep(f"param:{n}", p.grad, divide)
+                    keep(f"param:{n}", grad_values(p), divide)
     finally:
         for h in handles:
             h.remove()

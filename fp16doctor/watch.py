@@ -32,6 +32,7 @@ import torch
 
 from .batches import map_tensors
 from .files import atomic_torch_save, atomic_write_text
+from .instruments import grad_values
 from .rng import rng_state
 
 ALARMS = ("nonfinite", "skip-streak", "scale-collapse", "loss-spike")
@@ -134,7 +135,7 @@ class Watch:
         scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
         divide = scale if grads_scaled else 1.0
         device = params[0].grad.device if params else torch.device("cpu")
-        grads = [p.grad.detach() for p in params]
+        grads = [grad_values(p) for p in params]
         norms = torch.stack([n.float() for n in torch._foreach_norm(grads)]) if grads else torch.zeros(0, device=device)
         peaks = torch.stack([n.float() for n in torch._foreach_norm(grads, ord=math.inf)]) if grads else torch.zeros(0, device=device)
         loss = torch.stack([l.to(device) for l in self._losses]).sum() if self._losses else torch.tensor(math.nan, device=device)
