@@ -148,10 +148,16 @@ class NonFiniteTracer(TorchDispatchMode):
         if bad is None:
             self._remember(func, name, inputs, outputs)
             return out
-        if name in UNINITIALISED or not inputs or not all(_finite(t) for t in inputs) or _asks_for_nonfinite(args, kwargs):
+        if name in UNINITIALISED or not inputs or _asks_for_nonfinite(args, kwargs):
             return out  # factories (uninitialised memory), or an infinity on purpose: masked_fill(mask, -inf)
         operator, ranges, note = name, [_range(t) for t in inputs], ""
-        if name in CASTS and inputs:
+        if not all(_finite(t) for t in inputs):
+            # Infinite inputs (an attention mask's -inf) are legitimate until an op turns them into NaN:
+            # inf - inf, 0 * inf, a softmax over a row that is -inf everywhere.
+            if not (torch.isnan(bad).any() and not any(torch.isnan(t).any() for t in inputs)):
+                return out
+            note = "NaN from infinite inputs (inf - inf, 0 * inf, or a softmax over a row that is -inf everywhere)"
+        elif name in CASTS:
             producer = self._producers.get(id(inputs[0]))
             if producer is not None and producer[0]() is inputs[0]:
                 operator, ranges = producer[1], producer[2]
@@ -250,9 +256,9 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
 def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: bool = False) -> Localisation | None:
     """Replay ``mode`` deterministically up to ``step`` and trace that step.
 
-    When nothing in that step turns finite values non-finite (its inputs, the weights, already were),
-    the step before is traced from a snapshot: an optimizer update that wrote inf/NaN into the weights
-    leaves that step's loss and gradients finite, and shows only in the next forward.
+    When the weights are already non-finite as that step starts, or nothing in it turns finite values
+    non-finite, the step before is traced from a snapshot: an optimizer update that wrote inf/NaN into
+    the weights leaves that step's loss and gradients finite, and shows only in the next forward.
     """
     probe = bench.probe(mode, config, align_on_taken_steps=align)
     try:
@@ -262,7 +268,8 @@ def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: 
             before = probe.snapshot() if step > 0 and probe.failed is None else None
             if before is not None:
                 probe.step()
-        found = trace_step(probe) if probe.failed is None else None
+        weights_broken = not all(_finite(p) for p in probe.model.parameters())
+        found = trace_step(probe) if probe.failed is None and not weights_broken else None
         if found is None and before is not None:
             probe.restore(before)
             found = trace_step(probe)

@@ -132,3 +132,15 @@ def test_a_block_kept_in_fp32_with_cuda_autocast_stays_fp32_in_a_cpu_probe():
     assert code == 0 and report["verdict"] == "healthy", report["findings"]
     amp = next(s for s in report["stages"] if s["name"] == "amp as configured")
     assert amp["details"]["first_nonfinite_loss"] is None and 0 < len(amp["details"]["skipped_steps"]) <= 3
+
+
+def test_nan_from_a_fully_masked_attention_row_is_localised_in_fp32():
+    """The -inf of a padding mask is legitimate until a softmax over a row of nothing but -inf makes NaN:
+    the localisation names that softmax (before, every op with an infinite input was passed over, and the
+    replay 'stayed finite')."""
+    code, report, _ = diagnose_json("fully_masked_rows.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "fp32-divergence"
+    assert (top["evidence"]["module"], top["evidence"]["operator"], top["evidence"]["step"]) == ("mha", "aten::_softmax", 2)
+    assert "every key masked" in top["fix"]["summary"]

@@ -45,12 +45,18 @@ class Fp32Divergence(Rule):
             evidence.update({"module": loc.module, "operator": loc.operator, "phase": loc.phase,
                              "batch": loc.batch_index, "operator_input_ranges": loc.input_ranges, "output": loc.output})
         code = ""
+        summary = f"Fix the model or learning rate{where}, then diagnose again; mixed-precision settings cannot help."
         if loc and loc.operator in ("aten::log", "aten::log2", "aten::log10"):
             code = "x = torch.log(x.clamp_min(1e-12))   # log(0) = -inf"
         elif loc and loc.operator in ("aten::div", "aten::reciprocal", "aten::rsqrt"):
             code = "y = x / (d + 1e-12)   # guard the denominator"
+        elif loc and "infinite inputs" in loc.note and "softmax" in loc.operator:
+            summary = (f"A softmax{where} met a row that is -inf everywhere (every key masked): its output is NaN. "
+                       "Keep at least one unmasked key per query (drop or fix the empty rows), or mask with a finite "
+                       "value; mixed-precision settings cannot help.")
+            code = "scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)"
         return [self.finding(
             f"FP32 training goes non-finite at step {step}{where}: the data, learning rate or model is at fault, not precision",
             evidence,
-            Fix(f"Fix the model or learning rate{where}, then diagnose again; mixed-precision settings cannot help.", code=code),
+            Fix(summary, code=code),
         )]
