@@ -5,11 +5,14 @@ Options are ``Annotated`` aliases defined once and shared by the commands.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, Iterator, Optional, TextIO
 
 import typer
 from rich.console import Console
@@ -134,8 +137,45 @@ def show_notes(spec: Any) -> None:
         err.print(f"[yellow]note:[/] {note}", highlight=False)
 
 
+_json_stream: TextIO | None = None
+"""Where ``--json`` output goes while :func:`stdout_for_json_only` holds the real stdout."""
+
+
 def print_json(payload: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    stream = _json_stream or sys.stdout
+    stream.write(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    stream.flush()
+
+
+@contextlib.contextmanager
+def stdout_for_json_only(active: bool) -> Iterator[None]:
+    """With ``--json``, stdout carries the one JSON object and nothing else: while the command runs, whatever
+    the training file prints (``print``, C extensions, DataLoader workers: file descriptor 1 itself) goes to
+    stderr, and the JSON to the real stdout."""
+    global _json_stream
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    original = sys.stdout
+    try:
+        fd = original.fileno()
+        saved = os.dup(fd)
+        os.dup2(sys.stderr.fileno(), fd)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        fd, saved = None, None  # no descriptor (a test runner's buffer): redirect Python-level writes only
+    _json_stream = os.fdopen(os.dup(saved), "w", encoding="utf-8") if saved is not None else original
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = original
+        _json_stream.flush()
+        if saved is not None:
+            _json_stream.close()
+            os.dup2(saved, fd)
+            os.close(saved)
+        _json_stream = None
 
 
 @app.callback(invoke_without_command=True)
@@ -197,7 +237,8 @@ def compare(
                 out.print(f"[dim]HTML report written to {html}[/]")
         return EXIT_OK if result.healthy else EXIT_FINDINGS
 
-    guarded(debug, job)
+    with stdout_for_json_only(json_):
+        guarded(debug, job)
 
 
 @app.command()
@@ -284,7 +325,8 @@ def diagnose(
         options = train_options(training_file, run_dir, checkpoint_every, False, on_nonfinite, max_nonfinite, force)
         return run_training(spec, build_config(corrected, cli_layer(device=device)), options, nproc, training_file, quiet=json_)
 
-    guarded(debug, job)
+    with stdout_for_json_only(json_):
+        guarded(debug, job)
 
 
 @app.command()

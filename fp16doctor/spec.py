@@ -146,8 +146,20 @@ def _import_as_module(path: Path) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     setattr(module, MARKER, str(path.resolve()))
     sys.modules[module_name] = module  # dataclasses and pickling look the module up while it executes
+    argv = sys.argv
+    # The file's top level sees the command line `python your_file.py` would give it: an argparse parser
+    # at module level gets its defaults, not fp16doctor's own arguments.
+    sys.argv = [str(path)]
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        sys.modules.pop(module_name, None)
+        raise TrainingFileError(
+            f"importing the training file called sys.exit({exc.code!r}).",
+            location=user_frame(exc, path),
+            hint="The file's top level runs on import, with no command-line arguments: keep argument parsing "
+                 "with required arguments, and the training loop, under `if __name__ == \"__main__\":`.",
+        ) from exc
     except SyntaxError as exc:
         sys.modules.pop(module_name, None)  # only the broken file itself: never what it imported
         raise TrainingFileError(
@@ -160,8 +172,10 @@ def _import_as_module(path: Path) -> types.ModuleType:
         raise TrainingFileError(
             f"importing the training file raised {type(exc).__name__}: {exc}",
             location=user_frame(exc, path),
-            hint="The file's top level must run without error (python your_file.py should work).",
+            hint=missing_file_hint(exc, "The file's top level must run without error (python your_file.py should work)."),
         ) from exc
+    finally:
+        sys.argv = argv
     return module
 
 
@@ -179,6 +193,15 @@ def uncompiled(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
     return model, False
 
 
+def missing_file_hint(exc: BaseException, hint: str) -> str:
+    """``hint``, and for a file the user's code could not find, where relative paths start from."""
+    if isinstance(exc, FileNotFoundError):
+        return (f"Relative paths start from the current directory ({Path.cwd()}), as under `python your_file.py` run "
+                "from here: run fp16doctor from the folder you train from, or build paths from "
+                "`Path(__file__).parent`. " + hint)
+    return hint
+
+
 def build_model(spec: TrainingSpec) -> torch.nn.Module:
     """Call ``model()`` and check it returned a Module."""
     try:
@@ -186,7 +209,7 @@ def build_model(spec: TrainingSpec) -> torch.nn.Module:
     except Exception as exc:  # noqa: BLE001
         raise TrainingFileError(
             f"model() raised {type(exc).__name__}: {exc}", location=spec.user_location(exc),
-            hint="model() must build and return the torch.nn.Module to train.",
+            hint=missing_file_hint(exc, "model() must build and return the torch.nn.Module to train."),
         ) from exc
     if not isinstance(model, torch.nn.Module):
         raise TrainingFileError(
@@ -210,7 +233,7 @@ def draw_batches(spec: TrainingSpec, count: int) -> list[Any]:
     except Exception as exc:  # noqa: BLE001
         raise TrainingFileError(
             f"data() raised {type(exc).__name__}: {exc}", location=spec.user_location(exc),
-            hint="data() must return an iterable of batches (a list, a generator or a DataLoader).",
+            hint=missing_file_hint(exc, "data() must return an iterable of batches (a list, a generator or a DataLoader)."),
         ) from exc
     if not first:
         raise TrainingFileError(

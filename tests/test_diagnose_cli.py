@@ -113,6 +113,60 @@ def test_a_train_step_that_returns_nothing_is_bad_input(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+CHATTY = """
+import argparse, subprocess, sys
+import torch
+print("loading the dataset ...")
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float, default=1e-3)
+args = parser.parse_args()          # at module level, as training scripts do
+CONFIG = {"steps": 3, "lr": args.lr}
+def model():
+    print("model ready")
+    subprocess.run([sys.executable, "-c", "print('a child process writes to fd 1')"], check=True)
+    return torch.nn.Linear(4, 2)
+def data():
+    for i in range(3):
+        print(f"batch {i}")
+        yield torch.randn(8, 4), torch.randint(0, 2, (8,))
+"""
+
+
+@pytest.mark.parametrize("command", [["diagnose", "--ci"], ["compare"]])
+def test_json_stays_one_object_while_the_training_file_prints(tmp_path, command):
+    path = tmp_path / "chatty.py"
+    path.write_text(CHATTY)
+    proc = run_cli(command[0], path, *command[1:], "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    json.loads(proc.stdout)  # nothing but the JSON on stdout
+    assert "model ready" in proc.stderr and "batch 0" in proc.stderr and "fd 1" in proc.stderr
+
+
+def test_a_required_command_line_argument_at_import_is_bad_input_with_a_hint(tmp_path):
+    path = tmp_path / "needs_args.py"
+    path.write_text(CHATTY.replace('"--lr", type=float, default=1e-3', '"--data-dir", required=True'))
+    proc = run_cli("diagnose", path, "--ci")
+    message = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "called sys.exit(2)" in message and '__name__ == "__main__"' in message
+
+
+def test_a_data_file_not_found_says_where_relative_paths_start(tmp_path):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "points.csv").write_text("1,2\n3,4\n")
+    (folder / "reads.py").write_text(
+        "import torch\n"
+        "def model():\n    return torch.nn.Linear(2, 2)\n"
+        "def data():\n"
+        "    rows = [[float(v) for v in line.split(',')] for line in open('points.csv')]\n"
+        "    yield torch.tensor(rows), torch.zeros(len(rows), dtype=torch.long)\n")
+    elsewhere = run_cli("diagnose", folder / "reads.py", "--ci", "--steps", "2", cwd=tmp_path)
+    message = " ".join(elsewhere.stderr.split())
+    assert elsewhere.returncode == 2 and f"current directory ({tmp_path})" in message and "Path(__file__).parent" in message
+    at_home = run_cli("diagnose", "reads.py", "--ci", "--steps", "2", cwd=folder)
+    assert at_home.returncode == 0, at_home.stderr[-2000:]
+
+
 def test_rules_command_lists_every_code():
     proc = run_cli("rules")
     assert proc.returncode == 0
