@@ -51,6 +51,8 @@ class Localisation:
     """What came out: "nan", "+inf", "-inf" or a mix, and its dtype."""
     note: str = ""
     mode: str = "amp"
+    peak: float | None = None
+    """The largest magnitude of the result that overflowed when rounded to low precision, when it was seen."""
     replayed: list[tuple[float, float]] = field(default_factory=list, repr=False)
     """(loss, loss scale) of each step the replay took before the traced one: compared with the original
     run's, they tell whether the fault reproduces deterministically."""
@@ -59,7 +61,8 @@ class Localisation:
         return {k: v for k, v in self.__dict__.items() if k != "replayed"}
 
     def describe(self) -> str:
-        where = "the optimizer" if self.phase == "optimizer" and not self.module else f"{self.module or '?'} ({self.phase})"
+        outside = {"optimizer": "the optimizer", "data": "the data"}
+        where = outside[self.phase] if not self.module and self.phase in outside else f"{self.module or '?'} ({self.phase})"
         ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
         return f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}" + (f"; {self.note}" if self.note else "")
 
@@ -150,7 +153,7 @@ class NonFiniteTracer(TorchDispatchMode):
             return out
         if name in UNINITIALISED or not inputs or _asks_for_nonfinite(args, kwargs):
             return out  # factories (uninitialised memory), or an infinity on purpose: masked_fill(mask, -inf)
-        operator, ranges, note = name, [_range(t) for t in inputs], ""
+        operator, ranges, note, peak = name, [_range(t) for t in inputs], "", None
         if not all(_finite(t) for t in inputs):
             # Infinite inputs (an attention mask's -inf) are legitimate until an op turns them into NaN:
             # inf - inf, 0 * inf, a softmax over a row that is -inf everywhere.
@@ -161,11 +164,12 @@ class NonFiniteTracer(TorchDispatchMode):
             producer = self._producers.get(id(inputs[0]))
             if producer is not None and producer[0]() is inputs[0]:
                 operator, ranges = producer[1], producer[2]
-                note = f"its result, max |x| = {max(abs(v) for v in _range(inputs[0])):.4g}, overflowed when rounded to {str(bad.dtype).replace('torch.', '')}"
+                peak = max(abs(v) for v in _range(inputs[0]))
+                note = f"its result, max |x| = {peak:.4g}, overflowed when rounded to {str(bad.dtype).replace('torch.', '')}"
             else:
                 note = f"overflowed when cast to {str(bad.dtype).replace('torch.', '')}"
         self.found = {"phase": self._phase(), "module": self._module(), "operator": operator,
-                      "input_ranges": ranges, "output": _describe_bad(bad), "note": note}
+                      "input_ranges": ranges, "output": _describe_bad(bad), "note": note, "peak": peak}
         return out
 
     def _remember(self, func: Any, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:

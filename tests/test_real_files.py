@@ -144,3 +144,22 @@ def test_nan_from_a_fully_masked_attention_row_is_localised_in_fp32():
     assert top["cause"] == "fp32-divergence"
     assert (top["evidence"]["module"], top["evidence"]["operator"], top["evidence"]["step"]) == ("mha", "aten::_softmax", 2)
     assert "every key masked" in top["fix"]["summary"]
+
+
+def test_a_forward_overflow_after_skips_is_localised_where_the_loss_turns_nan():
+    """Skipped steps come first (the scaler at work); the localisation goes to the step whose loss is NaN,
+    where the attention scores overflow, and the fix keeps the attention in fp32, verified."""
+    code, report, _ = diagnose_json("huge_attention_logits.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "activation-overflow" and top["evidence"]["module"] == "attn"
+    assert top["evidence"]["overflowing_value"] > 65504 and top["verification"]["repaired"] is True
+    nonfinite = next(s for s in report["symptoms"] if s["symptom"] == "nonfinite")
+    assert top["evidence"]["step"] == nonfinite["measured"]["first_nonfinite_step"]
+
+
+def test_a_loop_without_scaler_update_is_scaler_misuse():
+    code, report, _ = diagnose_json("scaler_without_update.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "scaler-misuse" and any("without update()" in p for p in top["evidence"]["problems"])

@@ -25,7 +25,7 @@ from ..localise import localise
 from ..numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
 from ..probe import DEFAULT_INSTRUMENTS, SCHEDULER_ORDER_WARNING, Probe, ProbeSnapshot, Workbench
 from ..rng import seed_everything
-from ..symptoms import Symptom, loss_floor, measure, probe_symptoms, relative_deviation, skip_runs
+from ..symptoms import Symptom, first_nonfinite, loss_floor, measure, probe_symptoms, relative_deviation, skip_runs
 from ..thresholds import BF16_FACTOR, CALIBRATION_SKIPS, DRIFT_ERROR, GAP_TOLERANCE, KEEP_MASS, UNDERFLOW_ALARM
 from .model import Evidence, ProbeSummary, StageReport
 
@@ -293,6 +293,12 @@ def _same(a: float, b: float) -> bool:
 
 
 def _bad_step(summary: ProbeSummary) -> int:
+    """The step to localise: the first the training did not survive (an inf/NaN loss, or inf/NaN gradients
+    applied to the weights), else the first whose gradients the GradScaler caught. A skip is the scaler at
+    work; a forward that overflows a few steps later is the fault the user sees."""
+    unhandled = first_nonfinite(summary.records)
+    if unhandled is not None:
+        return unhandled
     candidates = [s for s in (summary.first_nonfinite_loss, summary.first_nonfinite_grads) if s is not None]
     return min(candidates)
 

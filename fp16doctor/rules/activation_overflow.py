@@ -29,11 +29,15 @@ class ActivationOverflow(Rule):
             return []
         keep = enclosing_fp32_safe(ev, loc.module)
         peak = module_abs_max(ev.fp32, loc.module)
+        if loc.peak is not None:
+            size = f": its result reaches {loc.peak:.3g} (fp16 holds 65504)"
+        else:
+            size = f": the module's fp32 output reaches {peak:.3g}" if peak else ""
         return [self.finding(
-            f"Activations overflow fp16 in module '{loc.module}' ({loc.operator}) at step {loc.step}"
-            + (f": fp32 reaches {peak:.3g}" if peak else ""),
+            f"Activations overflow fp16 in module '{loc.module}' ({loc.operator}) at step {loc.step}{size}",
             {"module": loc.module, "operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
              "operator_input_ranges": loc.input_ranges, "output": loc.output, "fp32_abs_max": peak,
+             "overflowing_value": loc.peak,
              "deterministic": ev.localisation_deterministic, "keep_in_fp32": keep, "note": loc.note},
             Fix(
                 f"Run {keep} in fp32 (autocast off inside it), or rescale what overflows (e.g. attention scores by 1/sqrt(d)), or train in bf16.",

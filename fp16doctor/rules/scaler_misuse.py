@@ -4,8 +4,9 @@ Evidence: the sequence of GradScaler calls of each iteration, as the loop made
 them (`scale`, `unscale_`, `step`, `update`), and GradScaler's own refusals:
 `unscale_` twice before `update` ("unscale_() has already been called on this
 optimizer since the last update()"), e.g. on every accumulation micro-step;
-`update()` in an iteration without a `step()`; `step()` on gradients never
-scaled ("_scale is None"); `update()` more than once in an iteration (one
+`update()` in an iteration without a `step()`; `step()` without `update()`
+(the scale never adapts, and the next `step()` refuses: "unscale_() is being
+called after step()"); `step()` on gradients never scaled ("_scale is None"); `update()` more than once in an iteration (one
 scaler, two optimizers, `update` between them). PyTorch's "CUDA Automatic Mixed
 Precision examples" give the recipe for each loop shape (mixed-precision-notes.md).
 """
@@ -20,6 +21,7 @@ REFUSALS = {
     "has already been called on this optimizer since the last update": "unscale_ called twice before update()",
     "_scale is None": "step()/unscale_() on gradients that scaler.scale() never scaled",
     "No inf checks were recorded": "step() after unscale_ found no gradients to check",
+    "is being called after step()": "step() without update(): the next iteration's step() finds the last one never closed",
 }
 RECIPE = """# gradient accumulation: scale every micro-batch, unscale/clip/step/update once
 scaler.scale(loss / accumulate).backward()
@@ -29,7 +31,8 @@ if (micro + 1) % accumulate == 0:
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-# two optimizers: scaler.step(opt1); scaler.step(opt2); then ONE scaler.update()"""
+# two optimizers: scaler.step(opt1); scaler.step(opt2); then ONE scaler.update()
+# every scaler.step(optimizer) is followed by scaler.update() in the same iteration"""
 
 
 class ScalerMisuse(Rule):
@@ -41,7 +44,10 @@ class ScalerMisuse(Rule):
     fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 1, "type": "RuntimeError",
                                     "message": "unscale_() has already been called on this optimizer since the last update()."}),
                                     scaler_calls=[["scale", "unscale_"], ["scale", "unscale_"]])),
-                lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "update"]] * 10)))
+                lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "update"]] * 10)),
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 1, "type": "RuntimeError",
+                                    "message": "unscale_() is being called after step()."}),
+                                    scaler_calls=[["scale", "step"], ["scale", "step"]])))
     quiet_on = (lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "unscale_", "step", "update"]] * 10)),
                 lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale"], ["scale"], ["scale"], ["scale", "unscale_", "step", "update"]])))
     suppresses = ("scale-overflow", "scale-growth", "scheduler-skip-drift", "bf16-advice")
@@ -58,6 +64,8 @@ class ScalerMisuse(Rule):
         for step, sequence in enumerate(calls):
             if "update" in sequence and "step" not in sequence and "scale" in sequence:
                 problems.append(f"update() without step() in iteration {step} (the scale changes between micro-batches)")
+            if "step" in sequence and "update" not in sequence:
+                problems.append(f"step() without update() in iteration {step} (the scale never adapts)")
             if sequence.count("update") > 1:
                 problems.append(f"update() {sequence.count('update')} times in iteration {step}")
             if "step" in sequence and not amp.scaler_called:
