@@ -53,6 +53,8 @@ class Localisation:
     mode: str = "amp"
     peak: float | None = None
     """The largest magnitude of the result that overflowed when rounded to low precision, when it was seen."""
+    scalars: list[float] = field(default_factory=list)
+    """The Python numbers the culprit operator was called with (a mask's fill value, a scale)."""
     replayed: list[tuple[float, float]] = field(default_factory=list, repr=False)
     """(loss, loss scale) of each step the replay took before the traced one: compared with the original
     run's, they tell whether the fault reproduces deterministically."""
@@ -104,6 +106,12 @@ def _nonfinite_field(batch: Any) -> tuple[str, torch.Tensor] | None:
     return None
 
 
+def _scalars(args: tuple, kwargs: dict) -> list[float]:
+    """The Python numbers among an op's arguments (not bools, not sizes of 0 or 1)."""
+    values = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    return [float(v) for v in values if abs(v) > 1]
+
+
 def _asks_for_nonfinite(args: tuple, kwargs: dict) -> bool:
     """A non-finite scalar argument: the op writes inf/NaN because it was told to (attention masks)."""
     scalars = [a for a in list(args) + list(kwargs.values()) if isinstance(a, float)]
@@ -135,7 +143,7 @@ class NonFiniteTracer(TorchDispatchMode):
         super().__init__()
         self.context = context
         self.found: dict[str, Any] | None = None
-        self._producers: dict[int, tuple[weakref.ref, str, list[tuple[float, float]]]] = {}
+        self._producers: dict[int, tuple[weakref.ref, str, list[tuple[float, float]], list[float]]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -149,11 +157,11 @@ class NonFiniteTracer(TorchDispatchMode):
             return out
         bad = next((t for t in outputs if not _finite(t)), None)
         if bad is None:
-            self._remember(func, name, inputs, outputs)
+            self._remember(func, name, inputs, outputs, args, kwargs)
             return out
         if name in UNINITIALISED or not inputs or _asks_for_nonfinite(args, kwargs):
             return out  # factories (uninitialised memory), or an infinity on purpose: masked_fill(mask, -inf)
-        operator, ranges, note, peak = name, [_range(t) for t in inputs], "", None
+        operator, ranges, note, peak, scalars = name, [_range(t) for t in inputs], "", None, _scalars(args, kwargs)
         if not all(_finite(t) for t in inputs):
             # Infinite inputs (an attention mask's -inf) are legitimate until an op turns them into NaN:
             # inf - inf, 0 * inf, a softmax over a row that is -inf everywhere.
@@ -163,16 +171,17 @@ class NonFiniteTracer(TorchDispatchMode):
         elif name in CASTS:
             producer = self._producers.get(id(inputs[0]))
             if producer is not None and producer[0]() is inputs[0]:
-                operator, ranges = producer[1], producer[2]
+                operator, ranges, scalars = producer[1], producer[2], producer[3]
                 peak = max(abs(v) for v in _range(inputs[0]))
                 note = f"its result, max |x| = {peak:.4g}, overflowed when rounded to {str(bad.dtype).replace('torch.', '')}"
             else:
                 note = f"overflowed when cast to {str(bad.dtype).replace('torch.', '')}"
         self.found = {"phase": self._phase(), "module": self._module(), "operator": operator,
-                      "input_ranges": ranges, "output": _describe_bad(bad), "note": note, "peak": peak}
+                      "input_ranges": ranges, "output": _describe_bad(bad), "note": note, "peak": peak, "scalars": scalars}
         return out
 
-    def _remember(self, func: Any, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    def _remember(self, func: Any, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+                  args: tuple, kwargs: dict) -> None:
         """Who produced each tensor, to see through rounding casts; views pass their input's producer on."""
         if name in CASTS:
             return
@@ -180,11 +189,11 @@ class NonFiniteTracer(TorchDispatchMode):
             known = self._producers.get(id(inputs[0]))
             if known is not None and known[0]() is inputs[0]:
                 for t in outputs:
-                    self._producers[id(t)] = (weakref.ref(t), known[1], known[2])
+                    self._producers[id(t)] = (weakref.ref(t), known[1], known[2], known[3])
             return
-        ranges = [_range(t) for t in inputs]
+        ranges, scalars = [_range(t) for t in inputs], _scalars(args, kwargs)
         for t in outputs:
-            self._producers[id(t)] = (weakref.ref(t), name, ranges)
+            self._producers[id(t)] = (weakref.ref(t), name, ranges, scalars)
 
     def _phase(self) -> str:
         if self.context.in_optimizer:

@@ -163,3 +163,14 @@ def test_a_loop_without_scaler_update_is_scaler_misuse():
     assert code == 1
     top = report["findings"][0]
     assert top["cause"] == "scaler-misuse" and any("without update()" in p for p in top["evidence"]["problems"])
+
+
+def test_a_float32_min_mask_cast_to_fp16_is_a_constant_out_of_range():
+    """The culprit op multiplies a [0, 1] mask by the Python number finfo(float32).min: the constant is the
+    evidence (recorded from the op's arguments), not an activation that grew."""
+    code, report, _ = diagnose_json("finfo_min_mask.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "constant-out-of-range", [(f["cause"], f["title"]) for f in report["findings"]]
+    assert top["evidence"]["constant"] == -3.4028234663852886e38 and top["evidence"]["module"] == "attn"
+    assert top["verification"]["repaired"] is True

@@ -3,9 +3,9 @@
 Evidence: under AMP only, `masked_fill`/`fill_`/`full` refuse the constant
 ("value cannot be converted to type at::Half without overflow", e.g. an
 attention mask filled with -1e9), with the module whose code raised it; or the
-localised first non-finite operator is a cast or fill whose input holds a
-constant of constant-like magnitude (|x| >= 1e8, e.g. `torch.finfo(torch.float32).min`
-arithmetic) that becomes inf in fp16. fp16's largest finite value is 65504
+localised first non-finite operator is a cast or fill whose input, or whose
+Python number argument, holds a constant of constant-like magnitude (|x| >= 1e8,
+e.g. `(1 - mask) * torch.finfo(torch.float32).min`) that becomes inf in fp16. fp16's largest finite value is 65504
 (mixed-precision-notes.md, "Constants out of fp16 range").
 """
 
@@ -54,18 +54,21 @@ class ConstantOutOfRange(Rule):
         loc = ev.localisation
         if loc is None or loc.operator not in CAST_OR_FILL or loc.phase not in ("forward", "loss"):
             return []
-        constant = max((max(abs(lo), abs(hi)) for lo, hi in loc.input_ranges), default=0.0)
+        magnitudes = [max(abs(lo), abs(hi)) for lo, hi in loc.input_ranges] + [abs(v) for v in loc.scalars]
+        constant = max(magnitudes, default=0.0)
         if constant < CONSTANT_MAGNITUDE:
             return []
         module = loc.module if loc.module and not loc.module.startswith("<") else None
-        return [self._finding(ev, {"operator": loc.operator, "constant_magnitude": constant, "output": loc.output,
-                                   "module": loc.module, "step": loc.step, "batch": loc.batch_index}, module)]
+        literal = next((v for v in loc.scalars if abs(v) >= CONSTANT_MAGNITUDE), None)
+        return [self._finding(ev, {"operator": loc.operator, "constant_magnitude": constant, "constant": literal,
+                                   "output": loc.output, "module": loc.module, "step": loc.step, "batch": loc.batch_index}, module)]
 
     def _finding(self, ev: Evidence, evidence: dict[str, Any], module: str | None) -> Finding:
         where = f" in module '{module}'" if module else ""
         patch = {"overrides": {"fp32_modules": [module]}} if module else {}
         return self.finding(
-            f"A constant beyond fp16's range (65504) meets an fp16 tensor{where}: {evidence['operator']}",
+            f"A constant beyond fp16's range (65504) meets an fp16 tensor{where}: {evidence['operator']}"
+            + (f" with {evidence['constant']:.3g}" if evidence.get("constant") is not None else ""),
             evidence,
             Fix(
                 "Use the dtype's own limit instead of a literal, or a boolean mask: "
