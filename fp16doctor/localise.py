@@ -68,9 +68,6 @@ class Localisation:
         ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
         return f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}" + (f"; {self.note}" if self.note else "")
 
-    def key(self) -> tuple:
-        return (self.step, self.phase, self.module, self.operator)
-
 
 def _floats(value: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []

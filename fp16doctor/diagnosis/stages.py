@@ -21,7 +21,7 @@ from ..compare import compare, run_aligned
 from ..config import DoctorConfig, build_config, merge
 from ..datascan import scan_batches
 from ..instruments import InstrumentOptions, precision_map
-from ..localise import localise
+from ..localise import Localisation, localise
 from ..numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
 from ..probe import DEFAULT_INSTRUMENTS, SCHEDULER_ORDER_WARNING, Probe, ProbeSnapshot, Workbench
 from ..rng import seed_everything
@@ -278,7 +278,7 @@ def stage_localise(ctx: StageContext) -> StageReport:
                                 "fp32": ev.fp32_localisation.to_json() if ev.fp32_localisation else None})
 
 
-def reproduces(found: Any, original: ProbeSummary) -> bool:
+def reproduces(found: Localisation, original: ProbeSummary) -> bool:
     """Whether the replay walked the original run's path: the same loss and loss scale at every step before
     the traced one (bit for bit), and the fault at the same step. One replay checked against the original
     run is as strict as two replays checked against each other, at half the cost."""
