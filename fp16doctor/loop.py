@@ -7,6 +7,7 @@ a reason, stated beside it.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -20,6 +21,7 @@ LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """The contract's default: ``model(**batch).loss`` for dicts, ``cross_entropy(model(x), y)`` for pairs."""
     if isinstance(batch, dict):
+        _check_keywords(model, batch)
         output = model(**batch)
         loss = getattr(output, "loss", None)
         if loss is None and isinstance(output, dict):
@@ -38,6 +40,23 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         + (f" with {len(batch)} items" if isinstance(batch, (tuple, list)) else "") + ".",
         hint="Define loss(model, batch) in the training file (the default handles (x, y) pairs and Hugging Face style dicts).",
     )
+
+
+def _check_keywords(model: torch.nn.Module, batch: dict[str, Any]) -> None:
+    """A dict batch is passed as keyword arguments: a forward that cannot take them is a contract
+    mismatch (bad input), not an exception of the training to diagnose."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return  # a builtin or wrapped forward: let the call speak
+    try:
+        signature.bind(**batch)
+    except TypeError as exc:
+        raise BatchError(
+            f"the batch is a dict, so the default loss calls model(**batch).loss, but {type(model).__name__}.forward "
+            f"cannot take the keys {sorted(batch)}: {exc}.",
+            hint="Define loss(model, batch) in the training file to say how the loss is computed.",
+        ) from exc
 
 
 def canonical_step(

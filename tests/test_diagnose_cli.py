@@ -167,6 +167,22 @@ def test_a_data_file_not_found_says_where_relative_paths_start(tmp_path):
     assert at_home.returncode == 0, at_home.stderr[-2000:]
 
 
+def test_a_dict_batch_the_model_cannot_take_as_keywords_asks_for_a_loss(tmp_path):
+    """The default loss is model(**batch).loss for a dict: a forward(self, batch) is a contract mismatch, said
+    plainly (exit 2), not a TypeError 'in FP32 too' diagnosed as fp32-divergence."""
+    path = tmp_path / "dict_forward.py"
+    path.write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.l = torch.nn.Linear(4, 2)\n"
+        "    def forward(self, batch):\n        return self.l(batch['x'])\n"
+        "def model():\n    return Net()\n"
+        "def data():\n    yield {'x': torch.randn(8, 4), 'y': torch.randint(0, 2, (8,))}\n")
+    proc = run_cli("diagnose", path, "--ci", "--steps", "2")
+    message = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "model(**batch).loss" in message and "Define loss(model, batch)" in message
+
+
 def test_rules_command_lists_every_code():
     proc = run_cli("rules")
     assert proc.returncode == 0
