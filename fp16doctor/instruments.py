@@ -56,6 +56,17 @@ def _floating_leaves(value: Any) -> list[torch.Tensor]:
     return [t for _, t in iter_tensors(value) if t.is_floating_point()]
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside a (Distributed)DataParallel wrapper: its names are the ones the user knows."""
+    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    return model.module if isinstance(model, parallel) else model
+
+
+def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
+    """Every module of the user's model by its path (the root: ``<root>``); a parallel wrapper is left out."""
+    return {m: n or "<root>" for n, m in unwrapped(model).named_modules()}
+
+
 def grad_values(p: torch.Tensor) -> torch.Tensor | None:
     """A parameter's gradient as a dense tensor of its values: a sparse gradient (``nn.Embedding(sparse=True)``)
     gives its coalesced values, which hold its every non-zero entry (norms, extremes and shares stay exact)."""
@@ -150,8 +161,8 @@ class Instruments:
         self.model = model
         self.optimizer = optimizer
         self.options = options or InstrumentOptions()
-        self.names = {m: n or "<root>" for n, m in model.named_modules()}
-        self.param_names = {p: n for n, p in model.named_parameters()}
+        self.names = module_names(model)
+        self.param_names = {p: n for n, p in unwrapped(model).named_parameters()}
         self.forward_rows: list[dict[str, Any]] = []
         self.activation_grad_rows: list[dict[str, Any]] = []
         self.param_rows: list[dict[str, Any]] = []
@@ -171,7 +182,7 @@ class Instruments:
     def attach(self) -> None:
         if self._handles:
             return
-        for module in self.model.modules():
+        for module in self.names:
             self._handles.append(module.register_forward_hook(self._post_forward))
         self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
         self._handles.append(self.optimizer.register_step_post_hook(self._post_step))

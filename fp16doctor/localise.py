@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .instruments import module_names
 from .probe import Probe, Workbench
 
 CASTS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_to_dtype"}
@@ -211,7 +212,7 @@ class NonFiniteTracer(TorchDispatchMode):
 def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) -> Localisation | None:
     """Take ``probe``'s next step (on ``batch`` if given) with the tracer on; the first non-finite op, or None."""
     context = _Context()
-    names = {m: n or "<root>" for n, m in probe.model.named_modules()}
+    names = module_names(probe.model)
 
     def push(module: torch.nn.Module, args: Any) -> None:
         context.stack.append(names[module])
@@ -235,7 +236,7 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
         context.in_optimizer = False
 
     handles = []
-    for module in probe.model.modules():
+    for module in names:
         handles.append(module.register_forward_pre_hook(push))
         handles.append(module.register_forward_hook(pop))
     handles.append(probe.optimizer.register_step_pre_hook(optimizer_on))

@@ -310,3 +310,33 @@ def test_two_process_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     full = pd.read_csv(tmp_path / "full" / "metrics.csv")["loss"].tolist()
     assert pd.read_csv(tmp_path / "part" / "metrics.csv")["loss"].tolist() == full
+
+
+@pytest.mark.slow
+def test_under_ddp_the_first_nonfinite_step_names_the_users_module(tmp_path):
+    """The replay of a bad step under DistributedDataParallel names modules as the user's model does
+    ('1.proj'), not with the wrapper's 'module.' prefix."""
+    path = tmp_path / "overflows.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        CONFIG = {"steps": 3}
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj = nn.Linear(16, 16)
+                with torch.no_grad():
+                    self.proj.bias.fill_(1e5)   # beyond 65504 once cast to fp16
+            def forward(self, x):
+                return self.proj(x)
+        def model():
+            return nn.Sequential(nn.Linear(8, 16), Block(), nn.Linear(16, 2))
+        def data():
+            g = torch.Generator().manual_seed(0)
+            return [(torch.rand(4, 8, generator=g) + 1, torch.randint(0, 2, (4,), generator=g)) for _ in range(6)]
+    """))
+    proc = run_cli("train", path, "--nproc", "2", "--run-dir", tmp_path / "run", "--device", "cpu")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    localisation = summary["first_nonfinite"]["localisation"]
+    assert (localisation["module"], localisation["phase"]) == ("1.proj", "forward"), (localisation, proc.stderr[-2000:])
+    assert not localisation["module"].startswith("module.")
