@@ -1,12 +1,14 @@
 """Batches: the contract's allowed shapes and the operations the probes need on them.
 
 A batch is a tensor, a tuple/list of tensors or a dict of tensors, nested in
-any combination. Non-tensor leaves (ints, strings) are tolerated inside
+any combination; a dict is any mapping (Hugging Face's ``BatchEncoding`` is a
+``UserDict``). Non-tensor leaves (ints, strings) are tolerated inside
 containers because real datasets carry ids and lengths.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
@@ -18,7 +20,7 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Apply ``fn`` to every tensor leaf, keeping the container structure."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, dict):  # keeps OrderedDict and friends; falls back to a plain dict
+    if isinstance(batch, Mapping):  # keeps OrderedDict, BatchEncoding and friends; falls back to a plain dict
         return map_tensors_of(batch, {k: map_tensors(v, fn) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(map_tensors(v, fn) for v in batch))
@@ -31,7 +33,7 @@ def map_named_tensors(batch: Any, fn: Callable[[str, torch.Tensor], torch.Tensor
     """:func:`map_tensors` with each leaf's field path (as :func:`iter_tensors` names it) passed to ``fn``."""
     if isinstance(batch, torch.Tensor):
         return fn(prefix or "batch", batch)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return map_tensors_of(batch, {k: map_named_tensors(v, fn, f"{prefix}.{k}" if prefix else str(k)) for k, v in batch.items()})
     if isinstance(batch, (list, tuple)):
         items = [map_named_tensors(v, fn, f"{prefix}.{i}" if prefix else str(i)) for i, v in enumerate(batch)]
@@ -39,7 +41,7 @@ def map_named_tensors(batch: Any, fn: Callable[[str, torch.Tensor], torch.Tensor
     return batch
 
 
-def map_tensors_of(original: dict, mapped: dict) -> dict:
+def map_tensors_of(original: Mapping, mapped: dict) -> Mapping:
     """``mapped`` in ``original``'s dict type where it can be rebuilt (OrderedDict, ModelOutput-like)."""
     if type(original) is dict:
         return mapped
@@ -53,7 +55,7 @@ def iter_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
     """(field path, tensor) for every tensor leaf: ``"0"``, ``"input_ids"``, ``"x.1"``."""
     if isinstance(batch, torch.Tensor):
         yield prefix or "batch", batch
-    elif isinstance(batch, dict):
+    elif isinstance(batch, Mapping):
         for key, value in batch.items():
             yield from iter_tensors(value, f"{prefix}.{key}" if prefix else str(key))
     elif isinstance(batch, (list, tuple)):
@@ -63,7 +65,7 @@ def iter_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
 
 def check_batch(batch: Any, index: int) -> None:
     """Raise :class:`BatchError` unless ``batch`` holds at least one tensor in a supported container."""
-    if not isinstance(batch, (torch.Tensor, dict, list, tuple)):
+    if not isinstance(batch, (torch.Tensor, Mapping, list, tuple)):
         raise BatchError(
             f"batch {index} from data() is a {type(batch).__name__}, which is not a supported batch.",
             hint="Yield a tensor, a tuple/list of tensors, or a dict of tensors (numpy arrays: wrap with torch.as_tensor).",

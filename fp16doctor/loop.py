@@ -8,6 +8,7 @@ a reason, stated beside it.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -20,7 +21,7 @@ LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """The contract's default: ``model(**batch).loss`` for dicts, ``cross_entropy(model(x), y)`` for pairs."""
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         _check_keywords(model, batch)
         output = model(**batch)
         loss = getattr(output, "loss", None)
@@ -42,7 +43,7 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     )
 
 
-def _check_keywords(model: torch.nn.Module, batch: dict[str, Any]) -> None:
+def _check_keywords(model: torch.nn.Module, batch: Mapping[str, Any]) -> None:
     """A dict batch is passed as keyword arguments: a forward that cannot take them is a contract
     mismatch (bad input), not an exception of the training to diagnose."""
     try:
