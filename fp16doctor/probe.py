@@ -251,7 +251,7 @@ class Probe:
         user_loss = self.spec.loss or default_loss
 
         def checked_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-            loss = user_loss(model, batch)
+            loss = reported_loss(user_loss(model, batch))  # (loss, metrics) or an output with .loss: the loss
             self._loss_value(loss, check_only=True)  # a non-scalar loss is bad input, not a numerical fault
             return loss
 
@@ -347,7 +347,8 @@ class Probe:
         if not isinstance(loss, torch.Tensor):
             where = "train_step()" if self.spec.train_step else "loss()"
             hint = ("Return the loss: a scalar tensor or a number (an output with a `loss` field, or a tuple with the "
-                    "loss first, works too)." if self.spec.train_step else "Return the scalar loss tensor.")
+                    "loss first, works too)." if self.spec.train_step else
+                    "Return the scalar loss tensor (or an output with a `loss` field, or a tuple with the loss first).")
             raise TrainingFileError(f"{where} returned {returned}, not a loss.", hint=hint)
         if loss.numel() != 1:
             where = "train_step()" if self.spec.train_step else ("loss()" if self.spec.loss else "the default loss")

@@ -105,6 +105,18 @@ def test_a_train_step_may_return_the_loss_inside_an_output(tmp_path, returned):
     assert fp32["details"]["final_loss"] > 0
 
 
+def test_a_loss_function_may_return_the_loss_with_its_metrics(tmp_path):
+    path = tmp_path / "metrics.py"
+    path.write_text(STEP_RETURNING.split("def train_step")[0] + (
+        "def loss(model, batch):\n"
+        "    logits = model(batch[0])\n"
+        "    value = torch.nn.functional.cross_entropy(logits, batch[1])\n"
+        "    return value, {'accuracy': (logits.argmax(-1) == batch[1]).float().mean()}\n"))
+    proc = run_cli("diagnose", path, "--ci", "--json", "--steps", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["verdict"] == "healthy"
+
+
 def test_a_train_step_that_returns_nothing_is_bad_input(tmp_path):
     path = tmp_path / "step.py"
     path.write_text(STEP_RETURNING.replace("{RETURNED}", "None"))
