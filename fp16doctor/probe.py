@@ -138,6 +138,8 @@ class Workbench:
         seed_everything(self.config.seed)
         with full_precision():
             model = build_model(self.spec)
+        self.parameter_shapes = [tuple(p.shape) for p in model.parameters()]
+        """The shapes of ``model().parameters()`` in order (for dry runs of the user's optimizer and scheduler)."""
         return {k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone() for k, v in model.state_dict().items()}
 
     def probe(self, mode: str, config: DoctorConfig | None = None, **options: Any) -> "Probe":
@@ -304,7 +306,7 @@ class Probe:
             loss_scale=scale, skipped=skipped, optimizer_stepped=outcome == "stepped", micro_step=outcome == "accumulated",
             nonfinite_loss=not math.isfinite(loss_value), nonfinite_grads=not math.isfinite(grad_norm), trace=trace,
         )
-        self._advance(skipped, optimizer_step=outcome != "accumulated")
+        self._advance(skipped, optimizer_step=outcome != "accumulated", loss=loss_value)
         if skipped and rng_before is not None:
             set_rng_state(rng_before)  # the retry draws the same dropout masks as fp32's step did
         self.records.append(record)
@@ -323,13 +325,13 @@ class Probe:
         if self.instruments is not None:
             self.instruments.end_step(grads_unscaled=trace.unscaled or not trace.scaled)
 
-    def _advance(self, skipped: bool, optimizer_step: bool = True) -> None:
+    def _advance(self, skipped: bool, optimizer_step: bool = True, loss: float = math.nan) -> None:
         """Move the data cursor, and the scheduler once per optimizer step (not per accumulation micro-step)."""
         hold = skipped and (self.hold_on_retry or self.config.overrides.hold_scheduler_on_skip)
         if self.scheduler is not None and optimizer_step and not hold:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)
-                self.scheduler.step()
+                step_scheduler(self.scheduler, loss)
         cap = self.config.overrides.max_lr
         if cap is not None:
             for group in self.optimizer.param_groups:
@@ -424,6 +426,19 @@ class Probe:
         self._watch.close()
         if self.instruments is not None:
             self.instruments.detach()
+
+
+def metric_driven(scheduler: Any) -> bool:
+    """A scheduler whose learning rate follows a measured metric (``ReduceLROnPlateau``), not the step count."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def step_scheduler(scheduler: Any, loss: float) -> None:
+    """One scheduler step; a metric-driven scheduler is given the step's loss, as a loop would give it."""
+    if metric_driven(scheduler):
+        scheduler.step(loss)
+    else:
+        scheduler.step()
 
 
 def reported_loss(value: Any) -> Any:

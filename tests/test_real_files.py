@@ -17,7 +17,7 @@ from conftest import ROOT, run_cli
 FILES = ROOT / "tests" / "training_files"
 HEALTHY = ["own_optimizer.py", "hf_bert.py", "hf_checkpointing.py", "compiled.py", "dataloader_workers.py",
            "uses_sibling.py", "grad_accumulation.py", "returns_item.py", "sparse_embeddings.py",
-           "hf_batch_encoding.py"]
+           "hf_batch_encoding.py", "plateau_scheduler.py"]
 
 
 def diagnose_json(name: str, *extra: str, env: dict | None = None) -> tuple[int, dict, str]:
@@ -175,3 +175,15 @@ def test_a_float32_min_mask_cast_to_fp16_is_a_constant_out_of_range():
     assert top["cause"] == "constant-out-of-range", [(f["cause"], f["title"]) for f in report["findings"]]
     assert top["evidence"]["constant"] == -3.4028234663852886e38 and top["evidence"]["module"] == "attn"
     assert top["verification"]["repaired"] is True
+
+
+def test_a_scheduler_that_follows_the_loss_is_given_the_loss(tmp_path):
+    """ReduceLROnPlateau.step(metrics) crashed every probe (an internal error); now each step's loss is passed,
+    and the learning rate of the run drops when the loss stops improving."""
+    proc = run_cli("train", FILES / "plateau_scheduler.py", "--run-dir", tmp_path / "run", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lrs = pd.read_csv(tmp_path / "run" / "metrics.csv")["lr"]
+    assert lrs.iloc[0] == pytest.approx(1e-3) and lrs.min() < lrs.iloc[0]
+    _, report, _ = diagnose_json("plateau_scheduler.py")
+    stage = next(s for s in report["stages"] if s["name"] == "LR schedule peak")
+    assert stage["status"] == "skipped" and "follows the loss" in stage["summary"]

@@ -23,7 +23,7 @@ from ..datascan import scan_batches
 from ..instruments import InstrumentOptions, precision_map
 from ..localise import Localisation, localise
 from ..numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
-from ..probe import DEFAULT_INSTRUMENTS, SCHEDULER_ORDER_WARNING, Probe, ProbeSnapshot, Workbench
+from ..probe import DEFAULT_INSTRUMENTS, SCHEDULER_ORDER_WARNING, Probe, ProbeSnapshot, Workbench, metric_driven
 from ..rng import seed_everything
 from ..symptoms import Symptom, first_nonfinite, loss_floor, measure, probe_symptoms, relative_deviation, skip_runs
 from ..thresholds import BF16_FACTOR, CALIBRATION_SKIPS, DRIFT_ERROR, GAP_TOLERANCE, KEEP_MASS, UNDERFLOW_ALARM
@@ -52,10 +52,12 @@ class StageContext:
         return build_config(merge(self.config.to_dict(), patch))
 
     def schedule(self) -> dict[str, Any] | None:
-        """The LR schedule's peak and largest jump (:func:`schedule_events`), dry-run once; None without a scheduler."""
+        """The LR schedule's peak and largest jump (:func:`schedule_events`), dry-run once; None without a
+        scheduler, or with one that follows the loss."""
         if self._schedule is None and self.evidence.has_scheduler:
-            self._schedule = schedule_events(scheduler_lrs(self))
-        return self._schedule
+            lrs = scheduler_lrs(self)
+            self._schedule = schedule_events(lrs) if lrs else {}
+        return self._schedule or None
 
     def schedule_event_steps(self) -> list[int]:
         """The steps (after step 0) where the learning rate peaks or jumps."""
@@ -407,18 +409,29 @@ def _recommend(ctx: StageContext, sweep: pd.DataFrame, window: Any) -> dict[str,
     return {"init_scale": float(best["init_scale"]), "growth_interval": int(best["growth_interval"])}
 
 
-def scheduler_lrs(ctx: StageContext) -> list[float]:
-    """Dry-run a copy of the user's scheduler over the run, on a throw-away optimizer."""
+def scheduler_lrs(ctx: StageContext) -> list[float] | None:
+    """Dry-run a copy of the user's scheduler over the run, on a throw-away optimizer; None for a scheduler
+    that follows the loss (``ReduceLROnPlateau``): it has no schedule to know in advance."""
     spec = ctx.bench.spec
-    dummy = [torch.nn.Parameter(torch.zeros(1))]
-    optimizer = spec.optimizer(dummy) if spec.optimizer else torch.optim.AdamW(dummy, lr=ctx.config.lr)
-    scheduler = spec.scheduler(optimizer)
+    # Shape-only stand-ins for the model's parameters: an optimizer() that groups them (by dimension, say)
+    # builds the same groups, and nothing is allocated (the dry run never steps the optimizer).
+    stand_ins = [torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in ctx.bench.parameter_shapes]
+    try:
+        optimizer = spec.optimizer(stand_ins) if spec.optimizer else torch.optim.AdamW(stand_ins, lr=ctx.config.lr)
+        scheduler = spec.scheduler(optimizer)
+    except Exception:  # noqa: BLE001 - the probes built them on the real parameters; only the dry run cannot
+        return None
+    if metric_driven(scheduler):
+        return None
     lrs = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)  # no optimizer steps in a dry run
         for _ in range(ctx.evidence.steps):
             lrs.append(float(optimizer.param_groups[0]["lr"]))
-            scheduler.step()
+            try:
+                scheduler.step()
+            except Exception:  # noqa: BLE001 - e.g. OneCycleLR past its total_steps: the probes show it as the user's error
+                break
     return lrs
 
 
@@ -443,6 +456,9 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
     ev = ctx.evidence
     if not ev.has_scheduler:
         return StageReport("LR schedule peak", "skipped", "no scheduler() in the training file")
+    if ctx.schedule() is None:
+        return StageReport("LR schedule peak", "skipped", "no schedule to dry-run: the scheduler follows the loss "
+                           "(ReduceLROnPlateau), or cannot be built apart from the training")
     ev.lr_peak = info = dict(ctx.schedule())
     lrs, peak, jump = info["lrs"], info["peak_step"], info["jump_step"]
     amp = ev.amp
