@@ -63,8 +63,19 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
-    """Every module of the user's model by its path (the root: ``<root>``); a parallel wrapper is left out."""
-    return {m: n or "<root>" for n, m in unwrapped(model).named_modules()}
+    """Every module of the user's model that takes Python hooks, by its path (the root: ``<root>``). A parallel
+    wrapper is left out; so is a TorchScript module and what it contains (it refuses hooks: its inside is
+    seen only as its output)."""
+    names: dict[torch.nn.Module, str] = {}
+    scripted: list[str] = []
+    for name, module in unwrapped(model).named_modules():
+        if any(name == s or name.startswith(s + ".") for s in scripted):
+            continue
+        if isinstance(module, torch.jit.ScriptModule):
+            scripted.append(name)
+            continue
+        names[module] = name or "<root>"
+    return names
 
 
 def grad_values(p: torch.Tensor) -> torch.Tensor | None:

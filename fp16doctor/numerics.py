@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .instruments import FP16_MAX, FP16_MIN_SUBNORMAL, _sample, grad_values
+from .instruments import FP16_MAX, FP16_MIN_SUBNORMAL, _sample, grad_values, module_names
 from .probe import Probe, Workbench
 from .rng import seed_everything
 from .thresholds import KEEP_MASS, NEGLIGIBLE_RMS
@@ -44,7 +44,7 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
     """
     snap = probe.snapshot()
     captured: dict[str, torch.Tensor] = {}
-    names = {m: n or "<root>" for n, m in probe.model.named_modules()}
+    names = module_names(probe.model)
     params = {p: n for n, p in probe.model.named_parameters()}
 
     def keep(key: str, g: torch.Tensor, divide: float = 1.0) -> None:
@@ -59,7 +59,7 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
             if p.grad is not None:
                 keep(f"param:{n}", grad_values(p))
 
-    handles = [m.register_forward_hook(forward_hook) for m in probe.model.modules()]
+    handles = [m.register_forward_hook(forward_hook) for m in names]
     handles.append(probe.optimizer.register_step_pre_hook(pre_step))
     scale = float(probe.scaler.get_scale()) if probe.scaler.is_enabled() else 1.0
     try:

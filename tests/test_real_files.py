@@ -17,7 +17,7 @@ from conftest import ROOT, run_cli
 FILES = ROOT / "tests" / "training_files"
 HEALTHY = ["own_optimizer.py", "hf_bert.py", "hf_checkpointing.py", "compiled.py", "dataloader_workers.py",
            "uses_sibling.py", "grad_accumulation.py", "returns_item.py", "sparse_embeddings.py",
-           "hf_batch_encoding.py", "plateau_scheduler.py"]
+           "hf_batch_encoding.py", "plateau_scheduler.py", "scripted_activation.py"]
 
 
 def diagnose_json(name: str, *extra: str, env: dict | None = None) -> tuple[int, dict, str]:

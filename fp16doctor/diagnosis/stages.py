@@ -20,7 +20,7 @@ import torch
 from ..compare import compare, run_aligned
 from ..config import DoctorConfig, build_config, merge
 from ..datascan import scan_batches
-from ..instruments import InstrumentOptions, precision_map
+from ..instruments import InstrumentOptions, module_names, precision_map
 from ..localise import Localisation, localise
 from ..numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
 from ..probe import DEFAULT_INSTRUMENTS, SCHEDULER_ORDER_WARNING, Probe, ProbeSnapshot, Workbench, metric_driven
@@ -552,7 +552,7 @@ def _rank_modules(ctx: StageContext, step: int) -> list[dict[str, Any]]:
     outputs: dict[str, dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
     for mode in ("fp32", "amp"):
         probe = probe_at(ctx, mode, ctx.config, step)
-        names = {m: n for n, m in probe.model.named_modules() if n}
+        names = {m: n for m, n in module_names(probe.model).items() if n != "<root>"}
         captured: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
         def hook(module: torch.nn.Module, args: Any, output: Any, captured=captured, names=names) -> None:
