@@ -20,7 +20,8 @@ LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
 def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-    """The contract's default: ``model(**batch).loss`` for dicts, ``cross_entropy(model(x), y)`` for pairs."""
+    """The contract's default: ``model(**batch).loss`` for dicts, ``cross_entropy(model(x), y)`` for pairs (the
+    output's ``logits`` for a Hugging Face style output)."""
     if isinstance(batch, Mapping):
         _check_keywords(model, batch)
         output = model(**batch)
@@ -35,11 +36,25 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         return loss
     if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
         inputs, targets = batch
-        return F.cross_entropy(model(inputs), targets)
+        return F.cross_entropy(_logits(model(inputs)), targets)
     raise BatchError(
         f"no default loss for a batch of type {type(batch).__name__}"
         + (f" with {len(batch)} items" if isinstance(batch, (tuple, list)) else "") + ".",
         hint="Define loss(model, batch) in the training file (the default handles (x, y) pairs and Hugging Face style dicts).",
+    )
+
+
+def _logits(output: Any) -> torch.Tensor:
+    """The logits in a model's output: the tensor itself, or the ``logits`` of a Hugging Face style output."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise BatchError(
+        f"the batch is an (x, y) pair, so the default loss is cross_entropy(model(x), y), but the model returned "
+        f"a {type(output).__name__}, not logits.",
+        hint="Define loss(model, batch) in the training file to say how the loss is computed.",
     )
 
 

@@ -195,6 +195,20 @@ def test_a_dict_batch_the_model_cannot_take_as_keywords_asks_for_a_loss(tmp_path
     assert proc.returncode == 2 and "model(**batch).loss" in message and "Define loss(model, batch)" in message
 
 
+def test_a_pair_batch_whose_model_returns_no_logits_asks_for_a_loss(tmp_path):
+    path = tmp_path / "tuple_out.py"
+    path.write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.l = torch.nn.Linear(4, 2)\n"
+        "    def forward(self, x):\n        y = self.l(x)\n        return y, y.abs().mean()\n"
+        "def model():\n    return Net()\n"
+        "def data():\n    yield torch.randn(8, 4), torch.randint(0, 2, (8,))\n")
+    proc = run_cli("diagnose", path, "--ci", "--steps", "2")
+    message = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "returned a tuple, not logits" in message and "Define loss(model, batch)" in message
+
+
 def test_rules_command_lists_every_code():
     proc = run_cli("rules")
     assert proc.returncode == 0
