@@ -179,34 +179,27 @@ def test_a_data_file_not_found_says_where_relative_paths_start(tmp_path):
     assert at_home.returncode == 0, at_home.stderr[-2000:]
 
 
-def test_a_dict_batch_the_model_cannot_take_as_keywords_asks_for_a_loss(tmp_path):
-    """The default loss is model(**batch).loss for a dict: a forward(self, batch) is a contract mismatch, said
-    plainly (exit 2), not a TypeError 'in FP32 too' diagnosed as fp32-divergence."""
-    path = tmp_path / "dict_forward.py"
+@pytest.mark.parametrize("forward, batch, said", [
+    ("def forward(self, batch):\n        return self.l(batch['x'])",
+     "{'x': torch.randn(8, 4), 'y': torch.randint(0, 2, (8,))}", "model(**batch).loss"),
+    ("def forward(self, x):\n        y = self.l(x)\n        return y, y.abs().mean()",
+     "torch.randn(8, 4), torch.randint(0, 2, (8,))", "returned a tuple, not logits"),
+])
+def test_a_model_the_default_loss_cannot_use_is_bad_input_asking_for_a_loss(tmp_path, forward, batch, said):
+    """The default loss is model(**batch).loss for a dict and cross_entropy(model(x), y) for a pair: a model
+    that fits neither is a contract mismatch, said plainly (exit 2), not a TypeError 'in FP32 too'
+    diagnosed as fp32-divergence."""
+    path = tmp_path / "mismatch.py"
     path.write_text(
         "import torch\n"
         "class Net(torch.nn.Module):\n"
         "    def __init__(self):\n        super().__init__(); self.l = torch.nn.Linear(4, 2)\n"
-        "    def forward(self, batch):\n        return self.l(batch['x'])\n"
+        f"    {forward}\n"
         "def model():\n    return Net()\n"
-        "def data():\n    yield {'x': torch.randn(8, 4), 'y': torch.randint(0, 2, (8,))}\n")
+        f"def data():\n    yield {batch}\n")
     proc = run_cli("diagnose", path, "--ci", "--steps", "2")
     message = " ".join(proc.stderr.split())
-    assert proc.returncode == 2 and "model(**batch).loss" in message and "Define loss(model, batch)" in message
-
-
-def test_a_pair_batch_whose_model_returns_no_logits_asks_for_a_loss(tmp_path):
-    path = tmp_path / "tuple_out.py"
-    path.write_text(
-        "import torch\n"
-        "class Net(torch.nn.Module):\n"
-        "    def __init__(self):\n        super().__init__(); self.l = torch.nn.Linear(4, 2)\n"
-        "    def forward(self, x):\n        y = self.l(x)\n        return y, y.abs().mean()\n"
-        "def model():\n    return Net()\n"
-        "def data():\n    yield torch.randn(8, 4), torch.randint(0, 2, (8,))\n")
-    proc = run_cli("diagnose", path, "--ci", "--steps", "2")
-    message = " ".join(proc.stderr.split())
-    assert proc.returncode == 2 and "returned a tuple, not logits" in message and "Define loss(model, batch)" in message
+    assert proc.returncode == 2 and said in message and "Define loss(model, batch)" in message
 
 
 def test_rules_command_lists_every_code():
