@@ -17,7 +17,7 @@ from conftest import ROOT, run_cli
 FILES = ROOT / "tests" / "training_files"
 HEALTHY = ["own_optimizer.py", "hf_bert.py", "hf_checkpointing.py", "compiled.py", "dataloader_workers.py",
            "uses_sibling.py", "grad_accumulation.py", "returns_item.py", "sparse_embeddings.py",
-           "hf_batch_encoding.py", "plateau_scheduler.py", "scripted_activation.py"]
+           "hf_batch_encoding.py", "plateau_scheduler.py", "scripted_activation.py", "gradient_penalty.py"]
 
 
 def diagnose_json(name: str, *extra: str, env: dict | None = None) -> tuple[int, dict, str]:
@@ -187,3 +187,14 @@ def test_a_scheduler_that_follows_the_loss_is_given_the_loss(tmp_path):
     _, report, _ = diagnose_json("plateau_scheduler.py")
     stage = next(s for s in report["stages"] if s["name"] == "LR schedule peak")
     assert stage["status"] == "skipped" and "follows the loss" in stage["summary"]
+
+
+def test_a_gradient_penalty_from_scaled_gradients_is_scaler_misuse_not_a_precision_gap():
+    """Same weights, same batch: AMP's loss is 10^7 times FP32's, and equal to it with loss scaling off. The
+    scale leaks into the loss; keeping modules in fp32 cannot help, and the diagnosis says what to change."""
+    code, report, _ = diagnose_json("gradient_penalty_scaled.py")
+    assert code == 1
+    causes = [f["cause"] for f in report["findings"]]
+    assert causes[0] == "scaler-misuse" and "precision-gap" not in causes, causes
+    top = report["findings"][0]
+    assert top["evidence"]["gap_without_loss_scaling"] < 1e-3 and "get_scale()" in top["fix"]["summary"]

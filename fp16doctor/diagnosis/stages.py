@@ -537,6 +537,14 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     if gap <= tolerance:
         return StageReport("precision-gap search", "skipped",
                            f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step})", details=info)
+    if cfg.scaler.enabled and cfg.dtype == "float16":
+        # The loss of one step does not depend on the loss scale, unless the scale leaks into it.
+        info["gap_without_loss_scaling"] = plain = same_state_gap(ctx, ctx.with_config({"scaler": {"enabled": False}}), worst_step)
+        if plain <= tolerance:
+            info["scale_leak"] = True
+            return StageReport("precision-gap search", "ran",
+                               f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}), and {plain:.3%} with loss "
+                               "scaling off: the loss scale leaks into the loss (not a precision gap)", details=info)
     ranked = _rank_modules(ctx, worst_step)
     info["ranked_modules"] = ranked[:8]
     fix = _search_fp32_set(ctx, worst_step, [r["module"] for r in ranked], tolerance)

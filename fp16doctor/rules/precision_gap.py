@@ -20,12 +20,14 @@ class PrecisionGap(Rule):
     triggers = ("fast_variance_norm.py",)
     fires_on = (lambda: fx.evidence(gap={"gap": 0.5, "tolerance": 1e-3, "worst_step": 0, "same_state_rel_dev": {0: 0.5},
                                          "closing_set": ["norm"], "closed_gap": 1e-4}),)
-    quiet_on = (lambda: fx.evidence(gap={"gap": 5e-4, "tolerance": 1e-3, "worst_step": 0, "same_state_rel_dev": {0: 5e-4}}),)
+    quiet_on = (lambda: fx.evidence(gap={"gap": 5e-4, "tolerance": 1e-3, "worst_step": 0, "same_state_rel_dev": {0: 5e-4}}),
+                lambda: fx.evidence(gap={"gap": 1e7, "tolerance": 1e-3, "worst_step": 0, "same_state_rel_dev": {0: 1e7},
+                                         "gap_without_loss_scaling": 1e-5, "scale_leak": True}))
 
     def check(self, ev: Evidence) -> list[Finding]:
         gap = ev.gap
-        if not gap or gap["gap"] <= gap["tolerance"]:
-            return []
+        if not gap or gap["gap"] <= gap["tolerance"] or gap.get("scale_leak"):
+            return []  # a gap that loss scaling alone makes is no precision gap (scaler-misuse)
         closing = gap.get("closing_set")
         severity = "error" if gap["gap"] > GAP_ERROR * (gap["tolerance"] / GAP_TOLERANCE) else "warning"
         evidence = {"gap": gap["gap"], "step": gap["worst_step"], "tolerance": gap["tolerance"],
