@@ -135,18 +135,52 @@ class _Context:
 
 
 class NonFiniteTracer(TorchDispatchMode):
-    """Checks every aten op; keeps the first one that turns finite inputs into non-finite outputs."""
+    """Checks every aten op for the first one that turns finite inputs into non-finite outputs.
+
+    Models make infinities on purpose and clean them up (T5's relative-position buckets take log(0) and
+    then cast to integers; masks fill -inf): a forward op that makes inf/NaN is only a candidate, and its
+    non-finite values are followed through the ops that carry them on. The culprit is the first candidate
+    whose values reach a module's output; in backward, the optimizer and the loss, the first candidate.
+    """
 
     def __init__(self, context: _Context):
         super().__init__()
         self.context = context
-        self.found: dict[str, Any] | None = None
+        self.candidates: list[dict[str, Any]] = []
+        self.confirmed: int | None = None
+        self._taint: dict[int, tuple[weakref.ref, int]] = {}
         self._producers: dict[int, tuple[weakref.ref, str, list[tuple[float, float]], list[float]]] = {}
+
+    @property
+    def found(self) -> dict[str, Any] | None:
+        """The culprit: the first confirmed candidate, else the first candidate."""
+        if self.confirmed is not None:
+            return self.candidates[self.confirmed]
+        return self.candidates[0] if self.candidates else None
+
+    def confirm(self, tensors: list[torch.Tensor]) -> None:
+        """A module's output: non-finite values that came from a candidate make that candidate the culprit."""
+        if self.confirmed is not None:
+            return
+        for t in tensors:
+            source = self._source_of(t)
+            if source is not None and not _finite(t):
+                self.confirmed = source
+                return
+
+    def _source_of(self, t: torch.Tensor) -> int | None:
+        entry = self._taint.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _mark(self, outputs: list[torch.Tensor], source: int) -> None:
+        for t in outputs:
+            if not _finite(t):
+                self._taint[id(t)] = (weakref.ref(t), source)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.found is not None:
+        if self.confirmed is not None:
             return out
         name = func._schema.name if hasattr(func, "_schema") else str(func)
         inputs = _floats(args) + _floats(kwargs)
@@ -156,6 +190,10 @@ class NonFiniteTracer(TorchDispatchMode):
         bad = next((t for t in outputs if not _finite(t)), None)
         if bad is None:
             self._remember(func, name, inputs, outputs, args, kwargs)
+            return out
+        sources = [s for s in (self._source_of(t) for t in inputs) if s is not None]
+        if sources:
+            self._mark(outputs, min(sources))  # an earlier candidate's values, carried on
             return out
         if name in UNINITIALISED or not inputs or _asks_for_nonfinite(args, kwargs):
             return out  # factories (uninitialised memory), or an infinity on purpose: masked_fill(mask, -inf)
@@ -174,8 +212,12 @@ class NonFiniteTracer(TorchDispatchMode):
                 note = f"its result, max |x| = {peak:.4g}, overflowed when rounded to {str(bad.dtype).replace('torch.', '')}"
             else:
                 note = f"overflowed when cast to {str(bad.dtype).replace('torch.', '')}"
-        self.found = {"phase": self._phase(), "module": self._module(), "operator": operator,
-                      "input_ranges": ranges, "output": _describe_bad(bad), "note": note, "peak": peak, "scalars": scalars}
+        phase = self._phase()
+        self.candidates.append({"phase": phase, "module": self._module(), "operator": operator, "input_ranges": ranges,
+                                "output": _describe_bad(bad), "note": note, "peak": peak, "scalars": scalars})
+        self._mark(outputs, len(self.candidates) - 1)
+        if phase != "forward":
+            self.confirmed = len(self.candidates) - 1  # no module output to wait for
         return out
 
     def _remember(self, func: Any, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
@@ -218,10 +260,12 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
         context.stack.append(names[module])
 
     hooked: dict[int, torch.Tensor] = {}  # by id; holding the tensor keeps its id from being reused this step
+    tracer = NonFiniteTracer(context)
 
     def pop(module: torch.nn.Module, args: Any, output: Any) -> None:
         if context.stack:
             context.stack.pop()
+        tracer.confirm(_floats(output))
         for t in _floats(output):
             # A tensor a parent returns as it is (``return self.head(h)``) keeps its innermost module: the
             # backward ops that follow its gradient are that module's.
@@ -241,7 +285,6 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
         handles.append(module.register_forward_hook(pop))
     handles.append(probe.optimizer.register_step_pre_hook(optimizer_on))
     handles.append(probe.optimizer.register_step_post_hook(optimizer_off))
-    tracer = NonFiniteTracer(context)
     step = probe.iteration
     if batch_index is None:
         batch_index = probe.cursor % len(probe.bench.batches) if batch is None else probe.cursor

@@ -198,3 +198,13 @@ def test_a_gradient_penalty_from_scaled_gradients_is_scaler_misuse_not_a_precisi
     assert causes[0] == "scaler-misuse" and "precision-gap" not in causes, causes
     top = report["findings"][0]
     assert top["evidence"]["gap_without_loss_scaling"] < 1e-3 and "get_scale()" in top["fix"]["summary"]
+
+
+def test_t5_feed_forward_overflow_is_found_past_its_deliberate_log_of_zero():
+    """The first op to make an infinity is T5's log(0) in the position buckets, cast to integers right after:
+    its infinity never reaches a module's output. The culprit is the wo projection whose output overflows."""
+    code, report, _ = diagnose_json("t5_bf16_pretrained.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "activation-overflow"
+    assert top["evidence"]["module"] == "encoder.block.1.layer.1.DenseReluDense.wo" and top["verification"]["repaired"] is True
