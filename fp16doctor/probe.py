@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import numbers
 import traceback
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -444,15 +446,13 @@ def step_scheduler(scheduler: Any, loss: float) -> None:
 def reported_loss(value: Any) -> Any:
     """The loss inside what a ``train_step`` returned: the tensor or number itself, a mapping's or an output
     object's ``loss`` (Hugging Face's ``ModelOutput``), or the first item of a tuple or list."""
-    import numbers
-
     if isinstance(value, bool):
         return value
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, numbers.Real):
         return float(value)
-    if isinstance(value, dict) and "loss" in value:
+    if isinstance(value, Mapping) and "loss" in value:
         return reported_loss(value["loss"])
     if not isinstance(value, (str, bytes)) and getattr(value, "loss", None) is not None:
         return reported_loss(value.loss)
