@@ -24,10 +24,7 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     output's ``logits`` for a Hugging Face style output)."""
     if isinstance(batch, Mapping):
         _check_keywords(model, batch)
-        output = model(**batch)
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, dict):
-            loss = output.get("loss")
+        loss = output_field(model(**batch), "loss")
         if loss is None:
             raise BatchError(
                 "the batch is a dict but the model's output has no `.loss`.",
@@ -44,11 +41,19 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     )
 
 
+def output_field(output: Any, name: str) -> Any:
+    """A named field of a model's output, Hugging Face style: a mapping's key (``ModelOutput`` is a dict),
+    else an attribute; None when it has none."""
+    if isinstance(output, Mapping):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
 def _logits(output: Any) -> torch.Tensor:
     """The logits in a model's output: the tensor itself, or the ``logits`` of a Hugging Face style output."""
     if isinstance(output, torch.Tensor):
         return output
-    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    logits = output_field(output, "logits")
     if isinstance(logits, torch.Tensor):
         return logits
     raise BatchError(

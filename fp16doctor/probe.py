@@ -22,7 +22,6 @@ import math
 import numbers
 import traceback
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -36,7 +35,7 @@ from .config import DoctorConfig
 from .errors import DoctorError, TrainingFileError
 from .fp32_mode import NeutraliseHalfCasts, full_precision
 from .instruments import InstrumentOptions, Instruments
-from .loop import canonical_step, default_loss
+from .loop import canonical_step, default_loss, output_field
 from .overrides import LossInFp32, autocast_forward, keep_modules_in_fp32, watch_clipping
 from .rng import rng_state, seed_everything, set_rng_state
 from .recording import OptimizerWatch, RecordingGradScaler, StepTrace, finish_trace, step_outcome
@@ -452,10 +451,9 @@ def reported_loss(value: Any) -> Any:
         return value
     if isinstance(value, numbers.Real):
         return float(value)
-    if isinstance(value, Mapping) and "loss" in value:
-        return reported_loss(value["loss"])
-    if not isinstance(value, (str, bytes)) and getattr(value, "loss", None) is not None:
-        return reported_loss(value.loss)
+    inner = output_field(value, "loss")
+    if inner is not None:
+        return reported_loss(inner)
     if isinstance(value, (tuple, list)) and value:
         return reported_loss(value[0])
     return value

@@ -9,6 +9,7 @@ skipped with the reason; the FP32 and AMP probes always run.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -46,22 +47,20 @@ class StageContext:
     amp_snapshots: dict[int, ProbeSnapshot] = field(default_factory=dict)
     """The AMP probe's full state right before the LR schedule's peak and jump: the LR-peak stage
     pauses there without replaying the run (at most two snapshots)."""
-    _schedule: dict[str, Any] | None = None
 
     def with_config(self, patch: dict[str, Any]) -> DoctorConfig:
         return build_config(merge(self.config.to_dict(), patch))
 
+    @functools.cached_property
     def schedule(self) -> dict[str, Any] | None:
         """The LR schedule's peak and largest jump (:func:`schedule_events`), dry-run once; None without a
         scheduler, or with one that follows the loss."""
-        if self._schedule is None and self.evidence.has_scheduler:
-            lrs = scheduler_lrs(self)
-            self._schedule = schedule_events(lrs) if lrs else {}
-        return self._schedule or None
+        lrs = scheduler_lrs(self) if self.evidence.has_scheduler else None
+        return schedule_events(lrs) if lrs else None
 
     def schedule_event_steps(self) -> list[int]:
         """The steps (after step 0) where the learning rate peaks or jumps."""
-        info = self.schedule()
+        info = self.schedule
         return sorted({info["peak_step"], info["jump_step"]} - {0}) if info else []
 
 
@@ -456,10 +455,10 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
     ev = ctx.evidence
     if not ev.has_scheduler:
         return StageReport("LR schedule peak", "skipped", "no scheduler() in the training file")
-    if ctx.schedule() is None:
+    if ctx.schedule is None:
         return StageReport("LR schedule peak", "skipped", "no schedule to dry-run: the scheduler follows the loss "
                            "(ReduceLROnPlateau), or cannot be built apart from the training")
-    ev.lr_peak = info = dict(ctx.schedule())
+    ev.lr_peak = info = dict(ctx.schedule)
     lrs, peak, jump = info["lrs"], info["peak_step"], info["jump_step"]
     amp = ev.amp
     trouble = None

@@ -20,6 +20,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError("fp16doctor.integrations.hf needs transformers: pip install 'fp16doctor[hf]'") from exc
 
+from ..loop import output_field
 from ..watch import Watch, WatchOptions, watch_step
 
 
@@ -49,7 +50,7 @@ class FP16DoctorCallback(TrainerCallback):
             self.watch.capture_batch(dict(kwargs) if kwargs else (args[0] if len(args) == 1 else args))
 
     def _capture_loss(self, module: Any, args: Any, output: Any) -> None:
-        loss = getattr(output, "loss", None) if not isinstance(output, dict) else output.get("loss")
+        loss = output_field(output, "loss")
         if module.training and self.watch is not None and loss is not None:
             self.watch.record_loss(loss)
 
