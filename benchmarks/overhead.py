@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fp16doctor.config import build_config  # noqa: E402
-from fp16doctor.probe import Workbench  # noqa: E402
-from fp16doctor.spec import load_training_file  # noqa: E402
+from fp16doctor.engine.probe import Workbench  # noqa: E402
+from fp16doctor.userfile.spec import load_training_file  # noqa: E402
 
 
 class NaiveDetector:

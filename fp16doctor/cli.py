@@ -90,7 +90,7 @@ def load(training_file: Path, config_file: Path | None, flags: dict[str, Any]):
 def load_layers(training_file: Path, config_file: Path | None, flags: dict[str, Any]):
     """(spec, config, the user's own layers merged): the layers are what --fix-config starts from."""
     from .config import build_config, load_yaml, merge
-    from .spec import load_training_file
+    from .userfile.spec import load_training_file
 
     spec = load_training_file(training_file)
     yaml_layer = load_yaml(config_file) if config_file else {}
@@ -208,9 +208,9 @@ def compare(
     """Run precisions side by side from identical weights and batches. Exit 0 healthy, 1 drift/diverged, 2 bad input."""
 
     def job() -> int:
-        from .compare import compare as run_compare
-        from .probe import Workbench
-        from .render import render_comparison
+        from .engine.probe import Workbench
+        from .measure.compare import compare as run_compare
+        from .output.terminal import render_comparison
 
         for path in (csv, html):
             if path is not None:
@@ -226,7 +226,7 @@ def compare(
             write_csv(csv, {m: t.records for m, t in result.trajectories.items()})
         if html is not None:
             from .files import atomic_write_text
-            from .htmlreport import comparison_html
+            from .output.html import comparison_html
 
             atomic_write_text(html, comparison_html(result, str(training_file)))
         if json_:
@@ -277,12 +277,12 @@ def diagnose(
     def job() -> int:
         training_file = capsule_training_file(capsule, given)
         from .diagnosis import DiagnoseOptions, fixed_config
-        from .diagnosis.engine import UNEXPLAINED
         from .diagnosis import diagnose as run_diagnose
+        from .diagnosis.engine import UNEXPLAINED
+        from .diagnosis.rules import all_rules
         from .files import atomic_write_text
-        from .render import render_diagnosis
-        from .report import fixed_config_yaml, junit_xml, markdown
-        from .rules import all_rules
+        from .output.markdown import fixed_config_yaml, junit_xml, markdown
+        from .output.terminal import render_diagnosis
 
         for path in (report, fix_config, junit, html, figures_folder(report) if report is not None else None):
             if path is not None:
@@ -294,14 +294,14 @@ def diagnose(
         show_notes(spec)
         name = str(training_file)
         if report is not None:
-            from .htmlreport import write_figures
-            from .plots import diagnosis_figures
+            from .output.html import write_figures
+            from .output.plots import diagnosis_figures
 
             folder = figures_folder(report)
             figures = write_figures(diagnosis_figures(result), folder)
             atomic_write_text(report, markdown(result, name, [(f, f"{folder.name}/{file}") for f, file in figures]))
         if html is not None:
-            from .htmlreport import diagnosis_html
+            from .output.html import diagnosis_html
 
             atomic_write_text(html, diagnosis_html(result, name))
         if fix_config is not None:
@@ -367,7 +367,7 @@ def train_options(training_file: Path, run_dir: Path | None, checkpoint_every: i
     import shutil
 
     from .errors import DoctorError
-    from .train import TrainOptions, checkpoint_paths
+    from .run.train import TrainOptions, checkpoint_paths
 
     if on_nonfinite not in ("skip", "stop"):
         raise DoctorError(f"--on-nonfinite must be skip or stop, got '{on_nonfinite}'.")
@@ -384,8 +384,8 @@ def train_options(training_file: Path, run_dir: Path | None, checkpoint_every: i
 
 def run_training(spec: Any, cfg: Any, options: Any, nproc: int, training_file: Path, quiet: bool = False) -> int:
     """One process in this one, or ``nproc`` under torchrun; then the summary and the exit code."""
-    from .render import render_training
-    from .train import Trainer
+    from .output.terminal import render_training
+    from .run.train import Trainer
 
     console = err if quiet else out
     if nproc == 1:
@@ -399,7 +399,13 @@ def run_training(spec: Any, cfg: Any, options: Any, nproc: int, training_file: P
 
 
 def train_here(trainer: Any) -> Any:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"), TimeElapsedColumn()]
     with Progress(*columns, console=err, transient=False) as progress:
@@ -420,14 +426,14 @@ def train_here(trainer: Any) -> Any:
 
 
 def train_distributed(spec: Any, cfg: Any, options: Any, nproc: int, training_file: Path) -> Any:
-    """torchrun with ``nproc`` processes of :mod:`fp16doctor.worker`; the outcome comes back through summary.json."""
+    """torchrun with ``nproc`` processes of :mod:`fp16doctor.run.worker`; the outcome comes back through summary.json."""
     import json
     import subprocess
     from dataclasses import asdict
 
     from .errors import DoctorError
     from .files import atomic_write_text
-    from .train import TrainResult
+    from .run.train import TrainResult
 
     options.run_dir.mkdir(parents=True, exist_ok=True)
     launch = options.run_dir / "launch.json"
@@ -435,7 +441,7 @@ def train_distributed(spec: Any, cfg: Any, options: Any, nproc: int, training_fi
                "options": {**asdict(options), "run_dir": str(options.run_dir.resolve())}}
     atomic_write_text(launch, json.dumps(payload, indent=2))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "fp16doctor.worker", str(launch)]
+               "-m", "fp16doctor.run.worker", str(launch)]
     proc = subprocess.run(command)
     summary = options.run_dir / "summary.json"
     if proc.returncode == 2 or not summary.exists():
@@ -450,7 +456,7 @@ def rules() -> None:
     """List the cause codes with what each rule looks for."""
     from rich.table import Table
 
-    from .rules import all_rules
+    from .diagnosis.rules import all_rules
 
     table = Table(title="Causes fp16doctor diagnoses", title_justify="left", show_lines=True)
     for column in ("code", "severity", "what it means, and the evidence"):

@@ -58,7 +58,7 @@ def diagnosed(sample: str, patch: str = "{}", ci: bool = False):
     """(the user's config layers, the diagnosis) of a sample model, cached for the whole session."""
     from fp16doctor.config import build_config
     from fp16doctor.diagnosis import DiagnoseOptions, diagnose
-    from fp16doctor.spec import load_training_file
+    from fp16doctor.userfile.spec import load_training_file
 
     spec = load_training_file(SAMPLES / sample)
     layers = {**spec.config, **json.loads(patch)}

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp16doctor.autocast_policy import CUDA_FP32, CUDA_LOWER, CUDA_PROMOTE, cuda_policy, cuda_policy_on_cpu, overridden_ops
+from fp16doctor.precision.autocast_policy import CUDA_FP32, CUDA_LOWER, CUDA_PROMOTE, cuda_policy, cuda_policy_on_cpu, overridden_ops
 
 LOW = [torch.float16, torch.bfloat16]
 
@@ -155,7 +155,7 @@ def test_every_cuda_autocast_registration_has_a_policy():
 def test_a_users_cuda_autocast_block_acts_on_cpu_autocast_in_a_probe():
     """GPU code's `autocast("cuda", enabled=False)` keeps its block in fp32 on CPU too; outside the probe's
     context CUDA autocast on a CPU tensor changes nothing (the block would run in fp16)."""
-    from fp16doctor.autocast_policy import cuda_autocast_on_cpu
+    from fp16doctor.precision.autocast_policy import cuda_autocast_on_cpu
 
     a, b = torch.randn(4, 4), torch.randn(4, 4)
 

@@ -6,10 +6,10 @@ import pandas as pd
 import pytest
 
 from conftest import MLP_FILE, SAMPLES, run_cli
-from fp16doctor.compare import compare
+from fp16doctor.measure.compare import compare
 from fp16doctor.config import build_config
-from fp16doctor.probe import Workbench
-from fp16doctor.spec import load_training_file
+from fp16doctor.engine.probe import Workbench
+from fp16doctor.userfile.spec import load_training_file
 
 HEALTHY = ["mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"]
 

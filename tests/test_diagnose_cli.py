@@ -8,7 +8,7 @@ import yaml
 
 from conftest import SAMPLES, run_cli
 from fp16doctor.config import build_config
-from fp16doctor.rules import all_rules
+from fp16doctor.diagnosis.rules import all_rules
 
 
 def test_json_is_one_object_in_the_documented_shape():

@@ -11,10 +11,10 @@ import pytest
 from conftest import SAMPLES, diagnosed
 from fp16doctor.config import build_config
 from fp16doctor.diagnosis import DiagnoseOptions, diagnose, fixed_config
-from fp16doctor.probe import Workbench
-from fp16doctor.rules import all_rules
-from fp16doctor.spec import load_training_file
-from fp16doctor.train import Trainer, TrainOptions
+from fp16doctor.engine.probe import Workbench
+from fp16doctor.diagnosis.rules import all_rules
+from fp16doctor.userfile.spec import load_training_file
+from fp16doctor.run.train import Trainer, TrainOptions
 
 pytestmark = pytest.mark.cuda
 

@@ -121,7 +121,7 @@ def test_compare_fits_the_terminal_without_cutting_numbers(columns):
 
 
 def test_the_cli_imports_matplotlib_only_to_write_a_report():
-    code = "import sys, fp16doctor.cli, fp16doctor.diagnosis, fp16doctor.compare; print('matplotlib' in sys.modules)"
+    code = "import sys, fp16doctor.cli, fp16doctor.diagnosis, fp16doctor.measure.compare; print('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout.strip() == "False"
 
 

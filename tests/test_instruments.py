@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from fp16doctor.config import build_config
-from fp16doctor.instruments import InstrumentOptions, magnitude_histogram, precision_map, tensor_vector
-from fp16doctor.localise import OUTSIDE_MODEL, localise
-from fp16doctor.numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
-from fp16doctor.probe import Workbench
-from fp16doctor.spec import load_training_file
+from fp16doctor.engine.instruments import InstrumentOptions, magnitude_histogram, precision_map, tensor_vector
+from fp16doctor.measure.localise import OUTSIDE_MODEL, localise
+from fp16doctor.measure.numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
+from fp16doctor.engine.probe import Workbench
+from fp16doctor.userfile.spec import load_training_file
 
 EXACT = InstrumentOptions(sample=0)
 

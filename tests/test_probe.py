@@ -6,8 +6,8 @@ import torch
 
 from conftest import MLP_FILE, SAMPLES
 from fp16doctor.config import build_config
-from fp16doctor.probe import RECORD_COLUMNS, Workbench
-from fp16doctor.spec import load_training_file
+from fp16doctor.engine.probe import RECORD_COLUMNS, Workbench
+from fp16doctor.userfile.spec import load_training_file
 
 
 def bench_for(path, **config):

@@ -20,10 +20,10 @@ def test_torch_is_pinned_in_every_install_command():
 
 
 def test_the_readme_training_file_example_runs(tmp_path):
-    from fp16doctor.compare import compare
+    from fp16doctor.measure.compare import compare
     from fp16doctor.config import build_config
-    from fp16doctor.probe import Workbench
-    from fp16doctor.spec import load_training_file
+    from fp16doctor.engine.probe import Workbench
+    from fp16doctor.userfile.spec import load_training_file
 
     readme = (ROOT / "README.md").read_text()
     example = next(block for block in re.findall(r"```python\n(.+?)```", readme, re.S) if "def train_step" in block)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fp16doctor.rules import all_rules
+from fp16doctor.diagnosis.rules import all_rules
 
 RULES = all_rules()
 FIRES = [(r, i) for r in RULES for i in range(len(r.fires_on))]

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import SAMPLES, diagnosed
 from fp16doctor.diagnosis import fixed_config
-from fp16doctor.rules import all_rules
+from fp16doctor.diagnosis.rules import all_rules
 
 CONTRACT_CODES = {
     "nonfinite-data", "extreme-data", "fp32-divergence", "loss-in-half", "activation-overflow", "grad-underflow",
@@ -164,7 +164,7 @@ def train_step(model, batch, optimizer, scaler, autocast):
 def test_hand_rolled_static_scaling_is_recognised(tmp_path):
     from fp16doctor.config import build_config
     from fp16doctor.diagnosis import diagnose
-    from fp16doctor.spec import load_training_file
+    from fp16doctor.userfile.spec import load_training_file
 
     path = tmp_path / "hand_rolled.py"
     path.write_text(HAND_ROLLED)

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from conftest import SAMPLES, run_cli
-from fp16doctor.rules import all_rules
+from fp16doctor.diagnosis.rules import all_rules
 
 RULES = all_rules()
 EXPECTED = {sample: rule.code for rule in RULES for sample in rule.triggers}

@@ -9,8 +9,8 @@ import torch
 from conftest import MLP_FILE
 from fp16doctor.config import build_config
 from fp16doctor.errors import BatchError, TrainingFileError
-from fp16doctor.probe import Workbench
-from fp16doctor.spec import build_model, draw_batches, load_training_file
+from fp16doctor.engine.probe import Workbench
+from fp16doctor.userfile.spec import build_model, draw_batches, load_training_file
 
 
 def test_loads_the_contract_names(training_file):

@@ -10,8 +10,8 @@ import pytest
 from fp16doctor.config import build_config
 from fp16doctor.diagnosis.engine import UNEXPLAINED, explain_symptoms
 from fp16doctor.diagnosis.model import Evidence, Finding, Fix
-from fp16doctor.probe import RECORD_COLUMNS
-from fp16doctor.symptoms import CALIBRATION_SKIPS, excess_skips, measure, skip_profile
+from fp16doctor.engine.probe import RECORD_COLUMNS
+from fp16doctor.measure.symptoms import CALIBRATION_SKIPS, excess_skips, measure, skip_profile
 
 
 def records(losses, skipped=None, micro=None, nonfinite_grads=None):
@@ -135,8 +135,8 @@ def test_a_settling_scales_lag_is_measured_aligned_before_it_is_called_drift():
     the drift threshold); on an AMP run aligned on the steps taken it agrees, so no drift is reported."""
     from conftest import ROOT
     from fp16doctor.diagnosis import DiagnoseOptions, diagnose
-    from fp16doctor.spec import load_training_file
-    from fp16doctor.symptoms import probe_symptoms
+    from fp16doctor.userfile.spec import load_training_file
+    from fp16doctor.measure.symptoms import probe_symptoms
 
     spec = load_training_file(ROOT / "tests" / "training_files" / "gpu_style_fp32_block.py")
     result = diagnose(spec, build_config(spec.config, {"device": "cpu"}), DiagnoseOptions(ci=True))

@@ -17,9 +17,9 @@ import torch
 from conftest import ROOT, SAMPLES, diagnosed, run_cli
 from fp16doctor.config import build_config
 from fp16doctor.diagnosis import fixed_config
-from fp16doctor.rules import all_rules
-from fp16doctor.spec import load_training_file
-from fp16doctor.train import Trainer, TrainOptions, checkpoint_paths
+from fp16doctor.diagnosis.rules import all_rules
+from fp16doctor.userfile.spec import load_training_file
+from fp16doctor.run.train import Trainer, TrainOptions, checkpoint_paths
 
 
 def trainer_for(path, run_dir, steps, every=5, resume=False, **config):

@@ -10,7 +10,7 @@ import yaml
 from conftest import ROOT, SAMPLES, run_cli
 from fp16doctor.diagnosis.engine import demote_unrepairing, rank
 from fp16doctor.diagnosis.model import Finding, Fix
-from fp16doctor.numerics import GradientCapture, scale_window
+from fp16doctor.measure.numerics import GradientCapture, scale_window
 
 FILES = ROOT / "tests" / "training_files"
 

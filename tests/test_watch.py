@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fp16doctor.watch import Watch, WatchOptions
+from fp16doctor.live.watch import Watch, WatchOptions
 
 
 def loop(tmp_path, steps=12, init_scale=2.0**16, spike_at=None, nan_at=None, **options):

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import DoctorConfig, build_config, merge
-from ..probe import Workbench
-from ..spec import TrainingSpec
-from ..symptoms import Symptom
+from ..engine.probe import Workbench
+from ..measure.symptoms import Symptom
+from ..userfile.spec import TrainingSpec
 from .model import SEVERITIES, Diagnosis, Evidence, Finding, Fix, StageReport, public
 from .stages import STAGES, StageContext, measured_symptoms, same_state_gap
 from .verify import Verifier, repair_rank
@@ -47,11 +47,11 @@ def diagnose(
                         has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None)
     ctx = StageContext(bench=bench, config=config, evidence=evidence, ci=options.ci)
     stages: list[StageReport] = []
-    for name, stage in STAGES:
+    for stage in STAGES:
         if on_stage is not None:
-            on_stage(name)
+            on_stage(stage.name)
         start = time.perf_counter()
-        report = stage(ctx)
+        report = stage.run(ctx)
         report.seconds = time.perf_counter() - start
         stages.append(report)
     evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
@@ -79,7 +79,7 @@ def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier, h
     The findings a root cause hides are tried only when no visible finding's fix repaired the training:
     then one of them may hold the fix, and it must not stay hidden.
     """
-    from ..rules import rules_by_code
+    from .rules import rules_by_code
 
     rules = rules_by_code()
     measured = {s.code for s in ev.symptoms}
@@ -146,7 +146,7 @@ def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Finding]:
     A warning whose rule explains a measured symptom becomes an error: the
     verdict follows the symptoms, the rules only say why.
     """
-    from ..rules import rules_by_code
+    from .rules import rules_by_code
 
     explains = {code: rule.explains for code, rule in rules_by_code().items()}
     unexplained = []
@@ -198,7 +198,7 @@ def unexplained_finding(symptoms: list[Symptom], ev: Evidence) -> Finding:
 
 def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], set[str]]:
     """Every rule's findings, and the causes that a root cause found as an error marks as its symptoms."""
-    from ..rules import all_rules
+    from .rules import all_rules
 
     rules = all_rules()
     findings: list[Finding] = []
@@ -216,7 +216,7 @@ def rank(findings: list[Finding]) -> list[Finding]:
     """Severity; then what the fix, tried, repaired (all symptoms, some, nothing measured, none); then the
     smaller change; then a root cause before the causes it names as its symptoms (``suppresses``); then
     causal order (data, model, precision settings); then confidence."""
-    from ..rules import rules_by_code
+    from .rules import rules_by_code
 
     rules = rules_by_code()
     symptoms_of_others = {code for f in findings if f.severity == "error" for code in rules[f.cause].suppresses if code != f.cause}

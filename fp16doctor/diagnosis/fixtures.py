@@ -14,10 +14,10 @@ from typing import Any, Iterable
 import pandas as pd
 
 from ..config import build_config
-from ..datascan import FieldScan
-from ..localise import Localisation
-from ..numerics import ScaleWindow
-from ..probe import RECORD_COLUMNS
+from ..engine.probe import RECORD_COLUMNS
+from ..measure.datascan import FieldScan
+from ..measure.localise import Localisation
+from ..measure.numerics import ScaleWindow
 from .model import Evidence, ProbeSummary
 
 PRECISION_COLUMNS = ["module", "type", "compute_dtype", "param_dtypes", "buffer_dtypes", "optimizer_state_dtypes"]

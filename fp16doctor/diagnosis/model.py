@@ -10,9 +10,9 @@ from typing import Any
 import pandas as pd
 
 from ..config import DoctorConfig
-from ..datascan import FieldScan
-from ..localise import Localisation
-from ..symptoms import exception_of, first_step
+from ..measure.datascan import FieldScan
+from ..measure.localise import Localisation
+from ..measure.symptoms import exception_of, first_step
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -137,7 +137,7 @@ class Evidence:
     gap: dict[str, Any] | None = None
     bf16_supported: bool = True
     symptoms: list[Any] = field(default_factory=list)
-    """The measured symptoms (:class:`fp16doctor.symptoms.Symptom`) of the AMP probe against FP32."""
+    """The measured symptoms (:class:`fp16doctor.measure.symptoms.Symptom`) of the AMP probe against FP32."""
     explained: dict[str, list[str]] = field(default_factory=dict)
     """Per symptom code, the causes whose error findings explain it (empty: the ``unexplained`` finding)."""
 

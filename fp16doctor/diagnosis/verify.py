@@ -5,7 +5,7 @@ assumed. Every error finding's :class:`Intervention` (a config patch and
 runtime overrides for precision causes, cleaned or standardised batches for
 data causes, the capped learning rate for a schedule's peak) is applied to a
 probe from the same initial weights and batches, and the symptoms are measured
-again with the definitions that decide the verdict (:mod:`fp16doctor.symptoms`).
+again with the definitions that decide the verdict (:mod:`fp16doctor.measure.symptoms`).
 The ranking then prefers the finding whose intervention removes the symptom.
 """
 
@@ -19,12 +19,17 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from ..batches import iter_tensors, map_named_tensors
 from ..config import DoctorConfig
-from ..instruments import InstrumentOptions
-from ..symptoms import Symptom, loss_floor, relative_deviation, skip_profile, tail_losses
+from ..engine.instruments import InstrumentOptions
+from ..measure.symptoms import (
+    Symptom,
+    loss_floor,
+    relative_deviation,
+    skip_profile,
+    tail_losses,
+)
+from ..userfile.batches import iter_tensors, map_named_tensors
 from .model import Evidence, Finding
-
 
 SYMPTOM_INSTRUMENTS = InstrumentOptions(forward=False, activation_grads=False, param_grads=False, updates=True)
 """What measuring the symptoms needs beyond the step records: the lost-update share (no rule reads these probes)."""

@@ -1,0 +1,63 @@
+"""Small readers over the evidence that several rules share (no rule lives here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from ...tensors import FP16_MAX
+from ..model import Evidence, ProbeSummary
+
+LOW_DTYPES = ("float16", "bfloat16")
+NORM_TYPES = ("BatchNorm", "LayerNorm", "GroupNorm", "InstanceNorm", "RMSNorm", "LocalResponseNorm", "SyncBatchNorm")
+
+
+def fp32_finite(ev: Evidence) -> bool:
+    return ev.fp32 is not None and ev.fp32.finite
+
+
+def module_abs_max(summary: ProbeSummary | None, module: str) -> float | None:
+    """Largest forward output magnitude of ``module`` over the probe (None if not recorded)."""
+    if summary is None or "forward" not in summary.tables or summary.tables["forward"].empty:
+        return None
+    rows = summary.tables["forward"]
+    rows = rows[rows["module"] == module]
+    return float(rows["abs_max"].max()) if len(rows) else None
+
+
+def enclosing_fp32_safe(ev: Evidence, module: str) -> str:
+    """The module itself or its nearest ancestor whose FP32 output stays inside fp16's range (with 2x headroom).
+
+    Keeping only the overflowing op's module in fp32 does not help when its own
+    output is beyond 65504: the next fp16 op overflows instead. The block around
+    it usually brings the values back (a residual, a projection).
+    """
+    parts = module.split(".")
+    for depth in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:depth])
+        peak = module_abs_max(ev.fp32, candidate)
+        if peak is not None and peak < FP16_MAX / 2:
+            return candidate
+    return module
+
+
+def half_param_modules(summary: ProbeSummary | None) -> pd.DataFrame:
+    if summary is None:
+        return pd.DataFrame()
+    table = summary.precision
+    mask = table["param_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))
+    return table[mask]
+
+
+def is_norm(type_name: str) -> bool:
+    return any(type_name.startswith(n) or type_name.endswith(n) for n in NORM_TYPES)
+
+
+def scale_patch(ev: Evidence) -> dict[str, Any]:
+    """The scaler settings the sweep (or, without one, the derived window) recommends."""
+    rec = ev.recommended_scaler or {}
+    init = rec.get("init_scale") or (ev.window.recommended() if ev.window is not None else 2.0**16)
+    interval = rec.get("growth_interval") or max(ev.config.scaler.growth_interval, 2000)
+    return {"scaler": {"enabled": True, "init_scale": float(init), "growth_factor": 2.0, "backoff_factor": 0.5,
+                       "growth_interval": int(interval)}}

@@ -1,0 +1,44 @@
+"""Gradients clipped while still scaled: the clip threshold is off by the loss scale.
+
+Evidence: the training step's clip_grad_norm_/clip_grad_value_ calls, observed
+while the GradScaler had scaled the loss but not yet unscaled the gradients.
+A threshold of 1.0 then clips to 1/65536 of the intended norm.
+"""
+
+from __future__ import annotations
+
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix
+from . import Rule
+
+
+class ClipBeforeUnscale(Rule):
+    code = "clip-before-unscale"
+    order = 65
+    explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
+    triggers = ("clip_before_unscale.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": True, "scale": 65536.0, "step": 0}])),)
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": False, "scale": 65536.0, "step": 0}])),)
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        if ev.amp is None:
+            return []
+        scaled = [c for c in ev.amp.clip_calls if c["scaled"] and c["scale"] > 1.0]
+        if not scaled:
+            return []
+        first = scaled[0]
+        return [self.finding(
+            f"{first['function']} runs on scaled gradients (scale {first['scale']:.0f}) in {len(scaled)} step(s)",
+            {"calls": len(scaled), "first_step": first["step"], "function": first["function"], "scale": first["scale"]},
+            Fix(
+                "Call scaler.unscale_(optimizer) before clipping, so the threshold applies to the true gradients.",
+                code=(
+                    "scaler.scale(loss).backward()\n"
+                    "scaler.unscale_(optimizer)          # first unscale...\n"
+                    "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)   # ...then clip\n"
+                    "scaler.step(optimizer)\n"
+                    "scaler.update()"
+                ),
+                config_patch={"overrides": {"unscale_before_clip": True}},
+            ),
+        )]

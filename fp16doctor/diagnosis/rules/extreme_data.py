@@ -1,0 +1,55 @@
+"""Input magnitudes that overflow fp16 in the forward pass while fp32 is fine.
+
+Evidence: a floating input field with values in the thousands and up, and the
+first non-finite AMP operator fed directly by such magnitudes (fp32 finite).
+"""
+
+from __future__ import annotations
+
+from ...measure.thresholds import EXTREME_INPUT
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix
+from ..verify import Intervention, standardise
+from . import Rule
+from ._helpers import fp32_finite
+
+
+class ExtremeData(Rule):
+    code = "extreme-data"
+    order = 20
+    explains = ('nonfinite', 'skips', 'amp-exception', 'trajectory-drift')
+    verifiable = False
+    triggers = ("raw_sensor_features.py",)
+    fires_on = (lambda: fx.evidence(data=[fx.field(abs_max=5e4, extreme=300)], amp=fx.probe(record=fx.records(skipped=[0, 1])),
+                                    localisation=fx.localisation("forward", "0", "aten::addmm", [(-5e4, 5e4)])),)
+    quiet_on = (lambda: fx.evidence(data=[fx.field(abs_max=8.0)], localisation=fx.localisation("forward", "0", "aten::addmm", [(-8.0, 8.0)])),)
+    suppresses = ("activation-overflow", "scale-overflow", "scheduler-skip-drift")
+
+    def intervention(self, finding: Finding, ev: Evidence) -> Intervention:
+        field = finding.evidence["field"]
+        return Intervention(f"the batches with '{field}' standardised per feature", batches=standardise(field))
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        extreme = [f for f in ev.data if f.floating and not f.nonfinite and f.abs_max >= EXTREME_INPUT]
+        loc = ev.localisation
+        if not extreme or loc is None or loc.phase != "forward" or not fp32_finite(ev):
+            return []
+        fed = max((max(abs(lo), abs(hi)) for lo, hi in loc.input_ranges), default=0.0)
+        if fed < EXTREME_INPUT:
+            return []
+        field = max(extreme, key=lambda f: f.abs_max)
+        return [self.finding(
+            f"Raw inputs up to {field.abs_max:.3g} in '{field.field}' overflow fp16 in module '{loc.module}' ({loc.operator})",
+            {"field": field.field, "abs_max": field.abs_max, "extreme_share": field.extreme_share,
+             "module": loc.module, "operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
+             "operator_input_ranges": loc.input_ranges},
+            Fix(
+                f"Standardise '{field.field}' (zero mean, unit variance per feature) before the model sees it.",
+                code=(
+                    "# compute once over the training set, then in data():\n"
+                    "mean, std = features.mean(0), features.std(0).clamp_min(1e-6)\n"
+                    "x = (x - mean) / std"
+                ),
+            ),
+            confidence=0.9,
+        )]

@@ -1,0 +1,77 @@
+"""Gradients flush to zero in fp16: loss scaling off or too small.
+
+Evidence: the gradients non-zero in fp32 but zero in AMP (same weights and
+batch), per parameter and per activation gradient, as a share of the elements
+and of the gradient's L1 mass. Over 5% calls for a higher scale
+(mixed-precision-notes.md); the alarm is on the mass: elements many orders
+below the rest of their tensor (a sharp softmax's tails, gradients that are
+zero in exact arithmetic and rounding noise in fp32) carry nothing when they
+flush, and a tensor whose whole gradient is under 1e-4 of the typical one is
+such noise.
+"""
+
+from __future__ import annotations
+
+from ...measure.thresholds import UNDERFLOW_ALARM
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix
+from . import Rule
+from ._helpers import fp32_finite, scale_patch
+
+
+class GradUnderflow(Rule):
+    code = "grad-underflow"
+    order = 71
+    explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
+    triggers = ("no_loss_scaling.py",)
+    fires_on = (lambda: fx.evidence(config={"scaler": {"enabled": False}}, window=fx.window(512.0, 1e6),
+                                    observed_underflow=fx.underflow(("0.weight", 0.6, 0.4, False))),)
+    quiet_on = (lambda: fx.evidence(window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("0.weight", 0.6, 0.01, False))),
+                lambda: fx.evidence(window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("attn.key.bias", 0.6, 0.6, True))))
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        if ev.config.dtype != "float16" or not fp32_finite(ev) or ev.observed_underflow is None or ev.observed_underflow.empty:
+            return []
+        if ev.amp is None or ev.amp.first_nonfinite_loss is not None:
+            return []  # a forward that overflows zeroes gradients for other reasons
+        observed = ev.observed_underflow
+        if "negligible" in observed:
+            observed = observed[~observed["negligible"].astype(bool)]  # rounding noise of an exact-zero gradient
+        if observed.empty:
+            return []
+        observed = observed.sort_values("observed_underflow_mass", ascending=False)
+        worst = observed.iloc[0]
+        if worst["observed_underflow_mass"] <= UNDERFLOW_ALARM:
+            return []
+        flagged = observed[observed["observed_underflow_mass"] > UNDERFLOW_ALARM]
+        patch = scale_patch(ev)
+        configured = ev.config.scaler.init_scale if ev.config.scaler.enabled else None
+        if configured is not None:  # curing underflow never means a smaller scale
+            patch["scaler"]["init_scale"] = max(patch["scaler"]["init_scale"], configured)
+        window = ev.window
+        if window is not None and not window.feasible:
+            summary = (f"No single loss scale fits: keeping 99.9% of the gradient mass needs {window.low:.3g}, while the "
+                       f"largest gradients overflow above {window.high:.3g}. Use init_scale "
+                       f"{patch['scaler']['init_scale']:.0f} (the sweep's best measured setting), or train in bf16.")
+        elif window is not None:
+            summary = (f"Enable GradScaler with init_scale {patch['scaler']['init_scale']:.0f} (the smallest scale keeping "
+                       f"99.9% of the gradient mass is {window.low:.3g}).")
+        else:
+            summary = "Enable GradScaler."
+        return [self.finding(
+            f"{worst['observed_underflow']:.0%} of {worst['kind']} gradients of '{worst['name']}' "
+            f"({worst['observed_underflow_mass']:.0%} of their mass) flush to zero in fp16"
+            + (" (loss scaling is off)" if configured is None else f" at loss scale {configured:.0f}"),
+            {"worst": {"kind": worst["kind"], "name": worst["name"], "observed_underflow": float(worst["observed_underflow"]),
+                       "observed_underflow_mass": float(worst["observed_underflow_mass"])},
+             "tensors_over_5pct": len(flagged), "scaler_enabled": ev.config.scaler.enabled, "configured_scale": configured,
+             "scale_window": [window.low, window.high] if window is not None else None,
+             "window_feasible": window.feasible if window is not None else None,
+             "recommended": patch["scaler"]},
+            Fix(
+                summary,
+                code=(f"scaler = torch.amp.GradScaler('cuda', init_scale={patch['scaler']['init_scale']:.0f})\n"
+                      "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()"),
+                config_patch=patch,
+            ),
+        )]

@@ -1,0 +1,46 @@
+"""Normalisation layers stored in half precision (running statistics and affine weights in fp16).
+
+Evidence: the precision map: norm modules with fp16/bf16 parameters or buffers
+while the rest of the model keeps fp32. Running variances accumulate in fp16's
+3 digits and its small range; under autocast PyTorch keeps them fp32.
+"""
+
+from __future__ import annotations
+
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix
+from . import Rule
+from ._helpers import LOW_DTYPES, is_norm
+
+
+class HalfBatchnorm(Rule):
+    code = "half-batchnorm"
+    order = 41
+    explains = ('nonfinite', 'amp-exception', 'skips', 'same-state-gap', 'trajectory-drift')
+    triggers = ("half_batchnorm.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "BatchNorm2d", "float16", "float16", "float32")))),)
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "BatchNorm2d", "float32", "float32", "float32")))),)
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        if ev.amp is None:
+            return []
+        table = ev.amp.precision
+        norms = table[table["type"].map(is_norm)]
+        stored_half = norms[
+            norms["param_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))
+            | norms["buffer_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))
+        ]
+        if stored_half.empty:
+            return []
+        names = stored_half["module"].tolist()
+        return [self.finding(
+            f"{len(names)} normalisation layer(s) stored in half precision: {', '.join(names[:5])}",
+            {"modules": names, "types": stored_half["type"].tolist(),
+             "param_dtypes": stored_half["param_dtypes"].tolist(), "buffer_dtypes": stored_half["buffer_dtypes"].tolist(),
+             "compute_dtypes": stored_half["compute_dtype"].tolist()},
+            Fix(
+                "Keep normalisation layers (weights and running statistics) in fp32; autocast feeds them correctly.",
+                code="for m in model.modules():\n    if isinstance(m, torch.nn.modules.batchnorm._NormBase):\n        m.float()   # and drop the .half() on them",
+                config_patch={"overrides": {"fp32_modules": names}},
+            ),
+        )]

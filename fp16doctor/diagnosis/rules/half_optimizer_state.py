@@ -1,0 +1,47 @@
+"""Optimizer state kept in half precision.
+
+Evidence: the precision map (optimizer state dtypes per module), and where the
+first non-finite value appeared (the optimizer step). Adam's eps of 1e-8 is 0
+in fp16, and its second moment (squared gradients) underflows: m / (sqrt(v) + eps)
+then divides by zero.
+"""
+
+from __future__ import annotations
+
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix
+from . import Rule
+from ._helpers import LOW_DTYPES
+
+
+class HalfOptimizerState(Rule):
+    code = "half-optimizer-state"
+    order = 42
+    explains = ('nonfinite', 'skips', 'lost-updates', 'trajectory-drift', 'same-state-gap')
+    triggers = ("half_optimizer_state.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float32", None, "float16")))),)
+    quiet_on = (lambda: fx.evidence(),)
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        if ev.amp is None:
+            return []
+        table = ev.amp.precision
+        half = table[table["optimizer_state_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))]
+        if half.empty:
+            return []
+        loc = ev.localisation
+        evidence = {"modules": half["module"].tolist()[:12], "state_dtypes": sorted(set(",".join(half["optimizer_state_dtypes"]).split(","))),
+                    "param_dtypes": sorted(set(",".join(half["param_dtypes"].fillna("")).split(",")) - {""})}
+        if loc is not None:
+            evidence.update({"first_nonfinite_phase": loc.phase, "operator": loc.operator, "step": loc.step})
+        return [self.finding(
+            f"Optimizer state is kept in {'/'.join(evidence['state_dtypes'])} for {len(half)} module(s)"
+            + (f"; the first non-finite value came from the {loc.phase} ({loc.operator})" if loc is not None else ""),
+            evidence,
+            Fix(
+                "Keep parameters and optimizer state in fp32 (autocast for the compute); do not cast optimizer state to half.",
+                code="optimizer = torch.optim.AdamW(model.parameters(), lr=lr)   # fp32 params -> fp32 state; no state .half()",
+                config_patch={"overrides": {"fp32_weights": True}},
+            ),
+            confidence=1.0 if loc is not None and loc.phase == "optimizer" else 0.7,
+        )]

@@ -1,0 +1,61 @@
+"""Parameters stored in half precision: no fp32 master weights, small updates are lost.
+
+Evidence: the precision map (parameter dtypes), the share of updates lost
+below the parameters' resolution, and GradScaler's "Attempting to unscale FP16
+gradients" when the training uses one.
+"""
+
+from __future__ import annotations
+
+from ...measure.thresholds import HALF_WEIGHTS_LOST_SHARE
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix
+from . import Rule
+from ._helpers import half_param_modules, is_norm
+
+
+class HalfWeights(Rule):
+    code = "half-weights"
+    order = 40
+    explains = ('nonfinite', 'skips', 'amp-exception', 'lost-updates', 'trajectory-drift', 'same-state-gap')
+    triggers = ("model_half.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16")))),)
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "LayerNorm", "float16", None, "float32")))),)
+    suppresses = ("half-batchnorm", "half-optimizer-state", "grad-underflow", "precision-gap", "loss-in-half")
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        amp = ev.amp
+        all_half = half_param_modules(amp)
+        half = all_half[~all_half["type"].map(is_norm)] if len(all_half) else all_half
+        unscale_error = amp is not None and amp.exception is not None and "unscale FP16 gradients" in (amp.exception["message"] or "")
+        if half.empty and (not unscale_error or len(all_half)):
+            return []  # nothing half, or only normalisation layers (half-batchnorm's case)
+        lost = 0.0
+        updates = amp.tables.get("updates") if amp else None
+        if updates is not None and not updates.empty:
+            lost = float(updates.loc[updates["dtype"].isin(["float16", "bfloat16"]), "lost_update_share"].max() or 0.0)
+        dtypes = sorted(set(",".join(half["param_dtypes"]).split(","))) if len(half) else ["float16"]
+        evidence = {"modules": half["module"].tolist()[:12], "module_count": int(len(half)), "param_dtypes": dtypes,
+                    "max_lost_update_share": lost}
+        if unscale_error:
+            evidence["exception"] = amp.exception
+        patch = {"overrides": {"fp32_weights": True}}
+        if ev.config.dtype == "float16":
+            patch["scaler"] = {"enabled": True}
+        severity = "error" if ("float16" in dtypes or unscale_error or lost > HALF_WEIGHTS_LOST_SHARE) else "warning"
+        return [self.finding(
+            f"Parameters are stored in {'/'.join(d for d in dtypes if d)} ({len(half)} modules): no fp32 master weights"
+            + (f", {lost:.0%} of updates lost" if lost else ""),
+            evidence,
+            Fix(
+                "Keep the model in fp32 and let autocast run the low-precision ops (master weights stay fp32, GradScaler works).",
+                code=(
+                    "model = build_model()            # no model.half() / .to(torch.float16)\n"
+                    "with torch.autocast('cuda', dtype=torch.float16):\n"
+                    "    loss = loss_fn(model(x), y)\n"
+                    "scaler.scale(loss).backward()"
+                ),
+                config_patch=patch,
+            ),
+            severity=severity,
+        )]

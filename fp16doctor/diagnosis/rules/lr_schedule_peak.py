@@ -1,0 +1,54 @@
+"""The trouble starts at the LR schedule's peak or largest jump.
+
+Evidence: a dry run of the scheduler (peak and largest jump), AMP's first bad
+step right at that event, and the pause: from the same snapshot, the step at
+the peak LR goes non-finite while the same step at the pre-peak LR stays
+finite (with update-to-weight ratios and activation maxima of both). The FP32
+baseline may fail at the peak too: the pause still shows the LR is the cause.
+"""
+
+from __future__ import annotations
+
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix
+from . import Rule
+from ._helpers import fp32_finite
+
+PAUSE = {"pause_step": 4, "lrs": [1e-4] * 4 + [1e-1] * 6, "finite_before_peak": True, "peak_step": 4, "jump_step": 4,
+         "jump_ratio": 1000.0, "update_to_weight_at_peak": 0.5, "update_to_weight_before_peak": 1e-4,
+         "activation_max_at_peak": 7e4, "activation_max_before_peak": 30.0}
+"""The LR-peak stage's pause, as the cases use it."""
+
+
+class LrSchedulePeak(Rule):
+    code = "lr-schedule-peak"
+    order = 80
+    explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'trajectory-drift')
+    triggers = ("warmup_peak.py",)
+    fires_on = (lambda: fx.evidence(has_scheduler=True, lr_peak=PAUSE | {"finite_at_peak": False}),)
+    quiet_on = (lambda: fx.evidence(has_scheduler=True, lr_peak=PAUSE | {"finite_at_peak": True}),)
+    suppresses = ("scale-overflow", "scheduler-skip-drift")
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        info = ev.lr_peak
+        if not info or "pause_step" not in info:
+            return []
+        if info["finite_at_peak"] or not info["finite_before_peak"]:
+            return []
+        event = info["pause_step"]
+        lrs = info["lrs"]
+        safe = lrs[event - 1]
+        also = "" if fp32_finite(ev) else " (FP32 breaks there too)"
+        return [self.finding(
+            f"Training breaks at step {event}, where the schedule reaches lr {lrs[event]:.3g}{also}; the same step at {safe:.3g} stays finite",
+            {"step": event, "lr_at_event": lrs[event], "lr_before": safe, "peak_step": info["peak_step"],
+             "jump_step": info["jump_step"], "jump_ratio": info["jump_ratio"],
+             "update_to_weight": {"at_peak": info["update_to_weight_at_peak"], "before_peak": info["update_to_weight_before_peak"]},
+             "activation_max": {"at_peak": info["activation_max_at_peak"], "before_peak": info["activation_max_before_peak"]}},
+            Fix(
+                f"Lower the peak learning rate to at most {safe:.3g} (or lengthen the warm-up, or clip gradients).",
+                code=f"# in scheduler()/optimizer(): peak lr <= {safe:.3g}, e.g. a longer linear warm-up\n"
+                     "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # after scaler.unscale_(optimizer)",
+                config_patch={"overrides": {"max_lr": safe}},
+            ),
+        )]

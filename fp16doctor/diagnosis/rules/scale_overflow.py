@@ -1,0 +1,98 @@
+"""The loss scale is too high: gradients overflow in backward step after step.
+
+Evidence: AMP steps skipped (or with non-finite gradients when the training
+scales by hand: then the overflowed gradients reach the weights and the loss
+turns NaN one step later) while the fp32 loss and gradients stay finite: a scale that
+never settles, a settling that costs more than ten skipped steps (from
+init_scale down to the largest safe scale derived from fp32 gradients, at the
+configured backoff), or a quarter of the steps after settling still
+overflowing. A few skips while a default scale settles are normal.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ...measure.symptoms import attempts, skip_runs
+from ...measure.thresholds import CALIBRATION_SKIPS, PERSISTENT_OVERFLOW_SHARE
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix, ProbeSummary
+from . import Rule
+from ._helpers import fp32_finite, scale_patch
+
+
+class ScaleOverflow(Rule):
+    code = "scale-overflow"
+    order = 70
+    explains = ('skips', 'nonfinite', 'trajectory-drift')
+    triggers = ("scale_too_high.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(10)))),
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_grads=range(10), nonfinite_loss=range(1, 10)),
+                                                 scaler_called=False, scaler_enabled=False)))
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 1]))),
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]))))
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        amp = ev.amp
+        if amp is None or amp.exception is not None or not fp32_finite(ev):
+            return []
+        if amp.first_nonfinite_loss is not None and not self._weights_poisoned_by_hand(amp):
+            return []  # the forward itself overflows: no loss scale causes that
+        rec = attempts(amp.records)
+        overflowing = (rec["skipped"].astype(bool) | rec["nonfinite_grads"].astype(bool)).tolist()
+        if not any(overflowing):
+            return []
+        leading = next((i for i, bad in enumerate(overflowing) if not bad), len(overflowing))
+        after = overflowing[leading:]
+        persistent = sum(after) / len(after) if after else 1.0
+        settling = self._expected_settling(ev)
+        if not (leading == len(overflowing) or leading > CALIBRATION_SKIPS or settling > CALIBRATION_SKIPS
+                or (persistent >= PERSISTENT_OVERFLOW_SHARE and sum(after) >= 3)):
+            return []
+        steps = [int(s) for s, bad in zip(rec["step"], overflowing) if bad]
+        runs = skip_runs(steps)
+        if not amp.scaler_called:  # the step scales by hand: the measured window carries its static factor
+            return [self._hand_rolled(steps, len(rec))]
+        patch = scale_patch(ev)
+        why = (f"the scale never settled in {len(rec)} steps" if leading == len(overflowing)
+               else f"settling from init_scale {ev.config.scaler.init_scale:.3g} takes ~{settling} skipped steps" if settling > CALIBRATION_SKIPS
+               else f"{persistent:.0%} of the steps after settling still overflow")
+        return [self.finding(
+            f"Gradients overflow in {len(steps)} of {len(rec)} AMP steps (longest run {max(map(len, runs))}): {why}; the loss scale is too high",
+            {"overflow_steps": steps[:30], "leading_skips": leading, "persistent_share": persistent,
+             "expected_settling_skips": settling, "scale_first": float(rec["loss_scale"].iloc[0]),
+             "scale_last": float(rec["loss_scale"].iloc[-1]), "scaler_enabled": amp.scaler_enabled,
+             "max_safe_scale": ev.window.high if ev.window is not None else None, "recommended": patch["scaler"]},
+            Fix(
+                f"Use dynamic loss scaling from init_scale {patch['scaler']['init_scale']:.0f} with backoff 0.5.",
+                code=f"scaler = torch.amp.GradScaler('cuda', init_scale={patch['scaler']['init_scale']:.0f}, backoff_factor=0.5)",
+                config_patch=patch,
+            ),
+        )]
+
+    def _hand_rolled(self, steps: list[int], total: int) -> Finding:
+        # No config patch: the file's train_step scales by hand, so the scaler settings of the
+        # config never reach it; the fix is the code change below (nothing for the doctor to try).
+        return self.finding(
+            f"Gradients overflow in {len(steps)} of {total} AMP steps, and the step never calls scaler.scale(): a static, hand-rolled loss scale is too high",
+            {"overflow_steps": steps[:30], "scaler_called": False},
+            Fix(
+                "Replace the hand-rolled static scaling by the GradScaler passed to train_step (dynamic: it backs off on overflow).",
+                code=("scaler.scale(loss).backward()      # instead of (loss * STATIC_SCALE).backward()\n"
+                      "scaler.unscale_(optimizer)\nscaler.step(optimizer)\nscaler.update()"),
+            ),
+        )
+
+    @staticmethod
+    def _weights_poisoned_by_hand(amp: ProbeSummary) -> bool:
+        """A hand-scaled step without a GradScaler applies overflowed gradients: the loss turns NaN only after them."""
+        grads = amp.first_nonfinite_grads
+        return not amp.scaler_called and grads is not None and grads < amp.first_nonfinite_loss
+
+    @staticmethod
+    def _expected_settling(ev: Evidence) -> int:
+        """Skips the configured scaler needs to come down from init_scale to the largest safe scale."""
+        scaler = ev.config.scaler
+        if ev.window is None or not scaler.enabled or scaler.init_scale <= ev.window.high:
+            return 0
+        return math.ceil(math.log(scaler.init_scale / ev.window.high) / math.log(1 / scaler.backoff_factor))

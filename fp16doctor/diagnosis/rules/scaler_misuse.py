@@ -1,0 +1,110 @@
+"""GradScaler calls in the wrong order or count.
+
+Evidence: the sequence of GradScaler calls of each iteration, as the loop made
+them (`scale`, `unscale_`, `step`, `update`), and GradScaler's own refusals:
+`unscale_` twice before `update` ("unscale_() has already been called on this
+optimizer since the last update()"), e.g. on every accumulation micro-step;
+`update()` in an iteration without a `step()`; `step()` without `update()`
+(the scale never adapts, and the next `step()` refuses: "unscale_() is being
+called after step()"); `step()` on gradients never scaled ("_scale is None"); `update()` more than once in an iteration (one
+scaler, two optimizers, `update` between them); a loss that changes with the
+loss scale (the precision-gap stage's same-state loss closes with scaling off):
+the step returns `scaler.scale(loss)`, or computes from gradients of a scaled
+loss (a gradient penalty) without unscaling them. PyTorch's "CUDA Automatic Mixed
+Precision examples" give the recipe for each loop shape (mixed-precision-notes.md).
+"""
+
+from __future__ import annotations
+
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix
+from . import Rule
+
+REFUSALS = {
+    "has already been called on this optimizer since the last update": "unscale_ called twice before update()",
+    "_scale is None": "step()/unscale_() on gradients that scaler.scale() never scaled",
+    "No inf checks were recorded": "step() after unscale_ found no gradients to check",
+    "is being called after step()": "step() without update(): the next iteration's step() finds the last one never closed",
+}
+RECIPE = """# gradient accumulation: scale every micro-batch, unscale/clip/step/update once
+scaler.scale(loss / accumulate).backward()
+if (micro + 1) % accumulate == 0:
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+# two optimizers: scaler.step(opt1); scaler.step(opt2); then ONE scaler.update()
+# every scaler.step(optimizer) is followed by scaler.update() in the same iteration"""
+
+
+PENALTY_RECIPE = """# gradient penalty under AMP (PyTorch's AMP examples)
+grads = torch.autograd.grad(scaler.scale(loss), inputs, create_graph=True)[0]
+grads = grads / scaler.get_scale()              # unscale before use
+with autocast():
+    loss = loss + weight * grads.pow(2).sum(-1).mean()
+scaler.scale(loss).backward()"""
+
+
+class ScalerMisuse(Rule):
+    code = "scaler-misuse"
+    order = 66
+    verifiable = False
+    explains = ("amp-exception", "skips", "nonfinite", "lost-updates", "trajectory-drift", "same-state-gap")
+    triggers = ("scaler_misuse.py",)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 1, "type": "RuntimeError",
+                                    "message": "unscale_() has already been called on this optimizer since the last update()."}),
+                                    scaler_calls=[["scale", "unscale_"], ["scale", "unscale_"]])),
+                lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "update"]] * 10)),
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 1, "type": "RuntimeError",
+                                    "message": "unscale_() is being called after step()."}),
+                                    scaler_calls=[["scale", "step"], ["scale", "step"]])),
+                lambda: fx.evidence(amp=fx.probe(), gap={"gap": 1e7, "tolerance": 1e-3, "worst_step": 0, "same_state_rel_dev": {0: 1e7},
+                                                         "gap_without_loss_scaling": 1e-5, "scale_leak": True}))
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "unscale_", "step", "update"]] * 10)),
+                lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale"], ["scale"], ["scale"], ["scale", "unscale_", "step", "update"]])))
+    suppresses = ("scale-overflow", "scale-growth", "scheduler-skip-drift", "bf16-advice", "precision-gap")
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        amp = ev.amp
+        if amp is None or not amp.scaler_enabled:
+            return []
+        problems = []
+        exc = amp.exception
+        if exc is not None:
+            problems += [what for text, what in REFUSALS.items() if text in (exc["message"] or "")]
+        calls = amp.scaler_calls
+        for step, sequence in enumerate(calls):
+            if "update" in sequence and "step" not in sequence and "scale" in sequence:
+                problems.append(f"update() without step() in iteration {step} (the scale changes between micro-batches)")
+            if "step" in sequence and "update" not in sequence:
+                problems.append(f"step() without update() in iteration {step} (the scale never adapts)")
+            if sequence.count("update") > 1:
+                problems.append(f"update() {sequence.count('update')} times in iteration {step}")
+            if "step" in sequence and not amp.scaler_called:
+                problems.append("step() while scaler.scale() is never called: the gradients were never scaled")
+        leak = (ev.gap or {}).get("scale_leak")
+        if leak:
+            problems.append(
+                f"the loss changes with the loss scale ({ev.gap['gap']:.3g}x off FP32 on the same weights and batch, "
+                f"{ev.gap['gap_without_loss_scaling']:.2%} with scaling off): the step returns scaler.scale(loss), or "
+                "computes from gradients of scaler.scale(...) (a gradient penalty) without dividing them by the scale")
+        problems = list(dict.fromkeys(problems))
+        if not problems:
+            return []
+        if leak and len(problems) == 1:
+            return [self.finding(
+                f"GradScaler misuse: {problems[0]}",
+                {"problems": problems, "same_state_gap": ev.gap["gap"], "gap_without_loss_scaling": ev.gap["gap_without_loss_scaling"],
+                 "step": ev.gap["worst_step"]},
+                Fix("Gradients of a scaled loss are scaled: divide them by scaler.get_scale() before using them in the "
+                    "loss (PyTorch's gradient-penalty recipe), and return the unscaled loss.", code=PENALTY_RECIPE),
+            )]
+        first = exc["step"] if exc is not None else 0
+        window = calls[max(0, first - 3):first + 1]
+        return [self.finding(
+            f"GradScaler misuse: {problems[0]}",
+            {"problems": problems[:5], "scaler_calls_per_iteration": window, "exception": exc},
+            Fix("Call the GradScaler once per optimizer step in PyTorch's order: scale every backward; "
+                "unscale_, clip, step and update once, after the last micro-batch.", code=RECIPE),
+        )]

@@ -1,0 +1,53 @@
+"""The LR scheduler steps on steps the GradScaler skipped, drifting ahead of the optimizer.
+
+Evidence: skipped AMP steps on which the scheduler still stepped, measured
+against the schedule: a warm-up whose first steps are skipped is partly lost.
+"""
+
+from __future__ import annotations
+
+from ...measure.thresholds import SKIP_DRIFT_RUN_SHARE, SKIP_DRIFT_WARMUP_SHARE
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix
+from . import Rule
+
+
+class SchedulerSkipDrift(Rule):
+    code = "scheduler-skip-drift"
+    order = 85
+    explains = ('trajectory-drift',)
+    severity = "warning"
+    triggers = ("warmup_skips.py",)
+    fires_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak={"peak_step": 8}),)
+    quiet_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak={"peak_step": 8},
+                                    config={"overrides": {"hold_scheduler_on_skip": True}}),)
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        amp = ev.amp
+        if not ev.has_scheduler or amp is None or ev.config.overrides.hold_scheduler_on_skip:
+            return []
+        skipped = amp.skip_steps
+        if not skipped:
+            return []
+        peak = (ev.lr_peak or {}).get("peak_step") or 0
+        in_warmup = [s for s in skipped if s < peak]
+        run_share = len(skipped) / max(len(amp.records), 1)
+        warmup_share = len(in_warmup) / peak if peak else 0.0
+        severity = "error" if run_share >= SKIP_DRIFT_RUN_SHARE and warmup_share >= SKIP_DRIFT_WARMUP_SHARE else "warning"
+        return [self.finding(
+            f"The scheduler stepped on {len(skipped)} skipped step(s)"
+            + (f", {len(in_warmup)} of the {peak} warm-up steps" if peak else "") + ": the LR runs ahead of the optimizer",
+            {"skipped_steps": skipped[:30], "drift_steps": len(skipped), "warmup_steps": peak,
+             "warmup_share_lost": warmup_share, "run_share": run_share},
+            Fix(
+                "Step the scheduler only when the optimizer stepped.",
+                code=(
+                    "scale_before = scaler.get_scale()\n"
+                    "scaler.step(optimizer); scaler.update()\n"
+                    "if scaler.get_scale() >= scale_before:   # not skipped\n"
+                    "    scheduler.step()"
+                ),
+                config_patch={"overrides": {"hold_scheduler_on_skip": True}},
+            ),
+            severity=severity,
+        )]

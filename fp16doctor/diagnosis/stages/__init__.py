@@ -1,0 +1,45 @@
+"""The triage stages, one module each. Each measures, fills :class:`Evidence`, and reports what it found.
+
+The order is the expert's: data, FP32 baseline, AMP as configured,
+localisation of the first bad step, the loss-scale sweep, the pause at the LR
+schedule's peak, the precision-gap search, the bf16 check. A stage that cannot
+add anything is skipped with the reason; the FP32 and AMP probes always run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..model import StageReport
+from .amp import stage_amp
+from .bf16 import stage_bf16
+from .context import StageContext, measured_symptoms, run_mode, same_state_gap
+from .data import stage_data
+from .fp32 import stage_fp32
+from .localisation import stage_localise
+from .loss_scale import stage_scale
+from .lr_peak import stage_lr_peak
+from .precision_gap import stage_precision_gap
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the triage: its name (as the report shows it) and what runs it."""
+
+    name: str
+    run: Callable[[StageContext], StageReport]
+
+
+STAGES: list[Stage] = [
+    Stage("data scan", stage_data),
+    Stage("fp32 baseline", stage_fp32),
+    Stage("amp as configured", stage_amp),
+    Stage("localisation", stage_localise),
+    Stage("loss-scale sweep", stage_scale),
+    Stage("LR schedule peak", stage_lr_peak),
+    Stage("precision-gap search", stage_precision_gap),
+    Stage("bf16 check", stage_bf16),
+]
+
+__all__ = ["STAGES", "Stage", "StageContext", "measured_symptoms", "run_mode", "same_state_gap"]

@@ -1,0 +1,19 @@
+"""Stage 3, AMP as configured."""
+
+from __future__ import annotations
+
+from ...engine.probe import Probe
+from ..model import StageReport
+from .context import StageContext, probe_details, probe_sentence, run_mode
+
+
+def stage_amp(ctx: StageContext) -> StageReport:
+    """AMP as configured; it also keeps its state right before the LR schedule's events (no replay to pause there)."""
+    events = set(ctx.schedule_event_steps())
+
+    def keep_snapshot(probe: Probe) -> None:
+        if probe.iteration in events:
+            ctx.amp_snapshots[probe.iteration] = probe.snapshot()
+
+    ctx.evidence.amp = summary = run_mode(ctx, "amp", before_step=keep_snapshot)
+    return StageReport("amp as configured", "ran", probe_sentence(summary), details=probe_details(summary))

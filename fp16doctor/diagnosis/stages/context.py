@@ -1,0 +1,265 @@
+"""What every stage shares: the :class:`StageContext` and the probe helpers several stages use."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pandas as pd
+import torch
+
+from ...config import DoctorConfig, build_config, merge
+from ...engine.instruments import InstrumentOptions, precision_map
+from ...engine.probe import (
+    DEFAULT_INSTRUMENTS,
+    SCHEDULER_ORDER_WARNING,
+    Probe,
+    ProbeSnapshot,
+    Workbench,
+    metric_driven,
+)
+from ...engine.rng import seed_everything
+from ...measure.symptoms import (
+    Symptom,
+    first_nonfinite,
+    measure,
+    probe_symptoms,
+    relative_deviation,
+)
+from ..model import Evidence, ProbeSummary
+
+
+@dataclass
+class StageContext:
+    """What every stage gets: the workbench, the config, the evidence so far, and the run options."""
+
+    bench: Workbench
+    config: DoctorConfig
+    evidence: Evidence
+    ci: bool = False
+    states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """FP32 trajectory weights by step, shared by the stages that evaluate the same states."""
+    loss_floor: float = 0.0
+    """The denominator floor of same-state loss deviations (:func:`fp16doctor.measure.symptoms.loss_floor`)."""
+    amp_snapshots: dict[int, ProbeSnapshot] = field(default_factory=dict)
+    """The AMP probe's full state right before the LR schedule's peak and jump: the LR-peak stage
+    pauses there without replaying the run (at most two snapshots)."""
+
+    def with_config(self, patch: dict[str, Any]) -> DoctorConfig:
+        return build_config(merge(self.config.to_dict(), patch))
+
+    @functools.cached_property
+    def schedule(self) -> dict[str, Any] | None:
+        """The LR schedule's peak and largest jump (:func:`schedule_events`), dry-run once; None without a
+        scheduler, or with one that follows the loss."""
+        lrs = scheduler_lrs(self) if self.evidence.has_scheduler else None
+        return schedule_events(lrs) if lrs else None
+
+    def schedule_event_steps(self) -> list[int]:
+        """The steps (after step 0) where the learning rate peaks or jumps."""
+        info = self.schedule
+        return sorted({info["peak_step"], info["jump_step"]} - {0}) if info else []
+
+
+def summarise(probe: Probe) -> ProbeSummary:
+    """Turn a finished probe into the summary the rules read."""
+    tables = probe.instruments.frames() if probe.instruments is not None else {}
+    clip_calls = [dict(c, step=r.step) for r in probe.records if r.trace for c in r.trace.clip_calls]
+    loss_dtypes = sorted({r.trace.loss_dtype for r in probe.records if r.trace and r.trace.loss_dtype})
+    return ProbeSummary(
+        mode=probe.mode, records=probe.frame(), tables=tables,
+        precision=precision_map(probe.model, probe.optimizer, probe.instruments.compute_dtypes if probe.instruments else None),
+        clip_calls=clip_calls, loss_dtypes=loss_dtypes,
+        first_nonfinite_forward=probe.instruments.first_nonfinite_forward() if probe.instruments else None,
+        scaler_enabled=probe.scaler.is_enabled(),
+        scaler_called=any(r.trace.scale_called for r in probe.records if r.trace),
+        scaler_calls=[list(r.trace.scaler_calls) if r.trace else [] for r in probe.records],
+    )
+
+
+def run_mode(ctx: StageContext, mode: str, config: DoctorConfig | None = None, steps: int | None = None,
+             before_step: Callable[[Probe], None] | None = None,
+             instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS) -> ProbeSummary:
+    """Run a fresh probe of ``mode`` (every instrument unless told fewer: a probe whose tables no rule reads
+    need not pay for them) and summarise it."""
+    probe = ctx.bench.probe(mode, config or ctx.config, instruments=instruments)
+    try:
+        probe.run(steps or ctx.evidence.steps, before_step=before_step)
+        return summarise(probe)
+    finally:
+        probe.close()
+
+
+def fp32_state_at(ctx: StageContext, step: int) -> dict[str, torch.Tensor]:
+    """The FP32 trajectory's weights at ``step`` (cached: several stages evaluate the same states)."""
+    if step not in ctx.states:
+        remember_fp32_states(ctx, [step])
+    return ctx.states[step]
+
+
+def remember_fp32_states(ctx: StageContext, steps: list[int]) -> None:
+    """One FP32 run up to the last of ``steps``, keeping the weights at each of them."""
+    wanted = sorted(set(steps) - set(ctx.states))
+    if not wanted:
+        return
+    reference = ctx.bench.probe("fp32", ctx.config, instruments=None)
+    try:
+        with reference.mode_context():
+            for step in wanted:
+                while reference.iteration < step:
+                    reference.step()
+                ctx.states[step] = copy.deepcopy(reference.model.state_dict())
+    finally:
+        reference.close()
+
+
+def probe_at(ctx: StageContext, mode: str, config: DoctorConfig, step: int) -> Probe:
+    """A probe of ``mode`` holding the FP32 trajectory's weights at ``step``, about to take that step."""
+    probe = ctx.bench.probe(mode, config, instruments=None)
+    probe.model.load_state_dict(fp32_state_at(ctx, step))
+    probe.iteration = probe.cursor = step
+    seed_everything(ctx.config.seed + step)  # the same dropout masks in every mode
+    return probe
+
+
+def same_state_losses(ctx: StageContext, step: int, configs: dict[str, tuple[str, DoctorConfig]]) -> dict[str, float]:
+    """Loss of each (mode, config) on the FP32 trajectory's state at ``step``: same weights, same batch."""
+    losses = {}
+    for key, (mode, config) in configs.items():
+        probe = probe_at(ctx, mode, config, step)
+        try:
+            with probe.mode_context():
+                losses[key] = probe.step().loss
+        finally:
+            probe.close()
+    return losses
+
+
+def worst_underflow(observed: pd.DataFrame | None) -> float:
+    """The largest share of a tensor's gradient mass that flushed to zero, negligible gradients left out."""
+    if observed is None or observed.empty:
+        return 0.0
+    if "negligible" in observed:
+        observed = observed[~observed["negligible"].astype(bool)]
+    return float(observed["observed_underflow_mass"].max()) if len(observed) else 0.0
+
+
+def same_state_gap(ctx: StageContext, config: DoctorConfig, step: int) -> float:
+    """AMP under ``config`` against fp32 on the FP32 trajectory's state at ``step``: same weights, same batch."""
+    losses = same_state_losses(ctx, step, {"fp32": ("fp32", ctx.config), "amp": ("amp", config)})
+    return relative_deviation(losses["amp"], losses["fp32"], ctx.loss_floor)
+
+
+def measured_symptoms(ctx: StageContext, config: DoctorConfig, amp: ProbeSummary | None, fp32: ProbeSummary | None,
+                      gap: float | None) -> list[Symptom]:
+    """The symptoms of an AMP probe against FP32 (:func:`fp16doctor.measure.symptoms.probe_symptoms`): the verdict's
+    and every fix's verification.
+
+    A trajectory drift after skipped steps is measured again on an AMP run aligned on the steps taken (a
+    skipped batch retried with the same RNG; the scheduler still steps on a skip, as the user's loop does):
+    a run that skipped k steps is k updates behind on other batches, and on a short probe that lag alone can
+    look like a drift. What remains aligned is precision's, or the schedule's.
+    """
+    if amp is None:
+        return []
+    bf16 = config.dtype == "bfloat16"
+    found = probe_symptoms(amp, fp32, gap, bf16=bf16)
+    if fp32 is None or not amp.skip_steps or not any(s.code == "trajectory-drift" for s in found):
+        return found
+    aligned = ctx.bench.probe("amp", config, align_on_taken_steps=True, instruments=None, hold_scheduler_on_retry=False)
+    try:
+        records = aligned.run(ctx.evidence.steps)
+    finally:
+        aligned.close()
+    drift = [s for s in measure(records, fp32.records, bf16=bf16) if s.code == "trajectory-drift"]
+    for symptom in drift:
+        symptom.measured["aligned_on_steps_taken"] = True
+        symptom.description += " (aligned on the steps taken: not the lag of the skipped steps)"
+    return [s for s in found if s.code != "trajectory-drift"] + drift
+
+
+def gap_states(ctx: StageContext) -> list[int]:
+    """The FP32 trajectory steps at which the precision-gap search compares AMP with FP32 on the same state."""
+    steps = ctx.evidence.steps
+    return sorted({0, steps // 2, steps - 1}) if not ctx.ci else sorted({0, steps - 1})
+
+
+def probe_sentence(summary: ProbeSummary) -> str:
+    rec = summary.records
+    if summary.exception:
+        e = summary.exception
+        return f"stopped at step {e['step']}: {e['type']}: {e['message']} ({e['location']})"
+    parts = [f"{len(rec)} steps, loss {rec['loss'].iloc[0]:.4g} -> {rec['loss'].iloc[-1]:.4g}"]
+    if summary.first_nonfinite_loss is not None:
+        parts.append(f"loss non-finite from step {summary.first_nonfinite_loss}")
+    skips = summary.skip_steps
+    if skips:
+        parts.append(f"{len(skips)} skipped step(s) (first {skips[:5]})")
+    return "; ".join(parts)
+
+
+def probe_details(summary: ProbeSummary) -> dict[str, Any]:
+    rec = summary.records
+    return {
+        "steps": len(rec), "first_nonfinite_loss": summary.first_nonfinite_loss,
+        "first_nonfinite_grads": summary.first_nonfinite_grads, "skipped_steps": summary.skip_steps,
+        "final_loss": float(rec["loss"].iloc[-1]) if len(rec) else None, "exception": summary.exception,
+    }
+
+
+def bad_step(summary: ProbeSummary) -> int:
+    """The step to localise: the first the training did not survive (an inf/NaN loss, or inf/NaN gradients
+    applied to the weights), else the first whose gradients the GradScaler caught. A skip is the scaler at
+    work; a forward that overflows a few steps later is the fault the user sees."""
+    unhandled = first_nonfinite(summary.records)
+    if unhandled is not None:
+        return unhandled
+    candidates = [s for s in (summary.first_nonfinite_loss, summary.first_nonfinite_grads) if s is not None]
+    return min(candidates)
+
+
+def scheduler_lrs(ctx: StageContext) -> list[float] | None:
+    """Dry-run a copy of the user's scheduler over the run, on a throw-away optimizer; None for a scheduler
+    that follows the loss (``ReduceLROnPlateau``): it has no schedule to know in advance."""
+    spec = ctx.bench.spec
+    # Shape-only stand-ins for the model's parameters: an optimizer() that groups them (by dimension, say)
+    # builds the same groups, and nothing is allocated (the dry run never steps the optimizer).
+    stand_ins = [torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in ctx.bench.parameter_shapes]
+    try:
+        optimizer = spec.optimizer(stand_ins) if spec.optimizer else torch.optim.AdamW(stand_ins, lr=ctx.config.lr)
+        scheduler = spec.scheduler(optimizer)
+    except Exception:  # noqa: BLE001 - the probes built them on the real parameters; only the dry run cannot
+        return None
+    if metric_driven(scheduler):
+        return None
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)  # no optimizer steps in a dry run
+        for _ in range(ctx.evidence.steps):
+            lrs.append(float(optimizer.param_groups[0]["lr"]))
+            try:
+                scheduler.step()
+            except Exception:  # noqa: BLE001 - e.g. OneCycleLR past its total_steps: the probes show it as the user's error
+                break
+    return lrs
+
+
+def schedule_events(lrs: list[float]) -> dict[str, Any]:
+    """The schedule's peak and its largest jump (the step and the ratio to the step before)."""
+    peak = max(range(len(lrs)), key=lrs.__getitem__)
+    ratios = [lrs[t] / lrs[t - 1] if lrs[t - 1] > 0 else math.inf for t in range(1, len(lrs))]
+    jump = (max(range(len(ratios)), key=ratios.__getitem__) + 1) if ratios else 0
+    return {"lrs": lrs, "peak_step": peak, "peak_lr": lrs[peak], "jump_step": jump, "jump_ratio": ratios[jump - 1] if ratios else 1.0}
+
+
+def skips_start_at_schedule_event(ctx: StageContext) -> int | None:
+    """The LR event (peak or largest jump, after step 0) right before AMP's first skip, if the skips start there."""
+    amp = ctx.evidence.amp
+    if not ctx.evidence.has_scheduler or amp is None or not amp.skip_steps:
+        return None
+    first = amp.skip_steps[0]
+    return next((e for e in ctx.schedule_event_steps() if e <= first <= e + 3), None)

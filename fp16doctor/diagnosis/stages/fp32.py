@@ -1,0 +1,21 @@
+"""Stage 2, the FP32 baseline: the user's training with every low-precision path off."""
+
+from __future__ import annotations
+
+import copy
+
+from ...engine.probe import Probe
+from ..model import StageReport
+from .context import StageContext, gap_states, probe_details, probe_sentence, run_mode
+
+
+def stage_fp32(ctx: StageContext) -> StageReport:
+    """The baseline run; it also keeps its weights at the steps the precision-gap search evaluates (no second run)."""
+    wanted = set(gap_states(ctx))
+
+    def keep_state(probe: Probe) -> None:
+        if probe.iteration in wanted:
+            ctx.states[probe.iteration] = copy.deepcopy(probe.model.state_dict())
+
+    ctx.evidence.fp32 = summary = run_mode(ctx, "fp32", before_step=keep_state)
+    return StageReport("fp32 baseline", "ran", probe_sentence(summary), details=probe_details(summary))

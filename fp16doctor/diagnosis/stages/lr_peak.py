@@ -1,0 +1,76 @@
+"""Stage 6, the pause at the LR schedule's peak or largest jump."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...engine.probe import Probe
+from ..model import StageReport
+from .context import StageContext, bad_step
+
+
+def stage_lr_peak(ctx: StageContext) -> StageReport:
+    ev = ctx.evidence
+    if not ev.has_scheduler:
+        return StageReport("LR schedule peak", "skipped", "no scheduler() in the training file")
+    if ctx.schedule is None:
+        return StageReport("LR schedule peak", "skipped", "no schedule to dry-run: the scheduler follows the loss "
+                           "(ReduceLROnPlateau), or cannot be built apart from the training")
+    ev.lr_peak = info = dict(ctx.schedule)
+    lrs, peak, jump = info["lrs"], info["peak_step"], info["jump_step"]
+    amp = ev.amp
+    trouble = None
+    if amp is not None and not amp.finite:
+        trouble = bad_step(amp) if amp.exception is None else None
+    near = [e for e in ctx.schedule_event_steps() if trouble is not None and e <= trouble <= e + 3]
+    summary = f"peak lr {lrs[peak]:.3g} at step {peak}; largest jump x{info['jump_ratio']:.3g} at step {jump}"
+    if not near:
+        return StageReport("LR schedule peak", "skipped", summary + "; no trouble at the peak or jump to explain", details=info)
+    event = near[0]
+    info.update(_pause(ctx, event, lrs))
+    summary += (f"; paused at step {event}: at lr {lrs[event]:.3g} the step is {'finite' if info['finite_at_peak'] else 'NOT finite'}, "
+                f"at the pre-peak lr {lrs[event - 1]:.3g} it is {'finite' if info['finite_before_peak'] else 'NOT finite'}")
+    return StageReport("LR schedule peak", "ran", summary, details=info)
+
+
+def _pause(ctx: StageContext, event: int, lrs: list[float]) -> dict[str, Any]:
+    """From the AMP run's state right before ``event`` (kept by the AMP stage, else replayed), take that step
+    at its own and at the previous learning rate."""
+    probe = ctx.bench.probe("amp", ctx.config)
+    try:
+        with probe.mode_context():
+            snap = ctx.amp_snapshots.get(event)
+            if snap is None:
+                while probe.iteration < event and probe.failed is None:
+                    probe.step()
+                snap = probe.snapshot()
+            probe.restore(snap)
+            at_peak = _instrumented_step(probe)
+            probe.restore(snap)
+            before = _instrumented_step(probe, lr=lrs[event - 1])
+    finally:
+        probe.close()
+    return {"pause_step": event, "finite_at_peak": at_peak["finite"], "finite_before_peak": before["finite"],
+            "update_to_weight_at_peak": at_peak["update_to_weight"], "update_to_weight_before_peak": before["update_to_weight"],
+            "activation_max_at_peak": at_peak["activation_max"], "activation_max_before_peak": before["activation_max"]}
+
+
+def _instrumented_step(probe: Probe, lr: float | None = None) -> dict[str, Any]:
+    """Take the step (at ``lr`` if given) and the one after it: an update's damage shows in the next forward."""
+    rows_before = len(probe.instruments.update_rows), len(probe.instruments.forward_rows)
+    records = []
+    for _ in range(2):
+        if lr is not None:
+            for group in probe.optimizer.param_groups:
+                group["lr"] = lr
+        records.append(probe.step())
+    updates = probe.instruments.update_rows[rows_before[0]:]
+    forward = probe.instruments.forward_rows[rows_before[1]:]
+    weights_finite = all(torch.isfinite(p).all() for p in probe.model.parameters())
+    return {
+        "finite": all(r.exception_type is None and not r.nonfinite_loss and not r.nonfinite_grads for r in records) and weights_finite,
+        "update_to_weight": max((u["update_to_weight"] for u in updates), default=0.0),
+        "activation_max": max((f["abs_max"] for f in forward), default=0.0),
+    }

@@ -1,0 +1,117 @@
+"""Stage 7, the precision-gap search: the smallest set of modules kept in fp32 that closes a same-state gap."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ...engine.instruments import module_names
+from ...measure.symptoms import loss_floor, relative_deviation
+from ...measure.thresholds import BF16_FACTOR, GAP_TOLERANCE
+from ..model import StageReport
+from .context import (
+    StageContext,
+    gap_states,
+    probe_at,
+    remember_fp32_states,
+    same_state_gap,
+    same_state_losses,
+)
+
+
+def stage_precision_gap(ctx: StageContext) -> StageReport:
+    ev, cfg = ctx.evidence, ctx.config
+    amp = ev.amp
+    if amp is None or amp.exception is not None or amp.first_nonfinite_loss is not None:
+        return StageReport("precision-gap search", "skipped", "AMP is not finite: a range problem, not a precision gap")
+    tolerance = GAP_TOLERANCE * (BF16_FACTOR if cfg.dtype == "bfloat16" else 1.0)
+    states = gap_states(ctx)
+    floor = loss_floor(ev.fp32.records) if ev.fp32 is not None else 0.0
+    ctx.loss_floor = floor
+    remember_fp32_states(ctx, states)
+    gaps = {}
+    for step in states:
+        losses = same_state_losses(ctx, step, {"fp32": ("fp32", cfg), "amp": ("amp", cfg)})
+        gaps[step] = relative_deviation(losses["amp"], losses["fp32"], floor)
+    worst_step = max(gaps, key=gaps.get)
+    gap = gaps[worst_step]
+    ev.gap = info = {"same_state_rel_dev": gaps, "worst_step": worst_step, "gap": gap, "tolerance": tolerance}
+    if gap <= tolerance:
+        return StageReport("precision-gap search", "skipped",
+                           f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step})", details=info)
+    if cfg.scaler.enabled and cfg.dtype == "float16":
+        # The loss of one step does not depend on the loss scale, unless the scale leaks into it.
+        info["gap_without_loss_scaling"] = plain = same_state_gap(ctx, ctx.with_config({"scaler": {"enabled": False}}), worst_step)
+        if plain <= tolerance:
+            info["scale_leak"] = True
+            return StageReport("precision-gap search", "ran",
+                               f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}), and {plain:.3%} with loss "
+                               "scaling off: the loss scale leaks into the loss (not a precision gap)", details=info)
+    ranked = _rank_modules(ctx, worst_step)
+    info["ranked_modules"] = ranked[:8]
+    fix = _search_fp32_set(ctx, worst_step, [r["module"] for r in ranked], tolerance)
+    info.update(fix)
+    closed = fix.get("closing_set")
+    summary = f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}); "
+    summary += f"keeping {closed} in fp32 closes it ({fix['closed_gap']:.3%})" if closed else "no fp32 module set tried closes it"
+    return StageReport("precision-gap search", "ran", summary, details=info)
+
+
+def _rank_modules(ctx: StageContext, step: int) -> list[dict[str, Any]]:
+    """Per module: the relative error its output adds over its input, AMP against fp32, same state and batch."""
+    outputs: dict[str, dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
+    for mode in ("fp32", "amp"):
+        probe = probe_at(ctx, mode, ctx.config, step)
+        names = {m: n for m, n in module_names(probe.model).items() if n != "<root>"}
+        captured: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+
+        def hook(module: torch.nn.Module, args: Any, output: Any, captured=captured, names=names) -> None:
+            if module in names and names[module] not in captured:
+                first_in = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+                out = output if isinstance(output, torch.Tensor) else next((o for o in (output if isinstance(output, (tuple, list)) else []) if isinstance(o, torch.Tensor)), None)
+                captured[names[module]] = (first_in.detach().double().clone() if first_in is not None else None,
+                                           out.detach().double().clone() if out is not None and out.is_floating_point() else None)
+
+        handles = [m.register_forward_hook(hook) for m in names]
+        try:
+            with probe.mode_context():
+                probe.step()
+        finally:
+            for h in handles:
+                h.remove()
+            probe.close()
+        outputs[mode] = captured
+    ranked = []
+    for name, (in32, out32) in outputs["fp32"].items():
+        in16, out16 = outputs["amp"].get(name, (None, None))
+        if out32 is None or out16 is None or out32.shape != out16.shape:
+            continue
+        err_out = _rel_err(out16, out32)
+        err_in = _rel_err(in16, in32) if in32 is not None and in16 is not None and in32.shape == in16.shape else 0.0
+        ranked.append({"module": name, "added_error": max(err_out - err_in, 0.0), "output_error": err_out, "input_error": err_in})
+    ranked.sort(key=lambda r: r["added_error"], reverse=True)
+    return ranked
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    diff = torch.linalg.vector_norm((a - b).nan_to_num(nan=1e30, posinf=1e30, neginf=1e30)).item()
+    return diff / max(torch.linalg.vector_norm(b).item(), 1e-30)
+
+
+def _search_fp32_set(ctx: StageContext, step: int, candidates: list[str], tolerance: float) -> dict[str, Any]:
+    """The smallest set of modules (greedy, in ranked order) whose fp32 fallback closes the gap."""
+    limit = 3 if ctx.ci else 6
+    chosen: list[str] = []
+    tried = []
+    for name in candidates[:limit]:
+        trial = chosen + [name]
+        gap = same_state_gap(ctx, ctx.with_config({"overrides": {"fp32_modules": trial}}), step)
+        tried.append({"fp32_modules": trial, "gap": gap})
+        if gap <= tolerance:
+            return {"closing_set": trial, "closed_gap": gap, "tried": tried}
+        best_before = min((t["gap"] for t in tried[:-1]), default=math.inf)
+        if gap < best_before:
+            chosen = trial  # keep a module only if it helps
+    return {"closing_set": None, "closed_gap": None, "tried": tried}

@@ -1,0 +1,422 @@
+"""Numerics instruments: what happens inside a training step, per module and per parameter.
+
+Cheap enough to run inside every probe:
+
+* every statistic is reduced on the device into a few numbers per tensor and
+  all of them are stacked and moved to the host **once per step**;
+* non-finite values are detected exactly with one ``aminmax`` pass (NaN and
+  inf propagate into it); exact NaN/+inf/-inf counts are taken only on the
+  rare steps where that pass found any (a second transfer on bad steps only);
+* the shares of elements beyond the fp16 range or below its subnormal and
+  normal thresholds are measured exactly on tensors up to ``sample`` (16384)
+  elements and on an evenly strided subsample of ``sample`` elements beyond
+  that (an unbiased estimate whose error is well under the 5% thresholds the
+  rules use);
+* update health (lost updates, update-to-weight ratio) is measured on the same
+  strided sample of each parameter before and after the optimizer step;
+* ``every=k`` instruments one step in k.
+
+Recorded per step: forward outputs per module (and whether its inputs were
+finite), activation gradients per module (``grad_output``, as scaled in
+backward, where fp16 underflow happens), per-parameter gradient statistics
+(unscaled), and update health (lost updates, update-to-weight ratio).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import pandas as pd
+import torch
+
+from ..tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL, grad_values
+from ..userfile.batches import iter_tensors
+
+# Layout of one stat vector (a row of the per-step stack): input range, output range, element
+# count, then the sampled histogram over |x|: zero, (0, 2^-24), [2^-24, 2^-14), normal, > 65504.
+IN_MIN, IN_MAX, OUT_MIN, OUT_MAX, N, ZERO, SUB24, SUB14, NORMAL, OVER = range(10)
+VECTOR = 10
+_EDGES = {}  # device -> bucket edges; right=True counts the edges <= |x|
+
+
+def _edges(device: torch.device) -> torch.Tensor:
+    if device not in _EDGES:
+        smallest_positive = 2.0**-149  # fp32's smallest subnormal: every non-zero |x| is >= it
+        just_above_max = FP16_MAX * (1 + 2.0**-23)
+        _EDGES[device] = torch.tensor([smallest_positive, FP16_MIN_SUBNORMAL, FP16_MIN_NORMAL, just_above_max], device=device)
+    return _EDGES[device]
+
+
+def _floating_leaves(value: Any) -> list[torch.Tensor]:
+    return [t for _, t in iter_tensors(value) if t.is_floating_point()]
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside a (Distributed)DataParallel wrapper: its names are the ones the user knows."""
+    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    return model.module if isinstance(model, parallel) else model
+
+
+def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
+    """Every module of the user's model that takes Python hooks, by its path (the root: ``<root>``). A parallel
+    wrapper is left out; so is a TorchScript module and what it contains (it refuses hooks: its inside is
+    seen only as its output)."""
+    names: dict[torch.nn.Module, str] = {}
+    scripted: list[str] = []
+    for name, module in unwrapped(model).named_modules():
+        if any(name == s or name.startswith(s + ".") for s in scripted):
+            continue
+        if isinstance(module, torch.jit.ScriptModule):
+            scripted.append(name)
+            continue
+        names[module] = name or "<root>"
+    return names
+
+
+def _sample(flat: torch.Tensor, size: int) -> torch.Tensor:
+    if size <= 0 or flat.numel() <= size:
+        return flat
+    stride = math.ceil(flat.numel() / size)
+    return flat[::stride]
+
+
+def magnitude_histogram(flat: torch.Tensor, sample: int) -> torch.Tensor:
+    """Counts of |x| in the buckets zero, below 2^-24, below 2^-14, normal, above 65504 (on a sample)."""
+    a = _sample(flat, sample).abs().float()
+    return torch.bincount(torch.bucketize(a, _edges(a.device), right=True), minlength=5)[:5]
+
+
+def value_range(tensors: list[torch.Tensor], known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """[min, max] over the tensors (NaN propagates); ranges already measured (``known``, by id) are reused."""
+    known = known or {}
+    ranges = [known[id(t)] if id(t) in known else torch.stack(torch.aminmax(t.detach().reshape(-1))).double()
+              for t in tensors if t.numel()]
+    if not ranges:
+        return torch.zeros(2, dtype=torch.float64)
+    if len(ranges) == 1:
+        return ranges[0]
+    stacked = torch.stack([r.to(ranges[0].device) for r in ranges])
+    return torch.stack([stacked[:, 0].min(), stacked[:, 1].max()])
+
+
+def tensor_vector(outputs: list[torch.Tensor], inputs: list[torch.Tensor], sample: int,
+                  known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """The stat vector of a module call: input range, output range, sampled magnitude histogram."""
+    device = outputs[0].device
+    flats = [t.detach().reshape(-1) for t in outputs if t.numel()]
+    histogram = sum(magnitude_histogram(f, sample) for f in flats) if flats else torch.zeros(5, dtype=torch.long, device=device)
+    numel = torch.tensor([float(sum(f.numel() for f in flats))], dtype=torch.float64, device=device)
+    return torch.cat([value_range(inputs, known).to(device), value_range(outputs).to(device), numel, histogram.double()])
+
+
+def exact_counts(tensors: Iterable[torch.Tensor]) -> tuple[int, int, int]:
+    """Exact NaN, +inf and -inf counts (the slow path, taken only on bad steps)."""
+    nan = pos = neg = 0
+    for t in tensors:
+        t = t.detach()
+        nan += int(torch.isnan(t).sum())
+        pos += int((t == math.inf).sum())
+        neg += int((t == -math.inf).sum())
+    return nan, pos, neg
+
+
+@dataclass
+class InstrumentOptions:
+    """Which instruments run, and how often."""
+
+    forward: bool = True
+    """Forward output statistics per module."""
+    activation_grads: bool = True
+    """Statistics of each module's grad_output in backward."""
+    param_grads: bool = True
+    """Per-parameter gradient norm, non-finite values, zero share."""
+    updates: bool = True
+    """Lost updates and update-to-weight ratio per parameter (copies the parameters before each step)."""
+    every: int = 1
+    """Instrument one step in ``every``."""
+    sample: int = 16384
+    """Elements per tensor measured for the threshold shares; 0 = all (exact). At 16384 the standard
+    error of a 5% share is 0.17%: ample for rules that act at 5%."""
+
+
+@dataclass
+class _Pending:
+    """Device-side results of one step, waiting for the single transfer."""
+
+    rows: list[tuple[str, str, int, str]] = field(default_factory=list)  # (kind, name, order, dtype)
+    vectors: list[torch.Tensor] = field(default_factory=list)
+    tensors: list[list[torch.Tensor]] = field(default_factory=list)  # kept for exact counts on bad steps
+    seen: dict[int, int] = field(default_factory=dict)  # output id -> index of its vector (a container returns its child's)
+    ranges: dict[int, torch.Tensor] = field(default_factory=dict)  # output id -> its [min, max] (inputs reuse them)
+
+
+class Instruments:
+    """Hooks on a model and its optimizer that fill per-step statistics tables."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: InstrumentOptions | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options or InstrumentOptions()
+        self.names = module_names(model)
+        self.param_names = {p: n for n, p in unwrapped(model).named_parameters()}
+        self.forward_rows: list[dict[str, Any]] = []
+        self.activation_grad_rows: list[dict[str, Any]] = []
+        self.param_rows: list[dict[str, Any]] = []
+        self.update_rows: list[dict[str, Any]] = []
+        self.compute_dtypes: dict[str, str] = {}
+        self._handles: list[Any] = []
+        self._pending = _Pending()
+        self._active = False
+        self._order = 0
+        self._step = -1
+        self._scale = 1.0
+        self._before: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._param_grads_taken = False
+        self.attach()
+
+    # --- wiring ---------------------------------------------------------------------------------
+    def attach(self) -> None:
+        if self._handles:
+            return
+        for module in self.names:
+            self._handles.append(module.register_forward_hook(self._post_forward))
+        self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
+        self._handles.append(self.optimizer.register_step_post_hook(self._post_step))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # --- step protocol (called by the probe) ------------------------------------------------------
+    def begin_step(self, step: int, scale: float) -> None:
+        self._step, self._scale = step, scale
+        self._active = step % max(1, self.options.every) == 0
+        self._pending = _Pending()
+        self._order = 0
+        self._before = {}
+        self._param_grads_taken = False
+
+    def end_step(self, grads_unscaled: bool = True) -> None:
+        """The step's one transfer: stack every pending vector, move it, turn it into rows."""
+        if not self._active:
+            return
+        if self.options.param_grads and not self._param_grads_taken:
+            self._take_param_grads(divide_by=1.0 if grads_unscaled else self._scale)
+        pending, self._pending = self._pending, _Pending()
+        if not pending.vectors:
+            return
+        values = torch.stack([v.to("cpu", torch.float64) if v.device.type != "cpu" else v for v in pending.vectors]).tolist()
+        for (kind, name, order, dtype), vector, tensors in zip(pending.rows, values, pending.tensors):
+            self._emit(kind, name, order, dtype, vector, tensors)
+        self._active = False
+
+    # --- forward --------------------------------------------------------------------------------
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Measure a module's output when it completes.
+
+        ``order`` is the completion order: children complete before their parents, so the
+        first module to produce a non-finite output from finite inputs is the innermost culprit.
+        """
+        if not self._active:
+            return
+        name = self.names.get(module, type(module).__name__)
+        leaves = _floating_leaves(output)
+        if not leaves:
+            return
+        order = self._order
+        self._order += 1
+        dtype = str(leaves[0].dtype).replace("torch.", "")
+        self.compute_dtypes[name] = dtype
+        outputs = [t for t in leaves if id(t) not in self._pending.seen]
+        if not outputs:  # a container handing on its child's output: reuse the child's numbers
+            if self.options.forward:
+                self._queue_alias(name, order, dtype, leaves[0], _floating_leaves(args))
+            return
+        if self.options.forward:
+            self._queue("forward", name, order, dtype, outputs, _floating_leaves(args))
+            index = len(self._pending.vectors) - 1
+            for t in outputs:  # a module's input is usually an earlier module's output: its range is known
+                self._pending.seen[id(t)] = index
+                self._pending.ranges[id(t)] = self._pending.vectors[index][OUT_MIN:OUT_MAX + 1] if len(outputs) == 1 else value_range([t])
+        if self.options.activation_grads:
+            for t in outputs:
+                if t.requires_grad:
+                    t.register_hook(self._grad_hook(name, order))
+
+    def _grad_hook(self, name: str, order: int):
+        def hook(grad: torch.Tensor) -> None:
+            if self._active and grad is not None:
+                self._queue("activation_grad", name, order, str(grad.dtype).replace("torch.", ""), [grad], [])
+        return hook
+
+    def _queue_alias(self, name: str, order: int, dtype: str, output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+        source = self._pending.vectors[self._pending.seen[id(output)]]
+        own_inputs = value_range(inputs, self._pending.ranges) if inputs else source[:OUT_MIN]
+        self._pending.rows.append(("forward", name, order, dtype))
+        self._pending.vectors.append(torch.cat([own_inputs, source[OUT_MIN:]]))
+        self._pending.tensors.append(self._pending.tensors[self._pending.seen[id(output)]])
+
+    def _queue(self, kind: str, name: str, order: int, dtype: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+        self._pending.rows.append((kind, name, order, dtype))
+        self._pending.vectors.append(tensor_vector(outputs, inputs, self.options.sample, self._pending.ranges))
+        self._pending.tensors.append(outputs)
+
+    # --- parameters -----------------------------------------------------------------------------
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._active:
+            return
+        if self.options.param_grads:
+            self._take_param_grads(divide_by=1.0)
+        if self.options.updates:
+            # A strided sample of each parameter (the same elements after the step): lost updates and
+            # the update-to-weight ratio are measured on it, without copying whole parameters.
+            # Sparse gradients are left out: their values do not line up with the parameter's elements.
+            self._before = {p: _sample(p.detach().reshape(-1), self.options.sample).clone() for p in self.param_names
+                            if p.grad is not None and not p.grad.is_sparse}
+
+    def _take_param_grads(self, divide_by: float) -> None:
+        """Per-parameter gradient statistics, batched across parameters (a handful of ops in all)."""
+        self._param_grads_taken = True
+        named = [(name, grad_values(p)) for p, name in self.param_names.items() if p.grad is not None]
+        if not named:
+            return
+        grads = [g for _, g in named]
+        norms = torch.stack([n.double() for n in torch._foreach_norm([g.float() for g in grads])]) / divide_by
+        samples = [_sample(g.reshape(-1), self.options.sample).abs().float() / divide_by for g in grads]
+        ids, flat = self._segments(samples)
+        # Buckets of |g * S|: bucket 1 is 0 < |g S| < 2^-24, what fp16 flushes to zero at this scale.
+        buckets = torch.bucketize(flat * self._scale, _edges(flat.device), right=True)
+        counts = torch.bincount(ids * 5 + buckets, minlength=5 * len(grads)).reshape(len(grads), 5).double()
+        amax = torch.stack([m.double() for m in torch._foreach_norm(samples, ord=math.inf)])  # max |g| per sample
+        # The L1 mass that flushes (bucket 1) and the whole mass: underflow that matters is a share of the mass.
+        flushed = torch.bincount(ids, weights=(flat * (buckets == 1)).double(), minlength=len(grads))
+        mass = torch.bincount(ids, weights=flat.double(), minlength=len(grads))
+        block = torch.cat([norms[:, None], counts, amax[:, None], flushed[:, None], mass[:, None],
+                           torch.zeros(len(grads), VECTOR - 9, dtype=torch.float64, device=flat.device)], 1)
+        for (name, g), vector in zip(named, block.unbind(0)):
+            self._pending.rows.append(("param_grad", name, -1, str(g.dtype).replace("torch.", "")))
+            self._pending.vectors.append(vector)
+            self._pending.tensors.append([g])
+
+    @staticmethod
+    def _segments(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenate 1-d pieces, with the index of the piece each element came from."""
+        lengths = torch.tensor([p.numel() for p in pieces], device=pieces[0].device)
+        ids = torch.repeat_interleave(torch.arange(len(pieces), device=pieces[0].device), lengths)
+        return ids, torch.cat(pieces)
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Lost updates (gradient non-zero, stored value unchanged) and update-to-weight ratio per parameter."""
+        if not (self._active and self.options.updates and self._before):
+            return
+        params = list(self._before)
+        before = [self._before[p].float() for p in params]
+        after = [_sample(p.detach().reshape(-1), self.options.sample).float() for p in params]
+        diffs = torch._foreach_sub(after, before)
+        delta = torch.stack([n.double() for n in torch._foreach_norm(diffs)])
+        weight = torch.stack([n.double() for n in torch._foreach_norm(before)])
+        grad_samples = [_sample(p.grad.detach().reshape(-1), self.options.sample) for p in params]
+        ids, moved = self._segments(diffs)
+        _, grads = self._segments(grad_samples)
+        wanted = grads != 0
+        lost = torch.bincount(ids, weights=(wanted & (moved == 0)).double(), minlength=len(params))
+        wanted_count = torch.bincount(ids, weights=wanted.double(), minlength=len(params))
+        block = torch.stack([lost, wanted_count, delta, weight], 1)
+        block = torch.cat([block, torch.zeros(len(params), VECTOR - 4, dtype=torch.float64, device=block.device)], 1)
+        for param, vector in zip(params, block.unbind(0)):
+            self._pending.rows.append(("update", self.param_names[param], -1, str(param.dtype).replace("torch.", "")))
+            self._pending.vectors.append(vector)
+            self._pending.tensors.append([])
+        self._before = {}
+
+    # --- turning vectors into rows ------------------------------------------------------------------
+    def _emit(self, kind: str, name: str, order: int, dtype: str, v: list[float], tensors: list[torch.Tensor]) -> None:
+        base = {"step": self._step, "module" if kind in ("forward", "activation_grad") else "param": name, "dtype": dtype}
+        if kind in ("forward", "activation_grad"):
+            finite = all(math.isfinite(x) for x in (v[OUT_MIN], v[OUT_MAX]))
+            nan = pos = neg = 0
+            if not finite:
+                nan, pos, neg = exact_counts(tensors)
+            sample_n = max(sum(v[ZERO:OVER + 1]), 1.0)
+            nonzero = max(sample_n - v[ZERO], 1.0)
+            row = {
+                **base, "order": order, "numel": int(v[N]),
+                "abs_max": max(abs(v[OUT_MIN]), abs(v[OUT_MAX])) if finite else _finite_abs_max(tensors),
+                "nan": nan, "posinf": pos, "neginf": neg,
+                "over_fp16_max": v[OVER] / sample_n,
+                "below_fp16_subnormal": v[SUB24] / nonzero,
+                "below_fp16_normal": (v[SUB24] + v[SUB14]) / nonzero,
+                "zero_share": v[ZERO] / sample_n,
+            }
+            if kind == "forward":
+                row["inputs_finite"] = math.isfinite(v[IN_MIN]) and math.isfinite(v[IN_MAX])
+                row["input_abs_max"] = max(abs(v[IN_MIN]), abs(v[IN_MAX])) if row["inputs_finite"] else math.inf
+                self.forward_rows.append(row)
+            else:
+                row["loss_scale"] = self._scale
+                self.activation_grad_rows.append(row)
+        elif kind == "param_grad":
+            norm, zero, under, amax = v[0], v[1], v[2], v[6]
+            sample_n = sum(v[1:6])
+            nonzero = sample_n - zero
+            nan = pos = neg = 0
+            if not math.isfinite(norm):
+                nan, pos, neg = exact_counts(tensors)
+            self.param_rows.append({
+                **base, "grad_norm": norm, "nan": nan, "posinf": pos, "neginf": neg,
+                "zero_share": 1.0 - nonzero / max(sample_n, 1.0),
+                "underflow_at_scale": under / max(nonzero, 1.0), "grad_abs_max": amax, "loss_scale": self._scale,
+                "underflow_mass_at_scale": v[7] / v[8] if v[8] > 0 else 0.0,
+            })
+        else:
+            lost, wanted, delta, weight = v[:4]
+            self.update_rows.append({
+                **base, "lost_update_share": lost / wanted if wanted else 0.0,
+                "update_to_weight": delta / weight if weight else (math.inf if delta else 0.0),
+            })
+
+    # --- results ----------------------------------------------------------------------------------
+    def frames(self) -> dict[str, pd.DataFrame]:
+        """The four tables: forward, activation_grads, param_grads, updates."""
+        return {
+            "forward": pd.DataFrame(self.forward_rows),
+            "activation_grads": pd.DataFrame(self.activation_grad_rows),
+            "param_grads": pd.DataFrame(self.param_rows),
+            "updates": pd.DataFrame(self.update_rows),
+        }
+
+    def first_nonfinite_forward(self) -> dict[str, Any] | None:
+        """The first module (execution order) whose output is non-finite while its inputs are finite."""
+        bad = [r for r in self.forward_rows if (r["nan"] or r["posinf"] or r["neginf"]) and r["inputs_finite"]]
+        if not bad:
+            return None
+        first_step = min(r["step"] for r in bad)
+        return min((r for r in bad if r["step"] == first_step), key=lambda r: r["order"])
+
+
+def _finite_abs_max(tensors: list[torch.Tensor]) -> float:
+    values = [t.detach().float().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().max().item() for t in tensors if t.numel()]
+    return max(values, default=0.0)
+
+
+def precision_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, compute_dtypes: dict[str, str] | None = None) -> pd.DataFrame:
+    """For every module: the dtype its computation ran in, and the dtypes of its parameters, buffers and optimizer state."""
+    compute_dtypes = compute_dtypes or {}
+    state = optimizer.state if optimizer is not None else {}
+    rows = []
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        buffers = [b for b in module.buffers(recurse=False) if b.is_floating_point()]
+        state_dtypes = sorted({str(v.dtype).replace("torch.", "") for p in params for v in state.get(p, {}).values()
+                               if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0})
+        rows.append({
+            "module": name or "<root>", "type": type(module).__name__,
+            "compute_dtype": compute_dtypes.get(name or "<root>"),
+            "param_dtypes": ",".join(sorted({str(p.dtype).replace("torch.", "") for p in params})) or None,
+            "buffer_dtypes": ",".join(sorted({str(b.dtype).replace("torch.", "") for b in buffers})) or None,
+            "optimizer_state_dtypes": ",".join(state_dtypes) or None,
+        })
+    return pd.DataFrame(rows)

@@ -1,0 +1,497 @@
+"""The probe engine: short trainings of the user's training in one precision mode.
+
+A :class:`Workbench` is made once per command: it loads nothing itself but
+holds the training spec, the config, the batches drawn once from ``data()``
+and the reference initial weights. Every :class:`Probe` it creates starts from
+those same weights and replays those same batches, so probes of different
+modes differ only by precision.
+
+Modes:
+
+* ``fp32``: the true baseline, every low-precision path off (see :mod:`.fp32_mode`).
+* ``amp``: the training as configured: the user's code as written, autocast
+  with the configured dtype (CUDA's op policy, also on CPU), the configured scaler.
+* ``bf16``: ``amp`` with bfloat16 and no scaler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import numbers
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pandas as pd
+import torch
+
+from ..config import DoctorConfig
+from ..errors import DoctorError, TrainingFileError
+from ..precision.autocast_policy import (
+    autocast_factory,
+    cuda_autocast_on_cpu,
+    cuda_policy_on_cpu,
+)
+from ..precision.fp32_mode import NeutraliseHalfCasts, full_precision
+from ..precision.overrides import (
+    LossInFp32,
+    autocast_forward,
+    keep_modules_in_fp32,
+    watch_clipping,
+)
+from ..precision.recording import (
+    OptimizerWatch,
+    RecordingGradScaler,
+    StepTrace,
+    finish_trace,
+    step_outcome,
+)
+from ..userfile.batches import to_device
+from ..userfile.loop import canonical_step, default_loss, output_field
+from ..userfile.spec import TrainingSpec, build_model, draw_batches, user_frame
+from .instruments import InstrumentOptions, Instruments
+from .rng import rng_state, seed_everything, set_rng_state
+
+MODES = ("fp32", "amp", "bf16")
+SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
+"""PyTorch's warning when the scheduler steps after a skipped optimizer step: the doctor reports that itself."""
+DEFAULT_INSTRUMENTS = InstrumentOptions()
+"""Every probe carries the numerics instruments (about 4% of a step, benchmarks/overhead.py)."""
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+RECORD_COLUMNS = [
+    "step", "batch_index", "loss", "grad_norm", "lr", "loss_scale", "skipped", "optimizer_stepped", "micro_step",
+    "nonfinite_loss", "nonfinite_grads", "exception_type", "exception", "exception_location", "exception_module",
+]
+"""``skipped``: an optimizer step was attempted and did not happen (the scaler found inf/NaN);
+``micro_step``: no optimizer step was attempted (gradient accumulation); ``optimizer_stepped``: the weights moved."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` means CUDA when present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DoctorError("config asks for device 'cuda' but no CUDA device is available.", hint="Use device: auto or cpu.")
+    return torch.device(name)
+
+
+@dataclass
+class ModeSettings:
+    """What a mode means concretely on this device."""
+
+    mode: str
+    low_dtype: torch.dtype | None
+    scaler_enabled: bool
+
+    @classmethod
+    def of(cls, mode: str, config: DoctorConfig) -> "ModeSettings":
+        if mode not in MODES:
+            raise DoctorError(f"unknown probe mode '{mode}'.", hint=f"Use one of {', '.join(MODES)}.")
+        if mode == "fp32":
+            return cls(mode, None, False)
+        if mode == "bf16":
+            return cls(mode, torch.bfloat16, False)
+        return cls(mode, DTYPES[config.dtype], config.scaler.enabled)
+
+
+@dataclass
+class ProbeSnapshot:
+    """Everything needed to take the same step again: weights, optimizer, scheduler, scaler, RNG, data position."""
+
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any] | None
+    scaler: dict[str, Any]
+    rng: dict[str, Any]
+    iteration: int
+    cursor: int
+
+
+@dataclass
+class StepRecord:
+    """One row of a probe's record (see ``RECORD_COLUMNS``)."""
+
+    step: int
+    batch_index: int
+    loss: float
+    grad_norm: float
+    lr: float
+    loss_scale: float
+    skipped: bool
+    optimizer_stepped: bool
+    micro_step: bool
+    nonfinite_loss: bool
+    nonfinite_grads: bool
+    exception_type: str | None = None
+    exception: str | None = None
+    exception_location: str | None = None
+    exception_module: str | None = None
+    """The deepest module of the model whose forward was running when the exception was raised."""
+    trace: StepTrace | None = field(default=None, repr=False)
+
+    def row(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in RECORD_COLUMNS}
+
+
+class Workbench:
+    """The shared ground of all probes of one command: spec, config, batches, initial weights."""
+
+    def __init__(self, spec: TrainingSpec, config: DoctorConfig, batch_count: int | None = None):
+        self.spec = spec
+        self.config = config
+        self.device = resolve_device(config.device)
+        seed_everything(config.seed)
+        self.batches = draw_batches(spec, batch_count or config.steps)
+        self.initial_state = self._reference_state()
+
+    def _reference_state(self) -> dict[str, torch.Tensor]:
+        """Seeded fp32 build: the weights every mode starts from (rounded where a mode stores half)."""
+        seed_everything(self.config.seed)
+        with full_precision():
+            model = build_model(self.spec)
+        self.parameter_shapes = [tuple(p.shape) for p in model.parameters()]
+        """The shapes of ``model().parameters()`` in order (for dry runs of the user's optimizer and scheduler)."""
+        return {k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone() for k, v in model.state_dict().items()}
+
+    def probe(self, mode: str, config: DoctorConfig | None = None, **options: Any) -> "Probe":
+        """A fresh probe of ``mode`` (instruments attached unless ``instruments=None``)."""
+        return Probe(self, mode, config or self.config, **options)
+
+
+class Probe:
+    """Live training objects for one mode; ``run`` steps them and returns the record."""
+
+    def __init__(
+        self, bench: Workbench, mode: str, config: DoctorConfig, align_on_taken_steps: bool = False,
+        instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS, hold_scheduler_on_retry: bool = True,
+    ):
+        """``align_on_taken_steps``: a skipped step retries the same batch with the same RNG, the scheduler
+        held (``compare``'s alignment); ``hold_scheduler_on_retry=False`` lets the scheduler step on a skip as
+        the user's loop does, so an alignment removes the lag of skipped steps but not the schedule's."""
+        self.bench = bench
+        self.spec = bench.spec
+        self.config = config
+        self.settings = ModeSettings.of(mode, config)
+        self.mode = mode
+        self.device = bench.device
+        self.align = align_on_taken_steps
+        self.hold_on_retry = align_on_taken_steps and hold_scheduler_on_retry
+        self.iteration = 0
+        self.cursor = 0
+        self.records: list[StepRecord] = []
+        self.failed: StepRecord | None = None
+        self.instruments: Instruments | None = None
+        with self.mode_context(), (NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext()):
+            self.model = self._build_model()
+            self.optimizer = self._build_optimizer()
+            self.scheduler = self._call_user("scheduler", self.spec.scheduler, self.optimizer) if self.spec.scheduler else None
+        cfg = config.scaler
+        self.scaler = RecordingGradScaler(
+            self.device.type, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
+            backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval, enabled=self.settings.scaler_enabled,
+        )
+        self._watch = OptimizerWatch(self.optimizer, self.scaler)
+        self.autocast = autocast_factory(self.device.type, self.settings.low_dtype)
+        self._step_modes = self._runtime_fixes()
+        if instruments is not None:
+            self.instrument(instruments)
+        seed_everything(config.seed)  # dropout and friends draw the same numbers in every mode
+
+    # --- construction -------------------------------------------------------------------------
+    def _runtime_fixes(self) -> list[Any]:
+        """The torch-function modes that ``config.overrides`` keep active during every step."""
+        if self.mode == "fp32":
+            return []  # the baseline has nothing to fix
+        modes: list[Any] = []
+        if self.config.overrides.loss_in_fp32:
+            loss_mode = LossInFp32(self.device.type)
+            loss_mode.attach(self.model)
+            modes.append(loss_mode)
+        if self.config.overrides.fp32_weights:
+            # fp32 master weights: the file's half casts become fp32, the forward runs under autocast.
+            modes.append(NeutraliseHalfCasts())
+            autocast_forward(self.model, self.autocast)
+        return modes
+
+    def _build_model(self) -> torch.nn.Module:
+        seed_everything(self.config.seed)
+        model = build_model(self.spec).to(self.device)
+        if self.mode == "fp32" or self.config.overrides.fp32_weights:
+            model.float()
+        keep_modules_in_fp32(model, self.config.overrides.fp32_modules, self.device.type)
+        state = model.state_dict()
+        missing = set(state) ^ set(self.bench.initial_state)
+        if missing:
+            raise TrainingFileError(
+                "model() builds a different model on each call (state keys differ: " + ", ".join(sorted(missing)[:5]) + ").",
+                hint="model() must build the same architecture every time it is called.",
+            )
+        with torch.no_grad():
+            for name, tensor in state.items():
+                tensor.copy_(self.bench.initial_state[name])
+        return model.train()
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        if self.spec.optimizer is None:
+            return torch.optim.AdamW(self.model.parameters(), lr=self.config.lr)
+        optimizer = self._call_user("optimizer", self.spec.optimizer, self.model.parameters())
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TrainingFileError(f"optimizer(params) returned {type(optimizer).__name__}, not a torch.optim.Optimizer.")
+        return optimizer
+
+    def _call_user(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except DoctorError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise TrainingFileError(f"{name}() raised {type(exc).__name__}: {exc}", location=self.spec.user_location(exc)) from exc
+
+    # --- contexts -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def mode_context(self) -> Iterator[None]:
+        """The precision environment of this mode (fp32 guards, or CUDA policy for CPU autocast)."""
+        with contextlib.ExitStack() as stack:
+            if self.mode == "fp32":
+                stack.enter_context(full_precision())
+            elif self.device.type == "cpu":
+                stack.enter_context(cuda_policy_on_cpu())
+                stack.enter_context(cuda_autocast_on_cpu())
+            yield
+
+    # --- stepping -----------------------------------------------------------------------------
+    def _loss_fn(self) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
+        user_loss = self.spec.loss or default_loss
+
+        def checked_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+            loss = reported_loss(user_loss(model, batch))  # (loss, metrics) or an output with .loss: the loss
+            self._loss_value(loss, check_only=True)  # a non-scalar loss is bad input, not a numerical fault
+            return loss
+
+        return checked_loss
+
+    def _run_step(self, batch: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(watch_clipping(self.scaler, self.optimizer, self.spec.module, self.config.overrides.unscale_before_clip))
+            for mode in self._step_modes:
+                stack.enter_context(mode)
+            if self.spec.train_step is not None:
+                return self.spec.train_step(self.model, batch, self.optimizer, self.scaler, self.autocast)
+            return canonical_step(self.model, batch, self.optimizer, self.scaler, self.autocast, self._loss_fn(), self.config.max_grad_norm)
+
+    def step(self, batch: Any = None, batch_index: int | None = None) -> StepRecord:
+        """Take one training step and record it. A user exception ends the probe (``self.failed``).
+
+        Without ``batch`` the step replays the workbench's batch at the data cursor; a
+        training run streams its own batches in.
+        """
+        if batch is None:
+            batch_index = self.cursor % len(self.bench.batches)
+            batch = self.bench.batches[batch_index]
+        batch_index = self.cursor if batch_index is None else batch_index
+        batch = to_device(batch, self.device, torch.float32 if self.mode == "fp32" else None)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+        self.scaler.trace = trace = StepTrace(scale_used=scale)
+        rng_before = rng_state() if self.align else None
+        if self.instruments is not None:
+            self.instruments.begin_step(self.iteration, scale)
+        try:
+            loss = self._run_step(batch)
+        except DoctorError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's exception is evidence, not a crash
+            self._end_instruments(trace)
+            record = self._exception_record(exc, batch_index, lr, scale, trace)
+            self.failed = record
+            self.records.append(record)
+            return record
+        loss_value = self._loss_value(loss)
+        finish_trace(trace, self.optimizer)
+        self._end_instruments(trace)
+        grad_norm = float(trace.grad_norm if trace.grad_norm is not None else float("nan"))
+        outcome = step_outcome(trace, nonfinite_grads=not math.isfinite(grad_norm))
+        skipped = outcome == "skipped"
+        record = StepRecord(
+            step=self.iteration, batch_index=batch_index, loss=loss_value, grad_norm=grad_norm, lr=lr,
+            loss_scale=scale, skipped=skipped, optimizer_stepped=outcome == "stepped", micro_step=outcome == "accumulated",
+            nonfinite_loss=not math.isfinite(loss_value), nonfinite_grads=not math.isfinite(grad_norm), trace=trace,
+        )
+        self._advance(skipped, optimizer_step=outcome != "accumulated", loss=loss_value)
+        if skipped and rng_before is not None:
+            set_rng_state(rng_before)  # the retry draws the same dropout masks as fp32's step did
+        self.records.append(record)
+        return record
+
+    def instrument(self, options: InstrumentOptions | None = None) -> Instruments:
+        """Attach the numerics instruments (see :mod:`.instruments`) to this probe's model and optimizer."""
+        if self.instruments is not None and options is not None and options != self.instruments.options:
+            self.instruments.detach()
+            self.instruments = None
+        if self.instruments is None:
+            self.instruments = Instruments(self.model, self.optimizer, options)
+        return self.instruments
+
+    def _end_instruments(self, trace: StepTrace) -> None:
+        if self.instruments is not None:
+            self.instruments.end_step(grads_unscaled=trace.unscaled or not trace.scaled)
+
+    def _advance(self, skipped: bool, optimizer_step: bool = True, loss: float = math.nan) -> None:
+        """Move the data cursor, and the scheduler once per optimizer step (not per accumulation micro-step)."""
+        hold = skipped and (self.hold_on_retry or self.config.overrides.hold_scheduler_on_skip)
+        if self.scheduler is not None and optimizer_step and not hold:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)
+                step_scheduler(self.scheduler, loss)
+        cap = self.config.overrides.max_lr
+        if cap is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = min(group["lr"], cap)
+        if not (skipped and self.align):
+            self.cursor += 1
+        self.iteration += 1
+
+    def _loss_value(self, loss: Any, check_only: bool = False) -> float:
+        returned = type(loss).__name__
+        if self.spec.train_step is not None:
+            loss = reported_loss(loss)
+            if isinstance(loss, (int, float)):  # `return loss.item()`: the step already ran, the value is all we need
+                return float(loss)
+        if not isinstance(loss, torch.Tensor):
+            where = "train_step()" if self.spec.train_step else "loss()"
+            hint = ("Return the loss: a scalar tensor or a number (an output with a `loss` field, or a tuple with the "
+                    "loss first, works too)." if self.spec.train_step else
+                    "Return the scalar loss tensor (or an output with a `loss` field, or a tuple with the loss first).")
+            raise TrainingFileError(f"{where} returned {returned}, not a loss.", hint=hint)
+        if loss.numel() != 1:
+            where = "train_step()" if self.spec.train_step else ("loss()" if self.spec.loss else "the default loss")
+            raise TrainingFileError(
+                f"{where} returned a loss of shape {tuple(loss.shape)}; a scalar is needed.",
+                hint="Reduce it, e.g. `loss.mean()`.",
+            )
+        return 0.0 if check_only else float(loss.detach().float().item())
+
+    def _exception_record(self, exc: Exception, batch_index: int, lr: float, scale: float, trace: StepTrace) -> StepRecord:
+        location = user_frame(exc, self.spec.path) or _outside_torch_frame(exc)
+        self.iteration += 1
+        return StepRecord(
+            step=self.iteration - 1, batch_index=batch_index, loss=float("nan"), grad_norm=float("nan"), lr=lr,
+            loss_scale=scale, skipped=True, optimizer_stepped=trace.optimizer_stepped, micro_step=False, nonfinite_loss=True,
+            nonfinite_grads=True, exception_type=type(exc).__name__, exception=str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+            exception_location=location, exception_module=raising_module(exc, self.model), trace=trace,
+        )
+
+    def run(self, steps: int | None = None, max_iterations: int | None = None, stop_on_nonfinite_loss: bool = False,
+            before_step: Callable[["Probe"], None] | None = None) -> pd.DataFrame:
+        """Take ``steps`` steps (with alignment: until that many optimizer steps were taken, at most ``max_iterations``).
+
+        ``stop_on_nonfinite_loss`` ends the run at the first inf/NaN loss: retrying a batch whose
+        forward pass overflows (alignment) would only repeat the same failure. ``before_step`` sees the
+        probe before each step (e.g. to keep its weights at chosen steps).
+        """
+        steps = steps if steps is not None else self.config.steps
+        # Aligned runs allow extra iterations for skipped steps: a scale settling from far too high
+        # needs one skip per halving (2^40 -> 2^16 is 24 skips).
+        limit = max_iterations if max_iterations is not None else (2 * steps + 32 if self.align else steps)
+        taken = 0
+        with self.mode_context():
+            for _ in range(limit):
+                if before_step is not None:
+                    before_step(self)
+                record = self.step()
+                if self.failed is not None or (stop_on_nonfinite_loss and record.nonfinite_loss):
+                    break
+                taken += 0 if record.skipped else 1
+                if self.align and taken >= steps:
+                    break
+        return self.frame()
+
+    def frame(self) -> pd.DataFrame:
+        """The record so far as a DataFrame with ``RECORD_COLUMNS``."""
+        return pd.DataFrame([r.row() for r in self.records], columns=RECORD_COLUMNS)
+
+    # --- snapshot / restore -------------------------------------------------------------------
+    def snapshot(self) -> ProbeSnapshot:
+        rng = rng_state()
+        return ProbeSnapshot(
+            model=copy.deepcopy(self.model.state_dict()),
+            optimizer=copy.deepcopy(self.optimizer.state_dict()),
+            scheduler=copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            scaler=copy.deepcopy(self.scaler.state_dict()),
+            rng=rng, iteration=self.iteration, cursor=self.cursor,
+        )
+
+    def restore(self, snap: ProbeSnapshot) -> None:
+        self.model.load_state_dict(snap.model)
+        self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+        if self.scheduler is not None and snap.scheduler is not None:
+            self.scheduler.load_state_dict(snap.scheduler)
+        if snap.scaler:
+            self.scaler.load_state_dict(snap.scaler)
+        set_rng_state(snap.rng)
+        self.iteration, self.cursor = snap.iteration, snap.cursor
+        self.records = [r for r in self.records if r.step < snap.iteration]
+        self.failed = None
+
+    def close(self) -> None:
+        self._watch.close()
+        if self.instruments is not None:
+            self.instruments.detach()
+
+
+def metric_driven(scheduler: Any) -> bool:
+    """A scheduler whose learning rate follows a measured metric (``ReduceLROnPlateau``), not the step count."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def step_scheduler(scheduler: Any, loss: float) -> None:
+    """One scheduler step; a metric-driven scheduler is given the step's loss, as a loop would give it."""
+    if metric_driven(scheduler):
+        scheduler.step(loss)
+    else:
+        scheduler.step()
+
+
+def reported_loss(value: Any) -> Any:
+    """The loss inside what a ``train_step`` returned: the tensor or number itself, a mapping's or an output
+    object's ``loss`` (Hugging Face's ``ModelOutput``), or the first item of a tuple or list."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, numbers.Real):
+        return float(value)
+    inner = output_field(value, "loss")
+    if inner is not None:
+        return reported_loss(inner)
+    if isinstance(value, (tuple, list)) and value:
+        return reported_loss(value[0])
+    return value
+
+
+def raising_module(exc: BaseException, model: torch.nn.Module) -> str | None:
+    """The name of the deepest submodule of ``model`` whose code was on the stack when ``exc`` was raised."""
+    names = {id(m): n for n, m in model.named_modules()}
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
+
+
+def _outside_torch_frame(exc: BaseException) -> str | None:
+    """The deepest frame outside PyTorch: a helper module of the user's, or the doctor's canonical step."""
+    torch_dir = str(Path(torch.__file__).resolve().parent)
+    precision = Path(__file__).resolve().parent.parent / "precision"
+    wrappers = {str(precision / n) for n in ("recording.py", "overrides.py")}  # the doctor's thin wrappers
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not str(Path(f.filename).resolve()).startswith(torch_dir) and str(Path(f.filename).resolve()) not in wrappers]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None

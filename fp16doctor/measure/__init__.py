@@ -1,0 +1,2 @@
+"""Measurements made with probes: gradient numerics, localisation, the data scan, precision comparisons,
+and the symptom definitions and thresholds they are judged by."""

@@ -1,0 +1,238 @@
+"""``compare``: the same training in several precisions, side by side.
+
+All modes start from identical weights and replay identical batches. Steps
+that a settling GradScaler skips would shift AMP's trajectory by one step
+each, so every probe runs *aligned*: a skipped step retries the same batch
+with the scheduler held, and trajectories are compared on optimizer steps
+actually taken. The skips are reported, not hidden.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pandas as pd
+
+from ..config import DoctorConfig
+from ..engine.instruments import InstrumentOptions
+from ..engine.probe import DEFAULT_INSTRUMENTS, Workbench
+from .symptoms import Symptom, measure
+from .thresholds import BF16_FACTOR, GAP_ERROR, GAP_TOLERANCE
+
+DEFAULT_TOLERANCE = GAP_TOLERANCE
+"""Healthy when every aligned loss is within 0.1% of fp32 (mixed-precision-notes.md, rules of thumb)."""
+DEFAULT_DIVERGENCE = GAP_ERROR
+"""A deviation past 1% is worth a look: its first step is reported."""
+VERDICTS = ("healthy", "drift", "unstable", "diverged")
+"""Per mode, worst last: ``unstable`` is a trajectory that agrees with fp32 on the steps taken while the
+GradScaler skips beyond its calibration or updates are lost (see :mod:`fp16doctor.measure.symptoms`)."""
+UNSTABLE_SYMPTOMS = ("skips", "lost-updates")
+
+
+@dataclass
+class ModeTrajectory:
+    """One mode's record, grouped by aligned step (optimizer steps taken before it)."""
+
+    mode: str
+    records: pd.DataFrame
+    aligned: list[dict[str, Any]]
+    skipped: int
+    exception: dict[str, Any] | None
+    first_nonfinite_module: str | None = None
+    """From the probe's instruments: the first module whose output turned non-finite from finite inputs."""
+    updates: pd.DataFrame | None = None
+    """The instruments' per-parameter update health (lost updates), when instrumented."""
+    symptoms: list[Symptom] = field(default_factory=list)
+    """The measured symptoms against fp32 (:mod:`fp16doctor.measure.symptoms`), the same as ``diagnose`` uses."""
+
+
+@dataclass
+class Comparison:
+    """What ``compare`` measured; the CLI renders it, ``to_json`` serialises it."""
+
+    modes: list[str]
+    steps: int
+    trajectories: dict[str, ModeTrajectory]
+    rel_dev: dict[str, list[float | None]]
+    max_rel_dev: dict[str, float | None]
+    max_rel_dev_step: dict[str, int | None]
+    first_divergent_step: dict[str, int | None]
+    first_nonfinite_step: dict[str, int | None]
+    tolerance: dict[str, float]
+    divergence: dict[str, float]
+    verdict: str
+    verdict_by_mode: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return self.verdict == "healthy"
+
+    def to_json(self) -> dict[str, Any]:
+        rows = []
+        for k in range(self.steps):
+            row: dict[str, Any] = {"step": k}
+            for mode in self.modes:
+                entries = self.trajectories[mode].aligned
+                if k < len(entries):
+                    entry = entries[k]
+                    row[mode] = {
+                        "loss": _num(entry["loss"]), "grad_norm": _num(entry["grad_norm"]),
+                        "loss_scale": entry["loss_scale"], "skipped_before": entry["skipped_before"],
+                        "finite": entry["finite"],
+                    }
+                    if mode != "fp32":
+                        row[mode]["rel_dev"] = _num(self.rel_dev[mode][k]) if k < len(self.rel_dev[mode]) else None
+                else:
+                    row[mode] = None
+            rows.append(row)
+        return {
+            "modes": self.modes,
+            "steps": rows,
+            "max_rel_dev": {m: _num(v) for m, v in self.max_rel_dev.items()},
+            "first_divergent_step": self.first_divergent_step,
+            "verdict": self.verdict,
+            "verdict_by_mode": self.verdict_by_mode,
+            "skipped_steps": {m: t.skipped for m, t in self.trajectories.items()},
+            "exceptions": {m: t.exception for m, t in self.trajectories.items() if t.exception},
+            "first_nonfinite_module": {m: t.first_nonfinite_module for m, t in self.trajectories.items() if t.first_nonfinite_module},
+            "symptoms": {m: [s.to_json() for s in t.symptoms] for m, t in self.trajectories.items() if m != "fp32"},
+            "tolerance": self.tolerance,
+            "divergence_tolerance": self.divergence,
+        }
+
+
+def _num(value: Any) -> float | None:
+    """JSON has no NaN or inf: non-finite numbers become null (the row's ``finite`` says so)."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _align(mode: str, frame: pd.DataFrame) -> ModeTrajectory:
+    """Group attempts by aligned step: the entry of step k is its taken attempt, else its last one."""
+    aligned: list[dict[str, Any]] = []
+    pending_skips = 0
+    exception = None
+    for row in frame.to_dict("records"):
+        if row["exception_type"]:
+            exception = {
+                "step": len(aligned), "type": row["exception_type"], "message": row["exception"],
+                "location": row["exception_location"],
+            }
+        finite = math.isfinite(row["loss"]) and not row["exception_type"]
+        entry = {**row, "skipped_before": pending_skips, "finite": finite}
+        if not row["skipped"] or row["exception_type"]:
+            aligned.append(entry)
+            pending_skips = 0
+        else:
+            pending_skips += 1
+            if not finite:  # a non-finite loss is the divergence itself: show it at this step
+                aligned.append(entry)
+                break
+    else:
+        if pending_skips:  # ran out of iterations while skipping: the mode stalled here
+            aligned.append({**frame.iloc[-1].to_dict(), "skipped_before": pending_skips, "finite": False})
+    return ModeTrajectory(mode, frame, aligned, int(frame["skipped"].sum()), exception)
+
+
+def compare(
+    bench: Workbench,
+    modes: list[str],
+    steps: int | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    divergence: float = DEFAULT_DIVERGENCE,
+    config: DoctorConfig | None = None,
+    on_mode: Callable[[str], None] | None = None,
+    reference: ModeTrajectory | None = None,
+    instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS,
+    max_iterations: int | None = None,
+) -> Comparison:
+    """Run ``modes`` (fp32 is always the reference) and compare them on aligned optimizer steps.
+
+    ``reference``: an fp32 trajectory of the same bench and steps already run (a sweep compares
+    many settings against one baseline instead of recomputing it per setting).
+    """
+    config = config or bench.config
+    steps = steps or config.steps
+    modes = ["fp32"] + [m for m in dict.fromkeys(modes) if m != "fp32"]
+    trajectories = {"fp32": reference} if reference is not None else {}
+    for mode in modes:
+        if mode in trajectories:
+            continue
+        if on_mode is not None:
+            on_mode(mode)
+        trajectories[mode] = run_aligned(bench, mode, config, steps, instruments, max_iterations)
+    reference = trajectories["fp32"].aligned
+    ref_nonfinite = next((k for k, e in enumerate(reference) if not e["finite"]), None)
+    result = Comparison(
+        modes=modes, steps=steps, trajectories=trajectories, rel_dev={}, max_rel_dev={}, max_rel_dev_step={},
+        first_divergent_step={}, first_nonfinite_step={"fp32": ref_nonfinite}, tolerance={}, divergence={}, verdict="healthy",
+    )
+    for mode in modes[1:]:
+        factor = BF16_FACTOR if _is_bf16(mode, config) else 1.0
+        theirs, ours = trajectories["fp32"], trajectories[mode]
+        ours.symptoms = measure(ours.records, theirs.records, ours.updates, theirs.updates, bf16=_is_bf16(mode, config))
+        result.tolerance[mode] = tolerance * factor
+        result.divergence[mode] = divergence * factor
+        _score(result, mode, reference, ref_nonfinite, steps)
+    if ref_nonfinite is not None:
+        result.verdict_by_mode["fp32"] = "diverged"
+        result.first_divergent_step["fp32"] = ref_nonfinite
+    result.verdict = max(result.verdict_by_mode.values(), key=VERDICTS.index, default="healthy")
+    return result
+
+
+def run_aligned(bench: Workbench, mode: str, config: DoctorConfig, steps: int,
+                instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS, max_iterations: int | None = None) -> ModeTrajectory:
+    """One mode's probe run aligned on optimizer steps taken, with what its instruments saw (``None``: uninstrumented)."""
+    probe = bench.probe(mode, config, align_on_taken_steps=True, instruments=instruments)
+    try:
+        trajectory = _align(mode, probe.run(steps, max_iterations=max_iterations, stop_on_nonfinite_loss=True))
+        if probe.instruments is not None:
+            first = probe.instruments.first_nonfinite_forward()
+            trajectory.first_nonfinite_module = first["module"] if first else None
+            trajectory.updates = probe.instruments.frames().get("updates")
+        return trajectory
+    finally:
+        probe.close()
+
+
+def _is_bf16(mode: str, config: DoctorConfig) -> bool:
+    return mode == "bf16" or (mode == "amp" and config.dtype == "bfloat16")
+
+
+def _score(result: Comparison, mode: str, reference: list[dict], ref_nonfinite: int | None, steps: int) -> None:
+    """Deviation per aligned step, the first step past the divergence tolerance, and the verdict."""
+    entries = result.trajectories[mode].aligned
+    devs: list[float | None] = []
+    first_nonfinite = None
+    limit = min(len(entries), len(reference), ref_nonfinite if ref_nonfinite is not None else steps)
+    for k in range(limit):
+        mine, ref = entries[k], reference[k]
+        if not mine["finite"]:
+            first_nonfinite = k
+            devs.append(None)
+            break
+        devs.append(abs(mine["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12))
+    if first_nonfinite is None and len(entries) < min(steps, ref_nonfinite or steps):
+        first_nonfinite = len(entries)  # a run that stopped early has failed from there on
+    result.rel_dev[mode] = devs
+    finite_devs = [d for d in devs if d is not None]
+    if finite_devs:
+        worst = max(range(len(finite_devs)), key=finite_devs.__getitem__)
+        result.max_rel_dev[mode], result.max_rel_dev_step[mode] = finite_devs[worst], worst
+    else:
+        result.max_rel_dev[mode], result.max_rel_dev_step[mode] = None, None
+    past = next((k for k, d in enumerate(devs) if d is not None and d > result.divergence[mode]), None)
+    result.first_nonfinite_step[mode] = first_nonfinite
+    if first_nonfinite is not None:
+        result.verdict_by_mode[mode] = "diverged"
+        result.first_divergent_step[mode] = first_nonfinite if past is None else min(past, first_nonfinite)
+    else:
+        result.first_divergent_step[mode] = past
+        worst_dev = result.max_rel_dev[mode] or 0.0
+        unstable = any(s.code in UNSTABLE_SYMPTOMS for s in result.trajectories[mode].symptoms)
+        result.verdict_by_mode[mode] = "unstable" if unstable else ("healthy" if worst_dev <= result.tolerance[mode] else "drift")

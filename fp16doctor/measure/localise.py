@@ -1,0 +1,334 @@
+"""Localisation: which module and which operator first produced a non-finite value.
+
+Monitoring stays cheap (the instruments). When a probe meets its first
+non-finite step, that step is replayed (probes are deterministic: a fresh
+probe of the same mode is run to the step before, or restored from a
+snapshot) with a per-operator tracer on: a ``TorchDispatchMode`` that checks
+every aten op's inputs and outputs. The first op whose output is non-finite
+while all its floating inputs are finite is the culprit; it is attributed to
+the innermost module running at that moment (forward), to the module whose
+output gradient was last produced (backward), to the loss (forward ops outside
+the model) or to the optimizer.
+
+On CPU the emulated low-precision GEMM computes in fp32 and rounds the result
+to fp16; an overflow then shows up at the rounding cast. The tracer blames
+the op that produced the cast's input (e.g. ``aten::mm``), as a GPU would.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..engine.instruments import module_names
+from ..engine.probe import Probe, Workbench
+
+CASTS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_to_dtype"}
+RESHAPES = {"aten::_unsafe_view", "aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::permute",
+            "aten::expand", "aten::squeeze", "aten::unsqueeze", "aten::alias", "aten::contiguous", "aten::clone"}
+"""Ops that move values without computing: they pass their input's producer on."""
+UNINITIALISED = {"aten::empty_like", "aten::empty", "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided"}
+"""Ops whose output is uninitialised memory (garbage may be NaN): never a culprit."""
+OUTSIDE_MODEL = "<loss: outside the model>"
+
+
+@dataclass
+class Localisation:
+    """Where the first non-finite value came from."""
+
+    step: int
+    batch_index: int
+    phase: str
+    """data | forward | loss | backward | optimizer"""
+    module: str | None
+    operator: str
+    input_ranges: list[tuple[float, float]]
+    output: str
+    """What came out: "nan", "+inf", "-inf" or a mix, and its dtype."""
+    note: str = ""
+    mode: str = "amp"
+    peak: float | None = None
+    """The largest magnitude of the result that overflowed when rounded to low precision, when it was seen."""
+    scalars: list[float] = field(default_factory=list)
+    """The Python numbers the culprit operator was called with (a mask's fill value, a scale)."""
+    replayed: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    """(loss, loss scale) of each step the replay took before the traced one: compared with the original
+    run's, they tell whether the fault reproduces deterministically."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "replayed"}
+
+    def describe(self) -> str:
+        outside = {"optimizer": "the optimizer", "data": "the data"}
+        where = outside[self.phase] if not self.module and self.phase in outside else f"{self.module or '?'} ({self.phase})"
+        ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
+        return f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}" + (f"; {self.note}" if self.note else "")
+
+
+def _floats(value: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            out.extend(_floats(v))
+    elif isinstance(value, dict):
+        for v in value.values():
+            out.extend(_floats(v))
+    return out
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return t.numel() == 0 or bool(torch.isfinite(t).all())
+
+
+def _range(t: torch.Tensor) -> tuple[float, float]:
+    if t.numel() == 0:
+        return (0.0, 0.0)
+    lo, hi = torch.aminmax(t.detach().double().reshape(-1))
+    return (float(lo), float(hi))
+
+
+def _nonfinite_field(batch: Any) -> tuple[str, torch.Tensor] | None:
+    from ..userfile.batches import iter_tensors
+
+    for name, tensor in iter_tensors(batch):
+        if tensor.is_floating_point() and not _finite(tensor):
+            return name, tensor
+    return None
+
+
+def _scalars(args: tuple, kwargs: dict) -> list[float]:
+    """The Python numbers among an op's arguments (not bools, not sizes of 0 or 1)."""
+    values = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    return [float(v) for v in values if abs(v) > 1]
+
+
+def _asks_for_nonfinite(args: tuple, kwargs: dict) -> bool:
+    """A non-finite scalar argument: the op writes inf/NaN because it was told to (attention masks)."""
+    scalars = [a for a in list(args) + list(kwargs.values()) if isinstance(a, float)]
+    return any(not math.isfinite(a) for a in scalars)
+
+
+def _describe_bad(t: torch.Tensor) -> str:
+    kinds = []
+    if torch.isnan(t).any():
+        kinds.append("nan")
+    if (t == math.inf).any():
+        kinds.append("+inf")
+    if (t == -math.inf).any():
+        kinds.append("-inf")
+    return "/".join(kinds) + f" ({str(t.dtype).replace('torch.', '')})"
+
+
+@dataclass
+class _Context:
+    stack: list[str] = field(default_factory=list)
+    backward_module: str | None = None
+    in_optimizer: bool = False
+
+
+class NonFiniteTracer(TorchDispatchMode):
+    """Checks every aten op for the first one that turns finite inputs into non-finite outputs.
+
+    Models make infinities on purpose and clean them up (T5's relative-position buckets take log(0) and
+    then cast to integers; masks fill -inf): a forward op that makes inf/NaN is only a candidate, and its
+    non-finite values are followed through the ops that carry them on. The culprit is the first candidate
+    whose values reach a module's output; in backward, the optimizer and the loss, the first candidate.
+    """
+
+    def __init__(self, context: _Context):
+        super().__init__()
+        self.context = context
+        self.candidates: list[dict[str, Any]] = []
+        self.confirmed: int | None = None
+        self._taint: dict[int, tuple[weakref.ref, int]] = {}
+        self._producers: dict[int, tuple[weakref.ref, str, list[tuple[float, float]], list[float]]] = {}
+
+    @property
+    def found(self) -> dict[str, Any] | None:
+        """The culprit: the first confirmed candidate, else the first candidate."""
+        if self.confirmed is not None:
+            return self.candidates[self.confirmed]
+        return self.candidates[0] if self.candidates else None
+
+    def confirm(self, tensors: list[torch.Tensor]) -> None:
+        """A module's output: non-finite values that came from a candidate make that candidate the culprit."""
+        if self.confirmed is not None:
+            return
+        for t in tensors:
+            source = self._source_of(t)
+            if source is not None and not _finite(t):
+                self.confirmed = source
+                return
+
+    def _source_of(self, t: torch.Tensor) -> int | None:
+        entry = self._taint.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _mark(self, outputs: list[torch.Tensor], source: int) -> None:
+        for t in outputs:
+            if not _finite(t):
+                self._taint[id(t)] = (weakref.ref(t), source)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.confirmed is not None:
+            return out
+        name = func._schema.name if hasattr(func, "_schema") else str(func)
+        inputs = _floats(args) + _floats(kwargs)
+        outputs = _floats(out)
+        if not outputs:
+            return out
+        bad = next((t for t in outputs if not _finite(t)), None)
+        if bad is None:
+            self._remember(func, name, inputs, outputs, args, kwargs)
+            return out
+        sources = [s for s in (self._source_of(t) for t in inputs) if s is not None]
+        if sources:
+            self._mark(outputs, min(sources))  # an earlier candidate's values, carried on
+            return out
+        if name in UNINITIALISED or not inputs or _asks_for_nonfinite(args, kwargs):
+            return out  # factories (uninitialised memory), or an infinity on purpose: masked_fill(mask, -inf)
+        operator, ranges, note, peak, scalars = name, [_range(t) for t in inputs], "", None, _scalars(args, kwargs)
+        if not all(_finite(t) for t in inputs):
+            # Infinite inputs (an attention mask's -inf) are legitimate until an op turns them into NaN:
+            # inf - inf, 0 * inf, a softmax over a row that is -inf everywhere.
+            if not (torch.isnan(bad).any() and not any(torch.isnan(t).any() for t in inputs)):
+                return out
+            note = "NaN from infinite inputs (inf - inf, 0 * inf, or a softmax over a row that is -inf everywhere)"
+        elif name in CASTS:
+            producer = self._producers.get(id(inputs[0]))
+            if producer is not None and producer[0]() is inputs[0]:
+                operator, ranges, scalars = producer[1], producer[2], producer[3]
+                peak = max(abs(v) for v in _range(inputs[0]))
+                note = f"its result, max |x| = {peak:.4g}, overflowed when rounded to {str(bad.dtype).replace('torch.', '')}"
+            else:
+                note = f"overflowed when cast to {str(bad.dtype).replace('torch.', '')}"
+        phase = self._phase()
+        self.candidates.append({"phase": phase, "module": self._module(), "operator": operator, "input_ranges": ranges,
+                                "output": _describe_bad(bad), "note": note, "peak": peak, "scalars": scalars})
+        self._mark(outputs, len(self.candidates) - 1)
+        if phase != "forward":
+            self.confirmed = len(self.candidates) - 1  # no module output to wait for
+        return out
+
+    def _remember(self, func: Any, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+                  args: tuple, kwargs: dict) -> None:
+        """Who produced each tensor, to see through rounding casts; views pass their input's producer on."""
+        if name in CASTS:
+            return
+        if (getattr(func, "is_view", False) or name in RESHAPES) and inputs:
+            known = self._producers.get(id(inputs[0]))
+            if known is not None and known[0]() is inputs[0]:
+                for t in outputs:
+                    self._producers[id(t)] = (weakref.ref(t), known[1], known[2], known[3])
+            return
+        ranges, scalars = [_range(t) for t in inputs], _scalars(args, kwargs)
+        for t in outputs:
+            self._producers[id(t)] = (weakref.ref(t), name, ranges, scalars)
+
+    def _phase(self) -> str:
+        if self.context.in_optimizer:
+            return "optimizer"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward" if self.context.stack else "loss"
+
+    def _module(self) -> str | None:
+        phase = self._phase()
+        if phase == "backward":
+            return self.context.backward_module or OUTSIDE_MODEL  # no module output reached yet: the loss's backward
+        if phase == "optimizer":
+            return None
+        return self.context.stack[-1] if self.context.stack else OUTSIDE_MODEL
+
+
+def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) -> Localisation | None:
+    """Take ``probe``'s next step (on ``batch`` if given) with the tracer on; the first non-finite op, or None."""
+    context = _Context()
+    names = module_names(probe.model)
+
+    def push(module: torch.nn.Module, args: Any) -> None:
+        context.stack.append(names[module])
+
+    hooked: dict[int, torch.Tensor] = {}  # by id; holding the tensor keeps its id from being reused this step
+    tracer = NonFiniteTracer(context)
+
+    def pop(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if context.stack:
+            context.stack.pop()
+        tracer.confirm(_floats(output))
+        for t in _floats(output):
+            # A tensor a parent returns as it is (``return self.head(h)``) keeps its innermost module: the
+            # backward ops that follow its gradient are that module's.
+            if t.requires_grad and id(t) not in hooked:
+                hooked[id(t)] = t
+                t.register_hook(lambda g, n=names[module]: setattr(context, "backward_module", n))
+
+    def optimizer_on(*_: Any) -> None:
+        context.in_optimizer = True
+
+    def optimizer_off(*_: Any) -> None:
+        context.in_optimizer = False
+
+    handles = []
+    for module in names:
+        handles.append(module.register_forward_pre_hook(push))
+        handles.append(module.register_forward_hook(pop))
+    handles.append(probe.optimizer.register_step_pre_hook(optimizer_on))
+    handles.append(probe.optimizer.register_step_post_hook(optimizer_off))
+    step = probe.iteration
+    if batch_index is None:
+        batch_index = probe.cursor % len(probe.bench.batches) if batch is None else probe.cursor
+    bad_field = _nonfinite_field(batch if batch is not None else probe.bench.batches[batch_index])
+    if bad_field is not None:  # the values came in with the data: no operator made them
+        for h in handles:
+            h.remove()
+        name, tensor = bad_field
+        return Localisation(step=step, batch_index=batch_index, mode=probe.mode, phase="data", module=None,
+                            operator=f"<batch field '{name}'>", input_ranges=[], output=_describe_bad(tensor),
+                            note="the batch itself holds non-finite values")
+    try:
+        with probe.mode_context(), tracer:
+            probe.step(batch, batch_index)
+    finally:
+        for h in handles:
+            h.remove()
+    if tracer.found is None:
+        return None
+    return Localisation(step=step, batch_index=batch_index, mode=probe.mode, **tracer.found)
+
+
+def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: bool = False) -> Localisation | None:
+    """Replay ``mode`` deterministically up to ``step`` and trace that step.
+
+    When the weights are already non-finite as that step starts, or nothing in it turns finite values
+    non-finite, the step before is traced from a snapshot: an optimizer update that wrote inf/NaN into
+    the weights leaves that step's loss and gradients finite, and shows only in the next forward.
+    """
+    probe = bench.probe(mode, config, align_on_taken_steps=align)
+    try:
+        with probe.mode_context():
+            while probe.iteration < step - 1 and probe.failed is None:
+                probe.step()
+            before = probe.snapshot() if step > 0 and probe.failed is None else None
+            if before is not None:
+                probe.step()
+        weights_broken = not all(_finite(p) for p in probe.model.parameters())
+        found = trace_step(probe) if probe.failed is None and not weights_broken else None
+        if found is None and before is not None:
+            probe.restore(before)
+            found = trace_step(probe)
+        if found is not None:
+            found.replayed = [(r.loss, r.loss_scale) for r in probe.records if r.step < found.step]
+        return found
+    finally:
+        probe.close()

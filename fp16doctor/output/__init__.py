@@ -1,0 +1,1 @@
+"""Rendering of the records and findings the API returns: terminal, Markdown, HTML, plots. Nothing here measures."""

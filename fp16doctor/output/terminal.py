@@ -1,0 +1,211 @@
+"""Terminal rendering with rich. The library returns data; only this module draws it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from rich import box
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+
+from ..diagnosis.model import Diagnosis, Finding, jsonable
+from ..diagnosis.verify import verification_status
+from ..measure.compare import Comparison
+from .formatting import human, humanize
+
+VERDICT_STYLE = {"healthy": "bold green", "drift": "bold yellow", "unstable": "bold red", "diverged": "bold red"}
+STEP_BY_STEP_LIMIT = 30
+"""Runs up to this many steps are shown step by step; longer ones are summarised."""
+
+
+def _shown_steps(total: int) -> list[int]:
+    if total <= STEP_BY_STEP_LIMIT:
+        return list(range(total))
+    stride = max(1, total // 10)
+    return sorted(set(range(0, total, stride)) | {total - 1})
+
+
+COLUMN_WIDTH = 10
+"""Characters a compact number column takes, padding and rule included (``0.494``, ``1.4e+02``, ``12.5%``)."""
+
+
+def _step_columns(result: Comparison, width: int, wide: bool) -> list[tuple[str, str, str]]:
+    """(header, mode, what) of the step table's columns, in priority order, dropping the least useful to fit ``width``."""
+    wanted: list[tuple[int, tuple[str, str, str]]] = []
+    for mode in result.modes:
+        wanted.append((0, (f"{mode}\nloss", mode, "loss")))
+        if mode != "fp32":
+            wanted.append((1, (f"{mode}\ndev", mode, "dev")))
+            wanted.append((3, (f"{mode}\nskips", mode, "skips")))
+        wanted.append((2, (f"{mode}\n|g|", mode, "grad_norm")))
+    if wide:
+        return [c for _, c in wanted]
+    budget, chosen = max(width - 8, COLUMN_WIDTH), set()  # the step column and the table's margins
+    for priority, column in sorted(wanted, key=lambda pc: pc[0]):
+        if (len(chosen) + 1) * COLUMN_WIDTH > budget:
+            break
+        chosen.add(column)
+    return [c for _, c in wanted if c in chosen]
+
+
+def render_comparison(result: Comparison, console: Console, wide: bool = False) -> None:
+    """A compact summary per mode first, then the step table fitted to the terminal (``wide``: everything)."""
+    summary = Table(title="Summary per mode", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("mode", "verdict", "worst dev", "at step", "first > div", "skips"):
+        summary.add_column(column, no_wrap=True)
+    for mode in result.modes[1:]:
+        verdict = result.verdict_by_mode[mode]
+        summary.add_row(
+            mode, f"[{VERDICT_STYLE[verdict]}]{verdict}[/]", human(result.max_rel_dev.get(mode), percent=True),
+            human(result.max_rel_dev_step.get(mode)), human(result.first_divergent_step.get(mode)),
+            str(result.trajectories[mode].skipped),
+        )
+    console.print(summary)
+    tolerances = ", ".join(f"{m} {human(result.tolerance[m], percent=True)} / {human(result.divergence[m], percent=True)}"
+                           for m in result.modes[1:])
+    console.print(f"[dim]tolerance / divergence tolerance: {tolerances}[/]")
+
+    digits = 6 if wide else 3
+    columns = _step_columns(result, console.width, wide)
+    table = Table(title="Loss and gradient norm on aligned optimizer steps", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("step", justify="right", no_wrap=True)
+    for header, _, _ in columns:
+        table.add_column(header, justify="right", no_wrap=True)
+    for k in _shown_steps(result.steps):
+        cells = [str(k)]
+        for _, mode, what in columns:
+            entries = result.trajectories[mode].aligned
+            entry = entries[k] if k < len(entries) else None
+            if what in ("loss", "grad_norm"):
+                cells.append(human(entry[what], digits) if entry else "-")
+            elif what == "skips":
+                cells.append(str(entry["skipped_before"]) if entry else "-")
+            else:
+                devs = result.rel_dev.get(mode, [])
+                dev = devs[k] if k < len(devs) else None
+                style = "" if dev is None or dev <= result.tolerance[mode] else ("yellow" if dev <= result.divergence[mode] else "red")
+                text = human(dev, 2, percent=True)
+                cells.append(f"[{style}]{text}[/]" if style else text)
+        table.add_row(*cells)
+    notes = []
+    if result.steps > STEP_BY_STEP_LIMIT:
+        notes.append(f"every {max(1, result.steps // 10)}th of {result.steps} steps shown")
+    dropped = len(result.modes) * 2 + 2 * (len(result.modes) - 1) - len(columns)
+    if dropped:
+        notes.append(f"{dropped} column(s) left out to fit: --wide or --csv for all")
+    table.caption = "; ".join(notes) or None
+    console.print(table)
+    for mode, trajectory in result.trajectories.items():
+        if trajectory.exception:
+            exc = trajectory.exception
+            console.print(f"[red]{mode}: {exc['type']} at step {exc['step']}: {escape(exc['message'] or '')}[/] ({escape(exc['location'] or 'no location')})")
+        skips = trajectory.skipped
+        if mode != "fp32" and skips and result.verdict_by_mode.get(mode) not in ("diverged", "unstable"):
+            console.print(f"[dim]{mode}: {skips} step(s) skipped by the GradScaler (scale settling); trajectories aligned on steps taken.[/]")
+    console.print(_verdict_line(result))
+
+
+def _verdict_line(result: Comparison) -> str:
+    style = VERDICT_STYLE[result.verdict]
+    if result.verdict == "healthy":
+        return f"[{style}]healthy[/]: every mode stays within tolerance of fp32."
+    parts = []
+    for mode, verdict in result.verdict_by_mode.items():
+        if verdict == "diverged":
+            step = result.first_nonfinite_step.get(mode)
+            module = result.trajectories[mode].first_nonfinite_module
+            parts.append(f"{mode}: first non-finite step {step}" + (f" (in module '{module}')" if module else "")
+                         + (" (the fp32 baseline itself)" if mode == "fp32" else ""))
+        elif verdict == "drift":
+            parts.append(f"{mode}: largest deviation {human(result.max_rel_dev[mode], percent=True)} at step {result.max_rel_dev_step[mode]}")
+        elif verdict == "unstable":
+            parts.append(f"{mode}: " + "; ".join(s.description for s in result.trajectories[mode].symptoms))
+    return f"[{style}]{result.verdict}[/]: " + "; ".join(parts)
+
+
+SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
+
+
+def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str) -> None:
+    """Summary line, the stages, then the ranked findings with evidence and fix snippets."""
+    errors = [f for f in diagnosis.findings if f.severity == "error"]
+    if not errors and diagnosis.unexplained:
+        console.print("[bold red]unhealthy[/]: the training raised an exception under AMP that no rule explains (below).")
+    elif diagnosis.healthy:
+        console.print(f"[bold green]healthy[/]: {training_file} trains in mixed precision like its FP32 twin"
+                      + (f" ({len(diagnosis.findings)} note(s) below)" if diagnosis.findings else "") + ".")
+    else:
+        console.print(f"[bold red]unhealthy[/]: {len(errors)} error finding(s) in {escape(training_file)}; top cause: [bold]{errors[0].cause}[/]")
+    stages = Table(title="Triage", title_justify="left", show_lines=False)
+    for column in ("stage", "status", "what it found"):
+        stages.add_column(column, overflow="fold")
+    for stage in diagnosis.stages:
+        status = "[green]ran[/]" if stage.status == "ran" else "[dim]skipped[/]"
+        stages.add_row(stage.name, status, escape(stage.summary))
+    console.print(stages)
+    for finding in diagnosis.findings:
+        console.print(_finding_panel(finding))
+    if diagnosis.corrected is not None:
+        c = diagnosis.corrected
+        style = "green" if c["healthy_after"] else "yellow"
+        console.print(f"[{style}]corrected config[/] ({', '.join(c['from_findings'])}): {escape(c['summary'])}"
+                      + ("" if c["healthy_after"] else f"; symptoms left: {', '.join(c['symptoms_after'])}")
+                      + (f"; also needs data changes: {', '.join(c['needs_data_changes'])}" if c["needs_data_changes"] else ""))
+    for item in diagnosis.unexplained:
+        exc = item["exception"]
+        console.print(f"[bold red]the {item['probe']} probe raised {exc['type']} at step {exc['step']}[/]: {escape(str(exc['message']))} "
+                      f"({escape(str(exc['location']))}); no rule explains it: fix the training code there.")
+
+
+def _finding_panel(finding: Finding) -> Panel:
+    evidence = Table.grid(padding=(0, 2))
+    evidence.add_column(style="dim")
+    evidence.add_column(overflow="fold")
+    for key, value in humanize(jsonable(finding.evidence)).items():
+        text = value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+        evidence.add_row(key, escape(text.removesuffix("\n...")))
+    parts: list = [f"[bold]{escape(finding.title)}[/]", "", "[underline]Evidence[/]", evidence, "", f"[underline]Fix[/] {escape(finding.fix.summary)}"]
+    if finding.fix.code:
+        parts.append(Syntax(finding.fix.code, "python", theme="ansi_dark", background_color="default"))
+    if finding.fix.config_patch:
+        parts += ["[dim]config patch:[/]", Syntax(yaml.safe_dump(finding.fix.config_patch, sort_keys=False).rstrip(), "yaml",
+                                                   theme="ansi_dark", background_color="default")]
+    if finding.verification:
+        parts.append(verification_line(finding.verification))
+    style = SEVERITY_STYLE[finding.severity]
+    return Panel(Group(*parts), title=f"[{style}]{finding.rank}. {finding.severity}: {finding.cause}[/]", title_align="left",
+                 border_style=style.split()[-1])
+
+
+VERIFICATION_STYLE = {"untried": "dim", "verified": "green", "unmeasured": "dim", "partial": "yellow"}
+
+
+def verification_line(v: dict[str, Any]) -> str:
+    """One line under a fix: what trying it measured."""
+    status, text = verification_status(v)
+    return f"[{VERIFICATION_STYLE[status]}]{escape(text)}[/]"
+
+
+def render_training(result: Any, run_dir: Any, console: Console) -> None:
+    """The run's final summary."""
+    style = {"completed": "bold green", "stopped": "bold red", "failed": "bold red", "interrupted": "bold yellow"}[result.status]
+    table = Table(title=f"Training run: [{style}]{result.status}[/]" + (f" ({escape(result.reason)})" if result.reason else ""),
+                  title_justify="left", show_header=False)
+    table.add_column(style="dim")
+    table.add_column(overflow="fold")
+    table.add_row("steps", f"{result.first_step} -> {result.steps}")
+    table.add_row("final loss", human(result.final_loss, 6))
+    table.add_row("skipped steps", str(result.skipped))
+    table.add_row("non-finite steps", str(result.nonfinite))
+    if result.first_nonfinite:
+        table.add_row("first non-finite", escape(f"step {result.first_nonfinite['step']}: {result.first_nonfinite.get('explanation', '')}"))
+    table.add_row("last checkpoint", escape(str(result.last_checkpoint)))
+    table.add_row("run directory", escape(str(run_dir)) + "  (metrics.csv, checkpoints/, summary.json)")
+    table.add_row("time", f"{result.seconds:.1f} s")
+    console.print(table)
+    for finding in result.findings:
+        console.print(f"[yellow]{finding['severity']}: {finding['cause']}[/]: {escape(finding['title'])}. {escape(finding['fix'])}")

@@ -1,0 +1,144 @@
+"""Observing a training step without changing what it does.
+
+The probe engine hands every training step (its own canonical loop or the
+user's ``train_step``) a :class:`RecordingGradScaler` and watches the optimizer
+through its step hooks. Together they tell, for any loop, whether the
+optimizer really stepped, whether the scaler found inf/NaN (read before
+``update()``, so fused optimizers and static scales are covered), the
+unscaled gradient norm, and the order of scale / unscale / clip calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from ..tensors import grad_values
+
+
+@dataclass
+class StepTrace:
+    """What one training step did, as observed."""
+
+    scaled: bool = False
+    """``scaler.scale(loss)`` was called with the scaler enabled."""
+    scale_called: bool = False
+    """``scaler.scale(loss)`` was called at all (False: the step scales by hand, or not at all)."""
+    unscaled: bool = False
+    """``scaler.unscale_`` ran (explicitly, or implicitly inside ``scaler.step``)."""
+    found_inf: bool = False
+    """The scaler found inf/NaN gradients and skipped (read before ``update()``)."""
+    step_called: bool = False
+    """``scaler.step(optimizer)`` was called: an optimizer step was attempted (it may be skipped)."""
+    optimizer_stepped: bool = False
+    """``optimizer.step()`` actually ran."""
+    grad_norm: float | None = None
+    """Global L2 norm of the unscaled gradients, taken at unscale or just before the optimizer step."""
+    scale_used: float = 1.0
+    """The loss scale this step's backward ran with."""
+    loss_dtype: str | None = None
+    clip_calls: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per clip_grad_norm_/clip_grad_value_ call: whether gradients were still scaled."""
+    scaler_calls: list[str] = field(default_factory=list)
+    """The GradScaler calls of the iteration in order (``scale``, ``unscale_``, ``step``, ``update``), as the loop made them."""
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter], divide_by: float = 1.0) -> float:
+    """L2 norm over all gradients, computed in fp32 with one host synchronisation."""
+    norms = [grad_values(p).float().norm() for p in params if p.grad is not None]
+    if not norms:
+        return 0.0
+    value = torch.stack(norms).norm().item()
+    return value / divide_by if divide_by != 1.0 else value
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class RecordingGradScaler(torch.amp.GradScaler):
+    """A real ``torch.amp.GradScaler`` that also fills the current :class:`StepTrace`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.trace = StepTrace()
+
+    def scale(self, outputs: Any) -> Any:  # type: ignore[override]
+        self.trace.scale_called = True
+        self.trace.scaler_calls.append("scale")
+        if self.is_enabled():
+            self.trace.scaled = True
+            self.trace.scale_used = float(self.get_scale())
+        if isinstance(outputs, torch.Tensor):
+            self.trace.loss_dtype = str(outputs.dtype).replace("torch.", "")
+        return super().scale(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer, _implicit: bool = False) -> None:
+        if not _implicit:
+            self.trace.scaler_calls.append("unscale_")
+        super().unscale_(optimizer)
+        if self.is_enabled():
+            self.trace.unscaled = True
+            self.trace.grad_norm = global_grad_norm(optimizer_params(optimizer))
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.trace.step_called = True
+        self.trace.scaler_calls.append("step")
+        if self.is_enabled() and not self.trace.unscaled and self._scale is not None:
+            # What step() does first anyway (fused optimizers accept it too); done here so the
+            # unscaled norm is recorded even on the steps the scaler skips.
+            self.unscale_(optimizer, _implicit=True)
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale: Any = None) -> None:
+        self.trace.scaler_calls.append("update")
+        if self.is_enabled():
+            states = self._per_optimizer_states.values()
+            found = [v for state in states for v in state["found_inf_per_device"].values()]
+            if found:
+                self.trace.found_inf = bool(sum(v.item() for v in found))
+        super().update(new_scale)
+
+
+class OptimizerWatch:
+    """Step hooks on the optimizer: did it step, and the gradient norm when no scaler reported one."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: RecordingGradScaler):
+        self.scaler = scaler
+        self._handle = optimizer.register_step_pre_hook(self._pre_step)
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        trace = self.scaler.trace
+        trace.optimizer_stepped = True
+        if trace.grad_norm is None:
+            trace.grad_norm = global_grad_norm(optimizer_params(optimizer))
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def step_outcome(trace: StepTrace, nonfinite_grads: bool = False) -> str:
+    """What the iteration did to the weights: ``"stepped"``, ``"skipped"`` or ``"accumulated"``.
+
+    Only an attempted optimizer step that did not happen is a skip (the scaler
+    found inf/NaN, or a fused optimizer skipped inside): an iteration that never
+    called ``scaler.step`` nor ``optimizer.step`` is a gradient-accumulation
+    micro-step, in FP32 as much as in AMP. The exception is a loop without a
+    GradScaler that leaves inf/NaN gradients unapplied: its own, hand-rolled skip.
+    """
+    if trace.optimizer_stepped and not trace.found_inf:  # fused optimizers are called, then skip inside
+        return "stepped"
+    if trace.step_called or trace.optimizer_stepped:
+        return "skipped"
+    if nonfinite_grads and not trace.scaled:
+        return "skipped"
+    return "accumulated"
+
+
+def finish_trace(trace: StepTrace, optimizer: torch.optim.Optimizer) -> None:
+    """Fill what the step's calls did not: the norm of gradients left by a loop without scaler or step."""
+    if trace.grad_norm is None:
+        divide = trace.scale_used if trace.scaled and not trace.unscaled else 1.0
+        trace.grad_norm = global_grad_norm(optimizer_params(optimizer), divide)

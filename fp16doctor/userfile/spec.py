@@ -1,0 +1,249 @@
+"""Loading the user's training file and checking it against the contract.
+
+The training file is plain Python that never imports fp16doctor. It defines
+``model()`` and ``data()`` and, optionally, ``loss``, ``optimizer``,
+``scheduler``, ``train_step`` and ``CONFIG``.
+
+It is loaded the way ``python -c "import your_file"`` run from its folder would
+load it: the file's folder goes on ``sys.path`` (siblings import), the module
+is registered in ``sys.modules`` under the file's name (classes defined in it
+pickle, so DataLoader worker processes, also spawned ones, and ``torch.save``
+of whole objects work), and whatever the file imports stays imported. Nothing
+is ever removed from ``sys.modules``: libraries import lazily (torch's own
+``torch._dynamo``, Hugging Face ``transformers``) and a second import of them
+breaks class identity or registers their operators twice.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import itertools
+import keyword
+import sys
+import traceback
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..errors import TrainingFileError
+
+MARKER = "__fp16doctor_training_file__"
+"""Attribute set on a loaded training module: its resolved path (a reload under the same name is ours)."""
+
+REQUIRED = ("model", "data")
+COMPILED_NOTE = ("model() returns a torch.compile'd module: the doctor runs the module it wraps, uncompiled (eager), "
+                 "so that its instruments can see every submodule and aten operator; backend='eager' gives the same numerics.")
+OPTIONAL_CALLABLES = ("loss", "optimizer", "scheduler", "train_step")
+
+
+@dataclass
+class TrainingSpec:
+    """What the training file provides; optional parts are ``None``."""
+
+    path: Path
+    module: types.ModuleType
+    model: Callable[[], torch.nn.Module]
+    data: Callable[[], Iterable[Any]]
+    loss: Callable[..., torch.Tensor] | None
+    optimizer: Callable[..., torch.optim.Optimizer] | None
+    scheduler: Callable[..., Any] | None
+    train_step: Callable[..., Any] | None
+    config: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    """Things the user should know about how the doctor ran their file (printed once, in yellow)."""
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    def user_location(self, exc: BaseException) -> str | None:
+        """``file:line`` of the deepest traceback frame inside the training file."""
+        return user_frame(exc, self.path)
+
+
+def user_frame(exc: BaseException, path: Path) -> str | None:
+    """The deepest frame of ``exc``'s traceback that lies in ``path``, as ``file:line``."""
+    target = str(Path(path).resolve())
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        try:
+            if str(Path(frame.filename).resolve()) == target:
+                found = f"{path}:{frame.lineno}"
+        except OSError:
+            continue
+    if found is None and isinstance(exc, SyntaxError) and exc.filename:
+        found = f"{exc.filename}:{exc.lineno}"
+    return found
+
+
+def load_training_file(path: str | Path) -> TrainingSpec:
+    """Import the training file as plain Python would, and check the contract's names."""
+    path = Path(path)
+    if not path.is_file():
+        raise TrainingFileError(
+            f"training file '{path}' does not exist.",
+            hint="Pass the path of a Python file that defines model() and data().",
+        )
+    module = _import_as_module(path)
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise TrainingFileError(
+            f"training file '{path}' does not define {' and '.join(n + '()' for n in missing)}.",
+            hint="A training file needs `def model() -> torch.nn.Module` and `def data() -> iterable of batches`; see the README.",
+        )
+    optional = {}
+    for name in OPTIONAL_CALLABLES:
+        value = getattr(module, name, None)
+        if value is not None and not callable(value):
+            raise TrainingFileError(f"'{name}' in '{path}' must be a function, got {type(value).__name__}.")
+        optional[name] = value
+    config = getattr(module, "CONFIG", None) or {}
+    if not isinstance(config, dict):
+        raise TrainingFileError(f"CONFIG in '{path}' must be a dict, got {type(config).__name__}.")
+    return TrainingSpec(path=path, module=module, model=module.model, data=module.data, config=config, **optional)
+
+
+def module_name_for(path: Path) -> str:
+    """The name the file is imported under: its own name, unless that would shadow another module.
+
+    Under its own name (as ``import your_file`` would), classes defined in the
+    file can be pickled into worker processes, which import it again from the
+    folder on ``sys.path``. A name taken by another module (``torch.py``,
+    ``json.py``, a package beside the file) gets a private name instead.
+    """
+    stem = path.stem
+    private = f"_fp16doctor_training_{abs(hash(str(path.resolve()))):x}"
+    if not stem.isidentifier() or keyword.iskeyword(stem) or stem in sys.builtin_module_names or stem in sys.stdlib_module_names:
+        return private
+    loaded = sys.modules.get(stem)
+    if loaded is not None:
+        return stem if getattr(loaded, MARKER, None) is not None else private
+    try:
+        found = importlib.util.find_spec(stem)
+    except (ImportError, ValueError):
+        return private
+    same_file = found is not None and found.origin is not None and Path(found.origin).resolve() == path.resolve()
+    return stem if found is None or same_file else private
+
+
+def _import_as_module(path: Path) -> types.ModuleType:
+    """Execute the file as a module registered in ``sys.modules``, its folder first on ``sys.path``."""
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # siblings of the file import as they would under `python file.py`
+    module_name = module_name_for(path)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise TrainingFileError(f"'{path}' cannot be loaded as a Python file.", hint="Give a .py file.")
+    module = importlib.util.module_from_spec(spec)
+    setattr(module, MARKER, str(path.resolve()))
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up while it executes
+    argv = sys.argv
+    # The file's top level sees the command line `python your_file.py` would give it: an argparse parser
+    # at module level gets its defaults, not fp16doctor's own arguments.
+    sys.argv = [str(path)]
+    try:
+        spec.loader.exec_module(module)
+    except SystemExit as exc:
+        sys.modules.pop(module_name, None)
+        raise TrainingFileError(
+            f"importing the training file called sys.exit({exc.code!r}).",
+            location=user_frame(exc, path),
+            hint="The file's top level runs on import, with no command-line arguments: keep argument parsing "
+                 "with required arguments, and the training loop, under `if __name__ == \"__main__\":`.",
+        ) from exc
+    except SyntaxError as exc:
+        sys.modules.pop(module_name, None)  # only the broken file itself: never what it imported
+        raise TrainingFileError(
+            f"syntax error in training file: {exc.msg}.",
+            location=f"{exc.filename}:{exc.lineno}",
+            hint="Fix the line shown and run again.",
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - anything the user's top level raises
+        sys.modules.pop(module_name, None)
+        raise TrainingFileError(
+            f"importing the training file raised {type(exc).__name__}: {exc}",
+            location=user_frame(exc, path),
+            hint=missing_file_hint(exc, "The file's top level must run without error (python your_file.py should work)."),
+        ) from exc
+    finally:
+        sys.argv = argv
+    return module
+
+
+def uncompiled(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    """The module a ``torch.compile`` wrapper holds, and whether there was one.
+
+    The doctor measures the eager module: its instruments hook every submodule
+    and its tracer follows every aten operator, which a compiled graph hides,
+    and the numerics of AMP are the eager ops' (``backend="eager"`` runs exactly
+    them; inductor fuses some of them, rounding less often, never more).
+    """
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule":
+        return inner, True
+    return model, False
+
+
+def missing_file_hint(exc: BaseException, hint: str) -> str:
+    """``hint``, and for a file the user's code could not find, where relative paths start from."""
+    if isinstance(exc, FileNotFoundError):
+        return (f"Relative paths start from the current directory ({Path.cwd()}), as under `python your_file.py` run "
+                "from here: run fp16doctor from the folder you train from, or build paths from "
+                "`Path(__file__).parent`. " + hint)
+    return hint
+
+
+def build_model(spec: TrainingSpec) -> torch.nn.Module:
+    """Call ``model()`` and check it returned a Module."""
+    try:
+        model = spec.model()
+    except Exception as exc:  # noqa: BLE001
+        raise TrainingFileError(
+            f"model() raised {type(exc).__name__}: {exc}", location=spec.user_location(exc),
+            hint=missing_file_hint(exc, "model() must build and return the torch.nn.Module to train."),
+        ) from exc
+    if not isinstance(model, torch.nn.Module):
+        raise TrainingFileError(
+            f"model() returned {type(model).__name__}, not a torch.nn.Module.",
+            hint="Return the module itself (e.g. `return nn.Sequential(...)`).",
+            location=f"{spec.path}:{inspect.unwrap(spec.model).__code__.co_firstlineno}",
+        )
+    model, compiled = uncompiled(model)
+    if compiled:
+        spec.note(COMPILED_NOTE)
+    return model
+
+
+def draw_batches(spec: TrainingSpec, count: int) -> list[Any]:
+    """Draw ``count`` batches once (cycling a shorter iterable) so every probe replays the same data."""
+    from .batches import check_batch, detach_copy
+
+    try:
+        source = spec.data()
+        first = list(itertools.islice(iter(source), count))
+    except Exception as exc:  # noqa: BLE001
+        raise TrainingFileError(
+            f"data() raised {type(exc).__name__}: {exc}", location=spec.user_location(exc),
+            hint=missing_file_hint(exc, "data() must return an iterable of batches (a list, a generator or a DataLoader)."),
+        ) from exc
+    if not first:
+        raise TrainingFileError(
+            "data() yielded no batches.",
+            hint="Return at least one batch: a tensor, a tuple/list of tensors or a dict of tensors.",
+            location=f"{spec.path}:{inspect.unwrap(spec.data).__code__.co_firstlineno}",
+        )
+    for index, batch in enumerate(first):
+        check_batch(batch, index)
+    batches = [detach_copy(b) for b in first]
+    while len(batches) < count:  # a short dataset is cycled, as epochs would
+        batches.append(batches[len(batches) % len(first)])
+    return batches
