@@ -11,8 +11,28 @@ FIRES = [(r, i) for r in RULES for i in range(len(r.fires_on))]
 QUIET = [(r, i) for r in RULES for i in range(len(r.quiet_on))]
 
 
+NAMES = [(r, i) for r in RULES for i in range(len(r.names_cases))]
+
+
 def test_every_rule_carries_cases_both_ways():
-    assert all(r.fires_on and r.quiet_on for r in RULES), [r.code for r in RULES if not (r.fires_on and r.quiet_on)]
+    """A rule that checks evidence has cases it fires on and near misses; one named only by the intervention
+    search (no check of its own) has the repairs it names instead."""
+    lacking = [r.code for r in RULES if not (r.fires_on and r.quiet_on) and not (r.names_cases and not r.fires_on)]
+    assert not lacking
+
+
+def test_every_rule_that_names_repairs_carries_cases():
+    assert all(r.names_cases for r in RULES if r.repairs), [r.code for r in RULES if r.repairs and not r.names_cases]
+
+
+@pytest.mark.parametrize("rule,index", NAMES, ids=[f"{r.code}:{i}" for r, i in NAMES])
+def test_the_first_rule_in_causal_order_to_name_its_repair_is_the_rule(rule, index):
+    repair, evidence = rule.names_cases[index]()
+    namers = [r.code for r in RULES if r.names_repair(repair, evidence)]
+    assert namers[:1] == [rule.code], namers
+    finding = rule.repair_finding(repair, evidence)
+    assert finding.found_by == "intervention" and finding.severity == "error" and finding.cause == rule.code
+    assert finding.fix.summary and finding.evidence["intervention"] == repair.description
 
 
 @pytest.mark.parametrize("rule,index", FIRES, ids=[f"{r.code}:{i}" for r, i in FIRES])

@@ -11,7 +11,8 @@ from ..config import DoctorConfig, build_config, merge
 from ..engine.probe import Workbench
 from ..measure.symptoms import Symptom
 from ..userfile.spec import TrainingSpec
-from .model import SEVERITIES, Diagnosis, Evidence, Finding, Fix, StageReport, public
+from .interventions import InterventionSearch, SearchResult
+from .model import SEVERITIES, Diagnosis, Evidence, Finding, Fix, Repair, StageReport, public
 from .stages import STAGES, StageContext, measured_symptoms, same_state_gap
 from .verify import Verifier, repair_rank
 
@@ -65,11 +66,24 @@ def diagnose(
     # A root cause hides its symptoms' findings, unless trying a hidden finding's fix repaired the training.
     findings = [f for f in findings if f.cause not in hidden or repair_rank(f) == 0]
     demote_unrepairing(findings)
-    findings = rank(explain_symptoms(findings, evidence))
+    unexplained = explain_symptoms(findings, evidence)
+    search, searched = None, time.perf_counter()
+    if unexplained:
+        if on_stage is not None:
+            on_stage("intervention search")
+        search = InterventionSearch(ctx, verifier, unexplained).run()
+        if search.repair is not None:
+            unexplained = adopt_repair(findings, search.repair, evidence, unexplained)
+    search_stage = search_report(search)
+    search_stage.seconds = time.perf_counter() - searched
+    if unexplained:
+        findings.append(unexplained_finding(unexplained, evidence, search))
+    findings = rank(findings)
     corrected = verify_corrected(findings, evidence, verifier)
     stages.append(StageReport("fix verification", "ran" if any(f.verification for f in findings) else "skipped",
-                              _verification_sentence(findings, corrected), seconds=time.perf_counter() - start,
+                              _verification_sentence(findings, corrected), seconds=time.perf_counter() - start - search_stage.seconds,
                               details={"corrected": public(corrected)}))
+    stages.append(search_stage)
     return Diagnosis(findings=findings, stages=stages, evidence=evidence, notes=list(spec.notes), corrected=corrected)
 
 
@@ -140,8 +154,9 @@ def _verification_sentence(findings: list[Finding], corrected: dict[str, Any] | 
     return "; ".join(parts)
 
 
-def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Finding]:
-    """Tie every symptom to the findings that explain it; what no rule explains becomes an ``unexplained`` error.
+def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Symptom]:
+    """Tie every symptom to the findings that explain it; return the symptoms no finding explains (the
+    intervention search's targets; what it cannot repair becomes the ``unexplained`` error).
 
     A warning whose rule explains a measured symptom becomes an error: the
     verdict follows the symptoms, the rules only say why.
@@ -163,12 +178,40 @@ def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Finding]:
         ev.explained[symptom.code] = [f.cause for f in errors]
         if not errors:
             unexplained.append(symptom)
-    if unexplained:
-        findings.append(unexplained_finding(unexplained, ev))
-    return findings
+    return unexplained
 
 
-def unexplained_finding(symptoms: list[Symptom], ev: Evidence) -> Finding:
+def adopt_repair(findings: list[Finding], repair: Repair, ev: Evidence, unexplained: list[Symptom]) -> list[Symptom]:
+    """The finding named from what the intervention search repaired, tied to the symptoms it removed (a rule's
+    finding of the same cause, whose own fix did not repair, gives it its evidence and leaves); the symptoms
+    still unexplained."""
+    from .rules import name_repair
+
+    finding = name_repair(repair, ev)
+    for index, other in enumerate(list(findings)):
+        if other.cause == finding.cause:
+            finding.evidence = {**other.evidence, **finding.evidence}
+            findings.remove(other)
+    finding.evidence["symptoms"] = [s.code for s in unexplained if s.code in repair.symptoms]
+    for code in finding.evidence["symptoms"]:
+        ev.explained[code] = [finding.cause]
+    findings.append(finding)
+    return [s for s in unexplained if s.code not in repair.symptoms]
+
+
+def search_report(search: SearchResult | None) -> StageReport:
+    """The intervention search as a stage of the report: what was tried, and what repaired."""
+    if search is None:
+        return StageReport("intervention search", "skipped", "every measured symptom is explained by a rule's finding")
+    tried = "; ".join(f"{t.candidate.intervention.description}: " + ("repaired" if t.repaired else
+                      t.screen if t.passed_screen is False else f"symptoms left {t.symptoms_after}") for t in search.trials)
+    head = (f"repaired by {search.repair.description}" if search.repair is not None
+            else "no intervention repaired the training")
+    return StageReport("intervention search", "ran", f"{head} ({len(search.trials)} tried: {tried or 'none'})",
+                       details={"trials": [t.to_json() for t in search.trials], "fault_is_intrinsic": search.fault_is_intrinsic})
+
+
+def unexplained_finding(symptoms: list[Symptom], ev: Evidence, search: SearchResult | None = None) -> Finding:
     """The honest finding for symptoms no rule explains: what was measured, where it starts, what to look at."""
     evidence: dict[str, Any] = {"symptoms": [s.to_json() for s in symptoms]}
     loc = ev.localisation
@@ -182,14 +225,20 @@ def unexplained_finding(symptoms: list[Symptom], ev: Evidence) -> Finding:
     inspect = ["re-run `fp16doctor compare FILE --fp32 --amp --steps N` to see where the curves part"]
     if loc is not None:
         inspect.insert(0, f"print the inputs and output of {loc.module} at step {loc.step} (batch {loc.batch_index}) under AMP and FP32")
+    if search is not None and search.trials:
+        evidence["interventions_tried"] = [t.to_json() for t in search.trials]
+        inspect.insert(0, "no intervention the doctor can apply removed it (tried: " + "; ".join(
+            f"{t.candidate.intervention.description} -> " + (t.screen if t.passed_screen is False else
+                                                           f"symptoms left: {', '.join(t.symptoms_after or []) or 'none'}")
+            for t in search.trials) + ")")
     codes = {s.code for s in symptoms}
     if "skips" in codes or "nonfinite" in codes:
         inspect.append("try a lower scaler.init_scale and bf16 to tell range from precision trouble")
     if codes & {"same-state-gap", "trajectory-drift", "lost-updates"}:
         inspect.append("keep the suspect modules in fp32 (overrides.fp32_modules) one at a time")
     return Finding(
-        cause=UNEXPLAINED, severity="error",
-        title="Measured under AMP, explained by no rule: " + "; ".join(s.description for s in symptoms) + where,
+        cause=UNEXPLAINED, severity="error", found_by="intervention" if search is not None else "rule",
+        title="Measured under AMP, explained by no rule or intervention: " + "; ".join(s.description for s in symptoms) + where,
         evidence=evidence,
         fix=Fix("No rule recognises this pattern. Inspect next: " + "; ".join(inspect) + "."),
         confidence=0.5, order=UNEXPLAINED_ORDER,

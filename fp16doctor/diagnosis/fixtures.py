@@ -18,7 +18,7 @@ from ..engine.probe import RECORD_COLUMNS
 from ..measure.datascan import FieldScan
 from ..measure.localise import Localisation
 from ..measure.numerics import ScaleWindow
-from .model import Evidence, ProbeSummary
+from .model import Evidence, ProbeSummary, Repair
 
 PRECISION_COLUMNS = ["module", "type", "compute_dtype", "param_dtypes", "buffer_dtypes", "optimizer_state_dtypes"]
 
@@ -83,6 +83,13 @@ def localisation(phase: str = "forward", module: str | None = "layer", operator:
                  scalars: list[float] | None = None) -> Localisation:
     return Localisation(step=step, batch_index=step, phase=phase, module=module, operator=operator,
                         input_ranges=input_ranges or [(-300.0, 300.0)], output=output, scalars=scalars or [])
+
+
+def repair(kind: str, modules: list[str] | None = None, config_patch: dict[str, Any] | None = None,
+           forward_overflow: bool = False, symptoms: tuple[str, ...] = ("nonfinite",), **fields: Any) -> Repair:
+    """An intervention the search found to repair the training, as the rules read it to name the cause."""
+    return Repair(kind=kind, description=f"the {kind} intervention", config_patch=config_patch or {},
+                  modules=modules or [], symptoms=list(symptoms), forward_overflow=forward_overflow, **fields)
 
 
 def field(name: str = "0", floating: bool = True, **values: Any) -> FieldScan:

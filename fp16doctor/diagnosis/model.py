@@ -47,13 +47,43 @@ class Finding:
     """What trying the fix measured (:mod:`.verify`): tried, symptoms before/after, share removed."""
     demoted: bool = False
     """An error whose fix, tried, changed nothing: now a warning, and it explains no symptom."""
+    found_by: str = "rule"
+    """``rule``: a rule matched the evidence; ``intervention``: the intervention search tried the doctor's
+    interventions and this cause is named from the one that repaired the training (:mod:`.interventions`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "rank": self.rank, "cause": self.cause, "severity": self.severity, "title": self.title,
+            "rank": self.rank, "cause": self.cause, "severity": self.severity, "found_by": self.found_by, "title": self.title,
             "evidence": jsonable(self.evidence), "fix": self.fix.to_json(), "confidence": round(self.confidence, 3),
             "verification": jsonable({k: v for k, v in public(self.verification).items() if k != "size"}) if self.verification else None,
         }
+
+
+@dataclass
+class Repair:
+    """An intervention the search tried that removed the symptoms it was tried for: what the rules read to
+    name the cause (:meth:`fp16doctor.diagnosis.rules.Rule.names_repair`)."""
+
+    kind: str
+    """What was changed (:data:`fp16doctor.diagnosis.interventions.KINDS`): ``fp32-modules``, ``loss-fp32``,
+    ``fp32-weights``, ``scaler-scale``, ``scaler-growth``, ``lr-cap``, ``hold-scheduler``,
+    ``unscale-before-clip``, ``drop-nonfinite-rows``, ``standardise``, ``drop-empty-targets``, ``bf16``."""
+    description: str
+    """The intervention in words, as the verification names it."""
+    config_patch: dict[str, Any] = field(default_factory=dict)
+    modules: list[str] = field(default_factory=list)
+    """For ``fp32-modules``: the modules kept in fp32."""
+    scope: str = ""
+    """For ``fp32-modules``: ``module`` (the localised one), ``class`` (every module of its class), ``parent``,
+    ``relocalised`` (grown by localising again after a partial repair) or ``gap-set`` (the precision-gap search's)."""
+    module_class: str | None = None
+    """For a ``class`` scope: the class every kept module is an instance of."""
+    symptoms: list[str] = field(default_factory=list)
+    """The measured symptoms it removed."""
+    forward_overflow: bool = False
+    """Whether the AMP run's forward outputs of the kept modules left fp16's range (inf/NaN or past 65504)."""
+    verification: dict[str, Any] | None = None
+    """The full probe's verification record (:meth:`fp16doctor.diagnosis.verify.Verifier.verify`)."""
 
 
 @dataclass

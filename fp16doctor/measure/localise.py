@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine.instruments import module_names
-from ..engine.probe import Probe, Workbench
+from ..engine.probe import Probe, ProbeSnapshot, Workbench
 
 CASTS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_to_dtype"}
 RESHAPES = {"aten::_unsafe_view", "aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::permute",
@@ -56,6 +56,10 @@ class Localisation:
     """The largest magnitude of the result that overflowed when rounded to low precision, when it was seen."""
     scalars: list[float] = field(default_factory=list)
     """The Python numbers the culprit operator was called with (a mask's fill value, a scale)."""
+    autograd_node: str | None = None
+    """In backward: the autograd node that ran the culprit op (``MulBackward0``, or a custom Function's)."""
+    custom_function: str | None = None
+    """In backward: the ``torch.autograd.Function`` subclass whose hand-written ``backward`` made it, if any."""
     replayed: list[tuple[float, float]] = field(default_factory=list, repr=False)
     """(loss, loss scale) of each step the replay took before the traced one: compared with the original
     run's, they tell whether the fault reproduces deterministically."""
@@ -214,7 +218,8 @@ class NonFiniteTracer(TorchDispatchMode):
                 note = f"overflowed when cast to {str(bad.dtype).replace('torch.', '')}"
         phase = self._phase()
         self.candidates.append({"phase": phase, "module": self._module(), "operator": operator, "input_ranges": ranges,
-                                "output": _describe_bad(bad), "note": note, "peak": peak, "scalars": scalars})
+                                "output": _describe_bad(bad), "note": note, "peak": peak, "scalars": scalars,
+                                **(_autograd_node() if phase == "backward" else {})})
         self._mark(outputs, len(self.candidates) - 1)
         if phase != "forward":
             self.confirmed = len(self.candidates) - 1  # no module output to wait for
@@ -249,6 +254,16 @@ class NonFiniteTracer(TorchDispatchMode):
         if phase == "optimizer":
             return None
         return self.context.stack[-1] if self.context.stack else OUTSIDE_MODEL
+
+
+def _autograd_node() -> dict[str, str | None]:
+    """The autograd node running now, and the custom ``torch.autograd.Function`` behind it: a hand-written
+    ``backward`` runs outside autocast, on whatever dtype its forward saved."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return {}
+    function = getattr(type(node), "_forward_cls", None)
+    return {"autograd_node": node.name(), "custom_function": function.__name__ if function is not None else None}
 
 
 def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) -> Localisation | None:
@@ -307,12 +322,14 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
     return Localisation(step=step, batch_index=batch_index, mode=probe.mode, **tracer.found)
 
 
-def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: bool = False) -> Localisation | None:
+def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: bool = False,
+             keep: dict[int, ProbeSnapshot] | None = None) -> Localisation | None:
     """Replay ``mode`` deterministically up to ``step`` and trace that step.
 
     When the weights are already non-finite as that step starts, or nothing in it turns finite values
     non-finite, the step before is traced from a snapshot: an optimizer update that wrote inf/NaN into
     the weights leaves that step's loss and gradients finite, and shows only in the next forward.
+    ``keep`` receives that snapshot (by the step it starts), for later work on the failing step.
     """
     probe = bench.probe(mode, config, align_on_taken_steps=align)
     try:
@@ -320,6 +337,8 @@ def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: 
             while probe.iteration < step - 1 and probe.failed is None:
                 probe.step()
             before = probe.snapshot() if step > 0 and probe.failed is None else None
+            if before is not None and keep is not None:
+                keep[before.iteration] = before
             if before is not None:
                 probe.step()
         weights_broken = not all(_finite(p) for p in probe.model.parameters())

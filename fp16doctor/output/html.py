@@ -85,7 +85,7 @@ def finding_html(finding: Finding) -> str:
     evidence = [[key, yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
                  if not isinstance(value, str) else value] for key, value in humanize(jsonable(finding.evidence)).items()]
     parts = [f'<article class="{finding.severity}" id="finding-{finding.rank}">',
-             f'<h3><span class="sev">{_e(finding.severity)}</span> {finding.rank}. <code>{_e(finding.cause)}</code></h3>',
+             f'<h3><span class="sev">{_e(finding.severity)}</span> {finding.rank}. <code>{_e(finding.cause)}</code>{" (found by intervention)" if finding.found_by == "intervention" else ""}</h3>',
              f"<p>{_e(finding.title)}</p>", _table(evidence), f"<p><b>Fix:</b> {_e(finding.fix.summary)}</p>"]
     if finding.fix.code:
         parts.append(highlighted(finding.fix.code))

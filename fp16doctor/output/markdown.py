@@ -38,7 +38,8 @@ def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, 
     if not diagnosis.findings and not diagnosis.unexplained:
         lines.append("No findings: AMP behaves like its FP32 twin.")
     for f in diagnosis.findings:
-        lines += [f"### {f.rank}. [{f.severity}] `{f.cause}`: {f.title}", "", "Evidence:", ""]
+        found = " (found by intervention)" if f.found_by == "intervention" else ""
+        lines += [f"### {f.rank}. [{f.severity}] `{f.cause}`{found}: {f.title}", "", "Evidence:", ""]
         lines += _evidence_lines(f)
         lines += ["", f"Fix: {f.fix.summary}", ""]
         if f.fix.code:

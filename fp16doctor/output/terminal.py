@@ -177,7 +177,8 @@ def _finding_panel(finding: Finding) -> Panel:
     if finding.verification:
         parts.append(verification_line(finding.verification))
     style = SEVERITY_STYLE[finding.severity]
-    return Panel(Group(*parts), title=f"[{style}]{finding.rank}. {finding.severity}: {finding.cause}[/]", title_align="left",
+    found = " (found by intervention)" if finding.found_by == "intervention" else ""
+    return Panel(Group(*parts), title=f"[{style}]{finding.rank}. {finding.severity}: {finding.cause}{found}[/]", title_align="left",
                  border_style=style.split()[-1])
 
 

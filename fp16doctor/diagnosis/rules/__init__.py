@@ -41,6 +41,12 @@ class Rule:
     verifiable: ClassVar[bool] = True
     """Whether the fix's config patch can repair the training (false for data causes and model bugs)."""
 
+    repairs: ClassVar[tuple[str, ...]] = ()
+    """The kinds of intervention (:class:`fp16doctor.diagnosis.model.Repair` ``kind``) whose measured repair
+    names this cause in the intervention search; :meth:`names_repair` may narrow it down by the evidence."""
+    names_cases: ClassVar[tuple[Callable[[], tuple[Any, Evidence]], ...]] = ()
+    """(repair, evidence) fixtures this rule must name (:meth:`names_repair`): its cases as the search sees them."""
+
     nothing_to_try: ClassVar[str] = "the fix is a code change; the doctor has nothing it can apply for it"
     """What the verification says when :meth:`intervention` offers nothing to try."""
 
@@ -57,6 +63,37 @@ class Rule:
         if not finding.fix.config_patch:
             return None
         return Intervention("the config patch " + _flat(finding.fix.config_patch), config_patch=finding.fix.config_patch)
+
+    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+        """Whether ``repair`` (an intervention that removed the symptoms) is this cause: by default, its kind."""
+        return repair.kind in self.repairs
+
+    def repair_finding(self, repair: Any, ev: Evidence) -> Finding:
+        """The finding for a repair this rule names: the measured repair is the evidence and the fix."""
+        loc = ev.localisation
+        evidence: dict[str, Any] = {"intervention": repair.description, "symptoms_removed": list(repair.symptoms)}
+        if repair.modules:
+            evidence["fp32_modules"] = list(repair.modules)
+        if loc is not None:
+            evidence["localisation"] = {"module": loc.module, "operator": loc.operator, "phase": loc.phase,
+                                        "step": loc.step, "batch": loc.batch_index, "output": loc.output}
+        summary, code = self.repair_fix(repair, ev)
+        finding = self.finding(self.repair_title(repair, ev), evidence,
+                               Fix(summary, code=code, config_patch=dict(repair.config_patch)), severity="error")
+        finding.found_by = "intervention"
+        finding.verification = repair.verification
+        return finding
+
+    def repair_title(self, repair: Any, ev: Evidence) -> str:
+        where = ""
+        loc = ev.localisation
+        if loc is not None:
+            where = f"; it starts at {loc.operator} in {loc.module or loc.phase} ({loc.phase}), step {loc.step}"
+        return f"{self.code}: {repair.description} repairs the training{where}"
+
+    def repair_fix(self, repair: Any, ev: Evidence) -> tuple[str, str]:
+        """The fix sentence and code for a repair this rule names (rules with a better formulation override it)."""
+        return f"Make the change that was measured to repair the training: {repair.description}.", ""
 
     def finding(self, title: str, evidence: dict[str, Any], fix: Fix, confidence: float = 1.0, severity: str | None = None) -> Finding:
         return Finding(cause=self.code, severity=severity or self.severity, title=title, evidence=evidence,
@@ -88,17 +125,40 @@ def rules_by_code() -> dict[str, Rule]:
 class _Unexplained(Rule):
     """Symptoms no rule explains (made by the engine, not by a check)."""
 
+    code = "unexplained"
+
     nothing_to_try = "no rule recognises the pattern, so there is no fix to try"
 
     def check(self, ev: Evidence) -> list[Finding]:
         return []
+
+    def repair_title(self, repair: Any, ev: Evidence) -> str:
+        """A repair no rule names: the measured symptoms, and what repaired them."""
+        measured = "; ".join(s.description for s in ev.symptoms if s.code in repair.symptoms)
+        where = ""
+        if ev.amp is not None and ev.amp.exception:
+            exc = ev.amp.exception
+            where = f" ({exc['type']} in {exc.get('module') or exc['location']}: {exc['message']})"
+        return f"No rule names this cause: {measured}{where}; {repair.description} repairs the training"
+
+    def repair_fix(self, repair: Any, ev: Evidence) -> tuple[str, str]:
+        return (f"Make the change that was measured to repair the training, {repair.description}, permanent in your code "
+                "(the config patch applies it in the doctor's loop now).", "")
+
+
+def name_repair(repair: Any, ev: Evidence) -> Finding:
+    """The finding for what the intervention search repaired: the first rule, in causal order, that names it."""
+    for rule in all_rules():
+        if rule.names_repair(repair, ev):
+            return rule.repair_finding(repair, ev)
+    return _Unexplained().repair_finding(repair, ev)
 
 
 def all_rules() -> list[Rule]:
     """Instantiate every Rule subclass defined in this package's modules, in causal order."""
     for info in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{info.name}")
-    rules = [cls() for cls in _subclasses(Rule) if "code" in cls.__dict__]
+    rules = [cls() for cls in _subclasses(Rule) if "code" in cls.__dict__ and not cls.__name__.startswith("_")]
     return sorted(rules, key=lambda r: (r.order, r.code))
 
 

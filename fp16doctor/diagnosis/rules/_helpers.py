@@ -61,3 +61,17 @@ def scale_patch(ev: Evidence) -> dict[str, Any]:
     interval = rec.get("growth_interval") or max(ev.config.scaler.growth_interval, 2000)
     return {"scaler": {"enabled": True, "init_scale": float(init), "growth_factor": 2.0, "backoff_factor": 0.5,
                        "growth_interval": int(interval)}}
+
+
+def fp32_wrapper_code(target: str, per_class: bool = False) -> str:
+    """The permanent edit that keeps a module (or every module of a class) in fp32 under autocast."""
+    if per_class:
+        return (f"class {target}(nn.Module):\n"
+                "    def forward(self, x):\n"
+                "        with torch.autocast('cuda', enabled=False):   # fp16 cannot hold what this block computes\n"
+                "            return self._forward(x.float())           # the original forward, renamed")
+    return (f"class Fp32Block(torch.nn.Module):   # wrap model.{target}\n"
+            "    def __init__(self, inner):\n        super().__init__(); self.inner = inner\n"
+            "    def forward(self, *args):\n"
+            "        with torch.autocast('cuda', enabled=False):\n"
+            "            return self.inner(*(a.float() for a in args))")

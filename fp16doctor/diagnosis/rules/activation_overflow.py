@@ -10,14 +10,19 @@ from __future__ import annotations
 from ...measure.localise import OUTSIDE_MODEL
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
+from typing import Any
+
 from . import Rule
-from ._helpers import enclosing_fp32_safe, fp32_finite, module_abs_max
+from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, module_abs_max
 
 
 class ActivationOverflow(Rule):
     code = "activation-overflow"
     order = 60
     explains = ('nonfinite', 'skips')
+    repairs = ("fp32-modules", "bf16")
+    names_cases = (lambda: (fx.repair("fp32-modules", ["blocks.0", "blocks.1"], forward_overflow=True, scope="class",
+                                      module_class="Block"), fx.evidence(localisation=fx.localisation("forward", "blocks.1"))),)
     triggers = ("bf16_pretrained_ffn.py",)
     fires_on = (lambda: fx.evidence(localisation=fx.localisation("forward", "block.ff")),)
     quiet_on = (lambda: fx.evidence(), lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>")))
@@ -41,14 +46,34 @@ class ActivationOverflow(Rule):
              "deterministic": ev.localisation_deterministic, "keep_in_fp32": keep, "note": loc.note},
             Fix(
                 f"Run {keep} in fp32 (autocast off inside it), or rescale what overflows (e.g. attention scores by 1/sqrt(d)), or train in bf16.",
-                code=(
-                    f"class Fp32Block(torch.nn.Module):   # wrap model.{keep}\n"
-                    "    def __init__(self, inner):\n        super().__init__(); self.inner = inner\n"
-                    "    def forward(self, *args):\n"
-                    "        with torch.autocast('cuda', enabled=False):\n"
-                    "            return self.inner(*(a.float() for a in args))"
-                ),
+                code=fp32_wrapper_code(keep),
                 config_patch={"overrides": {"fp32_modules": [keep]}},
             ),
             confidence=1.0 if ev.localisation_deterministic else 0.6,
         )]
+
+    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+        """Modules kept in fp32 repaired it, and their forward output had left fp16's range under AMP (or bf16,
+        fp32's range, repaired a forward fault)."""
+        loc = ev.localisation
+        if repair.kind == "bf16":
+            return loc is None or loc.phase == "forward"
+        return repair.kind == "fp32-modules" and repair.forward_overflow
+
+    def repair_title(self, repair: Any, ev: Evidence) -> str:
+        loc = ev.localisation
+        where = f" ({loc.operator} in {loc.module} at step {loc.step})" if loc is not None and loc.module else ""
+        if repair.kind == "bf16":
+            return f"Activations overflow fp16{where}; bf16, with fp32's range, repairs the training"
+        what = f"every {repair.module_class} ({len(repair.modules)} modules)" if repair.module_class else ", ".join(repair.modules)
+        return f"Activations overflow fp16{where}; keeping {what} in fp32 repairs the training"
+
+    def repair_fix(self, repair: Any, ev: Evidence) -> tuple[str, str]:
+        if repair.kind == "bf16":
+            return "Train in bfloat16 (fp32's range; no loss scaling), or keep the overflowing blocks in fp32.", ""
+        if repair.module_class:
+            return (f"Run every {repair.module_class} in fp32: autocast off inside its forward, inputs cast up (one "
+                    "block alone is not enough: the next one overflows instead). Or rescale what grows (a residual gain, "
+                    "attention scores by 1/sqrt(d)), or train in bf16.", fp32_wrapper_code(repair.module_class, per_class=True))
+        keep = ", ".join(repair.modules)
+        return f"Run {keep} in fp32 (autocast off inside it), or rescale what overflows, or train in bf16.", fp32_wrapper_code(repair.modules[0])

@@ -16,6 +16,8 @@ class ClipBeforeUnscale(Rule):
     code = "clip-before-unscale"
     order = 65
     explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
+    repairs = ("unscale-before-clip",)
+    names_cases = (lambda: (fx.repair("unscale-before-clip", symptoms=("trajectory-drift",)), fx.evidence()),)
     triggers = ("clip_before_unscale.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": True, "scale": 65536.0, "step": 0}])),)
     quiet_on = (lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": False, "scale": 65536.0, "step": 0}])),)

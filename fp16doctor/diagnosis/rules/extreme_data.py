@@ -18,6 +18,8 @@ class ExtremeData(Rule):
     code = "extreme-data"
     order = 20
     explains = ('nonfinite', 'skips', 'amp-exception', 'trajectory-drift')
+    repairs = ("standardise",)
+    names_cases = (lambda: (fx.repair("standardise"), fx.evidence()),)
     verifiable = False
     triggers = ("raw_sensor_features.py",)
     fires_on = (lambda: fx.evidence(data=[fx.field(abs_max=5e4, extreme=300)], amp=fx.probe(record=fx.records(skipped=[0, 1])),

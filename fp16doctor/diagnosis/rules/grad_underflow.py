@@ -12,6 +12,8 @@ such noise.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...measure.thresholds import UNDERFLOW_ALARM
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
@@ -23,6 +25,16 @@ class GradUnderflow(Rule):
     code = "grad-underflow"
     order = 71
     explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
+    repairs = ("scaler-scale",)
+    names_cases = (lambda: (fx.repair("scaler-scale", config_patch={"scaler": {"init_scale": 2.0**20}}, symptoms=("lost-updates",)),
+                            fx.evidence()),
+                   lambda: (fx.repair("scaler-scale", config_patch={"scaler": {"enabled": True, "init_scale": 65536.0}},
+                                      symptoms=("trajectory-drift",)), fx.evidence(config={"scaler": {"enabled": False}})))
+
+    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+        """Loss scaling switched on, or a higher initial scale, repaired it: gradients were flushing to zero."""
+        new = repair.config_patch.get("scaler", {}).get("init_scale")
+        return repair.kind == "scaler-scale" and (not ev.config.scaler.enabled or (new is not None and new > ev.config.scaler.init_scale))
     triggers = ("no_loss_scaling.py",)
     fires_on = (lambda: fx.evidence(config={"scaler": {"enabled": False}}, window=fx.window(512.0, 1e6),
                                     observed_underflow=fx.underflow(("0.weight", 0.6, 0.4, False))),)

@@ -18,6 +18,8 @@ class HalfOptimizerState(Rule):
     code = "half-optimizer-state"
     order = 42
     explains = ('nonfinite', 'skips', 'lost-updates', 'trajectory-drift', 'same-state-gap')
+    repairs = ("fp32-weights",)
+    names_cases = (lambda: (fx.repair("fp32-weights", symptoms=("lost-updates",)), fx.evidence()),)
     triggers = ("half_optimizer_state.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float32", None, "float16")))),)
     quiet_on = (lambda: fx.evidence(),)

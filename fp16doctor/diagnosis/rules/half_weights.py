@@ -7,6 +7,8 @@ gradients" when the training uses one.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...measure.thresholds import HALF_WEIGHTS_LOST_SHARE
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
@@ -18,6 +20,12 @@ class HalfWeights(Rule):
     code = "half-weights"
     order = 40
     explains = ('nonfinite', 'skips', 'amp-exception', 'lost-updates', 'trajectory-drift', 'same-state-gap')
+    repairs = ("fp32-weights",)
+    names_cases = (lambda: (fx.repair("fp32-weights"), fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16"))))),)
+
+    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+        """fp32 master weights repaired it, and the training's parameters were stored in half precision."""
+        return repair.kind == "fp32-weights" and not half_param_modules(ev.amp).empty
     triggers = ("model_half.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16")))),)
     quiet_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "LayerNorm", "float16", None, "float32")))),)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
+from typing import Any
+
 from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite
 
@@ -17,6 +19,9 @@ class LossInHalf(Rule):
     code = "loss-in-half"
     order = 50
     explains = ('nonfinite', 'skips', 'same-state-gap', 'trajectory-drift')
+    repairs = ("loss-fp32", "bf16")
+    names_cases = (lambda: (fx.repair("loss-fp32"), fx.evidence(localisation=fx.localisation(
+        "loss", "<loss: outside the model>", "aten::log", output="-inf (float32)"))),)
     triggers = ("loss_in_half.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]), loss_dtypes=["float16"]),
                                     localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float16)")),)
@@ -52,3 +57,33 @@ class LossInHalf(Rule):
                 config_patch={"overrides": {"loss_in_fp32": True}},
             ),
         )]
+
+    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+        """The loss computed in fp32 repaired it, also when the op that made the inf ran in fp32 itself: the
+        damage was done before it, by half-precision values rounded on their way into the loss."""
+        loc = ev.localisation
+        return repair.kind == "loss-fp32" or (repair.kind == "bf16" and loc is not None and loc.phase == "loss")
+
+    def repair_title(self, repair: Any, ev: Evidence) -> str:
+        loc = ev.localisation
+        where = f": {loc.operator} in the loss at step {loc.step} -> {loc.output}" if loc is not None and loc.phase == "loss" else ""
+        return f"The loss breaks on half-precision values{where}; computing the loss in fp32 repairs the training"
+
+    def repair_fix(self, repair: Any, ev: Evidence) -> tuple[str, str]:
+        loc = ev.localisation
+        op = (loc.operator if loc is not None else "").split("::")[-1].split(".")[0]
+        if op in ("log", "log1p", "log2", "log10", "xlogy"):
+            return ("Compute the loss from the logits in a numerically stable form: fp16 rounds a probability near 1 to "
+                    "exactly 1 (and near 0 to 0), so log(p) or log(1 - p) meets log(0). Use F.logsigmoid(z) for "
+                    "log(sigmoid(z)) and F.logsigmoid(-z) for log(1 - sigmoid(z)), F.binary_cross_entropy_with_logits "
+                    "instead of a hand-written BCE, F.log_softmax / F.cross_entropy instead of log(softmax(z)); at the "
+                    "least cast the logits to fp32 first. An epsilon added to a half probability must be one fp16 holds "
+                    "(>= 6.1e-5 near 0; near 1 there is no room below 4.9e-4).",
+                    "logits = model(x)                     # under autocast\n"
+                    "loss = F.binary_cross_entropy_with_logits(logits.float(), y)   # not -(y*log(p) + (1-y)*log(1-p))")
+        if op in ("exp", "expm1", "pow"):
+            return ("Compute the loss in fp32 and in a stable form: torch.logsumexp instead of log(sum(exp(z))), "
+                    "F.softplus instead of log(1 + exp(z)); exp overflows fp16 past 11.09.",
+                    "loss = torch.logsumexp(logits.float(), dim=-1).mean()")
+        return ("Compute the loss in fp32, outside autocast: cast the model's output up first.",
+                "with torch.autocast('cuda', dtype=torch.float16):\n    logits = model(x)\nloss = loss_fn(logits.float(), y)")

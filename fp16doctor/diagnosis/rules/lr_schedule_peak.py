@@ -24,6 +24,8 @@ class LrSchedulePeak(Rule):
     code = "lr-schedule-peak"
     order = 80
     explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'trajectory-drift')
+    repairs = ("lr-cap",)
+    names_cases = (lambda: (fx.repair("lr-cap"), fx.evidence(has_scheduler=True)),)
     triggers = ("warmup_peak.py",)
     fires_on = (lambda: fx.evidence(has_scheduler=True, lr_peak=PAUSE | {"finite_at_peak": False}),)
     quiet_on = (lambda: fx.evidence(has_scheduler=True, lr_peak=PAUSE | {"finite_at_peak": True}),)

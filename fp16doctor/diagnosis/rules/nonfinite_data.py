@@ -17,6 +17,8 @@ class NonfiniteData(Rule):
     code = "nonfinite-data"
     order = 10
     explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'amp-exception', 'trajectory-drift')
+    repairs = ("drop-nonfinite-rows",)
+    names_cases = (lambda: (fx.repair("drop-nonfinite-rows"), fx.evidence()),)
     verifiable = False
     triggers = ("nan_in_data.py",)
     fires_on = (lambda: fx.evidence(data=[fx.field(nan=3, first_nonfinite={"batch": 1, "position": [0, 2], "value": "nan"},

@@ -10,6 +10,8 @@ from __future__ import annotations
 from ...measure.thresholds import GAP_ERROR, GAP_TOLERANCE
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
+from typing import Any
+
 from . import Rule
 
 
@@ -17,6 +19,8 @@ class PrecisionGap(Rule):
     code = "precision-gap"
     order = 90
     explains = ('same-state-gap', 'trajectory-drift', 'skips')
+    repairs = ("fp32-modules",)
+    names_cases = (lambda: (fx.repair("fp32-modules", ["norm"], symptoms=("same-state-gap",)), fx.evidence()),)
     triggers = ("fast_variance_norm.py",)
     fires_on = (lambda: fx.evidence(gap={"gap": 0.5, "tolerance": 1e-3, "worst_step": 0, "same_state_rel_dev": {0: 0.5},
                                          "closing_set": ["norm"], "closed_gap": 1e-4}),)
@@ -47,3 +51,8 @@ class PrecisionGap(Rule):
             + (f"; {', '.join(closing)} in fp32 closes it" if closing else ""),
             evidence, fix, severity=severity,
         )]
+
+    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+        """Modules kept in fp32 repaired it with nothing out of fp16's range: precision, not range (the rules
+        before this one in causal order claim the overflows)."""
+        return repair.kind == "fp32-modules" and not set(repair.symptoms) & {"nonfinite", "skips", "amp-exception"}

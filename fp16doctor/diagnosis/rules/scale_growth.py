@@ -20,6 +20,8 @@ class ScaleGrowth(Rule):
     code = "scale-growth"
     order = 72
     explains = ('skips', 'nonfinite', 'trajectory-drift')
+    repairs = ("scaler-growth",)
+    names_cases = (lambda: (fx.repair("scaler-growth", symptoms=("skips",)), fx.evidence()),)
     triggers = ("scale_grows_fast.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 3, 6, 9], scales=[64, 32, 64, 128, 64, 128, 256, 128, 256, 512]))),)
     quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 1]))),)

@@ -12,6 +12,7 @@ overflowing. A few skips while a default scale settles are normal.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from ...measure.symptoms import attempts, skip_runs
 from ...measure.thresholds import CALIBRATION_SKIPS, PERSISTENT_OVERFLOW_SHARE
@@ -25,6 +26,14 @@ class ScaleOverflow(Rule):
     code = "scale-overflow"
     order = 70
     explains = ('skips', 'nonfinite', 'trajectory-drift')
+    repairs = ("scaler-scale",)
+    names_cases = (lambda: (fx.repair("scaler-scale", config_patch={"scaler": {"init_scale": 256.0}}, symptoms=("skips",)),
+                            fx.evidence()),)
+
+    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+        """A lower initial scale repaired it: the scale was too high."""
+        new = repair.config_patch.get("scaler", {}).get("init_scale")
+        return repair.kind == "scaler-scale" and ev.config.scaler.enabled and new is not None and new < ev.config.scaler.init_scale
     triggers = ("scale_too_high.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(10)))),
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_grads=range(10), nonfinite_loss=range(1, 10)),

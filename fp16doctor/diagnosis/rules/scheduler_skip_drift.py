@@ -16,6 +16,8 @@ class SchedulerSkipDrift(Rule):
     code = "scheduler-skip-drift"
     order = 85
     explains = ('trajectory-drift',)
+    repairs = ("hold-scheduler",)
+    names_cases = (lambda: (fx.repair("hold-scheduler", symptoms=("trajectory-drift",)), fx.evidence(has_scheduler=True)),)
     severity = "warning"
     triggers = ("warmup_skips.py",)
     fires_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak={"peak_step": 8}),)

@@ -45,6 +45,9 @@ class StageContext:
     """FP32 trajectory weights by step, shared by the stages that evaluate the same states."""
     loss_floor: float = 0.0
     """The denominator floor of same-state loss deviations (:func:`fp16doctor.measure.symptoms.loss_floor`)."""
+    fault_snapshots: dict[int, ProbeSnapshot] = field(default_factory=dict)
+    """The AMP probe's state one step before the localised step (kept by the localisation's replay): the
+    intervention search screens each candidate from there instead of replaying the run."""
     amp_snapshots: dict[int, ProbeSnapshot] = field(default_factory=dict)
     """The AMP probe's full state right before the LR schedule's peak and jump: the LR-peak stage
     pauses there without replaying the run (at most two snapshots)."""

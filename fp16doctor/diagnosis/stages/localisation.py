@@ -23,7 +23,7 @@ def stage_localise(ctx: StageContext) -> StageReport:
             return StageReport("localisation", "skipped", "no non-finite step to localise")
         return StageReport("localisation", "ran", "; ".join(notes))
     step = bad_step(amp)
-    first = localise(ctx.bench, "amp", step, ctx.config)
+    first = localise(ctx.bench, "amp", step, ctx.config, keep=ctx.fault_snapshots)
     ev.localisation = first
     ev.localisation_deterministic = first is not None and reproduces(first, amp)
     if first is None:

@@ -1,0 +1,362 @@
+"""The intervention search: a cause is what an intervention, tried, repairs.
+
+Rules recognise patterns they were written for. For a measured symptom that no
+rule's verified fix removes, the doctor does what an expert does by hand: it
+tries its interventions one after the other, most local first and guided by the
+localisation, on the same weights and batches, and keeps the first, smallest
+one that removes the symptoms:
+
+1. the localised module in fp32, then every module of its class (a repeated
+   block fails everywhere once it fails once), then its parent; after a partial
+   repair (the fault moved on) the module the fault moved to is added;
+2. the set of modules the precision-gap search found to close a same-state gap;
+3. the loss in fp32; fp32 master weights and optimizer state;
+4. the scale window and growth settings; the LR cap at the schedule's event;
+   the scheduler held on skipped steps; unscaling before clipping;
+5. the data without the offending rows, or standardised; bf16.
+
+Each candidate is first *screened* on the failing step alone, from the snapshot
+the localisation kept (does the localised fault still happen?), or on the
+same-state gap for precision symptoms; only a candidate that passes runs the
+full probe past the original fault, with the symptoms measured by the same
+definitions as the verdict. The cause is then named by the rule that claims the
+repair (:meth:`fp16doctor.diagnosis.rules.Rule.names_repair`), with the
+localisation as its evidence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
+from ..measure.symptoms import Symptom, skip_runs
+from .model import Evidence, Repair
+from .stages import StageContext, same_state_gap
+from .verify import Intervention, Verifier, drop_rows, standardise
+
+KINDS = ("fp32-modules", "loss-fp32", "fp32-weights", "scaler-scale", "scaler-growth", "lr-cap", "hold-scheduler",
+         "unscale-before-clip", "drop-nonfinite-rows", "standardise", "bf16")
+"""Every kind of intervention the search tries (a :class:`Repair`'s ``kind``)."""
+
+RANGE_SYMPTOMS = {"nonfinite", "amp-exception", "skips"}
+"""Symptoms of fp16's range: screened on the failing step."""
+SEARCH_BUDGET = 8
+"""At most this many candidates are tried (screened or run) in a full diagnosis."""
+CI_SEARCH_BUDGET = 3
+"""--ci: at most three interventions."""
+MAX_GROWN = 3
+"""A module set grown by localising again after partial repairs holds at most this many modules."""
+HALF_TYPES = ("float16", "bfloat16")
+
+
+@dataclass
+class Candidate:
+    """One intervention to try, with what the search knows about it."""
+
+    kind: str
+    intervention: Intervention
+    modules: list[str] = field(default_factory=list)
+    scope: str = ""
+    module_class: str | None = None
+    screen: str = "none"
+    """How it is screened before a full probe: ``range`` (the failing step), ``gap`` (the same-state gap), ``none``."""
+
+
+@dataclass
+class Trial:
+    """What trying one candidate measured."""
+
+    candidate: Candidate
+    screen: str = "not screened"
+    passed_screen: bool | None = None
+    moved_to: Localisation | None = None
+    """A range screen that still failed, elsewhere: where the fault moved to."""
+    symptoms_after: list[str] | None = None
+    repaired: bool = False
+    verification: dict[str, Any] | None = None
+    """The full probe's verification record (when the candidate passed its screen)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"intervention": self.candidate.intervention.description, "kind": self.candidate.kind,
+                "screen": self.screen, "symptoms_after": self.symptoms_after, "repaired": self.repaired}
+
+
+@dataclass
+class SearchResult:
+    trials: list[Trial]
+    repair: Repair | None = None
+    fault_is_intrinsic: bool | None = None
+    """Whether the localised fault happens at a loss scale of 1 too (None: not checked)."""
+
+
+class InterventionSearch:
+    """Tries the doctor's interventions for ``targets`` (symptoms nothing else removed); see the module docstring."""
+
+    def __init__(self, ctx: StageContext, verifier: Verifier, targets: list[Symptom], budget: int | None = None):
+        self.ctx = ctx
+        self.ev: Evidence = ctx.evidence
+        self.verifier = verifier
+        self.targets = targets
+        self.codes = {s.code for s in targets}
+        self.budget = budget if budget is not None else (CI_SEARCH_BUDGET if ctx.ci else SEARCH_BUDGET)
+        self.trials: list[Trial] = []
+        self.intrinsic: bool | None = None
+
+    # --- the search ---------------------------------------------------------------------------------
+    def run(self) -> SearchResult:
+        loc = self.ev.localisation
+        if self.codes & RANGE_SYMPTOMS and loc is not None and loc.phase != "data":
+            self.intrinsic = self._screen_fault({}) is not None
+        seen: set[str] = set()
+        for candidate in self._candidates():
+            key = repr(sorted(candidate.intervention.config_patch.items())) + candidate.kind
+            if key in seen:
+                continue
+            seen.add(key)
+            if len(self.trials) >= self.budget:
+                break
+            trial = self._try(candidate)
+            self.trials.append(trial)
+            if trial.repaired:
+                return SearchResult(self.trials, self._repair(trial), self.intrinsic)
+        return SearchResult(self.trials, None, self.intrinsic)
+
+    def _try(self, candidate: Candidate) -> Trial:
+        trial = Trial(candidate)
+        if candidate.screen == "range" and self.intrinsic is not None:
+            moved = self._screen_fault(candidate.intervention.config_patch)
+            trial.passed_screen = moved is None
+            trial.moved_to = moved
+            trial.screen = ("the failing step stays finite" if moved is None else
+                            f"the failing step still fails: {moved.operator} in {moved.module or moved.phase} ({moved.phase})")
+        elif candidate.screen == "gap" and self.ev.gap:
+            gap = same_state_gap(self.ctx, self.ctx.with_config(candidate.intervention.config_patch), int(self.ev.gap["worst_step"]))
+            trial.passed_screen = gap <= float(self.ev.gap["tolerance"])
+            trial.screen = f"same-state deviation {gap:.3%} (tolerance {float(self.ev.gap['tolerance']):.3%})"
+        if trial.passed_screen is False:
+            return trial
+        verification = self.verifier.verify(candidate.intervention, "")
+        trial.symptoms_after = list(verification["symptoms_after"] or [])
+        before = {s.code for s in self.ev.symptoms}
+        trial.repaired = not (self.codes & set(trial.symptoms_after)) and set(trial.symptoms_after) <= before - self.codes
+        trial.verification = verification
+        return trial
+
+    def _screen_fault(self, patch: dict[str, Any]) -> Localisation | None:
+        """The failing step under ``patch``, traced from the snapshot the localisation kept: the first non-finite
+        op, or None. Screened at a loss scale of 1 when the fault happens there too (a fault that does not depend
+        on the scale: a scaled backward at 65536 would overflow in healthy trainings too)."""
+        loc = self.ev.localisation
+        assert loc is not None
+        patch = dict(patch)
+        if self.intrinsic:
+            patch["scaler"] = dict(patch.get("scaler", {}), enabled=False)
+        config = self.ctx.with_config(patch)
+        probe = self.ctx.bench.probe("amp", config, instruments=None)
+        try:
+            kept = [step for step in self.ctx.fault_snapshots if step <= loc.step]
+            if kept:
+                probe.restore(self.ctx.fault_snapshots[max(kept)])
+            with probe.mode_context():
+                while probe.iteration < loc.step and probe.failed is None:
+                    probe.step()
+            if probe.failed is not None:
+                return loc  # the user's code raised before the failing step: no repair
+            return trace_step(probe)
+        finally:
+            probe.close()
+
+    def _repair(self, trial: Trial) -> Repair:
+        c = trial.candidate
+        return Repair(kind=c.kind, description=c.intervention.description, config_patch=dict(c.intervention.config_patch),
+                      modules=list(c.modules), scope=c.scope, module_class=c.module_class,
+                      symptoms=sorted(self.codes), forward_overflow=self._forward_overflow(c.modules),
+                      verification=trial.verification)
+
+    # --- candidates, most local first ---------------------------------------------------------------
+    def _candidates(self) -> Iterator[Candidate]:
+        loc = self.ev.localisation
+        if "fp32-nonfinite" in self.codes:  # FP32 fails too: only what changes FP32 as well can repair it
+            yield from self._schedule()
+            yield from self._data()
+            return
+        if self.codes & RANGE_SYMPTOMS:
+            if self.intrinsic is False:
+                yield from self._scaler()  # the fault goes away at a loss scale of 1: the scale is part of it
+            if loc is not None and loc.phase == "loss":
+                yield self._loss_fp32()
+            if loc is not None and loc.phase in ("forward", "backward"):
+                yield from self._modules(loc.module)
+            elif "amp-exception" in self.codes and self.ev.amp is not None and self.ev.amp.exception:
+                yield from self._modules(self.ev.amp.exception.get("module"))  # the module that raised
+            yield from self._gap_set()
+            yield self._loss_fp32()
+            yield from self._fp32_weights()
+            yield from self._scaler()
+            yield from self._schedule()
+            yield from self._clipping()
+            yield from self._data()
+            yield self._bf16()
+            return
+        yield from self._gap_set()
+        yield from self._fp32_weights()
+        yield self._loss_fp32(screen="gap")
+        yield from self._schedule()
+        yield from self._scaler()
+
+    def _modules(self, module: str | None) -> Iterator[Candidate]:
+        """The localised module, every module of its class, its parent (and its class); after a partial repair,
+        the module the fault moved to is added to the set."""
+        if not module or module == OUTSIDE_MODEL or module == "<root>":
+            return
+        types = self._module_types()
+        chain = [module]
+        parts = module.split(".")
+        for depth in range(len(parts) - 1, 0, -1):
+            parent = ".".join(parts[:depth])
+            if types.get(parent) not in ("ModuleList", "ModuleDict", None):
+                chain.append(parent)
+            if len(chain) == 3:
+                break
+        for index, path in enumerate(chain):
+            yield self._fp32_modules([path], "module" if index == 0 else "parent")
+            members = self._class_members(path, types)
+            if members:
+                yield self._fp32_modules(members, "class", module_class=types[path])
+        yield from self._grown([module])
+
+    def _grown(self, modules: list[str]) -> Iterator[Candidate]:
+        """Localise again after a partial repair: the fault moved on to another module; keep that one in fp32 too."""
+        while len(modules) < MAX_GROWN:
+            last = next((t for t in reversed(self.trials) if t.candidate.modules == modules), None)
+            if last is None or last.moved_to is None:
+                return
+            moved = last.moved_to
+            if moved.phase not in ("forward", "backward") or not moved.module or moved.module in (OUTSIDE_MODEL, "<root>") \
+                    or moved.module in modules:
+                return
+            modules = modules + [moved.module]
+            yield self._fp32_modules(modules, "relocalised")
+
+    def _class_members(self, path: str, types: dict[str, str]) -> list[str]:
+        """Every module of ``path``'s class, when there are several and they are not most of the model."""
+        kind = types.get(path)
+        members = [name for name, t in types.items() if t == kind and name]
+        modules = max(len(types) - 1, 1)
+        return members if 1 < len(members) and len(members) <= modules / 2 else []
+
+    def _module_types(self) -> dict[str, str]:
+        amp = self.ev.amp
+        if amp is None or amp.precision is None or amp.precision.empty:
+            return {}
+        return {("" if m == "<root>" else str(m)): str(t) for m, t in zip(amp.precision["module"], amp.precision["type"])}
+
+    def _fp32_modules(self, modules: list[str], scope: str, module_class: str | None = None) -> Candidate:
+        what = f"every {module_class} ({', '.join(modules)})" if module_class else ", ".join(modules)
+        return Candidate("fp32-modules", Intervention(f"keeping {what} in fp32", {"overrides": {"fp32_modules": modules}}),
+                         modules=modules, scope=scope, module_class=module_class,
+                         screen="range" if self.codes & RANGE_SYMPTOMS else "gap")
+
+    def _gap_set(self) -> Iterator[Candidate]:
+        gap = self.ev.gap or {}
+        closing = gap.get("closing_set")
+        if closing:
+            yield self._fp32_modules(list(closing), "gap-set")
+        ranked = gap.get("ranked_modules") or []
+        if ranked and not closing:
+            top = ranked[0]["module"]
+            yield self._fp32_modules([top], "module")
+            types = self._module_types()
+            members = self._class_members(top, types)
+            if members:
+                yield self._fp32_modules(members, "class", module_class=types[top])
+
+    def _loss_fp32(self, screen: str = "range") -> Candidate:
+        return Candidate("loss-fp32", Intervention("computing the loss in fp32", {"overrides": {"loss_in_fp32": True}}),
+                         screen=screen if (screen != "range" or self.codes & RANGE_SYMPTOMS) else "none")
+
+    def _fp32_weights(self) -> Iterator[Candidate]:
+        precision = self.ev.amp.precision if self.ev.amp is not None else None
+        if precision is None or precision.empty:
+            return
+        stored = " ".join(str(v) for column in ("param_dtypes", "optimizer_state_dtypes") for v in precision[column].fillna(""))
+        if any(t in stored for t in HALF_TYPES):
+            yield Candidate("fp32-weights", Intervention("fp32 master weights and optimizer state",
+                                                         {"overrides": {"fp32_weights": True}}),
+                            screen="range" if self.codes & RANGE_SYMPTOMS else "none")
+
+    def _scaler(self) -> Iterator[Candidate]:
+        cfg = self.ctx.config
+        if cfg.dtype != "float16":
+            return
+        window = self.ev.window
+        recommended = (self.ev.recommended_scaler or {}).get("init_scale") or (window.recommended() if window is not None else None)
+        if not cfg.scaler.enabled:
+            yield Candidate("scaler-scale", Intervention(f"dynamic loss scaling from {recommended or 65536:g}",
+                                                         {"scaler": {"enabled": True, "init_scale": float(recommended or 65536)}}))
+        elif recommended and not math.isclose(recommended, cfg.scaler.init_scale):
+            yield Candidate("scaler-scale", Intervention(f"an initial loss scale of {recommended:g}",
+                                                         {"scaler": {"init_scale": float(recommended)}}))
+        amp = self.ev.amp
+        if amp is not None and cfg.scaler.enabled and len(skip_runs(amp.skip_steps)) >= 2:
+            interval = int(cfg.scaler.growth_interval * 10)
+            yield Candidate("scaler-growth", Intervention(f"a growth interval of {interval}", {"scaler": {"growth_interval": interval}}))
+
+    def _schedule(self) -> Iterator[Candidate]:
+        info = self.ctx.schedule if self.ev.has_scheduler else None
+        if not info:
+            return
+        trouble = self._trouble_step()
+        for event in self.ctx.schedule_event_steps():
+            if trouble is not None and event <= trouble <= event + 3:
+                cap = info["lrs"][event - 1]
+                yield Candidate("lr-cap", Intervention(f"the learning rate capped at {cap:.3g} (before step {event}'s jump)",
+                                                       {"overrides": {"max_lr": cap}}))
+                break
+        amp = self.ev.amp
+        if amp is not None and amp.skip_steps:
+            yield Candidate("hold-scheduler", Intervention("the scheduler held on skipped steps",
+                                                           {"overrides": {"hold_scheduler_on_skip": True}}))
+
+    def _trouble_step(self) -> int | None:
+        for summary in (self.ev.fp32, self.ev.amp):
+            if summary is not None and not summary.finite:
+                steps = [s for s in (summary.first_nonfinite_loss, summary.first_nonfinite_grads) if s is not None]
+                if steps:
+                    return min(steps)
+        return self.ev.localisation.step if self.ev.localisation is not None else None
+
+    def _clipping(self) -> Iterator[Candidate]:
+        amp = self.ev.amp
+        if amp is not None and any(c.get("scaled") for c in amp.clip_calls):
+            yield Candidate("unscale-before-clip", Intervention("unscaling the gradients before clipping",
+                                                                {"overrides": {"unscale_before_clip": True}}), screen="range")
+
+    def _data(self) -> Iterator[Candidate]:
+        for scan in self.ev.data:
+            if scan.nonfinite:
+                yield Candidate("drop-nonfinite-rows", Intervention(f"the batches without the rows where '{scan.field}' is non-finite",
+                                                                    batches=drop_rows(scan.field)))
+            elif scan.floating and scan.abs_max >= 1e3:
+                yield Candidate("standardise", Intervention(f"'{scan.field}' standardised", batches=standardise(scan.field)))
+
+    def _bf16(self) -> Candidate:
+        return Candidate("bf16", Intervention("bfloat16 instead of float16", {"dtype": "bfloat16", "scaler": {"enabled": False}}),
+                         screen="range")
+
+    def _forward_overflow(self, modules: list[str]) -> bool:
+        """Whether the AMP run's forward outputs of ``modules`` (or of modules inside them) left fp16's range."""
+        loc = self.ev.localisation
+        inside = lambda name: any(name == m or name.startswith(m + ".") for m in modules)  # noqa: E731
+        if loc is not None and loc.phase == "forward" and loc.module and inside(loc.module):
+            return True
+        amp = self.ev.amp
+        table = amp.tables.get("forward") if amp is not None else None
+        if table is None or table.empty:
+            return False
+        rows = table[table["module"].map(inside)]
+        bad = (rows["nan"] + rows["posinf"] + rows["neginf"]) > 0
+        return bool(bad.any() or (rows["over_fp16_max"] > 0).any())
+

@@ -1,0 +1,86 @@
+"""The intervention search, through the CLI in fresh processes, on faults that no rule names.
+
+Each training file (tests/training_files/) holds a fault written the way people write it; the doctor
+measured and localised each of them before the search existed, and then said ``unexplained``. The cause
+must now come from what an intervention, tried, repaired: ``found_by: intervention``, a verification that
+names the intervention, and the localisation as evidence.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli
+
+FILES = ROOT / "tests" / "training_files"
+
+
+def diagnose(name: str, *extra: str) -> dict:
+    proc = run_cli("diagnose", FILES / name, "--ci", "--json", *extra)
+    assert proc.returncode == 1, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    return json.loads(proc.stdout)
+
+
+def search_stage(report: dict) -> dict:
+    return next(s for s in report["stages"] if s["name"] == "intervention search")
+
+
+def test_a_custom_functions_backward_overflow_is_named_by_keeping_its_module_in_fp32():
+    report = diagnose("custom_rmsnorm_backward.py")
+    top = report["findings"][0]
+    assert (top["cause"], top["severity"], top["found_by"]) == ("backward-overflow", "error", "intervention")
+    assert top["fix"]["config_patch"] == {"overrides": {"fp32_modules": ["norm"]}}
+    assert top["verification"]["repaired"] and top["verification"]["tried"] == "keeping norm in fp32"
+    assert top["evidence"]["localisation"]["phase"] == "backward" and top["evidence"]["localisation"]["module"] == "norm"
+    assert "custom_fwd" in top["fix"]["summary"] and "RMSNormFunction" in top["fix"]["summary"]
+    assert "unexplained" not in [f["cause"] for f in report["findings"]]
+    assert all(s["explained_by"] for s in report["symptoms"])
+
+
+def test_a_repeated_block_is_kept_in_fp32_as_a_class_when_one_block_alone_moves_the_overflow_on():
+    report = diagnose("repeated_block_overflow.py")
+    top = report["findings"][0]
+    assert (top["cause"], top["found_by"]) == ("activation-overflow", "intervention")
+    assert top["fix"]["config_patch"]["overrides"]["fp32_modules"] == [f"blocks.{i}" for i in range(5)]
+    trials = search_stage(report)["details"]["trials"]
+    assert trials[0]["intervention"] == "keeping blocks.3 in fp32" and not trials[0]["repaired"]
+    assert "still fails" in trials[0]["screen"] and "blocks.4" in trials[0]["screen"]  # the fault moved to the next block
+    assert trials[-1]["repaired"] and len(trials) <= 3  # --ci tries at most three interventions
+
+
+def test_a_log_of_a_half_precision_sigmoid_is_loss_in_half_although_the_log_ran_in_fp32():
+    report = diagnose("sigmoid_log_loss.py")
+    top = report["findings"][0]
+    assert (top["cause"], top["found_by"]) == ("loss-in-half", "intervention")
+    assert top["evidence"]["localisation"]["output"].endswith("(float32)")  # the op itself ran in fp32
+    assert top["fix"]["config_patch"] == {"overrides": {"loss_in_fp32": True}}
+    assert "logsigmoid" in top["fix"]["summary"] and "binary_cross_entropy_with_logits" in top["fix"]["summary"]
+
+
+def test_a_repair_no_rule_names_is_reported_with_what_repaired_it():
+    """An FFT refusing half-precision input: keeping its module in fp32 repairs it, and no cause code claims that."""
+    report = diagnose("spectral_mixing_fft.py")
+    top = report["findings"][0]
+    assert top["found_by"] == "intervention" and top["severity"] == "error"
+    assert top["fix"]["config_patch"] == {"overrides": {"fp32_modules": ["mix"]}} and top["verification"]["repaired"]
+    assert "RuntimeError" in top["title"] and "repairs the training" in top["title"]
+
+
+def test_the_corrected_config_of_an_intervention_repair_is_healthy_when_diagnosed_again(tmp_path):
+    fixed = tmp_path / "fixed.yaml"
+    diagnose("custom_rmsnorm_backward.py", "--fix-config", str(fixed))
+    assert yaml.safe_load(fixed.read_text())["overrides"]["fp32_modules"] == ["norm"]
+    proc = run_cli("diagnose", FILES / "custom_rmsnorm_backward.py", "--ci", "--json", "--config", fixed)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["verdict"] == "healthy"
+
+
+@pytest.mark.parametrize("name", ["mlp.py", "loss_in_half.py"])
+def test_no_search_runs_where_every_symptom_is_explained(name):
+    proc = run_cli("diagnose", ROOT / "sample_models" / name, "--ci", "--json")
+    report = json.loads(proc.stdout)
+    assert search_stage(report)["status"] == "skipped"
+    assert all(f["found_by"] == "rule" for f in report["findings"])
