@@ -111,7 +111,7 @@ class InterventionSearch:
             self.intrinsic = self._screen_fault({}) is not None
         seen: set[str] = set()
         for candidate in self._candidates():
-            key = repr(sorted(candidate.intervention.config_patch.items())) + candidate.kind
+            key = candidate.intervention.description
             if key in seen:
                 continue
             seen.add(key)
