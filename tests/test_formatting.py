@@ -84,3 +84,15 @@ def test_the_cli_report_prints_loss_scales_exactly():
     assert terminal.returncode == 1, terminal.stderr[-2000:]
     assert "init_scale: 65536" in terminal.stdout and "65500" not in terminal.stdout
     assert "nan%" not in terminal.stdout
+
+
+def test_a_finding_title_never_reads_nan_percent():
+    """Half weights whose updates could not be measured (no step taken): the title says so in words."""
+    import pandas as pd
+
+    from fp16doctor.diagnosis.rules.half_weights import HalfWeights
+
+    updates = pd.DataFrame([{"param": "0.weight", "dtype": "float16", "lost_update_share": float("nan")}])
+    amp = fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16")), tables={"updates": updates})
+    [finding] = HalfWeights().check(fx.evidence(amp=amp))
+    assert "nan" not in finding.title and "could not be measured" in finding.title
