@@ -15,12 +15,37 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Iterator, Optional, TextIO
 
 import typer
+import typer.core
 from rich.console import Console
 
 from . import __version__
 from .errors import EXIT_FINDINGS, EXIT_OK, DoctorError
 
+class FlagsWithoutPlaceholder(typer.core.TyperGroup):
+    """The command group, with help that shows on/off flags as flags: typer's help prints a ``<bool>`` type
+    after ``--json`` or ``--force``, as if they took a value. Applied to every command the group hands out, so a
+    command added later gets it too."""
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            _hide_flag_types([*command.params, command.get_help_option(ctx)])
+        return command
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _hide_flag_types(super().get_params(ctx))
+
+
+def _hide_flag_types(params: list[Any]) -> list[Any]:
+    """An empty metavar on every flag: the help shows no value placeholder for it."""
+    for param in params:
+        if isinstance(param, typer.core.TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return [p for p in params if p is not None]
+
+
 app = typer.Typer(
+    cls=FlagsWithoutPlaceholder,
     name="fp16doctor",
     help="A doctor for mixed-precision (fp16/bf16 AMP) training in PyTorch.",
     no_args_is_help=True,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -11,17 +11,19 @@ from typing import Any
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write to a temporary file in the same folder, fsync, then rename over the target.
 
-    The file gets the permissions a plain ``open(path, "w")`` would give it (the replaced file's, else
-    0666 less the umask), not the temporary file's private 0600."""
+    The file gets the permissions a plain ``open(path, "w")`` would give it: a replaced file keeps its
+    mode; a new one is created 0666 and the kernel applies the umask. The process's umask is never read
+    or changed (that would race every other thread creating files, e.g. a trainer a capsule is written in)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    replaced_mode = path.stat().st_mode & 0o777 if path.exists() else None
+    fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fchmod(handle.fileno(), mode)
+            if replaced_mode is not None:
+                os.fchmod(handle.fileno(), replaced_mode)
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -30,10 +32,15 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
-def _umask() -> int:
-    current = os.umask(0o022)  # reading the umask means setting it: put it straight back
-    os.umask(current)
-    return current
+def _create_temporary(path: Path) -> tuple[int, str]:
+    """A new hidden file next to ``path``, created exclusively with mode 0666 less the umask (as ``open`` does)."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), str(tmp)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name next to {path}")
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

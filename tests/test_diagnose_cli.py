@@ -236,3 +236,14 @@ def test_scan_batches_reaches_beyond_the_probes_batches():
     short_evidence = json.loads(short.stdout)["findings"][0]["evidence"]
     full_evidence = json.loads(scanned.stdout)["findings"][0]["evidence"]
     assert short_evidence["batches"] == [3] and full_evidence["batches"] == [3, 11]
+
+
+@pytest.mark.parametrize("command, flag", [((), "--version"), (("diagnose",), "--json"), (("train",), "--resume"),
+                                           (("compare",), "--wide")])
+def test_help_shows_flags_without_a_value_placeholder(command, flag):
+    """A flag takes no value: typer's `<bool>` after it reads as if it did."""
+    proc = run_cli(*command, "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert flag in proc.stdout and "--help" in proc.stdout
+    assert "<bool>" not in proc.stdout
+    assert "<path>" in proc.stdout or not command  # options that take a value keep theirs

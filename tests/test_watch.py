@@ -62,3 +62,33 @@ def test_a_collapsed_scale_alarms(tmp_path):
 def test_a_loss_spike_alarms(tmp_path):
     watch, alarm = loop(tmp_path, spike_at=9)
     assert alarm.kind == "loss-spike" and alarm.step == 9
+
+
+def test_checking_a_step_and_writing_its_capsule_leaves_the_trainings_random_numbers_alone(tmp_path, monkeypatch):
+    """Capsule and probe work inside someone else's training may draw or reseed (here: every generator is
+    drawn from while the capsule is saved); the training's next random numbers must not change."""
+    import random
+
+    import numpy as np
+
+    import fp16doctor.live.watch as watch_module
+
+    save = watch_module.atomic_torch_save
+
+    def drawing_save(path, obj):
+        torch.manual_seed(123), torch.rand(3), random.random(), np.random.rand(2)
+        save(path, obj)
+
+    monkeypatch.setattr(watch_module, "atomic_torch_save", drawing_save)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = Watch(model, WatchOptions(capsule_dir=tmp_path), dtype="float16")
+    watch.capture_batch(torch.ones(1, 4))
+    watch.record_loss(torch.tensor(float("nan")))
+    model(torch.ones(1, 4)).sum().backward()
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    alarm = watch.before_optimizer_step(0, optimizer)
+    assert alarm is not None and (alarm.capsule / "capsule.pt").is_file()  # the capsule work did run
+    drawn = (torch.rand(2).tolist(), random.random(), float(np.random.rand()))
+    torch.manual_seed(7), random.seed(7), np.random.seed(7)
+    assert drawn == (torch.rand(2).tolist(), random.random(), float(np.random.rand()))

@@ -159,9 +159,8 @@ class InterventionSearch:
             kept = [step for step in self.ctx.fault_snapshots if step <= loc.step]
             if kept:
                 probe.restore(self.ctx.fault_snapshots[max(kept)])
-            with probe.mode_context():
-                while probe.iteration < loc.step and probe.failed is None:
-                    probe.step()
+            while probe.iteration < loc.step and probe.failed is None:
+                probe.step()
             if probe.failed is not None:
                 return loc  # the user's code raised before the failing step: no repair
             return trace_step(probe)

@@ -24,25 +24,22 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pandas as pd
 import torch
 
 from ..config import DoctorConfig
 from ..errors import DoctorError, TrainingFileError
-from ..precision.autocast_policy import (
-    autocast_factory,
-    cuda_autocast_on_cpu,
-    cuda_policy_on_cpu,
-)
+from ..precision.autocast_policy import autocast_factory
 from ..precision.fp32_mode import NeutraliseHalfCasts, full_precision
 from ..precision.overrides import (
+    ClipObserver,
     LossInFp32,
     autocast_forward,
     keep_modules_in_fp32,
-    watch_clipping,
 )
+from ..precision.session import PrecisionSession
 from ..precision.recording import (
     OptimizerWatch,
     RecordingGradScaler,
@@ -186,7 +183,9 @@ class Probe:
         self.records: list[StepRecord] = []
         self.failed: StepRecord | None = None
         self.instruments: Instruments | None = None
-        with self.mode_context(), (NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext()):
+        self._session = PrecisionSession.for_mode(mode, self.device.type)
+        """Entered by the probe itself around its construction and every step (see :meth:`_precision`)."""
+        with self._precision(), (NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext()):
             self.model = self._build_model()
             self.optimizer = self._build_optimizer()
             self.scheduler = self._call_user("scheduler", self.spec.scheduler, self.optimizer) if self.spec.scheduler else None
@@ -196,6 +195,7 @@ class Probe:
             backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval, enabled=self.settings.scaler_enabled,
         )
         self._watch = OptimizerWatch(self.optimizer, self.scaler)
+        self._session.observe_clipping(ClipObserver(self.scaler, self.optimizer, config.overrides.unscale_before_clip), self.spec.module)
         self.autocast = autocast_factory(self.device.type, self.settings.low_dtype)
         self._step_modes = self._runtime_fixes()
         if instruments is not None:
@@ -253,16 +253,11 @@ class Probe:
             raise TrainingFileError(f"{name}() raised {type(exc).__name__}: {exc}", location=self.spec.user_location(exc)) from exc
 
     # --- contexts -----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def mode_context(self) -> Iterator[None]:
-        """The precision environment of this mode (fp32 guards, or CUDA policy for CPU autocast)."""
-        with contextlib.ExitStack() as stack:
-            if self.mode == "fp32":
-                stack.enter_context(full_precision())
-            elif self.device.type == "cpu":
-                stack.enter_context(cuda_policy_on_cpu())
-                stack.enter_context(cuda_autocast_on_cpu())
-            yield
+    def _precision(self) -> contextlib.AbstractContextManager[None]:
+        """The precision environment of this mode (FP32 guards, or CUDA's policy for CPU autocast, and the
+        clipping observer). :meth:`step` enters it itself, so every step, whoever takes it, runs under the
+        numerics the diagnosis measured; it is re-entrant, and active only while the probe builds or steps."""
+        return self._session()
 
     # --- stepping -----------------------------------------------------------------------------
     def _loss_fn(self) -> Callable[[torch.nn.Module, Any], torch.Tensor]:
@@ -277,7 +272,6 @@ class Probe:
 
     def _run_step(self, batch: Any) -> Any:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(watch_clipping(self.scaler, self.optimizer, self.spec.module, self.config.overrides.unscale_before_clip))
             for mode in self._step_modes:
                 stack.enter_context(mode)
             if self.spec.train_step is not None:
@@ -288,8 +282,12 @@ class Probe:
         """Take one training step and record it. A user exception ends the probe (``self.failed``).
 
         Without ``batch`` the step replays the workbench's batch at the data cursor; a
-        training run streams its own batches in.
+        training run streams its own batches in. The step runs inside the probe's precision session.
         """
+        with self._precision():
+            return self._step(batch, batch_index)
+
+    def _step(self, batch: Any, batch_index: int | None) -> StepRecord:
         if batch is None:
             batch_index = self.cursor % len(self.bench.batches)
             batch = self.bench.batches[batch_index]
@@ -399,7 +397,7 @@ class Probe:
         # needs one skip per halving (2^40 -> 2^16 is 24 skips).
         limit = max_iterations if max_iterations is not None else (2 * steps + 32 if self.align else steps)
         taken = 0
-        with self.mode_context():
+        with self._precision():  # held across the steps: entered once, not once per step
             for _ in range(limit):
                 if before_step is not None:
                     before_step(self)

@@ -6,8 +6,9 @@ same helpers serve in-memory probe snapshots and on-disk training checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np  # a pandas dependency, always present
 import torch
@@ -41,3 +42,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def callers_rng_kept() -> Iterator[None]:
+    """Whatever is drawn or reseeded inside, every generator (torch CPU and CUDA, Python, NumPy) continues
+    afterwards exactly where the caller left it: work the doctor does inside someone else's training
+    (a capsule, a check in a callback) must not change the random numbers of their run."""
+    saved = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(saved)

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..engine.rng import rng_state
+from ..engine.rng import callers_rng_kept, rng_state
 from ..files import atomic_torch_save, atomic_write_text
 from ..tensors import grad_values
 from ..userfile.batches import map_tensors
@@ -117,7 +117,13 @@ class Watch:
     # --- the check -------------------------------------------------------------------------------------
     def before_optimizer_step(self, step: int, optimizer: torch.optim.Optimizer, scaler: Any = None,
                               grads_scaled: bool = False) -> Alarm | None:
-        """Measure this optimizer step (one host sync), decide on an alarm, write its capsule; then forget the step."""
+        """Measure this optimizer step (one host sync), decide on an alarm, write its capsule; then forget the step.
+
+        The training's random generators are left as they were (see :func:`callers_rng_kept`)."""
+        with callers_rng_kept():
+            return self._check_step(step, optimizer, scaler, grads_scaled)
+
+    def _check_step(self, step: int, optimizer: torch.optim.Optimizer, scaler: Any, grads_scaled: bool) -> Alarm | None:
         try:
             numbers = self._measure(step, optimizer, scaler, grads_scaled)
             self.history.append(numbers)

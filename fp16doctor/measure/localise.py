@@ -312,7 +312,7 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
                             operator=f"<batch field '{name}'>", input_ranges=[], output=_describe_bad(tensor),
                             note="the batch itself holds non-finite values")
     try:
-        with probe.mode_context(), tracer:
+        with tracer:
             probe.step(batch, batch_index)
     finally:
         for h in handles:
@@ -333,14 +333,13 @@ def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: 
     """
     probe = bench.probe(mode, config, align_on_taken_steps=align)
     try:
-        with probe.mode_context():
-            while probe.iteration < step - 1 and probe.failed is None:
-                probe.step()
-            before = probe.snapshot() if step > 0 and probe.failed is None else None
-            if before is not None and keep is not None:
-                keep[before.iteration] = before
-            if before is not None:
-                probe.step()
+        while probe.iteration < step - 1 and probe.failed is None:
+            probe.step()
+        before = probe.snapshot() if step > 0 and probe.failed is None else None
+        if before is not None and keep is not None:
+            keep[before.iteration] = before
+        if before is not None:
+            probe.step()
         weights_broken = not all(_finite(p) for p in probe.model.parameters())
         found = trace_step(probe) if probe.failed is None and not weights_broken else None
         if found is None and before is not None:

@@ -65,8 +65,7 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
     scale = float(probe.scaler.get_scale()) if probe.scaler.is_enabled() else 1.0
     try:
         seed_everything(probe.config.seed + probe.iteration)
-        with probe.mode_context():
-            record = probe.step()
+        record = probe.step()
         if not any(k.startswith("param:") for k in captured):
             divide = scale if record.trace and record.trace.scaled and not record.trace.unscaled else 1.0
             for p, n in params.items():

@@ -1,7 +1,9 @@
 """Numbers formatted for people: three significant digits, compact exponents, percentages where asked.
 
 Shared by the terminal, the Markdown and the HTML report so the same value
-reads the same everywhere (``0.494``, ``1.4e+02``, ``65504``, ``12.5%``).
+reads the same everywhere (``0.494``, ``1.4e+02``, ``65504``, ``12.5%``). Powers of two (loss scales,
+fp16's limits) are never rounded: ``2048``, ``65536``, ``2^-14``, ``2^40``; a loss scale rounded to
+``2050`` or ``8190`` reads as a setting nobody chose.
 """
 
 from __future__ import annotations
@@ -10,8 +12,32 @@ import math
 from typing import Any
 
 
+UNMEASURED = "not measured"
+"""What a share that has no number (NaN: nothing to measure it on) reads as."""
+EXACT_EXPONENTS = range(-4, 31)
+"""Powers of two printed as plain numbers (0.0625 .. 1073741824); beyond, as ``2^k``."""
+
+
+def power_of_two_exponent(number: float) -> int | None:
+    """``k`` when ``number`` is exactly ``2^k`` (positive), else None."""
+    if not math.isfinite(number) or number <= 0:
+        return None
+    mantissa, exponent = math.frexp(number)
+    return exponent - 1 if mantissa == 0.5 else None
+
+
+def _power_of_two_text(exponent: int) -> str:
+    if exponent in EXACT_EXPONENTS:
+        number = 2.0**exponent
+        return str(int(number)) if exponent >= 0 else repr(number)
+    return f"2^{exponent}"
+
+
 def human(value: Any, digits: int = 3, percent: bool = False) -> str:
-    """One number for people: ``None`` -> "-", non-finite spelled out, ints kept whole, floats to ``digits`` digits."""
+    """One number for people: ``None`` -> "-", non-finite spelled out, ints kept whole, powers of two exact,
+    floats to ``digits`` digits. A share (``percent``) that could not be measured says so, never ``nan%``."""
+    if percent and isinstance(value, float) and math.isnan(value):
+        return UNMEASURED
     if value is None:
         return "-"
     if isinstance(value, bool) or isinstance(value, str):
@@ -26,19 +52,50 @@ def human(value: Any, digits: int = 3, percent: bool = False) -> str:
         return "nan" if math.isnan(number) else ("inf" if number > 0 else "-inf")
     if percent:
         return f"{100 * number:.{digits}g}%"
+    exponent = power_of_two_exponent(abs(number))
+    if exponent is not None:
+        return ("-" if number < 0 else "") + _power_of_two_text(exponent)
     if number == int(number) and abs(number) < 1e6:
         return str(int(number))
     return f"{number:.{digits}g}"
 
 
 def humanize(value: Any) -> Any:
-    """``value`` with every float inside (dicts, lists) rounded to three significant digits, for display."""
+    """``value`` with every float inside (dicts, lists) rounded to three significant digits, for display.
+
+    Whole numbers stay whole and exact (``65536``, not ``65500.0``); powers of two too small or too large
+    to read as digits become ``2^k`` text."""
     if isinstance(value, dict):
-        return {k: humanize(v) for k, v in value.items()}
+        return {k: UNMEASURED if _unmeasured_share(k, v) else humanize(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [humanize(v) for v in value]
     if isinstance(value, float):
         if not math.isfinite(value):
             return human(value)
+        exponent = power_of_two_exponent(abs(value))
+        if exponent is not None and exponent not in EXACT_EXPONENTS:
+            return human(value)
+        if value == int(value) and abs(value) < 2**53:
+            return int(value)
+        if exponent is not None:
+            return value
         return float(f"{value:.3g}")
+    return value
+
+
+def _unmeasured_share(key: Any, value: Any) -> bool:
+    """An evidence share (``..._share``) that is NaN (or its JSON form ``"nan"``): there was nothing to measure it on."""
+    nan = (isinstance(value, float) and math.isnan(value)) or value == "nan"
+    return isinstance(key, str) and key.endswith("share") and nan
+
+
+def exact_numbers(value: Any) -> Any:
+    """``value`` for display with whole floats as integers (``init_scale: 2048``) and nothing rounded: a config
+    patch is copied as it is printed."""
+    if isinstance(value, dict):
+        return {k: exact_numbers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [exact_numbers(v) for v in value]
+    if isinstance(value, float) and math.isfinite(value) and value == int(value) and abs(value) < 2**53:
+        return int(value)
     return value

@@ -15,7 +15,8 @@ import yaml
 
 from ..diagnosis.model import Diagnosis, Finding, jsonable
 from ..diagnosis.verify import verification_status
-from .formatting import human, humanize
+from .formatting import exact_numbers, human, humanize
+from .patches import contradicted_settings, reference_to_corrected
 from .markdown import corrected_text
 from .plots import Figure, comparison_figures, diagnosis_figures
 
@@ -81,7 +82,8 @@ def verification_html(v: dict[str, Any] | None) -> str:
     return f'<p class="verification {status}">{_e(text[0].upper() + text[1:] + tried)}</p>'
 
 
-def finding_html(finding: Finding) -> str:
+def finding_html(finding: Finding, contested: list[str] | None = None, diagnosis: Diagnosis | None = None) -> str:
+    """One finding; ``contested``: the settings of its patch another finding's contradicts (see :mod:`.patches`)."""
     evidence = [[key, yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
                  if not isinstance(value, str) else value] for key, value in humanize(jsonable(finding.evidence)).items()]
     parts = [f'<article class="{finding.severity}" id="finding-{finding.rank}">',
@@ -89,9 +91,11 @@ def finding_html(finding: Finding) -> str:
              f"<p>{_e(finding.title)}</p>", _table(evidence), f"<p><b>Fix:</b> {_e(finding.fix.summary)}</p>"]
     if finding.fix.code:
         parts.append(highlighted(finding.fix.code))
-    if finding.fix.config_patch:
+    if contested and diagnosis is not None:
+        parts.append(f"<p>{_e(reference_to_corrected(finding, contested, diagnosis))}</p>")
+    elif finding.fix.config_patch:
         parts.append("<p>Config patch (try it now with <code>--config</code>):</p>")
-        parts.append(highlighted(yaml.safe_dump(finding.fix.config_patch, sort_keys=False).rstrip(), "yaml"))
+        parts.append(highlighted(yaml.safe_dump(exact_numbers(finding.fix.config_patch), sort_keys=False).rstrip(), "yaml"))
     parts.append(verification_html(finding.verification))
     parts.append("</article>")
     return "".join(parts)
@@ -118,7 +122,8 @@ def diagnosis_html(diagnosis: Diagnosis, training_file: str) -> str:
               f"<p class=\"meta\"><code>{_e(training_file)}</code> · device {_e(ev.device)} · {ev.steps} steps per probe · "
               f"dtype {_e(ev.config.dtype)}</p>" + "".join(f'<p class="meta">note: {_e(n)}</p>' for n in diagnosis.notes))
     body = ["<h2>Findings</h2>"]
-    body += [finding_html(f) for f in diagnosis.findings] or ["<p>No findings: AMP behaves like its FP32 twin.</p>"]
+    contested = contradicted_settings(diagnosis)
+    body += [finding_html(f, contested.get(f.rank), diagnosis) for f in diagnosis.findings] or ["<p>No findings: AMP behaves like its FP32 twin.</p>"]
     if diagnosis.evidence.symptoms:
         body.append("<h2>Measured symptoms</h2>")
         body.append(_table([[s.code, s.description, ", ".join(diagnosis.evidence.explained.get(s.code, [])) or "unexplained"]
@@ -127,7 +132,7 @@ def diagnosis_html(diagnosis: Diagnosis, training_file: str) -> str:
         c = diagnosis.corrected
         body.append("<h2>Corrected config</h2>")
         body.append(f"<p>{_e(corrected_text(c))}</p>")
-        body.append(highlighted(yaml.safe_dump(jsonable(c["config_patch"]), sort_keys=False).rstrip(), "yaml"))
+        body.append(highlighted(yaml.safe_dump(exact_numbers(jsonable(c["config_patch"])), sort_keys=False).rstrip(), "yaml"))
     body.append("<h2>Triage stages</h2>")
     body.append(_table([[s.name, s.status, f"{s.seconds:.2f} s", s.summary] for s in diagnosis.stages],
                        ["stage", "status", "time", "what it found"]))

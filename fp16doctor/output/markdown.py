@@ -10,11 +10,12 @@ import yaml
 
 from ..diagnosis.model import Diagnosis, Finding, jsonable
 from ..diagnosis.verify import verification_status
-from .formatting import humanize
+from .formatting import exact_numbers, humanize
+from .patches import contradicted_settings, reference_to_corrected
 
 
 def _evidence_lines(finding: Finding) -> list[str]:
-    return [f"- `{key}`: {json.dumps(humanize(jsonable(value)))}" for key, value in finding.evidence.items()]
+    return [f"- `{key}`: {json.dumps(value)}" for key, value in humanize(jsonable(finding.evidence)).items()]
 
 
 def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, str]] | None = None) -> str:
@@ -37,6 +38,7 @@ def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, 
                   f"(`{exc['location']}`); no rule explains it: fix the training code there.", ""]
     if not diagnosis.findings and not diagnosis.unexplained:
         lines.append("No findings: AMP behaves like its FP32 twin.")
+    contested = contradicted_settings(diagnosis)
     for f in diagnosis.findings:
         found = " (found by intervention)" if f.found_by == "intervention" else ""
         lines += [f"### {f.rank}. [{f.severity}] `{f.cause}`{found}: {f.title}", "", "Evidence:", ""]
@@ -44,13 +46,18 @@ def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, 
         lines += ["", f"Fix: {f.fix.summary}", ""]
         if f.fix.code:
             lines += ["```python", f.fix.code, "```", ""]
-        if f.fix.config_patch:
+        if f.rank in contested:
+            lines += [reference_to_corrected(f, contested[f.rank], diagnosis), ""]
+        elif f.fix.config_patch:
             lines += ["Config patch (try it now with `--config`, see `--fix-config`):", "", "```yaml",
-                      yaml.safe_dump(f.fix.config_patch, sort_keys=False).rstrip(), "```", ""]
+                      yaml.safe_dump(exact_numbers(f.fix.config_patch), sort_keys=False).rstrip(), "```", ""]
         if f.verification:
             lines += [verification_text(f.verification), ""]
     if diagnosis.corrected is not None:
         lines += ["## Corrected config", "", corrected_text(diagnosis.corrected), ""]
+        if contested:  # the findings point here instead of printing patches that contradict each other
+            lines += ["```yaml", yaml.safe_dump(exact_numbers(jsonable(diagnosis.corrected["config_patch"])), sort_keys=False).rstrip(),
+                      "```", ""]
     return "\n".join(lines) + "\n"
 
 

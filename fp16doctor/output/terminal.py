@@ -15,7 +15,8 @@ from rich.table import Table
 from ..diagnosis.model import Diagnosis, Finding, jsonable
 from ..diagnosis.verify import verification_status
 from ..measure.compare import Comparison
-from .formatting import human, humanize
+from .formatting import exact_numbers, human, humanize
+from .patches import contradicted_settings, reference_to_corrected
 
 VERDICT_STYLE = {"healthy": "bold green", "drift": "bold yellow", "unstable": "bold red", "diverged": "bold red"}
 STEP_BY_STEP_LIMIT = 30
@@ -147,21 +148,26 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
         status = "[green]ran[/]" if stage.status == "ran" else "[dim]skipped[/]"
         stages.add_row(stage.name, status, escape(stage.summary))
     console.print(stages)
+    contested = contradicted_settings(diagnosis)
     for finding in diagnosis.findings:
-        console.print(_finding_panel(finding))
+        console.print(_finding_panel(finding, contested.get(finding.rank, []), diagnosis))
     if diagnosis.corrected is not None:
         c = diagnosis.corrected
         style = "green" if c["healthy_after"] else "yellow"
         console.print(f"[{style}]corrected config[/] ({', '.join(c['from_findings'])}): {escape(c['summary'])}"
                       + ("" if c["healthy_after"] else f"; symptoms left: {', '.join(c['symptoms_after'])}")
                       + (f"; also needs data changes: {', '.join(c['needs_data_changes'])}" if c["needs_data_changes"] else ""))
+        if contested:  # the findings point here instead of printing patches that contradict each other
+            console.print(Syntax(yaml.safe_dump(exact_numbers(jsonable(c["config_patch"])), sort_keys=False).rstrip(), "yaml",
+                                 theme="ansi_dark", background_color="default"))
     for item in diagnosis.unexplained:
         exc = item["exception"]
         console.print(f"[bold red]the {item['probe']} probe raised {exc['type']} at step {exc['step']}[/]: {escape(str(exc['message']))} "
                       f"({escape(str(exc['location']))}); no rule explains it: fix the training code there.")
 
 
-def _finding_panel(finding: Finding) -> Panel:
+def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis) -> Panel:
+    """One finding; ``contested``: the settings of its patch another finding's contradicts (see :mod:`.patches`)."""
     evidence = Table.grid(padding=(0, 2))
     evidence.add_column(style="dim")
     evidence.add_column(overflow="fold")
@@ -171,8 +177,10 @@ def _finding_panel(finding: Finding) -> Panel:
     parts: list = [f"[bold]{escape(finding.title)}[/]", "", "[underline]Evidence[/]", evidence, "", f"[underline]Fix[/] {escape(finding.fix.summary)}"]
     if finding.fix.code:
         parts.append(Syntax(finding.fix.code, "python", theme="ansi_dark", background_color="default"))
-    if finding.fix.config_patch:
-        parts += ["[dim]config patch:[/]", Syntax(yaml.safe_dump(finding.fix.config_patch, sort_keys=False).rstrip(), "yaml",
+    if contested:
+        parts.append(f"[dim]{escape(reference_to_corrected(finding, contested, diagnosis))}[/]")
+    elif finding.fix.config_patch:
+        parts += ["[dim]config patch:[/]", Syntax(yaml.safe_dump(exact_numbers(finding.fix.config_patch), sort_keys=False).rstrip(), "yaml",
                                                    theme="ansi_dark", background_color="default")]
     if finding.verification:
         parts.append(verification_line(finding.verification))

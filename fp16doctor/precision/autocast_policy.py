@@ -26,6 +26,7 @@ happens).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from typing import Any, Callable, Iterator
@@ -155,30 +156,50 @@ def overridden_ops() -> dict[str, str]:
     return {name: cuda_policy(name) for name in sorted(names) if name.startswith("aten::")}
 
 
+@functools.lru_cache(maxsize=1)
+def _policy_kernels() -> tuple[tuple[str, Any], ...]:
+    """(op name, kernel) for every op the replacement registers: resolved once, so entering a probe's
+    session again (every step) costs only the registration."""
+    kernels = []
+    for registration, policy in overridden_ops().items():
+        name = registration.split("::", 1)[1]
+        if policy == "passthrough":
+            # Skip the key for this op only: ops it calls still meet autocast, as on CUDA
+            # (cross_entropy_loss -> log_softmax, which CUDA runs in fp32).
+            kernels.append((name, torch.library.fallthrough_kernel))
+        else:
+            op = _resolve(registration)
+            if op is not None:
+                kernels.append((name, _make_kernel(op, policy)))
+    return tuple(kernels)
+
+
 class _Installation:
-    """Reference-counted registration of the CUDA-policy kernels (nested probes share one)."""
+    """Reference-counted registration of the CUDA-policy kernels: the first user installs them, the last
+    removes them, whichever thread either is (nested and concurrent probes share one)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._count = 0
         self._library: torch.library.Library | None = None
 
+    @property
+    def active(self) -> bool:
+        return self._library is not None
+
     def acquire(self) -> None:
         with self._lock:
             if self._count == 0:
                 library = torch.library.Library("aten", "IMPL")
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
-                    warnings.filterwarnings("ignore", message=".*Warning only once for all operators.*")
-                    for registration, policy in overridden_ops().items():
-                        op = _resolve(registration)
-                        name = registration.split("::", 1)[1]
-                        if policy == "passthrough":
-                            # Skip the key for this op only: ops it calls still meet autocast, as on CUDA
-                            # (cross_entropy_loss -> log_softmax, which CUDA runs in fp32).
-                            library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
-                        elif op is not None:
-                            library.impl(name, _make_kernel(op, policy), "AutocastCPU")
+                try:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+                        warnings.filterwarnings("ignore", message=".*Warning only once for all operators.*")
+                        for name, kernel in _policy_kernels():
+                            library.impl(name, kernel, "AutocastCPU")
+                except BaseException:
+                    library._destroy()  # a half-installed policy must not stay behind
+                    raise
                 self._library = library
             self._count += 1
 
@@ -203,22 +224,79 @@ def cuda_policy_on_cpu() -> Iterator[None]:
         _INSTALLATION.release()
 
 
-@contextlib.contextmanager
-def rewritten_autocast(rewrite: Callable[[str, Any, bool], tuple[str, Any, bool]]) -> Iterator[None]:
-    """Every ``torch.autocast(...)`` (also ``torch.cuda.amp.autocast``) opened inside is created with its
-    ``(device_type, dtype, enabled)`` rewritten. Scoped to the probe's step and restored after it: the one
-    way to reach the user's own autocast blocks, which no dispatch mode sees."""
-    original = autocast_mode.autocast.__init__
+Rewrite = Callable[[str, Any, bool], tuple[str, Any, bool]]
+"""``(device_type, dtype, enabled) -> (device_type, dtype, enabled)`` for a ``torch.autocast`` being created."""
 
-    def init(self: Any, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None) -> None:
-        device_type, dtype, enabled = rewrite(device_type, dtype, enabled)
-        original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
-    autocast_mode.autocast.__init__ = init  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        autocast_mode.autocast.__init__ = original  # type: ignore[method-assign]
+class _AutocastConstructor:
+    """The one patch of ``torch.autocast.__init__``, reference-counted and locked like :class:`_Installation`.
+
+    The constructor is replaced while any thread holds a rewrite and put back when the last one leaves.
+    The rewrites themselves are kept per thread (autocast state is per thread too): a DataLoader thread
+    or a callback's thread creating an autocast while a probe steps elsewhere gets it unchanged.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._original: Callable[..., None] | None = None
+        self._local = threading.local()
+
+    @property
+    def active(self) -> bool:
+        return self._original is not None
+
+    def _rewrites(self) -> list[Rewrite]:
+        if not hasattr(self._local, "rewrites"):
+            self._local.rewrites = []
+        return self._local.rewrites
+
+    def _install(self) -> None:
+        original = autocast_mode.autocast.__init__
+        constructor = self
+
+        def init(self: Any, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None) -> None:
+            for rewrite in reversed(constructor._rewrites()):  # innermost first, as nested blocks would apply them
+                device_type, dtype, enabled = rewrite(device_type, dtype, enabled)
+            original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+        self._original = original
+        autocast_mode.autocast.__init__ = init  # type: ignore[method-assign]
+
+    @contextlib.contextmanager
+    def rewriting(self, rewrite: Rewrite) -> Iterator[None]:
+        with self._lock:
+            if self._count == 0:
+                self._install()
+            self._count += 1
+        rewrites = self._rewrites()
+        rewrites.append(rewrite)
+        try:
+            yield
+        finally:
+            rewrites.remove(rewrite)
+            with self._lock:
+                self._count -= 1
+                if self._count == 0 and self._original is not None:
+                    autocast_mode.autocast.__init__ = self._original  # type: ignore[method-assign]
+                    self._original = None
+
+
+_AUTOCAST_CONSTRUCTOR = _AutocastConstructor()
+
+
+def rewritten_autocast(rewrite: Rewrite) -> contextlib.AbstractContextManager[None]:
+    """Every ``torch.autocast(...)`` (also ``torch.cuda.amp.autocast``) this thread opens inside is created with
+    its ``(device_type, dtype, enabled)`` rewritten. Scoped to the probe's session and restored after it: the
+    one way to reach the user's own autocast blocks, which no dispatch mode sees."""
+    return _AUTOCAST_CONSTRUCTOR.rewriting(rewrite)
+
+
+def cuda_to_cpu(device_type: str, dtype: Any, enabled: bool) -> tuple[str, Any, bool]:
+    """CUDA autocast becomes CPU autocast (fp16 where no dtype is given, as CUDA means)."""
+    if device_type == "cuda":
+        return "cpu", dtype if dtype is not None else torch.float16, enabled
+    return device_type, dtype, enabled
 
 
 def cuda_autocast_on_cpu() -> contextlib.AbstractContextManager[None]:
@@ -226,20 +304,14 @@ def cuda_autocast_on_cpu() -> contextlib.AbstractContextManager[None]:
     were written for: ``autocast("cuda", enabled=False)`` around a sensitive block keeps it in fp32 in a CPU
     probe too, instead of being a no-op (CUDA is absent) under the probe's CPU autocast. Without a dtype,
     CUDA autocast means fp16."""
-
-    def to_cpu(device_type: str, dtype: Any, enabled: bool) -> tuple[str, Any, bool]:
-        if device_type == "cuda":
-            return "cpu", dtype if dtype is not None else torch.float16, enabled
-        return device_type, dtype, enabled
-
-    return rewritten_autocast(to_cpu)
+    return rewritten_autocast(cuda_to_cpu)
 
 
 def autocast_factory(device_type: str, dtype: torch.dtype | None, enabled: bool = True) -> Callable[[], Any]:
     """A zero-argument callable returning a fresh autocast context, as ``train_step`` receives it.
 
-    The CPU variant needs :func:`cuda_policy_on_cpu` to be active (the probe
-    engine holds it for the whole probe) to reproduce CUDA's policy.
+    The CPU variant needs :func:`cuda_policy_on_cpu` to be active (a probe's
+    :class:`~.session.PrecisionSession` holds it during every step) to reproduce CUDA's policy.
     """
     if not enabled or dtype is None:
         return contextlib.nullcontext

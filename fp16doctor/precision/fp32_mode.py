@@ -60,9 +60,14 @@ class NeutraliseHalfCasts(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def disable_autocast(device_type: str, dtype: Any, enabled: bool) -> tuple[str, Any, bool]:
+    """The rewrite of every ``torch.autocast(...)`` in the FP32 baseline: created disabled."""
+    return device_type, dtype, False
+
+
 def autocast_disabled() -> contextlib.AbstractContextManager[None]:
     """Every ``torch.autocast(...)`` opened inside is created disabled."""
-    return rewritten_autocast(lambda device_type, dtype, enabled: (device_type, dtype, False))
+    return rewritten_autocast(disable_autocast)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -91,38 +93,104 @@ class LossInFp32(NeutraliseHalfCasts):
             return super().__torch_function__(func, types_, args, kwargs)
 
 
-@contextlib.contextmanager
-def watch_clipping(scaler: RecordingGradScaler, optimizer: torch.optim.Optimizer, user_module: types.ModuleType, unscale_first: bool) -> Iterator[None]:
-    """Record every clip_grad_norm_/clip_grad_value_ call; with ``unscale_first``, unscale before it.
+@dataclass(frozen=True)
+class ClipObserver:
+    """What a probe's steps do with the clip calls they make: record each against the step's trace, and
+    with ``unscale_first`` unscale the gradients before clipping (the fix for clipping scaled gradients)."""
+
+    scaler: RecordingGradScaler
+    optimizer: torch.optim.Optimizer
+    unscale_first: bool
+
+    def clip(self, name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        trace = self.scaler.trace
+        still_scaled = trace.scaled and not trace.unscaled
+        if still_scaled and self.unscale_first:
+            self.scaler.unscale_(self.optimizer, _implicit=True)  # the doctor's fix, not a call of the loop's
+        trace.clip_calls.append({"function": name, "scaled": still_scaled and not self.unscale_first, "scale": trace.scale_used})
+        return original(*args, **kwargs)
+
+
+_CLIP_FUNCTIONS = {"clip_grad_norm_": clip_grad_module.clip_grad_norm_, "clip_grad_value_": clip_grad_module.clip_grad_value_}
+
+
+class _ClipPatch:
+    """The clip functions replaced in ``torch.nn.utils`` and in each user module that imported them by name,
+    reference-counted per module and locked: nested and concurrent probes share one patch, and the last to
+    leave a module puts its functions back. The observers are kept per thread, so another thread's clip call
+    (a trainer's, while a probe steps) reaches the original function unobserved."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._patched: dict[int, tuple[int, list[tuple[Any, str, Any]]]] = {}
+        self._local = threading.local()
+        self._wrapped = {name: self._wrap(name, fn) for name, fn in _CLIP_FUNCTIONS.items()}
+
+    def _observers(self) -> list[ClipObserver]:
+        if not hasattr(self._local, "observers"):
+            self._local.observers = []
+        return self._local.observers
+
+    @property
+    def patched_modules(self) -> int:
+        return len(self._patched)
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def clipped(*args: Any, **kwargs: Any) -> Any:
+            observers = self._observers()
+            if not observers:
+                return original(*args, **kwargs)
+            return observers[-1].clip(name, original, args, kwargs)
+
+        return clipped
+
+    def _patch(self, target: types.ModuleType) -> list[tuple[Any, str, Any]]:
+        saved = []
+        for name, original in _CLIP_FUNCTIONS.items():
+            for attr, value in list(vars(target).items()):
+                if value is original:
+                    saved.append((target, attr, value))
+                    setattr(target, attr, self._wrapped[name])
+        return saved
+
+    def _acquire(self, targets: list[types.ModuleType]) -> None:
+        with self._lock:
+            for target in targets:
+                count, saved = self._patched.get(id(target), (0, []))
+                self._patched[id(target)] = (count + 1, saved if count else self._patch(target))
+
+    def _release(self, targets: list[types.ModuleType]) -> None:
+        with self._lock:
+            for target in reversed(targets):
+                count, saved = self._patched[id(target)]
+                if count > 1:
+                    self._patched[id(target)] = (count - 1, saved)
+                    continue
+                del self._patched[id(target)]
+                for module, attr, value in reversed(saved):
+                    setattr(module, attr, value)
+
+    @contextlib.contextmanager
+    def observing(self, observer: ClipObserver, user_module: types.ModuleType) -> Iterator[None]:
+        targets = list({id(t): t for t in (torch.nn.utils, clip_grad_module, user_module)}.values())
+        self._acquire(targets)
+        observers = self._observers()
+        observers.append(observer)
+        try:
+            yield
+        finally:
+            observers.remove(observer)
+            self._release(targets)
+
+
+_CLIP_PATCH = _ClipPatch()
+
+
+def watch_clipping(observer: ClipObserver, user_module: types.ModuleType) -> contextlib.AbstractContextManager[None]:
+    """Every clip_grad_norm_/clip_grad_value_ call this thread makes inside goes through ``observer``.
 
     Clipping gradients that are still scaled uses a threshold off by the scale
     factor (mixed-precision-notes.md): the record says whether that happened.
     """
-    originals = {"clip_grad_norm_": clip_grad_module.clip_grad_norm_, "clip_grad_value_": clip_grad_module.clip_grad_value_}
-
-    def wrap(name: str, original: Callable) -> Callable:
-        @functools.wraps(original)
-        def clipped(*args: Any, **kwargs: Any) -> Any:
-            trace = scaler.trace
-            still_scaled = trace.scaled and not trace.unscaled
-            if still_scaled and unscale_first:
-                scaler.unscale_(optimizer, _implicit=True)  # the doctor's fix, not a call of the loop's
-            trace.clip_calls.append({"function": name, "scaled": still_scaled and not unscale_first, "scale": trace.scale_used})
-            return original(*args, **kwargs)
-
-        return clipped
-
-    wrapped = {name: wrap(name, fn) for name, fn in originals.items()}
-    targets = [torch.nn.utils, clip_grad_module, user_module]
-    saved: list[tuple[Any, str, Any]] = []
-    for target in targets:
-        for name, original in originals.items():
-            for attr, value in list(vars(target).items()):
-                if value is original:
-                    saved.append((target, attr, value))
-                    setattr(target, attr, wrapped[name])
-    try:
-        yield
-    finally:
-        for target, attr, value in reversed(saved):
-            setattr(target, attr, value)
+    return _CLIP_PATCH.observing(observer, user_module)

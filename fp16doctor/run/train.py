@@ -335,9 +335,8 @@ class Trainer:
         report: dict[str, Any] = {"step": step, **row}
         try:
             self.probe.restore(snap)
-            with self.probe.mode_context():
-                for earlier in batches[:-1]:
-                    self.probe.step(earlier)
+            for earlier in batches[:-1]:
+                self.probe.step(earlier)
             instruments = self.probe.instrument(InstrumentOptions())
             localisation = trace_step(self.probe, batches[-1], step)
             first = instruments.first_nonfinite_forward()

@@ -7,6 +7,7 @@ gradients" when the training uses one.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ...measure.thresholds import HALF_WEIGHTS_LOST_SHARE
@@ -53,7 +54,8 @@ class HalfWeights(Rule):
         severity = "error" if ("float16" in dtypes or unscale_error or lost > HALF_WEIGHTS_LOST_SHARE) else "warning"
         return [self.finding(
             f"Parameters are stored in {'/'.join(d for d in dtypes if d)} ({len(half)} modules): no fp32 master weights"
-            + (f", {lost:.0%} of updates lost" if lost else ""),
+            + ("" if lost == 0 else ", the share of updates lost could not be measured" if math.isnan(lost)
+               else f", {lost:.0%} of updates lost"),
             evidence,
             Fix(
                 "Keep the model in fp32 and let autocast run the low-precision ops (master weights stay fp32, GradScaler works).",

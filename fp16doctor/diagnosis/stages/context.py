@@ -111,11 +111,10 @@ def remember_fp32_states(ctx: StageContext, steps: list[int]) -> None:
         return
     reference = ctx.bench.probe("fp32", ctx.config, instruments=None)
     try:
-        with reference.mode_context():
-            for step in wanted:
-                while reference.iteration < step:
-                    reference.step()
-                ctx.states[step] = copy.deepcopy(reference.model.state_dict())
+        for step in wanted:
+            while reference.iteration < step:
+                reference.step()
+            ctx.states[step] = copy.deepcopy(reference.model.state_dict())
     finally:
         reference.close()
 
@@ -135,8 +134,7 @@ def same_state_losses(ctx: StageContext, step: int, configs: dict[str, tuple[str
     for key, (mode, config) in configs.items():
         probe = probe_at(ctx, mode, config, step)
         try:
-            with probe.mode_context():
-                losses[key] = probe.step().loss
+            losses[key] = probe.step().loss
         finally:
             probe.close()
     return losses

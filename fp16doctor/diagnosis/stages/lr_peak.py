@@ -40,16 +40,15 @@ def _pause(ctx: StageContext, event: int, lrs: list[float]) -> dict[str, Any]:
     at its own and at the previous learning rate."""
     probe = ctx.bench.probe("amp", ctx.config)
     try:
-        with probe.mode_context():
-            snap = ctx.amp_snapshots.get(event)
-            if snap is None:
-                while probe.iteration < event and probe.failed is None:
-                    probe.step()
-                snap = probe.snapshot()
-            probe.restore(snap)
-            at_peak = _instrumented_step(probe)
-            probe.restore(snap)
-            before = _instrumented_step(probe, lr=lrs[event - 1])
+        snap = ctx.amp_snapshots.get(event)
+        if snap is None:
+            while probe.iteration < event and probe.failed is None:
+                probe.step()
+            snap = probe.snapshot()
+        probe.restore(snap)
+        at_peak = _instrumented_step(probe)
+        probe.restore(snap)
+        before = _instrumented_step(probe, lr=lrs[event - 1])
     finally:
         probe.close()
     return {"pause_step": event, "finite_at_peak": at_peak["finite"], "finite_before_peak": before["finite"],

@@ -76,8 +76,7 @@ def _rank_modules(ctx: StageContext, step: int) -> list[dict[str, Any]]:
 
         handles = [m.register_forward_hook(hook) for m in names]
         try:
-            with probe.mode_context():
-                probe.step()
+            probe.step()
         finally:
             for h in handles:
                 h.remove()

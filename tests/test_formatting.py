@@ -1,0 +1,98 @@
+"""Numbers that say what they mean, in every renderer: exact powers of two, unmeasured shares in words,
+one recommendation per config setting."""
+
+from __future__ import annotations
+
+import html
+import io
+import re
+
+import pytest
+from rich.console import Console
+
+from conftest import SAMPLES, run_cli
+from fp16doctor.diagnosis import fixtures as fx
+from fp16doctor.diagnosis.model import Diagnosis, Finding, Fix
+from fp16doctor.output.formatting import human, humanize
+from fp16doctor.output.html import diagnosis_html
+from fp16doctor.output.markdown import markdown
+from fp16doctor.output.terminal import render_diagnosis
+
+
+@pytest.mark.parametrize("value, text", [(2048.0, "2048"), (65536.0, "65536"), (1024.0, "1024"), (8192.0, "8192"),
+                                         (2.0**-14, "2^-14"), (2.0**-24, "2^-24"), (2.0**40, "2^40"), (0.0625, "0.0625"),
+                                         (65504.0, "65504"), (1234.5, "1.23e+03"), (0.1234567, "0.123")])
+def test_powers_of_two_print_exactly_and_other_numbers_to_three_digits(value, text):
+    assert human(value) == text
+    shown = humanize({"value": value})["value"]
+    assert str(shown) == text or float(shown) == float(text)
+
+
+def test_a_share_that_could_not_be_measured_says_so():
+    assert human(float("nan"), percent=True) == "not measured"
+    assert humanize({"lost_update_share": float("nan"), "loss": float("nan")}) == {"lost_update_share": "not measured", "loss": "nan"}
+
+
+def contradicting_diagnosis() -> Diagnosis:
+    """Two error findings patching growth_interval with opposite values; the corrected config measured both."""
+    def verified(patch):
+        return {"tried": "the config patch", "reason": "", "config_patch": patch, "symptoms_before": ["skips"],
+                "symptoms_after": [], "removed_share": 1.0, "repaired": True, "summary": "no symptom left"}
+
+    growth = {"scaler": {"init_scale": 2048.0, "growth_interval": 2000}}
+    peak = {"scaler": {"growth_interval": 10}, "overrides": {"max_lr": 0.001}}
+    findings = [
+        Finding("scale-growth", "error", "The scale grows too fast", {"loss_scale": 2048.0, "lost_update_share": float("nan")},
+                Fix("Raise growth_interval.", config_patch=growth), rank=1, verification=verified(growth)),
+        Finding("lr-schedule-peak", "error", "Training breaks at the peak", {"pause_step": 9, "loss_scale": 8192.0},
+                Fix("Cap the learning rate.", config_patch=peak), rank=2, verification=verified(peak)),
+    ]
+    corrected = {"config_patch": {"scaler": {"init_scale": 2048.0, "growth_interval": 10}, "overrides": {"max_lr": 0.001}},
+                 "from_findings": ["scale-growth", "lr-schedule-peak"], "symptoms_before": ["skips"], "symptoms_after": [],
+                 "healthy_after": True, "summary": "no symptom left", "needs_data_changes": []}
+    return Diagnosis(findings=findings, stages=[], evidence=fx.evidence(), corrected=corrected)
+
+
+def rendered() -> dict[str, str]:
+    diagnosis = contradicting_diagnosis()
+    buffer = io.StringIO()
+    render_diagnosis(diagnosis, Console(file=buffer, width=160, color_system=None), "train.py")
+    page = html.unescape(re.sub(r"<[^>]+>", "", diagnosis_html(diagnosis, "train.py")))  # the text a reader sees
+    return {"terminal": buffer.getvalue(), "markdown": markdown(diagnosis, "train.py"), "html": page}
+
+
+@pytest.mark.parametrize("output", ["terminal", "markdown", "html"])
+def test_each_renderer_shows_scales_exactly_and_unmeasured_shares_in_words(output):
+    text = rendered()[output]
+    assert "2048" in text and "8192" in text and "2050" not in text and "8190" not in text
+    assert "init_scale: 2048" in text and "init_scale: 2048.0" not in text
+    assert "nan%" not in text and "not measured" in text
+
+
+@pytest.mark.parametrize("output", ["terminal", "markdown", "html"])
+def test_contradicting_patches_give_way_to_the_one_corrected_config(output):
+    text = rendered()[output]
+    assert "growth_interval: 2000" not in text  # the patch the corrected config overrides is never printed
+    assert text.count("growth_interval: 10") >= 2  # each finding's reference and the corrected config itself
+    assert text.count("use the corrected config instead") == 2
+    assert "max_lr: 0.001" in text
+
+
+def test_the_cli_report_prints_loss_scales_exactly():
+    """The scale-overflow finding recommends GradScaler settings: 65536, not 65500.0."""
+    terminal = run_cli("diagnose", SAMPLES / "scale_too_high.py", "--ci")
+    assert terminal.returncode == 1, terminal.stderr[-2000:]
+    assert "init_scale: 65536" in terminal.stdout and "65500" not in terminal.stdout
+    assert "nan%" not in terminal.stdout
+
+
+def test_a_finding_title_never_reads_nan_percent():
+    """Half weights whose updates could not be measured (no step taken): the title says so in words."""
+    import pandas as pd
+
+    from fp16doctor.diagnosis.rules.half_weights import HalfWeights
+
+    updates = pd.DataFrame([{"param": "0.weight", "dtype": "float16", "lost_update_share": float("nan")}])
+    amp = fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16")), tables={"updates": updates})
+    [finding] = HalfWeights().check(fx.evidence(amp=amp))
+    assert "nan" not in finding.title and "could not be measured" in finding.title
