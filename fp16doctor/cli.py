@@ -435,7 +435,7 @@ def train_here(trainer: Any) -> Any:
     columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"), TimeElapsedColumn()]
     with Progress(*columns, console=err, transient=False) as progress:
         task = progress.add_task("train", total=trainer.config.steps, completed=0, stats="")
-        state = {"skipped": 0, "t0": None, "n": 0}
+        state: dict[str, Any] = {"skipped": 0, "t0": None, "n": 0}
 
         def on_step(row: dict[str, Any]) -> None:
             import time

@@ -29,7 +29,8 @@ def test_json_is_one_object_in_the_documented_shape():
 def test_healthy_sample_exits_zero_and_says_so():
     proc = run_cli("diagnose", SAMPLES / "mlp.py")
     assert proc.returncode == 0, proc.stderr
-    assert "healthy" in proc.stdout and "Triage" in proc.stdout
+    assert proc.stdout.startswith("healthy: ") and "unhealthy" not in proc.stdout  # "healthy" alone matches "unhealthy"
+    assert "Triage" in proc.stdout
 
 
 def test_report_fix_config_and_junit(tmp_path):

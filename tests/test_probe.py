@@ -1,5 +1,7 @@
 """The probe engine: modes, determinism, identical starts, snapshots, skip detection, user exceptions."""
 
+import math
+
 import pandas as pd
 import pytest
 import torch
@@ -26,6 +28,9 @@ def test_record_has_the_documented_columns(training_file):
 def test_two_probes_of_a_mode_are_bit_identical(mode):
     bench = bench_for(SAMPLES / "transformer_encoder.py", steps=4)  # dropout included
     first, second = bench.probe(mode).run(), bench.probe(mode).run()
+    # Two probes failing the same way would also be identical: both must have trained, finite, to the end.
+    assert len(first) == 4 and first["exception_type"].isna().all() and first["loss"].map(math.isfinite).all()
+    assert first["optimizer_stepped"].any()
     pd.testing.assert_frame_equal(first, second, check_exact=True)
 
 
@@ -86,6 +91,7 @@ def test_snapshot_restore_replays_identically():
     first = probe.run(3).iloc[2:].reset_index(drop=True)
     probe.restore(snap)
     second = probe.run(3).iloc[2:].reset_index(drop=True)
+    assert len(first) == 3 and first["exception_type"].isna().all() and first["loss"].map(math.isfinite).all()
     pd.testing.assert_frame_equal(first, second, check_exact=True)
 
 

@@ -90,12 +90,40 @@ def test_user_exception_in_a_probe_is_evidence():
     assert finding.fix.config_patch["overrides"]["fp32_weights"] is True
 
 
-def test_ranking_is_severity_then_causal_order():
+def test_diagnosed_findings_come_in_severity_order_with_consecutive_ranks():
+    mixed = 0
     for sample in ("loss_in_half.py", "warmup_skips.py", "bf16_pretrained_ffn.py"):
         _, result = diagnosed(sample)
-        keys = [(("error", "warning", "info").index(f.severity), f.order) for f in result.findings]
-        assert keys == sorted(keys)
+        severities = [("error", "warning", "info").index(f.severity) for f in result.findings]
+        assert severities == sorted(severities)
         assert [f.rank for f in result.findings] == list(range(1, len(result.findings) + 1))
+        mixed += len(set(severities)) > 1
+    assert mixed  # at least one diagnosis where the order had something to decide
+
+
+def test_ranking_is_severity_then_repair_then_size_then_root_cause_then_causal_order():
+    """Each neighbouring pair below is decided by one criterion of the documented ranking."""
+    from fp16doctor.diagnosis.engine import rank
+    from fp16doctor.diagnosis.model import Finding, Fix
+
+    def finding(cause, order, severity="error", removed=None, size=None):
+        verification = None if removed is None else {
+            "tried": "x", "removed_share": removed, "repaired": removed == 1.0, "size": size, "symptoms_after": []}
+        return Finding(cause=cause, severity=severity, title=cause, evidence={}, fix=Fix("x"), order=order, verification=verification)
+
+    expected = [
+        finding("lr-schedule-peak", 80, removed=1.0, size=1),  # repaired, the smallest change, a root cause
+        finding("scale-overflow", 70, removed=1.0, size=1),    # same, but lr-schedule-peak names it as its symptom
+        finding("precision-gap", 90, removed=1.0, size=2),     # repaired, a larger change
+        finding("clip-before-unscale", 65, removed=0.5, size=1),  # removed some symptoms only
+        finding("extreme-data", 20),                           # nothing tried: causal order decides
+        finding("half-batchnorm", 41),
+        finding("scale-growth", 72, severity="warning"),       # severity before everything
+        finding("bf16-advice", 100, severity="info"),
+    ]
+    ranked = rank(list(reversed(expected)))
+    assert [f.cause for f in ranked] == [f.cause for f in expected]
+    assert [f.rank for f in ranked] == list(range(1, 9))
 
 
 def test_localisation_names_module_and_operator():

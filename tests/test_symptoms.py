@@ -144,3 +144,18 @@ def test_a_settling_scales_lag_is_measured_aligned_before_it_is_called_drift():
     assert 0 < len(ev.amp.skip_steps) <= CALIBRATION_SKIPS
     assert "trajectory-drift" in [s.code for s in probe_symptoms(ev.amp, ev.fp32)]  # unaligned: the lag
     assert ev.symptoms == [] and result.findings[0].severity != "error"
+
+
+def test_every_rule_explains_only_symptoms_the_doctor_measures():
+    """A misspelt code in a rule's ``explains`` would silently never tie that rule to its symptom."""
+    from fp16doctor.diagnosis.rules import all_rules
+    from fp16doctor.measure.symptoms import SYMPTOM_CODES, Symptom, SymptomCode
+
+    rules = all_rules()
+    assert sum(len(rule.explains) for rule in rules) > len(rules)  # the check has something to check
+    for rule in rules:
+        unknown = [code for code in rule.explains if code not in set(SymptomCode)]
+        assert not unknown, f"{rule.code} explains unknown symptom(s) {unknown}; known: {SYMPTOM_CODES}"
+    assert Symptom(SymptomCode.SKIPS, "x").code == "skips" and type(Symptom("skips", "x").code) is str
+    with pytest.raises(ValueError):
+        Symptom("skip", "a typo is refused, not a symptom no rule explains")

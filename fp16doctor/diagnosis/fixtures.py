@@ -18,7 +18,7 @@ from ..engine.probe import RECORD_COLUMNS
 from ..measure.datascan import FieldScan
 from ..measure.localise import Localisation
 from ..measure.numerics import ScaleWindow
-from .model import Evidence, ProbeSummary, Repair
+from .model import Evidence, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
 
 PRECISION_COLUMNS = ["module", "type", "compute_dtype", "param_dtypes", "buffer_dtypes", "optimizer_state_dtypes"]
 
@@ -108,3 +108,10 @@ def underflow(*rows: tuple[str, float, float, bool]) -> pd.DataFrame:
     """(tensor name, element share, mass share, negligible) per parameter gradient."""
     return pd.DataFrame([{"kind": "param", "name": n, "scale": 1.0, "observed_underflow": e, "observed_underflow_mass": m,
                           "rms": 1e-6, "negligible": neg} for n, e, m, neg in rows])
+
+
+def lr_peak(lrs: list[float], peak_step: int, jump_step: int | None = None, jump_ratio: float = 1.0,
+            pause: LrPause | None = None) -> LrPeak:
+    """The LR-peak stage's record: a schedule with its peak and jump, and the pause when one was taken."""
+    return LrPeak(LrSchedule(lrs=lrs, peak_step=peak_step, peak_lr=lrs[peak_step], jump_step=peak_step if jump_step is None else jump_step,
+                             jump_ratio=jump_ratio), pause)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -143,6 +143,43 @@ class ProbeSummary:
 
 
 @dataclass
+class LrSchedule:
+    """The LR schedule's dry run: the rate per step, its peak and its largest jump (the ratio to the step before)."""
+
+    lrs: list[float]
+    peak_step: int
+    peak_lr: float
+    jump_step: int
+    jump_ratio: float
+
+
+@dataclass
+class LrPause:
+    """One step taken twice from the same snapshot: at the schedule's rate and at the rate of the step before
+    (each with the step after it, where an update's damage shows)."""
+
+    pause_step: int
+    finite_at_peak: bool
+    finite_before_peak: bool
+    update_to_weight_at_peak: float
+    update_to_weight_before_peak: float
+    activation_max_at_peak: float
+    activation_max_before_peak: float
+
+
+@dataclass
+class LrPeak:
+    """What the LR-peak stage measured: the schedule, and the pause when there was trouble to pause at."""
+
+    schedule: LrSchedule
+    pause: LrPause | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The stage's documented details: one flat object of the schedule's fields and, once paused, the pause's."""
+        return {**asdict(self.schedule), **(asdict(self.pause) if self.pause is not None else {})}
+
+
+@dataclass
 class Evidence:
     """Everything the stages measured; rules read it, nothing else."""
 
@@ -163,7 +200,7 @@ class Evidence:
     observed_underflow: pd.DataFrame | None = None
     sweep: pd.DataFrame | None = None
     recommended_scaler: dict[str, Any] | None = None
-    lr_peak: dict[str, Any] | None = None
+    lr_peak: LrPeak | None = None
     gap: dict[str, Any] | None = None
     bf16_supported: bool = True
     symptoms: list[Any] = field(default_factory=list)

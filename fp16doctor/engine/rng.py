@@ -26,7 +26,7 @@ def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(), "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "numpy": [kind, torch.from_numpy(np.asarray(keys).astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()

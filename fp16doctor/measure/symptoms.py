@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import pandas as pd
@@ -49,7 +50,20 @@ from .thresholds import (
     RECURRING_SKIPS,
 )
 
-SYMPTOM_CODES = ("fp32-nonfinite", "nonfinite", "amp-exception", "skips", "lost-updates", "same-state-gap", "trajectory-drift")
+class SymptomCode(StrEnum):
+    """Every symptom the doctor measures (the table in the README). String-valued: the codes in the JSON, in
+    each rule's ``explains`` and in the findings' evidence are these values."""
+
+    FP32_NONFINITE = "fp32-nonfinite"
+    NONFINITE = "nonfinite"
+    AMP_EXCEPTION = "amp-exception"
+    SKIPS = "skips"
+    LOST_UPDATES = "lost-updates"
+    SAME_STATE_GAP = "same-state-gap"
+    TRAJECTORY_DRIFT = "trajectory-drift"
+
+
+SYMPTOM_CODES = tuple(code.value for code in SymptomCode)
 
 
 @dataclass
@@ -57,9 +71,13 @@ class Symptom:
     """One measured symptom: what, where it starts, and the numbers."""
 
     code: str
+    """A :class:`SymptomCode` value (checked: a misspelt code raises instead of matching no rule)."""
     description: str
     measured: dict[str, Any] = field(default_factory=dict)
     step: int | None = None
+
+    def __post_init__(self) -> None:
+        self.code = SymptomCode(self.code).value  # a plain str: JSON and YAML carry it as it is
 
     def to_json(self) -> dict[str, Any]:
         return {"symptom": self.code, "description": self.description, "step": self.step, "measured": self.measured}
@@ -203,7 +221,7 @@ def baseline_symptoms(fp32: pd.DataFrame | None) -> list[Symptom]:
         return []
     step = min(s for s in (bad, exception["step"] if exception else None) if s is not None)
     what = f"raises {exception['type']}" if exception is not None and step == exception["step"] else "turns non-finite"
-    return [Symptom("fp32-nonfinite", f"the FP32 baseline itself {what} at step {step}",
+    return [Symptom(SymptomCode.FP32_NONFINITE, f"the FP32 baseline itself {what} at step {step}",
                     {"first_failing_step": step, "exception": exception}, step)]
 
 
@@ -229,30 +247,30 @@ def measure(
     fp32_failed = fp32 is not None and (exception_of(fp32) is not None or first_nonfinite(fp32) is not None)
     exception = exception_of(mode)
     if exception is not None and (fp32 is None or exception_of(fp32) is None):
-        found.append(Symptom("amp-exception", f"the training raises {exception['type']} under AMP, not in FP32",
+        found.append(Symptom(SymptomCode.AMP_EXCEPTION, f"the training raises {exception['type']} under AMP, not in FP32",
                              {"exception": exception}, exception["step"]))
     bad = first_nonfinite(mode)
     if bad is not None and not fp32_failed:
         row = mode.loc[mode["step"] == bad].iloc[0]
         what = "loss" if bool(row["nonfinite_loss"]) else "gradients"
         count = int(unhandled_nonfinite(mode).sum())
-        found.append(Symptom("nonfinite", f"the AMP {what} turn non-finite from step {bad} while FP32 stays finite",
+        found.append(Symptom(SymptomCode.NONFINITE, f"the AMP {what} turn non-finite from step {bad} while FP32 stays finite",
                              {"first_nonfinite_step": bad, "first_nonfinite": what, "nonfinite_steps": count,
                               "batch": int(row["batch_index"])}, bad))
     profile = skip_profile(mode)
     if excess_skips(profile):
-        found.append(Symptom("skips", f"the GradScaler skipped {profile['skipped']} of {profile['attempted']} optimizer steps "
+        found.append(Symptom(SymptomCode.SKIPS, f"the GradScaler skipped {profile['skipped']} of {profile['attempted']} optimizer steps "
                              f"({profile['leading']} before the first step taken, {profile['after_settling']} after it)",
                              {k: profile[k] for k in ("attempted", "skipped", "leading", "after_settling", "after_share")}
                              | {"skipped_steps": profile["skipped_steps"][:30]},
                              profile["skipped_steps"][0]))
     lost, lost_fp32 = lost_update_share(mode_updates), lost_update_share(fp32_updates) or 0.0
     if lost is not None and lost - lost_fp32 > LOST_UPDATE_EXCESS:
-        found.append(Symptom("lost-updates", f"{lost:.0%} of parameter updates are rounded away (FP32: {lost_fp32:.0%})",
+        found.append(Symptom(SymptomCode.LOST_UPDATES, f"{lost:.0%} of parameter updates are rounded away (FP32: {lost_fp32:.0%})",
                              {"lost_update_share": lost, "fp32_lost_update_share": lost_fp32}))
     factor = BF16_FACTOR if bf16 else 1.0
     if same_state_gap is not None and same_state_gap > GAP_ERROR * factor:
-        found.append(Symptom("same-state-gap", f"on the same weights and batch the AMP loss is {same_state_gap:.2%} off FP32's",
+        found.append(Symptom(SymptomCode.SAME_STATE_GAP, f"on the same weights and batch the AMP loss is {same_state_gap:.2%} off FP32's",
                              {"same_state_rel_dev": same_state_gap, "tolerance": GAP_ERROR * factor}))
     if fp32 is not None and not fp32_failed and bad is None and exception is None:
         tails = tail_losses(mode, fp32)
@@ -260,7 +278,7 @@ def measure(
             ours, theirs = tails
             drift = relative_deviation(ours, theirs, loss_floor(fp32))
             if drift > DRIFT_ERROR * factor:
-                found.append(Symptom("trajectory-drift", f"the AMP loss curve ends {drift:.1%} away from FP32's "
+                found.append(Symptom(SymptomCode.TRAJECTORY_DRIFT, f"the AMP loss curve ends {drift:.1%} away from FP32's "
                                      f"({ours:.4g} against {theirs:.4g})",
                                      {"amp_tail_loss": ours, "fp32_tail_loss": theirs, "rel_dev": drift,
                                       "tolerance": DRIFT_ERROR * factor}))

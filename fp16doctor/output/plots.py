@@ -229,8 +229,9 @@ def diagnosis_figures(diagnosis: Any) -> list[Figure]:
     optional = [underflow_heatmap(tables.get("param_grads")), module_gap((ev.gap or {}).get("ranked_modules", []))]
     figures += [f for f in optional if f is not None]
     figures.append(grad_norms({k: v for k, v in curves.items() if k in ("fp32", "amp", "corrected")}))
-    if ev.lr_peak and ev.lr_peak.get("lrs"):
-        figures.append(lr_schedule(ev.lr_peak["lrs"], ev.lr_peak.get("pause_step")))
+    if ev.lr_peak is not None and ev.lr_peak.schedule.lrs:
+        pause = ev.lr_peak.pause
+        figures.append(lr_schedule(ev.lr_peak.schedule.lrs, pause.pause_step if pause is not None else None))
     return figures
 
 

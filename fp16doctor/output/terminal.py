@@ -45,7 +45,8 @@ def _step_columns(result: Comparison, width: int, wide: bool) -> list[tuple[str,
         wanted.append((2, (f"{mode}\n|g|", mode, "grad_norm")))
     if wide:
         return [c for _, c in wanted]
-    budget, chosen = max(width - 8, COLUMN_WIDTH), set()  # the step column and the table's margins
+    budget = max(width - 8, COLUMN_WIDTH)  # the step column and the table's margins
+    chosen: set[tuple[str, str, str]] = set()
     for priority, column in sorted(wanted, key=lambda pc: pc[0]):
         if (len(chosen) + 1) * COLUMN_WIDTH > budget:
             break

@@ -111,7 +111,7 @@ class ClipObserver:
         return original(*args, **kwargs)
 
 
-_CLIP_FUNCTIONS = {"clip_grad_norm_": clip_grad_module.clip_grad_norm_, "clip_grad_value_": clip_grad_module.clip_grad_value_}
+_CLIP_FUNCTIONS: dict[str, Callable[..., Any]] = {"clip_grad_norm_": clip_grad_module.clip_grad_norm_, "clip_grad_value_": clip_grad_module.clip_grad_value_}
 
 
 class _ClipPatch:

@@ -47,7 +47,7 @@ class StepTrace:
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], divide_by: float = 1.0) -> float:
     """L2 norm over all gradients, computed in fp32 with one host synchronisation."""
-    norms = [grad_values(p).float().norm() for p in params if p.grad is not None]
+    norms = [g.float().norm() for g in map(grad_values, params) if g is not None]
     if not norms:
         return 0.0
     value = torch.stack(norms).norm().item()

@@ -20,8 +20,8 @@ class SchedulerSkipDrift(Rule):
     names_cases = (lambda: (fx.repair("hold-scheduler", symptoms=("trajectory-drift",)), fx.evidence(has_scheduler=True)),)
     severity = "warning"
     triggers = ("warmup_skips.py",)
-    fires_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak={"peak_step": 8}),)
-    quiet_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak={"peak_step": 8},
+    fires_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8)),)
+    quiet_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8),
                                     config={"overrides": {"hold_scheduler_on_skip": True}}),)
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -31,7 +31,7 @@ class SchedulerSkipDrift(Rule):
         skipped = amp.skip_steps
         if not skipped:
             return []
-        peak = (ev.lr_peak or {}).get("peak_step") or 0
+        peak = ev.lr_peak.schedule.peak_step if ev.lr_peak is not None else 0
         in_warmup = [s for s in skipped if s < peak]
         run_share = len(skipped) / max(len(amp.records), 1)
         warmup_share = len(in_warmup) / peak if peak else 0.0

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ...engine.probe import Probe
-from ..model import StageReport
+from ..model import LrPause, LrPeak, LrSchedule, StageReport
 from .context import StageContext, bad_step
 
 
@@ -18,24 +18,25 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
     if ctx.schedule is None:
         return StageReport("LR schedule peak", "skipped", "no schedule to dry-run: the scheduler follows the loss "
                            "(ReduceLROnPlateau), or cannot be built apart from the training")
-    ev.lr_peak = info = dict(ctx.schedule)
-    lrs, peak, jump = info["lrs"], info["peak_step"], info["jump_step"]
+    ev.lr_peak = found = LrPeak(LrSchedule(**ctx.schedule))
+    schedule = found.schedule
+    lrs, peak, jump = schedule.lrs, schedule.peak_step, schedule.jump_step
     amp = ev.amp
     trouble = None
     if amp is not None and not amp.finite:
         trouble = bad_step(amp) if amp.exception is None else None
     near = [e for e in ctx.schedule_event_steps() if trouble is not None and e <= trouble <= e + 3]
-    summary = f"peak lr {lrs[peak]:.3g} at step {peak}; largest jump x{info['jump_ratio']:.3g} at step {jump}"
+    summary = f"peak lr {lrs[peak]:.3g} at step {peak}; largest jump x{schedule.jump_ratio:.3g} at step {jump}"
     if not near:
-        return StageReport("LR schedule peak", "skipped", summary + "; no trouble at the peak or jump to explain", details=info)
+        return StageReport("LR schedule peak", "skipped", summary + "; no trouble at the peak or jump to explain", details=found.to_json())
     event = near[0]
-    info.update(_pause(ctx, event, lrs))
-    summary += (f"; paused at step {event}: at lr {lrs[event]:.3g} the step is {'finite' if info['finite_at_peak'] else 'NOT finite'}, "
-                f"at the pre-peak lr {lrs[event - 1]:.3g} it is {'finite' if info['finite_before_peak'] else 'NOT finite'}")
-    return StageReport("LR schedule peak", "ran", summary, details=info)
+    found.pause = pause = _pause(ctx, event, lrs)
+    summary += (f"; paused at step {event}: at lr {lrs[event]:.3g} the step is {'finite' if pause.finite_at_peak else 'NOT finite'}, "
+                f"at the pre-peak lr {lrs[event - 1]:.3g} it is {'finite' if pause.finite_before_peak else 'NOT finite'}")
+    return StageReport("LR schedule peak", "ran", summary, details=found.to_json())
 
 
-def _pause(ctx: StageContext, event: int, lrs: list[float]) -> dict[str, Any]:
+def _pause(ctx: StageContext, event: int, lrs: list[float]) -> LrPause:
     """From the AMP run's state right before ``event`` (kept by the AMP stage, else replayed), take that step
     at its own and at the previous learning rate."""
     probe = ctx.bench.probe("amp", ctx.config)
@@ -51,9 +52,9 @@ def _pause(ctx: StageContext, event: int, lrs: list[float]) -> dict[str, Any]:
         before = _instrumented_step(probe, lr=lrs[event - 1])
     finally:
         probe.close()
-    return {"pause_step": event, "finite_at_peak": at_peak["finite"], "finite_before_peak": before["finite"],
-            "update_to_weight_at_peak": at_peak["update_to_weight"], "update_to_weight_before_peak": before["update_to_weight"],
-            "activation_max_at_peak": at_peak["activation_max"], "activation_max_before_peak": before["activation_max"]}
+    return LrPause(pause_step=event, finite_at_peak=at_peak["finite"], finite_before_peak=before["finite"],
+                   update_to_weight_at_peak=at_peak["update_to_weight"], update_to_weight_before_peak=before["update_to_weight"],
+                   activation_max_at_peak=at_peak["activation_max"], activation_max_before_peak=before["activation_max"])
 
 
 def _instrumented_step(probe: Probe, lr: float | None = None) -> dict[str, Any]:
