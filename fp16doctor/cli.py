@@ -270,7 +270,7 @@ def diagnose(
     """Run the triage and print a ranked diagnosis. Exit 0 healthy, 1 any error finding, 2 bad input.
 
     With --train: then run the corrected training; exit 0 when it reaches its last step, 1 when it stops.
-    With --capsule DIR: diagnose the saved state and batch of a watched run (see the README's callbacks).
+    With --capsule DIR: diagnose the saved state and batch of a watched run (see the README's fp16doctor watch).
     """
     given = training_file
 
@@ -492,7 +492,8 @@ def watch_target(target: Any, options: Any) -> int:
     def tell(alarm: Any) -> None:
         print(alarm.pointer(), file=sys.stderr, flush=True)
 
-    observer = TrainingObserver(options, on_alarm=tell)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    observer = TrainingObserver(options, on_alarm=tell, rank=int(os.environ.get("RANK", "0")) if world > 1 else None)
     code = EXIT_OK
     try:
         with observer:

@@ -139,8 +139,9 @@ def import_roots(model: torch.nn.Module) -> list[str]:
 
 
 def detached_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module ready to pickle: without a reference to its trainer (Lightning keeps one) and without the
-    watch's own hooks (they would drag the watch, its batches and its trainer into ``model.pt``)."""
+    """The module ready to pickle: without a reference to its trainer (Lightning keeps one), without
+    accelerate's forward wrapper (the class's own forward) and without the watch's own hooks (they would
+    drag the watch, its batches and its trainer into ``model.pt``)."""
     import copy
     from collections import OrderedDict
 
@@ -151,6 +152,9 @@ def detached_module(model: torch.nn.Module) -> torch.nn.Module:
             clone.__dict__[name] = OrderedDict((k, h) for k, h in hooks.items() if not _ours(h))
     if getattr(model, "_trainer", None) is not None:
         clone.__dict__["_trainer"] = None
+    if "_original_forward" in model.__dict__:  # accelerate's mixed-precision forward wrapper refuses to pickle
+        clone.__dict__.pop("forward", None)
+        clone.__dict__.pop("_original_forward", None)
     return clone
 
 

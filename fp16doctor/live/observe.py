@@ -64,8 +64,10 @@ class TrainingObserver:
     """Observes every optimizer step of the training run inside its ``with`` block."""
 
     def __init__(self, options: WatchOptions | None = None, on_alarm: Callable[[Alarm], None] | None = None,
-                 dtype: str | None = None, rank: int | None = None):
+                 dtype: str | None = None, rank: int | None = None, observe_steps: bool = True):
         self.options = options or WatchOptions()
+        self.observe_steps = observe_steps
+        """False: only the loss is observed (the callbacks check the steps themselves, in their trainer's hooks)."""
         self.on_alarm = on_alarm or (lambda alarm: None)
         self.dtype = dtype
         self.rank = rank
@@ -95,6 +97,8 @@ class TrainingObserver:
             for cls in _scaler_classes():
                 if "scale" in vars(cls):
                     self._patch(cls, "scale", _observed_scale(vars(cls)["scale"]))
+            if not self.observe_steps:
+                return self
             self._patch(GradScaler, "step", _observed_step(GradScaler.step))
             self._handles = [register_optimizer_step_pre_hook(self._optimizer_pre_step)]
             self._module_hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._global_pre_forward),
@@ -130,6 +134,11 @@ class TrainingObserver:
         loss = last[1] if self._backward_scaled else tensor
         if loss.numel() == 1:
             self._losses.append(loss.detach())
+
+    def take_losses(self) -> list[torch.Tensor]:
+        """The losses backward ran on since the last call (references), for a callback's own check."""
+        losses, self._losses = self._losses, []
+        return losses
 
     # --- the model's forward ----------------------------------------------------------------------------
     def _global_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -179,12 +188,7 @@ class TrainingObserver:
     # --- the optimizer step ------------------------------------------------------------------------------
     def scaler_step(self, scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
         """Inside ``scaler.step(optimizer)``, before the original: unscale (as step does first), then check."""
-        state = scaler._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.READY and scaler._scale is not None:
-            scaler.unscale_(optimizer)
-        flags = list(state["found_inf_per_device"].values())
-        found_inf = torch.stack([f.to(flags[0].device).reshape(()) for f in flags]).sum() if flags else None
-        self.check(optimizer, scaler, found_inf)
+        self.check(optimizer, scaler, scaler_decision(scaler, optimizer))
 
     def _optimizer_pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._in_scaler_step:
@@ -231,6 +235,21 @@ class TrainingObserver:
         if model not in self._models:
             self._adopt(model)
         return model
+
+
+def scaler_decision(scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The scaler's skip decision for this step: its found-inf flags summed over devices (non-zero: skipped).
+
+    Unscales first where the scaler has not yet (``step`` does exactly that first, so nothing changes) and
+    reads no value: the flags stay on the device for the watch's one synchronisation. None without an
+    enabled scaler that scaled this step."""
+    if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+        return None
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)
+    flags = list(state["found_inf_per_device"].values())
+    return torch.stack([f.to(flags[0].device).reshape(()) for f in flags]).sum() if flags else None
 
 
 def _scaler_classes() -> list[type]:
