@@ -493,7 +493,11 @@ def watch_target(target: Any, options: Any) -> int:
         print(alarm.pointer(), file=sys.stderr, flush=True)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    observer = TrainingObserver(options, on_alarm=tell, rank=int(os.environ.get("RANK", "0")) if world > 1 else None)
+    def note(text: str) -> None:
+        print(f"fp16doctor: warning: {text}.", file=sys.stderr, flush=True)
+
+    observer = TrainingObserver(options, on_alarm=tell, on_note=note,
+                                rank=int(os.environ.get("RANK", "0")) if world > 1 else None)
     code = EXIT_OK
     try:
         with observer:

@@ -5,6 +5,7 @@ process diagnoses; a script's own errors and exit codes come through unchanged; 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -105,3 +106,31 @@ def test_diagnose_given_a_plain_script_points_at_watch(tmp_path):
     proc = run_cli("diagnose", HAND_LOOP, cwd=tmp_path)
     assert proc.returncode == 2 and "does not define model() and data()" in proc.stderr
     assert f"fp16doctor watch {HAND_LOOP} ARGS" in " ".join(proc.stderr.split())
+
+
+def torchrun_watch(tmp_path, *args):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "fp16doctor", "watch", "--capsule-dir", "caps", SCRIPTS / "ddp_loop.py", *args]
+    proc = subprocess.run(list(map(str, command)), capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("fp16doctor:")]
+    return proc, lines, sorted(p.name for p in (tmp_path / "caps").iterdir()) if (tmp_path / "caps").exists() else []
+
+
+def test_torchrun_watches_every_rank_and_only_the_poisoned_rank_writes(tmp_path):
+    proc, lines, capsules = torchrun_watch(tmp_path, "--poison-rank", "1", "--poison-step", "3")
+    assert proc.returncode != 0 and capsules == ["rank1_step_00000003"], proc.stderr[-3000:]
+    assert any("nonfinite at optimizer step 3" in line and "rank1_step_00000003" in line for line in lines)
+    assert "fp16doctor: stopped at optimizer step 3: rank 1 raised an alarm." in lines  # rank 0 stops with it
+    assert "step 4" not in proc.stdout
+    diagnosis = run_cli("diagnose", "--ci", "--json", "--capsule", tmp_path / "caps" / capsules[0])
+    assert json.loads(diagnosis.stdout)["findings"][0]["cause"] == "nonfinite-data", diagnosis.stderr[-3000:]
+
+
+def test_torchrun_ranks_that_disagree_on_the_scale_are_an_alarm(tmp_path):
+    proc, lines, capsules = torchrun_watch(tmp_path, "--skew-scale-rank", "1", "--fp16-compress")
+    assert proc.returncode != 0 and capsules == ["rank0_step_00000000"], proc.stderr[-3000:]
+    assert lines.count("fp16doctor: warning: DDP gradients are all-reduced in half precision (fp16_compress_hook): remove "
+                       "the compression hook to reduce them in fp32 (cause ddp-half-allreduce).") == 2  # every rank says so
+    assert any(line.startswith("fp16doctor: rank-disagreement at optimizer step 0: the ranks disagree (rank 0: scale 65536, "
+                               "stepped, rank 1: scale 4096, stepped)") for line in lines)

@@ -31,6 +31,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..engine.ddp import half_precision_comm_hooks
 from ..userfile.batches import iter_tensors
 from .watch import Alarm, Watch, WatchOptions
 
@@ -64,8 +65,10 @@ class TrainingObserver:
     """Observes every optimizer step of the training run inside its ``with`` block."""
 
     def __init__(self, options: WatchOptions | None = None, on_alarm: Callable[[Alarm], None] | None = None,
-                 dtype: str | None = None, rank: int | None = None, observe_steps: bool = True):
+                 dtype: str | None = None, rank: int | None = None, observe_steps: bool = True,
+                 on_note: Callable[[str], None] | None = None):
         self.options = options or WatchOptions()
+        self.on_note = on_note or (lambda text: None)
         self.observe_steps = observe_steps
         """False: only the loss is observed (the callbacks check the steps themselves, in their trainer's hooks)."""
         self.on_alarm = on_alarm or (lambda alarm: None)
@@ -82,6 +85,9 @@ class TrainingObserver:
         self._backward_scaled = False
         self._depth = 0
         self._in_scaler_step = False
+        self._pending_stop: Alarm | None = None
+        self._in_update = False
+        self._last_step: tuple[Watch, torch.optim.Optimizer, list[ModelCall], list[torch.Tensor]] | None = None
         self._handles: list[Any] = []
         self._module_hooks: list[Any] = []
         self._originals: list[tuple[Any, str, Any]] = []
@@ -100,6 +106,9 @@ class TrainingObserver:
             if not self.observe_steps:
                 return self
             self._patch(GradScaler, "step", _observed_step(GradScaler.step))
+            for cls in _scaler_classes():
+                if "update" in vars(cls):
+                    self._patch(cls, "update", _observed_update(vars(cls)["update"]))
             self._handles = [register_optimizer_step_pre_hook(self._optimizer_pre_step)]
             self._module_hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._global_pre_forward),
                                   torch.nn.modules.module.register_module_forward_hook(self._global_forward, with_kwargs=True,
@@ -155,7 +164,7 @@ class TrainingObserver:
         """A training forward of the model: hold its inputs, hook the gradients reaching its outputs."""
         if not (module.training and torch.is_grad_enabled()):
             return
-        call = ModelCall(module, {"args": tuple(args), "kwargs": dict(kwargs or {})})
+        call = ModelCall(unwrapped(module), {"args": tuple(args), "kwargs": dict(kwargs or {})})
         outputs = [t for _, t in iter_tensors(output)]
         call.grads = [None] * len(outputs)
         if sum(t.numel() for t in outputs) <= OUTPUT_GRAD_LIMIT or self._armed(module):
@@ -199,21 +208,28 @@ class TrainingObserver:
         watch = self._watch_for(optimizer)
         step = self._steps.get(id(optimizer), 0)
         self._steps[id(optimizer)] = step + 1
-        for call in [c for c in self._calls if c.module is watch.model]:
+        calls = [c for c in self._calls if c.module is watch.model]
+        for call in calls:
             watch.capture_batch(call.batch)
             watch.record_output_grads(call.grads, call.scaled)
         for loss in self._losses:
             watch.record_loss(loss)
         others = [w.model for w in self.watches.values() if w is not watch]  # e.g. a GAN's second model
         self._calls = [c for c in self._calls if any(c.module is m for m in others)]
+        if _world_size() > 1:  # held until update() has agreed across ranks
+            self._last_step = (watch, optimizer, calls, self._losses)
         self._losses = []
         alarm = watch.before_optimizer_step(step, optimizer, scaler, grads_scaled=False, found_inf=found_inf)
         if alarm is None:
             return
         self.alarms.append(alarm)
         self.on_alarm(alarm)
-        if self.options.stop_on_alarm:
-            raise WatchStopped(alarm)
+        if not self.options.stop_on_alarm:
+            return
+        if scaler is not None and _world_size() > 1:
+            self._pending_stop = alarm  # every rank stops together in update(), which all of them reach
+            return
+        raise WatchStopped(alarm)
 
     def _watch_for(self, optimizer: torch.optim.Optimizer) -> Watch:
         key = id(optimizer)
@@ -224,17 +240,99 @@ class TrainingObserver:
         return self.watches[key]
 
     def _model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
-        """The outermost module seen in training holding most of the optimizer's parameters."""
+        """The outermost module seen in training holding most of the optimizer's parameters (DDP and
+        ``torch.compile`` unwrapped: the module the capsule rebuilds)."""
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         scored = [(sum(1 for p in m.parameters() if id(p) in stepped), m) for m in self._roots]
-        count, model = max(scored, key=lambda s: s[0], default=(0, None))
-        if model is None or count == 0:
+        count, outer = max(scored, key=lambda s: s[0], default=(0, None))
+        if outer is None or count == 0:
             holder = torch.nn.Module()
             holder.params = torch.nn.ParameterList([p for g in optimizer.param_groups for p in g["params"]])
             return holder
+        model = unwrapped(outer)
         if model not in self._models:
             self._adopt(model)
+            half = half_precision_comm_hooks(outer)
+            if half:
+                self.on_note(f"DDP gradients are all-reduced in half precision ({', '.join(half)}): "
+                             "remove the compression hook to reduce them in fp32 (cause ddp-half-allreduce)")
         return model
+
+    # --- under torchrun ---------------------------------------------------------------------------------
+    def before_update(self, scaler: GradScaler) -> None:
+        """Inside ``scaler.update()``, which every rank reaches (also a rank whose step was skipped): agree.
+
+        One all-gather of (scale, skipped, alarmed) per step. Ranks that disagree on the scale or on a skip
+        are an alarm of their own; an alarm on any rank stops every rank here, so that none is left waiting
+        in a collective the alarming rank never reaches."""
+        world = _world_size()
+        if world < 2 or scaler._scale is None:
+            return
+        import torch.distributed as dist
+
+        device = scaler._scale.device
+        flags = [f.to(device).reshape(()) for state in scaler._per_optimizer_states.values()
+                 for f in state["found_inf_per_device"].values()]
+        skipped = (torch.stack(flags).sum() > 0).float() if flags else torch.zeros((), device=device)
+        mine = torch.stack([scaler._scale.reshape(()).float(), skipped,
+                            torch.tensor(float(self._pending_stop is not None), device=device)])
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine)
+        table = [r.tolist() for r in rows]
+        if len({r[0] for r in table}) > 1 or len({r[1] for r in table}) > 1:
+            self._disagreement(table, scaler)
+        alarmed = [rank for rank, r in enumerate(table) if r[2]] or ([self.rank] if self._pending_stop else [])
+        step = self._step_of_last()
+        self._last_step = None
+        if alarmed and self.options.stop_on_alarm:
+            alarm = self._pending_stop or Alarm("stopped", step, f"rank {', '.join(map(str, alarmed))} raised an alarm")
+            if self._pending_stop is None:
+                self.on_alarm(alarm)
+            raise WatchStopped(alarm)
+
+    def _disagreement(self, table: list[list[float]], scaler: GradScaler) -> None:
+        """Ranks disagree: the skipping ranks (rank 0 where only the scale differs) write a capsule."""
+        said = ", ".join(f"rank {r}: scale {row[0]:g}, {'skipped' if row[1] else 'stepped'}" for r, row in enumerate(table))
+        writers = [r for r, row in enumerate(table) if row[1]] if len({row[1] for row in table}) > 1 else [0]
+        alarm = Alarm("rank-disagreement", self._step_of_last(), f"the ranks disagree ({said})")
+        if self._last_step is not None and self.rank in writers and "rank-disagreement" in self.options.alarms:
+            watch, optimizer, calls, losses = self._last_step
+            for call in calls:
+                watch.capture_batch(call.batch)
+                watch.record_output_grads(call.grads, call.scaled)
+            for loss in losses:
+                watch.record_loss(loss)
+            if watch.alarm is None:
+                watch.alarm = alarm
+            alarm.capsule = watch.write_capsule(optimizer, scaler, watch.history[-1])
+            watch.forget_step()
+        if "rank-disagreement" in self.options.alarms:
+            self.alarms.append(alarm)
+            self.on_alarm(alarm)
+            if self._pending_stop is None:
+                self._pending_stop = alarm
+
+    def _step_of_last(self) -> int:
+        return self._last_step[0].history[-1].step if self._last_step and self._last_step[0].history else -1
+
+
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a DDP or ``torch.compile`` wrapper runs."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def scaler_decision(scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
@@ -297,3 +395,18 @@ def _observed_step(original: Callable[..., Any]) -> Callable[..., Any]:
             observer._in_scaler_step = False
 
     return step
+
+
+def _observed_update(original: Callable[..., Any]) -> Callable[..., Any]:
+    def update(self: GradScaler, new_scale: Any = None) -> None:
+        observer = _active
+        if observer is None or not self.is_enabled() or observer._in_update:
+            return original(self, new_scale)
+        observer._in_update = True  # a subclass's update calling GradScaler.update agrees once
+        try:
+            observer.before_update(self)
+            return original(self, new_scale)
+        finally:
+            observer._in_update = False
+
+    return update

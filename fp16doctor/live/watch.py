@@ -37,7 +37,7 @@ from ..userfile.batches import map_tensors
 from .capsule import (CAPSULE_FORMAT, capsule_config, capsule_folder, capsule_training_file, constructor_settings,
                       cpu_copy, detached_module, import_roots, replay_inputs, write_manifest)
 
-ALARMS = ("nonfinite", "skip-streak", "scale-collapse", "loss-spike")
+ALARMS = ("nonfinite", "skip-streak", "scale-collapse", "loss-spike", "rank-disagreement")
 
 
 @dataclass
