@@ -62,3 +62,34 @@ def test_a_collapsed_scale_alarms(tmp_path):
 def test_a_loss_spike_alarms(tmp_path):
     watch, alarm = loop(tmp_path, spike_at=9)
     assert alarm.kind == "loss-spike" and alarm.step == 9
+
+
+def test_the_observer_holds_large_output_gradients_only_once_a_skip_armed_it_and_restores_torch(monkeypatch, tmp_path):
+    import fp16doctor.live.observe as observe
+
+    monkeypatch.setattr(observe, "OUTPUT_GRAD_LIMIT", 10)  # the 16x3 logits count as large
+    held: list[bool] = []
+
+    class Spy(observe.TrainingObserver):
+        def check(self, optimizer, scaler, found_inf):
+            held.extend(c.grads[0] is not None for c in self._calls)
+            super().check(optimizer, scaler, found_inf)
+
+    originals = (torch.Tensor.backward, torch.amp.GradScaler.step, torch.amp.GradScaler.update, torch.amp.GradScaler.scale)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)  # overflows: the first steps are skipped
+    with Spy(WatchOptions(capsule_dir=tmp_path, stop_on_alarm=False, skip_streak=100)) as observer:
+        for _ in range(3):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 3, (16,)))
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    history = next(iter(observer.watches.values())).history
+    assert history[0].skipped and held == [False, True, True]  # step 0 was not armed; its skip armed the next ones
+    assert all(abs(h.loss - 1.1) < 0.5 for h in history)  # the unscaled loss, read at the backward
+    assert (torch.Tensor.backward, torch.amp.GradScaler.step, torch.amp.GradScaler.update,
+            torch.amp.GradScaler.scale) == originals and observe._active is None

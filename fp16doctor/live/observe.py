@@ -182,14 +182,13 @@ class TrainingObserver:
 
     def _armed(self, module: torch.nn.Module) -> bool:
         """A first trouble sign (the last step was skipped) arms holding large output gradients."""
-        return any(w.model is module and w.history and w.history[-1].skipped for w in self.watches.values())
+        model = unwrapped(module)
+        return any(w.model is model and w.history and w.history[-1].skipped for w in self.watches.values())
 
     def _adopt(self, model: torch.nn.Module) -> None:
         """Found the model: hook it alone and drop the global module hooks (they cost a call per module)."""
         self._models.append(model)
-        self._handles.append(model.register_forward_hook(
-            lambda module, args, kwargs, output: self._model_forward(module, args, kwargs, output),
-            with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._model_forward, with_kwargs=True))
         for handle in self._module_hooks:
             handle.remove()
         self._module_hooks = []
@@ -278,7 +277,7 @@ class TrainingObserver:
                             torch.tensor(float(self._pending_stop is not None), device=device)])
         rows = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(rows, mine)
-        table = [r.tolist() for r in rows]
+        table = torch.stack(rows).tolist()  # one transfer
         if len({r[0] for r in table}) > 1 or len({r[1] for r in table}) > 1:
             self._disagreement(table, scaler)
         alarmed = [rank for rank, r in enumerate(table) if r[2]] or ([self.rank] if self._pending_stop else [])
