@@ -109,21 +109,20 @@ def check_writable(path: Path, force: bool) -> None:
     raise DoctorError(f"'{path}' already exists; not overwriting it.", hint="Choose another path, or pass --force to overwrite.")
 
 
-def capsule_training_file(capsule: Path | None, training_file: Path | None) -> Path:
-    """The training file to diagnose: the one given, or the capsule's ``train_capsule.py``."""
+def capsule_training_file(capsule: Path | None, training_file: Path | None) -> tuple[Path, str | None]:
+    """The training file to diagnose (the one given, or the capsule's ``train_capsule.py``) and, for a capsule,
+    the note saying what its diagnosis replays and what it cannot verify."""
     from .errors import DoctorError
 
     if capsule is None:
         if training_file is None:
             raise DoctorError("no training file given.", hint="fp16doctor diagnose model.py, or --capsule DIR for a watch's capsule.")
-        return training_file
+        return training_file, None
     if training_file is not None:
         raise DoctorError("give a training file or --capsule, not both.")
     from .live.capsule import check_capsule, replay_note
 
-    manifest = check_capsule(capsule)
-    err.print(f"[yellow]note:[/] {replay_note(manifest)}.", highlight=False)
-    return capsule / "train_capsule.py"
+    return capsule / "train_capsule.py", replay_note(check_capsule(capsule))
 
 
 def figures_folder(report: Path) -> Path:
@@ -275,7 +274,7 @@ def diagnose(
     given = training_file
 
     def job() -> int:
-        training_file = capsule_training_file(capsule, given)
+        training_file, replay = capsule_training_file(capsule, given)
         from .diagnosis import DiagnoseOptions, fixed_config
         from .diagnosis import diagnose as run_diagnose
         from .diagnosis.engine import UNEXPLAINED
@@ -288,6 +287,8 @@ def diagnose(
             if path is not None:
                 check_writable(path, force)
         spec, cfg, layers = load_layers(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
+        if replay is not None:
+            spec.note(replay)
         with err.status("diagnosing") as status:
             result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches),
                                   on_stage=lambda name: status.update(f"stage: {name}"))

@@ -55,7 +55,9 @@ def test_a_nan_batch_stops_the_run_and_its_capsule_names_the_data_in_another_pro
     assert diagnosis.returncode == 1, diagnosis.stderr[-3000:]
     top = json.loads(diagnosis.stdout)["findings"][0]
     assert top["cause"] == "nonfinite-data" and top["evidence"]["nan"] == 1
-    assert "single-step replay of optimizer step 6" in diagnosis.stderr
+    notes = json.loads(diagnosis.stdout)["notes"]
+    assert any(n.startswith("single-step replay of optimizer step 6") and "loss computation itself is not replayed" in n
+               for n in notes) and "single-step replay" in diagnosis.stderr
 
 
 def test_keep_going_finishes_the_run_and_still_exits_1(tmp_path):
@@ -73,6 +75,9 @@ def test_the_scripts_own_errors_and_exit_codes_come_through(tmp_path):
     assert raises.returncode == 1 and raises.stderr.startswith("Traceback (most recent call last):")
     assert 'raises.py", line 2, in go' in raises.stderr and "ValueError: broken config" in raises.stderr
     assert "fp16doctor/cli.py" not in raises.stderr and "runpy" not in raises.stderr
+    (tmp_path / "interrupted.py").write_text("raise KeyboardInterrupt\n")
+    interrupted = run_cli("watch", "interrupted.py", cwd=tmp_path)
+    assert interrupted.returncode == 130 and interrupted.stderr.rstrip().endswith("KeyboardInterrupt")
     needs_args = run_cli("watch", HAND_LOOP, "--steps", cwd=tmp_path)  # argparse's own message and code
     assert needs_args.returncode == 2 and "expected one argument" in needs_args.stderr
 
