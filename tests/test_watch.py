@@ -93,3 +93,29 @@ def test_the_observer_holds_large_output_gradients_only_once_a_skip_armed_it_and
     assert all(abs(h.loss - 1.1) < 0.5 for h in history)  # the unscaled loss, read at the backward
     assert (torch.Tensor.backward, torch.amp.GradScaler.step, torch.amp.GradScaler.update,
             torch.amp.GradScaler.scale) == originals and observe._active is None
+
+
+def test_a_finite_loss_with_a_non_finite_output_gradient_is_localised_to_the_loss(tmp_path):
+    """sqrt at 0 in the loss: the loss is 0, its gradient w.r.t. the logits NaN; the capsule says where it arises."""
+    import json
+
+    from fp16doctor.live.capsule import check_capsule, replay_note
+    from fp16doctor.live.observe import TrainingObserver, WatchStopped
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    try:
+        with TrainingObserver(WatchOptions(capsule_dir=tmp_path, skip_streak=1)) as observer:
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(torch.randn(16, 8))
+            loss = torch.sqrt((logits.float() * 0).sum())
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+    except WatchStopped as stopped:
+        alarm = stopped.alarm
+    assert alarm.kind == "skip-streak" and observer.alarms == [alarm]
+    manifest = check_capsule(alarm.capsule)
+    assert "outside the model" in manifest["loss_finding"] and "outside the model" in replay_note(manifest)
+    assert json.loads((alarm.capsule / "manifest.json").read_text())["replay"] == "output-grads"

@@ -12,6 +12,7 @@ and rebuild in any process; classes importable from installed packages stay refe
 from __future__ import annotations
 
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -61,10 +62,23 @@ def replay_inputs(batches: list[Any], output_grads: list[tuple[list[torch.Tensor
     return [{**b, REPLAY_INDEX: torch.tensor(i)} for i, b in enumerate(copies)], grads
 
 
-def write_manifest(folder: Path, step: int, replay: str) -> None:
+def loss_gradient_finding(loss: float | None, output_grads: list[list[torch.Tensor | None]] | None) -> str | None:
+    """What the recorded output gradients say about the loss computation, which the replay cannot run.
+
+    A finite loss whose gradient w.r.t. the model's outputs is non-finite: the non-finite values are made
+    in the loss computation (its backward), outside the model."""
+    if output_grads is None or loss is None or not math.isfinite(loss):
+        return None
+    if all(g is None or bool(torch.isfinite(g).all()) for grads in output_grads for g in grads):
+        return None
+    return ("the loss is finite but its gradient w.r.t. the model's outputs is not: the non-finite values "
+            "arise in the loss computation (its backward), outside the model")
+
+
+def write_manifest(folder: Path, step: int, replay: str, loss_finding: str | None = None) -> None:
     """What a reader checks first: the format, the files, which replay the capsule supports. Written last."""
     manifest = {"format": CAPSULE_FORMAT, "fp16doctor": __version__, "step": step, "replay": replay,
-                "files": list(CAPSULE_FILES)}
+                "files": list(CAPSULE_FILES), "loss_finding": loss_finding}
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2))
 
 
@@ -95,6 +109,8 @@ def check_capsule(folder: Path) -> dict[str, Any]:
 def replay_note(manifest: dict[str, Any]) -> str:
     """What a capsule diagnosis replays, and what it cannot verify."""
     step = manifest.get("step")
+    if manifest.get("loss_finding"):
+        return f"optimizer step {step}: {manifest['loss_finding']}; the replay starts from that gradient"
     if manifest.get("replay") == "output-grads":
         return (f"single-step replay of optimizer step {step}: the model's forward and backward and the optimizer step "
                 "replay exactly, driven by the recorded gradient of the loss w.r.t. the model's outputs; the loss "

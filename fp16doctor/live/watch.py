@@ -35,7 +35,8 @@ from ..files import atomic_torch_save, atomic_write_text
 from ..tensors import grad_values
 from ..userfile.batches import map_tensors
 from .capsule import (CAPSULE_FORMAT, capsule_config, capsule_folder, capsule_training_file, constructor_settings,
-                      cpu_copy, detached_module, import_roots, replay_inputs, write_manifest)
+                      cpu_copy, detached_module, import_roots, loss_gradient_finding, replay_inputs,
+                      write_manifest)
 
 ALARMS = ("nonfinite", "skip-streak", "scale-collapse", "loss-spike", "rank-disagreement")
 
@@ -226,7 +227,7 @@ class Watch:
         replay = "output-grads" if output_grads is not None else self.framework
         atomic_write_text(folder / "config.json", json.dumps(config, indent=2))
         atomic_write_text(folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay))
-        write_manifest(folder, numbers.step, replay)
+        write_manifest(folder, numbers.step, replay, loss_gradient_finding(numbers.loss, output_grads))
         return folder
 
 
