@@ -224,3 +224,13 @@ def test_lightning_script_with_its_module_in_main_writes_a_capsule_under_default
     report = diagnose_capsule(capsule)  # another process: the LightningModule of __main__ is stored by value
     data = [f for f in report["findings"] if f["cause"] == "nonfinite-data"]
     assert data and data[0]["evidence"]["nan"] == 1 and data[0]["evidence"]["field"] == "0"
+
+
+def test_a_trainer_script_under_fp16doctor_watch_gets_one_check_and_one_capsule(tmp_path):
+    """The script's own callback stands down under `fp16doctor watch`: one line, one capsule, and it replays."""
+    proc = run_cli("watch", "--capsule-dir", "caps", HF_SCRIPT, "--output-dir", "out", "--nan-at", "3", cwd=tmp_path)
+    pointers = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("fp16doctor:")]
+    assert proc.returncode == 1 and len(pointers) == 1 and "the loss is nan" in pointers[0], proc.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "caps").iterdir()] == ["step_00000003"]
+    assert not (tmp_path / "out" / "fp16doctor_capsules").exists()
+    assert diagnose_capsule(tmp_path / "caps" / "step_00000003")["findings"][0]["cause"] == "nonfinite-data"

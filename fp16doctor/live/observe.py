@@ -334,6 +334,12 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def watching_steps() -> bool:
+    """Whether ``fp16doctor watch`` already observes this process's optimizer steps (a callback then stands down:
+    one check, one capsule and one line per alarm)."""
+    return _active is not None and _active.observe_steps
+
+
 def scaler_decision(scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     """The scaler's skip decision for this step: its found-inf flags summed over devices (non-zero: skipped).
 

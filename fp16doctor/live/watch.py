@@ -1,11 +1,11 @@
 """A live watch on a running training: cheap per-step numbers, alarms, and replay capsules.
 
-The engine under the Hugging Face and Lightning callbacks (``fp16doctor.live.integrations``),
-usable from a hand-written loop too. Per optimizer step, at one host
-synchronisation, it records the loss, the unscaled global gradient norm, the
-loss scale, whether the GradScaler skips the step (its inf/NaN check: the
-gradients are non-finite), the learning rate, and per layer whether the
-gradients are finite and their largest magnitude. It raises an alarm on the
+The engine under ``fp16doctor watch`` (:mod:`fp16doctor.live.observe`) and the Hugging Face and
+Lightning callbacks (``fp16doctor.live.integrations``), usable from a hand-written loop too. Per
+optimizer step, at one host synchronisation, it records the loss, the unscaled global gradient norm,
+the loss scale, whether the GradScaler skips the step (the scaler's own found-inf flags where the
+caller hands them over), the learning rate, and per layer whether the gradients are finite and their
+largest magnitude. It raises an alarm on the
 first non-finite loss or gradient, a streak of skipped steps, a scale
 collapsing towards its minimum, or a loss spike; on an alarm it writes a
 *replay capsule*: the model and optimizer state the bad step started from, its

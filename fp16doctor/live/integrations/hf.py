@@ -24,7 +24,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError("fp16doctor.live.integrations.hf needs transformers: pip install 'fp16doctor[hf]'") from exc
 
-from ..observe import TrainingObserver, scaler_decision
+from ..observe import TrainingObserver, scaler_decision, watching_steps
 from ..watch import Watch, WatchOptions, watch_step
 
 CAPSULE_FOLDER = "fp16doctor_capsules"
@@ -43,6 +43,8 @@ class FP16DoctorCallback(TrainerCallback):
 
     # --- wiring -------------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if watching_steps():  # run under `fp16doctor watch`, which checks every step already
+            return
         dtype = "bfloat16" if getattr(args, "bf16", False) else ("float16" if getattr(args, "fp16", False) else None)
         options = self.options if self._capsule_dir_given else replace(self.options, capsule_dir=Path(args.output_dir) / CAPSULE_FOLDER)
         self.watch = Watch(model, options, framework="hf", dtype=dtype)
@@ -50,7 +52,7 @@ class FP16DoctorCallback(TrainerCallback):
         self._losses = TrainingObserver(observe_steps=False)
         try:
             self._losses.__enter__()
-        except RuntimeError:  # already inside `fp16doctor watch`: that observer checks the steps
+        except RuntimeError:  # another callback's observer holds the patches: no loss from this one
             self._losses = None
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

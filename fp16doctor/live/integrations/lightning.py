@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - the older package name
     except ImportError as exc:
         raise ImportError("fp16doctor.live.integrations.lightning needs Lightning: pip install 'fp16doctor[lightning]'") from exc
 
-from ..observe import scaler_decision
+from ..observe import scaler_decision, watching_steps
 from ..watch import Watch, WatchOptions, watch_step
 
 CAPSULE_FOLDER = "fp16doctor_capsules"
@@ -47,6 +47,8 @@ class FP16DoctorCallback(Callback):
         self.watch: Watch | None = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if watching_steps():  # run under `fp16doctor watch`, which checks every step already
+            return
         precision = str(getattr(trainer, "precision", ""))
         dtype = "bfloat16" if precision.startswith("bf16") else ("float16" if precision.startswith("16") else None)
         options = self.options if self._capsule_dir_given else replace(
