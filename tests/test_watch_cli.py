@@ -92,6 +92,11 @@ def test_a_missing_script_or_module_is_pythons_own_complaint(tmp_path):
     (tmp_path / "pkg" / "train.py").write_text("import sys\nprint(__name__, sys.argv[1:])\n")
     ran = run_cli("watch", "-m", "pkg.train", "--lr", "3", cwd=tmp_path)
     assert ran.returncode == 0 and ran.stdout == "__main__ ['--lr', '3']\n"
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "helpers.py").write_text("WIDTH = 7\n")
+    (tmp_path / "project" / "run.py").write_text("import sys\nfrom helpers import WIDTH\nprint(WIDTH, sys.argv)\n")
+    sibling = run_cli("watch", "project/run.py", "-x", cwd=tmp_path)  # its folder first on sys.path, as python puts it
+    assert sibling.returncode == 0 and sibling.stdout == "7 ['project/run.py', '-x']\n"
 
 
 def test_an_incomplete_or_foreign_capsule_is_bad_input_naming_what_is_missing(tmp_path):
