@@ -119,3 +119,25 @@ def test_a_finite_loss_with_a_non_finite_output_gradient_is_localised_to_the_los
     manifest = check_capsule(alarm.capsule)
     assert "outside the model" in manifest["loss_finding"] and "outside the model" in replay_note(manifest)
     assert json.loads((alarm.capsule / "manifest.json").read_text())["replay"] == "output-grads"
+
+
+def test_the_capsule_trains_in_the_precision_the_scripts_autocast_used(tmp_path):
+    """fp16 autocast without a GradScaler (no loss scaling at all) must replay in fp16, not in bf16."""
+    import json
+
+    from fp16doctor.live.observe import TrainingObserver, WatchStopped
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(16, 8)
+    x[0, 0] = float("inf")
+    try:
+        with TrainingObserver(WatchOptions(capsule_dir=tmp_path)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), torch.randint(0, 3, (16,)))
+            loss.backward()
+            optimizer.step()
+    except WatchStopped as stopped:
+        alarm = stopped.alarm
+    assert alarm.kind == "nonfinite" and json.loads((alarm.capsule / "config.json").read_text())["dtype"] == "float16"

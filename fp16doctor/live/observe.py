@@ -84,6 +84,8 @@ class TrainingObserver:
         self._last_scaled: tuple[torch.Tensor, torch.Tensor] | None = None
         self._backward_scaled = False
         self._depth = 0
+        self._autocast_dtype: str | None = None
+        """The low precision the model's forward ran under (the capsule's dtype); None: no autocast seen."""
         self._in_scaler_step = False
         self._pending_stop: Alarm | None = None
         self._in_update = False
@@ -164,6 +166,7 @@ class TrainingObserver:
         """A training forward of the model: hold its inputs, hook the gradients reaching its outputs."""
         if not (module.training and torch.is_grad_enabled()):
             return
+        self._autocast_dtype = self._autocast_dtype or autocast_dtype()
         call = ModelCall(unwrapped(module), {"args": tuple(args), "kwargs": dict(kwargs or {})})
         outputs = [t for _, t in iter_tensors(output)]
         call.grads = [None] * len(outputs)
@@ -233,7 +236,7 @@ class TrainingObserver:
     def _watch_for(self, optimizer: torch.optim.Optimizer) -> Watch:
         key = id(optimizer)
         if key not in self.watches:
-            watch = Watch(self._model_of(optimizer), self.options, framework="script", dtype=self.dtype)
+            watch = Watch(self._model_of(optimizer), self.options, framework="script", dtype=self.dtype or self._autocast_dtype)
             watch.rank = self.rank
             self.watches[key] = watch
         return self.watches[key]
@@ -332,6 +335,14 @@ def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def autocast_dtype() -> str | None:
+    """The dtype of the autocast region the current code runs in (``float16``/``bfloat16``), None outside one."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return str(torch.get_autocast_dtype(device_type)).replace("torch.", "")
+    return None
 
 
 def watching_steps() -> bool:
