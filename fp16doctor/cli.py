@@ -493,12 +493,12 @@ def watch_target(target: Any, options: Any) -> int:
     def tell(alarm: Any) -> None:
         print(alarm.pointer(), file=sys.stderr, flush=True)
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     def note(text: str) -> None:
         print(f"fp16doctor: warning: {text}.", file=sys.stderr, flush=True)
 
+    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1  # capsules then carry the rank in their name
     observer = TrainingObserver(options, on_alarm=tell, on_note=note,
-                                rank=int(os.environ.get("RANK", "0")) if world > 1 else None)
+                                rank=int(os.environ.get("RANK", "0")) if torchrun else None)
     code = EXIT_OK
     try:
         with observer:
