@@ -134,21 +134,20 @@ def check_writable(path: Path, force: bool) -> None:
     raise DoctorError(f"'{path}' already exists; not overwriting it.", hint="Choose another path, or pass --force to overwrite.")
 
 
-def capsule_training_file(capsule: Path | None, training_file: Path | None) -> Path:
-    """The training file to diagnose: the one given, or the capsule's ``train_capsule.py``."""
+def capsule_training_file(capsule: Path | None, training_file: Path | None) -> tuple[Path, str | None]:
+    """The training file to diagnose (the one given, or the capsule's ``train_capsule.py``) and, for a capsule,
+    the note saying what its diagnosis replays and what it cannot verify."""
     from .errors import DoctorError
 
     if capsule is None:
         if training_file is None:
             raise DoctorError("no training file given.", hint="fp16doctor diagnose model.py, or --capsule DIR for a watch's capsule.")
-        return training_file
+        return training_file, None
     if training_file is not None:
         raise DoctorError("give a training file or --capsule, not both.")
-    path = capsule / "train_capsule.py"
-    if not path.is_file():
-        raise DoctorError(f"'{capsule}' is not a replay capsule (no train_capsule.py in it).",
-                          hint="Pass the folder the watch printed after 'Capsule:'.")
-    return path
+    from .live.capsule import check_capsule, replay_note
+
+    return capsule / "train_capsule.py", replay_note(check_capsule(capsule))
 
 
 def figures_folder(report: Path) -> Path:
@@ -295,12 +294,12 @@ def diagnose(
     """Run the triage and print a ranked diagnosis. Exit 0 healthy, 1 any error finding, 2 bad input.
 
     With --train: then run the corrected training; exit 0 when it reaches its last step, 1 when it stops.
-    With --capsule DIR: diagnose the saved state and batch of a watched run (see the README's callbacks).
+    With --capsule DIR: diagnose the saved state and batch of a watched run (see the README's fp16doctor watch).
     """
     given = training_file
 
     def job() -> int:
-        training_file = capsule_training_file(capsule, given)
+        training_file, replay = capsule_training_file(capsule, given)
         from .diagnosis import DiagnoseOptions, fixed_config
         from .diagnosis import diagnose as run_diagnose
         from .diagnosis.engine import UNEXPLAINED
@@ -313,6 +312,8 @@ def diagnose(
             if path is not None:
                 check_writable(path, force)
         spec, cfg, layers = load_layers(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
+        if replay is not None:
+            spec.note(replay)
         with err.status("diagnosing") as status:
             result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches),
                                   on_stage=lambda name: status.update(f"stage: {name}"))
@@ -474,6 +475,73 @@ def train_distributed(spec: Any, cfg: Any, options: Any, nproc: int, training_fi
                           hint="Its processes' messages are above; try --nproc 1 to see the problem in one process.")
     data = json.loads(summary.read_text())
     return TrainResult(**data)
+
+
+@app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+def watch(
+    command: Annotated[Optional[list[str]], typer.Argument(help="SCRIPT [ARGS...] (with -m: MODULE [ARGS...]), as you would give them to python.", show_default=False)] = None,
+    module: Annotated[bool, typer.Option("-m", help="Run a module, as python -m MODULE does.")] = False,
+    capsule_dir: Annotated[Path, typer.Option("--capsule-dir", help="Where a replay capsule is written on an alarm.")] = Path("fp16doctor_capsules"),
+    skip_streak: Annotated[int, typer.Option("--skip-streak", min=1, help="Optimizer steps skipped in a row that raise an alarm.")] = 5,
+    spike_factor: Annotated[float, typer.Option("--spike-factor", min=1.0, help="A loss above this multiple of the recent median is a spike.")] = 10.0,
+    keep_going: Annotated[bool, typer.Option("--keep-going", help="Go on after an alarm (the capsule is still written; the exit code is still 1).")] = False,
+    debug: Debug = False,
+) -> None:
+    """Run an unmodified training script as python would, watching every optimizer step.
+
+    Healthy: the script's own output and exit code, no file written. On an alarm: a replay capsule, one line
+    pointing at it, the run stopped (unless --keep-going), exit 1. Watch options go before SCRIPT.
+    """
+    words = list(command or [])
+
+    def job() -> int:
+        from .live.script import Target, check_target
+
+        if not words:
+            raise DoctorError("no script given.", hint="fp16doctor watch train.py ARGS, or fp16doctor watch -m package.train ARGS.")
+        target = Target(words[0], tuple(words[1:]), module=module)
+        check_target(target)
+        from .live.watch import WatchOptions
+
+        options = WatchOptions(capsule_dir=capsule_dir, stop_on_alarm=not keep_going, skip_streak=skip_streak,
+                               spike_factor=spike_factor)
+        return watch_target(target, options)
+
+    guarded(debug, job)
+
+
+def watch_target(target: Any, options: Any) -> int:
+    """Run the target under the observer; the exit code is the script's own, or 1 after an alarm."""
+    from .live.observe import TrainingObserver, WatchStopped
+    from .live.script import exit_status, run_target, script_traceback
+
+    def tell(alarm: Any) -> None:
+        print(alarm.pointer(), file=sys.stderr, flush=True)
+
+    def note(text: str) -> None:
+        print(f"fp16doctor: warning: {text}.", file=sys.stderr, flush=True)
+
+    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1  # capsules then carry the rank in their name
+    observer = TrainingObserver(options, on_alarm=tell, on_note=note,
+                                rank=int(os.environ.get("RANK", "0")) if torchrun else None)
+    code = EXIT_OK
+    try:
+        with observer:
+            run_target(target)
+    except WatchStopped:
+        return EXIT_FINDINGS
+    except SystemExit as exc:
+        code, message = exit_status(exc)
+        if message:
+            print(message, file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        sys.stderr.write(script_traceback(exc))
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the script's own error: its traceback, Python's exit code
+        sys.stderr.write(script_traceback(exc))
+        code = 1
+    sys.stdout.flush()
+    return code if code != EXIT_OK or not observer.alarms else EXIT_FINDINGS
 
 
 @app.command()

@@ -46,3 +46,11 @@ class ConfigError(DoctorError):
 
 class BatchError(DoctorError):
     """``data()`` yielded nothing, or something that is not a supported batch."""
+
+
+class ScriptError(DoctorError):
+    """A script or module given to ``fp16doctor watch`` cannot be started: Python's message and exit code."""
+
+    def __init__(self, message: str, exit_code: int, hint: str = ""):
+        super().__init__(message, hint=hint)
+        self.exit_code = exit_code

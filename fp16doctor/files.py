@@ -47,12 +47,15 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_torch_save(path: str | Path, obj: Any) -> None:
-    """``torch.save`` into memory, then the atomic write: a crash never leaves a half-written checkpoint."""
+def atomic_torch_save(path: str | Path, obj: Any, pickle_module: Any = None) -> None:
+    """``torch.save`` into memory, then the atomic write: a crash never leaves a half-written checkpoint.
+
+    ``pickle_module`` (e.g. cloudpickle) replaces the standard pickle, for objects whose classes are stored by value."""
     import io
+    import pickle
 
     import torch
 
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    torch.save(obj, buffer, pickle_module=pickle_module or pickle)
     atomic_write_bytes(path, buffer.getvalue())

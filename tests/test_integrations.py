@@ -167,3 +167,70 @@ def test_hf_trainer_fp16_on_gpu_reads_the_accelerators_scaler(tmp_path):
     assert callback.watch.alarm is None and len(callback.watch.history) == 6
     assert all(h.loss_scale > 1 for h in callback.watch.history)
     assert all(0 < h.grad_norm < 1e3 for h in callback.watch.history if not h.skipped)  # divided by the scale
+
+
+HF_SCRIPT = ROOT / "tests" / "scripts" / "hf_trainer_script.py"
+
+
+def run_script(*args, cwd):
+    import subprocess
+
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_hf_script_with_its_model_class_in_main_writes_a_capsule_under_output_dir_that_rebuilds(tmp_path):
+    proc = run_script(HF_SCRIPT, "--output-dir", tmp_path / "out", "--nan-at", "3", cwd=tmp_path)
+    assert proc.returncode == 0 and "global step 4" in proc.stdout, proc.stderr[-3000:]  # stopped after the bad step
+    capsule = tmp_path / "out" / "fp16doctor_capsules" / "step_00000003"
+    assert f"Capsule: {capsule}." in proc.stdout and not (tmp_path / "fp16doctor_capsules").exists()
+    report = diagnose_capsule(capsule)  # another process: the script's Tagger class is stored by value
+    assert report["findings"][0]["cause"] == "nonfinite-data"
+
+
+def test_hf_trainer_computing_the_loss_itself_is_healthy(tmp_path):
+    """A custom compute_loss pops the labels and computes the loss; the model's output has none."""
+    proc = run_script(HF_SCRIPT, "--output-dir", tmp_path / "out", "--own-loss", cwd=tmp_path)
+    assert proc.returncode == 0 and "global step 8" in proc.stdout and "fp16doctor:" not in proc.stdout, proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "fp16doctor_capsules").exists()
+
+
+def test_a_tiny_bert_with_label_smoothing_reads_the_trainers_loss(tmp_path):
+    from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+    from fp16doctor.integrations.hf import FP16DoctorCallback
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=32, num_labels=2)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 64, (12,), generator=g), "labels": torch.tensor(i % 2)} for i in range(64)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=6, bf16=True,
+                             use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, label_smoothing_factor=0.1)
+    callback = FP16DoctorCallback()
+    Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=rows, callbacks=[callback]).train()
+    history = callback.watch.history
+    assert callback.watch.alarm is None and len(history) == 6 and not (tmp_path / "out" / "fp16doctor_capsules").exists()
+    assert all(h.loss is not None and 0.3 < h.loss < 1.5 for h in history)  # the smoothed loss the Trainer optimised
+
+
+def test_lightning_script_with_its_module_in_main_writes_a_capsule_under_default_root_dir_that_rebuilds(tmp_path):
+    proc = run_script(ROOT / "tests" / "scripts" / "lightning_script.py", "--root", tmp_path / "root", "--nan-at", "4",
+                      cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    capsule = tmp_path / "root" / "fp16doctor_capsules" / "step_00000004"
+    assert f"Capsule: {capsule}." in proc.stdout and "global step 5" in proc.stdout
+    state = torch.load(capsule / "capsule.pt", weights_only=True)
+    assert state["history"][-1]["skipped"] and state["history"][-1]["loss_scale"] == 65536.0  # the scaler's own decision
+    report = diagnose_capsule(capsule)  # another process: the LightningModule of __main__ is stored by value
+    data = [f for f in report["findings"] if f["cause"] == "nonfinite-data"]
+    assert data and data[0]["evidence"]["nan"] == 1 and data[0]["evidence"]["field"] == "0"
+
+
+def test_a_trainer_script_under_fp16doctor_watch_gets_one_check_and_one_capsule(tmp_path):
+    """The script's own callback stands down under `fp16doctor watch`: one line, one capsule, and it replays."""
+    proc = run_cli("watch", "--capsule-dir", "caps", HF_SCRIPT, "--output-dir", "out", "--nan-at", "3", cwd=tmp_path)
+    pointers = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("fp16doctor:")]
+    assert proc.returncode == 1 and len(pointers) == 1 and "the loss is nan" in pointers[0], proc.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "caps").iterdir()] == ["step_00000003"]
+    assert not (tmp_path / "out" / "fp16doctor_capsules").exists()
+    assert diagnose_capsule(tmp_path / "caps" / "step_00000003")["findings"][0]["cause"] == "nonfinite-data"

@@ -75,9 +75,9 @@ def test_checking_a_step_and_writing_its_capsule_leaves_the_trainings_random_num
 
     save = watch_module.atomic_torch_save
 
-    def drawing_save(path, obj):
+    def drawing_save(path, obj, **options):
         torch.manual_seed(123), torch.rand(3), random.random(), np.random.rand(2)
-        save(path, obj)
+        save(path, obj, **options)
 
     monkeypatch.setattr(watch_module, "atomic_torch_save", drawing_save)
     model = torch.nn.Linear(4, 2)
@@ -92,3 +92,82 @@ def test_checking_a_step_and_writing_its_capsule_leaves_the_trainings_random_num
     drawn = (torch.rand(2).tolist(), random.random(), float(np.random.rand()))
     torch.manual_seed(7), random.seed(7), np.random.seed(7)
     assert drawn == (torch.rand(2).tolist(), random.random(), float(np.random.rand()))
+
+
+def test_the_observer_holds_large_output_gradients_only_once_a_skip_armed_it_and_restores_torch(monkeypatch, tmp_path):
+    import fp16doctor.live.observe as observe
+
+    monkeypatch.setattr(observe, "OUTPUT_GRAD_LIMIT", 10)  # the 16x3 logits count as large
+    held: list[bool] = []
+
+    class Spy(observe.TrainingObserver):
+        def check(self, optimizer, scaler, found_inf):
+            held.extend(c.grads[0] is not None for c in self._calls)
+            super().check(optimizer, scaler, found_inf)
+
+    originals = (torch.Tensor.backward, torch.amp.GradScaler.step, torch.amp.GradScaler.update, torch.amp.GradScaler.scale)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)  # overflows: the first steps are skipped
+    with Spy(WatchOptions(capsule_dir=tmp_path, stop_on_alarm=False, skip_streak=100)) as observer:
+        for _ in range(3):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 3, (16,)))
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    history = next(iter(observer.watches.values())).history
+    assert history[0].skipped and held == [False, True, True]  # step 0 was not armed; its skip armed the next ones
+    assert all(abs(h.loss - 1.1) < 0.5 for h in history)  # the unscaled loss, read at the backward
+    assert (torch.Tensor.backward, torch.amp.GradScaler.step, torch.amp.GradScaler.update,
+            torch.amp.GradScaler.scale) == originals and observe._active is None
+
+
+def test_a_finite_loss_with_a_non_finite_output_gradient_is_localised_to_the_loss(tmp_path):
+    """sqrt at 0 in the loss: the loss is 0, its gradient w.r.t. the logits NaN; the capsule says where it arises."""
+    import json
+
+    from fp16doctor.live.capsule import check_capsule, replay_note
+    from fp16doctor.live.observe import TrainingObserver, WatchStopped
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    try:
+        with TrainingObserver(WatchOptions(capsule_dir=tmp_path, skip_streak=1)) as observer:
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(torch.randn(16, 8))
+            loss = torch.sqrt((logits.float() * 0).sum())
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+    except WatchStopped as stopped:
+        alarm = stopped.alarm
+    assert alarm.kind == "skip-streak" and observer.alarms == [alarm]
+    manifest = check_capsule(alarm.capsule)
+    assert "outside the model" in manifest["loss_finding"] and "outside the model" in replay_note(manifest)
+    assert json.loads((alarm.capsule / "manifest.json").read_text())["replay"] == "output-grads"
+
+
+def test_the_capsule_trains_in_the_precision_the_scripts_autocast_used(tmp_path):
+    """fp16 autocast without a GradScaler (no loss scaling at all) must replay in fp16, not in bf16."""
+    import json
+
+    from fp16doctor.live.observe import TrainingObserver, WatchStopped
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(16, 8)
+    x[0, 0] = float("inf")
+    try:
+        with TrainingObserver(WatchOptions(capsule_dir=tmp_path)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), torch.randint(0, 3, (16,)))
+            loss.backward()
+            optimizer.step()
+    except WatchStopped as stopped:
+        alarm = stopped.alarm
+    assert alarm.kind == "nonfinite" and json.loads((alarm.capsule / "config.json").read_text())["dtype"] == "float16"

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..config import DoctorConfig
+from ..engine.ddp import half_precision_comm_hooks
 from ..engine.instruments import InstrumentOptions
 from ..engine.probe import Probe, Workbench
 from ..engine.rng import rng_state, set_rng_state
@@ -185,12 +186,7 @@ class Trainer:
 
     def comm_hook_findings(self) -> list[dict[str, Any]]:
         """An fp16/bf16 gradient-compression hook on DDP: gradients then travel in half precision."""
-        model = self.probe.model
-        hooks = getattr(model, "_comm_hooks", None) or []
-        names = [getattr(h[0] if isinstance(h, tuple) else h, "__name__", str(h)) for h in hooks]
-        if getattr(model, "_comm_hook", None) is not None:  # older PyTorch keeps one
-            names.append(getattr(model._comm_hook, "__name__", "hook"))
-        half = [n for n in names if "fp16" in n or "bf16" in n]
+        half = half_precision_comm_hooks(self.probe.model)
         if not half:
             return []
         return [{"cause": "ddp-half-allreduce", "severity": "warning",

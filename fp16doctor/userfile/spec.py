@@ -95,10 +95,11 @@ def load_training_file(path: str | Path) -> TrainingSpec:
     module = _import_as_module(path)
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
+        hint = "A training file needs `def model() -> torch.nn.Module` and `def data() -> iterable of batches`; see the README."
+        if len(missing) == len(REQUIRED):  # a plain training script, not a training file
+            hint += f" To watch the script as it is, run: fp16doctor watch {path} ARGS"
         raise TrainingFileError(
-            f"training file '{path}' does not define {' and '.join(n + '()' for n in missing)}.",
-            hint="A training file needs `def model() -> torch.nn.Module` and `def data() -> iterable of batches`; see the README.",
-        )
+            f"training file '{path}' does not define {' and '.join(n + '()' for n in missing)}.", hint=hint)
     optional = {}
     for name in OPTIONAL_CALLABLES:
         value = getattr(module, name, None)

@@ -1,0 +1,268 @@
+"""Replay capsules: the folder a watch writes on an alarm, and the check that one is complete.
+
+A capsule holds what the failing optimizer step started from (model, optimizer and scaler state, RNG),
+what the model received in that step (every accumulation micro-batch) and, where the watch saw it, the
+gradient of the loss with respect to the model's outputs. ``train_capsule.py`` turns it into a training
+file: with the output gradients its ``loss()`` is the surrogate ``sum(output * recorded_grad)``, whose
+backward is exactly the script's, so the step replays without the script's loss code. ``model.pt`` is
+pickled with cloudpickle: classes defined in the script that was run (``__main__``) are stored by value
+and rebuild in any process; classes importable from installed packages stay references.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..errors import TrainingFileError
+from ..files import atomic_write_text
+from ..userfile.batches import map_tensors
+
+CAPSULE_FORMAT = 2
+"""Bumped whenever the files of a capsule change meaning; a capsule of another format is refused."""
+CAPSULE_FILES = ("capsule.pt", "model.pt", "config.json", "train_capsule.py")
+MANIFEST = "manifest.json"
+REPLAY_INDEX = "replay_index"
+"""The batch field (a 0-dim integer tensor) that names a micro-batch's recorded output gradients."""
+
+
+def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def capsule_folder(base: Path, step: int, rank: int | None) -> Path:
+    """A new folder for this alarm: ``step_N`` (``rankR_step_N`` under torchrun), never an earlier capsule's."""
+    name = f"step_{step:08d}" if rank is None else f"rank{rank}_step_{step:08d}"
+    folder, n = base / name, 1
+    while folder.exists():
+        n += 1
+        folder = base / f"{name}-{n}"
+    folder.mkdir(parents=True)
+    return folder
+
+
+def replay_inputs(batches: list[Any], output_grads: list[tuple[list[torch.Tensor | None], bool]], scale: float
+                  ) -> tuple[list[Any], list[list[torch.Tensor | None]] | None]:
+    """Host copies of the step's batches and, when every micro-batch has them, its unscaled output gradients.
+
+    With output gradients each batch gains a ``replay_index`` naming its gradients, which stay out of the
+    batch itself: the data scan looks at what the model received, not at gradients."""
+    copies = [map_tensors(b, cpu_copy) for b in batches]
+    if not copies or len(output_grads) != len(copies) or not all(any(g is not None for g in gs) for gs, _ in output_grads):
+        return copies, None
+    grads = [[None if g is None else (g.detach().float() / (scale if scaled else 1.0)).cpu() for g in gs]
+             for gs, scaled in output_grads]
+    return [{**b, REPLAY_INDEX: torch.tensor(i)} for i, b in enumerate(copies)], grads
+
+
+def loss_gradient_finding(loss: float | None, output_grads: list[list[torch.Tensor | None]] | None) -> str | None:
+    """What the recorded output gradients say about the loss computation, which the replay cannot run.
+
+    A finite loss whose gradient w.r.t. the model's outputs is non-finite: the non-finite values are made
+    in the loss computation (its backward), outside the model."""
+    if output_grads is None or loss is None or not math.isfinite(loss):
+        return None
+    if all(g is None or bool(torch.isfinite(g).all()) for grads in output_grads for g in grads):
+        return None
+    return ("the loss is finite but its gradient w.r.t. the model's outputs is not: the non-finite values "
+            "arise in the loss computation (its backward), outside the model")
+
+
+def write_manifest(folder: Path, step: int, replay: str, loss_finding: str | None = None) -> None:
+    """What a reader checks first: the format, the files, which replay the capsule supports. Written last."""
+    manifest = {"format": CAPSULE_FORMAT, "fp16doctor": __version__, "step": step, "replay": replay,
+                "files": list(CAPSULE_FILES), "loss_finding": loss_finding}
+    atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2))
+
+
+def check_capsule(folder: Path) -> dict[str, Any]:
+    """The capsule's manifest, or :class:`TrainingFileError` naming what is missing or which format it is."""
+    if not folder.is_dir():
+        raise TrainingFileError(f"capsule folder '{folder}' does not exist.", hint="Pass the folder the watch printed after 'Capsule:'.")
+    hint = "Pass the folder the watch printed after 'Capsule:'; a capsule is complete once manifest.json is written."
+    if not (folder / MANIFEST).is_file():
+        if not (folder / "train_capsule.py").is_file():
+            raise TrainingFileError(f"'{folder}' is not a replay capsule (no {MANIFEST}, no train_capsule.py in it).", hint=hint)
+        raise TrainingFileError(f"capsule '{folder}' is incomplete or from an older fp16doctor: {MANIFEST} is missing.", hint=hint)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise TrainingFileError(f"capsule '{folder}': {MANIFEST} cannot be read ({exc}).", hint=hint) from exc
+    if manifest.get("format") != CAPSULE_FORMAT:
+        raise TrainingFileError(
+            f"capsule '{folder}' has format {manifest.get('format')} (fp16doctor {manifest.get('fp16doctor', '?')}); "
+            f"this fp16doctor ({__version__}) reads format {CAPSULE_FORMAT}.",
+            hint="Diagnose it with the fp16doctor version that wrote it, or let the watch write a new capsule.")
+    missing = [name for name in CAPSULE_FILES if not (folder / name).is_file()]
+    if missing:
+        raise TrainingFileError(f"capsule '{folder}' is incomplete: {', '.join(missing)} missing.", hint=hint)
+    return manifest
+
+
+def replay_note(manifest: dict[str, Any]) -> str:
+    """What a capsule diagnosis replays, and what it cannot verify."""
+    step = manifest.get("step")
+    if manifest.get("loss_finding"):
+        return f"optimizer step {step}: {manifest['loss_finding']}; the replay starts from that gradient"
+    if manifest.get("replay") == "output-grads":
+        return (f"single-step replay of optimizer step {step}: the model's forward and backward and the optimizer step "
+                "replay exactly, driven by the recorded gradient of the loss w.r.t. the model's outputs; the loss "
+                "computation itself is not replayed (a non-finite gradient arriving from it is a finding about the loss, "
+                "outside the model), nor are the steps before or after")
+    return (f"single-step replay of optimizer step {step} with the {manifest.get('replay')} loss; "
+            "the steps before and after it are not replayed")
+
+
+def constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its constructor accepts (plain values only: the capsule loads weights_only)."""
+    import inspect
+
+    try:
+        accepted = set(inspect.signature(type(optimizer).__init__).parameters)
+    except (TypeError, ValueError):
+        accepted = set(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items()
+            if k in accepted and isinstance(v, (bool, int, float, str, tuple, type(None)))}
+
+
+def import_roots(model: torch.nn.Module) -> list[str]:
+    """The folders from which the model's own classes import (``pkg.mod`` in ``/x/pkg/mod.py`` -> ``/x``).
+
+    The capsule's training file puts them on ``sys.path`` so that ``model.pt`` unpickles
+    wherever the diagnosis runs; installed libraries import as they are, and classes of
+    ``__main__`` are stored by value.
+    """
+    roots: list[str] = []
+    for module in {type(m).__module__ for m in model.modules()}:
+        if module == "__main__":
+            continue  # pickled by value (cloudpickle): nothing to import
+        file = getattr(sys.modules.get(module), "__file__", None)
+        if not file or "site-packages" in file or "dist-packages" in file:
+            continue
+        root = Path(file).resolve().parent
+        for _ in range(module.count(".") + (1 if Path(file).name == "__init__.py" else 0)):
+            root = root.parent
+        if str(root) not in roots:
+            roots.append(str(root))
+    return roots
+
+
+def detached_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ready to pickle: without a reference to its trainer (Lightning keeps one), without
+    accelerate's forward wrapper (the class's own forward) and without the watch's own hooks (they would
+    drag the watch, its batches and its trainer into ``model.pt``)."""
+    import copy
+    from collections import OrderedDict
+
+    clone = copy.copy(model)
+    for name in ("_forward_hooks", "_forward_pre_hooks"):
+        hooks = getattr(model, name, None)
+        if hooks:
+            clone.__dict__[name] = OrderedDict((k, h) for k, h in hooks.items() if not _ours(h))
+    if getattr(model, "_trainer", None) is not None:
+        clone.__dict__["_trainer"] = None
+    if "_original_forward" in model.__dict__:  # accelerate's mixed-precision forward wrapper refuses to pickle
+        clone.__dict__.pop("forward", None)
+        clone.__dict__.pop("_original_forward", None)
+    return clone
+
+
+def _ours(hook: Any) -> bool:
+    """A hook fp16doctor registered (a function or bound method defined in this package)."""
+    function = getattr(hook, "__func__", hook)
+    return str(getattr(function, "__module__", "")).startswith("fp16doctor.")
+
+
+def capsule_config(numbers: Any, scaler: Any, batches: int, dtype: str) -> dict[str, Any]:
+    """The doctor's config for the capsule: the scaler as it was at the alarm, enough steps to watch it fail."""
+    enabled = scaler is not None and scaler.is_enabled()
+    config: dict[str, Any] = {"steps": max(4, batches), "device": "cpu", "dtype": dtype}
+    if enabled:
+        config["scaler"] = {"enabled": True, "init_scale": float(numbers.loss_scale),
+                            "growth_factor": float(scaler.get_growth_factor()), "backoff_factor": float(scaler.get_backoff_factor()),
+                            "growth_interval": int(scaler.get_growth_interval())}
+    return config
+
+
+LIGHTNING_LOSS = '''
+
+def loss(model, batch):
+    """Lightning: the module's own training_step gives the loss."""
+    out = model.training_step(batch, 0)
+    return out["loss"] if isinstance(out, dict) else out
+'''
+
+REPLAY_LOSS = '''
+
+def _tensors(value):
+    """The output's tensors in a fixed order (the order the watch recorded their gradients in)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def loss(model, batch):
+    """The surrogate sum(output * recorded d loss / d output): its backward is the script's backward, no loss code."""
+    grads = STATE["output_grads"][int(batch["replay_index"])]
+    outputs = _tensors(model(*batch.get("args", ()), **batch.get("kwargs", {})))
+    terms = [(out.float() * g.to(out.device)).sum() for out, g in zip(outputs, grads) if g is not None]
+    return torch.stack(terms).sum()
+'''
+
+
+def capsule_training_file(numbers: Any, config: dict[str, Any], framework: str, replay: str) -> str:
+    """A training file that rebuilds the capsule: the model as trained, the optimizer state, the step's batches."""
+    head = textwrap.dedent(f'''\
+        """Replay capsule written by fp16doctor's watch at optimizer step {numbers.step} ({framework}).
+
+        Diagnose it: fp16doctor diagnose --capsule <this folder>
+        model.pt holds the module as it was trained (pickled with cloudpickle: classes of the script that was run
+        are stored by value); capsule.pt (torch.load(..., weights_only=True)) the weights the step started from,
+        the optimizer and scaler state, the step's batches, output gradients and RNG states.
+        """
+
+        import importlib
+        import sys
+        from pathlib import Path
+
+        import torch
+
+        HERE = Path(__file__).resolve().parent
+        STATE = torch.load(HERE / "capsule.pt", weights_only=True)
+        CONFIG = {config!r}
+        sys.path[:0] = [p for p in STATE["import_paths"] if p not in sys.path]   # where the model's classes live
+
+
+        def model():
+            net = torch.load(HERE / "model.pt", weights_only=False)
+            net.load_state_dict(STATE["model"])
+            return net
+
+
+        def data():
+            return list(STATE["batches"])
+
+
+        def optimizer(params):
+            module, name = STATE["optimizer_class"].rsplit(".", 1)
+            opt = getattr(importlib.import_module(module), name)(params, **STATE["optimizer_defaults"])
+            try:
+                opt.load_state_dict(STATE["optimizer"])   # the moments the failing step started from
+            except (ValueError, KeyError):
+                pass
+            return opt
+        ''')
+    if replay == "output-grads":
+        return head + REPLAY_LOSS
+    return head + (LIGHTNING_LOSS if framework == "lightning" else "")

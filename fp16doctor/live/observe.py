@@ -1,0 +1,428 @@
+"""Watching a training loop from outside: no callback, no change to the script.
+
+:class:`TrainingObserver` is what ``fp16doctor watch SCRIPT`` runs the script under. For the
+duration of a ``with`` block (and only then: one observer at a time, every patch restored on exit,
+under one lock) it observes
+
+* ``GradScaler.scale``: the loss a scaled backward is called on, unscaled (the tensor given to ``scale``);
+* ``Tensor.backward``: the loss of a loop without a scaler (the tensor ``backward()`` is called on);
+* ``GradScaler.step``, where the skip is decided: it unscales first (what ``step`` does first anyway,
+  so the numbers are unchanged), reads the scaler's found-inf flags and checks the step *before* the
+  weights move, also on exactly the steps the scaler skips (where ``optimizer.step`` never runs);
+* PyTorch's global optimizer step pre-hook, for optimizers stepped without an enabled scaler;
+* the model's forward: its inputs (each micro-batch, as references) and, through tensor hooks on its
+  outputs, the gradient of the loss w.r.t. those outputs, so a capsule replays the step without the
+  script's loss code. The model is the outermost module whose parameters the optimizer steps; it is
+  found through global module hooks during the first optimizer step, which are then replaced by
+  hooks on the model alone.
+
+Each optimizer step is checked by a :class:`~fp16doctor.live.watch.Watch` (one per optimizer) at one
+host synchronisation. On an alarm the observer calls ``on_alarm`` and, unless told to keep going,
+raises :class:`WatchStopped` (a ``BaseException``: a script's ``except Exception`` does not swallow it).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.amp.grad_scaler import GradScaler, OptState
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..engine.ddp import half_precision_comm_hooks
+from ..userfile.batches import iter_tensors
+from .watch import Alarm, Watch, WatchOptions
+
+OUTPUT_GRAD_LIMIT = 1 << 24
+"""Output elements above which a micro-batch's output gradient is held only once a skip has armed the capture
+(an LM's logits, batch x sequence x vocabulary, are too large to hold on every step)."""
+
+_PATCH_LOCK = threading.Lock()
+_active: "TrainingObserver | None" = None
+
+
+class WatchStopped(BaseException):
+    """The watch stopped the training at an alarm."""
+
+    def __init__(self, alarm: Alarm):
+        super().__init__(alarm.pointer())
+        self.alarm = alarm
+
+
+@dataclass
+class ModelCall:
+    """One training forward of the model: what it received, and the gradients reaching its outputs."""
+
+    module: torch.nn.Module
+    batch: dict[str, Any]
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+    scaled: bool = False
+
+
+class TrainingObserver:
+    """Observes every optimizer step of the training run inside its ``with`` block."""
+
+    def __init__(self, options: WatchOptions | None = None, on_alarm: Callable[[Alarm], None] | None = None,
+                 dtype: str | None = None, rank: int | None = None, observe_steps: bool = True,
+                 on_note: Callable[[str], None] | None = None):
+        self.options = options or WatchOptions()
+        self.on_note = on_note or (lambda text: None)
+        self.observe_steps = observe_steps
+        """False: only the loss is observed (the callbacks check the steps themselves, in their trainer's hooks)."""
+        self.on_alarm = on_alarm or (lambda alarm: None)
+        self.dtype = dtype
+        self.rank = rank
+        self.watches: dict[int, Watch] = {}
+        self.alarms: list[Alarm] = []
+        self._steps: dict[int, int] = {}
+        self._roots: list[torch.nn.Module] = []
+        self._models: list[torch.nn.Module] = []
+        self._calls: list[ModelCall] = []
+        self._losses: list[torch.Tensor] = []
+        self._last_scaled: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._backward_scaled = False
+        self._depth = 0
+        self._autocast_dtype: str | None = None
+        """The low precision the model's forward ran under (the capsule's dtype); None: no autocast seen."""
+        self._in_scaler_step = False
+        self._pending_stop: Alarm | None = None
+        self._in_update = False
+        self._last_step: tuple[Watch, torch.optim.Optimizer, list[ModelCall], list[torch.Tensor]] | None = None
+        self._handles: list[Any] = []
+        self._module_hooks: list[Any] = []
+        self._originals: list[tuple[Any, str, Any]] = []
+
+    # --- install / restore ------------------------------------------------------------------------
+    def __enter__(self) -> "TrainingObserver":
+        global _active
+        with _PATCH_LOCK:
+            if _active is not None:
+                raise RuntimeError("another fp16doctor watch is already observing this process")
+            _active = self
+            self._patch(torch.Tensor, "backward", _observed_backward)
+            for cls in _scaler_classes():
+                if "scale" in vars(cls):
+                    self._patch(cls, "scale", _observed_scale(vars(cls)["scale"]))
+            if not self.observe_steps:
+                return self
+            self._patch(GradScaler, "step", _observed_step(GradScaler.step))
+            for cls in _scaler_classes():
+                if "update" in vars(cls):
+                    self._patch(cls, "update", _observed_update(vars(cls)["update"]))
+            self._handles = [register_optimizer_step_pre_hook(self._optimizer_pre_step)]
+            self._module_hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._global_pre_forward),
+                                  torch.nn.modules.module.register_module_forward_hook(self._global_forward, with_kwargs=True,
+                                                                                       always_call=True)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        global _active
+        with _PATCH_LOCK:
+            for handle in self._handles + self._module_hooks:
+                handle.remove()
+            self._handles, self._module_hooks = [], []
+            for owner, name, original in reversed(self._originals):
+                setattr(owner, name, original)
+            self._originals = []
+            _active = None
+
+    def _patch(self, owner: Any, name: str, replacement: Any) -> None:
+        self._originals.append((owner, name, vars(owner)[name]))
+        setattr(owner, name, replacement)
+
+    # --- the loss -------------------------------------------------------------------------------------
+    def scaled(self, scaled: Any, loss: Any) -> None:
+        """``scaler.scale(loss)`` returned ``scaled``: a backward on it optimises ``loss``."""
+        if isinstance(scaled, torch.Tensor) and isinstance(loss, torch.Tensor):
+            self._last_scaled = (scaled, loss)
+
+    def backward(self, tensor: torch.Tensor) -> None:
+        """``tensor.backward()`` is about to run: record the loss it optimises (unscaled), as a reference."""
+        last, self._last_scaled = self._last_scaled, None
+        self._backward_scaled = last is not None and last[0] is tensor
+        loss = last[1] if self._backward_scaled else tensor
+        if loss.numel() == 1:
+            self._losses.append(loss.detach())
+
+    def take_losses(self) -> list[torch.Tensor]:
+        """The losses backward ran on since the last call (references), for a callback's own check."""
+        losses, self._losses = self._losses, []
+        return losses
+
+    # --- the model's forward ----------------------------------------------------------------------------
+    def _global_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        self._depth += 1
+
+    def _global_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0 and not any(module is m for m in self._roots) and any(True for _ in module.parameters()):
+            self._roots.append(module)
+        if self._depth == 0:
+            self._model_forward(module, args, kwargs, output)
+
+    def _model_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """A training forward of the model: hold its inputs, hook the gradients reaching its outputs."""
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self._autocast_dtype = self._autocast_dtype or autocast_dtype()
+        call = ModelCall(unwrapped(module), {"args": tuple(args), "kwargs": dict(kwargs or {})})
+        outputs = [t for _, t in iter_tensors(output)]
+        call.grads = [None] * len(outputs)
+        if sum(t.numel() for t in outputs) <= OUTPUT_GRAD_LIMIT or self._armed(module):
+            for index, tensor in enumerate(outputs):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._grad_catcher(call, index))
+        self._calls.append(call)
+
+    def _grad_catcher(self, call: ModelCall, index: int) -> Callable[[torch.Tensor], None]:
+        def catch(grad: torch.Tensor) -> None:
+            call.grads[index] = grad
+            call.scaled = self._backward_scaled
+
+        return catch
+
+    def _armed(self, module: torch.nn.Module) -> bool:
+        """A first trouble sign (the last step was skipped) arms holding large output gradients."""
+        model = unwrapped(module)
+        return any(w.model is model and w.history and w.history[-1].skipped for w in self.watches.values())
+
+    def _adopt(self, model: torch.nn.Module) -> None:
+        """Found the model: hook it alone and drop the global module hooks (they cost a call per module)."""
+        self._models.append(model)
+        self._handles.append(model.register_forward_hook(self._model_forward, with_kwargs=True))
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks = []
+
+    # --- the optimizer step ------------------------------------------------------------------------------
+    def scaler_step(self, scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """Inside ``scaler.step(optimizer)``, before the original: unscale (as step does first), then check."""
+        self.check(optimizer, scaler, scaler_decision(scaler, optimizer))
+
+    def _optimizer_pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._in_scaler_step:
+            self.check(optimizer, None, None)
+
+    def check(self, optimizer: torch.optim.Optimizer, scaler: GradScaler | None, found_inf: torch.Tensor | None) -> None:
+        """Check one optimizer step (one host sync); on an alarm tell ``on_alarm`` and stop unless told to keep going."""
+        watch = self._watch_for(optimizer)
+        step = self._steps.get(id(optimizer), 0)
+        self._steps[id(optimizer)] = step + 1
+        calls = [c for c in self._calls if c.module is watch.model]
+        for call in calls:
+            watch.capture_batch(call.batch)
+            watch.record_output_grads(call.grads, call.scaled)
+        for loss in self._losses:
+            watch.record_loss(loss)
+        others = [w.model for w in self.watches.values() if w is not watch]  # e.g. a GAN's second model
+        self._calls = [c for c in self._calls if any(c.module is m for m in others)]
+        if _world_size() > 1:  # held until update() has agreed across ranks
+            self._last_step = (watch, optimizer, calls, self._losses)
+        self._losses = []
+        alarm = watch.before_optimizer_step(step, optimizer, scaler, grads_scaled=False, found_inf=found_inf)
+        if alarm is None:
+            return
+        self.alarms.append(alarm)
+        self.on_alarm(alarm)
+        if not self.options.stop_on_alarm:
+            return
+        if scaler is not None and _world_size() > 1:
+            self._pending_stop = alarm  # every rank stops together in update(), which all of them reach
+            return
+        raise WatchStopped(alarm)
+
+    def _watch_for(self, optimizer: torch.optim.Optimizer) -> Watch:
+        key = id(optimizer)
+        if key not in self.watches:
+            watch = Watch(self._model_of(optimizer), self.options, framework="script", dtype=self.dtype or self._autocast_dtype)
+            watch.rank = self.rank
+            self.watches[key] = watch
+        return self.watches[key]
+
+    def _model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """The outermost module seen in training holding most of the optimizer's parameters (DDP and
+        ``torch.compile`` unwrapped: the module the capsule rebuilds)."""
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        scored = [(sum(1 for p in m.parameters() if id(p) in stepped), m) for m in self._roots]
+        count, outer = max(scored, key=lambda s: s[0], default=(0, None))
+        if outer is None or count == 0:
+            holder = torch.nn.Module()
+            holder.params = torch.nn.ParameterList([p for g in optimizer.param_groups for p in g["params"]])
+            return holder
+        model = unwrapped(outer)
+        if model not in self._models:
+            self._adopt(model)
+            half = half_precision_comm_hooks(outer)
+            if half:
+                self.on_note(f"DDP gradients are all-reduced in half precision ({', '.join(half)}): "
+                             "remove the compression hook to reduce them in fp32 (cause ddp-half-allreduce)")
+        return model
+
+    # --- under torchrun ---------------------------------------------------------------------------------
+    def before_update(self, scaler: GradScaler) -> None:
+        """Inside ``scaler.update()``, which every rank reaches (also a rank whose step was skipped): agree.
+
+        One all-gather of (scale, skipped, alarmed) per step. Ranks that disagree on the scale or on a skip
+        are an alarm of their own; an alarm on any rank stops every rank here, so that none is left waiting
+        in a collective the alarming rank never reaches."""
+        world = _world_size()
+        if world < 2 or scaler._scale is None:
+            return
+        import torch.distributed as dist
+
+        device = scaler._scale.device
+        flags = [f.to(device).reshape(()) for state in scaler._per_optimizer_states.values()
+                 for f in state["found_inf_per_device"].values()]
+        skipped = (torch.stack(flags).sum() > 0).float() if flags else torch.zeros((), device=device)
+        mine = torch.stack([scaler._scale.reshape(()).float(), skipped,
+                            torch.tensor(float(self._pending_stop is not None), device=device)])
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine)
+        table = torch.stack(rows).tolist()  # one transfer
+        if len({r[0] for r in table}) > 1 or len({r[1] for r in table}) > 1:
+            self._disagreement(table, scaler)
+        alarmed = [rank for rank, r in enumerate(table) if r[2]] or ([self.rank] if self._pending_stop else [])
+        step = self._step_of_last()
+        self._last_step = None
+        if alarmed and self.options.stop_on_alarm:
+            alarm = self._pending_stop or Alarm("stopped", step, f"rank {', '.join(map(str, alarmed))} raised an alarm")
+            if self._pending_stop is None:
+                self.on_alarm(alarm)
+            raise WatchStopped(alarm)
+
+    def _disagreement(self, table: list[list[float]], scaler: GradScaler) -> None:
+        """Ranks disagree: the skipping ranks (rank 0 where only the scale differs) write a capsule."""
+        said = ", ".join(f"rank {r}: scale {row[0]:g}, {'skipped' if row[1] else 'stepped'}" for r, row in enumerate(table))
+        writers = [r for r, row in enumerate(table) if row[1]] if len({row[1] for row in table}) > 1 else [0]
+        alarm = Alarm("rank-disagreement", self._step_of_last(), f"the ranks disagree ({said})")
+        if self._last_step is not None and self.rank in writers and "rank-disagreement" in self.options.alarms:
+            watch, optimizer, calls, losses = self._last_step
+            for call in calls:
+                watch.capture_batch(call.batch)
+                watch.record_output_grads(call.grads, call.scaled)
+            for loss in losses:
+                watch.record_loss(loss)
+            if watch.alarm is None:
+                watch.alarm = alarm
+            alarm.capsule = watch.write_capsule(optimizer, scaler, watch.history[-1])
+            watch.forget_step()
+        if "rank-disagreement" in self.options.alarms:
+            self.alarms.append(alarm)
+            self.on_alarm(alarm)
+            if self._pending_stop is None:
+                self._pending_stop = alarm
+
+    def _step_of_last(self) -> int:
+        return self._last_step[0].history[-1].step if self._last_step and self._last_step[0].history else -1
+
+
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a DDP or ``torch.compile`` wrapper runs."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def autocast_dtype() -> str | None:
+    """The dtype of the autocast region the current code runs in (``float16``/``bfloat16``), None outside one."""
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return str(torch.get_autocast_dtype(device_type)).replace("torch.", "")
+    return None
+
+
+def watching_steps() -> bool:
+    """Whether ``fp16doctor watch`` already observes this process's optimizer steps (a callback then stands down:
+    one check, one capsule and one line per alarm)."""
+    return _active is not None and _active.observe_steps
+
+
+def scaler_decision(scaler: Any, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """The scaler's skip decision for this step: its found-inf flags summed over devices (non-zero: skipped).
+
+    Unscales first where the scaler has not yet (``step`` does exactly that first, so nothing changes) and
+    reads no value: the flags stay on the device for the watch's one synchronisation. None without an
+    enabled scaler that scaled this step."""
+    if scaler is None or not scaler.is_enabled() or getattr(scaler, "_scale", None) is None:
+        return None
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)
+    flags = list(state["found_inf_per_device"].values())
+    return torch.stack([f.to(flags[0].device).reshape(()) for f in flags]).sum() if flags else None
+
+
+def _scaler_classes() -> list[type]:
+    """GradScaler and FSDP's ShardedGradScaler (which overrides ``scale``), where importable."""
+    classes: list[type] = [GradScaler]
+    try:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        classes.append(ShardedGradScaler)
+    except ImportError:  # pragma: no cover - builds without distributed
+        pass
+    return classes
+
+
+_original_backward = torch.Tensor.backward
+
+
+def _observed_backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if _active is not None:
+        _active.backward(self)
+    return _original_backward(self, *args, **kwargs)
+
+
+def _observed_scale(original: Callable[..., Any]) -> Callable[..., Any]:
+    def scale(self: GradScaler, outputs: Any) -> Any:
+        result = original(self, outputs)
+        if _active is not None and self.is_enabled():
+            _active.scaled(result, outputs)
+        return result
+
+    return scale
+
+
+def _observed_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    def step(self: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        observer = _active
+        if observer is None or not self.is_enabled() or observer._in_scaler_step or "closure" in kwargs:
+            return original(self, optimizer, *args, **kwargs)
+        if self._per_optimizer_states[id(optimizer)]["stage"] is not OptState.STEPPED:  # else: the scaler's own error
+            observer.scaler_step(self, optimizer)
+        observer._in_scaler_step = True
+        try:
+            return original(self, optimizer, *args, **kwargs)
+        finally:
+            observer._in_scaler_step = False
+
+    return step
+
+
+def _observed_update(original: Callable[..., Any]) -> Callable[..., Any]:
+    def update(self: GradScaler, new_scale: Any = None) -> None:
+        observer = _active
+        if observer is None or not self.is_enabled() or observer._in_update:
+            return original(self, new_scale)
+        observer._in_update = True  # a subclass's update calling GradScaler.update agrees once
+        try:
+            observer.before_update(self)
+            return original(self, new_scale)
+        finally:
+            observer._in_update = False
+
+    return update

@@ -1,0 +1,84 @@
+"""Running a user's script in this process exactly as ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) would.
+
+The way ``coverage run`` does it: ``__name__ == "__main__"``, ``sys.argv == [SCRIPT, *ARGS]``, the
+script's folder first on ``sys.path`` (the current directory for ``-m``). Whatever the script raises
+(``SystemExit`` included) propagates unchanged, so the caller keeps its traceback and exit code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import runpy
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ScriptError
+
+PYTHON_NO_FILE = 2
+"""What ``python missing.py`` exits with."""
+PYTHON_NO_MODULE = 1
+"""What ``python -m missing`` exits with."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to run: a script path or a module name, and its arguments."""
+
+    name: str
+    args: tuple[str, ...]
+    module: bool = False
+
+
+def check_target(target: Target) -> None:
+    """Python's own complaint, as a :class:`ScriptError` with Python's exit code, before anything runs."""
+    if target.module:
+        try:
+            found = importlib.util.find_spec(target.name)
+        except (ImportError, ValueError) as exc:
+            raise ScriptError(f"Error while finding module specification for '{target.name}' ({type(exc).__name__}: {exc})",
+                              PYTHON_NO_MODULE) from exc
+        if found is None:
+            raise ScriptError(f"No module named {target.name}", PYTHON_NO_MODULE,
+                              hint="fp16doctor watch -m takes a module importable from the current directory, as python -m does.")
+        return
+    path = Path(target.name)
+    if not path.exists():
+        raise ScriptError(f"can't open file '{path.resolve()}': [Errno 2] No such file or directory", PYTHON_NO_FILE)
+
+
+def run_target(target: Target) -> None:
+    """Run the script as ``__main__`` with its own ``sys.argv`` and ``sys.path[0]``; both restored afterwards."""
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    try:
+        if target.module:
+            sys.path[0:1] = [os.getcwd()]
+            sys.argv = [target.name, *target.args]  # runpy replaces argv[0] with the module's file
+            runpy.run_module(target.name, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0:1] = [str(Path(target.name).resolve().parent)]
+            sys.argv = [target.name, *target.args]
+            runpy.run_path(target.name, run_name="__main__")
+    finally:
+        sys.argv[:], sys.path[:] = saved_argv, saved_path
+
+
+def script_traceback(exc: BaseException) -> str:
+    """The traceback ``python SCRIPT`` would print: the frames of fp16doctor and runpy that started it left out."""
+    tb = exc.__traceback__
+    ours = (str(Path(__file__).resolve().parents[1]), runpy.__file__, "<frozen runpy>")
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(ours):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def exit_status(exc: SystemExit) -> tuple[int, str | None]:
+    """(exit code, message to print on stderr) for a ``SystemExit``, as the interpreter turns one into a status."""
+    code = exc.code
+    if code is None:
+        return 0, None
+    if isinstance(code, int):
+        return code, None
+    return 1, str(code)

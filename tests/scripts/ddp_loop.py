@@ -1,0 +1,60 @@
+"""A DistributedDataParallel AMP loop for torchrun (gloo on CPU), its model class in the script.
+
+``--poison-rank R --poison-step K``: rank R's batch of step K carries a NaN feature (one broken shard).
+``--skew-scale-rank R``: rank R builds its GradScaler with another init_scale (ranks then disagree on the scale).
+``--fp16-compress``: gradients all-reduced in fp16 (DDP's fp16_compress_hook).
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--poison-rank", type=int, default=-1)
+    parser.add_argument("--poison-step", type=int, default=-1)
+    parser.add_argument("--skew-scale-rank", type=int, default=-1)
+    parser.add_argument("--fp16-compress", action="store_true")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(Net())
+    if args.fp16_compress:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        model.register_comm_hook(None, fp16_compress_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12 if rank == args.skew_scale_rank else 2.0**16)
+    g = torch.Generator().manual_seed(100 + rank)
+    for step in range(args.steps):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        if rank == args.poison_rank and step == args.poison_step:
+            x[1, 1] = float("nan")
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
