@@ -68,3 +68,15 @@ def test_a_faulty_file_turns_nonfinite_in_train_at_the_step_the_diagnosis_locali
     assert first_fault(metrics) == localised
     trained_steps = metrics.step.max() + 1  # train may stop early, after too many non-finite steps in a row
     assert metrics.step[metrics.skipped].tolist() == [s for s in amp["skipped_steps"] if s < trained_steps]
+
+
+def test_a_healthy_file_whose_scale_settles_skips_the_same_steps_in_train(tmp_path):
+    """A block kept in fp32 with ``autocast("cuda", enabled=False)``: train honours it on CPU as the diagnosis
+    did (the loss stays finite), and the scale's settling skips are the same steps."""
+    path = FILES / "gpu_style_fp32_block.py"
+    report = diagnosis(path)
+    assert report["verdict"] == "healthy", [f["cause"] for f in report["findings"]]
+    amp = stage_details(report, "amp as configured")
+    metrics = trained(path, tmp_path, amp["steps"])
+    assert metrics.loss.map(lambda v: abs(v) != float("inf") and v == v).all()
+    assert metrics.step[metrics.skipped].tolist() == amp["skipped_steps"] and amp["skipped_steps"]
