@@ -210,7 +210,7 @@ def test_rules_command_lists_every_code():
         assert code in proc.stdout
 
 
-def test_an_unexplained_amp_exception_is_never_healthy(tmp_path):
+def test_an_amp_exception_is_never_healthy_and_the_search_names_what_repairs_it(tmp_path):
     path = tmp_path / "mixes_dtypes.py"
     path.write_text(
         "import torch\nfrom torch import nn\n\n"
@@ -226,9 +226,12 @@ def test_an_unexplained_amp_exception_is_never_healthy(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     payload = json.loads(proc.stdout)
     assert payload["verdict"] == "unhealthy"
-    assert payload["unexplained"][0]["probe"] == "amp" and payload["unexplained"][0]["exception"]["location"].endswith(":13")
-    finding = next(f for f in payload["findings"] if f["cause"] == "unexplained")  # a finding like any other cause
-    assert finding["severity"] == "error" and finding["evidence"]["symptoms"][0]["symptom"] == "amp-exception"
+    # No rule matches it; the intervention search finds that the loss code in fp32 (its half cast neutralised)
+    # repairs it, and that finding accounts for the exception, with the user's file and line.
+    finding = payload["findings"][0]
+    assert (finding["cause"], finding["severity"], finding["found_by"]) == ("loss-in-half", "error", "intervention")
+    assert finding["evidence"]["symptoms"] == ["amp-exception"] and finding["verification"]["repaired"]
+    assert finding["evidence"]["exception"]["location"].endswith(":13") and payload["unexplained"] == []
 
 
 def test_scan_batches_reaches_beyond_the_probes_batches():

@@ -74,6 +74,8 @@ class Rule:
         evidence: dict[str, Any] = {"intervention": repair.description, "symptoms_removed": list(repair.symptoms)}
         if repair.modules:
             evidence["fp32_modules"] = list(repair.modules)
+        if "amp-exception" in repair.symptoms and ev.amp is not None and ev.amp.exception:
+            evidence["exception"] = ev.amp.exception  # this finding accounts for it: no longer "unexplained"
         if loc is not None:
             evidence["localisation"] = {"module": loc.module, "operator": loc.operator, "phase": loc.phase,
                                         "step": loc.step, "batch": loc.batch_index, "output": loc.output}
