@@ -402,21 +402,38 @@ def _finite_abs_max(tensors: list[torch.Tensor]) -> float:
     return max(values, default=0.0)
 
 
-def precision_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, compute_dtypes: dict[str, str] | None = None) -> pd.DataFrame:
-    """For every module: the dtype its computation ran in, and the dtypes of its parameters, buffers and optimizer state."""
+def precision_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None,
+                  compute_dtypes: dict[str, str] | None = None) -> pd.DataFrame:
+    """For every module: the dtype its computation ran in, and the dtypes of its parameters, buffers and optimizer state.
+
+    ``trained_param_dtypes``: the dtypes of the parameters the training trains (they require grad and an
+    optimizer holds them); ``frozen``: the module has parameters and trains none of them. Only trained
+    parameters are the training's weights: a frozen module kept in fp16 on purpose (a distillation teacher, a
+    frozen encoder, an embedding table) is stored in half precision without being trained in it.
+    """
     compute_dtypes = compute_dtypes or {}
-    state = optimizer.state if optimizer is not None else {}
+    optimizers = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    state = {p: s for opt in optimizers for p, s in opt.state.items()}
+    held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
     rows = []
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         buffers = [b for b in module.buffers(recurse=False) if b.is_floating_point()]
         state_dtypes = sorted({str(v.dtype).replace("torch.", "") for p in params for v in state.get(p, {}).values()
                                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0})
+        trained = [p for p in params if p.requires_grad and id(p) in held]
         rows.append({
             "module": name or "<root>", "type": type(module).__name__,
             "compute_dtype": compute_dtypes.get(name or "<root>"),
-            "param_dtypes": ",".join(sorted({str(p.dtype).replace("torch.", "") for p in params})) or None,
-            "buffer_dtypes": ",".join(sorted({str(b.dtype).replace("torch.", "") for b in buffers})) or None,
+            "param_dtypes": _dtype_names(params),
+            "buffer_dtypes": _dtype_names(buffers),
             "optimizer_state_dtypes": ",".join(state_dtypes) or None,
+            "trained_param_dtypes": _dtype_names(trained),
+            "frozen": bool(params) and not trained,
         })
     return pd.DataFrame(rows)
+
+
+def _dtype_names(tensors: list[torch.Tensor]) -> str | None:
+    """The tensors' dtypes as a sorted comma-joined string (``"float16,float32"``), None for no tensors."""
+    return ",".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors})) or None
