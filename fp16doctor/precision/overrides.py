@@ -92,7 +92,8 @@ class LossInFp32(NeutraliseHalfCasts):
 
 
 @contextlib.contextmanager
-def watch_clipping(scaler: RecordingGradScaler, optimizer: torch.optim.Optimizer, user_module: types.ModuleType, unscale_first: bool) -> Iterator[None]:
+def watch_clipping(scaler: RecordingGradScaler, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+                   user_module: types.ModuleType, unscale_first: bool) -> Iterator[None]:
     """Record every clip_grad_norm_/clip_grad_value_ call; with ``unscale_first``, unscale before it.
 
     Clipping gradients that are still scaled uses a threshold off by the scale
@@ -106,7 +107,8 @@ def watch_clipping(scaler: RecordingGradScaler, optimizer: torch.optim.Optimizer
             trace = scaler.trace
             still_scaled = trace.scaled and not trace.unscaled
             if still_scaled and unscale_first:
-                scaler.unscale_(optimizer, _implicit=True)  # the doctor's fix, not a call of the loop's
+                for opt in [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer:
+                    scaler.unscale_(opt, _implicit=True)  # the doctor's fix, not a call of the loop's
             trace.clip_calls.append({"function": name, "scaled": still_scaled and not unscale_first, "scale": trace.scale_used})
             return original(*args, **kwargs)
 
