@@ -105,9 +105,10 @@ class RecordingGradScaler(torch.amp.GradScaler):
         self.trace.step_called = True
         self.trace.scaler_calls.append("step")
         self.trace.calls.append(f"step({self.name_of(optimizer)})")
-        if self.is_enabled() and self._scale is not None and self._per_optimizer_states[id(optimizer)]["stage"].name == "READY":
+        if self.is_enabled() and self._scale is not None and self._per_optimizer_states[id(optimizer)]["stage"].name != "UNSCALED":
             # What step() does first anyway (fused optimizers accept it too); done here so the
-            # unscaled norm is recorded even on the steps the scaler skips.
+            # unscaled norm is recorded even on the steps the scaler skips. (Per optimizer: with several, one
+            # unscaled does not unscale the next. A second step() before update() gets GradScaler's refusal.)
             self.unscale_(optimizer, _implicit=True)
         self.stepping = optimizer
         try:
