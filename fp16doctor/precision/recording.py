@@ -191,3 +191,4 @@ def finish_trace(trace: StepTrace, optimizers: torch.optim.Optimizer | Iterable[
         optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         params = {id(p): p for optimizer in optimizers for p in optimizer_params(optimizer)}
         trace.grad_norm = global_grad_norm(params.values(), divide)
+    trace.unscaled_params = {}  # the record keeps what was measured, not references to the parameters
