@@ -69,6 +69,7 @@ def test_an_optimizer_kept_from_an_earlier_probe_is_refused_as_bad_input():
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     message = " ".join(proc.stderr.split())
     assert "not this probe's model's" in message and "module-level global" in message
+    assert "module_global_optimizer.py:34" in message  # the line that stepped it: scaler.step(OPTIMIZER)
     assert "Traceback" not in proc.stderr
 
 

@@ -12,7 +12,9 @@ refused as bad input, never stepped.
 from __future__ import annotations
 
 import copy
+import traceback
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -59,14 +61,16 @@ def flat_schedulers(value: Any) -> list[Any]:
 class ProbeOptimizers:
     """The optimizers of one probe, by name; optimizers the training creates itself are found while it steps.
 
-    ``on_found`` is told of each optimizer found (to watch and instrument it like the others).
+    ``on_found`` is told of each optimizer found (to watch and instrument it like the others); ``user_file``
+    is the training file, whose line a refused optimizer's message names.
     """
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer], model: torch.nn.Module,
-                 on_found: Callable[[str, torch.optim.Optimizer], None] | None = None):
+                 on_found: Callable[[str, torch.optim.Optimizer], None] | None = None, user_file: Path | None = None):
         self.by_name = dict(optimizers)
         self.model = model
         self.on_found = on_found
+        self.user_file = user_file
         self.initial_states: dict[str, dict[str, Any]] = {}
         """The state of each optimizer found during a step, as it was found (a restore before it existed resets it)."""
         self._hook: Any = None
@@ -105,12 +109,20 @@ class ProbeOptimizers:
                 f"the training steps a {type(optimizer).__name__} whose parameters are not this probe's model's "
                 f"({len(foreign)} of its {len(params)} parameter tensors belong to no module of the model() it was "
                 "given): an optimizer kept from an earlier call (a module-level global?) would train a model that is "
-                "gone, so the doctor refuses to step it.", hint=FOREIGN_HINT)
+                "gone, so the doctor refuses to step it.", hint=FOREIGN_HINT, location=self._user_line())
         name = f"found: {type(optimizer).__name__}" + (f" #{len(self.initial_states) + 1}" if self.initial_states else "")
         self.by_name[name] = optimizer
         self.initial_states[name] = copy.deepcopy(optimizer.state_dict())
         if self.on_found is not None:
             self.on_found(name, optimizer)
+
+    def _user_line(self) -> str | None:
+        """``file:line`` of the deepest frame of the training file on the stack (where the optimizer stepped)."""
+        if self.user_file is None:
+            return None
+        target = str(Path(self.user_file).resolve())
+        frames = [f for f in traceback.extract_stack() if str(Path(f.filename).resolve()) == target]
+        return f"{self.user_file}:{frames[-1].lineno}" if frames else None
 
     # --- snapshot / restore ---------------------------------------------------------------------
     def state(self) -> dict[str, dict[str, Any]]:

@@ -194,7 +194,7 @@ class Probe:
             self.optimizer_arg = self._build_optimizers()
             """What ``train_step`` and ``scheduler()`` receive: one optimizer, or the file's tuple/list/dict of them."""
             self.optimizers = ProbeOptimizers(named_optimizers(self.optimizer_arg, self._optimizer_source()), self.model,
-                                              on_found=self._found_optimizer)
+                                              on_found=self._found_optimizer, user_file=self.spec.path)
             self.optimizer = self.optimizers.primary
             """The first optimizer (its learning rate is the record's ``lr``)."""
             self.scheduler = self._call_user("scheduler", self.spec.scheduler, self.optimizer_arg) if self.spec.scheduler else None
