@@ -109,6 +109,8 @@ def test_train_and_compare_run_a_training_with_optimizers_of_its_own(tmp_path):
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert report["verdict_by_mode"]["amp"] != "diverged"
+    assert report["skipped_by_optimizer"]["fp32"] == {"optimizers[0]": 0, "optimizers[1]": 0}
+    assert sum(report["skipped_by_optimizer"]["amp"].values()) > 0  # the 2^24 scale settles on both optimizers
 
 
 def test_snapshot_and_restore_cover_every_optimizer_also_one_found_while_stepping():
