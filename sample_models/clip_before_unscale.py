@@ -2,7 +2,8 @@
 
 The step clips right after backward, while the gradients are still multiplied
 by the loss scale (65536): a max_norm of 1.0 then clips the true gradients to
-1/65536 of it, and training crawls.
+1/65536 of it, and training crawls (plain SGD with momentum, whose step follows
+the gradient's size; Adam would divide the clipping away).
 """
 
 import torch
@@ -22,6 +23,10 @@ def data():
     for _ in range(20):
         y = torch.randint(0, 10, (64,), generator=g)
         yield centers[y] + 0.5 * torch.randn(64, 32, generator=g), y
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def train_step(model, batch, optimizer, scaler, autocast):

@@ -2,20 +2,21 @@
 
 A deep tanh network for a smooth regression: its gradients shrink layer by
 layer, and the early layers' gradients sit below fp16's smallest subnormal
-(2^-24): in fp16 they flush to zero and those layers stop learning.
+(2^-24): in fp16 they flush to zero and those layers stop learning, so the
+AMP loss curve falls behind FP32's.
 """
 
 import torch
 from torch import nn
 
-CONFIG = {"steps": 20, "lr": 1e-3, "scaler": {"enabled": False}}
+CONFIG = {"steps": 20, "lr": 3e-3, "scaler": {"enabled": False}}
 
 
 def model() -> nn.Module:
     layers = []
-    for _ in range(12):
+    for _ in range(16):
         linear = nn.Linear(64, 64)
-        nn.init.normal_(linear.weight, std=0.5 / 64 ** 0.5)
+        nn.init.normal_(linear.weight, std=0.4 / 64 ** 0.5)
         layers += [linear, nn.Tanh()]
     return nn.Sequential(*layers, nn.Linear(64, 1))
 

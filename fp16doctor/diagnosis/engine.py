@@ -108,9 +108,10 @@ def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier, h
 
 
 def demote_unrepairing(findings: list[Finding]) -> None:
-    """An error whose fix, tried, removed none of the measured symptoms becomes a warning that says so."""
+    """An error whose fix, tried, removed none of the measured symptoms becomes a warning that says so (and so
+    does a warning that was tried because it explains a symptom: it is not promoted to an error)."""
     for finding in findings:
-        if finding.severity == "error" and repair_rank(finding) == 3:
+        if finding.severity in ("error", "warning") and finding.verification and repair_rank(finding) == 3:
             finding.severity = "warning"
             finding.demoted = True
             finding.title += f" (tried: {finding.verification['tried']}; it did not change the outcome)"
@@ -246,16 +247,21 @@ def unexplained_finding(symptoms: list[Symptom], ev: Evidence, search: SearchRes
 
 
 def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], set[str]]:
-    """Every rule's findings, and the causes that a root cause found as an error marks as its symptoms."""
+    """Every rule's findings, and the causes that a root cause found as an error marks as its symptoms.
+
+    A warning that explains a measured symptom counts as the error it will become (a static fact such as
+    half weights is reported as a warning until a symptom stands on it).
+    """
     from .rules import all_rules
 
     rules = all_rules()
+    measured = {s.code for s in evidence.symptoms}
     findings: list[Finding] = []
     suppressors: dict[str, tuple[str, ...]] = {}
     for rule in rules:
         found = rule.check(evidence)
         findings.extend(found)
-        if any(f.severity == "error" for f in found):
+        if any(f.severity == "error" or (f.severity == "warning" and measured & set(rule.explains)) for f in found):
             suppressors[rule.code] = rule.suppresses
     hidden = {code for root, codes in suppressors.items() for code in codes if code != root}
     return findings, hidden

@@ -20,7 +20,8 @@ from ..measure.localise import Localisation
 from ..measure.numerics import ScaleWindow
 from .model import Evidence, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
 
-PRECISION_COLUMNS = ["module", "type", "compute_dtype", "param_dtypes", "buffer_dtypes", "optimizer_state_dtypes"]
+PRECISION_COLUMNS = ["module", "type", "compute_dtype", "param_dtypes", "buffer_dtypes", "optimizer_state_dtypes",
+                     "trained_param_dtypes", "frozen"]
 
 
 def records(
@@ -51,11 +52,15 @@ def records(
     return pd.DataFrame(rows, columns=RECORD_COLUMNS)
 
 
-def precision(*rows: tuple[str, str, str, str | None, str | None]) -> pd.DataFrame:
-    """(module, type, param dtypes, buffer dtypes, optimizer-state dtypes) per module."""
+def precision(*rows: tuple[Any, ...]) -> pd.DataFrame:
+    """(module, type, param dtypes, buffer dtypes, optimizer-state dtypes[, frozen]) per module; a module's
+    parameters are trained unless ``frozen`` is true."""
     table = rows or (("0", "Linear", "float32", None, "float32"),)
     return pd.DataFrame([{"module": m, "type": t, "compute_dtype": None, "param_dtypes": p, "buffer_dtypes": b,
-                          "optimizer_state_dtypes": o} for m, t, p, b, o in table], columns=PRECISION_COLUMNS)
+                          "optimizer_state_dtypes": o, "trained_param_dtypes": None if frozen else p,
+                          "frozen": bool(frozen and p)}
+                         for m, t, p, b, o, *rest in table for frozen in [rest[0] if rest else False]],
+                        columns=PRECISION_COLUMNS)
 
 
 def probe(mode: str = "amp", record: pd.DataFrame | None = None, **fields: Any) -> ProbeSummary:

@@ -117,6 +117,10 @@ class ProbeSummary:
     """Whether the training step called scaler.scale() (a hand-rolled loop may not)."""
     scaler_calls: list[list[str]] = field(default_factory=list)
     """Per iteration, the GradScaler calls the loop made, in order (``scale``, ``unscale_``, ``step``, ``update``)."""
+    optimizer_calls: list[list[str]] = field(default_factory=list)
+    """Per iteration, the GradScaler and optimizer calls naming the optimizer each acts on (``step(D)``, ``D.step()``)."""
+    skips_by_optimizer: dict[str, int] = field(default_factory=dict)
+    """Steps the scaler skipped, per optimizer (by the probe's name for it)."""
 
     @property
     def exception(self) -> dict[str, Any] | None:

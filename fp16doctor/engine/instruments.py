@@ -155,9 +155,11 @@ class _Pending:
 class Instruments:
     """Hooks on a model and its optimizer that fill per-step statistics tables."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: InstrumentOptions | None = None):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+                 options: InstrumentOptions | None = None):
         self.model = model
-        self.optimizer = optimizer
+        self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        self.optimizer = self.optimizers[0]
         self.options = options or InstrumentOptions()
         self.names = module_names(model)
         self.param_names = {p: n for n, p in unwrapped(model).named_parameters()}
@@ -182,8 +184,19 @@ class Instruments:
             return
         for module in self.names:
             self._handles.append(module.register_forward_hook(self._post_forward))
-        self._handles.append(self.optimizer.register_step_pre_hook(self._pre_step))
-        self._handles.append(self.optimizer.register_step_post_hook(self._post_step))
+        for optimizer in self.optimizers:
+            self._hook_optimizer(optimizer)
+
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
+        self._handles.append(optimizer.register_step_post_hook(self._post_step))
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Instrument one more optimizer (one the training created itself, found while it stepped)."""
+        if all(optimizer is not known for known in self.optimizers):
+            self.optimizers.append(optimizer)
+            if self._handles:
+                self._hook_optimizer(optimizer)
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -268,14 +281,15 @@ class Instruments:
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._active:
             return
-        if self.options.param_grads:
+        if self.options.param_grads and not self._param_grads_taken:  # several optimizers: the gradients once
             self._take_param_grads(divide_by=1.0)
         if self.options.updates:
-            # A strided sample of each parameter (the same elements after the step): lost updates and
-            # the update-to-weight ratio are measured on it, without copying whole parameters.
+            # A strided sample of each parameter this optimizer steps (the same elements after the step): lost
+            # updates and the update-to-weight ratio are measured on it, without copying whole parameters.
             # Sparse gradients are left out: their values do not line up with the parameter's elements.
+            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             self._before = {p: _sample(p.detach().reshape(-1), self.options.sample).clone() for p in self.param_names
-                            if p.grad is not None and not p.grad.is_sparse}
+                            if id(p) in stepped and p.grad is not None and not p.grad.is_sparse}
 
     def _take_param_grads(self, divide_by: float) -> None:
         """Per-parameter gradient statistics, batched across parameters (a handful of ops in all)."""
@@ -402,21 +416,38 @@ def _finite_abs_max(tensors: list[torch.Tensor]) -> float:
     return max(values, default=0.0)
 
 
-def precision_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, compute_dtypes: dict[str, str] | None = None) -> pd.DataFrame:
-    """For every module: the dtype its computation ran in, and the dtypes of its parameters, buffers and optimizer state."""
+def precision_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None,
+                  compute_dtypes: dict[str, str] | None = None) -> pd.DataFrame:
+    """For every module: the dtype its computation ran in, and the dtypes of its parameters, buffers and optimizer state.
+
+    ``trained_param_dtypes``: the dtypes of the parameters the training trains (they require grad and an
+    optimizer holds them); ``frozen``: the module has parameters and trains none of them. Only trained
+    parameters are the training's weights: a frozen module kept in fp16 on purpose (a distillation teacher, a
+    frozen encoder, an embedding table) is stored in half precision without being trained in it.
+    """
     compute_dtypes = compute_dtypes or {}
-    state = optimizer.state if optimizer is not None else {}
+    optimizers = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    state = {p: s for opt in optimizers for p, s in opt.state.items()}
+    held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
     rows = []
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         buffers = [b for b in module.buffers(recurse=False) if b.is_floating_point()]
         state_dtypes = sorted({str(v.dtype).replace("torch.", "") for p in params for v in state.get(p, {}).values()
                                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0})
+        trained = [p for p in params if p.requires_grad and id(p) in held]
         rows.append({
             "module": name or "<root>", "type": type(module).__name__,
             "compute_dtype": compute_dtypes.get(name or "<root>"),
-            "param_dtypes": ",".join(sorted({str(p.dtype).replace("torch.", "") for p in params})) or None,
-            "buffer_dtypes": ",".join(sorted({str(b.dtype).replace("torch.", "") for b in buffers})) or None,
+            "param_dtypes": _dtype_names(params),
+            "buffer_dtypes": _dtype_names(buffers),
             "optimizer_state_dtypes": ",".join(state_dtypes) or None,
+            "trained_param_dtypes": _dtype_names(trained),
+            "frozen": bool(params) and not trained,
         })
     return pd.DataFrame(rows)
+
+
+def _dtype_names(tensors: list[torch.Tensor]) -> str | None:
+    """The tensors' dtypes as a sorted comma-joined string (``"float16,float32"``), None for no tensors."""
+    return ",".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors})) or None

@@ -51,6 +51,7 @@ from ..userfile.batches import to_device
 from ..userfile.loop import canonical_step, default_loss, output_field
 from ..userfile.spec import TrainingSpec, build_model, draw_batches, user_frame
 from .instruments import InstrumentOptions, Instruments
+from .optimizers import ProbeOptimizers, flat_schedulers, named_optimizers
 from .rng import rng_state, seed_everything, set_rng_state
 
 MODES = ("fp32", "amp", "bf16")
@@ -101,8 +102,10 @@ class ProbeSnapshot:
     """Everything needed to take the same step again: weights, optimizer, scheduler, scaler, RNG, data position."""
 
     model: dict[str, Any]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any] | None
+    optimizer: dict[str, dict[str, Any]]
+    """Every optimizer's state, by the probe's name for it."""
+    scheduler: list[dict[str, Any]] | None
+    """Every scheduler's state, in the order the file returned them."""
     scaler: dict[str, Any]
     rng: dict[str, Any]
     iteration: int
@@ -187,15 +190,23 @@ class Probe:
         """Entered by the probe itself around its construction and every step (see :meth:`_precision`)."""
         with self._precision(), (NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext()):
             self.model = self._build_model()
-            self.optimizer = self._build_optimizer()
-            self.scheduler = self._call_user("scheduler", self.spec.scheduler, self.optimizer) if self.spec.scheduler else None
+            self.optimizer_arg = self._build_optimizers()
+            """What ``train_step`` and ``scheduler()`` receive: one optimizer, or the file's tuple/list/dict of them."""
+            self.optimizers = ProbeOptimizers(named_optimizers(self.optimizer_arg, self._optimizer_source()), self.model,
+                                              on_found=self._found_optimizer, user_file=self.spec.path)
+            self.optimizer = self.optimizers.primary
+            """The first optimizer (its learning rate is the record's ``lr``)."""
+            self.scheduler = self._call_user("scheduler", self.spec.scheduler, self.optimizer_arg) if self.spec.scheduler else None
+            self.schedulers = flat_schedulers(self.scheduler)
         cfg = config.scaler
         self.scaler = RecordingGradScaler(
             self.device.type, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
             backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval, enabled=self.settings.scaler_enabled,
         )
-        self._watch = OptimizerWatch(self.optimizer, self.scaler)
-        self._session.observe_clipping(ClipObserver(self.scaler, self.optimizer, config.overrides.unscale_before_clip), self.spec.module)
+        self.scaler.names = {id(opt): name for name, opt in self.optimizers.by_name.items()}
+        self._watch = OptimizerWatch(self.optimizers.all(), self.scaler)
+        self._session.observe_clipping(ClipObserver(self.scaler, tuple(self.optimizers.all()), config.overrides.unscale_before_clip),
+                                       self.spec.module)
         self.autocast = autocast_factory(self.device.type, self.settings.low_dtype)
         self._step_modes = self._runtime_fixes()
         if instruments is not None:
@@ -236,13 +247,34 @@ class Probe:
                 tensor.copy_(self.bench.initial_state[name])
         return model.train()
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
+    def _build_optimizers(self) -> Any:
+        """The file's ``optimizers(model)`` (one, or a tuple/list/dict), its ``optimizer(params)``, or the default AdamW."""
+        if self.spec.optimizers is not None:
+            built = self._call_user("optimizers", self.spec.optimizers, self.model)
+            several = len(named_optimizers(built, "optimizers(model)")) > 1
+            if several and self.spec.train_step is None:
+                raise TrainingFileError(
+                    "optimizers(model) returned several optimizers but the file defines no train_step(): only your "
+                    "step knows which loss each optimizer follows and in which order they step.",
+                    hint="Define train_step(model, batch, optimizer, scaler, autocast); it receives the same "
+                         "tuple/list/dict as `optimizer` (PyTorch's recipe: scaler.step() each, then one scaler.update()).")
+            return built
         if self.spec.optimizer is None:
             return torch.optim.AdamW(self.model.parameters(), lr=self.config.lr)
         optimizer = self._call_user("optimizer", self.spec.optimizer, self.model.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TrainingFileError(f"optimizer(params) returned {type(optimizer).__name__}, not a torch.optim.Optimizer.")
         return optimizer
+
+    def _optimizer_source(self) -> str:
+        return "optimizers(model)" if self.spec.optimizers is not None else "optimizer(params)"
+
+    def _found_optimizer(self, name: str, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer the training created itself stepped for the first time: watch, count and instrument it too."""
+        self.scaler.names[id(optimizer)] = name
+        self._watch.watch(optimizer)
+        if self.instruments is not None:
+            self.instruments.watch_optimizer(optimizer)
 
     def _call_user(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -274,8 +306,9 @@ class Probe:
         with contextlib.ExitStack() as stack:
             for mode in self._step_modes:
                 stack.enter_context(mode)
+            stack.enter_context(self.optimizers)  # optimizers the step creates itself are found as they step
             if self.spec.train_step is not None:
-                return self.spec.train_step(self.model, batch, self.optimizer, self.scaler, self.autocast)
+                return self.spec.train_step(self.model, batch, self.optimizer_arg, self.scaler, self.autocast)
             return canonical_step(self.model, batch, self.optimizer, self.scaler, self.autocast, self._loss_fn(), self.config.max_grad_norm)
 
     def step(self, batch: Any = None, batch_index: int | None = None) -> StepRecord:
@@ -310,7 +343,7 @@ class Probe:
             self.records.append(record)
             return record
         loss_value = self._loss_value(loss)
-        finish_trace(trace, self.optimizer)
+        finish_trace(trace, self.optimizers.all())
         self._end_instruments(trace)
         grad_norm = float(trace.grad_norm if trace.grad_norm is not None else float("nan"))
         outcome = step_outcome(trace, nonfinite_grads=not math.isfinite(grad_norm))
@@ -332,7 +365,7 @@ class Probe:
             self.instruments.detach()
             self.instruments = None
         if self.instruments is None:
-            self.instruments = Instruments(self.model, self.optimizer, options)
+            self.instruments = Instruments(self.model, self.optimizers.all(), options)
         return self.instruments
 
     def _end_instruments(self, trace: StepTrace) -> None:
@@ -342,13 +375,14 @@ class Probe:
     def _advance(self, skipped: bool, optimizer_step: bool = True, loss: float = math.nan) -> None:
         """Move the data cursor, and the scheduler once per optimizer step (not per accumulation micro-step)."""
         hold = skipped and (self.hold_on_retry or self.config.overrides.hold_scheduler_on_skip)
-        if self.scheduler is not None and optimizer_step and not hold:
+        if self.schedulers and optimizer_step and not hold:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)
-                step_scheduler(self.scheduler, loss)
+                for scheduler in self.schedulers:
+                    step_scheduler(scheduler, loss)
         cap = self.config.overrides.max_lr
         if cap is not None:
-            for group in self.optimizer.param_groups:
+            for group in (g for optimizer in self.optimizers.all() for g in optimizer.param_groups):
                 group["lr"] = min(group["lr"], cap)
         if not (skipped and self.align):
             self.cursor += 1
@@ -409,6 +443,14 @@ class Probe:
                     break
         return self.frame()
 
+    def skips_by_optimizer(self) -> dict[str, int]:
+        """How many steps the scaler skipped, per optimizer (each optimizer's step is skipped on its own gradients)."""
+        counts = {name: 0 for name in self.optimizers.by_name}
+        for record in self.records:
+            for name in (record.trace.skipped_optimizers if record.trace else []):
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
     def frame(self) -> pd.DataFrame:
         """The record so far as a DataFrame with ``RECORD_COLUMNS``."""
         return pd.DataFrame([r.row() for r in self.records], columns=RECORD_COLUMNS)
@@ -418,17 +460,17 @@ class Probe:
         rng = rng_state()
         return ProbeSnapshot(
             model=copy.deepcopy(self.model.state_dict()),
-            optimizer=copy.deepcopy(self.optimizer.state_dict()),
-            scheduler=copy.deepcopy(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            optimizer=self.optimizers.state(),
+            scheduler=[copy.deepcopy(s.state_dict()) for s in self.schedulers] if self.schedulers else None,
             scaler=copy.deepcopy(self.scaler.state_dict()),
             rng=rng, iteration=self.iteration, cursor=self.cursor,
         )
 
     def restore(self, snap: ProbeSnapshot) -> None:
         self.model.load_state_dict(snap.model)
-        self.optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
-        if self.scheduler is not None and snap.scheduler is not None:
-            self.scheduler.load_state_dict(snap.scheduler)
+        self.optimizers.load(snap.optimizer)
+        for scheduler, state in zip(self.schedulers, snap.scheduler or []):
+            scheduler.load_state_dict(state)
         if snap.scaler:
             self.scaler.load_state_dict(snap.scaler)
         set_rng_state(snap.rng)

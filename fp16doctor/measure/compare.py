@@ -46,6 +46,8 @@ class ModeTrajectory:
     """The instruments' per-parameter update health (lost updates), when instrumented."""
     symptoms: list[Symptom] = field(default_factory=list)
     """The measured symptoms against fp32 (:mod:`fp16doctor.measure.symptoms`), the same as ``diagnose`` uses."""
+    skipped_by_optimizer: dict[str, int] = field(default_factory=dict)
+    """Steps the scaler skipped, per optimizer (each is skipped on its own gradients)."""
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Comparison:
             "verdict": self.verdict,
             "verdict_by_mode": self.verdict_by_mode,
             "skipped_steps": {m: t.skipped for m, t in self.trajectories.items()},
+            "skipped_by_optimizer": {m: t.skipped_by_optimizer for m, t in self.trajectories.items()},
             "exceptions": {m: t.exception for m, t in self.trajectories.items() if t.exception},
             "first_nonfinite_module": {m: t.first_nonfinite_module for m, t in self.trajectories.items() if t.first_nonfinite_module},
             "symptoms": {m: [s.to_json() for s in t.symptoms] for m, t in self.trajectories.items() if m != "fp32"},
@@ -191,6 +194,7 @@ def run_aligned(bench: Workbench, mode: str, config: DoctorConfig, steps: int,
     probe = bench.probe(mode, config, align_on_taken_steps=True, instruments=instruments)
     try:
         trajectory = _align(mode, probe.run(steps, max_iterations=max_iterations, stop_on_nonfinite_loss=True))
+        trajectory.skipped_by_optimizer = probe.skips_by_optimizer()
         if probe.instruments is not None:
             first = probe.instruments.first_nonfinite_forward()
             trajectory.first_nonfinite_module = first["module"] if first else None

@@ -298,8 +298,9 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
     for module in names:
         handles.append(module.register_forward_pre_hook(push))
         handles.append(module.register_forward_hook(pop))
-    handles.append(probe.optimizer.register_step_pre_hook(optimizer_on))
-    handles.append(probe.optimizer.register_step_post_hook(optimizer_off))
+    for optimizer in probe.optimizers.all():  # every optimizer the training steps (optimizers(model) gives several)
+        handles.append(optimizer.register_step_pre_hook(optimizer_on))
+        handles.append(optimizer.register_step_post_hook(optimizer_off))
     step = probe.iteration
     if batch_index is None:
         batch_index = probe.cursor % len(probe.bench.batches) if batch is None else probe.cursor

@@ -61,7 +61,7 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
                 keep(f"param:{n}", grad_values(p))
 
     handles = [m.register_forward_hook(forward_hook) for m in names]
-    handles.append(probe.optimizer.register_step_pre_hook(pre_step))
+    handles += [optimizer.register_step_pre_hook(pre_step) for optimizer in probe.optimizers.all()]
     scale = float(probe.scaler.get_scale()) if probe.scaler.is_enabled() else 1.0
     try:
         seed_everything(probe.config.seed + probe.iteration)

@@ -99,14 +99,16 @@ class ClipObserver:
     with ``unscale_first`` unscale the gradients before clipping (the fix for clipping scaled gradients)."""
 
     scaler: RecordingGradScaler
-    optimizer: torch.optim.Optimizer
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    """Every optimizer the probe steps: with ``unscale_first`` each is unscaled before the clip."""
     unscale_first: bool
 
     def clip(self, name: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         trace = self.scaler.trace
         still_scaled = trace.scaled and not trace.unscaled
         if still_scaled and self.unscale_first:
-            self.scaler.unscale_(self.optimizer, _implicit=True)  # the doctor's fix, not a call of the loop's
+            for optimizer in self.optimizers:
+                self.scaler.unscale_(optimizer, _implicit=True)  # the doctor's fix, not a call of the loop's
         trace.clip_calls.append({"function": name, "scaled": still_scaled and not self.unscale_first, "scale": trace.scale_used})
         return original(*args, **kwargs)
 

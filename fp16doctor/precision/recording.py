@@ -43,6 +43,13 @@ class StepTrace:
     """One entry per clip_grad_norm_/clip_grad_value_ call: whether gradients were still scaled."""
     scaler_calls: list[str] = field(default_factory=list)
     """The GradScaler calls of the iteration in order (``scale``, ``unscale_``, ``step``, ``update``), as the loop made them."""
+    calls: list[str] = field(default_factory=list)
+    """The GradScaler and optimizer calls of the iteration in order, naming the optimizer each acts on
+    (``scale``, ``unscale_(D)``, ``step(D)``, ``D.step()`` for a plain optimizer step, ``update``)."""
+    skipped_optimizers: list[str] = field(default_factory=list)
+    """The optimizers whose step the scaler skipped this iteration (inf/NaN in their gradients)."""
+    unscaled_params: dict[int, torch.nn.Parameter] = field(default_factory=dict, repr=False)
+    """The parameters whose gradients ``unscale_`` has unscaled this iteration (of every optimizer so far)."""
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], divide_by: float = 1.0) -> float:
@@ -64,10 +71,18 @@ class RecordingGradScaler(torch.amp.GradScaler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.trace = StepTrace()
+        self.names: dict[int, str] = {}
+        """The probe's names of its optimizers by ``id`` (the scaler keys its per-optimizer state the same way)."""
+        self.stepping: torch.optim.Optimizer | None = None
+        """The optimizer inside ``step()`` right now: its own ``optimizer.step()`` is then the scaler's, not a plain one."""
+
+    def name_of(self, optimizer: torch.optim.Optimizer) -> str:
+        return self.names.get(id(optimizer), type(optimizer).__name__)
 
     def scale(self, outputs: Any) -> Any:  # type: ignore[override]
         self.trace.scale_called = True
         self.trace.scaler_calls.append("scale")
+        self.trace.calls.append("scale")
         if self.is_enabled():
             self.trace.scaled = True
             self.trace.scale_used = float(self.get_scale())
@@ -78,45 +93,77 @@ class RecordingGradScaler(torch.amp.GradScaler):
     def unscale_(self, optimizer: torch.optim.Optimizer, _implicit: bool = False) -> None:
         if not _implicit:
             self.trace.scaler_calls.append("unscale_")
+            self.trace.calls.append(f"unscale_({self.name_of(optimizer)})")
         super().unscale_(optimizer)
         if self.is_enabled():
             self.trace.unscaled = True
-            self.trace.grad_norm = global_grad_norm(optimizer_params(optimizer))
+            self.trace.unscaled_params.update({id(p): p for p in optimizer_params(optimizer)})
+            # Several optimizers: the norm over every gradient unscaled so far this iteration, not the last one's.
+            self.trace.grad_norm = global_grad_norm(self.trace.unscaled_params.values())
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         self.trace.step_called = True
         self.trace.scaler_calls.append("step")
-        if self.is_enabled() and not self.trace.unscaled and self._scale is not None:
+        self.trace.calls.append(f"step({self.name_of(optimizer)})")
+        if self.is_enabled() and self._scale is not None and self._per_optimizer_states[id(optimizer)]["stage"].name != "UNSCALED":
             # What step() does first anyway (fused optimizers accept it too); done here so the
-            # unscaled norm is recorded even on the steps the scaler skips.
+            # unscaled norm is recorded even on the steps the scaler skips. (Per optimizer: with several, one
+            # unscaled does not unscale the next. A second step() before update() gets GradScaler's refusal.)
             self.unscale_(optimizer, _implicit=True)
-        return super().step(optimizer, *args, **kwargs)
+        self.stepping = optimizer
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        finally:
+            self.stepping = None
 
     def update(self, new_scale: Any = None) -> None:
         self.trace.scaler_calls.append("update")
+        self.trace.calls.append("update")
         if self.is_enabled():
-            states = self._per_optimizer_states.values()
-            found = [v for state in states for v in state["found_inf_per_device"].values()]
+            found = []
+            for key, state in self._per_optimizer_states.items():
+                skipped = bool(sum(v.item() for v in state["found_inf_per_device"].values()))
+                found += list(state["found_inf_per_device"].values())
+                if skipped and state["stage"].name == "STEPPED":
+                    self.trace.skipped_optimizers.append(self.names.get(key, "optimizer"))
             if found:
                 self.trace.found_inf = bool(sum(v.item() for v in found))
         super().update(new_scale)
 
 
 class OptimizerWatch:
-    """Step hooks on the optimizer: did it step, and the gradient norm when no scaler reported one."""
+    """Step hooks on the optimizers: did one step, through the scaler or plainly, and the gradient norm when no
+    scaler reported one."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, scaler: RecordingGradScaler):
+    def __init__(self, optimizers: Iterable[torch.optim.Optimizer], scaler: RecordingGradScaler):
         self.scaler = scaler
-        self._handle = optimizer.register_step_pre_hook(self._pre_step)
+        self._handles: list[Any] = []
+        for optimizer in optimizers:
+            self.watch(optimizer)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Watch one more optimizer (one the training created itself, found while it stepped)."""
+        self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         trace = self.scaler.trace
         trace.optimizer_stepped = True
+        if self.scaler.stepping is not optimizer:
+            trace.calls.append(f"{self.scaler.name_of(optimizer)}.step()")  # a plain step, not through scaler.step()
         if trace.grad_norm is None:
             trace.grad_norm = global_grad_norm(optimizer_params(optimizer))
 
     def close(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def double_steps(calls: list[str]) -> list[str]:
+    """The optimizers an iteration stepped both through ``scaler.step()`` and with a plain ``optimizer.step()``:
+    they step twice, and the plain step applies inf/NaN gradients on an overflow step."""
+    through_scaler = {c[len("step("):-1] for c in calls if c.startswith("step(")}
+    return [name for name in dict.fromkeys(c[:-len(".step()")] for c in calls if c.endswith(".step()")) if name in through_scaler]
 
 
 def step_outcome(trace: StepTrace, nonfinite_grads: bool = False) -> str:
@@ -137,8 +184,11 @@ def step_outcome(trace: StepTrace, nonfinite_grads: bool = False) -> str:
     return "accumulated"
 
 
-def finish_trace(trace: StepTrace, optimizer: torch.optim.Optimizer) -> None:
+def finish_trace(trace: StepTrace, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> None:
     """Fill what the step's calls did not: the norm of gradients left by a loop without scaler or step."""
     if trace.grad_norm is None:
         divide = trace.scale_used if trace.scaled and not trace.unscaled else 1.0
-        trace.grad_norm = global_grad_norm(optimizer_params(optimizer), divide)
+        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        params = {id(p): p for optimizer in optimizers for p in optimizer_params(optimizer)}
+        trace.grad_norm = global_grad_norm(params.values(), divide)
+    trace.unscaled_params = {}  # the record keeps what was measured, not references to the parameters

@@ -206,7 +206,9 @@ class Trainer:
         state = {
             "step": step, "data_position": self.stream.position, "world": self.dist.world,
             "model": self.inner_model.state_dict(), "optimizer": probe.optimizer.state_dict(),
-            "scheduler": probe.scheduler.state_dict() if probe.scheduler is not None else None,
+            "optimizers": probe.optimizers.state(),  # every optimizer by name (optimizers(model) gives several)
+            "scheduler": probe.schedulers[0].state_dict() if probe.schedulers else None,
+            "schedulers": [scheduler.state_dict() for scheduler in probe.schedulers],
             "scaler": probe.scaler.state_dict(), "rng": rngs,
             "config": json.loads(json.dumps(self.config.to_dict())),
         }
@@ -225,9 +227,10 @@ class Trainer:
             raise DoctorError(f"the checkpoint was written by {state['world']} process(es), this run has {self.dist.world}.",
                               hint="Resume with the same --nproc.")
         self.inner_model.load_state_dict(state["model"])
-        self.probe.optimizer.load_state_dict(state["optimizer"])
-        if self.probe.scheduler is not None and state["scheduler"] is not None:
-            self.probe.scheduler.load_state_dict(state["scheduler"])
+        self.probe.optimizers.load(state.get("optimizers") or {self.probe.optimizers.name_of(self.probe.optimizer): state["optimizer"]})
+        schedulers = state.get("schedulers") or ([state["scheduler"]] if state["scheduler"] is not None else [])
+        for scheduler, scheduler_state in zip(self.probe.schedulers, schedulers):
+            scheduler.load_state_dict(scheduler_state)
         self.probe.scaler.load_state_dict(state["scaler"])
         self.stream.skip(state["data_position"])  # data() replays deterministically up to the position...
         set_rng_state(state["rng"][self.dist.rank])  # ...then the RNG continues where it stopped

@@ -1,8 +1,8 @@
 """Loading the user's training file and checking it against the contract.
 
 The training file is plain Python that never imports fp16doctor. It defines
-``model()`` and ``data()`` and, optionally, ``loss``, ``optimizer``,
-``scheduler``, ``train_step`` and ``CONFIG``.
+``model()`` and ``data()`` and, optionally, ``loss``, ``optimizer``
+(or ``optimizers``), ``scheduler``, ``train_step`` and ``CONFIG``.
 
 It is loaded the way ``python -c "import your_file"`` run from its folder would
 load it: the file's folder goes on ``sys.path`` (siblings import), the module
@@ -37,7 +37,7 @@ MARKER = "__fp16doctor_training_file__"
 REQUIRED = ("model", "data")
 COMPILED_NOTE = ("model() returns a torch.compile'd module: the doctor runs the module it wraps, uncompiled (eager), "
                  "so that its instruments can see every submodule and aten operator; backend='eager' gives the same numerics.")
-OPTIONAL_CALLABLES = ("loss", "optimizer", "scheduler", "train_step")
+OPTIONAL_CALLABLES = ("loss", "optimizer", "optimizers", "scheduler", "train_step")
 
 
 @dataclass
@@ -53,6 +53,8 @@ class TrainingSpec:
     scheduler: Callable[..., Any] | None
     train_step: Callable[..., Any] | None
     config: dict[str, Any]
+    optimizers: Callable[..., Any] | None = None
+    """``optimizers(model)``: a tuple, list or dict of optimizers (several need a ``train_step``), instead of ``optimizer``."""
     notes: list[str] = field(default_factory=list)
     """Things the user should know about how the doctor ran their file (printed once, in yellow)."""
 
@@ -106,6 +108,11 @@ def load_training_file(path: str | Path) -> TrainingSpec:
         if value is not None and not callable(value):
             raise TrainingFileError(f"'{name}' in '{path}' must be a function, got {type(value).__name__}.")
         optional[name] = value
+    if optional["optimizer"] is not None and optional["optimizers"] is not None:
+        raise TrainingFileError(
+            f"training file '{path}' defines both optimizer(params) and optimizers(model).",
+            hint="Define one: optimizer(params) for a single optimizer, optimizers(model) for a tuple, list or dict of them.",
+        )
     config = getattr(module, "CONFIG", None) or {}
     if not isinstance(config, dict):
         raise TrainingFileError(f"CONFIG in '{path}' must be a dict, got {type(config).__name__}.")

@@ -43,10 +43,11 @@ def enclosing_fp32_safe(ev: Evidence, module: str) -> str:
 
 
 def half_param_modules(summary: ProbeSummary | None) -> pd.DataFrame:
+    """The modules whose *trained* parameters are stored in fp16/bf16 (frozen half modules are not the training's weights)."""
     if summary is None:
         return pd.DataFrame()
     table = summary.precision
-    mask = table["param_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))
+    mask = table["trained_param_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))
     return table[mask]
 
 

@@ -2,7 +2,10 @@
 
 Evidence: the training step's clip_grad_norm_/clip_grad_value_ calls, observed
 while the GradScaler had scaled the loss but not yet unscaled the gradients.
-A threshold of 1.0 then clips to 1/65536 of the intended norm.
+A threshold of 1.0 then clips to 1/65536 of the intended norm. The call order
+is a fact about the code: a warning of what it can lead to (a crawling or
+drifting training), an error once a symptom it explains is measured (Adam,
+nearly invariant to the gradient's size, often shows none).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from . import Rule
 
 class ClipBeforeUnscale(Rule):
     code = "clip-before-unscale"
+    severity = "warning"
+    """A fact about the code: the engine makes it an error when a symptom it explains is measured."""
     order = 65
     explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
     repairs = ("unscale-before-clip",)
@@ -30,7 +35,8 @@ class ClipBeforeUnscale(Rule):
             return []
         first = scaled[0]
         return [self.finding(
-            f"{first['function']} runs on scaled gradients (scale {first['scale']:.0f}) in {len(scaled)} step(s)",
+            f"{first['function']} runs on scaled gradients (scale {first['scale']:.0f}) in {len(scaled)} step(s): "
+            "the threshold is off by the scale, which can make the training crawl",
             {"calls": len(scaled), "first_step": first["step"], "function": first["function"], "scale": first["scale"]},
             Fix(
                 "Call scaler.unscale_(optimizer) before clipping, so the threshold applies to the true gradients.",

@@ -7,7 +7,8 @@ and of the gradient's L1 mass. Over 5% calls for a higher scale
 below the rest of their tensor (a sharp softmax's tails, gradients that are
 zero in exact arithmetic and rounding noise in fp32) carry nothing when they
 flush, and a tensor whose whole gradient is under 1e-4 of the typical one is
-such noise.
+such noise. Flushing gradients are a warning of what they can lead to (layers
+that stop learning); they are an error once a symptom they explain is measured.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from ._helpers import fp32_finite, scale_patch
 
 class GradUnderflow(Rule):
     code = "grad-underflow"
+    severity = "warning"
+    """Measured on gradients, not on the training: the engine makes it an error when a symptom it explains is measured."""
     order = 71
     explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
     repairs = ("scaler-scale",)
@@ -73,7 +76,8 @@ class GradUnderflow(Rule):
         return [self.finding(
             f"{worst['observed_underflow']:.0%} of {worst['kind']} gradients of '{worst['name']}' "
             f"({worst['observed_underflow_mass']:.0%} of their mass) flush to zero in fp16"
-            + (" (loss scaling is off)" if configured is None else f" at loss scale {configured:.0f}"),
+            + (" (loss scaling is off)" if configured is None else f" at loss scale {configured:.0f}")
+            + ": the layers they feed can stop learning",
             {"worst": {"kind": worst["kind"], "name": worst["name"], "observed_underflow": float(worst["observed_underflow"]),
                        "observed_underflow_mass": float(worst["observed_underflow_mass"])},
              "tensors_over_5pct": len(flagged), "scaler_enabled": ev.config.scaler.enabled, "configured_scale": configured,

@@ -2,7 +2,10 @@
 
 Evidence: the precision map: norm modules with fp16/bf16 parameters or buffers
 while the rest of the model keeps fp32. Running variances accumulate in fp16's
-3 digits and its small range; under autocast PyTorch keeps them fp32.
+3 digits and its small range; under autocast PyTorch keeps them fp32. A frozen
+normalisation layer (its parameters not trained, as in an fp16 teacher) is not
+counted. A static fact: a warning of what it can lead to, an error once a
+symptom it explains is measured.
 """
 
 from __future__ import annotations
@@ -15,17 +18,20 @@ from ._helpers import LOW_DTYPES, is_norm
 
 class HalfBatchnorm(Rule):
     code = "half-batchnorm"
+    severity = "warning"
+    """A static fact: the engine makes it an error when a symptom it explains is measured."""
     order = 41
     explains = ('nonfinite', 'amp-exception', 'skips', 'same-state-gap', 'trajectory-drift')
     triggers = ("half_batchnorm.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "BatchNorm2d", "float16", "float16", "float32")))),)
-    quiet_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "BatchNorm2d", "float32", "float32", "float32")))),)
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "BatchNorm2d", "float32", "float32", "float32")))),
+                lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("teacher.1", "BatchNorm2d", "float16", "float16", None, True)))))
 
     def check(self, ev: Evidence) -> list[Finding]:
         if ev.amp is None:
             return []
         table = ev.amp.precision
-        norms = table[table["type"].map(is_norm)]
+        norms = table[table["type"].map(is_norm) & ~table["frozen"].astype(bool)]
         stored_half = norms[
             norms["param_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))
             | norms["buffer_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))
@@ -34,7 +40,8 @@ class HalfBatchnorm(Rule):
             return []
         names = stored_half["module"].tolist()
         return [self.finding(
-            f"{len(names)} normalisation layer(s) stored in half precision: {', '.join(names[:5])}",
+            f"{len(names)} normalisation layer(s) stored in half precision: {', '.join(names[:5])}; their running "
+            "statistics and weights keep fp16's 3 digits and range, which can make the loss drift or overflow",
             {"modules": names, "types": stored_half["type"].tolist(),
              "param_dtypes": stored_half["param_dtypes"].tolist(), "buffer_dtypes": stored_half["buffer_dtypes"].tolist(),
              "compute_dtypes": stored_half["compute_dtype"].tolist()},

@@ -3,7 +3,8 @@
 Evidence: the precision map (optimizer state dtypes per module), and where the
 first non-finite value appeared (the optimizer step). Adam's eps of 1e-8 is 0
 in fp16, and its second moment (squared gradients) underflows: m / (sqrt(v) + eps)
-then divides by zero.
+then divides by zero. A static fact: a warning of what it can lead to, an error
+once a symptom it explains is measured.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from ._helpers import LOW_DTYPES
 
 class HalfOptimizerState(Rule):
     code = "half-optimizer-state"
+    severity = "warning"
+    """A static fact: the engine makes it an error when a symptom it explains is measured."""
     order = 42
     explains = ('nonfinite', 'skips', 'lost-updates', 'trajectory-drift', 'same-state-gap')
     repairs = ("fp32-weights",)
@@ -38,7 +41,8 @@ class HalfOptimizerState(Rule):
             evidence.update({"first_nonfinite_phase": loc.phase, "operator": loc.operator, "step": loc.step})
         return [self.finding(
             f"Optimizer state is kept in {'/'.join(evidence['state_dtypes'])} for {len(half)} module(s)"
-            + (f"; the first non-finite value came from the {loc.phase} ({loc.operator})" if loc is not None else ""),
+            + (f"; the first non-finite value came from the {loc.phase} ({loc.operator})" if loc is not None else
+               "; Adam's eps and small second moments round to 0 there, which can divide by zero in the optimizer step"),
             evidence,
             Fix(
                 "Keep parameters and optimizer state in fp32 (autocast for the compute); do not cast optimizer state to half.",

@@ -1,8 +1,13 @@
-"""Parameters stored in half precision: no fp32 master weights, small updates are lost.
+"""Trained parameters stored in half precision: no fp32 master weights, small updates are lost.
 
-Evidence: the precision map (parameter dtypes), the share of updates lost
-below the parameters' resolution, and GradScaler's "Attempting to unscale FP16
-gradients" when the training uses one.
+Evidence: the precision map (the dtypes of the parameters the training trains:
+they require grad and an optimizer holds them), the share of updates lost below
+the parameters' resolution, and GradScaler's "Attempting to unscale FP16
+gradients" when the training uses one. Frozen half-precision modules (a
+distillation teacher, a frozen encoder, an embedding table kept in fp16 on
+purpose) are not the training's weights. Half weights are a static fact: a
+warning of what they can lead to, an error only once a symptom they explain
+(lost updates, skips, a non-finite step, GradScaler's refusal) is measured.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from ._helpers import half_param_modules, is_norm
 
 class HalfWeights(Rule):
     code = "half-weights"
+    severity = "warning"
+    """A static fact: the engine makes it an error when a symptom it explains is measured."""
     order = 40
     explains = ('nonfinite', 'skips', 'amp-exception', 'lost-updates', 'trajectory-drift', 'same-state-gap')
     repairs = ("fp32-weights",)
@@ -29,7 +36,9 @@ class HalfWeights(Rule):
         return repair.kind == "fp32-weights" and not half_param_modules(ev.amp).empty
     triggers = ("model_half.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16")))),)
-    quiet_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "LayerNorm", "float16", None, "float32")))),)
+    quiet_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "LayerNorm", "float16", None, "float32")))),
+                lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("student.0", "Linear", "float32", None, "float32"),
+                                                                        ("teacher.0", "Linear", "float16", None, None, True)))))
     suppresses = ("half-batchnorm", "half-optimizer-state", "grad-underflow", "precision-gap", "loss-in-half")
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -43,7 +52,7 @@ class HalfWeights(Rule):
         updates = amp.tables.get("updates") if amp else None
         if updates is not None and not updates.empty:
             lost = float(updates.loc[updates["dtype"].isin(["float16", "bfloat16"]), "lost_update_share"].max() or 0.0)
-        dtypes = sorted(set(",".join(half["param_dtypes"]).split(","))) if len(half) else ["float16"]
+        dtypes = sorted(set(",".join(half["trained_param_dtypes"]).split(","))) if len(half) else ["float16"]
         evidence = {"modules": half["module"].tolist()[:12], "module_count": int(len(half)), "param_dtypes": dtypes,
                     "max_lost_update_share": lost}
         if unscale_error:
@@ -51,11 +60,13 @@ class HalfWeights(Rule):
         patch = {"overrides": {"fp32_weights": True}}
         if ev.config.dtype == "float16":
             patch["scaler"] = {"enabled": True}
-        severity = "error" if ("float16" in dtypes or unscale_error or lost > HALF_WEIGHTS_LOST_SHARE) else "warning"
+        consequence = ("the share of updates lost could not be measured" if math.isnan(lost) else
+                       f"{lost:.0%} of updates lost" if lost > HALF_WEIGHTS_LOST_SHARE else
+                       "this can lose small updates below their resolution, overflow in the optimizer step, "
+                       "or make GradScaler refuse the gradients")
         return [self.finding(
-            f"Parameters are stored in {'/'.join(d for d in dtypes if d)} ({len(half)} modules): no fp32 master weights"
-            + ("" if lost == 0 else ", the share of updates lost could not be measured" if math.isnan(lost)
-               else f", {lost:.0%} of updates lost"),
+            f"Trained parameters are stored in {'/'.join(d for d in dtypes if d)} ({len(half)} modules): "
+            f"no fp32 master weights; {consequence}",
             evidence,
             Fix(
                 "Keep the model in fp32 and let autocast run the low-precision ops (master weights stay fp32, GradScaler works).",
@@ -67,5 +78,4 @@ class HalfWeights(Rule):
                 ),
                 config_patch=patch,
             ),
-            severity=severity,
         )]

@@ -10,12 +10,17 @@ called after step()"); `step()` on gradients never scaled ("_scale is None"); `u
 scaler, two optimizers, `update` between them); a loss that changes with the
 loss scale (the precision-gap stage's same-state loss closes with scaling off):
 the step returns `scaler.scale(loss)`, or computes from gradients of a scaled
-loss (a gradient penalty) without unscaling them. PyTorch's "CUDA Automatic Mixed
+loss (a gradient penalty) without unscaling them; a plain `optimizer.step()` on
+an optimizer that `scaler.step()` also steps in the same iteration (it steps
+twice, and applies inf gradients on an overflow step). Several optimizers, each
+stepped with `scaler.step()`, then one `scaler.update()`, is PyTorch's recipe
+and healthy. PyTorch's "CUDA Automatic Mixed
 Precision examples" give the recipe for each loop shape (mixed-precision-notes.md).
 """
 
 from __future__ import annotations
 
+from ...precision.recording import double_steps
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
 from . import Rule
@@ -36,6 +41,12 @@ if (micro + 1) % accumulate == 0:
     optimizer.zero_grad(set_to_none=True)
 # two optimizers: scaler.step(opt1); scaler.step(opt2); then ONE scaler.update()
 # every scaler.step(optimizer) is followed by scaler.update() in the same iteration"""
+DOUBLE_STEP_RECIPE = """# several optimizers (PyTorch's AMP recipe): every optimizer steps once, through the scaler
+scaler.scale(loss_d).backward()
+scaler.step(opt_d)            # no opt_d.step() besides: the scaler already steps it (or skips it on inf)
+scaler.scale(loss_g).backward()
+scaler.step(opt_g)
+scaler.update()               # once per iteration, after the last scaler.step()"""
 
 
 PENALTY_RECIPE = """# gradient penalty under AMP (PyTorch's AMP examples)
@@ -60,9 +71,15 @@ class ScalerMisuse(Rule):
                                     "message": "unscale_() is being called after step()."}),
                                     scaler_calls=[["scale", "step"], ["scale", "step"]])),
                 lambda: fx.evidence(amp=fx.probe(), gap={"gap": 1e7, "tolerance": 1e-3, "worst_step": 0, "same_state_rel_dev": {0: 1e7},
-                                                         "gap_without_loss_scaling": 1e-5, "scale_leak": True}))
+                                                         "gap_without_loss_scaling": 1e-5, "scale_leak": True}),
+                lambda: fx.evidence(amp=fx.probe(
+                    scaler_calls=[["scale", "step", "scale", "step", "update"]] * 4,
+                    optimizer_calls=[["scale", "step(D)", "D.step()", "scale", "step(G)", "update"]] * 4)))
     quiet_on = (lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "unscale_", "step", "update"]] * 10)),
-                lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale"], ["scale"], ["scale"], ["scale", "unscale_", "step", "update"]])))
+                lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale"], ["scale"], ["scale"], ["scale", "unscale_", "step", "update"]])),
+                lambda: fx.evidence(amp=fx.probe(
+                    scaler_calls=[["scale", "step", "scale", "step", "update"]] * 4,
+                    optimizer_calls=[["scale", "step(D)", "scale", "step(G)", "update"]] * 4)))
     suppresses = ("scale-overflow", "scale-growth", "scheduler-skip-drift", "bf16-advice", "precision-gap")
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -83,6 +100,12 @@ class ScalerMisuse(Rule):
                 problems.append(f"update() {sequence.count('update')} times in iteration {step}")
             if "step" in sequence and not amp.scaler_called:
                 problems.append("step() while scaler.scale() is never called: the gradients were never scaled")
+        doubled = {step: double_steps(sequence) for step, sequence in enumerate(amp.optimizer_calls)}
+        doubled = {step: names for step, names in doubled.items() if names}
+        if doubled:
+            first_step, names = next(iter(doubled.items()))
+            problems.append(f"{', '.join(names)} stepped twice in iteration {first_step}: scaler.step() and a plain "
+                            ".step() (the plain step applies inf/NaN gradients the scaler would have skipped)")
         leak = (ev.gap or {}).get("scale_leak")
         if leak:
             problems.append(
@@ -102,6 +125,16 @@ class ScalerMisuse(Rule):
             )]
         first = exc["step"] if exc is not None else 0
         window = calls[max(0, first - 3):first + 1]
+        if doubled and len(problems) == 1:
+            first = next(iter(doubled))
+            return [self.finding(
+                f"GradScaler misuse: {problems[0]}",
+                {"problems": problems, "double_stepped": sorted({n for names in doubled.values() for n in names}),
+                 "iterations": len(doubled), "scaler_calls_per_iteration": amp.optimizer_calls[first:first + 2],
+                 "exception": exc},
+                Fix("Step every optimizer once per iteration, through scaler.step() only, then call scaler.update() "
+                    "once (PyTorch's recipe for several optimizers).", code=DOUBLE_STEP_RECIPE),
+            )]
         return [self.finding(
             f"GradScaler misuse: {problems[0]}",
             {"problems": problems[:5], "scaler_calls_per_iteration": window, "exception": exc},

@@ -22,6 +22,7 @@ from ...engine.probe import (
     Workbench,
     metric_driven,
 )
+from ...engine.optimizers import flat_schedulers, named_optimizers
 from ...engine.rng import seed_everything
 from ...measure.symptoms import (
     Symptom,
@@ -75,12 +76,14 @@ def summarise(probe: Probe) -> ProbeSummary:
     loss_dtypes = sorted({r.trace.loss_dtype for r in probe.records if r.trace and r.trace.loss_dtype})
     return ProbeSummary(
         mode=probe.mode, records=probe.frame(), tables=tables,
-        precision=precision_map(probe.model, probe.optimizer, probe.instruments.compute_dtypes if probe.instruments else None),
+        precision=precision_map(probe.model, probe.optimizers.all(), probe.instruments.compute_dtypes if probe.instruments else None),
         clip_calls=clip_calls, loss_dtypes=loss_dtypes,
         first_nonfinite_forward=probe.instruments.first_nonfinite_forward() if probe.instruments else None,
         scaler_enabled=probe.scaler.is_enabled(),
         scaler_called=any(r.trace.scale_called for r in probe.records if r.trace),
         scaler_calls=[list(r.trace.scaler_calls) if r.trace else [] for r in probe.records],
+        optimizer_calls=[list(r.trace.calls) if r.trace else [] for r in probe.records],
+        skips_by_optimizer=probe.skips_by_optimizer(),
     )
 
 
@@ -209,6 +212,7 @@ def probe_details(summary: ProbeSummary) -> dict[str, Any]:
         "steps": len(rec), "first_nonfinite_loss": summary.first_nonfinite_loss,
         "first_nonfinite_grads": summary.first_nonfinite_grads, "skipped_steps": summary.skip_steps,
         "final_loss": float(rec["loss"].iloc[-1]) if len(rec) else None, "exception": summary.exception,
+        "skipped_by_optimizer": summary.skips_by_optimizer,
     }
 
 
@@ -231,11 +235,18 @@ def scheduler_lrs(ctx: StageContext) -> list[float] | None:
     # builds the same groups, and nothing is allocated (the dry run never steps the optimizer).
     stand_ins = [torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in ctx.bench.parameter_shapes]
     try:
-        optimizer = spec.optimizer(stand_ins) if spec.optimizer else torch.optim.AdamW(stand_ins, lr=ctx.config.lr)
-        scheduler = spec.scheduler(optimizer)
+        if spec.optimizers is not None:  # optimizers(model): a model built on the meta device, nothing allocated
+            with torch.device("meta"):
+                built = spec.optimizers(spec.model())
+            optimizer = named_optimizers(built, "optimizers(model)")
+        else:
+            built = spec.optimizer(stand_ins) if spec.optimizer else torch.optim.AdamW(stand_ins, lr=ctx.config.lr)
+            optimizer = {"optimizer": built}
+        schedulers = flat_schedulers(spec.scheduler(built))
     except Exception:  # noqa: BLE001 - the probes built them on the real parameters; only the dry run cannot
         return None
-    if metric_driven(scheduler):
+    optimizer = next(iter(optimizer.values()))  # the first optimizer's learning rate, as the probe records show
+    if not schedulers or any(metric_driven(s) for s in schedulers):
         return None
     lrs = []
     with warnings.catch_warnings():
@@ -243,7 +254,8 @@ def scheduler_lrs(ctx: StageContext) -> list[float] | None:
         for _ in range(ctx.evidence.steps):
             lrs.append(float(optimizer.param_groups[0]["lr"]))
             try:
-                scheduler.step()
+                for scheduler in schedulers:
+                    scheduler.step()
             except Exception:  # noqa: BLE001 - e.g. OneCycleLR past its total_steps: the probes show it as the user's error
                 break
     return lrs
