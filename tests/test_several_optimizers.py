@@ -123,12 +123,11 @@ def test_snapshot_and_restore_cover_every_optimizer_also_one_found_while_steppin
         spec = load_training_file(FILES / name)
         bench = Workbench(spec, build_config({**spec.config, "steps": 8}, {"device": "cpu"}))
         probe = bench.probe("amp", instruments=None)
-        with probe.mode_context():
-            before = [probe.step().loss for _ in range(2)]
-            snap = probe.snapshot()
-            first = [probe.step().loss for _ in range(4)]
-            probe.restore(snap)
-            again = [probe.step().loss for _ in range(4)]
+        before = [probe.step().loss for _ in range(2)]  # each step enters the probe's precision session itself
+        snap = probe.snapshot()
+        first = [probe.step().loss for _ in range(4)]
+        probe.restore(snap)
+        again = [probe.step().loss for _ in range(4)]
         probe.close()
         assert len(probe.optimizers.all()) >= 2 and before
         assert first == again, name
