@@ -433,7 +433,8 @@ class DiagnosisProgress:
         if self.progress is None:
             return
         current = self.progress.tasks[0].completed
-        self.progress.update(self.task, completed=max(current, completed), **fields)
+        # drawn now, not at the next tick: a stage or a probe of a small model can end within one
+        self.progress.update(self.task, completed=max(current, completed), refresh=True, **fields)
 
 
 def train_options(training_file: Path, run_dir: Path | None, checkpoint_every: int, resume: bool,
