@@ -302,7 +302,7 @@ def diagnose(
         training_file, replay = capsule_training_file(capsule, given)
         from .diagnosis import DiagnoseOptions, fixed_config
         from .diagnosis import diagnose as run_diagnose
-        from .diagnosis.engine import UNEXPLAINED
+        from .diagnosis.engine import UNEXPLAINED, stage_names
         from .diagnosis.rules import all_rules
         from .files import atomic_write_text
         from .output.markdown import fixed_config_yaml, junit_xml, markdown
@@ -314,9 +314,9 @@ def diagnose(
         spec, cfg, layers = load_layers(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
         if replay is not None:
             spec.note(replay)
-        with err.status("diagnosing") as status:
+        with DiagnosisProgress(err, stage_names()) as progress:
             result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches),
-                                  on_stage=lambda name: status.update(f"stage: {name}"))
+                                  on_stage=progress.stage, on_probe_step=progress.probe_step)
         show_notes(spec)
         name = str(training_file)
         if report is not None:
@@ -385,6 +385,56 @@ def train(
         return code
 
     guarded(debug, job)
+
+
+class DiagnosisProgress:
+    """A running diagnosis on stderr while stderr is a terminal: the stage, the step of the probe it runs, the
+    time spent and an estimate of the time left (rich's progress display, the look of ``train``'s). It is
+    removed when the diagnosis ends, before the report prints; off a terminal it shows nothing at all, so
+    logs and pipes get no control sequences, and stdout (``--json``'s one object) is never touched."""
+
+    def __init__(self, console: Console, stages: list[str]):
+        self.console = console
+        self.stages = stages
+        self.index = 0
+        self.progress: Any = None
+        self.task: Any = None
+
+    def __enter__(self) -> "DiagnosisProgress":
+        if not self.console.is_terminal:
+            return self
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        columns = [TextColumn("[bold]diagnose"), TextColumn("{task.fields[stage]}"), BarColumn(),
+                   TextColumn("{task.fields[step]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn()]
+        # stdout is not redirected: what the training file prints stays on stdout (or, with --json, stderr)
+        self.progress = Progress(*columns, console=self.console, transient=True, redirect_stdout=False)
+        self.progress.start()
+        self.task = self.progress.add_task("diagnose", total=len(self.stages), stage="preparing", step="")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def stage(self, name: str) -> None:
+        """A stage starts: the bar counts the stages done."""
+        if name in self.stages:
+            self.index = max(self.index, self.stages.index(name))
+        self._show(self.index, stage=name, step="")
+
+    def probe_step(self, mode: str, step: int, steps: int) -> None:
+        """A probe's step starts: its place in the probe, and the bar's share of the stage (never moving back,
+        so that the estimate of the time left follows the work done)."""
+        done = min(step, steps) / max(steps, 1)
+        self._show(self.index + 0.9 * done, step=f"{mode} step {min(step + 1, steps)}/{steps}")
+
+    def _show(self, completed: float, **fields: str) -> None:
+        if self.progress is None:
+            return
+        current = self.progress.tasks[0].completed
+        # drawn now, not at the next tick: a stage or a probe of a small model can end within one
+        self.progress.update(self.task, completed=max(current, completed), refresh=True, **fields)
 
 
 def train_options(training_file: Path, run_dir: Path | None, checkpoint_every: int, resume: bool,

@@ -14,6 +14,7 @@ from ..userfile.spec import TrainingSpec
 from .interventions import InterventionSearch, SearchResult
 from .model import SEVERITIES, Diagnosis, Evidence, Finding, Fix, Repair, StageReport, public
 from .stages import STAGES, StageContext, measured_symptoms, same_state_gap
+from .stages.context import ProbeStepHook
 from .verify import Verifier, repair_rank
 
 UNEXPLAINED = "unexplained"
@@ -23,6 +24,16 @@ UNEXPLAINED_ORDER = 95
 
 CI_STEPS = 20
 """--ci: probes this long (a smoke check, under a minute per model on 2 cores)."""
+
+
+VERIFYING = "verifying fixes"
+SEARCHING = "intervention search"
+
+
+def stage_names() -> list[str]:
+    """What ``on_stage`` is told, in order: every stage, then the fix verification and (when a symptom is
+    left unexplained) the intervention search."""
+    return [stage.name for stage in STAGES] + [VERIFYING, SEARCHING]
 
 
 @dataclass
@@ -38,15 +49,21 @@ def diagnose(
     config: DoctorConfig,
     options: DiagnoseOptions | None = None,
     on_stage: Callable[[str], None] | None = None,
+    on_probe_step: ProbeStepHook | None = None,
 ) -> Diagnosis:
-    """Run every stage in order, then every rule; return the ranked diagnosis."""
+    """Run every stage in order, then every rule; return the ranked diagnosis.
+
+    ``on_stage`` is told each stage's name as it starts (then "verifying fixes", and "intervention search"
+    when it runs); ``on_probe_step`` each step of the probes the stages and verifications run: a caller's
+    progress display, nothing the diagnosis depends on.
+    """
     options = options or DiagnoseOptions()
     if options.ci and config.steps > CI_STEPS:
         config = build_config(merge(config.to_dict(), {"steps": CI_STEPS}))
     bench = Workbench(spec, config, batch_count=max(config.steps, options.scan_batches or 0))
     evidence = Evidence(config=config, device=bench.device.type, steps=config.steps,
                         has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None)
-    ctx = StageContext(bench=bench, config=config, evidence=evidence, ci=options.ci)
+    ctx = StageContext(bench=bench, config=config, evidence=evidence, ci=options.ci, on_probe_step=on_probe_step)
     stages: list[StageReport] = []
     for stage in STAGES:
         if on_stage is not None:
@@ -58,7 +75,7 @@ def diagnose(
     evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
                                           evidence.gap.get("gap") if evidence.gap else None)
     if on_stage is not None:
-        on_stage("verifying fixes")
+        on_stage(VERIFYING)
     start = time.perf_counter()
     findings, hidden = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
@@ -70,7 +87,7 @@ def diagnose(
     search, searched = None, time.perf_counter()
     if unexplained:
         if on_stage is not None:
-            on_stage("intervention search")
+            on_stage(SEARCHING)
         search = InterventionSearch(ctx, verifier, unexplained).run()
         if search.repair is not None:
             unexplained = adopt_repair(findings, search.repair, evidence, unexplained)

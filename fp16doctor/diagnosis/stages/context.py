@@ -33,6 +33,10 @@ from ...measure.symptoms import (
 )
 from ..model import Evidence, ProbeSummary
 
+ProbeStepHook = Callable[[str, int, int], None]
+"""Told ``(probe mode, step about to run, the probe's steps)`` before each step of a probe that
+:func:`run_mode` runs: what a progress display needs, and nothing it could change."""
+
 
 @dataclass
 class StageContext:
@@ -52,6 +56,8 @@ class StageContext:
     amp_snapshots: dict[int, ProbeSnapshot] = field(default_factory=dict)
     """The AMP probe's full state right before the LR schedule's peak and jump: the LR-peak stage
     pauses there without replaying the run (at most two snapshots)."""
+    on_probe_step: ProbeStepHook | None = None
+    """Progress: told before each step of the probes :func:`run_mode` runs (None: nobody is watching)."""
 
     def with_config(self, patch: dict[str, Any]) -> DoctorConfig:
         return build_config(merge(self.config.to_dict(), patch))
@@ -93,11 +99,27 @@ def run_mode(ctx: StageContext, mode: str, config: DoctorConfig | None = None, s
     """Run a fresh probe of ``mode`` (every instrument unless told fewer: a probe whose tables no rule reads
     need not pay for them) and summarise it."""
     probe = ctx.bench.probe(mode, config or ctx.config, instruments=instruments)
+    steps = steps or ctx.evidence.steps
     try:
-        probe.run(steps or ctx.evidence.steps, before_step=before_step)
+        probe.run(steps, before_step=reporting_progress(ctx, before_step, steps))
         return summarise(probe)
     finally:
         probe.close()
+
+
+def reporting_progress(ctx: StageContext, before_step: Callable[[Probe], None] | None,
+                       steps: int) -> Callable[[Probe], None] | None:
+    """``before_step``, preceded by telling ``ctx.on_probe_step`` which step of ``steps`` comes next."""
+    hook = ctx.on_probe_step
+    if hook is None:
+        return before_step
+
+    def tell_then_step(probe: Probe) -> None:
+        hook(probe.mode, probe.iteration, steps)
+        if before_step is not None:
+            before_step(probe)
+
+    return tell_then_step
 
 
 def fp32_state_at(ctx: StageContext, step: int) -> dict[str, torch.Tensor]:
