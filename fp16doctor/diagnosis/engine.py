@@ -161,12 +161,12 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
 
 
 def _verification_sentence(findings: list[Finding], corrected: dict[str, Any] | None) -> str:
-    tried = [f for f in findings if f.verification and f.verification.get("tried")]
+    tried = [(f.cause, f.verification) for f in findings if f.verification and f.verification.get("tried")]
     if not tried and corrected is None:
         return "no fix to try"
-    parts = [f"{f.cause}: " + ("repaired" if f.verification["repaired"] else
-                               f"removed {f.verification['removed_share']:.0%} of the symptoms" if f.verification["removed_share"] is not None
-                               else "no measured symptom to remove") for f in tried]
+    parts = [f"{cause}: " + ("repaired" if v["repaired"] else
+                             f"removed {v['removed_share']:.0%} of the symptoms" if v["removed_share"] is not None
+                             else "no measured symptom to remove") for cause, v in tried]
     if corrected is not None:
         parts.append("corrected config: " + corrected["summary"])
     return "; ".join(parts)

@@ -165,7 +165,7 @@ def all_rules() -> list[Rule]:
 
 
 def _subclasses(cls: type) -> list[type]:
-    out = []
+    out: list[type] = []
     for sub in cls.__subclasses__():
         out.append(sub)
         out.extend(_subclasses(sub))

@@ -267,14 +267,14 @@ def scheduler_lrs(ctx: StageContext) -> list[float] | None:
         schedulers = flat_schedulers(spec.scheduler(built))
     except Exception:  # noqa: BLE001 - the probes built them on the real parameters; only the dry run cannot
         return None
-    optimizer = next(iter(optimizer.values()))  # the first optimizer's learning rate, as the probe records show
+    first: torch.optim.Optimizer = next(iter(optimizer.values()))  # the first optimizer's learning rate, as the records show
     if not schedulers or any(metric_driven(s) for s in schedulers):
         return None
     lrs = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)  # no optimizer steps in a dry run
         for _ in range(ctx.evidence.steps):
-            lrs.append(float(optimizer.param_groups[0]["lr"]))
+            lrs.append(float(first.param_groups[0]["lr"]))
             try:
                 for scheduler in schedulers:
                     scheduler.step()
