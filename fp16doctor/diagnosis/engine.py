@@ -12,7 +12,16 @@ from ..engine.probe import Workbench
 from ..measure.symptoms import Symptom
 from ..userfile.spec import TrainingSpec
 from .interventions import InterventionSearch, SearchResult
-from .model import SEVERITIES, Diagnosis, Evidence, Finding, Fix, Repair, StageReport, public
+from .model import (
+    SEVERITIES,
+    Diagnosis,
+    Evidence,
+    Finding,
+    Fix,
+    Repair,
+    StageReport,
+    public,
+)
 from .stages import STAGES, StageContext, measured_symptoms, same_state_gap
 from .stages.context import ProbeStepHook
 from .verify import Verifier, repair_rank
@@ -206,10 +215,9 @@ def adopt_repair(findings: list[Finding], repair: Repair, ev: Evidence, unexplai
     from .rules import name_repair
 
     finding = name_repair(repair, ev)
-    for index, other in enumerate(list(findings)):
-        if other.cause == finding.cause:
-            finding.evidence = {**other.evidence, **finding.evidence}
-            findings.remove(other)
+    for other in [f for f in findings if f.cause == finding.cause and (f.demoted or f.severity != "error")]:
+        finding.evidence = {**other.evidence, **finding.evidence}
+        findings.remove(other)
     finding.evidence["symptoms"] = [s.code for s in unexplained if s.code in repair.symptoms]
     for code in finding.evidence["symptoms"]:
         ev.explained[code] = [finding.cause]
@@ -255,7 +263,7 @@ def unexplained_finding(symptoms: list[Symptom], ev: Evidence, search: SearchRes
     if codes & {"same-state-gap", "trajectory-drift", "lost-updates"}:
         inspect.append("keep the suspect modules in fp32 (overrides.fp32_modules) one at a time")
     return Finding(
-        cause=UNEXPLAINED, severity="error", found_by="intervention" if search is not None else "rule",
+        cause=UNEXPLAINED, severity="error",
         title="Measured under AMP, explained by no rule or intervention: " + "; ".join(s.description for s in symptoms) + where,
         evidence=evidence,
         fix=Fix("No rule recognises this pattern. Inspect next: " + "; ".join(inspect) + "."),

@@ -32,7 +32,9 @@ from typing import Any, Iterator
 
 from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
 from ..measure.symptoms import Symptom, skip_runs
+from ..measure.thresholds import EXTREME_INPUT
 from .model import Evidence, Repair
+from .rules._helpers import stores_half_training_state
 from .stages import StageContext, same_state_gap
 from .verify import Intervention, Verifier, drop_rows, standardise
 
@@ -48,7 +50,6 @@ CI_SEARCH_BUDGET = 3
 """--ci: at most three interventions."""
 MAX_GROWN = 3
 """A module set grown by localising again after partial repairs holds at most this many modules."""
-HALF_TYPES = ("float16", "bfloat16")
 
 
 @dataclass
@@ -107,8 +108,11 @@ class InterventionSearch:
     # --- the search ---------------------------------------------------------------------------------
     def run(self) -> SearchResult:
         loc = self.ev.localisation
-        if self.codes & RANGE_SYMPTOMS and loc is not None and loc.phase != "data":
-            self.intrinsic = self._screen_fault({}) is not None
+        if (self.codes & RANGE_SYMPTOMS and "fp32-nonfinite" not in self.codes and loc is not None
+                and loc.phase != "data" and self.ev.localisation_deterministic):
+            # Does the fault happen at a loss scale of 1 too? Then candidates are screened there (a scaled
+            # backward at 65536 overflows in healthy trainings too); if not, the scale is part of the fault.
+            self.intrinsic = self._screen_fault({"scaler": {"enabled": False}}) is not None
         seen: set[str] = set()
         for candidate in self._candidates():
             key = candidate.intervention.description
@@ -163,7 +167,8 @@ class InterventionSearch:
                 probe.step()
             if probe.failed is not None:
                 return loc  # the user's code raised before the failing step: no repair
-            return trace_step(probe)
+            found = trace_step(probe)
+            return loc if found is None and probe.failed is not None else found  # raising is no repair either
         finally:
             probe.close()
 
@@ -197,11 +202,13 @@ class InterventionSearch:
             yield from self._schedule()
             yield from self._clipping()
             yield from self._data()
-            yield self._bf16()
+            if self.ctx.config.dtype == "float16" and self.ev.bf16_supported:
+                yield self._bf16()
             return
         yield from self._gap_set()
         yield from self._fp32_weights()
-        yield self._loss_fp32(screen="gap")
+        yield self._loss_fp32()
+        yield from self._clipping()
         yield from self._schedule()
         yield from self._scaler()
 
@@ -255,8 +262,7 @@ class InterventionSearch:
     def _fp32_modules(self, modules: list[str], scope: str, module_class: str | None = None) -> Candidate:
         what = f"every {module_class} ({', '.join(modules)})" if module_class else ", ".join(modules)
         return Candidate("fp32-modules", Intervention(f"keeping {what} in fp32", {"overrides": {"fp32_modules": modules}}),
-                         modules=modules, scope=scope, module_class=module_class,
-                         screen="range" if self.codes & RANGE_SYMPTOMS else "gap")
+                         modules=modules, scope=scope, module_class=module_class, screen=self._screen_kind())
 
     def _gap_set(self) -> Iterator[Candidate]:
         gap = self.ev.gap or {}
@@ -272,16 +278,18 @@ class InterventionSearch:
             if members:
                 yield self._fp32_modules(members, "class", module_class=types[top])
 
-    def _loss_fp32(self, screen: str = "range") -> Candidate:
+    def _screen_kind(self) -> str:
+        """Range symptoms are screened on the failing step, a same-state gap on that gap; the rest need the full probe."""
+        if self.codes & RANGE_SYMPTOMS:
+            return "range"
+        return "gap" if "same-state-gap" in self.codes else "none"
+
+    def _loss_fp32(self) -> Candidate:
         return Candidate("loss-fp32", Intervention("computing the loss in fp32", {"overrides": {"loss_in_fp32": True}}),
-                         screen=screen if (screen != "range" or self.codes & RANGE_SYMPTOMS) else "none")
+                         screen=self._screen_kind())
 
     def _fp32_weights(self) -> Iterator[Candidate]:
-        precision = self.ev.amp.precision if self.ev.amp is not None else None
-        if precision is None or precision.empty:
-            return
-        stored = " ".join(str(v) for column in ("param_dtypes", "optimizer_state_dtypes") for v in precision[column].fillna(""))
-        if any(t in stored for t in HALF_TYPES):
+        if stores_half_training_state(self.ev):
             yield Candidate("fp32-weights", Intervention("fp32 master weights and optimizer state",
                                                          {"overrides": {"fp32_weights": True}}),
                             screen="range" if self.codes & RANGE_SYMPTOMS else "none")
@@ -331,14 +339,15 @@ class InterventionSearch:
         amp = self.ev.amp
         if amp is not None and any(c.get("scaled") for c in amp.clip_calls):
             yield Candidate("unscale-before-clip", Intervention("unscaling the gradients before clipping",
-                                                                {"overrides": {"unscale_before_clip": True}}), screen="range")
+                                                                {"overrides": {"unscale_before_clip": True}}),
+                            screen="range" if self.codes & RANGE_SYMPTOMS else "none")
 
     def _data(self) -> Iterator[Candidate]:
         for scan in self.ev.data:
             if scan.nonfinite:
                 yield Candidate("drop-nonfinite-rows", Intervention(f"the batches without the rows where '{scan.field}' is non-finite",
                                                                     batches=drop_rows(scan.field)))
-            elif scan.floating and scan.abs_max >= 1e3:
+            elif scan.floating and scan.abs_max >= EXTREME_INPUT:
                 yield Candidate("standardise", Intervention(f"'{scan.field}' standardised", batches=standardise(scan.field)))
 
     def _bf16(self) -> Candidate:
@@ -356,6 +365,10 @@ class InterventionSearch:
         if table is None or table.empty:
             return False
         rows = table[table["module"].map(inside)]
-        bad = (rows["nan"] + rows["posinf"] + rows["neginf"]) > 0
-        return bool(bad.any() or (rows["over_fp16_max"] > 0).any())
+        if loc is not None and "step" in rows:
+            rows = rows[rows["step"] <= loc.step]  # after a non-finite update every later forward is NaN
+        made = (rows["nan"] + rows["posinf"] + rows["neginf"]) > 0
+        if "inputs_finite" in rows:
+            made &= rows["inputs_finite"].astype(bool)  # made here, not carried in
+        return bool(made.any() or (rows["over_fp16_max"] > 0).any())
 

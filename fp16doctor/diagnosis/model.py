@@ -229,7 +229,7 @@ class Diagnosis:
     def unexplained(self) -> list[dict[str, Any]]:
         """Exceptions the training raised in a probe that no finding accounts for (never "healthy")."""
         explained = {json_key(f.evidence.get("exception")) for f in self.findings
-                     if f.evidence.get("exception") and f.cause != "unexplained"}
+                     if f.evidence.get("exception") and (f.cause != "unexplained" or f.found_by == "intervention")}
         out = []
         for summary in (self.evidence.fp32, self.evidence.amp):
             if summary is not None and summary.exception is not None and json_key(summary.exception) not in explained:

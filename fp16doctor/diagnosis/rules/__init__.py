@@ -151,7 +151,7 @@ class _Unexplained(Rule):
 def name_repair(repair: Any, ev: Evidence) -> Finding:
     """The finding for what the intervention search repaired: the first rule, in causal order, that names it."""
     for rule in all_rules():
-        if rule.names_repair(repair, ev):
+        if set(repair.symptoms) & set(rule.explains) and rule.names_repair(repair, ev):
             return rule.repair_finding(repair, ev)
     return _Unexplained().repair_finding(repair, ev)
 

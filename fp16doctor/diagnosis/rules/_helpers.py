@@ -51,6 +51,20 @@ def half_param_modules(summary: ProbeSummary | None) -> pd.DataFrame:
     return table[mask]
 
 
+def half_optimizer_state_modules(summary: ProbeSummary | None) -> pd.DataFrame:
+    """The modules whose optimizer state is stored in fp16/bf16."""
+    if summary is None:
+        return pd.DataFrame()
+    table = summary.precision
+    return table[table["optimizer_state_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))]
+
+
+def stores_half_training_state(ev: Evidence) -> bool:
+    """Whether the training keeps its trained weights or its optimizer state in half precision (what fp32
+    master weights would change)."""
+    return not half_param_modules(ev.amp).empty or not half_optimizer_state_modules(ev.amp).empty
+
+
 def is_norm(type_name: str) -> bool:
     return any(type_name.startswith(n) or type_name.endswith(n) for n in NORM_TYPES)
 

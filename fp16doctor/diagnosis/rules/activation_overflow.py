@@ -7,13 +7,18 @@ keeps the smallest enclosing module whose fp32 output fits fp16 in fp32.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...measure.localise import OUTSIDE_MODEL
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
-from typing import Any
-
 from . import Rule
-from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, module_abs_max
+from ._helpers import (
+    enclosing_fp32_safe,
+    fp32_finite,
+    fp32_wrapper_code,
+    module_abs_max,
+)
 
 
 class ActivationOverflow(Rule):
@@ -57,7 +62,7 @@ class ActivationOverflow(Rule):
         fp32's range, repaired a forward fault)."""
         loc = ev.localisation
         if repair.kind == "bf16":
-            return loc is None or loc.phase == "forward"
+            return loc is not None and loc.phase == "forward"
         return repair.kind == "fp32-modules" and repair.forward_overflow
 
     def repair_title(self, repair: Any, ev: Evidence) -> str:

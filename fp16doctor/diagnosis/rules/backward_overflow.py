@@ -42,7 +42,8 @@ class BackwardOverflow(Rule):
         loc = ev.localisation
         if loc is None or loc.phase != "backward":
             return False
-        return repair.kind == "bf16" or (repair.kind == "fp32-modules" and not repair.forward_overflow)
+        holds = any(loc.module == m or (loc.module or "").startswith(m + ".") for m in repair.modules)
+        return repair.kind == "bf16" or (repair.kind == "fp32-modules" and holds and not repair.forward_overflow)
 
     def repair_title(self, repair: Any, ev: Evidence) -> str:
         loc = ev.localisation
@@ -68,6 +69,8 @@ class BackwardOverflow(Rule):
                     "    @staticmethod\n"
                     "    @torch.amp.custom_bwd(device_type='cuda')\n"
                     "    def backward(ctx, grad): ...")
+        if repair.kind == "bf16":
+            return ("Train in bfloat16 (fp32's range: its backward cannot overflow), or keep the module in fp32.", "")
         keep = f"every {repair.module_class}" if repair.module_class else ", ".join(repair.modules) or "the module"
         return (f"Keep {keep} in fp32 (autocast off inside its forward, inputs cast up), so its backward runs on fp32 "
                 "tensors; or train in bf16.", "")

@@ -9,10 +9,12 @@ once a symptom it explains is measured.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
 from . import Rule
-from ._helpers import LOW_DTYPES
+from ._helpers import half_optimizer_state_modules
 
 
 class HalfOptimizerState(Rule):
@@ -22,7 +24,12 @@ class HalfOptimizerState(Rule):
     order = 42
     explains = ('nonfinite', 'skips', 'lost-updates', 'trajectory-drift', 'same-state-gap')
     repairs = ("fp32-weights",)
-    names_cases = (lambda: (fx.repair("fp32-weights", symptoms=("lost-updates",)), fx.evidence()),)
+    names_cases = (lambda: (fx.repair("fp32-weights", symptoms=("lost-updates",)),
+                            fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float32", None, "float16"))))),)
+
+    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+        """fp32 master weights and state repaired it, and the optimizer state was stored in half precision."""
+        return repair.kind == "fp32-weights" and not half_optimizer_state_modules(ev.amp).empty
     triggers = ("half_optimizer_state.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float32", None, "float16")))),)
     quiet_on = (lambda: fx.evidence(),)
@@ -30,8 +37,7 @@ class HalfOptimizerState(Rule):
     def check(self, ev: Evidence) -> list[Finding]:
         if ev.amp is None:
             return []
-        table = ev.amp.precision
-        half = table[table["optimizer_state_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))]
+        half = half_optimizer_state_modules(ev.amp)
         if half.empty:
             return []
         loc = ev.localisation

@@ -7,10 +7,10 @@ refused binary_cross_entropy), while fp32 is finite.
 
 from __future__ import annotations
 
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
 from typing import Any
 
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix
 from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite
 
@@ -18,7 +18,7 @@ from ._helpers import LOW_DTYPES, fp32_finite
 class LossInHalf(Rule):
     code = "loss-in-half"
     order = 50
-    explains = ('nonfinite', 'skips', 'same-state-gap', 'trajectory-drift')
+    explains = ('nonfinite', 'skips', 'amp-exception', 'same-state-gap', 'trajectory-drift')
     repairs = ("loss-fp32", "bf16")
     names_cases = (lambda: (fx.repair("loss-fp32"), fx.evidence(localisation=fx.localisation(
         "loss", "<loss: outside the model>", "aten::log", output="-inf (float32)"))),)

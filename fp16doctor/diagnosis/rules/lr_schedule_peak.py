@@ -14,6 +14,7 @@ from ..model import Evidence, Finding, Fix, LrPause, LrPeak
 from . import Rule
 from ._helpers import fp32_finite
 
+
 def paused(finite_at_peak: bool) -> LrPeak:
     """A schedule jumping x1000 at step 4, paused there: the step before the jump stays finite."""
     pause = LrPause(pause_step=4, finite_at_peak=finite_at_peak, finite_before_peak=True, update_to_weight_at_peak=0.5,

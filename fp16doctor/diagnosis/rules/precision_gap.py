@@ -7,11 +7,11 @@ output adds in AMP, and the smallest set whose fp32 fallback closes the gap.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...measure.thresholds import GAP_ERROR, GAP_TOLERANCE
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
-from typing import Any
-
 from . import Rule
 
 

@@ -14,6 +14,7 @@ import torch
 
 from ...config import DoctorConfig, build_config, merge
 from ...engine.instruments import InstrumentOptions, precision_map
+from ...engine.optimizers import flat_schedulers, named_optimizers
 from ...engine.probe import (
     DEFAULT_INSTRUMENTS,
     SCHEDULER_ORDER_WARNING,
@@ -22,7 +23,6 @@ from ...engine.probe import (
     Workbench,
     metric_driven,
 )
-from ...engine.optimizers import flat_schedulers, named_optimizers
 from ...engine.rng import seed_everything
 from ...measure.symptoms import (
     Symptom,
