@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from fp16doctor.config import build_config
-from fp16doctor.diagnosis.engine import UNEXPLAINED, explain_symptoms
+from fp16doctor.diagnosis.engine import UNEXPLAINED, explain_symptoms, unexplained_finding
 from fp16doctor.diagnosis.model import Evidence, Finding, Fix
 from fp16doctor.engine.probe import RECORD_COLUMNS
 from fp16doctor.measure.symptoms import CALIBRATION_SKIPS, excess_skips, measure, skip_profile
@@ -104,23 +104,25 @@ def finding(cause, severity):
 
 
 def test_a_symptom_no_rule_explains_becomes_an_unexplained_error():
+    """Left over for the intervention search; what it cannot repair becomes the ``unexplained`` error."""
     ev = evidence_with(records([1.0] * 20, skipped=[True] * 20))
-    findings = explain_symptoms([], ev)
-    assert [f.cause for f in findings] == [UNEXPLAINED] and findings[0].severity == "error"
-    assert findings[0].evidence["symptoms"][0]["symptom"] == "skips" and "Inspect next" in findings[0].fix.summary
-    assert ev.explained == {"skips": []}
+    left = explain_symptoms([], ev)
+    assert [s.code for s in left] == ["skips"] and ev.explained == {"skips": []}
+    made = unexplained_finding(left, ev)
+    assert made.cause == UNEXPLAINED and made.severity == "error" and made.found_by == "rule"
+    assert made.evidence["symptoms"][0]["symptom"] == "skips" and "Inspect next" in made.fix.summary
 
 
 def test_an_error_of_a_rule_that_explains_the_symptom_explains_it():
     ev = evidence_with(records([1.0] * 20, skipped=[True] * 20))
-    findings = explain_symptoms([finding("scale-overflow", "error")], ev)
-    assert [f.cause for f in findings] == ["scale-overflow"] and ev.explained == {"skips": ["scale-overflow"]}
+    findings = [finding("scale-overflow", "error")]
+    assert explain_symptoms(findings, ev) == [] and ev.explained == {"skips": ["scale-overflow"]}
+    assert findings[0].evidence["symptoms"] == ["skips"]
 
 
 def test_a_rule_that_does_not_explain_the_symptom_leaves_it_unexplained():
     ev = evidence_with(records([1.0] * 20, skipped=[True] * 20))
-    findings = explain_symptoms([finding("grad-underflow", "error")], ev)
-    assert [f.cause for f in findings] == ["grad-underflow", UNEXPLAINED]
+    assert [s.code for s in explain_symptoms([finding("grad-underflow", "error")], ev)] == ["skips"]
 
 
 def test_a_warning_that_explains_a_measured_symptom_becomes_an_error():
