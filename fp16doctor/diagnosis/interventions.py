@@ -315,13 +315,11 @@ class InterventionSearch:
         info = self.ctx.schedule if self.ev.has_scheduler else None
         if not info:
             return
-        trouble = self._trouble_step()
-        for event in self.ctx.schedule_event_steps():
-            if trouble is not None and event <= trouble <= event + 3:
-                cap = info["lrs"][event - 1]
-                yield Candidate("lr-cap", Intervention(f"the learning rate capped at {cap:.3g} (before step {event}'s jump)",
-                                                       {"overrides": {"max_lr": cap}}))
-                break
+        event = self.ctx.schedule_event_before(self._trouble_step())
+        if event is not None:
+            cap = info["lrs"][event - 1]
+            yield Candidate("lr-cap", Intervention(f"the learning rate capped at {cap:.3g} (before step {event}'s jump)",
+                                                   {"overrides": {"max_lr": cap}}))
         amp = self.ev.amp
         if amp is not None and amp.skip_steps:
             yield Candidate("hold-scheduler", Intervention("the scheduler held on skipped steps",

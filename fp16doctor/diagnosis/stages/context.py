@@ -38,6 +38,10 @@ ProbeStepHook = Callable[[str, int, int], None]
 :func:`run_mode` runs: what a progress display needs, and nothing it could change."""
 
 
+EVENT_LEAD = 3
+"""Trouble that starts at most this many steps after an LR schedule's peak or jump starts there."""
+
+
 @dataclass
 class StageContext:
     """What every stage gets: the workbench, the config, the evidence so far, and the run options."""
@@ -73,6 +77,13 @@ class StageContext:
         """The steps (after step 0) where the learning rate peaks or jumps."""
         info = self.schedule
         return sorted({info["peak_step"], info["jump_step"]} - {0}) if info else []
+
+    def schedule_event_before(self, step: int | None) -> int | None:
+        """The LR event (peak or largest jump) that ``step``'s trouble starts at: at most ``EVENT_LEAD`` steps
+        after it (an update's damage shows in the next forwards), else None."""
+        if step is None:
+            return None
+        return next((e for e in self.schedule_event_steps() if e <= step <= e + EVENT_LEAD), None)
 
 
 def summarise(probe: Probe) -> ProbeSummary:
@@ -296,5 +307,4 @@ def skips_start_at_schedule_event(ctx: StageContext) -> int | None:
     amp = ctx.evidence.amp
     if not ctx.evidence.has_scheduler or amp is None or not amp.skip_steps:
         return None
-    first = amp.skip_steps[0]
-    return next((e for e in ctx.schedule_event_steps() if e <= first <= e + 3), None)
+    return ctx.schedule_event_before(amp.skip_steps[0])

@@ -25,11 +25,10 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
     trouble = None
     if amp is not None and not amp.finite:
         trouble = bad_step(amp) if amp.exception is None else None
-    near = [e for e in ctx.schedule_event_steps() if trouble is not None and e <= trouble <= e + 3]
+    event = ctx.schedule_event_before(trouble)
     summary = f"peak lr {lrs[peak]:.3g} at step {peak}; largest jump x{schedule.jump_ratio:.3g} at step {jump}"
-    if not near:
+    if event is None:
         return StageReport("LR schedule peak", "skipped", summary + "; no trouble at the peak or jump to explain", details=found.to_json())
-    event = near[0]
     found.pause = pause = _pause(ctx, event, lrs)
     summary += (f"; paused at step {event}: at lr {lrs[event]:.3g} the step is {'finite' if pause.finite_at_peak else 'NOT finite'}, "
                 f"at the pre-peak lr {lrs[event - 1]:.3g} it is {'finite' if pause.finite_before_peak else 'NOT finite'}")
