@@ -34,11 +34,13 @@ import torch
 from ..tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL, grad_values
 from ..userfile.batches import iter_tensors
 
-# Layout of one stat vector (a row of the per-step stack): input range, output range, element
-# count, then the sampled histogram over |x|: zero, (0, 2^-24), [2^-24, 2^-14), normal, > 65504.
-IN_MIN, IN_MAX, OUT_MIN, OUT_MAX, N, ZERO, SUB24, SUB14, NORMAL, OVER = range(10)
-VECTOR = 10
-_EDGES = {}  # device -> bucket edges; right=True counts the edges <= |x|
+# Layout of one stat vector (a row of the per-step stack): input range, output range, then the sampled
+# histogram over |x|: zero, (0, 2^-24), [2^-24, 2^-14), normal, > 65504. The element count is known on the
+# host and never goes through the device.
+IN_MIN, IN_MAX, OUT_MIN, OUT_MAX, ZERO, SUB24, SUB14, NORMAL, OVER = range(9)
+VECTOR = 9
+_EDGES: dict[torch.device, torch.Tensor] = {}  # device -> bucket edges; right=True counts the edges <= |x|
+_NO_RANGE: dict[torch.device, torch.Tensor] = {}  # device -> the [0, 0] input range of a call with no inputs
 
 
 def _edges(device: torch.device) -> torch.Tensor:
@@ -47,6 +49,13 @@ def _edges(device: torch.device) -> torch.Tensor:
         just_above_max = FP16_MAX * (1 + 2.0**-23)
         _EDGES[device] = torch.tensor([smallest_positive, FP16_MIN_SUBNORMAL, FP16_MIN_NORMAL, just_above_max], device=device)
     return _EDGES[device]
+
+
+def _no_range(device: torch.device) -> torch.Tensor:
+    """A constant ``[0, 0]`` in float64 (never written to: ``cat`` copies it)."""
+    if device not in _NO_RANGE:
+        _NO_RANGE[device] = torch.zeros(2, dtype=torch.float64, device=device)
+    return _NO_RANGE[device]
 
 
 def _floating_leaves(value: Any) -> list[torch.Tensor]:
@@ -75,24 +84,34 @@ def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
     return names
 
 
-def _sample(flat: torch.Tensor, size: int) -> torch.Tensor:
-    if size <= 0 or flat.numel() <= size:
-        return flat
-    stride = math.ceil(flat.numel() / size)
-    return flat[::stride]
+def strided_sample(t: torch.Tensor, size: int) -> torch.Tensor:
+    """Every k-th of ``t``'s elements in flattened order, k = ceil(numel / size) (all of them when ``size`` is 0
+    or ``t`` is no larger): an unbiased sample for shares. A view, one operator for a contiguous tensor, because
+    the instruments take it of every activation, gradient and parameter in every step."""
+    n = t.numel()
+    stride = 1 if size <= 0 or n <= size else math.ceil(n / size)
+    if t.is_contiguous():
+        return t.as_strided((math.ceil(n / stride),), (stride,), t.storage_offset())
+    return t.reshape(-1)[::stride]
 
 
-def magnitude_histogram(flat: torch.Tensor, sample: int) -> torch.Tensor:
-    """Counts of |x| in the buckets zero, below 2^-24, below 2^-14, normal, above 65504 (on a sample)."""
-    a = _sample(flat, sample).abs().float()
-    return torch.bincount(torch.bucketize(a, _edges(a.device), right=True), minlength=5)[:5]
+def magnitude_histogram(values: torch.Tensor, sample: int) -> torch.Tensor:
+    """Counts of |x| in the buckets zero, below 2^-24, below 2^-14, normal, above 65504 (on a sample): exactly
+    five, since the four edges give bucket indices 0..4."""
+    a = strided_sample(values, sample).abs()
+    return torch.bincount(torch.bucketize(a, _edges(a.device), right=True), minlength=5)
+
+
+def _range(t: torch.Tensor) -> torch.Tensor:
+    """``[min, max]`` of one tensor, in its own dtype (NaN propagates)."""
+    return torch.stack(torch.aminmax(t))
 
 
 def value_range(tensors: list[torch.Tensor], known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """[min, max] over the tensors (NaN propagates); ranges already measured (``known``, by id) are reused."""
+    """[min, max] over the tensors in float64 (NaN propagates); ranges already measured (``known``, by id) are
+    reused. Call it under ``torch.no_grad()`` (the instruments' hooks do): no graph is recorded."""
     known = known or {}
-    ranges = [known[id(t)] if id(t) in known else torch.stack(torch.aminmax(t.detach().reshape(-1))).double()
-              for t in tensors if t.numel()]
+    ranges = [known[id(t)] if id(t) in known else _range(t).double() for t in tensors if t.numel()]
     if not ranges:
         return torch.zeros(2, dtype=torch.float64)
     if len(ranges) == 1:
@@ -103,12 +122,34 @@ def value_range(tensors: list[torch.Tensor], known: dict[int, torch.Tensor] | No
 
 def tensor_vector(outputs: list[torch.Tensor], inputs: list[torch.Tensor], sample: int,
                   known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """The stat vector of a module call: input range, output range, sampled magnitude histogram."""
-    device = outputs[0].device
-    flats = [t.detach().reshape(-1) for t in outputs if t.numel()]
-    histogram = sum(magnitude_histogram(f, sample) for f in flats) if flats else torch.zeros(5, dtype=torch.long, device=device)
-    numel = torch.tensor([float(sum(f.numel() for f in flats))], dtype=torch.float64, device=device)
-    return torch.cat([value_range(inputs, known).to(device), value_range(outputs).to(device), numel, histogram.double()])
+    """The float64 stat vector of a module call: input range, output range, sampled magnitude histogram. A
+    handful of operators for the usual one-output call (``cat`` promotes the pieces to float64 at once)."""
+    with torch.no_grad():
+        device = outputs[0].device
+        sized = [t for t in outputs if t.numel()]
+        in_range = value_range(inputs, known).to(device) if inputs else _no_range(device)
+        if len(sized) == 1:
+            out_range, histogram = _range(sized[0]), magnitude_histogram(sized[0], sample)
+        elif sized:
+            out_range = value_range(sized).to(device)
+            histogram = torch.stack([magnitude_histogram(t, sample) for t in sized]).sum(0)
+        else:
+            out_range, histogram = _no_range(device), torch.zeros(5, dtype=torch.long, device=device)
+        return torch.cat([in_range, out_range, histogram])
+
+
+def _segment_ids(lengths: tuple[int, ...], device: torch.device, cache: dict[Any, torch.Tensor]) -> torch.Tensor:
+    """For pieces of these lengths concatenated: the index of the piece each element came from (cached: the
+    parameters' shapes, hence their samples' lengths, are the same every step)."""
+    key = (lengths, device)
+    if key not in cache:
+        cache[key] = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                             torch.tensor(lengths, device=device))
+    return cache[key]
+
+
+def _as_float(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def exact_counts(tensors: Iterable[torch.Tensor]) -> tuple[int, int, int]:
@@ -143,13 +184,36 @@ class InstrumentOptions:
 
 @dataclass
 class _Pending:
-    """Device-side results of one step, waiting for the single transfer."""
+    """Device-side results of one step, waiting for the single transfer.
 
-    rows: list[tuple[str, str, int, str]] = field(default_factory=list)  # (kind, name, order, dtype)
+    ``vectors`` holds one float64 tensor per queued call: a stat vector (``VECTOR`` values, one row) or a block
+    of rows (``k x VECTOR``, the batched parameter statistics); ``rows`` and ``tensors`` have one entry per row,
+    in the same order."""
+
+    rows: list[tuple[str, str, int, str, int]] = field(default_factory=list)  # (kind, name, order, dtype, numel)
     vectors: list[torch.Tensor] = field(default_factory=list)
     tensors: list[list[torch.Tensor]] = field(default_factory=list)  # kept for exact counts on bad steps
-    seen: dict[int, int] = field(default_factory=dict)  # output id -> index of its vector (a container returns its child's)
+    seen: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Output id -> (index of its vector, index of its row): a container handing on its child's output reuses them."""
     ranges: dict[int, torch.Tensor] = field(default_factory=dict)  # output id -> its [min, max] (inputs reuse them)
+
+    def add(self, row: tuple[str, str, int, str, int], vector: torch.Tensor, tensors: list[torch.Tensor]) -> int:
+        """Queue one row; the index of its vector."""
+        self.rows.append(row)
+        self.vectors.append(vector)
+        self.tensors.append(tensors)
+        return len(self.vectors) - 1
+
+    def add_block(self, rows: list[tuple[str, str, int, str, int]], block: torch.Tensor,
+                  tensors: list[list[torch.Tensor]]) -> None:
+        """Queue ``len(rows)`` rows at once (``block``: ``len(rows) x VECTOR``)."""
+        self.rows.extend(rows)
+        self.vectors.append(block.reshape(-1))
+        self.tensors.extend(tensors)
+
+    def values(self) -> list[list[float]]:
+        """Every row's values, in one device-to-host transfer."""
+        return torch.cat(self.vectors).to(torch.float64).view(-1, VECTOR).tolist()
 
 
 class Instruments:
@@ -174,7 +238,9 @@ class Instruments:
         self._order = 0
         self._step = -1
         self._scale = 1.0
-        self._before: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._before: tuple[list[torch.nn.Parameter], torch.Tensor] | None = None
+        """The parameters an optimizer is about to step, and their strided samples concatenated (fp32)."""
+        self._segment_cache: dict[Any, torch.Tensor] = {}
         self._param_grads_taken = False
         self.attach()
 
@@ -209,7 +275,7 @@ class Instruments:
         self._active = step % max(1, self.options.every) == 0
         self._pending = _Pending()
         self._order = 0
-        self._before = {}
+        self._before = None
         self._param_grads_taken = False
 
     def end_step(self, grads_unscaled: bool = True) -> None:
@@ -221,9 +287,8 @@ class Instruments:
         pending, self._pending = self._pending, _Pending()
         if not pending.vectors:
             return
-        values = torch.stack([v.to("cpu", torch.float64) if v.device.type != "cpu" else v for v in pending.vectors]).tolist()
-        for (kind, name, order, dtype), vector, tensors in zip(pending.rows, values, pending.tensors):
-            self._emit(kind, name, order, dtype, vector, tensors)
+        for (kind, name, order, dtype, numel), vector, tensors in zip(pending.rows, pending.values(), pending.tensors):
+            self._emit(kind, name, order, dtype, numel, vector, tensors)
         self._active = False
 
     # --- forward --------------------------------------------------------------------------------
@@ -249,11 +314,12 @@ class Instruments:
                 self._queue_alias(name, order, dtype, leaves[0], _floating_leaves(args))
             return
         if self.options.forward:
-            self._queue("forward", name, order, dtype, outputs, _floating_leaves(args))
-            index = len(self._pending.vectors) - 1
+            index = self._queue("forward", name, order, dtype, outputs, _floating_leaves(args))
+            row = len(self._pending.rows) - 1
+            vector = self._pending.vectors[index]
             for t in outputs:  # a module's input is usually an earlier module's output: its range is known
-                self._pending.seen[id(t)] = index
-                self._pending.ranges[id(t)] = self._pending.vectors[index][OUT_MIN:OUT_MAX + 1] if len(outputs) == 1 else value_range([t])
+                self._pending.seen[id(t)] = (index, row)
+                self._pending.ranges[id(t)] = vector[OUT_MIN:OUT_MAX + 1] if len(outputs) == 1 else value_range([t])
         if self.options.activation_grads:
             for t in outputs:
                 if t.requires_grad:
@@ -266,16 +332,20 @@ class Instruments:
         return hook
 
     def _queue_alias(self, name: str, order: int, dtype: str, output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
-        source = self._pending.vectors[self._pending.seen[id(output)]]
-        own_inputs = value_range(inputs, self._pending.ranges) if inputs else source[:OUT_MIN]
-        self._pending.rows.append(("forward", name, order, dtype))
-        self._pending.vectors.append(torch.cat([own_inputs, source[OUT_MIN:]]))
-        self._pending.tensors.append(self._pending.tensors[self._pending.seen[id(output)]])
+        index, row = self._pending.seen[id(output)]
+        source = self._pending.vectors[index]
+        with torch.no_grad():
+            own_inputs = value_range(inputs, self._pending.ranges) if inputs else source[:OUT_MIN]
+            vector = torch.cat([own_inputs.to(source.device), source[OUT_MIN:]])
+        numel = self._pending.rows[row][4]
+        self._pending.add(("forward", name, order, dtype, numel), vector, self._pending.tensors[row])
 
-    def _queue(self, kind: str, name: str, order: int, dtype: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
-        self._pending.rows.append((kind, name, order, dtype))
-        self._pending.vectors.append(tensor_vector(outputs, inputs, self.options.sample, self._pending.ranges))
-        self._pending.tensors.append(outputs)
+    def _queue(self, kind: str, name: str, order: int, dtype: str, outputs: list[torch.Tensor],
+               inputs: list[torch.Tensor]) -> int:
+        """Queue one module call's stat vector; the index of its vector."""
+        vector = tensor_vector(outputs, inputs, self.options.sample, self._pending.ranges)
+        numel = sum(t.numel() for t in outputs)
+        return self._pending.add((kind, name, order, dtype, numel), vector, outputs)
 
     # --- parameters -----------------------------------------------------------------------------
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -288,66 +358,67 @@ class Instruments:
             # updates and the update-to-weight ratio are measured on it, without copying whole parameters.
             # Sparse gradients are left out: their values do not line up with the parameter's elements.
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            self._before = {p: _sample(p.detach().reshape(-1), self.options.sample).clone() for p in self.param_names
-                            if id(p) in stepped and p.grad is not None and not p.grad.is_sparse}
+            params = [p for p in self.param_names if id(p) in stepped and p.grad is not None and not p.grad.is_sparse]
+            with torch.no_grad():  # cat copies: the samples survive the step's in-place update
+                self._before = (params, _as_float(torch.cat([self._sampled(p) for p in params]))) if params else None
+
+    def _sampled(self, t: torch.Tensor) -> torch.Tensor:
+        return strided_sample(t, self.options.sample)
+
+    def _segments_of(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        return _segment_ids(tuple(p.numel() for p in pieces), pieces[0].device, self._segment_cache)
 
     def _take_param_grads(self, divide_by: float) -> None:
-        """Per-parameter gradient statistics, batched across parameters (a handful of ops in all)."""
+        """Per-parameter gradient statistics, batched across parameters: a fixed handful of operators plus one
+        view per parameter, whatever the number of parameters."""
         self._param_grads_taken = True
-        named = [(name, grad_values(p)) for p, name in self.param_names.items() if p.grad is not None]
+        named = [(name, g) for p, name in self.param_names.items() if (g := grad_values(p)) is not None]
         if not named:
             return
         grads = [g for _, g in named]
-        norms = torch.stack([n.double() for n in torch._foreach_norm([g.float() for g in grads])]) / divide_by
-        samples = [_sample(g.reshape(-1), self.options.sample).abs().float() / divide_by for g in grads]
-        ids, flat = self._segments(samples)
-        # Buckets of |g * S|: bucket 1 is 0 < |g S| < 2^-24, what fp16 flushes to zero at this scale.
-        buckets = torch.bucketize(flat * self._scale, _edges(flat.device), right=True)
-        counts = torch.bincount(ids * 5 + buckets, minlength=5 * len(grads)).reshape(len(grads), 5).double()
-        amax = torch.stack([m.double() for m in torch._foreach_norm(samples, ord=math.inf)])  # max |g| per sample
-        # The L1 mass that flushes (bucket 1) and the whole mass: underflow that matters is a share of the mass.
-        flushed = torch.bincount(ids, weights=(flat * (buckets == 1)).double(), minlength=len(grads))
-        mass = torch.bincount(ids, weights=flat.double(), minlength=len(grads))
-        block = torch.cat([norms[:, None], counts, amax[:, None], flushed[:, None], mass[:, None],
-                           torch.zeros(len(grads), VECTOR - 9, dtype=torch.float64, device=flat.device)], 1)
-        for (name, g), vector in zip(named, block.unbind(0)):
-            self._pending.rows.append(("param_grad", name, -1, str(g.dtype).replace("torch.", "")))
-            self._pending.vectors.append(vector)
-            self._pending.tensors.append([g])
-
-    @staticmethod
-    def _segments(pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Concatenate 1-d pieces, with the index of the piece each element came from."""
-        lengths = torch.tensor([p.numel() for p in pieces], device=pieces[0].device)
-        ids = torch.repeat_interleave(torch.arange(len(pieces), device=pieces[0].device), lengths)
-        return ids, torch.cat(pieces)
+        n = len(grads)
+        with torch.no_grad():
+            # Norms accumulate in fp32: a half gradient's own norm can overflow fp16.
+            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double() / divide_by
+            samples = [self._sampled(g) for g in grads]
+            ids = self._segments_of(samples)
+            flat = _as_float(torch.cat(samples)).abs()
+            if divide_by != 1.0:
+                flat = flat / divide_by
+            # Buckets of |g * S|: bucket 1 is 0 < |g S| < 2^-24, what fp16 flushes to zero at this scale.
+            buckets = torch.bucketize(flat * self._scale, _edges(flat.device), right=True)
+            counts = torch.bincount(ids * 5 + buckets, minlength=5 * n).view(n, 5)
+            amax = torch.stack(torch._foreach_norm(samples, math.inf, dtype=torch.float32)) / divide_by  # max |g|
+            # The L1 mass that flushes (bucket 1) and the whole mass: underflow that matters is a share of the mass.
+            flushed = torch.bincount(ids, weights=flat * (buckets == 1), minlength=n)
+            mass = torch.bincount(ids, weights=flat, minlength=n)
+            block = torch.cat([norms[:, None], counts, torch.stack([amax, flushed, mass], 1)], 1)  # float64, as norms are
+        rows = [("param_grad", name, -1, str(g.dtype).replace("torch.", ""), g.numel()) for name, g in named]
+        self._pending.add_block(rows, block, [[g] for g in grads])
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Lost updates (gradient non-zero, stored value unchanged) and update-to-weight ratio per parameter."""
         if not (self._active and self.options.updates and self._before):
             return
-        params = list(self._before)
-        before = [self._before[p].float() for p in params]
-        after = [_sample(p.detach().reshape(-1), self.options.sample).float() for p in params]
-        diffs = torch._foreach_sub(after, before)
-        delta = torch.stack([n.double() for n in torch._foreach_norm(diffs)])
-        weight = torch.stack([n.double() for n in torch._foreach_norm(before)])
-        grad_samples = [_sample(p.grad.detach().reshape(-1), self.options.sample) for p in params]
-        ids, moved = self._segments(diffs)
-        _, grads = self._segments(grad_samples)
-        wanted = grads != 0
-        lost = torch.bincount(ids, weights=(wanted & (moved == 0)).double(), minlength=len(params))
-        wanted_count = torch.bincount(ids, weights=wanted.double(), minlength=len(params))
-        block = torch.stack([lost, wanted_count, delta, weight], 1)
-        block = torch.cat([block, torch.zeros(len(params), VECTOR - 4, dtype=torch.float64, device=block.device)], 1)
-        for param, vector in zip(params, block.unbind(0)):
-            self._pending.rows.append(("update", self.param_names[param], -1, str(param.dtype).replace("torch.", "")))
-            self._pending.vectors.append(vector)
-            self._pending.tensors.append([])
-        self._before = {}
+        (params, before), self._before = self._before, None
+        n = len(params)
+        with torch.no_grad():
+            after = _as_float(torch.cat([self._sampled(p) for p in params]))
+            grad_samples = [self._sampled(p.grad) for p in params]
+            ids = self._segments_of(grad_samples)
+            moved = after - before
+            wanted = torch.cat(grad_samples) != 0
+            lost = torch.bincount(ids, weights=wanted & (moved == 0), minlength=n)
+            wanted_count = torch.bincount(ids, weights=wanted, minlength=n)
+            delta = torch.bincount(ids, weights=moved.double().square(), minlength=n).sqrt()
+            weight = torch.bincount(ids, weights=before.double().square(), minlength=n).sqrt()
+            block = torch.nn.functional.pad(torch.stack([lost, wanted_count, delta, weight], 1), (0, VECTOR - 4))
+        rows = [("update", self.param_names[p], -1, str(p.dtype).replace("torch.", ""), p.numel()) for p in params]
+        self._pending.add_block(rows, block, [[] for _ in params])
 
     # --- turning vectors into rows ------------------------------------------------------------------
-    def _emit(self, kind: str, name: str, order: int, dtype: str, v: list[float], tensors: list[torch.Tensor]) -> None:
+    def _emit(self, kind: str, name: str, order: int, dtype: str, numel: int, v: list[float],
+              tensors: list[torch.Tensor]) -> None:
         base = {"step": self._step, "module" if kind in ("forward", "activation_grad") else "param": name, "dtype": dtype}
         if kind in ("forward", "activation_grad"):
             finite = all(math.isfinite(x) for x in (v[OUT_MIN], v[OUT_MAX]))
@@ -357,7 +428,7 @@ class Instruments:
             sample_n = max(sum(v[ZERO:OVER + 1]), 1.0)
             nonzero = max(sample_n - v[ZERO], 1.0)
             row = {
-                **base, "order": order, "numel": int(v[N]),
+                **base, "order": order, "numel": numel,
                 "abs_max": max(abs(v[OUT_MIN]), abs(v[OUT_MAX])) if finite else _finite_abs_max(tensors),
                 "nan": nan, "posinf": pos, "neginf": neg,
                 "over_fp16_max": v[OVER] / sample_n,

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ..engine.instruments import _sample, module_names
+from ..engine.instruments import module_names, strided_sample
 from ..engine.probe import Probe, Workbench
 from ..engine.rng import seed_everything
 from ..tensors import FP16_MAX, FP16_MIN_SUBNORMAL, grad_values
@@ -49,7 +49,7 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
     params = {p: n for n, p in probe.model.named_parameters()}
 
     def keep(key: str, g: torch.Tensor, divide: float = 1.0) -> None:
-        captured[key] = (_sample(g.detach().reshape(-1), sample).double() / divide).clone()
+        captured[key] = strided_sample(g.detach(), sample).double() / divide  # a copy: double() or the division makes one
 
     def forward_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad and output.is_floating_point():
