@@ -148,6 +148,12 @@ def _segment_ids(lengths: tuple[int, ...], device: torch.device, cache: dict[Any
     return cache[key]
 
 
+def _dense_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """``p.grad`` itself (read under ``no_grad``: no detached alias to dispatch), or a sparse one's values."""
+    g = p.grad
+    return g if g is None or not g.is_sparse else grad_values(p)
+
+
 def _as_float(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
@@ -372,7 +378,7 @@ class Instruments:
         """Per-parameter gradient statistics, batched across parameters: a fixed handful of operators plus one
         view per parameter, whatever the number of parameters."""
         self._param_grads_taken = True
-        named = [(name, g) for p, name in self.param_names.items() if (g := grad_values(p)) is not None]
+        named = [(name, g) for p, name in self.param_names.items() if (g := _dense_grad(p)) is not None]
         if not named:
             return
         grads = [g for _, g in named]
