@@ -86,7 +86,7 @@ def test_user_exception_in_a_probe_is_evidence():
     _, result = diagnosed("model_half.py")
     finding = result.findings[0]
     assert finding.cause == "half-weights"
-    assert "FP16 gradients" in finding.evidence["exception"]["message"]
+    assert "FP16 gradients" in finding.evidence["exception"].message
     assert finding.fix.config_patch["overrides"]["fp32_weights"] is True
 
 

@@ -1,5 +1,8 @@
 """Evidence built by hand: the small cases each rule carries (``fires_on`` / ``quiet_on``).
 
+Built from the evidence types alone (records, never the probe, its instruments or the stages):
+importing a rule with its cases loads no engine (``tests/test_layers.py`` checks it in a fresh process).
+
 A rule is tested without a diagnosis: its cases build just the measurements it
 reads (a probe record, a precision map, a localisation, a data field) and
 everything else stays at a healthy default: a finite FP32 and AMP run of ten
@@ -14,10 +17,9 @@ from typing import Any, Iterable
 import pandas as pd
 
 from ..config import build_config
-from ..engine.probe import RECORD_COLUMNS
+from ..engine.records import RECORD_COLUMNS
 from ..measure.datascan import FieldScan
-from ..measure.localise import Localisation
-from ..measure.numerics import ScaleWindow
+from ..measure.records import Localisation, ScaleWindow
 from .model import Evidence, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
 
 PRECISION_COLUMNS = ["module", "type", "compute_dtype", "param_dtypes", "buffer_dtypes", "optimizer_state_dtypes",

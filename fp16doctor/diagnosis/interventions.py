@@ -194,7 +194,7 @@ class InterventionSearch:
             if loc is not None and loc.phase in ("forward", "backward"):
                 yield from self._modules(loc.module)
             elif "amp-exception" in self.codes and self.ev.amp is not None and self.ev.amp.exception:
-                yield from self._modules(self.ev.amp.exception.get("module"))  # the module that raised
+                yield from self._modules(self.ev.amp.exception.module)  # the module that raised
             yield from self._gap_set()
             yield self._loss_fp32()
             yield from self._fp32_weights()

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
 import pandas as pd
 
 from ..config import DoctorConfig
 from ..measure.datascan import FieldScan
-from ..measure.localise import Localisation
+from ..measure.records import ExceptionInfo, Localisation
 from ..measure.symptoms import exception_of, first_step
 
 SEVERITIES = ("error", "warning", "info")
@@ -123,7 +123,8 @@ class ProbeSummary:
     """Steps the scaler skipped, per optimizer (by the probe's name for it)."""
 
     @property
-    def exception(self) -> dict[str, Any] | None:
+    def exception(self) -> ExceptionInfo | None:
+        """The exception the training raised in this probe (it stopped there), or None."""
         return exception_of(self.records)
 
     def first_step(self, column: str) -> int | None:
@@ -214,6 +215,18 @@ class Evidence:
 
 
 @dataclass
+class UnexplainedException:
+    """An exception a probe raised that no finding accounts for: the report says to fix the code there."""
+
+    probe: str
+    """The probe's mode (``fp32``, ``amp``)."""
+    exception: ExceptionInfo
+
+    def to_json(self) -> dict[str, Any]:
+        return {"probe": self.probe, "exception": self.exception.to_json()}
+
+
+@dataclass
 class Diagnosis:
     """The ranked findings, the stages, and the evidence behind them."""
 
@@ -226,14 +239,14 @@ class Diagnosis:
     """The verified fixes' config patches together, checked once more: patch, symptoms before and after."""
 
     @property
-    def unexplained(self) -> list[dict[str, Any]]:
+    def unexplained(self) -> list[UnexplainedException]:
         """Exceptions the training raised in a probe that no finding accounts for (never "healthy")."""
         explained = {json_key(f.evidence.get("exception")) for f in self.findings
                      if f.evidence.get("exception") and (f.cause != "unexplained" or f.found_by == "intervention")}
         out = []
         for summary in (self.evidence.fp32, self.evidence.amp):
             if summary is not None and summary.exception is not None and json_key(summary.exception) not in explained:
-                out.append({"probe": summary.mode, "exception": summary.exception})
+                out.append(UnexplainedException(summary.mode, summary.exception))
         return out
 
     @property
@@ -274,6 +287,8 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in value]
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
+    if is_dataclass(value) and not isinstance(value, type) and hasattr(value, "to_json"):
+        return jsonable(value.to_json())  # a record inside evidence: its own documented shape
     if hasattr(value, "item") and not isinstance(value, (int, float)):
         try:
             value = value.item()

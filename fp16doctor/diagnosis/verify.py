@@ -14,13 +14,12 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pandas as pd
 import torch
 
 from ..config import DoctorConfig
-from ..engine.instruments import InstrumentOptions
 from ..measure.symptoms import (
     Symptom,
     loss_floor,
@@ -31,8 +30,16 @@ from ..measure.symptoms import (
 from ..userfile.batches import iter_tensors, map_named_tensors
 from .model import Evidence, Finding
 
-SYMPTOM_INSTRUMENTS = InstrumentOptions(forward=False, activation_grads=False, param_grads=False, updates=True)
-"""What measuring the symptoms needs beyond the step records: the lost-update share (no rule reads these probes)."""
+if TYPE_CHECKING:
+    from ..engine.instruments import InstrumentOptions
+
+
+def symptom_instruments() -> InstrumentOptions:
+    """What measuring the symptoms needs beyond the step records: the lost-update share (no rule reads these
+    probes). Made on use: the rules import this module for :class:`Intervention`, and must not load the engine."""
+    from ..engine.instruments import InstrumentOptions
+
+    return InstrumentOptions(forward=False, activation_grads=False, param_grads=False, updates=True)
 
 
 @dataclass
@@ -147,8 +154,9 @@ class Verifier:
             ctx = copy.copy(self.ctx)
             ctx.bench = copy.copy(self.ctx.bench)
             ctx.bench.batches = intervention.batches(self.ctx.bench.batches)
-        amp = run_mode(ctx, "amp", config, instruments=SYMPTOM_INSTRUMENTS)
-        fp32 = run_mode(ctx, "fp32", config, instruments=SYMPTOM_INSTRUMENTS) if intervention.touches_fp32 else self.ev.fp32
+        instruments = symptom_instruments()
+        amp = run_mode(ctx, "amp", config, instruments=instruments)
+        fp32 = run_mode(ctx, "fp32", config, instruments=instruments) if intervention.touches_fp32 else self.ev.fp32
         gap = None
         if self.measure_gap is not None and self.ev.gap and any(s.code == "same-state-gap" for s in self.ev.symptoms):
             gap = self.measure_gap(config, int(self.ev.gap["worst_step"]))

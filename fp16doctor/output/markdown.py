@@ -33,9 +33,9 @@ def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, 
         lines.append(f"| {stage.name} | {stage.status} | {stage.summary.replace('|', '/')} |")
     lines += ["", "## Findings", ""]
     for item in diagnosis.unexplained:
-        exc = item["exception"]
-        lines += [f"**The {item['probe']} probe raised {exc['type']} at step {exc['step']}**: {exc['message']} "
-                  f"(`{exc['location']}`); no rule explains it: fix the training code there.", ""]
+        exc = item.exception
+        lines += [f"**The {item.probe} probe raised {exc.type} at step {exc.step}**: {exc.message} "
+                  f"(`{exc.location}`); no rule explains it: fix the training code there.", ""]
     if not diagnosis.findings and not diagnosis.unexplained:
         lines.append("No findings: AMP behaves like its FP32 twin.")
     contested = contradicted_settings(diagnosis)

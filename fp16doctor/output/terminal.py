@@ -104,7 +104,7 @@ def render_comparison(result: Comparison, console: Console, wide: bool = False) 
     for mode, trajectory in result.trajectories.items():
         if trajectory.exception:
             exc = trajectory.exception
-            console.print(f"[red]{mode}: {exc['type']} at step {exc['step']}: {escape(exc['message'] or '')}[/] ({escape(exc['location'] or 'no location')})")
+            console.print(f"[red]{mode}: {exc.type} at step {exc.step}: {escape(exc.message or '')}[/] ({escape(exc.location or 'no location')})")
         skips = trajectory.skipped
         if mode != "fp32" and skips and result.verdict_by_mode.get(mode) not in ("diverged", "unstable"):
             console.print(f"[dim]{mode}: {skips} step(s) skipped by the GradScaler (scale settling); trajectories aligned on steps taken.[/]")
@@ -162,9 +162,9 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
             console.print(Syntax(yaml.safe_dump(exact_numbers(jsonable(c["config_patch"])), sort_keys=False).rstrip(), "yaml",
                                  theme="ansi_dark", background_color="default"))
     for item in diagnosis.unexplained:
-        exc = item["exception"]
-        console.print(f"[bold red]the {item['probe']} probe raised {exc['type']} at step {exc['step']}[/]: {escape(str(exc['message']))} "
-                      f"({escape(str(exc['location']))}); no rule explains it: fix the training code there.")
+        exc = item.exception
+        console.print(f"[bold red]the {item.probe} probe raised {exc.type} at step {exc.step}[/]: {escape(str(exc.message))} "
+                      f"({escape(str(exc.location))}); no rule explains it: fix the training code there.")
 
 
 def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis) -> Panel:

@@ -140,7 +140,7 @@ class _Unexplained(Rule):
         where = ""
         if ev.amp is not None and ev.amp.exception:
             exc = ev.amp.exception
-            where = f" ({exc['type']} in {exc.get('module') or exc['location']}: {exc['message']})"
+            where = f" ({exc.type} in {exc.module or exc.location}: {exc.message})"
         return f"No rule names this cause: {measured}{where}; {repair.description} repairs the training"
 
     def repair_fix(self, repair: Any, ev: Evidence) -> tuple[str, str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...measure.localise import OUTSIDE_MODEL
+from ...measure.records import OUTSIDE_MODEL
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
 from . import Rule

@@ -32,9 +32,9 @@ class Fp32Divergence(Rule):
         if fp32.exception is not None:
             exc = fp32.exception
             return [self.finding(
-                f"The training raises {exc['type']} in FP32 too, at step {exc['step']}",
+                f"The training raises {exc.type} in FP32 too, at step {exc.step}",
                 {"exception": exc},
-                Fix(f"Fix the training code at {exc['location']}: {exc['type']}: {exc['message']}"),
+                Fix(f"Fix the training code at {exc.location}: {exc.type}: {exc.message}"),
             )]
         step = min(s for s in (fp32.first_nonfinite_loss, fp32.first_nonfinite_grads) if s is not None)
         loc = ev.fp32_localisation

@@ -45,7 +45,7 @@ class HalfWeights(Rule):
         amp = ev.amp
         all_half = half_param_modules(amp)
         half = all_half[~all_half["type"].map(is_norm)] if len(all_half) else all_half
-        unscale_error = amp is not None and amp.exception is not None and "unscale FP16 gradients" in (amp.exception["message"] or "")
+        unscale_error = amp is not None and amp.exception is not None and "unscale FP16 gradients" in (amp.exception.message or "")
         if half.empty and (not unscale_error or len(all_half)):
             return []  # nothing half, or only normalisation layers (half-batchnorm's case)
         lost = 0.0

@@ -37,7 +37,7 @@ class LossInHalf(Rule):
             evidence.update({"operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
                              "operator_input_ranges": loc.input_ranges, "output": loc.output})
             title = f"The loss overflows in half precision: {loc.operator} outside the model at step {loc.step} -> {loc.output}"
-        elif amp.exception and "unsafe to autocast" in (amp.exception["message"] or ""):
+        elif amp.exception and "unsafe to autocast" in (amp.exception.message or ""):
             evidence["exception"] = amp.exception
             title = "binary_cross_entropy on half-precision probabilities: CUDA autocast refuses it"
         elif any(d in LOW_DTYPES for d in amp.loss_dtypes) and ev.gap and ev.gap["gap"] > ev.gap["tolerance"]:

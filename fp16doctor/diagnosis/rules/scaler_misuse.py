@@ -89,7 +89,7 @@ class ScalerMisuse(Rule):
         problems = []
         exc = amp.exception
         if exc is not None:
-            problems += [what for text, what in REFUSALS.items() if text in (exc["message"] or "")]
+            problems += [what for text, what in REFUSALS.items() if text in (exc.message or "")]
         calls = amp.scaler_calls
         for step, sequence in enumerate(calls):
             if "update" in sequence and "step" not in sequence and "scale" in sequence:
@@ -123,7 +123,7 @@ class ScalerMisuse(Rule):
                 Fix("Gradients of a scaled loss are scaled: divide them by scaler.get_scale() before using them in the "
                     "loss (PyTorch's gradient-penalty recipe), and return the unscaled loss.", code=PENALTY_RECIPE),
             )]
-        first = exc["step"] if exc is not None else 0
+        first = exc.step if exc is not None else 0
         window = calls[max(0, first - 3):first + 1]
         if doubled and len(problems) == 1:
             first = next(iter(doubled))
