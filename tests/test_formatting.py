@@ -12,7 +12,7 @@ from rich.console import Console
 
 from conftest import SAMPLES, run_cli
 from fp16doctor.diagnosis import fixtures as fx
-from fp16doctor.diagnosis.model import Diagnosis, Finding, Fix
+from fp16doctor.diagnosis.model import CorrectedConfig, Diagnosis, Finding, Fix, Verification
 from fp16doctor.output.formatting import human, humanize
 from fp16doctor.output.html import diagnosis_html
 from fp16doctor.output.markdown import markdown
@@ -36,8 +36,8 @@ def test_a_share_that_could_not_be_measured_says_so():
 def contradicting_diagnosis() -> Diagnosis:
     """Two error findings patching growth_interval with opposite values; the corrected config measured both."""
     def verified(patch):
-        return {"tried": "the config patch", "reason": "", "config_patch": patch, "symptoms_before": ["skips"],
-                "symptoms_after": [], "removed_share": 1.0, "repaired": True, "summary": "no symptom left"}
+        return Verification(tried="the config patch", config_patch=patch, symptoms_before=["skips"], symptoms_after=[],
+                            removed_share=1.0, repaired=True, summary="no symptom left")
 
     growth = {"scaler": {"init_scale": 2048.0, "growth_interval": 2000}}
     peak = {"scaler": {"growth_interval": 10}, "overrides": {"max_lr": 0.001}}
@@ -47,9 +47,9 @@ def contradicting_diagnosis() -> Diagnosis:
         Finding("lr-schedule-peak", "error", "Training breaks at the peak", {"pause_step": 9, "loss_scale": 8192.0},
                 Fix("Cap the learning rate.", config_patch=peak), rank=2, verification=verified(peak)),
     ]
-    corrected = {"config_patch": {"scaler": {"init_scale": 2048.0, "growth_interval": 10}, "overrides": {"max_lr": 0.001}},
-                 "from_findings": ["scale-growth", "lr-schedule-peak"], "symptoms_before": ["skips"], "symptoms_after": [],
-                 "healthy_after": True, "summary": "no symptom left", "needs_data_changes": []}
+    corrected = CorrectedConfig(config_patch={"scaler": {"init_scale": 2048.0, "growth_interval": 10}, "overrides": {"max_lr": 0.001}},
+                                from_findings=["scale-growth", "lr-schedule-peak"], symptoms_before=["skips"], symptoms_after=[],
+                                summary="no symptom left")
     return Diagnosis(findings=findings, stages=[], evidence=fx.evidence(), corrected=corrected)
 
 

@@ -9,7 +9,7 @@ import yaml
 
 from conftest import ROOT, SAMPLES, run_cli
 from fp16doctor.diagnosis.engine import demote_unrepairing, rank
-from fp16doctor.diagnosis.model import Finding, Fix
+from fp16doctor.diagnosis.model import Finding, Fix, Verification
 from fp16doctor.measure.numerics import GradientCapture, scale_window
 
 FILES = ROOT / "tests" / "training_files"
@@ -20,12 +20,13 @@ def finding(cause, order, verification=None, severity="error"):
 
 
 def verified(repaired, removed, size=1):
-    return {"tried": "something", "symptoms_before": ["nonfinite"], "symptoms_after": [] if repaired else ["nonfinite"],
-            "removed_share": removed, "repaired": repaired, "size": size, "summary": ""}
+    return Verification(tried="something", symptoms_before=["nonfinite"], symptoms_after=[] if repaired else ["nonfinite"],
+                        removed_share=removed, repaired=repaired, size=size)
 
 
 def test_a_repairing_fix_outranks_an_earlier_cause_whose_fix_does_not():
-    vague = finding("fp32-divergence", 30, {"tried": None, "reason": "nothing", "removed_share": None, "repaired": False})
+    vague = finding("fp32-divergence", 30, Verification(tried=None, reason="nothing", symptoms_before=["nonfinite"],
+                                                        symptoms_after=None, removed_share=None, repaired=False))
     precise = finding("lr-schedule-peak", 80, verified(True, 1.0))
     assert [f.cause for f in rank([vague, precise])] == ["lr-schedule-peak", "fp32-divergence"]
 

@@ -20,7 +20,7 @@ from ..config import build_config
 from ..engine.records import RECORD_COLUMNS
 from ..measure.datascan import FieldScan
 from ..measure.records import Localisation, ScaleWindow
-from .model import Evidence, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
+from .model import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
 
 PRECISION_COLUMNS = ["module", "type", "compute_dtype", "param_dtypes", "buffer_dtypes", "optimizer_state_dtypes",
                      "trained_param_dtypes", "frozen"]
@@ -122,3 +122,9 @@ def lr_peak(lrs: list[float], peak_step: int, jump_step: int | None = None, jump
     """The LR-peak stage's record: a schedule with its peak and jump, and the pause when one was taken."""
     return LrPeak(LrSchedule(lrs=lrs, peak_step=peak_step, peak_lr=lrs[peak_step], jump_step=peak_step if jump_step is None else jump_step,
                              jump_ratio=jump_ratio), pause)
+
+
+def gap(value: float, tolerance: float = 1e-3, step: int = 0, **found: Any) -> GapSearch:
+    """The precision-gap stage's record: a same-state deviation of ``value`` at ``step`` (the only state
+    compared); ``found`` sets what the later parts of the stage found (the scale-leak check, the search)."""
+    return GapSearch(same_state_rel_dev={step: value}, worst_step=step, gap=value, tolerance=tolerance, **found)

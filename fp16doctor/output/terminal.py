@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
-from ..diagnosis.model import Diagnosis, Finding, jsonable
+from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
 from ..measure.compare import Comparison
 from .formatting import exact_numbers, human, humanize
@@ -154,12 +154,12 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
         console.print(_finding_panel(finding, contested.get(finding.rank, []), diagnosis))
     if diagnosis.corrected is not None:
         c = diagnosis.corrected
-        style = "green" if c["healthy_after"] else "yellow"
-        console.print(f"[{style}]corrected config[/] ({', '.join(c['from_findings'])}): {escape(c['summary'])}"
-                      + ("" if c["healthy_after"] else f"; symptoms left: {', '.join(c['symptoms_after'])}")
-                      + (f"; also needs data changes: {', '.join(c['needs_data_changes'])}" if c["needs_data_changes"] else ""))
+        style = "green" if c.healthy_after else "yellow"
+        console.print(f"[{style}]corrected config[/] ({', '.join(c.from_findings)}): {escape(c.summary)}"
+                      + ("" if c.healthy_after else f"; symptoms left: {', '.join(c.symptoms_after)}")
+                      + (f"; also needs data changes: {', '.join(c.needs_data_changes)}" if c.needs_data_changes else ""))
         if contested:  # the findings point here instead of printing patches that contradict each other
-            console.print(Syntax(yaml.safe_dump(exact_numbers(jsonable(c["config_patch"])), sort_keys=False).rstrip(), "yaml",
+            console.print(Syntax(yaml.safe_dump(exact_numbers(jsonable(c.config_patch)), sort_keys=False).rstrip(), "yaml",
                                  theme="ansi_dark", background_color="default"))
     for item in diagnosis.unexplained:
         exc = item.exception
@@ -194,7 +194,7 @@ def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis)
 VERIFICATION_STYLE = {"untried": "dim", "verified": "green", "unmeasured": "dim", "partial": "yellow"}
 
 
-def verification_line(v: dict[str, Any]) -> str:
+def verification_line(v: Verification) -> str:
     """One line under a fix: what trying it measured."""
     status, text = verification_status(v)
     return f"[{VERIFICATION_STYLE[status]}]{escape(text)}[/]"

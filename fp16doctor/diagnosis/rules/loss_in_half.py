@@ -40,9 +40,9 @@ class LossInHalf(Rule):
         elif amp.exception and "unsafe to autocast" in (amp.exception.message or ""):
             evidence["exception"] = amp.exception
             title = "binary_cross_entropy on half-precision probabilities: CUDA autocast refuses it"
-        elif any(d in LOW_DTYPES for d in amp.loss_dtypes) and ev.gap and ev.gap["gap"] > ev.gap["tolerance"]:
-            evidence.update({"same_state_gap": ev.gap["gap"]})
-            title = f"The loss is computed in {'/'.join(amp.loss_dtypes)} and AMP deviates {ev.gap['gap']:.2%} from fp32"
+        elif any(d in LOW_DTYPES for d in amp.loss_dtypes) and ev.gap is not None and ev.gap.exceeded:
+            evidence.update({"same_state_gap": ev.gap.gap})
+            title = f"The loss is computed in {'/'.join(amp.loss_dtypes)} and AMP deviates {ev.gap.gap:.2%} from fp32"
         else:
             return []
         return [self.finding(
