@@ -36,18 +36,19 @@ def records(
 ) -> pd.DataFrame:
     """A probe record: a loss falling from 2.0, the given steps skipped or non-finite, an exception ending it."""
     skipped, bad_loss, bad_grads = set(skipped), set(nonfinite_loss), set(nonfinite_grads)
+    exc = exception or {}
     rows = []
     for i in range(steps):
-        raised = exception is not None and i == exception["step"]
+        raised = exception is not None and i == exc["step"]
         rows.append({
             "step": i, "batch_index": i, "loss": math.nan if i in bad_loss or raised else 2.0 - 0.05 * i,
             "grad_norm": math.inf if i in bad_grads or i in skipped else 1.0, "lr": 1e-3,
             "loss_scale": scales[i] if scales else 65536.0, "skipped": i in skipped or raised,
             "optimizer_stepped": i not in skipped and not raised, "micro_step": False,
             "nonfinite_loss": i in bad_loss or raised, "nonfinite_grads": i in bad_grads or i in skipped or raised,
-            "exception_type": exception["type"] if raised else None, "exception": exception["message"] if raised else None,
-            "exception_location": exception.get("location", "train.py:1") if raised else None,
-            "exception_module": exception.get("module") if raised else None,
+            "exception_type": exc["type"] if raised else None, "exception": exc["message"] if raised else None,
+            "exception_location": exc.get("location", "train.py:1") if raised else None,
+            "exception_module": exc.get("module") if raised else None,
         })
         if raised:
             break

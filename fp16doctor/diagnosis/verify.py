@@ -157,6 +157,7 @@ class Verifier:
         instruments = symptom_instruments()
         amp = run_mode(ctx, "amp", config, instruments=instruments)
         fp32 = run_mode(ctx, "fp32", config, instruments=instruments) if intervention.touches_fp32 else self.ev.fp32
+        assert fp32 is not None, "verification runs after the FP32 baseline stage"
         gap = None
         if self.measure_gap is not None and self.ev.gap and any(s.code == "same-state-gap" for s in self.ev.symptoms):
             gap = self.measure_gap(config, self.ev.gap.worst_step)

@@ -168,8 +168,8 @@ def compare(
         if on_mode is not None:
             on_mode(mode)
         trajectories[mode] = run_aligned(bench, mode, config, steps, instruments, max_iterations)
-    reference = trajectories["fp32"].aligned
-    ref_nonfinite = next((k for k, e in enumerate(reference) if not e["finite"]), None)
+    reference_steps = trajectories["fp32"].aligned
+    ref_nonfinite = next((k for k, e in enumerate(reference_steps) if not e["finite"]), None)
     result = Comparison(
         modes=modes, steps=steps, trajectories=trajectories, rel_dev={}, max_rel_dev={}, max_rel_dev_step={},
         first_divergent_step={}, first_nonfinite_step={"fp32": ref_nonfinite}, tolerance={}, divergence={}, verdict="healthy",
@@ -180,7 +180,7 @@ def compare(
         ours.symptoms = measure(ours.records, theirs.records, ours.updates, theirs.updates, bf16=_is_bf16(mode, config))
         result.tolerance[mode] = tolerance * factor
         result.divergence[mode] = divergence * factor
-        _score(result, mode, reference, ref_nonfinite, steps)
+        _score(result, mode, reference_steps, ref_nonfinite, steps)
     if ref_nonfinite is not None:
         result.verdict_by_mode["fp32"] = "diverged"
         result.first_divergent_step["fp32"] = ref_nonfinite

@@ -58,8 +58,9 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
 
     def pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         for p, n in params.items():
-            if p.grad is not None:
-                keep(f"param:{n}", grad_values(p))
+            g = grad_values(p)
+            if g is not None:
+                keep(f"param:{n}", g)
 
     handles = [m.register_forward_hook(forward_hook) for m in names]
     handles += [optimizer.register_step_pre_hook(pre_step) for optimizer in probe.optimizers.all()]
@@ -70,8 +71,9 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
         if not any(k.startswith("param:") for k in captured):
             divide = scale if record.trace and record.trace.scaled and not record.trace.unscaled else 1.0
             for p, n in params.items():
-                if p.grad is not None:
-                    keep(f"param:{n}", grad_values(p), divide)
+                g = grad_values(p)
+                if g is not None:
+                    keep(f"param:{n}", g, divide)
     finally:
         for h in handles:
             h.remove()

@@ -166,7 +166,8 @@ def all_rules() -> list[Rule]:
 
 def _subclasses(cls: type) -> list[type]:
     out: list[type] = []
-    for sub in cls.__subclasses__():
-        out.append(sub)
-        out.extend(_subclasses(sub))
+    subclasses: list[type] = cls.__subclasses__()
+    for subclass in subclasses:
+        out.append(subclass)
+        out.extend(_subclasses(subclass))
     return out

@@ -7,6 +7,8 @@ exception the training raised in fp32.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
 from . import Rule
@@ -39,7 +41,7 @@ class Fp32Divergence(Rule):
         step = min(s for s in (fp32.first_nonfinite_loss, fp32.first_nonfinite_grads) if s is not None)
         loc = ev.fp32_localisation
         where = f" in {loc.module} ({loc.operator}, {loc.phase})" if loc else ""
-        evidence = {"step": step, "loss_first_nonfinite": fp32.first_nonfinite_loss,
+        evidence: dict[str, Any] = {"step": step, "loss_first_nonfinite": fp32.first_nonfinite_loss,
                     "grads_first_nonfinite": fp32.first_nonfinite_grads}
         if loc:
             evidence.update({"module": loc.module, "operator": loc.operator, "phase": loc.phase,

@@ -55,7 +55,7 @@ class HalfWeights(Rule):
         dtypes = sorted(set(",".join(half["trained_param_dtypes"]).split(","))) if len(half) else ["float16"]
         evidence = {"modules": half["module"].tolist()[:12], "module_count": int(len(half)), "param_dtypes": dtypes,
                     "max_lost_update_share": lost}
-        if unscale_error:
+        if unscale_error and amp is not None:
             evidence["exception"] = amp.exception
         patch = {"overrides": {"fp32_weights": True}}
         if ev.config.dtype == "float16":

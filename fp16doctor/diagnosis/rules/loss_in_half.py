@@ -32,7 +32,7 @@ class LossInHalf(Rule):
         amp, loc = ev.amp, ev.localisation
         if amp is None or not fp32_finite(ev):
             return []
-        evidence = {"loss_dtypes": amp.loss_dtypes}
+        evidence: dict[str, Any] = {"loss_dtypes": amp.loss_dtypes}
         if loc is not None and loc.phase == "loss" and any(d in loc.output for d in LOW_DTYPES):
             evidence.update({"operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
                              "operator_input_ranges": loc.input_ranges, "output": loc.output})

@@ -95,8 +95,8 @@ class ScaleOverflow(Rule):
     @staticmethod
     def _weights_poisoned_by_hand(amp: ProbeSummary) -> bool:
         """A hand-scaled step without a GradScaler applies overflowed gradients: the loss turns NaN only after them."""
-        grads = amp.first_nonfinite_grads
-        return not amp.scaler_called and grads is not None and grads < amp.first_nonfinite_loss
+        grads, loss = amp.first_nonfinite_grads, amp.first_nonfinite_loss
+        return not amp.scaler_called and grads is not None and loss is not None and grads < loss
 
     @staticmethod
     def _expected_settling(ev: Evidence) -> int:

@@ -31,11 +31,11 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     floor = loss_floor(ev.fp32.records) if ev.fp32 is not None else 0.0
     ctx.loss_floor = floor
     remember_fp32_states(ctx, states)
-    gaps = {}
+    gaps: dict[int, float] = {}
     for step in states:
         losses = same_state_losses(ctx, step, {"fp32": ("fp32", cfg), "amp": ("amp", cfg)})
         gaps[step] = relative_deviation(losses["amp"], losses["fp32"], floor)
-    worst_step = max(gaps, key=gaps.get)
+    worst_step = max(gaps, key=lambda step: gaps[step])
     gap = gaps[worst_step]
     ev.gap = info = GapSearch(same_state_rel_dev=gaps, worst_step=worst_step, gap=gap, tolerance=tolerance)
     if gap <= tolerance:
