@@ -96,3 +96,17 @@ def test_a_finding_title_never_reads_nan_percent():
     amp = fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16")), tables={"updates": updates})
     [finding] = HalfWeights().check(fx.evidence(amp=amp))
     assert "nan" not in finding.title and "could not be measured" in finding.title
+
+
+def test_an_exception_no_finding_explains_is_reported_by_every_output():
+    """A probe's exception with no finding for it: the JSON keeps its documented shape, every renderer names it."""
+    evidence = fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 2, "type": "RuntimeError", "message": "boom",
+                                                                      "location": "train.py:7", "module": "head"})))
+    diagnosis = Diagnosis(findings=[], stages=[], evidence=evidence)
+    assert diagnosis.to_json()["unexplained"] == [{"probe": "amp", "exception": {
+        "step": 2, "type": "RuntimeError", "message": "boom", "location": "train.py:7", "module": "head"}}]
+    assert diagnosis.verdict == "unhealthy"
+    buffer = io.StringIO()
+    render_diagnosis(diagnosis, Console(file=buffer, width=160, color_system=None), "train.py")
+    for text in (buffer.getvalue(), markdown(diagnosis, "train.py")):
+        assert "amp probe raised RuntimeError at step 2" in " ".join(text.split()) and "train.py:7" in text

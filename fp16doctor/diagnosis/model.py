@@ -11,8 +11,8 @@ import pandas as pd
 
 from ..config import DoctorConfig
 from ..measure.datascan import FieldScan
-from ..measure.records import ExceptionInfo, Localisation
-from ..measure.symptoms import exception_of, first_step
+from ..measure.records import ExceptionInfo, Localisation, ScaleWindow
+from ..measure.symptoms import Symptom, exception_of, first_step
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -333,7 +333,8 @@ class Evidence:
     localisation: Localisation | None = None
     localisation_deterministic: bool | None = None
     fp32_localisation: Localisation | None = None
-    window: Any = None
+    window: ScaleWindow | None = None
+    """The loss scales that keep FP32's gradients representable in fp16 (the loss-scale stage)."""
     predicted_underflow: pd.DataFrame | None = None
     observed_underflow: pd.DataFrame | None = None
     sweep: pd.DataFrame | None = None
@@ -341,7 +342,7 @@ class Evidence:
     lr_peak: LrPeak | None = None
     gap: GapSearch | None = None
     bf16_supported: bool = True
-    symptoms: list[Any] = field(default_factory=list)
+    symptoms: list[Symptom] = field(default_factory=list)
     """The measured symptoms (:class:`fp16doctor.measure.symptoms.Symptom`) of the AMP probe against FP32."""
     explained: dict[str, list[str]] = field(default_factory=dict)
     """Per symptom code, the causes whose error findings explain it (empty: the ``unexplained`` finding)."""
