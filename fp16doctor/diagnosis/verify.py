@@ -12,7 +12,6 @@ The ranking then prefers the finding whose intervention removes the symptom.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 

@@ -10,8 +10,8 @@ ids, labels) are counted but never called extreme: they are not features.
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 

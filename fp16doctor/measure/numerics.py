@@ -9,7 +9,6 @@ happens in the backward pass between layers).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 

@@ -13,11 +13,10 @@ warning of what they can lead to, an error only once a symptom they explain
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from ...measure.thresholds import HALF_WEIGHTS_LOST_SHARE
 from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import half_param_modules, is_norm
 
@@ -31,7 +30,7 @@ class HalfWeights(Rule):
     repairs = ("fp32-weights",)
     names_cases = (lambda: (fx.repair("fp32-weights"), fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16"))))),)
 
-    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """fp32 master weights repaired it, and the training's parameters were stored in half precision."""
         return repair.kind == "fp32-weights" and not half_param_modules(ev.amp).empty
     triggers = ("model_half.py",)

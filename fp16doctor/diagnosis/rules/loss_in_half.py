@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite
 
@@ -58,18 +58,18 @@ class LossInHalf(Rule):
             ),
         )]
 
-    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """The loss computed in fp32 repaired it, also when the op that made the inf ran in fp32 itself: the
         damage was done before it, by half-precision values rounded on their way into the loss."""
         loc = ev.localisation
         return repair.kind == "loss-fp32" or (repair.kind == "bf16" and loc is not None and loc.phase == "loss")
 
-    def repair_title(self, repair: Any, ev: Evidence) -> str:
+    def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
         where = f": {loc.operator} in the loss at step {loc.step} -> {loc.output}" if loc is not None and loc.phase == "loss" else ""
         return f"The loss breaks on half-precision values{where}; computing the loss in fp32 repairs the training"
 
-    def repair_fix(self, repair: Any, ev: Evidence) -> tuple[str, str]:
+    def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
         loc = ev.localisation
         op = (loc.operator if loc is not None else "").split("::")[-1].split(".")[0]
         if op in ("log", "log1p", "log2", "log10", "xlogy"):

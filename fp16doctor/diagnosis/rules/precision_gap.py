@@ -7,11 +7,9 @@ output adds in AMP, and the smallest set whose fp32 fallback closes the gap.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ...measure.thresholds import GAP_ERROR, GAP_TOLERANCE
 from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 
 
@@ -50,7 +48,7 @@ class PrecisionGap(Rule):
             evidence, fix, severity=severity,
         )]
 
-    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it with nothing out of fp16's range: precision, not range (the rules
         before this one in causal order claim the overflows)."""
         return repair.kind == "fp32-modules" and not set(repair.symptoms) & {"nonfinite", "skips", "amp-exception"}
