@@ -111,7 +111,8 @@ measurements that drive a probe. A rule and its hand-built cases read evidence t
 
 def test_a_rule_and_its_cases_load_no_engine_in_a_fresh_process():
     """Importing every rule module and ``diagnosis.fixtures`` (which builds their cases) loads none of the
-    engine; importing the diagnosis engine afterwards does load each of them (so the names checked are real)."""
+    engine; importing the diagnosis engine afterwards does load each of them (so the names checked are real).
+    One process for all: what none of them loads together, no single one of them loads alone."""
     code = (
         "import importlib, json, pkgutil, sys\n"
         "import fp16doctor.diagnosis.rules as rules\n"
