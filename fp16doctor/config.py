@@ -147,8 +147,9 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
                 hint="Valid keys: " + ", ".join(prefix + k for k in known) + ".",
             )
         f = known[key]
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
-            kwargs[key] = _build(f.default_factory, value or {}, f"{prefix}{key}.")
+        factory = f.default_factory
+        if isinstance(factory, type) and dataclasses.is_dataclass(factory):  # a nested section
+            kwargs[key] = _build(factory, value or {}, f"{prefix}{key}.")
         else:
             kwargs[key] = _coerce(value, f.type, prefix + key)
     return cls(**kwargs)

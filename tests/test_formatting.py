@@ -12,7 +12,7 @@ from rich.console import Console
 
 from conftest import SAMPLES, run_cli
 from fp16doctor.diagnosis import fixtures as fx
-from fp16doctor.diagnosis.model import Diagnosis, Finding, Fix
+from fp16doctor.diagnosis.model import CorrectedConfig, Diagnosis, Finding, Fix, Verification
 from fp16doctor.output.formatting import human, humanize
 from fp16doctor.output.html import diagnosis_html
 from fp16doctor.output.markdown import markdown
@@ -36,8 +36,8 @@ def test_a_share_that_could_not_be_measured_says_so():
 def contradicting_diagnosis() -> Diagnosis:
     """Two error findings patching growth_interval with opposite values; the corrected config measured both."""
     def verified(patch):
-        return {"tried": "the config patch", "reason": "", "config_patch": patch, "symptoms_before": ["skips"],
-                "symptoms_after": [], "removed_share": 1.0, "repaired": True, "summary": "no symptom left"}
+        return Verification(tried="the config patch", config_patch=patch, symptoms_before=["skips"], symptoms_after=[],
+                            removed_share=1.0, repaired=True, summary="no symptom left")
 
     growth = {"scaler": {"init_scale": 2048.0, "growth_interval": 2000}}
     peak = {"scaler": {"growth_interval": 10}, "overrides": {"max_lr": 0.001}}
@@ -47,9 +47,9 @@ def contradicting_diagnosis() -> Diagnosis:
         Finding("lr-schedule-peak", "error", "Training breaks at the peak", {"pause_step": 9, "loss_scale": 8192.0},
                 Fix("Cap the learning rate.", config_patch=peak), rank=2, verification=verified(peak)),
     ]
-    corrected = {"config_patch": {"scaler": {"init_scale": 2048.0, "growth_interval": 10}, "overrides": {"max_lr": 0.001}},
-                 "from_findings": ["scale-growth", "lr-schedule-peak"], "symptoms_before": ["skips"], "symptoms_after": [],
-                 "healthy_after": True, "summary": "no symptom left", "needs_data_changes": []}
+    corrected = CorrectedConfig(config_patch={"scaler": {"init_scale": 2048.0, "growth_interval": 10}, "overrides": {"max_lr": 0.001}},
+                                from_findings=["scale-growth", "lr-schedule-peak"], symptoms_before=["skips"], symptoms_after=[],
+                                summary="no symptom left")
     return Diagnosis(findings=findings, stages=[], evidence=fx.evidence(), corrected=corrected)
 
 
@@ -96,3 +96,17 @@ def test_a_finding_title_never_reads_nan_percent():
     amp = fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16")), tables={"updates": updates})
     [finding] = HalfWeights().check(fx.evidence(amp=amp))
     assert "nan" not in finding.title and "could not be measured" in finding.title
+
+
+def test_an_exception_no_finding_explains_is_reported_by_every_output():
+    """A probe's exception with no finding for it: the JSON keeps its documented shape, every renderer names it."""
+    evidence = fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 2, "type": "RuntimeError", "message": "boom",
+                                                                      "location": "train.py:7", "module": "head"})))
+    diagnosis = Diagnosis(findings=[], stages=[], evidence=evidence)
+    assert diagnosis.to_json()["unexplained"] == [{"probe": "amp", "exception": {
+        "step": 2, "type": "RuntimeError", "message": "boom", "location": "train.py:7", "module": "head"}}]
+    assert diagnosis.verdict == "unhealthy"
+    buffer = io.StringIO()
+    render_diagnosis(diagnosis, Console(file=buffer, width=160, color_system=None), "train.py")
+    for text in (buffer.getvalue(), markdown(diagnosis, "train.py")):
+        assert "amp probe raised RuntimeError at step 2" in " ".join(text.split()) and "train.py:7" in text

@@ -6,6 +6,7 @@ Read from the source with ``ast`` (nothing is imported), so a lazy import inside
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,35 @@ def test_live_watch_loads_no_diagnosis_in_a_fresh_process():
             "print(sorted(m for m in sys.modules if m.startswith(('fp16doctor.diagnosis', 'fp16doctor.output'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+ENGINE_MODULES = ("fp16doctor.engine.probe", "fp16doctor.engine.instruments", "fp16doctor.diagnosis.stages",
+                  "fp16doctor.diagnosis.engine", "fp16doctor.diagnosis.interventions", "fp16doctor.measure.localise",
+                  "fp16doctor.measure.numerics")
+"""What runs trainings: the probe and its instruments, the stages, the diagnosis engine and its search, the
+measurements that drive a probe. A rule and its hand-built cases read evidence types only."""
+
+
+def test_a_rule_and_its_cases_load_no_engine_in_a_fresh_process():
+    """Importing every rule module and ``diagnosis.fixtures`` (which builds their cases) loads none of the
+    engine; importing the diagnosis engine afterwards does load each of them (so the names checked are real).
+    One process for all: what none of them loads together, no single one of them loads alone."""
+    code = (
+        "import importlib, json, pkgutil, sys\n"
+        "import fp16doctor.diagnosis.rules as rules\n"
+        "names = ['fp16doctor.diagnosis.rules.' + m.name for m in pkgutil.iter_modules(rules.__path__)]\n"
+        "for name in names + ['fp16doctor.diagnosis.fixtures']:\n"
+        "    importlib.import_module(name)\n"
+        f"watched = {ENGINE_MODULES!r}\n"
+        "def loaded(): return sorted(w for w in watched if any(m == w or m.startswith(w + '.') for m in sys.modules))\n"
+        "before = loaded()\n"
+        "import fp16doctor.diagnosis\n"
+        "fp16doctor.diagnosis.diagnose  # the lazy package hands out the engine on first use\n"
+        "print(json.dumps({'rules': len(names), 'before': before, 'after': loaded()}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout)
+    assert seen["rules"] >= 20  # every rule module was imported, not an empty package
+    assert seen["before"] == [], f"a rule or its cases loads the engine: {seen['before']}"
+    assert seen["after"] == sorted(ENGINE_MODULES)

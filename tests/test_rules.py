@@ -86,7 +86,7 @@ def test_user_exception_in_a_probe_is_evidence():
     _, result = diagnosed("model_half.py")
     finding = result.findings[0]
     assert finding.cause == "half-weights"
-    assert "FP16 gradients" in finding.evidence["exception"]["message"]
+    assert "FP16 gradients" in finding.evidence["exception"].message
     assert finding.fix.config_patch["overrides"]["fp32_weights"] is True
 
 
@@ -104,11 +104,12 @@ def test_diagnosed_findings_come_in_severity_order_with_consecutive_ranks():
 def test_ranking_is_severity_then_repair_then_size_then_root_cause_then_causal_order():
     """Each neighbouring pair below is decided by one criterion of the documented ranking."""
     from fp16doctor.diagnosis.engine import rank
-    from fp16doctor.diagnosis.model import Finding, Fix
+    from fp16doctor.diagnosis.model import Finding, Fix, Verification
 
     def finding(cause, order, severity="error", removed=None, size=None):
-        verification = None if removed is None else {
-            "tried": "x", "removed_share": removed, "repaired": removed == 1.0, "size": size, "symptoms_after": []}
+        verification = None if removed is None else Verification(
+            tried="x", symptoms_before=["nonfinite"], symptoms_after=[], removed_share=removed, repaired=removed == 1.0,
+            size=size)
         return Finding(cause=cause, severity=severity, title=cause, evidence={}, fix=Fix("x"), order=order, verification=verification)
 
     expected = [

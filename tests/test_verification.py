@@ -9,7 +9,7 @@ import yaml
 
 from conftest import ROOT, SAMPLES, run_cli
 from fp16doctor.diagnosis.engine import demote_unrepairing, rank
-from fp16doctor.diagnosis.model import Finding, Fix
+from fp16doctor.diagnosis.model import Finding, Fix, Verification
 from fp16doctor.measure.numerics import GradientCapture, scale_window
 
 FILES = ROOT / "tests" / "training_files"
@@ -20,12 +20,13 @@ def finding(cause, order, verification=None, severity="error"):
 
 
 def verified(repaired, removed, size=1):
-    return {"tried": "something", "symptoms_before": ["nonfinite"], "symptoms_after": [] if repaired else ["nonfinite"],
-            "removed_share": removed, "repaired": repaired, "size": size, "summary": ""}
+    return Verification(tried="something", symptoms_before=["nonfinite"], symptoms_after=[] if repaired else ["nonfinite"],
+                        removed_share=removed, repaired=repaired, size=size)
 
 
 def test_a_repairing_fix_outranks_an_earlier_cause_whose_fix_does_not():
-    vague = finding("fp32-divergence", 30, {"tried": None, "reason": "nothing", "removed_share": None, "repaired": False})
+    vague = finding("fp32-divergence", 30, Verification(tried=None, reason="nothing", symptoms_before=["nonfinite"],
+                                                        symptoms_after=None, removed_share=None, repaired=False))
     precise = finding("lr-schedule-peak", 80, verified(True, 1.0))
     assert [f.cause for f in rank([vague, precise])] == ["lr-schedule-peak", "fp32-divergence"]
 
@@ -73,3 +74,26 @@ def test_fix_config_header_carries_the_measured_before_and_after(tmp_path):
     assert "verified:" in " ".join(proc.stdout.split())  # the terminal shows what trying the fix measured
     again = run_cli("diagnose", SAMPLES / "warmup_peak.py", "--ci", "--json", "--config", fixed)
     assert again.returncode == 0 and json.loads(again.stdout)["verdict"] == "healthy", again.stdout[-3000:]
+
+
+def test_the_verification_and_corrected_records_keep_their_documented_json_keys():
+    """The JSON is made from the dataclasses in their to_json: an untried fix says why, a tried one what it ran
+    and measured; the records the plots draw and the ranking's size stay out of it."""
+    import pandas as pd
+
+    from fp16doctor.diagnosis.model import CorrectedConfig
+
+    untried = Verification(tried=None, reason="no intervention", symptoms_before=["skips"], symptoms_after=None,
+                           removed_share=None, repaired=False)
+    tried = Verification(tried="a lower scale", config_patch={"scaler": {"init_scale": 1024.0}}, symptoms_before=["skips"],
+                         symptoms_after=[], removed_share=1.0, repaired=True, size=1, summary="AMP finite",
+                         amp_records=pd.DataFrame({"loss": [1.0]}))
+    assert list(untried.to_json()) == ["tried", "reason", "symptoms_before", "symptoms_after", "removed_share", "repaired"]
+    assert list(tried.to_json()) == ["tried", "config_patch", "symptoms_before", "symptoms_after", "removed_share",
+                                     "repaired", "summary"]
+    corrected = CorrectedConfig(config_patch=tried.config_patch, from_findings=["scale-overflow"], symptoms_before=["skips"],
+                                symptoms_after=["skips"], summary="AMP finite", amp_records=tried.amp_records)
+    payload = json.loads(json.dumps(corrected.to_json()))  # plain JSON: no frame leaks in
+    assert payload["healthy_after"] is False and "amp_records" not in payload and "_amp_records" not in payload
+    assert set(payload) == {"config_patch", "from_findings", "symptoms_before", "symptoms_after", "healthy_after",
+                            "summary", "needs_data_changes"}

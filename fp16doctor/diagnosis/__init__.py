@@ -1,6 +1,37 @@
-"""``diagnose``: the ordered triage (stages), the rules, and the ranked diagnosis."""
+"""``diagnose``: the ordered triage (stages), the rules, and the ranked diagnosis.
 
-from .engine import DiagnoseOptions, diagnose, fixed_config, merge_patch, rank
-from .model import Diagnosis, Evidence, Finding, Fix, StageReport
+The names below are loaded on first use (PEP 562): importing one rule, or the hand-built evidence its cases
+use (:mod:`.fixtures`), loads this package first, and it must not pull in the diagnosis engine and with it
+the probe, its instruments and the stages.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import DiagnoseOptions, diagnose, fixed_config, merge_patch, rank
+    from .model import Diagnosis, Evidence, Finding, Fix, StageReport
+
+_HOMES = {
+    "DiagnoseOptions": ".engine", "diagnose": ".engine", "fixed_config": ".engine", "merge_patch": ".engine",
+    "rank": ".engine",
+    "Diagnosis": ".model", "Evidence": ".model", "Finding": ".model", "Fix": ".model", "StageReport": ".model",
+}
+"""Each public name and the module that defines it."""
 
 __all__ = ["DiagnoseOptions", "Diagnosis", "Evidence", "Finding", "Fix", "StageReport", "diagnose", "fixed_config", "merge_patch", "rank"]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -14,13 +14,14 @@ from ..userfile.spec import TrainingSpec
 from .interventions import InterventionSearch, SearchResult
 from .model import (
     SEVERITIES,
+    CorrectedConfig,
     Diagnosis,
     Evidence,
     Finding,
     Fix,
     Repair,
     StageReport,
-    public,
+    Verification,
 )
 from .stages import STAGES, StageContext, measured_symptoms, same_state_gap
 from .stages.context import ProbeStepHook
@@ -82,7 +83,7 @@ def diagnose(
         report.seconds = time.perf_counter() - start
         stages.append(report)
     evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
-                                          evidence.gap.get("gap") if evidence.gap else None)
+                                          evidence.gap.gap if evidence.gap else None)
     if on_stage is not None:
         on_stage(VERIFYING)
     start = time.perf_counter()
@@ -108,7 +109,7 @@ def diagnose(
     corrected = verify_corrected(findings, evidence, verifier)
     stages.append(StageReport("fix verification", "ran" if any(f.verification for f in findings) else "skipped",
                               _verification_sentence(findings, corrected), seconds=time.perf_counter() - start - search_stage.seconds,
-                              details={"corrected": public(corrected)}))
+                              details={"corrected": corrected}))
     stages.append(search_stage)
     return Diagnosis(findings=findings, stages=stages, evidence=evidence, notes=list(spec.notes), corrected=corrected)
 
@@ -140,10 +141,10 @@ def demote_unrepairing(findings: list[Finding]) -> None:
         if finding.severity in ("error", "warning") and finding.verification and repair_rank(finding) == 3:
             finding.severity = "warning"
             finding.demoted = True
-            finding.title += f" (tried: {finding.verification['tried']}; it did not change the outcome)"
+            finding.title += f" (tried: {finding.verification.tried}; it did not change the outcome)"
 
 
-def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) -> dict[str, Any] | None:
+def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) -> CorrectedConfig | None:
     """The corrected config and its measured before/after: the top-ranked fix alone when, tried, it repaired
     everything (the smallest change that works), else every verified config patch together, checked once more."""
     from .verify import Intervention
@@ -151,7 +152,7 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
     usable = [f for f in findings if f.severity == "error" and f.fix.config_patch and repair_rank(f) != 3]
     if usable and usable[0] is findings[0] and repair_rank(usable[0]) == 0:
         usable = usable[:1]
-    data = [f.cause for f in findings if f.severity == "error" and f.verification and f.verification.get("tried")
+    data = [f.cause for f in findings if f.severity == "error" and f.verification and f.verification.tried
             and not f.fix.config_patch]
     if not usable:
         return None
@@ -159,25 +160,26 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
     for finding in usable:
         patch = merge_patch(patch, finding.fix.config_patch)
     single = usable[0].verification if len(usable) == 1 else None
-    if single and single.get("config_patch") == patch:
-        after, summary, records = single["symptoms_after"], single.get("summary", ""), single.get("_amp_records")
+    if single is not None and single.tried and single.config_patch == patch:
+        after, summary, records = list(single.symptoms_after or []), single.summary, single.amp_records
     else:
         outcome = verifier.run(Intervention("the corrected config", config_patch=patch))
         after, summary, records = [s.code for s in outcome.symptoms], outcome.summary(), outcome.amp
-    return {"config_patch": patch, "from_findings": [f.cause for f in usable], "symptoms_before": [s.code for s in ev.symptoms],
-            "symptoms_after": after, "healthy_after": not after, "summary": summary, "needs_data_changes": data,
-            "_amp_records": records}
+    return CorrectedConfig(config_patch=patch, from_findings=[f.cause for f in usable],
+                           symptoms_before=[s.code for s in ev.symptoms], symptoms_after=after, summary=summary,
+                           needs_data_changes=data, amp_records=records)
 
 
-def _verification_sentence(findings: list[Finding], corrected: dict[str, Any] | None) -> str:
-    tried = [(f.cause, f.verification) for f in findings if f.verification and f.verification.get("tried")]
+def _verification_sentence(findings: list[Finding], corrected: CorrectedConfig | None) -> str:
+    tried: list[tuple[str, Verification]] = [(f.cause, f.verification) for f in findings
+                                             if f.verification is not None and f.verification.tried]
     if not tried and corrected is None:
         return "no fix to try"
-    parts = [f"{cause}: " + ("repaired" if v["repaired"] else
-                             f"removed {v['removed_share']:.0%} of the symptoms" if v["removed_share"] is not None
+    parts = [f"{cause}: " + ("repaired" if v.repaired else
+                             f"removed {v.removed_share:.0%} of the symptoms" if v.removed_share is not None
                              else "no measured symptom to remove") for cause, v in tried]
     if corrected is not None:
-        parts.append("corrected config: " + corrected["summary"])
+        parts.append("corrected config: " + corrected.summary)
     return "; ".join(parts)
 
 
@@ -247,7 +249,7 @@ def unexplained_finding(symptoms: list[Symptom], ev: Evidence, search: SearchRes
     where = f"; it starts in {loc.module} ({loc.operator}, {loc.phase}) at step {loc.step}, batch {loc.batch_index}" if loc else ""
     if ev.amp is not None and ev.amp.exception is not None:
         evidence["exception"] = ev.amp.exception
-        where += f"; AMP raised {ev.amp.exception['type']} at {ev.amp.exception['location']}"
+        where += f"; AMP raised {ev.amp.exception.type} at {ev.amp.exception.location}"
     inspect = ["re-run `fp16doctor compare FILE --fp32 --amp --steps N` to see where the curves part"]
     if loc is not None:
         inspect.insert(0, f"print the inputs and output of {loc.module} at step {loc.step} (batch {loc.batch_index}) under AMP and FP32")
@@ -302,7 +304,7 @@ def rank(findings: list[Finding]) -> list[Finding]:
     symptoms_of_others = {code for f in findings if f.severity == "error" for code in rules[f.cause].suppresses if code != f.cause}
 
     def size(f: Finding) -> float:
-        return f.verification["size"] if f.verification and f.verification.get("size") is not None else math.inf
+        return f.verification.size if f.verification is not None else math.inf
 
     ordered = sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), repair_rank(f), size(f),
                                               f.cause in symptoms_of_others, f.order, -f.confidence))
@@ -314,7 +316,7 @@ def rank(findings: list[Finding]) -> list[Finding]:
 def fixed_config(user_layers: dict[str, Any], diagnosis: Diagnosis) -> dict[str, Any]:
     """The user's config with the verified corrected patch (else every non-info finding's patch) applied."""
     if diagnosis.corrected is not None:
-        return merge_patch(dict(user_layers), diagnosis.corrected["config_patch"])
+        return merge_patch(dict(user_layers), diagnosis.corrected.config_patch)
     out = dict(user_layers)
     for finding in diagnosis.findings:
         if finding.severity == "info":

@@ -1,5 +1,8 @@
 """Evidence built by hand: the small cases each rule carries (``fires_on`` / ``quiet_on``).
 
+Built from the evidence types alone (records, never the probe, its instruments or the stages):
+importing a rule with its cases loads no engine (``tests/test_layers.py`` checks it in a fresh process).
+
 A rule is tested without a diagnosis: its cases build just the measurements it
 reads (a probe record, a precision map, a localisation, a data field) and
 everything else stays at a healthy default: a finite FP32 and AMP run of ten
@@ -14,11 +17,10 @@ from typing import Any, Iterable
 import pandas as pd
 
 from ..config import build_config
-from ..engine.probe import RECORD_COLUMNS
+from ..engine.records import RECORD_COLUMNS
 from ..measure.datascan import FieldScan
-from ..measure.localise import Localisation
-from ..measure.numerics import ScaleWindow
-from .model import Evidence, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
+from ..measure.records import Localisation, ScaleWindow
+from .model import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
 
 PRECISION_COLUMNS = ["module", "type", "compute_dtype", "param_dtypes", "buffer_dtypes", "optimizer_state_dtypes",
                      "trained_param_dtypes", "frozen"]
@@ -34,18 +36,19 @@ def records(
 ) -> pd.DataFrame:
     """A probe record: a loss falling from 2.0, the given steps skipped or non-finite, an exception ending it."""
     skipped, bad_loss, bad_grads = set(skipped), set(nonfinite_loss), set(nonfinite_grads)
+    exc = exception or {}
     rows = []
     for i in range(steps):
-        raised = exception is not None and i == exception["step"]
+        raised = exception is not None and i == exc["step"]
         rows.append({
             "step": i, "batch_index": i, "loss": math.nan if i in bad_loss or raised else 2.0 - 0.05 * i,
             "grad_norm": math.inf if i in bad_grads or i in skipped else 1.0, "lr": 1e-3,
             "loss_scale": scales[i] if scales else 65536.0, "skipped": i in skipped or raised,
             "optimizer_stepped": i not in skipped and not raised, "micro_step": False,
             "nonfinite_loss": i in bad_loss or raised, "nonfinite_grads": i in bad_grads or i in skipped or raised,
-            "exception_type": exception["type"] if raised else None, "exception": exception["message"] if raised else None,
-            "exception_location": exception.get("location", "train.py:1") if raised else None,
-            "exception_module": exception.get("module") if raised else None,
+            "exception_type": exc["type"] if raised else None, "exception": exc["message"] if raised else None,
+            "exception_location": exc.get("location", "train.py:1") if raised else None,
+            "exception_module": exc.get("module") if raised else None,
         })
         if raised:
             break
@@ -120,3 +123,9 @@ def lr_peak(lrs: list[float], peak_step: int, jump_step: int | None = None, jump
     """The LR-peak stage's record: a schedule with its peak and jump, and the pause when one was taken."""
     return LrPeak(LrSchedule(lrs=lrs, peak_step=peak_step, peak_lr=lrs[peak_step], jump_step=peak_step if jump_step is None else jump_step,
                              jump_ratio=jump_ratio), pause)
+
+
+def gap(value: float, tolerance: float = 1e-3, step: int = 0, **found: Any) -> GapSearch:
+    """The precision-gap stage's record: a same-state deviation of ``value`` at ``step`` (the only state
+    compared); ``found`` sets what the later parts of the stage found (the scale-leak check, the search)."""
+    return GapSearch(same_state_rel_dev={step: value}, worst_step=step, gap=value, tolerance=tolerance, **found)

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
 from ..measure.symptoms import Symptom, skip_runs
 from ..measure.thresholds import EXTREME_INPUT
-from .model import Evidence, Repair
+from .model import Evidence, Repair, Verification
 from .rules._helpers import stores_half_training_state
 from .stages import StageContext, same_state_gap
 from .verify import Intervention, Verifier, drop_rows, standardise
@@ -76,7 +76,7 @@ class Trial:
     """A range screen that still failed, elsewhere: where the fault moved to."""
     symptoms_after: list[str] | None = None
     repaired: bool = False
-    verification: dict[str, Any] | None = None
+    verification: Verification | None = None
     """The full probe's verification record (when the candidate passed its screen)."""
 
     def to_json(self) -> dict[str, Any]:
@@ -136,13 +136,13 @@ class InterventionSearch:
             trial.screen = ("the failing step stays finite" if moved is None else
                             f"the failing step still fails: {moved.operator} in {moved.module or moved.phase} ({moved.phase})")
         elif candidate.screen == "gap" and self.ev.gap:
-            gap = same_state_gap(self.ctx, self.ctx.with_config(candidate.intervention.config_patch), int(self.ev.gap["worst_step"]))
-            trial.passed_screen = gap <= float(self.ev.gap["tolerance"])
-            trial.screen = f"same-state deviation {gap:.3%} (tolerance {float(self.ev.gap['tolerance']):.3%})"
+            gap = same_state_gap(self.ctx, self.ctx.with_config(candidate.intervention.config_patch), self.ev.gap.worst_step)
+            trial.passed_screen = gap <= self.ev.gap.tolerance
+            trial.screen = f"same-state deviation {gap:.3%} (tolerance {self.ev.gap.tolerance:.3%})"
         if trial.passed_screen is False:
             return trial
         verification = self.verifier.verify(candidate.intervention, "")
-        trial.symptoms_after = list(verification["symptoms_after"] or [])
+        trial.symptoms_after = list(verification.symptoms_after or [])
         before = {s.code for s in self.ev.symptoms}
         trial.repaired = not (self.codes & set(trial.symptoms_after)) and set(trial.symptoms_after) <= before - self.codes
         trial.verification = verification
@@ -194,7 +194,7 @@ class InterventionSearch:
             if loc is not None and loc.phase in ("forward", "backward"):
                 yield from self._modules(loc.module)
             elif "amp-exception" in self.codes and self.ev.amp is not None and self.ev.amp.exception:
-                yield from self._modules(self.ev.amp.exception.get("module"))  # the module that raised
+                yield from self._modules(self.ev.amp.exception.module)  # the module that raised
             yield from self._gap_set()
             yield self._loss_fp32()
             yield from self._fp32_weights()
@@ -265,13 +265,15 @@ class InterventionSearch:
                          modules=modules, scope=scope, module_class=module_class, screen=self._screen_kind())
 
     def _gap_set(self) -> Iterator[Candidate]:
-        gap = self.ev.gap or {}
-        closing = gap.get("closing_set")
+        gap = self.ev.gap
+        if gap is None:
+            return
+        closing = gap.closing_set
         if closing:
             yield self._fp32_modules(list(closing), "gap-set")
-        ranked = gap.get("ranked_modules") or []
+        ranked = gap.ranked_modules or []
         if ranked and not closing:
-            top = ranked[0]["module"]
+            top = ranked[0].module
             yield self._fp32_modules([top], "module")
             types = self._module_types()
             members = self._class_members(top, types)

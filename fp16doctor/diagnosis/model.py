@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
 import pandas as pd
 
 from ..config import DoctorConfig
 from ..measure.datascan import FieldScan
-from ..measure.localise import Localisation
-from ..measure.symptoms import exception_of, first_step
+from ..measure.records import ExceptionInfo, Localisation, ScaleWindow
+from ..measure.symptoms import Symptom, exception_of, first_step
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -30,6 +30,68 @@ class Fix:
 
 
 @dataclass
+class Verification:
+    """What trying one fix measured (:meth:`fp16doctor.diagnosis.verify.Verifier.verify`): the intervention
+    tried, the symptoms before and after, and the share removed. Untried: ``tried`` is None and ``reason``
+    says why."""
+
+    tried: str | None
+    """The intervention in words; None when there was nothing to try."""
+    symptoms_before: list[str]
+    symptoms_after: list[str] | None
+    """None when nothing was tried."""
+    removed_share: float | None
+    """The share of ``symptoms_before`` gone after; None when there was nothing to remove (or nothing tried)."""
+    repaired: bool
+    """Every measured symptom gone (and there was one)."""
+    size: float = math.inf
+    """How big a change it is (:meth:`fp16doctor.diagnosis.verify.Intervention.size`); ranks, never printed."""
+    reason: str = ""
+    """Untried: why there was nothing to try."""
+    config_patch: dict[str, Any] = field(default_factory=dict)
+    """Tried: the patch the probe ran with."""
+    summary: str = ""
+    """Tried: the probe's outcome in a sentence (:meth:`fp16doctor.diagnosis.verify.Outcome.summary`)."""
+    amp_records: pd.DataFrame | None = field(default=None, repr=False)
+    """Tried: the AMP probe's record with the fix applied (for the plots); not in the JSON."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented shape: an untried record has ``reason`` and no ``config_patch``/``summary``."""
+        if self.tried is None:
+            return {"tried": None, "reason": self.reason, "symptoms_before": self.symptoms_before,
+                    "symptoms_after": self.symptoms_after, "removed_share": self.removed_share, "repaired": self.repaired}
+        return {"tried": self.tried, "config_patch": self.config_patch, "symptoms_before": self.symptoms_before,
+                "symptoms_after": self.symptoms_after, "removed_share": self.removed_share, "repaired": self.repaired,
+                "summary": self.summary}
+
+
+@dataclass
+class CorrectedConfig:
+    """The verified fixes' config patches together, checked once more (or the top fix's own verification when
+    it alone repaired everything): what ``--fix-config`` writes and ``train`` runs."""
+
+    config_patch: dict[str, Any]
+    from_findings: list[str]
+    """The causes whose patches it merges, in rank order."""
+    symptoms_before: list[str]
+    symptoms_after: list[str]
+    summary: str
+    needs_data_changes: list[str] = field(default_factory=list)
+    """Error causes whose tried fix is a data change, which no config patch carries."""
+    amp_records: pd.DataFrame | None = field(default=None, repr=False)
+    """The AMP probe's record with the corrected config (the plots draw it); not in the JSON."""
+
+    @property
+    def healthy_after(self) -> bool:
+        return not self.symptoms_after
+
+    def to_json(self) -> dict[str, Any]:
+        return {"config_patch": self.config_patch, "from_findings": self.from_findings,
+                "symptoms_before": self.symptoms_before, "symptoms_after": self.symptoms_after,
+                "healthy_after": self.healthy_after, "summary": self.summary, "needs_data_changes": self.needs_data_changes}
+
+
+@dataclass
 class Finding:
     """One cause, with the measurements that point at it."""
 
@@ -43,7 +105,7 @@ class Finding:
     order: int = 0
     """Causal order of the cause (data before model before precision settings); set by the rule."""
     rank: int = 0
-    verification: dict[str, Any] | None = None
+    verification: Verification | None = None
     """What trying the fix measured (:mod:`.verify`): tried, symptoms before/after, share removed."""
     demoted: bool = False
     """An error whose fix, tried, changed nothing: now a warning, and it explains no symptom."""
@@ -55,7 +117,7 @@ class Finding:
         return {
             "rank": self.rank, "cause": self.cause, "severity": self.severity, "found_by": self.found_by, "title": self.title,
             "evidence": jsonable(self.evidence), "fix": self.fix.to_json(), "confidence": round(self.confidence, 3),
-            "verification": jsonable({k: v for k, v in public(self.verification).items() if k != "size"}) if self.verification else None,
+            "verification": jsonable(self.verification.to_json()) if self.verification else None,
         }
 
 
@@ -82,7 +144,7 @@ class Repair:
     """The measured symptoms it removed."""
     forward_overflow: bool = False
     """Whether the AMP run's forward outputs of the kept modules left fp16's range (inf/NaN or past 65504)."""
-    verification: dict[str, Any] | None = None
+    verification: Verification | None = None
     """The full probe's verification record (:meth:`fp16doctor.diagnosis.verify.Verifier.verify`)."""
 
 
@@ -123,7 +185,8 @@ class ProbeSummary:
     """Steps the scaler skipped, per optimizer (by the probe's name for it)."""
 
     @property
-    def exception(self) -> dict[str, Any] | None:
+    def exception(self) -> ExceptionInfo | None:
+        """The exception the training raised in this probe (it stopped there), or None."""
         return exception_of(self.records)
 
     def first_step(self, column: str) -> int | None:
@@ -184,6 +247,77 @@ class LrPeak:
 
 
 @dataclass
+class ModuleGap:
+    """One module's share of a same-state gap: the relative error its output adds over its input's, AMP
+    against fp32 on the same weights and batch."""
+
+    module: str
+    added_error: float
+    output_error: float
+    input_error: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"module": self.module, "added_error": self.added_error, "output_error": self.output_error,
+                "input_error": self.input_error}
+
+
+@dataclass
+class GapTrial:
+    """One fp32 module set the search tried, and the same-state gap left with it."""
+
+    fp32_modules: list[str]
+    gap: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fp32_modules": self.fp32_modules, "gap": self.gap}
+
+
+@dataclass
+class GapSearch:
+    """What the precision-gap stage measured: AMP against fp32 from the same states, and (past tolerance) the
+    modules ranked by the error they add and the smallest fp32 set that closes the gap."""
+
+    same_state_rel_dev: dict[int, float]
+    """Per FP32 trajectory step compared, AMP's relative loss deviation from fp32's."""
+    worst_step: int
+    gap: float
+    """The largest deviation (at ``worst_step``)."""
+    tolerance: float
+    gap_without_loss_scaling: float | None = None
+    """The gap again with the GradScaler off (measured when the gap is past tolerance under fp16 scaling)."""
+    scale_leak: bool = False
+    """The gap closes with scaling off: the loss scale leaks into the loss (scaler misuse, not precision)."""
+    ranked_modules: list[ModuleGap] | None = None
+    """The searched modules, the largest added error first (at most eight); None when no search ran."""
+    closing_set: list[str] | None = None
+    """The smallest set kept in fp32 that brings the gap within tolerance; None when none did (or no search)."""
+    closed_gap: float | None = None
+    tried: list[GapTrial] | None = None
+    """The module sets tried, in order; None when no search ran."""
+
+    @property
+    def exceeded(self) -> bool:
+        """The gap is past tolerance."""
+        return self.gap > self.tolerance
+
+    def to_json(self) -> dict[str, Any]:
+        """The stage's documented details: the measured gap, then what each later part of the stage found (a part
+        that did not run leaves its keys out)."""
+        out: dict[str, Any] = {"same_state_rel_dev": self.same_state_rel_dev, "worst_step": self.worst_step,
+                               "gap": self.gap, "tolerance": self.tolerance}
+        if self.gap_without_loss_scaling is not None:
+            out["gap_without_loss_scaling"] = self.gap_without_loss_scaling
+        if self.scale_leak:
+            out["scale_leak"] = True
+        if self.ranked_modules is not None:
+            out["ranked_modules"] = [m.to_json() for m in self.ranked_modules]
+        if self.tried is not None:
+            out.update({"closing_set": self.closing_set, "closed_gap": self.closed_gap,
+                        "tried": [t.to_json() for t in self.tried]})
+        return out
+
+
+@dataclass
 class Evidence:
     """Everything the stages measured; rules read it, nothing else."""
 
@@ -199,18 +333,31 @@ class Evidence:
     localisation: Localisation | None = None
     localisation_deterministic: bool | None = None
     fp32_localisation: Localisation | None = None
-    window: Any = None
+    window: ScaleWindow | None = None
+    """The loss scales that keep FP32's gradients representable in fp16 (the loss-scale stage)."""
     predicted_underflow: pd.DataFrame | None = None
     observed_underflow: pd.DataFrame | None = None
     sweep: pd.DataFrame | None = None
     recommended_scaler: dict[str, Any] | None = None
     lr_peak: LrPeak | None = None
-    gap: dict[str, Any] | None = None
+    gap: GapSearch | None = None
     bf16_supported: bool = True
-    symptoms: list[Any] = field(default_factory=list)
+    symptoms: list[Symptom] = field(default_factory=list)
     """The measured symptoms (:class:`fp16doctor.measure.symptoms.Symptom`) of the AMP probe against FP32."""
     explained: dict[str, list[str]] = field(default_factory=dict)
     """Per symptom code, the causes whose error findings explain it (empty: the ``unexplained`` finding)."""
+
+
+@dataclass
+class UnexplainedException:
+    """An exception a probe raised that no finding accounts for: the report says to fix the code there."""
+
+    probe: str
+    """The probe's mode (``fp32``, ``amp``)."""
+    exception: ExceptionInfo
+
+    def to_json(self) -> dict[str, Any]:
+        return {"probe": self.probe, "exception": self.exception.to_json()}
 
 
 @dataclass
@@ -222,18 +369,18 @@ class Diagnosis:
     evidence: Evidence
     notes: list[str] = field(default_factory=list)
     """How the doctor ran the training file (e.g. a torch.compile'd model run uncompiled)."""
-    corrected: dict[str, Any] | None = None
+    corrected: CorrectedConfig | None = None
     """The verified fixes' config patches together, checked once more: patch, symptoms before and after."""
 
     @property
-    def unexplained(self) -> list[dict[str, Any]]:
+    def unexplained(self) -> list[UnexplainedException]:
         """Exceptions the training raised in a probe that no finding accounts for (never "healthy")."""
         explained = {json_key(f.evidence.get("exception")) for f in self.findings
                      if f.evidence.get("exception") and (f.cause != "unexplained" or f.found_by == "intervention")}
         out = []
         for summary in (self.evidence.fp32, self.evidence.amp):
             if summary is not None and summary.exception is not None and json_key(summary.exception) not in explained:
-                out.append({"probe": summary.mode, "exception": summary.exception})
+                out.append(UnexplainedException(summary.mode, summary.exception))
         return out
 
     @property
@@ -253,13 +400,8 @@ class Diagnosis:
             "symptoms": [jsonable(dict(s.to_json(), explained_by=self.evidence.explained.get(s.code, [])))
                          for s in self.evidence.symptoms],
             "notes": self.notes,
-            "corrected": jsonable(public(self.corrected)),
+            "corrected": jsonable(self.corrected.to_json()) if self.corrected is not None else None,
         }
-
-
-def public(record: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A record without its private entries (``_``-prefixed: data kept for plots, not for JSON)."""
-    return None if record is None else {k: v for k, v in record.items() if not k.startswith("_")}
 
 
 def json_key(value: Any) -> str:
@@ -274,6 +416,8 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in value]
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
+    if is_dataclass(value) and not isinstance(value, type) and hasattr(value, "to_json"):
+        return jsonable(value.to_json())  # a record inside evidence: its own documented shape
     if hasattr(value, "item") and not isinstance(value, (int, float)):
         try:
             value = value.item()

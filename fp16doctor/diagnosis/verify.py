@@ -12,15 +12,13 @@ The ranking then prefers the finding whose intervention removes the symptom.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import pandas as pd
 import torch
 
 from ..config import DoctorConfig
-from ..engine.instruments import InstrumentOptions
 from ..measure.symptoms import (
     Symptom,
     loss_floor,
@@ -29,10 +27,18 @@ from ..measure.symptoms import (
     tail_losses,
 )
 from ..userfile.batches import iter_tensors, map_named_tensors
-from .model import Evidence, Finding
+from .model import Evidence, Finding, Verification
 
-SYMPTOM_INSTRUMENTS = InstrumentOptions(forward=False, activation_grads=False, param_grads=False, updates=True)
-"""What measuring the symptoms needs beyond the step records: the lost-update share (no rule reads these probes)."""
+if TYPE_CHECKING:
+    from ..engine.instruments import InstrumentOptions
+
+
+def symptom_instruments() -> InstrumentOptions:
+    """What measuring the symptoms needs beyond the step records: the lost-update share (no rule reads these
+    probes). Made on use: the rules import this module for :class:`Intervention`, and must not load the engine."""
+    from ..engine.instruments import InstrumentOptions
+
+    return InstrumentOptions(forward=False, activation_grads=False, param_grads=False, updates=True)
 
 
 @dataclass
@@ -147,49 +153,51 @@ class Verifier:
             ctx = copy.copy(self.ctx)
             ctx.bench = copy.copy(self.ctx.bench)
             ctx.bench.batches = intervention.batches(self.ctx.bench.batches)
-        amp = run_mode(ctx, "amp", config, instruments=SYMPTOM_INSTRUMENTS)
-        fp32 = run_mode(ctx, "fp32", config, instruments=SYMPTOM_INSTRUMENTS) if intervention.touches_fp32 else self.ev.fp32
+        instruments = symptom_instruments()
+        amp = run_mode(ctx, "amp", config, instruments=instruments)
+        fp32 = run_mode(ctx, "fp32", config, instruments=instruments) if intervention.touches_fp32 else self.ev.fp32
+        assert fp32 is not None, "verification runs after the FP32 baseline stage"
         gap = None
         if self.measure_gap is not None and self.ev.gap and any(s.code == "same-state-gap" for s in self.ev.symptoms):
-            gap = self.measure_gap(config, int(self.ev.gap["worst_step"]))
+            gap = self.measure_gap(config, self.ev.gap.worst_step)
         symptoms = measured_symptoms(ctx, config, amp, fp32, gap)
         return Outcome(amp=amp.records, fp32=fp32.records, symptoms=symptoms)
 
-    def verify(self, intervention: Intervention | None, nothing_to_try: str) -> dict[str, Any]:
+    def verify(self, intervention: Intervention | None, nothing_to_try: str) -> Verification:
         """The ``verification`` record of one finding: what was tried, symptoms before and after, the share removed."""
         before = [s.code for s in self.ev.symptoms]
         if intervention is None:
-            return {"tried": None, "reason": nothing_to_try, "symptoms_before": before, "symptoms_after": None,
-                    "removed_share": None, "repaired": False, "size": math.inf}
+            return Verification(tried=None, reason=nothing_to_try, symptoms_before=before, symptoms_after=None,
+                                removed_share=None, repaired=False)
         outcome = self.run(intervention)
         after = [s.code for s in outcome.symptoms]
         removed = [c for c in before if c not in after]
-        return {
-            "tried": intervention.description, "config_patch": intervention.config_patch,
-            "symptoms_before": before, "symptoms_after": after,
-            "removed_share": len(removed) / len(before) if before else None,
-            "repaired": bool(before) and not after, "size": intervention.size(self.ctx.config.to_dict()),
-            "summary": outcome.summary(), "_amp_records": outcome.amp,
-        }
+        return Verification(
+            tried=intervention.description, config_patch=intervention.config_patch,
+            symptoms_before=before, symptoms_after=after,
+            removed_share=len(removed) / len(before) if before else None,
+            repaired=bool(before) and not after, size=intervention.size(self.ctx.config.to_dict()),
+            summary=outcome.summary(), amp_records=outcome.amp,
+        )
 
 
-def verification_status(v: dict[str, Any]) -> tuple[str, str]:
+def verification_status(v: Verification) -> tuple[str, str]:
     """What trying a fix measured, for every renderer: a status (``untried``, ``verified``, ``unmeasured``:
     nothing was measured to remove, ``partial``: symptoms left) and the plain sentence."""
-    if not v.get("tried"):
-        return "untried", f"not verified: {v.get('reason', '')}"
-    if v["repaired"]:
-        return "verified", f"verified: {v['summary']}"
-    if v["removed_share"] is None:
-        return "unmeasured", f"tried (no measured symptom to remove): {v['summary']}"
-    return "partial", f"tried, symptoms left ({', '.join(v['symptoms_after'])}): {v['summary']}"
+    if not v.tried:
+        return "untried", f"not verified: {v.reason}"
+    if v.repaired:
+        return "verified", f"verified: {v.summary}"
+    if v.removed_share is None:
+        return "unmeasured", f"tried (no measured symptom to remove): {v.summary}"
+    return "partial", f"tried, symptoms left ({', '.join(v.symptoms_after or [])}): {v.summary}"
 
 
 def repair_rank(finding: Finding) -> int:
     """0: its intervention removed every symptom; 1: some; 2: nothing measured or nothing to try; 3: removed nothing."""
     v = finding.verification
-    if not v or v.get("removed_share") is None:
+    if not v or v.removed_share is None:
         return 2
-    if v["repaired"]:
+    if v.repaired:
         return 0
-    return 1 if v["removed_share"] > 0 else 3
+    return 1 if v.removed_share > 0 else 3

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import pandas as pd
 import torch
@@ -410,7 +410,8 @@ class Instruments:
         n = len(params)
         with torch.no_grad():
             after = _as_float(torch.cat([self._sampled(p) for p in params]))
-            grad_samples = [self._sampled(p.grad) for p in params]
+            # every one had a gradient when _pre_step chose it, and a step does not take it away
+            grad_samples = [self._sampled(cast(torch.Tensor, p.grad)) for p in params]
             ids = self._segments_of(grad_samples)
             moved = after - before
             wanted = torch.cat(grad_samples) != 0

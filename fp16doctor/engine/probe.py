@@ -22,7 +22,7 @@ import math
 import numbers
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,6 +52,7 @@ from ..userfile.loop import canonical_step, default_loss, output_field
 from ..userfile.spec import TrainingSpec, build_model, draw_batches, user_frame
 from .instruments import InstrumentOptions, Instruments
 from .optimizers import ProbeOptimizers, flat_schedulers, named_optimizers
+from .records import RECORD_COLUMNS, StepRecord  # re-exported: the record types' old home
 from .rng import rng_state, seed_everything, set_rng_state
 
 MODES = ("fp32", "amp", "bf16")
@@ -60,13 +61,6 @@ SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `opt
 DEFAULT_INSTRUMENTS = InstrumentOptions()
 """Every probe carries the numerics instruments (about 4% of a step, benchmarks/overhead.py)."""
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-RECORD_COLUMNS = [
-    "step", "batch_index", "loss", "grad_norm", "lr", "loss_scale", "skipped", "optimizer_stepped", "micro_step",
-    "nonfinite_loss", "nonfinite_grads", "exception_type", "exception", "exception_location", "exception_module",
-]
-"""``skipped``: an optimizer step was attempted and did not happen (the scaler found inf/NaN);
-``micro_step``: no optimizer step was attempted (gradient accumulation); ``optimizer_stepped``: the weights moved."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -110,32 +104,6 @@ class ProbeSnapshot:
     rng: dict[str, Any]
     iteration: int
     cursor: int
-
-
-@dataclass
-class StepRecord:
-    """One row of a probe's record (see ``RECORD_COLUMNS``)."""
-
-    step: int
-    batch_index: int
-    loss: float
-    grad_norm: float
-    lr: float
-    loss_scale: float
-    skipped: bool
-    optimizer_stepped: bool
-    micro_step: bool
-    nonfinite_loss: bool
-    nonfinite_grads: bool
-    exception_type: str | None = None
-    exception: str | None = None
-    exception_location: str | None = None
-    exception_module: str | None = None
-    """The deepest module of the model whose forward was running when the exception was raised."""
-    trace: StepTrace | None = field(default=None, repr=False)
-
-    def row(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in RECORD_COLUMNS}
 
 
 class Workbench:

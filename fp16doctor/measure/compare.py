@@ -18,6 +18,7 @@ import pandas as pd
 from ..config import DoctorConfig
 from ..engine.instruments import InstrumentOptions
 from ..engine.probe import DEFAULT_INSTRUMENTS, Workbench
+from .records import ExceptionInfo
 from .symptoms import Symptom, measure
 from .thresholds import BF16_FACTOR, GAP_ERROR, GAP_TOLERANCE
 
@@ -39,7 +40,8 @@ class ModeTrajectory:
     records: pd.DataFrame
     aligned: list[dict[str, Any]]
     skipped: int
-    exception: dict[str, Any] | None
+    exception: ExceptionInfo | None
+    """The first exception, its ``step`` counted in aligned steps (optimizer steps taken before it)."""
     first_nonfinite_module: str | None = None
     """From the probe's instruments: the first module whose output turned non-finite from finite inputs."""
     updates: pd.DataFrame | None = None
@@ -98,7 +100,7 @@ class Comparison:
             "verdict_by_mode": self.verdict_by_mode,
             "skipped_steps": {m: t.skipped for m, t in self.trajectories.items()},
             "skipped_by_optimizer": {m: t.skipped_by_optimizer for m, t in self.trajectories.items()},
-            "exceptions": {m: t.exception for m, t in self.trajectories.items() if t.exception},
+            "exceptions": {m: t.exception.to_json() for m, t in self.trajectories.items() if t.exception},
             "first_nonfinite_module": {m: t.first_nonfinite_module for m, t in self.trajectories.items() if t.first_nonfinite_module},
             "symptoms": {m: [s.to_json() for s in t.symptoms] for m, t in self.trajectories.items() if m != "fp32"},
             "tolerance": self.tolerance,
@@ -118,13 +120,11 @@ def _align(mode: str, frame: pd.DataFrame) -> ModeTrajectory:
     """Group attempts by aligned step: the entry of step k is its taken attempt, else its last one."""
     aligned: list[dict[str, Any]] = []
     pending_skips = 0
-    exception = None
+    exception: ExceptionInfo | None = None
     for row in frame.to_dict("records"):
         if row["exception_type"]:
-            exception = {
-                "step": len(aligned), "type": row["exception_type"], "message": row["exception"],
-                "location": row["exception_location"],
-            }
+            exception = ExceptionInfo(step=len(aligned), type=row["exception_type"], message=row["exception"],
+                                      location=row["exception_location"])
         finite = math.isfinite(row["loss"]) and not row["exception_type"]
         entry = {**row, "skipped_before": pending_skips, "finite": finite}
         if not row["skipped"] or row["exception_type"]:
@@ -168,8 +168,8 @@ def compare(
         if on_mode is not None:
             on_mode(mode)
         trajectories[mode] = run_aligned(bench, mode, config, steps, instruments, max_iterations)
-    reference = trajectories["fp32"].aligned
-    ref_nonfinite = next((k for k, e in enumerate(reference) if not e["finite"]), None)
+    reference_steps = trajectories["fp32"].aligned
+    ref_nonfinite = next((k for k, e in enumerate(reference_steps) if not e["finite"]), None)
     result = Comparison(
         modes=modes, steps=steps, trajectories=trajectories, rel_dev={}, max_rel_dev={}, max_rel_dev_step={},
         first_divergent_step={}, first_nonfinite_step={"fp32": ref_nonfinite}, tolerance={}, divergence={}, verdict="healthy",
@@ -180,7 +180,7 @@ def compare(
         ours.symptoms = measure(ours.records, theirs.records, ours.updates, theirs.updates, bf16=_is_bf16(mode, config))
         result.tolerance[mode] = tolerance * factor
         result.divergence[mode] = divergence * factor
-        _score(result, mode, reference, ref_nonfinite, steps)
+        _score(result, mode, reference_steps, ref_nonfinite, steps)
     if ref_nonfinite is not None:
         result.verdict_by_mode["fp32"] = "diverged"
         result.first_divergent_step["fp32"] = ref_nonfinite

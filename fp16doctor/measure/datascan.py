@@ -10,8 +10,9 @@ ids, labels) are counted but never called extreme: they are not features.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -39,10 +40,10 @@ class FieldScan:
     nonzero: int = 0
     first_nonfinite: dict[str, Any] | None = None
     """{"batch": i, "position": [...], "value": "nan"} of the first non-finite value."""
-    nonfinite_batches: list[int] = field(default_factory=list)
-    ignored_only_batches: list[int] = field(default_factory=list)
+    nonfinite_batches: list[int] = dataclasses.field(default_factory=list)
+    ignored_only_batches: list[int] = dataclasses.field(default_factory=list)
     """Integer fields: batches in which every value equals IGNORE_INDEX (no valid target at all)."""
-    valid_counts: list[int] = field(default_factory=list)
+    valid_counts: list[int] = dataclasses.field(default_factory=list)
     """Integer fields: per scanned batch, the values that are not IGNORE_INDEX (valid targets, for label fields)."""
 
     @property

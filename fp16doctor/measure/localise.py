@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine.instruments import module_names
 from ..engine.probe import Probe, ProbeSnapshot, Workbench
+from .records import OUTSIDE_MODEL, Localisation  # re-exported: the record types' old home
 
 CASTS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_to_dtype"}
 RESHAPES = {"aten::_unsafe_view", "aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::permute",
@@ -34,44 +35,6 @@ RESHAPES = {"aten::_unsafe_view", "aten::view", "aten::reshape", "aten::t", "ate
 """Ops that move values without computing: they pass their input's producer on."""
 UNINITIALISED = {"aten::empty_like", "aten::empty", "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided"}
 """Ops whose output is uninitialised memory (garbage may be NaN): never a culprit."""
-OUTSIDE_MODEL = "<loss: outside the model>"
-
-
-@dataclass
-class Localisation:
-    """Where the first non-finite value came from."""
-
-    step: int
-    batch_index: int
-    phase: str
-    """data | forward | loss | backward | optimizer"""
-    module: str | None
-    operator: str
-    input_ranges: list[tuple[float, float]]
-    output: str
-    """What came out: "nan", "+inf", "-inf" or a mix, and its dtype."""
-    note: str = ""
-    mode: str = "amp"
-    peak: float | None = None
-    """The largest magnitude of the result that overflowed when rounded to low precision, when it was seen."""
-    scalars: list[float] = field(default_factory=list)
-    """The Python numbers the culprit operator was called with (a mask's fill value, a scale)."""
-    autograd_node: str | None = None
-    """In backward: the autograd node that ran the culprit op (``MulBackward0``, or a custom Function's)."""
-    custom_function: str | None = None
-    """In backward: the ``torch.autograd.Function`` subclass whose hand-written ``backward`` made it, if any."""
-    replayed: list[tuple[float, float]] = field(default_factory=list, repr=False)
-    """(loss, loss scale) of each step the replay took before the traced one: compared with the original
-    run's, they tell whether the fault reproduces deterministically."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "replayed"}
-
-    def describe(self) -> str:
-        outside = {"optimizer": "the optimizer", "data": "the data"}
-        where = outside[self.phase] if not self.module and self.phase in outside else f"{self.module or '?'} ({self.phase})"
-        ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
-        return f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}" + (f"; {self.note}" if self.note else "")
 
 
 def _floats(value: Any) -> list[torch.Tensor]:

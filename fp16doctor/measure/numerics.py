@@ -9,7 +9,6 @@ happens in the backward pass between layers).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +19,7 @@ from ..engine.instruments import module_names, strided_sample
 from ..engine.probe import Probe, Workbench
 from ..engine.rng import seed_everything
 from ..tensors import FP16_MAX, FP16_MIN_SUBNORMAL, grad_values
+from .records import ScaleWindow  # re-exported: the record types' old home
 from .thresholds import KEEP_MASS, NEGLIGIBLE_RMS
 
 KEEP = KEEP_MASS
@@ -57,8 +57,9 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
 
     def pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         for p, n in params.items():
-            if p.grad is not None:
-                keep(f"param:{n}", grad_values(p))
+            g = grad_values(p)
+            if g is not None:
+                keep(f"param:{n}", g)
 
     handles = [m.register_forward_hook(forward_hook) for m in names]
     handles += [optimizer.register_step_pre_hook(pre_step) for optimizer in probe.optimizers.all()]
@@ -69,8 +70,9 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
         if not any(k.startswith("param:") for k in captured):
             divide = scale if record.trace and record.trace.scaled and not record.trace.unscaled else 1.0
             for p, n in params.items():
-                if p.grad is not None:
-                    keep(f"param:{n}", grad_values(p), divide)
+                g = grad_values(p)
+                if g is not None:
+                    keep(f"param:{n}", g, divide)
     finally:
         for h in handles:
             h.remove()
@@ -91,30 +93,6 @@ def predicted_underflow(capture: GradientCapture, scale: float) -> pd.DataFrame:
         kind, name = key.split(":", 1)
         rows.append({"kind": kind, "name": name, "scale": scale, "predicted_underflow": share, "predicted_underflow_mass": mass})
     return pd.DataFrame(rows)
-
-
-@dataclass
-class ScaleWindow:
-    """The loss scales that keep gradients representable in fp16, per tensor and overall."""
-
-    per_tensor: pd.DataFrame
-    low: float
-    """Smallest scale keeping 99.9% of every tensor's gradient mass (max over tensors carrying signal)."""
-    high: float
-    """Largest scale keeping every gradient under 65504 (min over tensors)."""
-
-    @property
-    def feasible(self) -> bool:
-        return self.low <= self.high
-
-    def recommended(self) -> float:
-        """A power of two inside the window, 8x below the top for headroom (gradients grow in training)."""
-        if not self.feasible:
-            return float(max(2 ** round(math.log2(max(self.high, 1.0))), 1))
-        top = 2 ** math.floor(math.log2(self.high))
-        candidate = top / 8
-        chosen = max(candidate, 2 ** math.ceil(math.log2(self.low))) if candidate >= self.low else top
-        return float(max(chosen, 1))  # GradScaler never needs to shrink the loss
 
 
 def scale_window(capture: GradientCapture, keep: float = KEEP) -> ScaleWindow:

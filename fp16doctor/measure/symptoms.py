@@ -39,6 +39,7 @@ from typing import Any
 
 import pandas as pd
 
+from .records import ExceptionInfo
 from .thresholds import (
     BF16_FACTOR,
     CALIBRATION_SKIPS,
@@ -95,15 +96,15 @@ def first_step(records: pd.DataFrame, mask: pd.Series) -> int | None:
     return int(hits.iloc[0]) if len(hits) else None
 
 
-def exception_of(records: pd.DataFrame) -> dict[str, Any] | None:
+def exception_of(records: pd.DataFrame) -> ExceptionInfo | None:
+    """The first exception the record holds (a probe stops at it), or None."""
     bad = records[records["exception_type"].notna()]
     if bad.empty:
         return None
     row = bad.iloc[0]
-    out = {"step": int(row["step"]), "type": row["exception_type"], "message": row["exception"], "location": row["exception_location"]}
-    if isinstance(row.get("exception_module"), str):
-        out["module"] = row["exception_module"]
-    return out
+    module = row.get("exception_module")
+    return ExceptionInfo(step=int(row["step"]), type=row["exception_type"], message=row["exception"],
+                         location=row["exception_location"], module=module if isinstance(module, str) else None)
 
 
 def unhandled_nonfinite(records: pd.DataFrame) -> pd.Series:
@@ -219,10 +220,10 @@ def baseline_symptoms(fp32: pd.DataFrame | None) -> list[Symptom]:
     exception, bad = exception_of(fp32), first_nonfinite(fp32)
     if exception is None and bad is None:
         return []
-    step = min(s for s in (bad, exception["step"] if exception else None) if s is not None)
-    what = f"raises {exception['type']}" if exception is not None and step == exception["step"] else "turns non-finite"
+    step = min(s for s in (bad, exception.step if exception else None) if s is not None)
+    what = f"raises {exception.type}" if exception is not None and step == exception.step else "turns non-finite"
     return [Symptom(SymptomCode.FP32_NONFINITE, f"the FP32 baseline itself {what} at step {step}",
-                    {"first_failing_step": step, "exception": exception}, step)]
+                    {"first_failing_step": step, "exception": exception.to_json() if exception else None}, step)]
 
 
 def probe_symptoms(amp: Any, fp32: Any, same_state_gap: float | None = None, bf16: bool = False) -> list[Symptom]:
@@ -247,8 +248,8 @@ def measure(
     fp32_failed = fp32 is not None and (exception_of(fp32) is not None or first_nonfinite(fp32) is not None)
     exception = exception_of(mode)
     if exception is not None and (fp32 is None or exception_of(fp32) is None):
-        found.append(Symptom(SymptomCode.AMP_EXCEPTION, f"the training raises {exception['type']} under AMP, not in FP32",
-                             {"exception": exception}, exception["step"]))
+        found.append(Symptom(SymptomCode.AMP_EXCEPTION, f"the training raises {exception.type} under AMP, not in FP32",
+                             {"exception": exception.to_json()}, exception.step))
     bad = first_nonfinite(mode)
     if bad is not None and not fp32_failed:
         row = mode.loc[mode["step"] == bad].iloc[0]

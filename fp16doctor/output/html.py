@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from ..diagnosis.model import Diagnosis, Finding, jsonable
+from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
 from .formatting import exact_numbers, human, humanize
 from .patches import contradicted_settings, reference_to_corrected
@@ -74,11 +74,11 @@ def _table(rows: list[list[Any]], header: list[str] | None = None) -> str:
     return f'<div class="scroll"><table>{head}{body}</table></div>'
 
 
-def verification_html(v: dict[str, Any] | None) -> str:
+def verification_html(v: Verification | None) -> str:
     if not v:
         return ""
     status, text = verification_status(v)
-    tried = f" (tried {v['tried']})" if v.get("tried") else ""
+    tried = f" (tried {v.tried})" if v.tried else ""
     return f'<p class="verification {status}">{_e(text[0].upper() + text[1:] + tried)}</p>'
 
 
@@ -132,7 +132,7 @@ def diagnosis_html(diagnosis: Diagnosis, training_file: str) -> str:
         c = diagnosis.corrected
         body.append("<h2>Corrected config</h2>")
         body.append(f"<p>{_e(corrected_text(c))}</p>")
-        body.append(highlighted(yaml.safe_dump(exact_numbers(jsonable(c["config_patch"])), sort_keys=False).rstrip(), "yaml"))
+        body.append(highlighted(yaml.safe_dump(exact_numbers(jsonable(c.config_patch)), sort_keys=False).rstrip(), "yaml"))
     body.append("<h2>Triage stages</h2>")
     body.append(_table([[s.name, s.status, f"{s.seconds:.2f} s", s.summary] for s in diagnosis.stages],
                        ["stage", "status", "time", "what it found"]))

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from ..diagnosis.model import Diagnosis, Finding, jsonable
+from ..diagnosis.model import CorrectedConfig, Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
 from .formatting import exact_numbers, humanize
 from .patches import contradicted_settings, reference_to_corrected
@@ -33,9 +33,9 @@ def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, 
         lines.append(f"| {stage.name} | {stage.status} | {stage.summary.replace('|', '/')} |")
     lines += ["", "## Findings", ""]
     for item in diagnosis.unexplained:
-        exc = item["exception"]
-        lines += [f"**The {item['probe']} probe raised {exc['type']} at step {exc['step']}**: {exc['message']} "
-                  f"(`{exc['location']}`); no rule explains it: fix the training code there.", ""]
+        exc = item.exception
+        lines += [f"**The {item.probe} probe raised {exc.type} at step {exc.step}**: {exc.message} "
+                  f"(`{exc.location}`); no rule explains it: fix the training code there.", ""]
     if not diagnosis.findings and not diagnosis.unexplained:
         lines.append("No findings: AMP behaves like its FP32 twin.")
     contested = contradicted_settings(diagnosis)
@@ -56,33 +56,33 @@ def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, 
     if diagnosis.corrected is not None:
         lines += ["## Corrected config", "", corrected_text(diagnosis.corrected), ""]
         if contested:  # the findings point here instead of printing patches that contradict each other
-            lines += ["```yaml", yaml.safe_dump(exact_numbers(jsonable(diagnosis.corrected["config_patch"])), sort_keys=False).rstrip(),
+            lines += ["```yaml", yaml.safe_dump(exact_numbers(jsonable(diagnosis.corrected.config_patch)), sort_keys=False).rstrip(),
                       "```", ""]
     return "\n".join(lines) + "\n"
 
 
-def verification_text(v: dict[str, Any]) -> str:
+def verification_text(v: Verification) -> str:
     """What trying a fix measured, as one sentence."""
     _, text = verification_status(v)
-    if not v.get("tried"):
+    if not v.tried:
         return text[0].upper() + text[1:] + "."
-    return f"Tried {v['tried']}: {text} (symptoms before: {', '.join(v['symptoms_before']) or 'none'})."
+    return f"Tried {v.tried}: {text} (symptoms before: {', '.join(v.symptoms_before) or 'none'})."
 
 
-def corrected_text(c: dict[str, Any]) -> str:
+def corrected_text(c: CorrectedConfig) -> str:
     """The corrected config's measured before and after, as one sentence."""
-    before = ", ".join(c["symptoms_before"]) or "none"
-    after = ", ".join(c["symptoms_after"]) or "none"
-    text = (f"Measured with the corrected config ({', '.join(c['from_findings'])}): symptoms before: {before}; "
-            f"after: {after} ({c['summary']}).")
-    if c["needs_data_changes"]:
-        text += f" Data changes still needed: {', '.join(c['needs_data_changes'])}."
+    before = ", ".join(c.symptoms_before) or "none"
+    after = ", ".join(c.symptoms_after) or "none"
+    text = (f"Measured with the corrected config ({', '.join(c.from_findings)}): symptoms before: {before}; "
+            f"after: {after} ({c.summary}).")
+    if c.needs_data_changes:
+        text += f" Data changes still needed: {', '.join(c.needs_data_changes)}."
     return text
 
 
 def fixed_config_yaml(config: dict[str, Any], diagnosis: Diagnosis, training_file: str) -> str:
     """The corrected config as YAML, with a header naming the findings it applies and what it measured."""
-    applied = ([f for f in diagnosis.findings if f.cause in diagnosis.corrected["from_findings"]] if diagnosis.corrected
+    applied = ([f for f in diagnosis.findings if f.cause in diagnosis.corrected.from_findings] if diagnosis.corrected
                else [f for f in diagnosis.findings if f.fix.config_patch and f.severity != "info"])
     header = [f"# fp16doctor: corrected config for {training_file}",
               "# Applies the config patches of these findings (the code snippets in the report make them permanent):"]

@@ -32,7 +32,7 @@ def contradicted_settings(diagnosis: Diagnosis) -> dict[int, list[str]]:
     contradicts; empty when there is no corrected config to point at instead."""
     if diagnosis.corrected is None:
         return {}
-    corrected = settings(diagnosis.corrected.get("config_patch") or {})
+    corrected = settings(diagnosis.corrected.config_patch)
     patched = [(f.rank, settings(f.fix.config_patch)) for f in diagnosis.findings if f.severity == "error" and f.fix.config_patch]
     values: dict[str, set[str]] = {}
     for _, flat in patched:
@@ -45,8 +45,9 @@ def contradicted_settings(diagnosis: Diagnosis) -> dict[int, list[str]]:
 
 def reference_to_corrected(finding: Finding, contested: list[str], diagnosis: Diagnosis) -> str:
     """What a finding says instead of a patch that another finding's contradicts."""
-    corrected = diagnosis.corrected or {}
-    chosen = settings(corrected.get("config_patch") or {})
+    corrected = diagnosis.corrected
+    chosen = settings(corrected.config_patch) if corrected is not None else {}
     values = ", ".join(f"{name}: {exact_numbers(chosen[name])}" for name in contested)
+    fixes = ", ".join(corrected.from_findings) if corrected is not None else ""
     return (f"Config patch: another finding proposes a different {', '.join(contested)}; use the corrected config "
-            f"instead ({values}; measured with the fixes of {', '.join(corrected.get('from_findings', []))}).")
+            f"instead ({values}; measured with the fixes of {fixes}).")

@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..diagnosis.model import ModuleGap
 from ..tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 
 MAX_ROWS = 40
@@ -170,13 +171,13 @@ def underflow_heatmap(param_grads: pd.DataFrame | None) -> Figure | None:
                   {"layers": len(grid), "worst": float(grid.to_numpy().max()) if grid.size else 0.0})
 
 
-def module_gap(ranked: list[dict[str, Any]]) -> Figure | None:
+def module_gap(ranked: list[ModuleGap]) -> Figure | None:
     """The same-state error each module adds over its input (AMP against FP32, same weights and batch)."""
     if not ranked:
         return None
     rows = ranked[:MAX_ROWS]
     fig, ax = _new(6.4, max(2.0, 0.25 * len(rows) + 1.0))
-    ax.barh([r["module"] for r in rows], [max(r["added_error"], 1e-12) for r in rows], color=COLOURS["amp"])
+    ax.barh([r.module for r in rows], [max(r.added_error, 1e-12) for r in rows], color=COLOURS["amp"])
     ax.set_xscale("log")
     ax.invert_yaxis()
     ax.set_xlabel("relative error added (AMP vs FP32)")
@@ -217,7 +218,7 @@ def diagnosis_figures(diagnosis: Any) -> list[Figure]:
     """Every figure that applies to a diagnosis, in the report's order."""
     ev = diagnosis.evidence
     curves = {name: summary.records for name, summary in (("fp32", ev.fp32), ("amp", ev.amp), ("bf16", ev.bf16)) if summary is not None}
-    corrected = (diagnosis.corrected or {}).get("_amp_records")
+    corrected = diagnosis.corrected.amp_records if diagnosis.corrected is not None else None
     if corrected is not None:
         curves["corrected"] = corrected
     figures = [loss_curves(curves)]
@@ -226,7 +227,7 @@ def diagnosis_figures(diagnosis: Any) -> list[Figure]:
     tables = ev.amp.tables if ev.amp is not None else {}
     if tables.get("forward") is not None and not tables["forward"].empty:
         figures.append(activation_ranges(tables.get("forward"), tables.get("activation_grads")))
-    optional = [underflow_heatmap(tables.get("param_grads")), module_gap((ev.gap or {}).get("ranked_modules", []))]
+    optional = [underflow_heatmap(tables.get("param_grads")), module_gap((ev.gap.ranked_modules or []) if ev.gap is not None else [])]
     figures += [f for f in optional if f is not None]
     figures.append(grad_norms({k: v for k, v in curves.items() if k in ("fp32", "amp", "corrected")}))
     if ev.lr_peak is not None and ev.lr_peak.schedule.lrs:

@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
-from ..diagnosis.model import Diagnosis, Finding, jsonable
+from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
 from ..measure.compare import Comparison
 from .formatting import exact_numbers, human, humanize
@@ -104,7 +104,7 @@ def render_comparison(result: Comparison, console: Console, wide: bool = False) 
     for mode, trajectory in result.trajectories.items():
         if trajectory.exception:
             exc = trajectory.exception
-            console.print(f"[red]{mode}: {exc['type']} at step {exc['step']}: {escape(exc['message'] or '')}[/] ({escape(exc['location'] or 'no location')})")
+            console.print(f"[red]{mode}: {exc.type} at step {exc.step}: {escape(exc.message or '')}[/] ({escape(exc.location or 'no location')})")
         skips = trajectory.skipped
         if mode != "fp32" and skips and result.verdict_by_mode.get(mode) not in ("diverged", "unstable"):
             console.print(f"[dim]{mode}: {skips} step(s) skipped by the GradScaler (scale settling); trajectories aligned on steps taken.[/]")
@@ -154,17 +154,17 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
         console.print(_finding_panel(finding, contested.get(finding.rank, []), diagnosis))
     if diagnosis.corrected is not None:
         c = diagnosis.corrected
-        style = "green" if c["healthy_after"] else "yellow"
-        console.print(f"[{style}]corrected config[/] ({', '.join(c['from_findings'])}): {escape(c['summary'])}"
-                      + ("" if c["healthy_after"] else f"; symptoms left: {', '.join(c['symptoms_after'])}")
-                      + (f"; also needs data changes: {', '.join(c['needs_data_changes'])}" if c["needs_data_changes"] else ""))
+        style = "green" if c.healthy_after else "yellow"
+        console.print(f"[{style}]corrected config[/] ({', '.join(c.from_findings)}): {escape(c.summary)}"
+                      + ("" if c.healthy_after else f"; symptoms left: {', '.join(c.symptoms_after)}")
+                      + (f"; also needs data changes: {', '.join(c.needs_data_changes)}" if c.needs_data_changes else ""))
         if contested:  # the findings point here instead of printing patches that contradict each other
-            console.print(Syntax(yaml.safe_dump(exact_numbers(jsonable(c["config_patch"])), sort_keys=False).rstrip(), "yaml",
+            console.print(Syntax(yaml.safe_dump(exact_numbers(jsonable(c.config_patch)), sort_keys=False).rstrip(), "yaml",
                                  theme="ansi_dark", background_color="default"))
     for item in diagnosis.unexplained:
-        exc = item["exception"]
-        console.print(f"[bold red]the {item['probe']} probe raised {exc['type']} at step {exc['step']}[/]: {escape(str(exc['message']))} "
-                      f"({escape(str(exc['location']))}); no rule explains it: fix the training code there.")
+        exc = item.exception
+        console.print(f"[bold red]the {item.probe} probe raised {exc.type} at step {exc.step}[/]: {escape(str(exc.message))} "
+                      f"({escape(str(exc.location))}); no rule explains it: fix the training code there.")
 
 
 def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis) -> Panel:
@@ -194,7 +194,7 @@ def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis)
 VERIFICATION_STYLE = {"untried": "dim", "verified": "green", "unmeasured": "dim", "partial": "yellow"}
 
 
-def verification_line(v: dict[str, Any]) -> str:
+def verification_line(v: Verification) -> str:
     """One line under a fix: what trying it measured."""
     status, text = verification_status(v)
     return f"[{VERIFICATION_STYLE[status]}]{escape(text)}[/]"

@@ -196,7 +196,7 @@ class Trainer:
     # --- checkpoints -------------------------------------------------------------------------------
     def _checkpoint(self, step: int) -> str | None:
         """Rank 0 writes model, optimizer, scheduler, scaler, every rank's RNG and the data position."""
-        rngs = [rng_state()]
+        rngs: list[Any] = [rng_state()]
         if self.dist.world > 1:
             rngs = [None] * self.dist.world
             torch.distributed.all_gather_object(rngs, rng_state())
@@ -329,6 +329,7 @@ class Trainer:
     # --- the first non-finite step -------------------------------------------------------------------
     def _diagnose_step(self, step: int, row: dict[str, Any]) -> dict[str, Any]:
         """Replay the step from the last snapshot with the instruments and the operator tracer; write it next to the run."""
+        assert self.snapshot is not None, "the run takes its first snapshot before its first step"
         snap, _, batches = self.snapshot
         current = self.probe.snapshot()
         report: dict[str, Any] = {"step": step, **row}

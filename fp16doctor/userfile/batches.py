@@ -45,8 +45,9 @@ def map_tensors_of(original: Mapping, mapped: dict) -> Mapping:
     """``mapped`` in ``original``'s dict type where it can be rebuilt (OrderedDict, ModelOutput-like)."""
     if type(original) is dict:
         return mapped
+    rebuild: Any = type(original)  # a concrete mapping class: its constructor takes the items
     try:
-        return type(original)(mapped)
+        return rebuild(mapped)
     except Exception:  # noqa: BLE001
         return mapped
 

@@ -102,7 +102,7 @@ def load_training_file(path: str | Path) -> TrainingSpec:
             hint += f" To watch the script as it is, run: fp16doctor watch {path} ARGS"
         raise TrainingFileError(
             f"training file '{path}' does not define {' and '.join(n + '()' for n in missing)}.", hint=hint)
-    optional = {}
+    optional: dict[str, Any] = {}
     for name in OPTIONAL_CALLABLES:
         value = getattr(module, name, None)
         if value is not None and not callable(value):

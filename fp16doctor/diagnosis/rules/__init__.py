@@ -15,7 +15,7 @@ import importlib
 import pkgutil
 from typing import Any, Callable, ClassVar
 
-from ..model import Evidence, Finding, Fix
+from ..model import Evidence, Finding, Fix, Repair
 
 
 class Rule:
@@ -64,11 +64,11 @@ class Rule:
             return None
         return Intervention("the config patch " + _flat(finding.fix.config_patch), config_patch=finding.fix.config_patch)
 
-    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Whether ``repair`` (an intervention that removed the symptoms) is this cause: by default, its kind."""
         return repair.kind in self.repairs
 
-    def repair_finding(self, repair: Any, ev: Evidence) -> Finding:
+    def repair_finding(self, repair: Repair, ev: Evidence) -> Finding:
         """The finding for a repair this rule names: the measured repair is the evidence and the fix."""
         loc = ev.localisation
         evidence: dict[str, Any] = {"intervention": repair.description, "symptoms_removed": list(repair.symptoms)}
@@ -86,14 +86,14 @@ class Rule:
         finding.verification = repair.verification
         return finding
 
-    def repair_title(self, repair: Any, ev: Evidence) -> str:
+    def repair_title(self, repair: Repair, ev: Evidence) -> str:
         where = ""
         loc = ev.localisation
         if loc is not None:
             where = f"; it starts at {loc.operator} in {loc.module or loc.phase} ({loc.phase}), step {loc.step}"
         return f"{self.code}: {repair.description} repairs the training{where}"
 
-    def repair_fix(self, repair: Any, ev: Evidence) -> tuple[str, str]:
+    def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
         """The fix sentence and code for a repair this rule names (rules with a better formulation override it)."""
         return f"Make the change that was measured to repair the training: {repair.description}.", ""
 
@@ -134,21 +134,21 @@ class _Unexplained(Rule):
     def check(self, ev: Evidence) -> list[Finding]:
         return []
 
-    def repair_title(self, repair: Any, ev: Evidence) -> str:
+    def repair_title(self, repair: Repair, ev: Evidence) -> str:
         """A repair no rule names: the measured symptoms, and what repaired them."""
         measured = "; ".join(s.description for s in ev.symptoms if s.code in repair.symptoms)
         where = ""
         if ev.amp is not None and ev.amp.exception:
             exc = ev.amp.exception
-            where = f" ({exc['type']} in {exc.get('module') or exc['location']}: {exc['message']})"
+            where = f" ({exc.type} in {exc.module or exc.location}: {exc.message})"
         return f"No rule names this cause: {measured}{where}; {repair.description} repairs the training"
 
-    def repair_fix(self, repair: Any, ev: Evidence) -> tuple[str, str]:
+    def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
         return (f"Make the change that was measured to repair the training, {repair.description}, permanent in your code "
                 "(the config patch applies it in the doctor's loop now).", "")
 
 
-def name_repair(repair: Any, ev: Evidence) -> Finding:
+def name_repair(repair: Repair, ev: Evidence) -> Finding:
     """The finding for what the intervention search repaired: the first rule, in causal order, that names it."""
     for rule in all_rules():
         if set(repair.symptoms) & set(rule.explains) and rule.names_repair(repair, ev):
@@ -166,7 +166,8 @@ def all_rules() -> list[Rule]:
 
 def _subclasses(cls: type) -> list[type]:
     out: list[type] = []
-    for sub in cls.__subclasses__():
-        out.append(sub)
-        out.extend(_subclasses(sub))
+    subclasses: list[type] = cls.__subclasses__()
+    for subclass in subclasses:
+        out.append(subclass)
+        out.extend(_subclasses(subclass))
     return out

@@ -7,11 +7,9 @@ keeps the smallest enclosing module whose fp32 output fits fp16 in fp32.
 
 from __future__ import annotations
 
-from typing import Any
-
-from ...measure.localise import OUTSIDE_MODEL
+from ...measure.records import OUTSIDE_MODEL
 from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import (
     enclosing_fp32_safe,
@@ -57,7 +55,7 @@ class ActivationOverflow(Rule):
             confidence=1.0 if ev.localisation_deterministic else 0.6,
         )]
 
-    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it, and their forward output had left fp16's range under AMP (or bf16,
         fp32's range, repaired a forward fault)."""
         loc = ev.localisation
@@ -65,7 +63,7 @@ class ActivationOverflow(Rule):
             return loc is not None and loc.phase == "forward"
         return repair.kind == "fp32-modules" and repair.forward_overflow
 
-    def repair_title(self, repair: Any, ev: Evidence) -> str:
+    def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
         where = f" ({loc.operator} in {loc.module} at step {loc.step})" if loc is not None and loc.module else ""
         if repair.kind == "bf16":
@@ -73,7 +71,7 @@ class ActivationOverflow(Rule):
         what = f"every {repair.module_class} ({len(repair.modules)} modules)" if repair.module_class else ", ".join(repair.modules)
         return f"Activations overflow fp16{where}; keeping {what} in fp32 repairs the training"
 
-    def repair_fix(self, repair: Any, ev: Evidence) -> tuple[str, str]:
+    def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
         if repair.kind == "bf16":
             return "Train in bfloat16 (fp32's range; no loss scaling), or keep the overflowing blocks in fp32.", ""
         if repair.module_class:

@@ -13,10 +13,8 @@ custom Function, else the module in fp32.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import fixtures as fx
-from ..model import Evidence, Finding
+from ..model import Evidence, Finding, Repair
 from . import Rule
 
 
@@ -36,7 +34,7 @@ class BackwardOverflow(Rule):
     def check(self, ev: Evidence) -> list[Finding]:
         return []  # named only by the intervention search: from what, tried, repairs the training
 
-    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """The fault starts in backward, the repaired modules' forward stayed in range, and keeping them in fp32
         (or bf16's range) repaired the training."""
         loc = ev.localisation
@@ -45,7 +43,7 @@ class BackwardOverflow(Rule):
         holds = any(loc.module == m or (loc.module or "").startswith(m + ".") for m in repair.modules)
         return repair.kind == "bf16" or (repair.kind == "fp32-modules" and holds and not repair.forward_overflow)
 
-    def repair_title(self, repair: Any, ev: Evidence) -> str:
+    def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
         assert loc is not None
         inside = f" in {loc.custom_function}.backward" if loc.custom_function else ""
@@ -54,7 +52,7 @@ class BackwardOverflow(Rule):
         return (f"The backward pass overflows fp16 in {loc.module}{inside} ({loc.operator} at step {loc.step} -> {loc.output}) "
                 f"while its forward stays in range; {fixed} repairs the training")
 
-    def repair_fix(self, repair: Any, ev: Evidence) -> tuple[str, str]:
+    def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
         loc = ev.localisation
         function = loc.custom_function if loc is not None else None
         if function:

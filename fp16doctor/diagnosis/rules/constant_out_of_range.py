@@ -47,10 +47,10 @@ class ConstantOutOfRange(Rule):
         if amp is None or not fp32_finite(ev):
             return []
         exc = amp.exception
-        if exc is not None and OVERFLOW_MESSAGE in (exc["message"] or ""):
+        if exc is not None and OVERFLOW_MESSAGE in (exc.message or ""):
             return [self._finding(ev, {"exception": exc, "operator": "a fill with a Python constant",
-                                       "dtype": "float16", "module": exc.get("module"), "location": exc["location"]},
-                                  exc.get("module"))]
+                                       "dtype": "float16", "module": exc.module, "location": exc.location},
+                                  exc.module)]
         loc = ev.localisation
         if loc is None or loc.operator not in CAST_OR_FILL or loc.phase not in ("forward", "loss"):
             return []

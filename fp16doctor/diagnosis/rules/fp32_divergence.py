@@ -7,6 +7,8 @@ exception the training raised in fp32.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
 from . import Rule
@@ -32,14 +34,14 @@ class Fp32Divergence(Rule):
         if fp32.exception is not None:
             exc = fp32.exception
             return [self.finding(
-                f"The training raises {exc['type']} in FP32 too, at step {exc['step']}",
+                f"The training raises {exc.type} in FP32 too, at step {exc.step}",
                 {"exception": exc},
-                Fix(f"Fix the training code at {exc['location']}: {exc['type']}: {exc['message']}"),
+                Fix(f"Fix the training code at {exc.location}: {exc.type}: {exc.message}"),
             )]
         step = min(s for s in (fp32.first_nonfinite_loss, fp32.first_nonfinite_grads) if s is not None)
         loc = ev.fp32_localisation
         where = f" in {loc.module} ({loc.operator}, {loc.phase})" if loc else ""
-        evidence = {"step": step, "loss_first_nonfinite": fp32.first_nonfinite_loss,
+        evidence: dict[str, Any] = {"step": step, "loss_first_nonfinite": fp32.first_nonfinite_loss,
                     "grads_first_nonfinite": fp32.first_nonfinite_grads}
         if loc:
             evidence.update({"module": loc.module, "operator": loc.operator, "phase": loc.phase,

@@ -13,11 +13,9 @@ that stop learning); they are an error once a symptom they explain is measured.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ...measure.thresholds import UNDERFLOW_ALARM
 from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import fp32_finite, scale_patch
 
@@ -34,7 +32,7 @@ class GradUnderflow(Rule):
                    lambda: (fx.repair("scaler-scale", config_patch={"scaler": {"enabled": True, "init_scale": 65536.0}},
                                       symptoms=("trajectory-drift",)), fx.evidence(config={"scaler": {"enabled": False}})))
 
-    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Loss scaling switched on, or a higher initial scale, repaired it: gradients were flushing to zero."""
         new = repair.config_patch.get("scaler", {}).get("init_scale")
         return repair.kind == "scaler-scale" and (not ev.config.scaler.enabled or (new is not None and new > ev.config.scaler.init_scale))

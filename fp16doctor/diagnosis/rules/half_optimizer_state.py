@@ -9,10 +9,8 @@ once a symptom it explains is measured.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import half_optimizer_state_modules
 
@@ -27,7 +25,7 @@ class HalfOptimizerState(Rule):
     names_cases = (lambda: (fx.repair("fp32-weights", symptoms=("lost-updates",)),
                             fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float32", None, "float16"))))),)
 
-    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """fp32 master weights and state repaired it, and the optimizer state was stored in half precision."""
         return repair.kind == "fp32-weights" and not half_optimizer_state_modules(ev.amp).empty
     triggers = ("half_optimizer_state.py",)

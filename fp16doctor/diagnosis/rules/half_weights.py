@@ -13,11 +13,10 @@ warning of what they can lead to, an error only once a symptom they explain
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from ...measure.thresholds import HALF_WEIGHTS_LOST_SHARE
 from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import half_param_modules, is_norm
 
@@ -31,7 +30,7 @@ class HalfWeights(Rule):
     repairs = ("fp32-weights",)
     names_cases = (lambda: (fx.repair("fp32-weights"), fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16"))))),)
 
-    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """fp32 master weights repaired it, and the training's parameters were stored in half precision."""
         return repair.kind == "fp32-weights" and not half_param_modules(ev.amp).empty
     triggers = ("model_half.py",)
@@ -45,7 +44,7 @@ class HalfWeights(Rule):
         amp = ev.amp
         all_half = half_param_modules(amp)
         half = all_half[~all_half["type"].map(is_norm)] if len(all_half) else all_half
-        unscale_error = amp is not None and amp.exception is not None and "unscale FP16 gradients" in (amp.exception["message"] or "")
+        unscale_error = amp is not None and amp.exception is not None and "unscale FP16 gradients" in (amp.exception.message or "")
         if half.empty and (not unscale_error or len(all_half)):
             return []  # nothing half, or only normalisation layers (half-batchnorm's case)
         lost = 0.0
@@ -55,7 +54,7 @@ class HalfWeights(Rule):
         dtypes = sorted(set(",".join(half["trained_param_dtypes"]).split(","))) if len(half) else ["float16"]
         evidence = {"modules": half["module"].tolist()[:12], "module_count": int(len(half)), "param_dtypes": dtypes,
                     "max_lost_update_share": lost}
-        if unscale_error:
+        if unscale_error and amp is not None:
             evidence["exception"] = amp.exception
         patch = {"overrides": {"fp32_weights": True}}
         if ev.config.dtype == "float16":

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite
 
@@ -32,17 +32,17 @@ class LossInHalf(Rule):
         amp, loc = ev.amp, ev.localisation
         if amp is None or not fp32_finite(ev):
             return []
-        evidence = {"loss_dtypes": amp.loss_dtypes}
+        evidence: dict[str, Any] = {"loss_dtypes": amp.loss_dtypes}
         if loc is not None and loc.phase == "loss" and any(d in loc.output for d in LOW_DTYPES):
             evidence.update({"operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
                              "operator_input_ranges": loc.input_ranges, "output": loc.output})
             title = f"The loss overflows in half precision: {loc.operator} outside the model at step {loc.step} -> {loc.output}"
-        elif amp.exception and "unsafe to autocast" in (amp.exception["message"] or ""):
+        elif amp.exception and "unsafe to autocast" in (amp.exception.message or ""):
             evidence["exception"] = amp.exception
             title = "binary_cross_entropy on half-precision probabilities: CUDA autocast refuses it"
-        elif any(d in LOW_DTYPES for d in amp.loss_dtypes) and ev.gap and ev.gap["gap"] > ev.gap["tolerance"]:
-            evidence.update({"same_state_gap": ev.gap["gap"]})
-            title = f"The loss is computed in {'/'.join(amp.loss_dtypes)} and AMP deviates {ev.gap['gap']:.2%} from fp32"
+        elif any(d in LOW_DTYPES for d in amp.loss_dtypes) and ev.gap is not None and ev.gap.exceeded:
+            evidence.update({"same_state_gap": ev.gap.gap})
+            title = f"The loss is computed in {'/'.join(amp.loss_dtypes)} and AMP deviates {ev.gap.gap:.2%} from fp32"
         else:
             return []
         return [self.finding(
@@ -58,18 +58,18 @@ class LossInHalf(Rule):
             ),
         )]
 
-    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """The loss computed in fp32 repaired it, also when the op that made the inf ran in fp32 itself: the
         damage was done before it, by half-precision values rounded on their way into the loss."""
         loc = ev.localisation
         return repair.kind == "loss-fp32" or (repair.kind == "bf16" and loc is not None and loc.phase == "loss")
 
-    def repair_title(self, repair: Any, ev: Evidence) -> str:
+    def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
         where = f": {loc.operator} in the loss at step {loc.step} -> {loc.output}" if loc is not None and loc.phase == "loss" else ""
         return f"The loss breaks on half-precision values{where}; computing the loss in fp32 repairs the training"
 
-    def repair_fix(self, repair: Any, ev: Evidence) -> tuple[str, str]:
+    def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
         loc = ev.localisation
         op = (loc.operator if loc is not None else "").split("::")[-1].split(".")[0]
         if op in ("log", "log1p", "log2", "log10", "xlogy"):

@@ -12,12 +12,11 @@ overflowing. A few skips while a default scale settles are normal.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from ...measure.symptoms import attempts, skip_runs
 from ...measure.thresholds import CALIBRATION_SKIPS, PERSISTENT_OVERFLOW_SHARE
 from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, ProbeSummary
+from ..model import Evidence, Finding, Fix, ProbeSummary, Repair
 from . import Rule
 from ._helpers import fp32_finite, scale_patch
 
@@ -30,7 +29,7 @@ class ScaleOverflow(Rule):
     names_cases = (lambda: (fx.repair("scaler-scale", config_patch={"scaler": {"init_scale": 256.0}}, symptoms=("skips",)),
                             fx.evidence()),)
 
-    def names_repair(self, repair: Any, ev: Evidence) -> bool:
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """A lower initial scale repaired it: the scale was too high."""
         new = repair.config_patch.get("scaler", {}).get("init_scale")
         return repair.kind == "scaler-scale" and ev.config.scaler.enabled and new is not None and new < ev.config.scaler.init_scale
@@ -95,8 +94,8 @@ class ScaleOverflow(Rule):
     @staticmethod
     def _weights_poisoned_by_hand(amp: ProbeSummary) -> bool:
         """A hand-scaled step without a GradScaler applies overflowed gradients: the loss turns NaN only after them."""
-        grads = amp.first_nonfinite_grads
-        return not amp.scaler_called and grads is not None and grads < amp.first_nonfinite_loss
+        grads, loss = amp.first_nonfinite_grads, amp.first_nonfinite_loss
+        return not amp.scaler_called and grads is not None and loss is not None and grads < loss
 
     @staticmethod
     def _expected_settling(ev: Evidence) -> int:

@@ -70,8 +70,7 @@ class ScalerMisuse(Rule):
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 1, "type": "RuntimeError",
                                     "message": "unscale_() is being called after step()."}),
                                     scaler_calls=[["scale", "step"], ["scale", "step"]])),
-                lambda: fx.evidence(amp=fx.probe(), gap={"gap": 1e7, "tolerance": 1e-3, "worst_step": 0, "same_state_rel_dev": {0: 1e7},
-                                                         "gap_without_loss_scaling": 1e-5, "scale_leak": True}),
+                lambda: fx.evidence(amp=fx.probe(), gap=fx.gap(1e7, gap_without_loss_scaling=1e-5, scale_leak=True)),
                 lambda: fx.evidence(amp=fx.probe(
                     scaler_calls=[["scale", "step", "scale", "step", "update"]] * 4,
                     optimizer_calls=[["scale", "step(D)", "D.step()", "scale", "step(G)", "update"]] * 4)))
@@ -89,7 +88,7 @@ class ScalerMisuse(Rule):
         problems = []
         exc = amp.exception
         if exc is not None:
-            problems += [what for text, what in REFUSALS.items() if text in (exc["message"] or "")]
+            problems += [what for text, what in REFUSALS.items() if text in (exc.message or "")]
         calls = amp.scaler_calls
         for step, sequence in enumerate(calls):
             if "update" in sequence and "step" not in sequence and "scale" in sequence:
@@ -106,24 +105,24 @@ class ScalerMisuse(Rule):
             first_step, names = next(iter(doubled.items()))
             problems.append(f"{', '.join(names)} stepped twice in iteration {first_step}: scaler.step() and a plain "
                             ".step() (the plain step applies inf/NaN gradients the scaler would have skipped)")
-        leak = (ev.gap or {}).get("scale_leak")
-        if leak:
+        leak = ev.gap if ev.gap is not None and ev.gap.scale_leak else None
+        if leak is not None:
             problems.append(
-                f"the loss changes with the loss scale ({ev.gap['gap']:.3g}x off FP32 on the same weights and batch, "
-                f"{ev.gap['gap_without_loss_scaling']:.2%} with scaling off): the step returns scaler.scale(loss), or "
+                f"the loss changes with the loss scale ({leak.gap:.3g}x off FP32 on the same weights and batch, "
+                f"{leak.gap_without_loss_scaling or 0.0:.2%} with scaling off): the step returns scaler.scale(loss), or "
                 "computes from gradients of scaler.scale(...) (a gradient penalty) without dividing them by the scale")
         problems = list(dict.fromkeys(problems))
         if not problems:
             return []
-        if leak and len(problems) == 1:
+        if leak is not None and len(problems) == 1:
             return [self.finding(
                 f"GradScaler misuse: {problems[0]}",
-                {"problems": problems, "same_state_gap": ev.gap["gap"], "gap_without_loss_scaling": ev.gap["gap_without_loss_scaling"],
-                 "step": ev.gap["worst_step"]},
+                {"problems": problems, "same_state_gap": leak.gap, "gap_without_loss_scaling": leak.gap_without_loss_scaling,
+                 "step": leak.worst_step},
                 Fix("Gradients of a scaled loss are scaled: divide them by scaler.get_scale() before using them in the "
                     "loss (PyTorch's gradient-penalty recipe), and return the unscaled loss.", code=PENALTY_RECIPE),
             )]
-        first = exc["step"] if exc is not None else 0
+        first = exc.step if exc is not None else 0
         window = calls[max(0, first - 3):first + 1]
         if doubled and len(problems) == 1:
             first = next(iter(doubled))

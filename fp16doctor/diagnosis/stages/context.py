@@ -229,7 +229,7 @@ def probe_sentence(summary: ProbeSummary) -> str:
     rec = summary.records
     if summary.exception:
         e = summary.exception
-        return f"stopped at step {e['step']}: {e['type']}: {e['message']} ({e['location']})"
+        return f"stopped at step {e.step}: {e.type}: {e.message} ({e.location})"
     parts = [f"{len(rec)} steps, loss {rec['loss'].iloc[0]:.4g} -> {rec['loss'].iloc[-1]:.4g}"]
     if summary.first_nonfinite_loss is not None:
         parts.append(f"loss non-finite from step {summary.first_nonfinite_loss}")

@@ -58,15 +58,17 @@ def _pause(ctx: StageContext, event: int, lrs: list[float]) -> LrPause:
 
 def _instrumented_step(probe: Probe, lr: float | None = None) -> dict[str, Any]:
     """Take the step (at ``lr`` if given) and the one after it: an update's damage shows in the next forward."""
-    rows_before = len(probe.instruments.update_rows), len(probe.instruments.forward_rows)
+    instruments = probe.instruments
+    assert instruments is not None, "the LR-peak probes carry the instruments"
+    rows_before = len(instruments.update_rows), len(instruments.forward_rows)
     records = []
     for _ in range(2):
         if lr is not None:
             for group in probe.optimizer.param_groups:
                 group["lr"] = lr
         records.append(probe.step())
-    updates = probe.instruments.update_rows[rows_before[0]:]
-    forward = probe.instruments.forward_rows[rows_before[1]:]
+    updates = instruments.update_rows[rows_before[0]:]
+    forward = instruments.forward_rows[rows_before[1]:]
     weights_finite = all(torch.isfinite(p).all() for p in probe.model.parameters())
     return {
         "finite": all(r.exception_type is None and not r.nonfinite_loss and not r.nonfinite_grads for r in records) and weights_finite,

@@ -10,7 +10,7 @@ import torch
 from ...engine.instruments import module_names
 from ...measure.symptoms import loss_floor, relative_deviation
 from ...measure.thresholds import BF16_FACTOR, GAP_TOLERANCE
-from ..model import StageReport
+from ..model import GapSearch, GapTrial, ModuleGap, StageReport
 from .context import (
     StageContext,
     gap_states,
@@ -31,35 +31,35 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     floor = loss_floor(ev.fp32.records) if ev.fp32 is not None else 0.0
     ctx.loss_floor = floor
     remember_fp32_states(ctx, states)
-    gaps = {}
+    gaps: dict[int, float] = {}
     for step in states:
         losses = same_state_losses(ctx, step, {"fp32": ("fp32", cfg), "amp": ("amp", cfg)})
         gaps[step] = relative_deviation(losses["amp"], losses["fp32"], floor)
-    worst_step = max(gaps, key=gaps.get)
+    worst_step = max(gaps, key=lambda step: gaps[step])
     gap = gaps[worst_step]
-    ev.gap = info = {"same_state_rel_dev": gaps, "worst_step": worst_step, "gap": gap, "tolerance": tolerance}
+    ev.gap = info = GapSearch(same_state_rel_dev=gaps, worst_step=worst_step, gap=gap, tolerance=tolerance)
     if gap <= tolerance:
         return StageReport("precision-gap search", "skipped",
-                           f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step})", details=info)
+                           f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step})",
+                           details=info.to_json())
     if cfg.scaler.enabled and cfg.dtype == "float16":
         # The loss of one step does not depend on the loss scale, unless the scale leaks into it.
-        info["gap_without_loss_scaling"] = plain = same_state_gap(ctx, ctx.with_config({"scaler": {"enabled": False}}), worst_step)
+        info.gap_without_loss_scaling = plain = same_state_gap(ctx, ctx.with_config({"scaler": {"enabled": False}}), worst_step)
         if plain <= tolerance:
-            info["scale_leak"] = True
+            info.scale_leak = True
             return StageReport("precision-gap search", "ran",
                                f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}), and {plain:.3%} with loss "
-                               "scaling off: the loss scale leaks into the loss (not a precision gap)", details=info)
+                               "scaling off: the loss scale leaks into the loss (not a precision gap)", details=info.to_json())
     ranked = _rank_modules(ctx, worst_step)
-    info["ranked_modules"] = ranked[:8]
-    fix = _search_fp32_set(ctx, worst_step, [r["module"] for r in ranked], tolerance)
-    info.update(fix)
-    closed = fix.get("closing_set")
+    info.ranked_modules = ranked[:8]
+    _search_fp32_set(ctx, info, [r.module for r in ranked])
+    closed = info.closing_set
     summary = f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}); "
-    summary += f"keeping {closed} in fp32 closes it ({fix['closed_gap']:.3%})" if closed else "no fp32 module set tried closes it"
-    return StageReport("precision-gap search", "ran", summary, details=info)
+    summary += f"keeping {closed} in fp32 closes it ({info.closed_gap:.3%})" if closed else "no fp32 module set tried closes it"
+    return StageReport("precision-gap search", "ran", summary, details=info.to_json())
 
 
-def _rank_modules(ctx: StageContext, step: int) -> list[dict[str, Any]]:
+def _rank_modules(ctx: StageContext, step: int) -> list[ModuleGap]:
     """Per module: the relative error its output adds over its input, AMP against fp32, same state and batch."""
     outputs: dict[str, dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
     for mode in ("fp32", "amp"):
@@ -89,8 +89,8 @@ def _rank_modules(ctx: StageContext, step: int) -> list[dict[str, Any]]:
             continue
         err_out = _rel_err(out16, out32)
         err_in = _rel_err(in16, in32) if in32 is not None and in16 is not None and in32.shape == in16.shape else 0.0
-        ranked.append({"module": name, "added_error": max(err_out - err_in, 0.0), "output_error": err_out, "input_error": err_in})
-    ranked.sort(key=lambda r: r["added_error"], reverse=True)
+        ranked.append(ModuleGap(module=name, added_error=max(err_out - err_in, 0.0), output_error=err_out, input_error=err_in))
+    ranked.sort(key=lambda r: r.added_error, reverse=True)
     return ranked
 
 
@@ -99,18 +99,19 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / max(torch.linalg.vector_norm(b).item(), 1e-30)
 
 
-def _search_fp32_set(ctx: StageContext, step: int, candidates: list[str], tolerance: float) -> dict[str, Any]:
-    """The smallest set of modules (greedy, in ranked order) whose fp32 fallback closes the gap."""
+def _search_fp32_set(ctx: StageContext, found: GapSearch, candidates: list[str]) -> None:
+    """The smallest set of modules (greedy, in ranked order) whose fp32 fallback closes the gap, into ``found``
+    (``closing_set`` stays None when no set tried closes it; ``tried`` lists every set)."""
     limit = 3 if ctx.ci else 6
     chosen: list[str] = []
-    tried = []
+    found.tried = tried = []
     for name in candidates[:limit]:
         trial = chosen + [name]
-        gap = same_state_gap(ctx, ctx.with_config({"overrides": {"fp32_modules": trial}}), step)
-        tried.append({"fp32_modules": trial, "gap": gap})
-        if gap <= tolerance:
-            return {"closing_set": trial, "closed_gap": gap, "tried": tried}
-        best_before = min((t["gap"] for t in tried[:-1]), default=math.inf)
+        gap = same_state_gap(ctx, ctx.with_config({"overrides": {"fp32_modules": trial}}), found.worst_step)
+        tried.append(GapTrial(fp32_modules=trial, gap=gap))
+        if gap <= found.tolerance:
+            found.closing_set, found.closed_gap = trial, gap
+            return
+        best_before = min((t.gap for t in tried[:-1]), default=math.inf)
         if gap < best_before:
             chosen = trial  # keep a module only if it helps
-    return {"closing_set": None, "closed_gap": None, "tried": tried}

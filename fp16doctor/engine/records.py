@@ -1,0 +1,47 @@
+"""The probe's record as plain data: the columns of a step record and one row of it.
+
+Kept apart from :mod:`.probe` so that whatever only reads records (the rules' hand-built cases in
+:mod:`fp16doctor.diagnosis.fixtures`, the symptom definitions) can use them without loading the probe,
+its instruments and the precision patches behind them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the trace is the probe's, attached at run time; reading a record never needs it
+    from ..precision.recording import StepTrace
+
+RECORD_COLUMNS = [
+    "step", "batch_index", "loss", "grad_norm", "lr", "loss_scale", "skipped", "optimizer_stepped", "micro_step",
+    "nonfinite_loss", "nonfinite_grads", "exception_type", "exception", "exception_location", "exception_module",
+]
+"""``skipped``: an optimizer step was attempted and did not happen (the scaler found inf/NaN);
+``micro_step``: no optimizer step was attempted (gradient accumulation); ``optimizer_stepped``: the weights moved."""
+
+
+@dataclass
+class StepRecord:
+    """One row of a probe's record (see ``RECORD_COLUMNS``)."""
+
+    step: int
+    batch_index: int
+    loss: float
+    grad_norm: float
+    lr: float
+    loss_scale: float
+    skipped: bool
+    optimizer_stepped: bool
+    micro_step: bool
+    nonfinite_loss: bool
+    nonfinite_grads: bool
+    exception_type: str | None = None
+    exception: str | None = None
+    exception_location: str | None = None
+    exception_module: str | None = None
+    """The deepest module of the model whose forward was running when the exception was raised."""
+    trace: StepTrace | None = field(default=None, repr=False)
+
+    def row(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in RECORD_COLUMNS}

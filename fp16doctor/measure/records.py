@@ -1,0 +1,99 @@
+"""What the measurements produce, as plain data: where a non-finite value came from, the loss-scale window,
+the exception a probe raised.
+
+Kept apart from the measuring code (:mod:`.localise`, :mod:`.numerics`, which drive the probe) so that
+whatever only reads these records (the rules and their hand-built cases, the renderers) loads neither the
+probe nor its instruments. Only the standard library and pandas here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+OUTSIDE_MODEL = "<loss: outside the model>"
+
+
+@dataclass
+class Localisation:
+    """Where the first non-finite value came from."""
+
+    step: int
+    batch_index: int
+    phase: str
+    """data | forward | loss | backward | optimizer"""
+    module: str | None
+    operator: str
+    input_ranges: list[tuple[float, float]]
+    output: str
+    """What came out: "nan", "+inf", "-inf" or a mix, and its dtype."""
+    note: str = ""
+    mode: str = "amp"
+    peak: float | None = None
+    """The largest magnitude of the result that overflowed when rounded to low precision, when it was seen."""
+    scalars: list[float] = field(default_factory=list)
+    """The Python numbers the culprit operator was called with (a mask's fill value, a scale)."""
+    autograd_node: str | None = None
+    """In backward: the autograd node that ran the culprit op (``MulBackward0``, or a custom Function's)."""
+    custom_function: str | None = None
+    """In backward: the ``torch.autograd.Function`` subclass whose hand-written ``backward`` made it, if any."""
+    replayed: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    """(loss, loss scale) of each step the replay took before the traced one: compared with the original
+    run's, they tell whether the fault reproduces deterministically."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "replayed"}
+
+    def describe(self) -> str:
+        outside = {"optimizer": "the optimizer", "data": "the data"}
+        where = outside[self.phase] if not self.module and self.phase in outside else f"{self.module or '?'} ({self.phase})"
+        ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
+        return f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}" + (f"; {self.note}" if self.note else "")
+
+
+@dataclass
+class ScaleWindow:
+    """The loss scales that keep gradients representable in fp16, per tensor and overall."""
+
+    per_tensor: pd.DataFrame
+    low: float
+    """Smallest scale keeping 99.9% of every tensor's gradient mass (max over tensors carrying signal)."""
+    high: float
+    """Largest scale keeping every gradient under 65504 (min over tensors)."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.low <= self.high
+
+    def recommended(self) -> float:
+        """A power of two inside the window, 8x below the top for headroom (gradients grow in training)."""
+        if not self.feasible:
+            return float(max(2 ** round(math.log2(max(self.high, 1.0))), 1))
+        top = 2 ** math.floor(math.log2(self.high))
+        candidate = top / 8
+        chosen = max(candidate, 2 ** math.ceil(math.log2(self.low))) if candidate >= self.low else top
+        return float(max(chosen, 1))  # GradScaler never needs to shrink the loss
+
+
+@dataclass
+class ExceptionInfo:
+    """The first exception a probe's training raised: at which step, what, and where in the user's code."""
+
+    step: int
+    type: str
+    """The exception's class name (``RuntimeError``)."""
+    message: str | None
+    location: str | None
+    """``file:line`` of the user's frame that raised it (or the innermost frame outside torch)."""
+    module: str | None = None
+    """The deepest module of the model whose forward was running, when one was."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented shape: ``step``, ``type``, ``message``, ``location``, and ``module`` when known."""
+        out: dict[str, Any] = {"step": self.step, "type": self.type, "message": self.message, "location": self.location}
+        if self.module is not None:
+            out["module"] = self.module
+        return out
