@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from fp16doctor.live.watch import Watch, WatchOptions
 
 
-def loop(tmp_path, steps=12, init_scale=2.0**16, spike_at=None, nan_at=None, **options):
+def loop(tmp_path, steps=12, init_scale=2.0**16, spike_at=None, nan_at=None, optimizer_class=torch.optim.SGD, **options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    optimizer = optimizer_class(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     watch = Watch(model, WatchOptions(capsule_dir=tmp_path, spike_window=6, **options), dtype="float16")
     g = torch.Generator().manual_seed(1)
@@ -47,6 +47,25 @@ def test_nan_loss_alarms_at_its_step_with_a_loadable_capsule(tmp_path):
     state = torch.load(alarm.capsule / "capsule.pt", weights_only=True)
     assert state["step"] == 7 and torch.isnan(state["batches"][0][0]).any() and state["scaler"]["scale"] > 1
     assert (alarm.capsule / "train_capsule.py").is_file() and (alarm.capsule / "config.json").is_file()
+
+
+def test_each_optimizer_the_capsule_builds_starts_from_its_own_copy_of_the_saved_moments(tmp_path):
+    """The diagnosis builds one optimizer per probe: a probe whose NaN gradients poison its Adam moments must
+    not hand them to the next probe (a data fix was once measured on moments an earlier probe had made NaN)."""
+    import importlib.util
+
+    _, alarm = loop(tmp_path, nan_at=7, optimizer_class=torch.optim.AdamW)
+    spec = importlib.util.spec_from_file_location("capsule_file", alarm.capsule / "train_capsule.py")
+    capsule = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(capsule)
+    first, second = capsule.model(), capsule.model()
+    poisoned, clean = capsule.optimizer(first.parameters()), capsule.optimizer(second.parameters())
+    for p in first.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    poisoned.step()
+    moments = [state["exp_avg"] for state in clean.state.values()]
+    assert moments and all(torch.isfinite(m).all() for m in moments)
+    assert all(torch.isfinite(s["exp_avg"]).all() for s in capsule.STATE["optimizer"]["state"].values())
 
 
 def test_a_scale_far_too_high_alarms_as_a_skip_streak(tmp_path):

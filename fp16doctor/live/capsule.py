@@ -232,6 +232,7 @@ def capsule_training_file(numbers: Any, config: dict[str, Any], framework: str, 
         the optimizer and scaler state, the step's batches, output gradients and RNG states.
         """
 
+        import copy
         import importlib
         import sys
         from pathlib import Path
@@ -258,7 +259,9 @@ def capsule_training_file(numbers: Any, config: dict[str, Any], framework: str, 
             module, name = STATE["optimizer_class"].rsplit(".", 1)
             opt = getattr(importlib.import_module(module), name)(params, **STATE["optimizer_defaults"])
             try:
-                opt.load_state_dict(STATE["optimizer"])   # the moments the failing step started from
+                # the moments the failing step started from, copied: load_state_dict keeps the very tensors it is
+                # given, and each probe's steps would update them in place for the next probe
+                opt.load_state_dict(copy.deepcopy(STATE["optimizer"]))
             except (ValueError, KeyError):
                 pass
             return opt
