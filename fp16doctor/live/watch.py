@@ -85,11 +85,14 @@ class Alarm:
     step: int
     message: str
     capsule: Path | None = None
+    optimizer: str | None = None
+    """Which optimizer's step (``Adam (Discriminator)``) where the training has several; their steps count apart."""
 
     def pointer(self) -> str:
         """The one line a user sees."""
         where = f" Capsule: {self.capsule}. Diagnose it: fp16doctor diagnose --capsule {self.capsule}" if self.capsule else ""
-        return f"fp16doctor: {self.kind} at optimizer step {self.step}: {self.message}.{where}"
+        of = f" of {self.optimizer}" if self.optimizer else ""
+        return f"fp16doctor: {self.kind} at optimizer step {self.step}{of}: {self.message}.{where}"
 
 
 class Watch:
@@ -109,6 +112,8 @@ class Watch:
         self.output_grads: list[tuple[list[torch.Tensor | None], bool]] = []
         self.rank: int | None = None
         """The process's rank under torchrun (capsule names carry it); None: a single process."""
+        self.label: str | None = None
+        """The optimizer and model this watch checks, named in its alarms where a training has several optimizers."""
         self._streak = 0
         self._names = {p: n for n, p in model.named_parameters()}
 
@@ -141,7 +146,7 @@ class Watch:
             self.history.append(numbers)
             kind, message = self._decide(numbers)
             if kind is not None and self.alarm is None:
-                self.alarm = Alarm(kind, step, message)
+                self.alarm = Alarm(kind, step, message, optimizer=self.label)
                 self.alarm.capsule = self.write_capsule(optimizer, scaler, numbers)
                 return self.alarm
             return None
