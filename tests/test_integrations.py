@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 FAULT_STEP = 5
 
 
-def fit_lightning(tmp_path: Path, **faults):
+def fit_lightning(tmp_path: Path, extra_callbacks=(), **faults):
     from lightning.pytorch.plugins.precision import MixedPrecision
     from torch.utils.data import DataLoader
 
@@ -32,7 +32,7 @@ def fit_lightning(tmp_path: Path, **faults):
     # Lightning turns precision="16-mixed" into bf16 on the CPU: a MixedPrecision plugin with a GradScaler we
     # construct keeps fp16 autocast and real loss scaling there.
     trainer = L.Trainer(accelerator="cpu", plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
-                        max_steps=16, callbacks=[callback], logger=False, enable_checkpointing=False,
+                        max_steps=16, callbacks=[*extra_callbacks, callback], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     loader = DataLoader(Pairs(nan_at=faults.get("nan_at")), batch_size=BATCH, shuffle=False)
     trainer.fit(Classifier(overflow_at=faults.get("overflow_at")), loader)
@@ -103,7 +103,7 @@ class Rows(torch.utils.data.Dataset):
         return {"x": x, "labels": self.y[index]}
 
 
-def train_hf(tmp_path: Path, nan_at=None):
+def train_hf(tmp_path: Path, nan_at=None, model=None):
     from transformers import Trainer, TrainingArguments
 
     from fp16doctor.integrations.hf import FP16DoctorCallback
@@ -116,7 +116,7 @@ def train_hf(tmp_path: Path, nan_at=None):
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    trainer = InOrder(model=TinyTagger(), args=args, train_dataset=Rows(nan_at), callbacks=[callback])
+    trainer = InOrder(model=model or TinyTagger(), args=args, train_dataset=Rows(nan_at), callbacks=[callback])
     trainer.train()
     return trainer, callback
 
@@ -136,6 +136,29 @@ def test_hf_trainer_nan_batch_alarms_at_its_optimizer_step(tmp_path):
     assert len(state["batches"]) == 2  # both micro-batches of the failing optimizer step
     report = diagnose_capsule(alarm.capsule)
     assert report["findings"][0]["cause"] == "nonfinite-data"
+
+
+def test_the_callbacks_hold_batches_as_references_and_copy_them_only_for_a_capsule(tmp_path):
+    """Healthy runs of both trainers: not one copy of a batch by fp16doctor (on a GPU each is a transfer and a
+    sync); the capsule an alarm writes does copy (the count sees copies)."""
+    from host_copies import HostCopies
+
+    model = TinyTagger()
+    with HostCopies() as copies:
+        model.register_forward_pre_hook(lambda module, args, kwargs: copies.watch(*kwargs.values()), with_kwargs=True)
+        _, callback = train_hf(tmp_path / "hf", model=model)
+    assert len(callback.watch.history) == 8 and len(copies.watched) == 2 * 16 and copies.count == 0
+
+    class SeesBatches(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            copies.watch(*batch)
+
+    with HostCopies() as copies:
+        _, callback = fit_lightning(tmp_path / "lit", extra_callbacks=[SeesBatches()])
+    assert len(callback.watch.history) == 16 and copies.count == 0
+    with HostCopies() as copies:
+        _, callback = fit_lightning(tmp_path / "lit-nan", extra_callbacks=[SeesBatches()], nan_at=FAULT_STEP)
+    assert callback.watch.alarm is not None and copies.count > 0
 
 
 def test_a_missing_framework_is_one_clear_import_error():

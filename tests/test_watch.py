@@ -192,3 +192,42 @@ def test_the_capsule_trains_in_the_precision_the_scripts_autocast_used(tmp_path)
     except WatchStopped as stopped:
         alarm = stopped.alarm
     assert alarm.kind == "nonfinite" and json.loads((alarm.capsule / "config.json").read_text())["dtype"] == "float16"
+
+
+def test_the_observer_holds_the_steps_batches_as_references_and_copies_them_only_for_a_capsule(tmp_path):
+    """No per-step host copy of a batch (on a GPU each is a transfer and a sync): the held micro-batch is the very
+    tensor the model received; only the capsule an alarm writes copies it."""
+    from host_copies import HostCopies
+
+    import fp16doctor.live.observe as observe
+
+    held: list[bool] = []
+    batches: list[torch.Tensor] = []
+
+    class Spy(observe.TrainingObserver):
+        def check(self, optimizer, scaler, found_inf):
+            held.extend(c.batch["args"][0] is batches[-1] for c in self._calls)
+            super().check(optimizer, scaler, found_inf)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    copies_per_step = []
+    with HostCopies() as copies, Spy(WatchOptions(capsule_dir=tmp_path, stop_on_alarm=False)):
+        for step in range(5):
+            x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+            if step == 4:
+                x[2, 2] = float("nan")
+            batches.append(x)
+            copies.watch(x, y)
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(x)
+            scaler.scale(torch.nn.functional.cross_entropy(logits.float(), y)).backward()
+            before = copies.count
+            scaler.step(optimizer)
+            scaler.update()
+            copies_per_step.append(copies.count - before)
+    assert held == [True] * 5 and copies_per_step[:4] == [0, 0, 0, 0]  # healthy steps: references, no copy
+    assert copies_per_step[4] > 0 and (tmp_path / "step_00000004").is_dir()  # the capsule's copy is counted
