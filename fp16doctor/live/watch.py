@@ -166,17 +166,19 @@ class Watch:
     def _measure(self, step: int, optimizer: torch.optim.Optimizer, scaler: Any, grads_scaled: bool,
                  found_inf: torch.Tensor | None = None) -> StepNumbers:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
-        divide = scale if grads_scaled else 1.0
         device = params[0].grad.device if params else torch.device("cpu")
+        scale_now = scale_tensor(scaler, device)
         grads = [grad_values(p) for p in params]
         norms = torch.stack([n.float() for n in torch._foreach_norm(grads)]) if grads else torch.zeros(0, device=device)
         peaks = torch.stack([n.float() for n in torch._foreach_norm(grads, ord=math.inf)]) if grads else torch.zeros(0, device=device)
         loss = torch.stack([l.to(device) for l in self._losses]).sum() if self._losses else torch.tensor(math.nan, device=device)
         flag = found_inf.to(device).float().sum() if found_inf is not None else torch.tensor(0.0, device=device)
-        values = torch.cat([loss.reshape(1), flag.reshape(1), norms.pow(2).sum().sqrt().reshape(1), peaks]).tolist()  # the one transfer
+        values = torch.cat([loss.reshape(1), flag.reshape(1), norms.pow(2).sum().sqrt().reshape(1), scale_now.reshape(1),
+                            peaks]).tolist()  # the one transfer (the scale too: get_scale() would be a second sync)
         loss_value = values[0] if self._losses else None
-        norm, peak_values = values[2] / divide, [v / divide for v in values[3:]]
+        scale = values[3]
+        divide = scale if grads_scaled else 1.0
+        norm, peak_values = values[2] / divide, [v / divide for v in values[4:]]
         names = [self._names.get(p, "?") for p in params]
         bad = [n for n, v in zip(names, peak_values) if not math.isfinite(v)]
         finite = [(v, n) for n, v in zip(names, peak_values) if math.isfinite(v)]
@@ -240,6 +242,16 @@ class Watch:
         atomic_write_text(folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay))
         write_manifest(folder, numbers.step, replay, loss_gradient_finding(numbers.loss, output_grads))
         return folder
+
+
+def scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
+    """The loss scale as a float tensor on ``device``, read without a synchronisation (1.0 without an enabled scaler)."""
+    if scaler is None or not scaler.is_enabled():
+        return torch.ones((), device=device)
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().reshape(()).to(device=device, dtype=torch.float32)
+    return torch.tensor(float(scaler.get_scale()), device=device)  # not initialised yet: a Python float, no sync
 
 
 def watch_step(watch: Watch, stop: Callable[[], None]) -> Callable[[Alarm | None], None]:
