@@ -3,8 +3,7 @@ its own fp16 GradScaler loop with gradient accumulation, unscale + clipping, and
 iteration's wall time (``iter N: loss X, time Y ms``, as nanoGPT prints it). It knows nothing of fp16doctor;
 ``benchmarks/watch_overhead.py`` runs it plain and under ``fp16doctor watch`` and reads those times.
 
-Data are random tokens (nothing downloaded). ``--hf-debug`` attaches Hugging Face's ``DebugUnderflowOverflow``
-to the model, the detector a user adds by hand to a script outside the ``Trainer``.
+Data are random tokens (nothing downloaded).
 
     python benchmarks/nanogpt_train.py --iters 20
     fp16doctor watch benchmarks/nanogpt_train.py --iters 20
@@ -96,7 +95,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--hf-debug", action="store_true", help="attach transformers' DebugUnderflowOverflow")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -109,10 +107,6 @@ def main() -> None:
         return x.to(args.device), y.to(args.device)
 
     model = GPT(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd).to(args.device)
-    if args.hf_debug:
-        from transformers.debug_utils import DebugUnderflowOverflow
-
-        DebugUnderflowOverflow(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     dtype = getattr(torch, args.dtype)
     scaler = torch.amp.GradScaler(args.device, enabled=args.dtype == "float16")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -231,3 +233,16 @@ def test_the_observer_holds_the_steps_batches_as_references_and_copies_them_only
             copies_per_step.append(copies.count - before)
     assert held == [True] * 5 and copies_per_step[:4] == [0, 0, 0, 0]  # healthy steps: references, no copy
     assert copies_per_step[4] > 0 and (tmp_path / "step_00000004").is_dir()  # the capsule's copy is counted
+
+
+def test_only_gradients_holding_an_inf_or_nan_are_non_finite_layers_not_those_whose_norm_overflows():
+    """The one pass the watch makes is an L2 norm per layer; a finite gradient whose squares overflow fp32 (or
+    whose norm passes fp16's range) is looked at again and stays finite."""
+    from fp16doctor.live.watch import nonfinite_layers
+
+    grads = [torch.full((4,), 1e20), torch.full((8,), 6e4, dtype=torch.float16), torch.tensor([1.0, float("inf")]),
+             torch.tensor([float("nan"), 0.0]), torch.ones(3)]
+    names = ["huge", "half", "inf", "nan", "fine"]
+    norms = [float(n) for n in torch._foreach_norm(grads, 2, dtype=torch.float32)]
+    assert not math.isfinite(norms[0]) and math.isfinite(norms[1])
+    assert nonfinite_layers(grads, names, norms) == ["inf", "nan"]

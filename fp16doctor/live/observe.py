@@ -110,6 +110,8 @@ class TrainingObserver:
 
     # --- install / restore ------------------------------------------------------------------------
     def __enter__(self) -> "TrainingObserver":
+        """Patch and hook. Entered again after an exit it keeps the models and optimizers it found, so it is at once
+        in the state of a long watch (``benchmarks/watch_overhead.py`` switches it on and off between steps)."""
         global _active
         with _PATCH_LOCK:
             if _active is not None:
@@ -129,7 +131,8 @@ class TrainingObserver:
             self._patch(torch.optim.Optimizer, "zero_grad", _observed_zero_grad(vars(torch.optim.Optimizer)["zero_grad"]))
             self._patch(torch.nn.Module, "zero_grad", _observed_zero_grad(vars(torch.nn.Module)["zero_grad"]))
             self._handles = [register_optimizer_step_pre_hook(self._optimizer_pre_step)]
-            self._discover(True)
+            self._handles += [m.register_forward_hook(self._model_forward, with_kwargs=True) for m in self._models]
+            self._discover(bool(self._unmatched) or not self._models)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -138,6 +141,7 @@ class TrainingObserver:
             for handle in self._handles + self._module_hooks:
                 handle.remove()
             self._handles, self._module_hooks = [], []
+            self._calls, self._losses, self._last_scaled = [], [], None  # an unchecked step's references die here
             for owner, name, original in reversed(self._originals):
                 setattr(owner, name, original)
             self._originals = []

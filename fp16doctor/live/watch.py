@@ -5,7 +5,7 @@ Lightning callbacks (``fp16doctor.live.integrations``), usable from a hand-writt
 optimizer step, at one host synchronisation, it records the loss, the unscaled global gradient norm,
 the loss scale, whether the GradScaler skips the step (the scaler's own found-inf flags where the
 caller hands them over), the learning rate, and per layer whether the gradients are finite and their
-largest magnitude. It raises an alarm on the
+norm (the largest one named). It raises an alarm on the
 first non-finite loss or gradient, a streak of skipped steps, a scale
 collapsing towards its minimum, or a loss spike; on an alarm it writes a
 *replay capsule*: the model and optimizer state the bad step started from, its
@@ -74,7 +74,8 @@ class StepNumbers:
     lr: float
     nonfinite_layers: list[str] = field(default_factory=list)
     largest_layer: str | None = None
-    largest_abs: float = 0.0
+    """The layer whose (unscaled) gradient has the largest norm."""
+    largest_norm: float = 0.0
 
 
 @dataclass
@@ -135,9 +136,10 @@ class Watch:
 
         ``found_inf`` is the scaler's own decision (its inf/NaN flags, summed over devices): the step is
         skipped exactly when it is non-zero. Without it the skip is inferred from the gradients' finiteness.
-        The training's random generators are left as they were (see :func:`callers_rng_kept`)."""
-        with callers_rng_kept():
-            return self._check_step(step, optimizer, scaler, grads_scaled, found_inf)
+        The training's random generators are left as they were: the measurement draws no random number, and
+        the capsule is written inside :func:`callers_rng_kept` (saving and restoring every generator on each
+        step would cost a healthy step more than the measurement itself)."""
+        return self._check_step(step, optimizer, scaler, grads_scaled, found_inf)
 
     def _check_step(self, step: int, optimizer: torch.optim.Optimizer, scaler: Any, grads_scaled: bool,
                     found_inf: torch.Tensor | None) -> Alarm | None:
@@ -169,24 +171,24 @@ class Watch:
         device = params[0].grad.device if params else torch.device("cpu")
         scale_now = scale_tensor(scaler, device)
         grads = [grad_values(p) for p in params]
-        norms = torch.stack([n.float() for n in torch._foreach_norm(grads)]) if grads else torch.zeros(0, device=device)
-        peaks = torch.stack([n.float() for n in torch._foreach_norm(grads, ord=math.inf)]) if grads else torch.zeros(0, device=device)
+        # one pass over the gradients: per-layer L2 norms, in fp32 (a half gradient's norm may pass 65504)
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else torch.zeros(0, device=device)
         loss = torch.stack([l.to(device) for l in self._losses]).sum() if self._losses else torch.tensor(math.nan, device=device)
         flag = found_inf.to(device).float().sum() if found_inf is not None else torch.tensor(0.0, device=device)
         values = torch.cat([loss.reshape(1), flag.reshape(1), norms.pow(2).sum().sqrt().reshape(1), scale_now.reshape(1),
-                            peaks]).tolist()  # the one transfer (the scale too: get_scale() would be a second sync)
+                            norms]).tolist()  # the one transfer (the scale too: get_scale() would be a second sync)
         loss_value = values[0] if self._losses else None
         scale = values[3]
         divide = scale if grads_scaled else 1.0
-        norm, peak_values = values[2] / divide, [v / divide for v in values[4:]]
+        norm, layer_norms = values[2] / divide, [v / divide for v in values[4:]]
         names = [self._names.get(p, "?") for p in params]
-        bad = [n for n, v in zip(names, peak_values) if not math.isfinite(v)]
-        finite = [(v, n) for n, v in zip(names, peak_values) if math.isfinite(v)]
+        bad = nonfinite_layers(grads, names, layer_norms)
+        finite = [(v, n) for n, v in zip(names, layer_norms) if math.isfinite(v)]
         largest = max(finite, default=(0.0, None))
         return StepNumbers(step=step, loss=loss_value, grad_norm=norm, loss_scale=scale,
                            skipped=self._skipped(values[1], found_inf, bad, scaler),
                            lr=float(optimizer.param_groups[0]["lr"]), nonfinite_layers=bad[:20],
-                           largest_layer=largest[1], largest_abs=largest[0])
+                           largest_layer=largest[1], largest_norm=largest[0])
 
     @staticmethod
     def _skipped(flag: float, found_inf: torch.Tensor | None, bad: list[str], scaler: Any) -> bool:
@@ -217,7 +219,12 @@ class Watch:
     def write_capsule(self, optimizer: torch.optim.Optimizer, scaler: Any, numbers: StepNumbers) -> Path:
         """The state this step started from, its batches and a training file that rebuilds them (atomic writes).
 
-        Only here are the step's batches and output gradients copied to the host."""
+        Only here are the step's batches and output gradients copied to the host. The training's random generators
+        are left as they were (see :func:`callers_rng_kept`)."""
+        with callers_rng_kept():
+            return self._write_capsule(optimizer, scaler, numbers)
+
+    def _write_capsule(self, optimizer: torch.optim.Optimizer, scaler: Any, numbers: StepNumbers) -> Path:
         folder = capsule_folder(Path(self.options.capsule_dir), numbers.step, self.rank)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the user's optimizer
         cls = type(inner)
@@ -242,6 +249,18 @@ class Watch:
         atomic_write_text(folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay))
         write_manifest(folder, numbers.step, replay, loss_gradient_finding(numbers.loss, output_grads))
         return folder
+
+
+def nonfinite_layers(grads: list[torch.Tensor | None], names: list[str], layer_norms: list[float]) -> list[str]:
+    """The layers whose gradients hold an inf or NaN.
+
+    A gradient with an inf or NaN has a non-finite L2 norm; a finite one too, rarely, where its squares overflow
+    fp32 (values past ~1e19). Only those suspects are looked at again (a second synchronisation, on trouble only)."""
+    suspects = [i for i, v in enumerate(layer_norms) if not math.isfinite(v)]
+    if not suspects:
+        return []
+    flags = torch.stack([~torch.isfinite(grads[i]).all() for i in suspects if grads[i] is not None]).tolist()
+    return [names[i] for i, bad in zip(suspects, flags) if bad]
 
 
 def scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
