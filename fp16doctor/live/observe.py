@@ -161,7 +161,7 @@ class TrainingObserver:
         """``tensor.backward()`` is about to run: record the loss it optimises (unscaled), as a reference."""
         last, self._last_scaled = self._last_scaled, None
         self._backward_scaled = last is not None and last[0] is tensor
-        loss = last[1] if self._backward_scaled else tensor
+        loss = last[1] if last is not None and self._backward_scaled else tensor
         if loss.numel() == 1:
             self._losses.append(loss.detach())
 
@@ -349,7 +349,7 @@ class TrainingObserver:
         table = torch.stack(rows).tolist()  # one transfer
         if len({r[0] for r in table}) > 1 or len({r[1] for r in table}) > 1:
             self._disagreement(table, scaler)
-        alarmed = [rank for rank, r in enumerate(table) if r[2]] or ([self.rank] if self._pending_stop else [])
+        alarmed = [rank for rank, r in enumerate(table) if r[2]] or ([self.rank or 0] if self._pending_stop else [])
         step = self._step_of_last()
         self._last_step = None
         if alarmed and self.options.stop_on_alarm:

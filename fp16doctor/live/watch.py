@@ -170,7 +170,7 @@ class Watch:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         device = params[0].grad.device if params else torch.device("cpu")
         scale_now = scale_tensor(scaler, device)
-        grads = [grad_values(p) for p in params]
+        grads = [g for g in map(grad_values, params) if g is not None]  # every one: params have a grad
         # one pass over the gradients: per-layer L2 norms, in fp32 (a half gradient's norm may pass 65504)
         norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else torch.zeros(0, device=device)
         loss = torch.stack([l.to(device) for l in self._losses]).sum() if self._losses else torch.tensor(math.nan, device=device)
@@ -251,7 +251,7 @@ class Watch:
         return folder
 
 
-def nonfinite_layers(grads: list[torch.Tensor | None], names: list[str], layer_norms: list[float]) -> list[str]:
+def nonfinite_layers(grads: list[torch.Tensor], names: list[str], layer_norms: list[float]) -> list[str]:
     """The layers whose gradients hold an inf or NaN.
 
     A gradient with an inf or NaN has a non-finite L2 norm; a finite one too, rarely, where its squares overflow
@@ -259,7 +259,7 @@ def nonfinite_layers(grads: list[torch.Tensor | None], names: list[str], layer_n
     suspects = [i for i, v in enumerate(layer_norms) if not math.isfinite(v)]
     if not suspects:
         return []
-    flags = torch.stack([~torch.isfinite(grads[i]).all() for i in suspects if grads[i] is not None]).tolist()
+    flags = torch.stack([~torch.isfinite(grads[i]).all() for i in suspects]).tolist()
     return [names[i] for i, bad in zip(suspects, flags) if bad]
 
 
