@@ -258,3 +258,16 @@ def test_a_trainer_script_under_fp16doctor_watch_gets_one_check_and_one_capsule(
     assert [p.name for p in (tmp_path / "caps").iterdir()] == ["step_00000003"]
     assert not (tmp_path / "out" / "fp16doctor_capsules").exists()
     assert diagnose_capsule(tmp_path / "caps" / "step_00000003")["findings"][0]["cause"] == "nonfinite-data"
+
+
+def test_a_lightning_script_under_fp16doctor_watch_holds_the_forward_lightning_runs_before_zero_grad(tmp_path):
+    """Lightning's closure runs the training step, then zero_grad, then the backward: the forward stays the step's
+    micro-batch (once dropped at zero_grad, the capsule had no batch), and the capsule replays to the NaN row."""
+    proc = run_cli("watch", "--capsule-dir", "caps", ROOT / "tests" / "scripts" / "lightning_script.py", "--root", "root",
+                   "--nan-at", "4", cwd=tmp_path)
+    pointers = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("fp16doctor:")]
+    assert proc.returncode == 1 and len(pointers) == 1 and "optimizer step 4: the loss is nan" in pointers[0], proc.stderr[-3000:]
+    state = torch.load(tmp_path / "caps" / "step_00000004" / "capsule.pt", weights_only=True)
+    assert len(state["batches"]) == 1 and torch.isnan(state["batches"][0]["args"][0]).sum() == 1
+    top = diagnose_capsule(tmp_path / "caps" / "step_00000004")["findings"][0]
+    assert top["cause"] == "nonfinite-data" and top["verification"]["repaired"]

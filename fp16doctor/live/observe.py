@@ -17,9 +17,10 @@ under one lock) it observes
   hooks on the model alone. An optimizer created later (a GAN's discriminator joining after a warm-up)
   or created early but first stepped later turns the global hooks back on until its model is found:
   ``Optimizer.__init__`` is observed, so the new model's very first forward is seen;
-* ``zero_grad`` (of an optimizer or a module): the forwards held for a model before its gradients are
-  cleared did not feed its next step (a GAN's discriminator run inside the generator's loss), so they
-  are dropped and a capsule holds exactly the forwards whose gradients the step applies.
+* ``zero_grad`` (of an optimizer or a module): the forwards held for a model whose gradients have
+  arrived when its gradients are cleared did not feed its next step (a GAN's discriminator run inside
+  the generator's loss), so they are dropped and a capsule holds exactly the forwards whose gradients
+  the step applies; a forward whose backward is still to come stays (Lightning zeroes between the two).
 
 Each optimizer step is checked by a :class:`~fp16doctor.live.watch.Watch` (one per optimizer) at one
 host synchronisation. On an alarm the observer calls ``on_alarm`` and, unless told to keep going,
@@ -70,6 +71,10 @@ class ModelCall:
 
     def fed_no_loss(self) -> bool:
         return self.hooked and all(g is None for g in self.grads)
+
+    def backward_done(self) -> bool:
+        """Gradients reached its outputs: the backward of the loss it fed has run."""
+        return any(g is not None for g in self.grads)
 
 
 class TrainingObserver:
@@ -218,7 +223,9 @@ class TrainingObserver:
         return catch
 
     def gradients_cleared(self, owner: Any) -> None:
-        """``owner.zero_grad()`` (an optimizer or a module): the forwards held for its model fed no step to come."""
+        """``owner.zero_grad()`` (an optimizer or a module): the held forwards of its model whose gradients have
+        arrived fed no step to come (their gradients are gone). A forward whose backward is still to come stays:
+        Lightning runs the training step, then ``zero_grad``, then the backward."""
         if not self._calls:
             return
         watch = self.watches.get(id(owner))
@@ -231,7 +238,7 @@ class TrainingObserver:
             models = list({id(c.module): c.module for c in self._calls
                            if any(id(p) in cleared for p in c.module.parameters())}.values())
         if models:
-            self._calls = [c for c in self._calls if not any(c.module is m for m in models)]
+            self._calls = [c for c in self._calls if not (c.backward_done() and any(c.module is m for m in models))]
 
     def optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
         """A new optimizer: look for its model from now on, unless a found model already holds its parameters."""
