@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 FAULT_STEP = 5
 
 
-def fit_lightning(tmp_path: Path, **faults):
+def fit_lightning(tmp_path: Path, extra_callbacks=(), **faults):
     from lightning.pytorch.plugins.precision import MixedPrecision
     from torch.utils.data import DataLoader
 
@@ -32,7 +32,7 @@ def fit_lightning(tmp_path: Path, **faults):
     # Lightning turns precision="16-mixed" into bf16 on the CPU: a MixedPrecision plugin with a GradScaler we
     # construct keeps fp16 autocast and real loss scaling there.
     trainer = L.Trainer(accelerator="cpu", plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
-                        max_steps=16, callbacks=[callback], logger=False, enable_checkpointing=False,
+                        max_steps=16, callbacks=[*extra_callbacks, callback], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     loader = DataLoader(Pairs(nan_at=faults.get("nan_at")), batch_size=BATCH, shuffle=False)
     trainer.fit(Classifier(overflow_at=faults.get("overflow_at")), loader)
@@ -103,7 +103,7 @@ class Rows(torch.utils.data.Dataset):
         return {"x": x, "labels": self.y[index]}
 
 
-def train_hf(tmp_path: Path, nan_at=None):
+def train_hf(tmp_path: Path, nan_at=None, model=None):
     from transformers import Trainer, TrainingArguments
 
     from fp16doctor.integrations.hf import FP16DoctorCallback
@@ -116,7 +116,7 @@ def train_hf(tmp_path: Path, nan_at=None):
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    trainer = InOrder(model=TinyTagger(), args=args, train_dataset=Rows(nan_at), callbacks=[callback])
+    trainer = InOrder(model=model or TinyTagger(), args=args, train_dataset=Rows(nan_at), callbacks=[callback])
     trainer.train()
     return trainer, callback
 
@@ -136,6 +136,29 @@ def test_hf_trainer_nan_batch_alarms_at_its_optimizer_step(tmp_path):
     assert len(state["batches"]) == 2  # both micro-batches of the failing optimizer step
     report = diagnose_capsule(alarm.capsule)
     assert report["findings"][0]["cause"] == "nonfinite-data"
+
+
+def test_the_callbacks_hold_batches_as_references_and_copy_them_only_for_a_capsule(tmp_path):
+    """Healthy runs of both trainers: not one copy of a batch by fp16doctor (on a GPU each is a transfer and a
+    sync); the capsule an alarm writes does copy (the count sees copies)."""
+    from host_copies import HostCopies
+
+    model = TinyTagger()
+    with HostCopies() as copies:
+        model.register_forward_pre_hook(lambda module, args, kwargs: copies.watch(*kwargs.values()), with_kwargs=True)
+        _, callback = train_hf(tmp_path / "hf", model=model)
+    assert len(callback.watch.history) == 8 and len(copies.watched) == 2 * 16 and copies.count == 0
+
+    class SeesBatches(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            copies.watch(*batch)
+
+    with HostCopies() as copies:
+        _, callback = fit_lightning(tmp_path / "lit", extra_callbacks=[SeesBatches()])
+    assert len(callback.watch.history) == 16 and copies.count == 0
+    with HostCopies() as copies:
+        _, callback = fit_lightning(tmp_path / "lit-nan", extra_callbacks=[SeesBatches()], nan_at=FAULT_STEP)
+    assert callback.watch.alarm is not None and copies.count > 0
 
 
 def test_a_missing_framework_is_one_clear_import_error():
@@ -222,8 +245,9 @@ def test_lightning_script_with_its_module_in_main_writes_a_capsule_under_default
     state = torch.load(capsule / "capsule.pt", weights_only=True)
     assert state["history"][-1]["skipped"] and state["history"][-1]["loss_scale"] == 65536.0  # the scaler's own decision
     report = diagnose_capsule(capsule)  # another process: the LightningModule of __main__ is stored by value
-    data = [f for f in report["findings"] if f["cause"] == "nonfinite-data"]
-    assert data and data[0]["evidence"]["nan"] == 1 and data[0]["evidence"]["field"] == "0"
+    top = report["findings"][0]  # first: dropping the NaN row repairs the replay (AdamW moments and all)
+    assert top["cause"] == "nonfinite-data" and top["evidence"]["nan"] == 1 and top["evidence"]["field"] == "0"
+    assert top["verification"]["repaired"], top["verification"]
 
 
 def test_a_trainer_script_under_fp16doctor_watch_gets_one_check_and_one_capsule(tmp_path):
@@ -234,3 +258,16 @@ def test_a_trainer_script_under_fp16doctor_watch_gets_one_check_and_one_capsule(
     assert [p.name for p in (tmp_path / "caps").iterdir()] == ["step_00000003"]
     assert not (tmp_path / "out" / "fp16doctor_capsules").exists()
     assert diagnose_capsule(tmp_path / "caps" / "step_00000003")["findings"][0]["cause"] == "nonfinite-data"
+
+
+def test_a_lightning_script_under_fp16doctor_watch_holds_the_forward_lightning_runs_before_zero_grad(tmp_path):
+    """Lightning's closure runs the training step, then zero_grad, then the backward: the forward stays the step's
+    micro-batch (once dropped at zero_grad, the capsule had no batch), and the capsule replays to the NaN row."""
+    proc = run_cli("watch", "--capsule-dir", "caps", ROOT / "tests" / "scripts" / "lightning_script.py", "--root", "root",
+                   "--nan-at", "4", cwd=tmp_path)
+    pointers = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("fp16doctor:")]
+    assert proc.returncode == 1 and len(pointers) == 1 and "optimizer step 4: the loss is nan" in pointers[0], proc.stderr[-3000:]
+    state = torch.load(tmp_path / "caps" / "step_00000004" / "capsule.pt", weights_only=True)
+    assert len(state["batches"]) == 1 and torch.isnan(state["batches"][0]["args"][0]).sum() == 1
+    top = diagnose_capsule(tmp_path / "caps" / "step_00000004")["findings"][0]
+    assert top["cause"] == "nonfinite-data" and top["verification"]["repaired"]

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from fp16doctor.live.watch import Watch, WatchOptions
 
 
-def loop(tmp_path, steps=12, init_scale=2.0**16, spike_at=None, nan_at=None, **options):
+def loop(tmp_path, steps=12, init_scale=2.0**16, spike_at=None, nan_at=None, optimizer_class=torch.optim.SGD, **options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    optimizer = optimizer_class(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     watch = Watch(model, WatchOptions(capsule_dir=tmp_path, spike_window=6, **options), dtype="float16")
     g = torch.Generator().manual_seed(1)
@@ -47,6 +49,25 @@ def test_nan_loss_alarms_at_its_step_with_a_loadable_capsule(tmp_path):
     state = torch.load(alarm.capsule / "capsule.pt", weights_only=True)
     assert state["step"] == 7 and torch.isnan(state["batches"][0][0]).any() and state["scaler"]["scale"] > 1
     assert (alarm.capsule / "train_capsule.py").is_file() and (alarm.capsule / "config.json").is_file()
+
+
+def test_each_optimizer_the_capsule_builds_starts_from_its_own_copy_of_the_saved_moments(tmp_path):
+    """The diagnosis builds one optimizer per probe: a probe whose NaN gradients poison its Adam moments must
+    not hand them to the next probe (a data fix was once measured on moments an earlier probe had made NaN)."""
+    import importlib.util
+
+    _, alarm = loop(tmp_path, nan_at=7, optimizer_class=torch.optim.AdamW)
+    spec = importlib.util.spec_from_file_location("capsule_file", alarm.capsule / "train_capsule.py")
+    capsule = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(capsule)
+    first, second = capsule.model(), capsule.model()
+    poisoned, clean = capsule.optimizer(first.parameters()), capsule.optimizer(second.parameters())
+    for p in first.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    poisoned.step()
+    moments = [state["exp_avg"] for state in clean.state.values()]
+    assert moments and all(torch.isfinite(m).all() for m in moments)
+    assert all(torch.isfinite(s["exp_avg"]).all() for s in capsule.STATE["optimizer"]["state"].values())
 
 
 def test_a_scale_far_too_high_alarms_as_a_skip_streak(tmp_path):
@@ -105,7 +126,10 @@ def test_the_observer_holds_large_output_gradients_only_once_a_skip_armed_it_and
             held.extend(c.grads[0] is not None for c in self._calls)
             super().check(optimizer, scaler, found_inf)
 
-    originals = (torch.Tensor.backward, torch.amp.GradScaler.step, torch.amp.GradScaler.update, torch.amp.GradScaler.scale)
+    patched = lambda: (torch.Tensor.backward, torch.amp.GradScaler.step, torch.amp.GradScaler.update,  # noqa: E731
+                       torch.amp.GradScaler.scale, torch.optim.Optimizer.__init__, torch.optim.Optimizer.zero_grad,
+                       torch.nn.Module.zero_grad, torch.nn.modules.module._global_forward_hooks.copy())
+    originals = patched()
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -121,8 +145,7 @@ def test_the_observer_holds_large_output_gradients_only_once_a_skip_armed_it_and
     history = next(iter(observer.watches.values())).history
     assert history[0].skipped and held == [False, True, True]  # step 0 was not armed; its skip armed the next ones
     assert all(abs(h.loss - 1.1) < 0.5 for h in history)  # the unscaled loss, read at the backward
-    assert (torch.Tensor.backward, torch.amp.GradScaler.step, torch.amp.GradScaler.update,
-            torch.amp.GradScaler.scale) == originals and observe._active is None
+    assert patched() == originals and observe._active is None
 
 
 def test_a_finite_loss_with_a_non_finite_output_gradient_is_localised_to_the_loss(tmp_path):
@@ -171,3 +194,55 @@ def test_the_capsule_trains_in_the_precision_the_scripts_autocast_used(tmp_path)
     except WatchStopped as stopped:
         alarm = stopped.alarm
     assert alarm.kind == "nonfinite" and json.loads((alarm.capsule / "config.json").read_text())["dtype"] == "float16"
+
+
+def test_the_observer_holds_the_steps_batches_as_references_and_copies_them_only_for_a_capsule(tmp_path):
+    """No per-step host copy of a batch (on a GPU each is a transfer and a sync): the held micro-batch is the very
+    tensor the model received; only the capsule an alarm writes copies it."""
+    from host_copies import HostCopies
+
+    import fp16doctor.live.observe as observe
+
+    held: list[bool] = []
+    batches: list[torch.Tensor] = []
+
+    class Spy(observe.TrainingObserver):
+        def check(self, optimizer, scaler, found_inf):
+            held.extend(c.batch["args"][0] is batches[-1] for c in self._calls)
+            super().check(optimizer, scaler, found_inf)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    copies_per_step = []
+    with HostCopies() as copies, Spy(WatchOptions(capsule_dir=tmp_path, stop_on_alarm=False)):
+        for step in range(5):
+            x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+            if step == 4:
+                x[2, 2] = float("nan")
+            batches.append(x)
+            copies.watch(x, y)
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(x)
+            scaler.scale(torch.nn.functional.cross_entropy(logits.float(), y)).backward()
+            before = copies.count
+            scaler.step(optimizer)
+            scaler.update()
+            copies_per_step.append(copies.count - before)
+    assert held == [True] * 5 and copies_per_step[:4] == [0, 0, 0, 0]  # healthy steps: references, no copy
+    assert copies_per_step[4] > 0 and (tmp_path / "step_00000004").is_dir()  # the capsule's copy is counted
+
+
+def test_only_gradients_holding_an_inf_or_nan_are_non_finite_layers_not_those_whose_norm_overflows():
+    """The one pass the watch makes is an L2 norm per layer; a finite gradient whose squares overflow fp32 (or
+    whose norm passes fp16's range) is looked at again and stays finite."""
+    from fp16doctor.live.watch import nonfinite_layers
+
+    grads = [torch.full((4,), 1e20), torch.full((8,), 6e4, dtype=torch.float16), torch.tensor([1.0, float("inf")]),
+             torch.tensor([float("nan"), 0.0]), torch.ones(3)]
+    names = ["huge", "half", "inf", "nan", "fine"]
+    norms = [float(n) for n in torch._foreach_norm(grads, 2, dtype=torch.float32)]
+    assert not math.isfinite(norms[0]) and math.isfinite(norms[1])
+    assert nonfinite_layers(grads, names, norms) == ["inf", "nan"]

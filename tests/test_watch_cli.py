@@ -145,3 +145,32 @@ def test_torchrun_ranks_that_disagree_on_the_scale_are_an_alarm(tmp_path):
                              "the compression hook to reduce them in fp32 (cause ddp-half-allreduce).") == 2  # every rank says so
     assert ("fp16doctor: rank-disagreement at optimizer step 0: the ranks disagree (rank 0: scale 65536, "
             "stepped, rank 1: scale 4096, stepped)") in proc.stderr
+
+
+GAN_LOOP = SCRIPTS / "gan_loop.py"
+
+
+def test_a_gan_whose_discriminator_joins_later_is_watched_at_every_step_of_both_optimizers(tmp_path):
+    """The discriminator's optimizer is created and first stepped at step 3, after the generator's model was
+    found: its steps are checked, its alarm names it, and its capsule holds the discriminator and exactly
+    its two forwards of that step (not the detached generator forward, not the generator loss's D(fake))."""
+    plain = run_python(GAN_LOOP, "--steps", "8", cwd=tmp_path)
+    watched = run_cli("watch", GAN_LOOP, "--steps", "8", cwd=tmp_path)
+    assert watched.returncode == 0 and watched.stdout == plain.stdout and "loss_d" in plain.stdout, watched.stderr[-2000:]
+    assert not any(tmp_path.iterdir())
+
+    proc = run_cli("watch", "--capsule-dir", "caps", GAN_LOOP, "--nan-at", "5", cwd=tmp_path)
+    assert proc.returncode == 1 and "step 4 loss_g" in proc.stdout and "step 5" not in proc.stdout, proc.stderr[-2000:]
+    capsule = tmp_path / "caps" / "step_00000002"  # the discriminator's third step (it began at step 3)
+    assert (f"fp16doctor: nonfinite at optimizer step 2 of Adam (Discriminator): the loss is nan. Capsule: caps/step_00000002."
+            in proc.stderr)
+    state = torch.load(capsule / "capsule.pt", weights_only=True)
+    assert torch.load(capsule / "model.pt", weights_only=False).__class__.__name__ == "Discriminator"
+    assert len(state["batches"]) == 2 and [torch.isnan(b["args"][0]).sum().item() for b in state["batches"]] == [1, 0]
+    assert all(grads[0].shape == (16, 1) for grads in state["output_grads"])
+
+    shutil.move(str(capsule), tmp_path / "moved")
+    diagnosis = run_cli("diagnose", "--ci", "--json", "--capsule", tmp_path / "moved", cwd=ROOT)
+    top = json.loads(diagnosis.stdout)["findings"][0]
+    assert top["cause"] == "nonfinite-data" and top["evidence"]["nan"] == 1, diagnosis.stderr[-3000:]
+    assert top["verification"]["repaired"]  # the NaN row dropped, with its row of the recorded output gradient

@@ -23,7 +23,7 @@ import torch
 from .. import __version__
 from ..errors import TrainingFileError
 from ..files import atomic_write_text
-from ..userfile.batches import map_tensors
+from ..userfile.batches import iter_tensors, map_tensors
 
 CAPSULE_FORMAT = 2
 """Bumped whenever the files of a capsule change meaning; a capsule of another format is refused."""
@@ -31,6 +31,10 @@ CAPSULE_FILES = ("capsule.pt", "model.pt", "config.json", "train_capsule.py")
 MANIFEST = "manifest.json"
 REPLAY_INDEX = "replay_index"
 """The batch field (a 0-dim integer tensor) that names a micro-batch's recorded output gradients."""
+REPLAY_ROWS = "replay_rows"
+"""The batch field ``arange(rows)``: which of the recorded rows are still there. A data intervention that drops
+rows of the batch (the rows holding a NaN) drops them here too, and the replay keeps the same rows of the
+recorded output gradients, so the gradients stay row for row with the model's outputs."""
 
 
 def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -53,13 +57,20 @@ def replay_inputs(batches: list[Any], output_grads: list[tuple[list[torch.Tensor
     """Host copies of the step's batches and, when every micro-batch has them, its unscaled output gradients.
 
     With output gradients each batch gains a ``replay_index`` naming its gradients, which stay out of the
-    batch itself: the data scan looks at what the model received, not at gradients."""
+    batch itself (the data scan looks at what the model received, not at gradients), and ``replay_rows``
+    numbering its rows (see :data:`REPLAY_ROWS`)."""
     copies = [map_tensors(b, cpu_copy) for b in batches]
     if not copies or len(output_grads) != len(copies) or not all(any(g is not None for g in gs) for gs, _ in output_grads):
         return copies, None
     grads = [[None if g is None else (g.detach().float() / (scale if scaled else 1.0)).cpu() for g in gs]
              for gs, scaled in output_grads]
-    return [{**b, REPLAY_INDEX: torch.tensor(i)} for i, b in enumerate(copies)], grads
+    return [{**b, REPLAY_INDEX: torch.tensor(i), **_row_numbers(b)} for i, b in enumerate(copies)], grads
+
+
+def _row_numbers(batch: Any) -> dict[str, torch.Tensor]:
+    """``replay_rows``: ``arange`` over the first dimension of the batch's first tensor (none for a 0-dim batch)."""
+    first = next((t for _, t in iter_tensors(batch)), None)
+    return {REPLAY_ROWS: torch.arange(first.shape[0])} if first is not None and first.dim() else {}
 
 
 def loss_gradient_finding(loss: float | None, output_grads: list[list[torch.Tensor | None]] | None) -> str | None:
@@ -212,11 +223,19 @@ def _tensors(value):
     return []
 
 
+def _same_rows(out, grad, rows):
+    """The recorded gradient of the rows still in the batch (an intervention may have dropped some)."""
+    if rows is not None and grad.dim() and out.dim() and grad.shape[0] != out.shape[0] and rows.numel() == out.shape[0]:
+        return grad.index_select(0, rows.to(grad.device))
+    return grad
+
+
 def loss(model, batch):
     """The surrogate sum(output * recorded d loss / d output): its backward is the script's backward, no loss code."""
     grads = STATE["output_grads"][int(batch["replay_index"])]
+    rows = batch.get("replay_rows")
     outputs = _tensors(model(*batch.get("args", ()), **batch.get("kwargs", {})))
-    terms = [(out.float() * g.to(out.device)).sum() for out, g in zip(outputs, grads) if g is not None]
+    terms = [(out.float() * _same_rows(out, g, rows).to(out.device)).sum() for out, g in zip(outputs, grads) if g is not None]
     return torch.stack(terms).sum()
 '''
 
@@ -232,6 +251,7 @@ def capsule_training_file(numbers: Any, config: dict[str, Any], framework: str, 
         the optimizer and scaler state, the step's batches, output gradients and RNG states.
         """
 
+        import copy
         import importlib
         import sys
         from pathlib import Path
@@ -258,7 +278,9 @@ def capsule_training_file(numbers: Any, config: dict[str, Any], framework: str, 
             module, name = STATE["optimizer_class"].rsplit(".", 1)
             opt = getattr(importlib.import_module(module), name)(params, **STATE["optimizer_defaults"])
             try:
-                opt.load_state_dict(STATE["optimizer"])   # the moments the failing step started from
+                # the moments the failing step started from, copied: load_state_dict keeps the very tensors it is
+                # given, and each probe's steps would update them in place for the next probe
+                opt.load_state_dict(copy.deepcopy(STATE["optimizer"]))
             except (ValueError, KeyError):
                 pass
             return opt

@@ -14,7 +14,13 @@ under one lock) it observes
   outputs, the gradient of the loss w.r.t. those outputs, so a capsule replays the step without the
   script's loss code. The model is the outermost module whose parameters the optimizer steps; it is
   found through global module hooks during the first optimizer step, which are then replaced by
-  hooks on the model alone.
+  hooks on the model alone. An optimizer created later (a GAN's discriminator joining after a warm-up)
+  or created early but first stepped later turns the global hooks back on until its model is found:
+  ``Optimizer.__init__`` is observed, so the new model's very first forward is seen;
+* ``zero_grad`` (of an optimizer or a module): the forwards held for a model whose gradients have
+  arrived when its gradients are cleared did not feed its next step (a GAN's discriminator run inside
+  the generator's loss), so they are dropped and a capsule holds exactly the forwards whose gradients
+  the step applies; a forward whose backward is still to come stays (Lightning zeroes between the two).
 
 Each optimizer step is checked by a :class:`~fp16doctor.live.watch.Watch` (one per optimizer) at one
 host synchronisation. On an alarm the observer calls ``on_alarm`` and, unless told to keep going,
@@ -24,6 +30,7 @@ raises :class:`WatchStopped` (a ``BaseException``: a script's ``except Exception
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -59,6 +66,15 @@ class ModelCall:
     batch: dict[str, Any]
     grads: list[torch.Tensor | None] = field(default_factory=list)
     scaled: bool = False
+    hooked: bool = False
+    """Its outputs' gradients were asked for: none arriving means this forward fed no loss (a ``.detach()``-ed use)."""
+
+    def fed_no_loss(self) -> bool:
+        return self.hooked and all(g is None for g in self.grads)
+
+    def backward_done(self) -> bool:
+        """Gradients reached its outputs: the backward of the loss it fed has run."""
+        return any(g is not None for g in self.grads)
 
 
 class TrainingObserver:
@@ -92,10 +108,15 @@ class TrainingObserver:
         self._last_step: tuple[Watch, torch.optim.Optimizer, list[ModelCall], list[torch.Tensor]] | None = None
         self._handles: list[Any] = []
         self._module_hooks: list[Any] = []
+        self._unmatched: list[weakref.ref[torch.optim.Optimizer]] = []
+        """Optimizers created inside the watch whose parameters no found model holds yet (the global module
+        hooks stay on until each has its model)."""
         self._originals: list[tuple[Any, str, Any]] = []
 
     # --- install / restore ------------------------------------------------------------------------
     def __enter__(self) -> "TrainingObserver":
+        """Patch and hook. Entered again after an exit it keeps the models and optimizers it found, so it is at once
+        in the state of a long watch (``benchmarks/watch_overhead.py`` switches it on and off between steps)."""
         global _active
         with _PATCH_LOCK:
             if _active is not None:
@@ -111,10 +132,12 @@ class TrainingObserver:
             for cls in _scaler_classes():
                 if "update" in vars(cls):
                     self._patch(cls, "update", _observed_update(vars(cls)["update"]))
+            self._patch(torch.optim.Optimizer, "__init__", _observed_optimizer_init(vars(torch.optim.Optimizer)["__init__"]))
+            self._patch(torch.optim.Optimizer, "zero_grad", _observed_zero_grad(vars(torch.optim.Optimizer)["zero_grad"]))
+            self._patch(torch.nn.Module, "zero_grad", _observed_zero_grad(vars(torch.nn.Module)["zero_grad"]))
             self._handles = [register_optimizer_step_pre_hook(self._optimizer_pre_step)]
-            self._module_hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._global_pre_forward),
-                                  torch.nn.modules.module.register_module_forward_hook(self._global_forward, with_kwargs=True,
-                                                                                       always_call=True)]
+            self._handles += [m.register_forward_hook(self._model_forward, with_kwargs=True) for m in self._models]
+            self._discover(bool(self._unmatched) or not self._models)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -123,6 +146,7 @@ class TrainingObserver:
             for handle in self._handles + self._module_hooks:
                 handle.remove()
             self._handles, self._module_hooks = [], []
+            self._calls, self._losses, self._last_scaled = [], [], None  # an unchecked step's references die here
             for owner, name, original in reversed(self._originals):
                 setattr(owner, name, original)
             self._originals = []
@@ -142,7 +166,7 @@ class TrainingObserver:
         """``tensor.backward()`` is about to run: record the loss it optimises (unscaled), as a reference."""
         last, self._last_scaled = self._last_scaled, None
         self._backward_scaled = last is not None and last[0] is tensor
-        loss = last[1] if self._backward_scaled else tensor
+        loss = last[1] if last is not None and self._backward_scaled else tensor
         if loss.numel() == 1:
             self._losses.append(loss.detach())
 
@@ -152,14 +176,28 @@ class TrainingObserver:
         return losses
 
     # --- the model's forward ----------------------------------------------------------------------------
+    def _discover(self, on: bool) -> None:
+        """Global module hooks on (looking for the outermost modules the training runs) or off (every model found)."""
+        if on and not self._module_hooks:
+            self._depth = 0
+            self._module_hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._global_pre_forward),
+                                  torch.nn.modules.module.register_module_forward_hook(self._global_forward, with_kwargs=True,
+                                                                                       always_call=True)]
+        elif not on:
+            for handle in self._module_hooks:
+                handle.remove()
+            self._module_hooks = []
+
     def _global_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         self._depth += 1
 
     def _global_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self._depth -= 1
-        if self._depth == 0 and not any(module is m for m in self._roots) and any(True for _ in module.parameters()):
+        if self._depth != 0:
+            return
+        if not any(module is m for m in self._roots) and any(True for _ in module.parameters()):
             self._roots.append(module)
-        if self._depth == 0:
+        if not any(unwrapped(module) is m for m in self._models):  # a found model's own hook records it
             self._model_forward(module, args, kwargs, output)
 
     def _model_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -181,7 +219,43 @@ class TrainingObserver:
             call.grads[index] = grad
             call.scaled = self._backward_scaled
 
+        call.hooked = True
         return catch
+
+    def gradients_cleared(self, owner: Any) -> None:
+        """``owner.zero_grad()`` (an optimizer or a module): the held forwards of its model whose gradients have
+        arrived fed no step to come (their gradients are gone). A forward whose backward is still to come stays:
+        Lightning runs the training step, then ``zero_grad``, then the backward."""
+        if not self._calls:
+            return
+        watch = self.watches.get(id(owner))
+        if isinstance(owner, torch.nn.Module):
+            models = [unwrapped(owner)]
+        elif watch is not None:
+            models = [watch.model]
+        else:  # not stepped yet: the held forwards' models whose parameters it clears
+            cleared = {id(p) for group in owner.param_groups for p in group["params"]}
+            models = list({id(c.module): c.module for c in self._calls
+                           if any(id(p) in cleared for p in c.module.parameters())}.values())
+        if models:
+            self._calls = [c for c in self._calls if not (c.backward_done() and any(c.module is m for m in models))]
+
+    def optimizer_created(self, optimizer: torch.optim.Optimizer) -> None:
+        """A new optimizer: look for its model from now on, unless a found model already holds its parameters."""
+        if not self._covered(optimizer):
+            self._unmatched.append(weakref.ref(optimizer))
+            self._discover(True)
+
+    def _covered(self, optimizer: torch.optim.Optimizer) -> bool:
+        held = {id(p) for m in self._models for p in m.parameters()}
+        return all(id(p) in held for group in optimizer.param_groups for p in group["params"])
+
+    def _settle_discovery(self) -> None:
+        """The global module hooks go once every optimizer created has its model (they cost a call per module)."""
+        self._unmatched = [r for r in self._unmatched if (o := r()) is not None and id(o) not in self.watches
+                           and not self._covered(o)]
+        if not self._unmatched and self._models:
+            self._discover(False)
 
     def _armed(self, module: torch.nn.Module) -> bool:
         """A first trouble sign (the last step was skipped) arms holding large output gradients."""
@@ -189,12 +263,9 @@ class TrainingObserver:
         return any(w.model is model and w.history and w.history[-1].skipped for w in self.watches.values())
 
     def _adopt(self, model: torch.nn.Module) -> None:
-        """Found the model: hook it alone and drop the global module hooks (they cost a call per module)."""
+        """Found the model: hook it alone (the global module hooks go once no optimizer waits for its model)."""
         self._models.append(model)
         self._handles.append(model.register_forward_hook(self._model_forward, with_kwargs=True))
-        for handle in self._module_hooks:
-            handle.remove()
-        self._module_hooks = []
 
     # --- the optimizer step ------------------------------------------------------------------------------
     def scaler_step(self, scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
@@ -208,9 +279,11 @@ class TrainingObserver:
     def check(self, optimizer: torch.optim.Optimizer, scaler: GradScaler | None, found_inf: torch.Tensor | None) -> None:
         """Check one optimizer step (one host sync); on an alarm tell ``on_alarm`` and stop unless told to keep going."""
         watch = self._watch_for(optimizer)
+        self._settle_discovery()
+        watch.label = f"{type(optimizer).__name__} ({type(watch.model).__name__})" if len(self.watches) + len(self._unmatched) > 1 else None
         step = self._steps.get(id(optimizer), 0)
         self._steps[id(optimizer)] = step + 1
-        calls = [c for c in self._calls if c.module is watch.model]
+        calls = [c for c in self._calls if c.module is watch.model and not c.fed_no_loss()]
         for call in calls:
             watch.capture_batch(call.batch)
             watch.record_output_grads(call.grads, call.scaled)
@@ -283,7 +356,7 @@ class TrainingObserver:
         table = torch.stack(rows).tolist()  # one transfer
         if len({r[0] for r in table}) > 1 or len({r[1] for r in table}) > 1:
             self._disagreement(table, scaler)
-        alarmed = [rank for rank, r in enumerate(table) if r[2]] or ([self.rank] if self._pending_stop else [])
+        alarmed = [rank for rank, r in enumerate(table) if r[2]] or ([self.rank or 0] if self._pending_stop else [])
         step = self._step_of_last()
         self._last_step = None
         if alarmed and self.options.stop_on_alarm:
@@ -376,6 +449,24 @@ def _scaler_classes() -> list[type]:
     except ImportError:  # pragma: no cover - builds without distributed
         pass
     return classes
+
+
+def _observed_optimizer_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if _active is not None:
+            _active.optimizer_created(self)
+
+    return __init__
+
+
+def _observed_zero_grad(original: Callable[..., Any]) -> Callable[..., Any]:
+    def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _active is not None:
+            _active.gradients_cleared(self)
+        return original(self, *args, **kwargs)
+
+    return zero_grad
 
 
 _original_backward = torch.Tensor.backward

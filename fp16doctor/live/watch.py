@@ -5,7 +5,7 @@ Lightning callbacks (``fp16doctor.live.integrations``), usable from a hand-writt
 optimizer step, at one host synchronisation, it records the loss, the unscaled global gradient norm,
 the loss scale, whether the GradScaler skips the step (the scaler's own found-inf flags where the
 caller hands them over), the learning rate, and per layer whether the gradients are finite and their
-largest magnitude. It raises an alarm on the
+norm (the largest one named). It raises an alarm on the
 first non-finite loss or gradient, a streak of skipped steps, a scale
 collapsing towards its minimum, or a loss spike; on an alarm it writes a
 *replay capsule*: the model and optimizer state the bad step started from, its
@@ -74,7 +74,8 @@ class StepNumbers:
     lr: float
     nonfinite_layers: list[str] = field(default_factory=list)
     largest_layer: str | None = None
-    largest_abs: float = 0.0
+    """The layer whose (unscaled) gradient has the largest norm."""
+    largest_norm: float = 0.0
 
 
 @dataclass
@@ -85,11 +86,14 @@ class Alarm:
     step: int
     message: str
     capsule: Path | None = None
+    optimizer: str | None = None
+    """Which optimizer's step (``Adam (Discriminator)``) where the training has several; their steps count apart."""
 
     def pointer(self) -> str:
         """The one line a user sees."""
         where = f" Capsule: {self.capsule}. Diagnose it: fp16doctor diagnose --capsule {self.capsule}" if self.capsule else ""
-        return f"fp16doctor: {self.kind} at optimizer step {self.step}: {self.message}.{where}"
+        of = f" of {self.optimizer}" if self.optimizer else ""
+        return f"fp16doctor: {self.kind} at optimizer step {self.step}{of}: {self.message}.{where}"
 
 
 class Watch:
@@ -109,6 +113,8 @@ class Watch:
         self.output_grads: list[tuple[list[torch.Tensor | None], bool]] = []
         self.rank: int | None = None
         """The process's rank under torchrun (capsule names carry it); None: a single process."""
+        self.label: str | None = None
+        """The optimizer and model this watch checks, named in its alarms where a training has several optimizers."""
         self._streak = 0
         self._names = {p: n for n, p in model.named_parameters()}
 
@@ -130,9 +136,10 @@ class Watch:
 
         ``found_inf`` is the scaler's own decision (its inf/NaN flags, summed over devices): the step is
         skipped exactly when it is non-zero. Without it the skip is inferred from the gradients' finiteness.
-        The training's random generators are left as they were (see :func:`callers_rng_kept`)."""
-        with callers_rng_kept():
-            return self._check_step(step, optimizer, scaler, grads_scaled, found_inf)
+        The training's random generators are left as they were: the measurement draws no random number, and
+        the capsule is written inside :func:`callers_rng_kept` (saving and restoring every generator on each
+        step would cost a healthy step more than the measurement itself)."""
+        return self._check_step(step, optimizer, scaler, grads_scaled, found_inf)
 
     def _check_step(self, step: int, optimizer: torch.optim.Optimizer, scaler: Any, grads_scaled: bool,
                     found_inf: torch.Tensor | None) -> Alarm | None:
@@ -141,7 +148,7 @@ class Watch:
             self.history.append(numbers)
             kind, message = self._decide(numbers)
             if kind is not None and self.alarm is None:
-                self.alarm = Alarm(kind, step, message)
+                self.alarm = Alarm(kind, step, message, optimizer=self.label)
                 self.alarm.capsule = self.write_capsule(optimizer, scaler, numbers)
                 return self.alarm
             return None
@@ -161,25 +168,27 @@ class Watch:
     def _measure(self, step: int, optimizer: torch.optim.Optimizer, scaler: Any, grads_scaled: bool,
                  found_inf: torch.Tensor | None = None) -> StepNumbers:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
-        divide = scale if grads_scaled else 1.0
         device = params[0].grad.device if params else torch.device("cpu")
-        grads = [grad_values(p) for p in params]
-        norms = torch.stack([n.float() for n in torch._foreach_norm(grads)]) if grads else torch.zeros(0, device=device)
-        peaks = torch.stack([n.float() for n in torch._foreach_norm(grads, ord=math.inf)]) if grads else torch.zeros(0, device=device)
+        scale_now = scale_tensor(scaler, device)
+        grads = [g for g in map(grad_values, params) if g is not None]  # every one: params have a grad
+        # one pass over the gradients: per-layer L2 norms, in fp32 (a half gradient's norm may pass 65504)
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else torch.zeros(0, device=device)
         loss = torch.stack([l.to(device) for l in self._losses]).sum() if self._losses else torch.tensor(math.nan, device=device)
         flag = found_inf.to(device).float().sum() if found_inf is not None else torch.tensor(0.0, device=device)
-        values = torch.cat([loss.reshape(1), flag.reshape(1), norms.pow(2).sum().sqrt().reshape(1), peaks]).tolist()  # the one transfer
+        values = torch.cat([loss.reshape(1), flag.reshape(1), norms.pow(2).sum().sqrt().reshape(1), scale_now.reshape(1),
+                            norms]).tolist()  # the one transfer (the scale too: get_scale() would be a second sync)
         loss_value = values[0] if self._losses else None
-        norm, peak_values = values[2] / divide, [v / divide for v in values[3:]]
+        scale = values[3]
+        divide = scale if grads_scaled else 1.0
+        norm, layer_norms = values[2] / divide, [v / divide for v in values[4:]]
         names = [self._names.get(p, "?") for p in params]
-        bad = [n for n, v in zip(names, peak_values) if not math.isfinite(v)]
-        finite = [(v, n) for n, v in zip(names, peak_values) if math.isfinite(v)]
+        bad = nonfinite_layers(grads, names, layer_norms)
+        finite = [(v, n) for n, v in zip(names, layer_norms) if math.isfinite(v)]
         largest = max(finite, default=(0.0, None))
         return StepNumbers(step=step, loss=loss_value, grad_norm=norm, loss_scale=scale,
                            skipped=self._skipped(values[1], found_inf, bad, scaler),
                            lr=float(optimizer.param_groups[0]["lr"]), nonfinite_layers=bad[:20],
-                           largest_layer=largest[1], largest_abs=largest[0])
+                           largest_layer=largest[1], largest_norm=largest[0])
 
     @staticmethod
     def _skipped(flag: float, found_inf: torch.Tensor | None, bad: list[str], scaler: Any) -> bool:
@@ -210,7 +219,12 @@ class Watch:
     def write_capsule(self, optimizer: torch.optim.Optimizer, scaler: Any, numbers: StepNumbers) -> Path:
         """The state this step started from, its batches and a training file that rebuilds them (atomic writes).
 
-        Only here are the step's batches and output gradients copied to the host."""
+        Only here are the step's batches and output gradients copied to the host. The training's random generators
+        are left as they were (see :func:`callers_rng_kept`)."""
+        with callers_rng_kept():
+            return self._write_capsule(optimizer, scaler, numbers)
+
+    def _write_capsule(self, optimizer: torch.optim.Optimizer, scaler: Any, numbers: StepNumbers) -> Path:
         folder = capsule_folder(Path(self.options.capsule_dir), numbers.step, self.rank)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the user's optimizer
         cls = type(inner)
@@ -235,6 +249,28 @@ class Watch:
         atomic_write_text(folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay))
         write_manifest(folder, numbers.step, replay, loss_gradient_finding(numbers.loss, output_grads))
         return folder
+
+
+def nonfinite_layers(grads: list[torch.Tensor], names: list[str], layer_norms: list[float]) -> list[str]:
+    """The layers whose gradients hold an inf or NaN.
+
+    A gradient with an inf or NaN has a non-finite L2 norm; a finite one too, rarely, where its squares overflow
+    fp32 (values past ~1e19). Only those suspects are looked at again (a second synchronisation, on trouble only)."""
+    suspects = [i for i, v in enumerate(layer_norms) if not math.isfinite(v)]
+    if not suspects:
+        return []
+    flags = torch.stack([~torch.isfinite(grads[i]).all() for i in suspects]).tolist()
+    return [names[i] for i, bad in zip(suspects, flags) if bad]
+
+
+def scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
+    """The loss scale as a float tensor on ``device``, read without a synchronisation (1.0 without an enabled scaler)."""
+    if scaler is None or not scaler.is_enabled():
+        return torch.ones((), device=device)
+    scale = getattr(scaler, "_scale", None)
+    if isinstance(scale, torch.Tensor):
+        return scale.detach().reshape(()).to(device=device, dtype=torch.float32)
+    return torch.tensor(float(scaler.get_scale()), device=device)  # not initialised yet: a Python float, no sync
 
 
 def watch_step(watch: Watch, stop: Callable[[], None]) -> Callable[[Alarm | None], None]:

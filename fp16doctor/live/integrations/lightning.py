@@ -22,7 +22,7 @@ try:
     from lightning.pytorch import Callback
 except ImportError:  # pragma: no cover - the older package name
     try:
-        from pytorch_lightning import Callback
+        from pytorch_lightning import Callback  # type: ignore[assignment]  # the same class under its older package name
     except ImportError as exc:
         raise ImportError("fp16doctor.live.integrations.lightning needs Lightning: pip install 'fp16doctor[lightning]'") from exc
 
