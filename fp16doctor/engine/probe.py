@@ -479,9 +479,13 @@ class Probe:
         self.failed = None
 
     def close(self) -> None:
+        """Detach what the probe hooked into, and break its reference cycles: a closed probe (its model,
+        gradients and optimizer state) is freed as soon as its last reference goes, not at the next full
+        garbage collection, so the diagnosis holds one probe at a time (issue #17)."""
         self._watch.close()
         if self.instruments is not None:
             self.instruments.detach()
+        self.optimizers.on_found = None  # a bound method of this probe: the cycle that kept closed probes alive
 
 
 def metric_driven(scheduler: Any) -> bool:
