@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import DoctorConfig, build_config, merge
-from ..engine.probe import Workbench
+from ..engine.kept import StateKeeper, release_memory
+from ..engine.probe import OUT_OF_MEMORY, Workbench
 from ..measure.symptoms import Symptom
 from ..userfile.spec import TrainingSpec
 from .interventions import InterventionSearch, SearchResult
+from .memory import memory_plan
 from .model import (
     SEVERITIES,
     Diagnosis,
@@ -22,7 +24,7 @@ from .model import (
     StageReport,
     public,
 )
-from .stages import STAGES, StageContext, measured_symptoms, same_state_gap
+from .stages import STAGES, Stage, StageContext, measured_symptoms, same_state_gap
 from .stages.context import ProbeStepHook
 from .verify import Verifier, repair_rank
 
@@ -51,6 +53,8 @@ class DiagnoseOptions:
     """The CI smoke check: fewer steps, narrower sweeps and searches."""
     scan_batches: int | None = None
     """Scan this many batches in stage 1 (default: the batches the probes use)."""
+    max_memory: int | None = None
+    """Bytes the diagnosis may hold (--max-memory; None: about 1.5x the training, see :mod:`.memory`)."""
 
 
 def diagnose(
@@ -70,17 +74,42 @@ def diagnose(
     if options.ci and config.steps > CI_STEPS:
         config = build_config(merge(config.to_dict(), {"steps": CI_STEPS}))
     bench = Workbench(spec, config, batch_count=max(config.steps, options.scan_batches or 0))
-    evidence = Evidence(config=config, device=bench.device.type, steps=config.steps,
-                        has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None)
-    ctx = StageContext(bench=bench, config=config, evidence=evidence, ci=options.ci, on_probe_step=on_probe_step)
+    plan = memory_plan(bench, options.max_memory)
+    with StateKeeper(plan.kept_budget) as keeper:  # its temporary folder goes, however the run ends
+        ctx = StageContext(bench=bench, config=config, evidence=Evidence(
+                               config=config, device=bench.device.type, steps=config.steps,
+                               has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None),
+                           ci=options.ci, on_probe_step=on_probe_step,
+                           states=keeper.kept(), fault_snapshots=keeper.kept(), amp_snapshots=keeper.kept())
+        return _triage(ctx, spec, on_stage)
+
+
+def run_stage(stage: Stage, ctx: StageContext) -> StageReport:
+    """Run one stage, then release what it held (its probes are closed; a full collection frees any cycle left).
+
+    A stage that runs out of memory reports so and the diagnosis goes on without it: the memory is the
+    diagnosis's problem, not a finding about the training.
+    """
+    start = time.perf_counter()
+    try:
+        report = stage.run(ctx)
+    except OUT_OF_MEMORY as exc:
+        report = StageReport(stage.name, "skipped", f"did not fit in memory ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else 'out of memory'}); the diagnosis goes on without it")
+    finally:
+        release_memory(ctx.bench.device)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], None] | None) -> Diagnosis:
+    """Every stage, then the rules, the fixes' verification and (for what no rule explains) the search."""
+    config, evidence = ctx.config, ctx.evidence
     stages: list[StageReport] = []
     for stage in STAGES:
         if on_stage is not None:
             on_stage(stage.name)
-        start = time.perf_counter()
-        report = stage.run(ctx)
-        report.seconds = time.perf_counter() - start
-        stages.append(report)
+        stages.append(run_stage(stage, ctx))
     evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
                                           evidence.gap.get("gap") if evidence.gap else None)
     if on_stage is not None:

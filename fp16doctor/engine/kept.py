@@ -10,29 +10,35 @@ written to a temporary folder that the keeper removes when the run ends, also on
 
 from __future__ import annotations
 
+import copy
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
+import gc
 import shutil
 import tempfile
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 
 Kept = TypeVar("Kept")
 
 
-def to_host(value: Any) -> Any:
-    """``value`` with every tensor in it on the CPU (dicts, lists, tuples and dataclasses walked)."""
+def host_copy_of(value: Any) -> Any:
+    """A copy of ``value`` with every tensor in it copied to the CPU (dicts, lists, tuples and dataclasses walked;
+    anything else deep-copied): one copy, made straight into host memory."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu() if value.device.type != "cpu" else value
+        return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: to_host(v) for k, v in value.items()}
+        return {k: host_copy_of(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(to_host(v) for v in value)
+        return type(value)(host_copy_of(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: to_host(getattr(value, f.name)) for f in dataclasses.fields(value)})
-    return value
+        return dataclasses.replace(value, **{f.name: host_copy_of(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    return copy.deepcopy(value)
 
 
 def tensor_bytes(value: Any) -> int:
@@ -100,7 +106,10 @@ class StateKeeper:
 class KeptStates(MutableMapping[int, Kept], Generic[Kept]):
     """States by step, in host memory while the keeper's budget allows, else in its temporary folder.
 
-    Reading a spilled state loads it again (one state at a time is in memory for the stage that needs it).
+    Keeping a state copies it (the value given may be a probe's live tensors: ``Probe.snapshot(copy_state=False)``
+    or ``model.state_dict()``): into host memory within the budget, else straight into a file, with no copy
+    in memory first. Reading a spilled state loads it again, on the CPU (one state at a time is in memory
+    for the stage that needs it); :meth:`owned` gives a copy the caller may change.
     """
 
     def __init__(self, keeper: StateKeeper):
@@ -111,10 +120,9 @@ class KeptStates(MutableMapping[int, Kept], Generic[Kept]):
     def __setitem__(self, step: int, value: Kept) -> None:
         if step in self:
             del self[step]
-        value = to_host(value)
         size = tensor_bytes(value)
         if self.keeper.fits(size):
-            self._memory[step] = (value, size)
+            self._memory[step] = (host_copy_of(value), size)
             self.keeper.in_memory += size
         else:
             self._disk[step] = self.keeper.spill(value)
@@ -123,9 +131,14 @@ class KeptStates(MutableMapping[int, Kept], Generic[Kept]):
         if step in self._memory:
             return self._memory[step][0]
         if step in self._disk:
-            loaded: Kept = torch.load(self._disk[step], weights_only=False)  # our own file, written by spill()
+            # Our own file, written by spill(); the CPU whatever device the state was saved from.
+            loaded: Kept = torch.load(self._disk[step], map_location="cpu", weights_only=False)
             return loaded
         raise KeyError(step)
+
+    def owned(self, step: int) -> Kept:
+        """The state at ``step`` as a copy the caller owns (may hand to a probe, which then changes it)."""
+        return self[step] if step in self._disk else host_copy_of(self[step])
 
     def __delitem__(self, step: int) -> None:
         if step in self._memory:
@@ -146,3 +159,25 @@ class KeptStates(MutableMapping[int, Kept], Generic[Kept]):
 
     def on_disk(self, step: int) -> bool:
         return step in self._disk
+
+
+def release_memory(device: torch.device) -> None:
+    """Hand freed memory back: a full collection (any cycle left), glibc's ``malloc_trim`` (the allocator keeps
+    freed blocks of a closed probe otherwise, and the process's resident memory only grows), and on CUDA the
+    caching allocator's free blocks."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, where the C library has one (not on macOS, Windows or musl)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return cast(Callable[[int], int], libc.malloc_trim)
+    except (OSError, AttributeError):
+        return None

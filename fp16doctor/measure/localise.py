@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,7 +325,7 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
 
 
 def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: bool = False,
-             keep: dict[int, ProbeSnapshot] | None = None) -> Localisation | None:
+             keep: MutableMapping[int, ProbeSnapshot] | None = None) -> Localisation | None:
     """Replay ``mode`` deterministically up to ``step`` and trace that step.
 
     When the weights are already non-finite as that step starts, or nothing in it turns finite values
@@ -344,7 +345,7 @@ def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: 
         weights_broken = not all(_finite(p) for p in probe.model.parameters())
         found = trace_step(probe) if probe.failed is None and not weights_broken else None
         if found is None and before is not None:
-            probe.restore(before)
+            probe.restore(before, owned=True)  # its last use: no copy of the optimizer's state
             found = trace_step(probe)
         if found is not None:
             found.replayed = [(r.loss, r.loss_scale) for r in probe.records if r.step < found.step]

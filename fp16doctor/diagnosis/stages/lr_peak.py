@@ -8,7 +8,7 @@ import torch
 
 from ...engine.probe import Probe
 from ..model import LrPause, LrPeak, LrSchedule, StageReport
-from .context import StageContext, bad_step
+from .context import StageContext, bad_step, owned_snapshot
 
 
 def stage_lr_peak(ctx: StageContext) -> StageReport:
@@ -39,15 +39,16 @@ def _pause(ctx: StageContext, event: int, lrs: list[float]) -> LrPause:
     """From the AMP run's state right before ``event`` (kept by the AMP stage, else replayed), take that step
     at its own and at the previous learning rate."""
     probe = ctx.bench.probe("amp", ctx.config)
+    kept = ctx.amp_snapshots
     try:
-        snap = ctx.amp_snapshots.get(event)
-        if snap is None:
+        if event not in kept:
             while probe.iteration < event and probe.failed is None:
                 probe.step()
-            snap = probe.snapshot()
-        probe.restore(snap)
+            kept[event] = probe.snapshot(copy_state=False)
+        # Each pause from a copy of its own, handed to the probe: no second copy of the optimizer's state.
+        probe.restore(owned_snapshot(kept, event), owned=True)
         at_peak = _instrumented_step(probe)
-        probe.restore(snap)
+        probe.restore(owned_snapshot(kept, event), owned=True)
         before = _instrumented_step(probe, lr=lrs[event - 1])
     finally:
         probe.close()
