@@ -161,6 +161,11 @@ class KeptStates(MutableMapping[int, Kept], Generic[Kept]):
         return step in self._disk
 
 
+def owned_copy(kept: MutableMapping[int, Kept], step: int) -> Kept:
+    """A copy of the state kept at ``step`` that the caller owns (a probe may take it over and change it)."""
+    return kept.owned(step) if isinstance(kept, KeptStates) else copy.deepcopy(kept[step])
+
+
 def release_memory(device: torch.device) -> None:
     """Hand freed memory back: a full collection (any cycle left), glibc's ``malloc_trim`` (the allocator keeps
     freed blocks of a closed probe otherwise, and the process's resident memory only grows), and on CUDA the

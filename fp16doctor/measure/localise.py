@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine.instruments import module_names
+from ..engine.kept import StateKeeper, owned_copy
 from ..engine.probe import Probe, ProbeSnapshot, Workbench
 
 CASTS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_to_dtype"}
@@ -337,15 +338,15 @@ def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: 
     try:
         while probe.iteration < step - 1 and probe.failed is None:
             probe.step()
-        before = probe.snapshot() if step > 0 and probe.failed is None else None
-        if before is not None and keep is not None:
-            keep[before.iteration] = before
+        kept = keep if keep is not None else StateKeeper().kept()
+        before = probe.iteration if step > 0 and probe.failed is None else None
         if before is not None:
+            kept[before] = probe.snapshot(copy_state=False)  # kept as a copy: in memory, or straight to disk
             probe.step()
         weights_broken = not all(_finite(p) for p in probe.model.parameters())
         found = trace_step(probe) if probe.failed is None and not weights_broken else None
         if found is None and before is not None:
-            probe.restore(before, owned=True)  # its last use: no copy of the optimizer's state
+            probe.restore(owned_copy(kept, before), owned=True)  # no second copy of the optimizer's state
             found = trace_step(probe)
         if found is not None:
             found.replayed = [(r.loss, r.loss_scale) for r in probe.records if r.step < found.step]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import warnings
@@ -14,7 +13,7 @@ import pandas as pd
 import torch
 
 from ...config import DoctorConfig, build_config, merge
-from ...engine.kept import KeptStates, StateKeeper
+from ...engine.kept import StateKeeper, owned_copy
 from ...engine.instruments import InstrumentOptions, precision_map
 from ...engine.optimizers import flat_schedulers, named_optimizers
 from ...engine.probe import (
@@ -91,7 +90,7 @@ class StageContext:
 
 def owned_snapshot(kept: MutableMapping[int, ProbeSnapshot], step: int) -> ProbeSnapshot:
     """A copy of the kept snapshot at ``step`` that a probe may take over (``Probe.restore(..., owned=True)``)."""
-    return kept.owned(step) if isinstance(kept, KeptStates) else copy.deepcopy(kept[step])
+    return owned_copy(kept, step)
 
 
 def summarise(probe: Probe) -> ProbeSummary:
@@ -181,6 +180,7 @@ def same_state_losses(ctx: StageContext, step: int, configs: dict[str, tuple[str
             losses[key] = probe.step().loss
         finally:
             probe.close()
+        del probe  # freed before the next mode's probe is built: one probe alive at a time
     return losses
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 
-from ...engine.probe import Probe
+from ...engine.probe import Probe, ProbeSnapshot
 from ..model import LrPause, LrPeak, LrSchedule, StageReport
 from .context import StageContext, bad_step, owned_snapshot
 
@@ -38,23 +39,32 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
 def _pause(ctx: StageContext, event: int, lrs: list[float]) -> LrPause:
     """From the AMP run's state right before ``event`` (kept by the AMP stage, else replayed), take that step
     at its own and at the previous learning rate."""
-    probe = ctx.bench.probe("amp", ctx.config)
     kept = ctx.amp_snapshots
-    try:
-        if event not in kept:
+    if event not in kept:
+        probe = ctx.bench.probe("amp", ctx.config, instruments=None)
+        try:
             while probe.iteration < event and probe.failed is None:
                 probe.step()
             kept[event] = probe.snapshot(copy_state=False)
-        # Each pause from a copy of its own, handed to the probe: no second copy of the optimizer's state.
-        probe.restore(owned_snapshot(kept, event), owned=True)
-        at_peak = _instrumented_step(probe)
-        probe.restore(owned_snapshot(kept, event), owned=True)
-        before = _instrumented_step(probe, lr=lrs[event - 1])
-    finally:
-        probe.close()
+        finally:
+            probe.close()
+        del probe
+    at_peak = _paused_step(ctx, kept, event)
+    before = _paused_step(ctx, kept, event, lr=lrs[event - 1])
     return LrPause(pause_step=event, finite_at_peak=at_peak["finite"], finite_before_peak=before["finite"],
                    update_to_weight_at_peak=at_peak["update_to_weight"], update_to_weight_before_peak=before["update_to_weight"],
                    activation_max_at_peak=at_peak["activation_max"], activation_max_before_peak=before["activation_max"])
+
+
+def _paused_step(ctx: StageContext, kept: MutableMapping[int, ProbeSnapshot], event: int, lr: float | None = None) -> dict[str, Any]:
+    """:func:`_instrumented_step` on a fresh probe given its own copy of the snapshot before ``event``: a
+    probe holding no gradients or optimizer state yet takes the copy over (no second copy in memory)."""
+    probe = ctx.bench.probe("amp", ctx.config)
+    try:
+        probe.restore(owned_snapshot(kept, event), owned=True)
+        return _instrumented_step(probe, lr=lr)
+    finally:
+        probe.close()
 
 
 def _instrumented_step(probe: Probe, lr: float | None = None) -> dict[str, Any]:
