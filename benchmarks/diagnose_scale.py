@@ -146,7 +146,7 @@ class Measured:
     seconds: float
 
 
-def mlp_case(width: int, depth: int, faulty: bool, steps: int = 12, batch: int = 32) -> Case:
+def mlp_case(width: int, depth: int, faulty: bool, steps: int = 8, batch: int = 16) -> Case:
     params = 64 * width + depth * width * width + 10 * width
     scheduler = FAULT_SCHEDULER.format(jump=steps // 2, factor=1000.0) if faulty else ""
     source = MLP_TEMPLATE.format(params=params, fault="fault: LR jump" if faulty else "healthy", steps=steps,
@@ -154,7 +154,7 @@ def mlp_case(width: int, depth: int, faulty: bool, steps: int = 12, batch: int =
     return Case("mlp", f"{params / 1e6:.0f}M params", faulty, source)
 
 
-def transformer_case(length: int, faulty: bool, steps: int = 10, batch: int = 8) -> Case:
+def transformer_case(length: int, faulty: bool, steps: int = 8, batch: int = 4) -> Case:
     scheduler = FAULT_SCHEDULER.format(jump=steps // 2, factor=3000.0) if faulty else ""
     source = TRANSFORMER_TEMPLATE.format(length=length, fault="fault: LR jump" if faulty else "healthy", steps=steps,
                                          batch=batch, scheduler=scheduler)
@@ -163,7 +163,7 @@ def transformer_case(length: int, faulty: bool, steps: int = 10, batch: int = 8)
 
 def cases(quick: bool) -> list[Case]:
     mlps = [(896, 6)] if quick else [(896, 6), (2048, 5), (4096, 5)]
-    lengths = [256] if quick else [128, 512, 1024]
+    lengths = [128] if quick else [64, 256, 512]
     out = [mlp_case(w, d, faulty) for w, d in mlps for faulty in (False, True)]
     return out + [transformer_case(n, faulty) for n in lengths for faulty in (False, True)]
 

@@ -118,6 +118,7 @@ def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], Non
     findings, hidden = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
     verify_findings(findings, evidence, verifier, hidden)
+    release_memory(ctx.bench.device)
     # A root cause hides its symptoms' findings, unless trying a hidden finding's fix repaired the training.
     findings = [f for f in findings if f.cause not in hidden or repair_rank(f) == 0]
     demote_unrepairing(findings)
@@ -127,6 +128,7 @@ def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], Non
         if on_stage is not None:
             on_stage(SEARCHING)
         search = InterventionSearch(ctx, verifier, unexplained).run()
+        release_memory(ctx.bench.device)
         if search.repair is not None:
             unexplained = adopt_repair(findings, search.repair, evidence, unexplained)
     search_stage = search_report(search)
