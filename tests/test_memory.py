@@ -169,3 +169,53 @@ def test_kept_states_of_a_cuda_run_are_in_host_memory():
         kept = keeper.kept()
         kept[0] = {"w": torch.ones(3, device="cuda")}
         assert kept[0]["w"].device.type == "cpu"
+
+
+def test_a_stage_out_of_memory_is_skipped_with_the_reason_and_the_next_runs():
+    from types import SimpleNamespace
+
+    from fp16doctor.diagnosis.engine import run_stage
+    from fp16doctor.diagnosis.model import StageReport
+    from fp16doctor.diagnosis.stages import Stage
+
+    def too_big(ctx):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    ctx = SimpleNamespace(bench=SimpleNamespace(device=torch.device("cpu")))
+    report = run_stage(Stage("precision-gap search", too_big), ctx)
+    assert report.status == "skipped" and "did not fit in memory" in report.summary and "20.00 GiB" in report.summary
+    after = run_stage(Stage("bf16 check", lambda ctx: StageReport("bf16 check", "ran", "fine")), ctx)
+    assert after.status == "ran" and after.seconds is not None
+
+
+HUNGRY_UNDER_AMP = """
+import torch
+from torch import nn
+
+class Hungry(nn.Module):
+    '''Runs out of memory in half precision: a stand-in for an AMP run that does not fit the device.'''
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 3)
+
+    def forward(self, x):
+        out = self.inner(x)
+        if out.dtype == torch.float16:
+            raise torch.OutOfMemoryError("out of memory: tried to allocate 80.00 GiB")
+        return out
+
+def model():
+    return Hungry()
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(6)]
+"""
+
+
+def test_an_amp_probe_out_of_memory_is_no_verdict_but_one_clear_message(training_file):
+    proc = run_cli("diagnose", training_file(HUNGRY_UNDER_AMP), "--ci", "--json")
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
+    message = " ".join(proc.stderr.split())
+    assert "amp as configured probe ran out of memory" in message and "80.00 GiB" in message, message
+    assert "Traceback" not in proc.stderr and proc.stdout == ""

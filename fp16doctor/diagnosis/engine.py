@@ -10,6 +10,7 @@ from typing import Any, Callable
 from ..config import DoctorConfig, build_config, merge
 from ..engine.kept import StateKeeper, release_memory
 from ..engine.probe import OUT_OF_MEMORY, Workbench
+from ..errors import MemoryLimitError
 from ..measure.symptoms import Symptom
 from ..userfile.spec import TrainingSpec
 from .interventions import InterventionSearch, SearchResult
@@ -84,18 +85,27 @@ def diagnose(
         return _triage(ctx, spec, on_stage)
 
 
+ESSENTIAL_STAGES = ("fp32 baseline", "amp as configured")
+"""Without these two probes there is nothing to diagnose: out of memory there, the diagnosis stops (exit 2)."""
+
+
 def run_stage(stage: Stage, ctx: StageContext) -> StageReport:
     """Run one stage, then release what it held (its probes are closed; a full collection frees any cycle left).
 
     A stage that runs out of memory reports so and the diagnosis goes on without it: the memory is the
-    diagnosis's problem, not a finding about the training.
+    diagnosis's problem, not a finding about the training. The FP32 and AMP probes are the exception: a
+    verdict without them would be a guess, so their running out of memory is a :class:`MemoryLimitError`.
     """
     start = time.perf_counter()
     try:
         report = stage.run(ctx)
     except OUT_OF_MEMORY as exc:
-        report = StageReport(stage.name, "skipped", f"did not fit in memory ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else 'out of memory'}); the diagnosis goes on without it")
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'out of memory'}"
+        if stage.name in ESSENTIAL_STAGES:
+            raise MemoryLimitError(f"the {stage.name} probe ran out of memory ({reason}); the diagnosis needs it.",
+                                   hint="Diagnose with smaller batches or a smaller model (the same numerics show at "
+                                        "a smaller scale), or on a device with more memory.") from exc
+        report = StageReport(stage.name, "skipped", f"did not fit in memory ({reason}); the diagnosis goes on without it")
     finally:
         release_memory(ctx.bench.device)
     report.seconds = time.perf_counter() - start

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..engine.kept import tensor_bytes
 from ..engine.probe import Workbench
-from ..errors import ConfigError
+from ..errors import MemoryLimitError
 
 PROBE_COPIES = 4
 """Weights, gradients and two optimizer moments: one probe's model-sized tensors, before activations."""
@@ -41,7 +41,7 @@ def memory_plan(bench: Workbench, max_memory: int | None = None) -> MemoryPlan:
         return MemoryPlan(model_bytes, probe_bytes, DEFAULT_KEPT_BYTES)
     needed = probe_bytes + model_bytes
     if max_memory < needed:
-        raise ConfigError(
+        raise MemoryLimitError(
             f"--max-memory {size_text(max_memory)} is too small for this model: one probe needs about {size_text(needed)} "
             f"(its weights, gradients and optimizer state, {size_text(probe_bytes)}, and the reference weights every probe "
             f"starts from, {size_text(model_bytes)}), before activations.",
