@@ -73,6 +73,10 @@ MaxNonfinite = Annotated[int, typer.Option("--max-nonfinite", min=1, help="Conse
 Nproc = Annotated[int, typer.Option("--nproc", min=1, help="Processes (torchrun + DistributedDataParallel; gloo on CPU, nccl on CUDA).")]
 HtmlFile = Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report with plots (inline SVG, no network).")]
 Wide = Annotated[bool, typer.Option("--wide", help="Every column at full precision, however wide the terminal.")]
+MaxMemory = Annotated[Optional[str], typer.Option(
+    "--max-memory", metavar="SIZE", show_default=False,
+    help="Memory the diagnosis may hold: 2GB, 512MiB, or 0.5 for half the machine's (default: about 1.5x the "
+         "training's own). States kept for later stages go to a temporary folder past it.")]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite output files that already exist (otherwise: ask, or refuse without a terminal).")]
 
 
@@ -288,6 +292,7 @@ def diagnose(
     on_nonfinite: OnNonfinite = "skip",
     max_nonfinite: MaxNonfinite = 20,
     nproc: Nproc = 1,
+    max_memory: MaxMemory = None,
     force: Force = False,
     debug: Debug = False,
 ) -> None:
@@ -299,6 +304,9 @@ def diagnose(
     given = training_file
 
     def job() -> int:
+        from .config import parse_memory_size
+
+        memory_limit = parse_memory_size(max_memory) if max_memory is not None else None
         training_file, replay = capsule_training_file(capsule, given)
         from .diagnosis import DiagnoseOptions, fixed_config
         from .diagnosis import diagnose as run_diagnose
@@ -315,7 +323,7 @@ def diagnose(
         if replay is not None:
             spec.note(replay)
         with DiagnosisProgress(err, stage_names()) as progress:
-            result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches),
+            result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches, max_memory=memory_limit),
                                   on_stage=progress.stage, on_probe_step=progress.probe_step)
         show_notes(spec)
         name = str(training_file)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -212,3 +214,35 @@ def explain() -> list[tuple[str, Any, str]]:
 
     walk(DoctorConfig, "")
     return rows
+
+
+MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
+"""Decimal units (``GB``) and binary ones (``GiB``, and the bare letter, as ``free -g`` counts)."""
+
+
+def machine_memory() -> int:
+    """The machine's physical memory in bytes (what a share such as ``0.5`` is a share of)."""
+
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+
+
+def parse_memory_size(text: str, flag: str = "--max-memory") -> int:
+    """Bytes from ``2GB``, ``512MiB``, ``1500000000`` or a share of the machine's memory (a number in (0, 1]).
+
+    A share keeps one setting meaningful across machines (a CI runner and a workstation); units are
+    case-insensitive. Anything else is a :class:`ConfigError` naming ``flag`` and an example.
+    """
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in MEMORY_UNITS:
+        raise ConfigError(f"{flag} must be a size or a share of the machine's memory, got {text!r}.",
+                          hint=f"For example {flag} 2GB, {flag} 512MiB or {flag} 0.5 (half of this machine's memory).")
+    number = float(match.group(1))
+    if not unit and 0 < number <= 1:
+        return int(number * machine_memory())
+    if number <= 0 or (not unit and number < 1024):
+        raise ConfigError(f"{flag} {text!r} is not a usable size: give a unit, or a share between 0 and 1.",
+                          hint=f"For example {flag} 2GB or {flag} 0.5.")
+    return int(number * MEMORY_UNITS[unit])

@@ -48,6 +48,11 @@ class BatchError(DoctorError):
     """``data()`` yielded nothing, or something that is not a supported batch."""
 
 
+class MemoryLimitError(DoctorError):
+    """The diagnosis cannot fit in the memory it has: a --max-memory budget below one probe, or a probe the
+    whole diagnosis stands on (the FP32 baseline, AMP as configured) that ran out of memory."""
+
+
 class ScriptError(DoctorError):
     """A script or module given to ``fp16doctor watch`` cannot be started: Python's message and exit code."""
 

@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import DoctorConfig, build_config, merge
-from ..engine.probe import Workbench
+from ..engine.kept import StateKeeper, release_memory
+from ..engine.probe import OUT_OF_MEMORY, Workbench
+from ..errors import MemoryLimitError
 from ..measure.symptoms import Symptom
 from ..userfile.spec import TrainingSpec
 from .interventions import InterventionSearch, SearchResult
+from .memory import memory_plan
 from .model import (
     SEVERITIES,
     CorrectedConfig,
@@ -23,7 +26,7 @@ from .model import (
     StageReport,
     Verification,
 )
-from .stages import STAGES, StageContext, measured_symptoms, same_state_gap
+from .stages import STAGES, Stage, StageContext, measured_symptoms, same_state_gap
 from .stages.context import ProbeStepHook
 from .verify import Verifier, repair_rank
 
@@ -52,6 +55,8 @@ class DiagnoseOptions:
     """The CI smoke check: fewer steps, narrower sweeps and searches."""
     scan_batches: int | None = None
     """Scan this many batches in stage 1 (default: the batches the probes use)."""
+    max_memory: int | None = None
+    """Bytes the diagnosis may hold (--max-memory; None: about 1.5x the training, see :mod:`.memory`)."""
 
 
 def diagnose(
@@ -71,17 +76,51 @@ def diagnose(
     if options.ci and config.steps > CI_STEPS:
         config = build_config(merge(config.to_dict(), {"steps": CI_STEPS}))
     bench = Workbench(spec, config, batch_count=max(config.steps, options.scan_batches or 0))
-    evidence = Evidence(config=config, device=bench.device.type, steps=config.steps,
-                        has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None)
-    ctx = StageContext(bench=bench, config=config, evidence=evidence, ci=options.ci, on_probe_step=on_probe_step)
+    plan = memory_plan(bench, options.max_memory)
+    with StateKeeper(plan.kept_budget) as keeper:  # its temporary folder goes, however the run ends
+        ctx = StageContext(bench=bench, config=config, evidence=Evidence(
+                               config=config, device=bench.device.type, steps=config.steps,
+                               has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None),
+                           ci=options.ci, on_probe_step=on_probe_step,
+                           states=keeper.kept(), fault_snapshots=keeper.kept(), amp_snapshots=keeper.kept())
+        return _triage(ctx, spec, on_stage)
+
+
+ESSENTIAL_STAGES = ("fp32 baseline", "amp as configured")
+"""Without these two probes there is nothing to diagnose: out of memory there, the diagnosis stops (exit 2)."""
+
+
+def run_stage(stage: Stage, ctx: StageContext) -> StageReport:
+    """Run one stage, then release what it held (its probes are closed; a full collection frees any cycle left).
+
+    A stage that runs out of memory reports so and the diagnosis goes on without it: the memory is the
+    diagnosis's problem, not a finding about the training. The FP32 and AMP probes are the exception: a
+    verdict without them would be a guess, so their running out of memory is a :class:`MemoryLimitError`.
+    """
+    start = time.perf_counter()
+    try:
+        report = stage.run(ctx)
+    except OUT_OF_MEMORY as exc:
+        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'out of memory'}"
+        if stage.name in ESSENTIAL_STAGES:
+            raise MemoryLimitError(f"the {stage.name} probe ran out of memory ({reason}); the diagnosis needs it.",
+                                   hint="Diagnose with smaller batches or a smaller model (the same numerics show at "
+                                        "a smaller scale), or on a device with more memory.") from exc
+        report = StageReport(stage.name, "skipped", f"did not fit in memory ({reason}); the diagnosis goes on without it")
+    finally:
+        release_memory(ctx.bench.device)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], None] | None) -> Diagnosis:
+    """Every stage, then the rules, the fixes' verification and (for what no rule explains) the search."""
+    config, evidence = ctx.config, ctx.evidence
     stages: list[StageReport] = []
     for stage in STAGES:
         if on_stage is not None:
             on_stage(stage.name)
-        start = time.perf_counter()
-        report = stage.run(ctx)
-        report.seconds = time.perf_counter() - start
-        stages.append(report)
+        stages.append(run_stage(stage, ctx))
     evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
                                           evidence.gap.gap if evidence.gap else None)
     if on_stage is not None:
@@ -90,6 +129,7 @@ def diagnose(
     findings, hidden = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
     verify_findings(findings, evidence, verifier, hidden)
+    release_memory(ctx.bench.device)
     # A root cause hides its symptoms' findings, unless trying a hidden finding's fix repaired the training.
     findings = [f for f in findings if f.cause not in hidden or repair_rank(f) == 0]
     demote_unrepairing(findings)
@@ -99,6 +139,7 @@ def diagnose(
         if on_stage is not None:
             on_stage(SEARCHING)
         search = InterventionSearch(ctx, verifier, unexplained).run()
+        release_memory(ctx.bench.device)
         if search.repair is not None:
             unexplained = adopt_repair(findings, search.repair, evidence, unexplained)
     search_stage = search_report(search)

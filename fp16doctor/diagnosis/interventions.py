@@ -36,6 +36,7 @@ from ..measure.thresholds import EXTREME_INPUT
 from .model import Evidence, Repair, Verification
 from .rules._helpers import stores_half_training_state
 from .stages import StageContext, same_state_gap
+from .stages.context import owned_snapshot
 from .verify import Intervention, Verifier, drop_rows, standardise
 
 KINDS = ("fp32-modules", "loss-fp32", "fp32-weights", "scaler-scale", "scaler-growth", "lr-cap", "hold-scheduler",
@@ -162,7 +163,7 @@ class InterventionSearch:
         try:
             kept = [step for step in self.ctx.fault_snapshots if step <= loc.step]
             if kept:
-                probe.restore(self.ctx.fault_snapshots[max(kept)])
+                probe.restore(owned_snapshot(self.ctx.fault_snapshots, max(kept)), owned=True)
             while probe.iteration < loc.step and probe.failed is None:
                 probe.step()
             if probe.failed is not None:

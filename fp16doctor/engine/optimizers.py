@@ -125,12 +125,14 @@ class ProbeOptimizers:
         return f"{self.user_file}:{frames[-1].lineno}" if frames else None
 
     # --- snapshot / restore ---------------------------------------------------------------------
-    def state(self) -> dict[str, dict[str, Any]]:
-        return {name: copy.deepcopy(opt.state_dict()) for name, opt in self.by_name.items()}
+    def state(self, copy_state: bool = True) -> dict[str, dict[str, Any]]:
+        """Every optimizer's state dict, by name; ``copy_state=False``: the live tensors, to be saved at once."""
+        return {name: copy.deepcopy(opt.state_dict()) if copy_state else opt.state_dict() for name, opt in self.by_name.items()}
 
-    def load(self, states: dict[str, dict[str, Any]]) -> None:
-        """Every optimizer back to ``states``; one found after they were taken goes back to how it was found."""
+    def load(self, states: dict[str, dict[str, Any]], owned: bool = False) -> None:
+        """Every optimizer back to ``states``; one found after they were taken goes back to how it was found.
+        ``owned``: the states are the caller's to give away (loaded from disk): used as they are, not copied."""
         for name, opt in self.by_name.items():
             state = states.get(name, self.initial_states.get(name))
             if state is not None:
-                opt.load_state_dict(copy.deepcopy(state))
+                opt.load_state_dict(state if owned and name in states else copy.deepcopy(state))

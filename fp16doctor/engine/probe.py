@@ -61,6 +61,9 @@ SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `opt
 DEFAULT_INSTRUMENTS = InstrumentOptions()
 """Every probe carries the numerics instruments (about 4% of a step, benchmarks/overhead.py)."""
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
+"""Running out of memory is the diagnosis's problem, not evidence about the training: a probe re-raises it (the
+diagnosis skips the stage that did not fit) instead of recording it as the user's exception."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -247,7 +250,7 @@ class Probe:
     def _call_user(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
-        except DoctorError:
+        except (DoctorError, *OUT_OF_MEMORY):
             raise
         except Exception as exc:  # noqa: BLE001
             raise TrainingFileError(f"{name}() raised {type(exc).__name__}: {exc}", location=self.spec.user_location(exc)) from exc
@@ -302,7 +305,7 @@ class Probe:
             self.instruments.begin_step(self.iteration, scale)
         try:
             loss = self._run_step(batch)
-        except DoctorError:
+        except (DoctorError, *OUT_OF_MEMORY):
             raise
         except Exception as exc:  # noqa: BLE001 - a user's exception is evidence, not a crash
             self._end_instruments(trace)
@@ -424,19 +427,23 @@ class Probe:
         return pd.DataFrame([r.row() for r in self.records], columns=RECORD_COLUMNS)
 
     # --- snapshot / restore -------------------------------------------------------------------
-    def snapshot(self) -> ProbeSnapshot:
+    def snapshot(self, copy_state: bool = True) -> ProbeSnapshot:
+        """The probe's state now. ``copy_state=False``: the weights and optimizer state as live tensors, for a
+        caller that saves them at once (a kept state spilled to disk needs no copy in memory first)."""
         rng = rng_state()
         return ProbeSnapshot(
-            model=copy.deepcopy(self.model.state_dict()),
-            optimizer=self.optimizers.state(),
+            model=copy.deepcopy(self.model.state_dict()) if copy_state else self.model.state_dict(),
+            optimizer=self.optimizers.state(copy_state),
             scheduler=[copy.deepcopy(s.state_dict()) for s in self.schedulers] if self.schedulers else None,
             scaler=copy.deepcopy(self.scaler.state_dict()),
             rng=rng, iteration=self.iteration, cursor=self.cursor,
         )
 
-    def restore(self, snap: ProbeSnapshot) -> None:
+    def restore(self, snap: ProbeSnapshot, owned: bool = False) -> None:
+        """Back to ``snap``. ``owned``: the snapshot is the probe's to keep (a fresh load of a kept state): its
+        optimizer tensors become the optimizer's state instead of being copied."""
         self.model.load_state_dict(snap.model)
-        self.optimizers.load(snap.optimizer)
+        self.optimizers.load(snap.optimizer, owned=owned)
         for scheduler, state in zip(self.schedulers, snap.scheduler or []):
             scheduler.load_state_dict(state)
         if snap.scaler:
@@ -447,9 +454,13 @@ class Probe:
         self.failed = None
 
     def close(self) -> None:
+        """Detach what the probe hooked into, and break its reference cycles: a closed probe (its model,
+        gradients and optimizer state) is freed as soon as its last reference goes, not at the next full
+        garbage collection, so the diagnosis holds one probe at a time (issue #17)."""
         self._watch.close()
         if self.instruments is not None:
             self.instruments.detach()
+        self.optimizers.on_found = None  # a bound method of this probe: the cycle that kept closed probes alive
 
 
 def metric_driven(scheduler: Any) -> bool:

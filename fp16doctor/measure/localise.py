@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine.instruments import module_names
+from ..engine.kept import StateKeeper, owned_copy
 from ..engine.probe import Probe, ProbeSnapshot, Workbench
 from .records import OUTSIDE_MODEL, Localisation  # re-exported: the record types' old home
 
@@ -287,7 +289,7 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
 
 
 def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: bool = False,
-             keep: dict[int, ProbeSnapshot] | None = None) -> Localisation | None:
+             keep: MutableMapping[int, ProbeSnapshot] | None = None) -> Localisation | None:
     """Replay ``mode`` deterministically up to ``step`` and trace that step.
 
     When the weights are already non-finite as that step starts, or nothing in it turns finite values
@@ -299,15 +301,15 @@ def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: 
     try:
         while probe.iteration < step - 1 and probe.failed is None:
             probe.step()
-        before = probe.snapshot() if step > 0 and probe.failed is None else None
-        if before is not None and keep is not None:
-            keep[before.iteration] = before
+        kept = keep if keep is not None else StateKeeper().kept()
+        before = probe.iteration if step > 0 and probe.failed is None else None
         if before is not None:
+            kept[before] = probe.snapshot(copy_state=False)  # kept as a copy: in memory, or straight to disk
             probe.step()
         weights_broken = not all(_finite(p) for p in probe.model.parameters())
         found = trace_step(probe) if probe.failed is None and not weights_broken else None
         if found is None and before is not None:
-            probe.restore(before)
+            probe.restore(owned_copy(kept, before), owned=True)  # no second copy of the optimizer's state
             found = trace_step(probe)
         if found is not None:
             found.replayed = [(r.loss, r.loss_scale) for r in probe.records if r.step < found.step]

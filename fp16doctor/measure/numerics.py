@@ -136,21 +136,30 @@ def observed_underflow(bench: Workbench, state_from: Probe | None = None, config
     and position, or the start); AMP gradients are compared after unscaling.
     ``reference``: an FP32 capture of that same step, when the caller already has one.
     """
-    fp32, amp = bench.probe("fp32", config, instruments=None), bench.probe("amp", config, instruments=None)
-    try:
-        if state_from is not None:
-            snap = state_from.snapshot()
-            for probe in (fp32, amp):
-                probe.model.load_state_dict(snap.model)
-                probe.iteration, probe.cursor = snap.iteration, snap.cursor
-            if state_from.scaler.is_enabled() and amp.scaler.is_enabled():
-                amp.scaler.load_state_dict(state_from.scaler.state_dict())
-        if reference is None or state_from is not None:
+    snap = state_from.snapshot() if state_from is not None else None
+
+    def probe_from_state(mode: str) -> Probe:
+        probe = bench.probe(mode, config, instruments=None)
+        if snap is not None:
+            probe.model.load_state_dict(snap.model)
+            probe.iteration, probe.cursor = snap.iteration, snap.cursor
+        return probe
+
+    if reference is None or snap is not None:
+        fp32 = probe_from_state("fp32")  # one probe alive at a time: FP32's capture first, then AMP's
+        try:
             reference = capture_gradients(fp32)
+        finally:
+            fp32.close()
+        del fp32
+    amp = probe_from_state("amp")
+    try:
+        if state_from is not None and state_from.scaler.is_enabled() and amp.scaler.is_enabled():
+            amp.scaler.load_state_dict(state_from.scaler.state_dict())
         low = capture_gradients(amp)
     finally:
-        fp32.close()
         amp.close()
+    del amp, snap
     rows = []
     for key, g32 in reference.tensors.items():
         g16 = low.tensors.get(key)

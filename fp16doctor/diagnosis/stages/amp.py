@@ -13,7 +13,7 @@ def stage_amp(ctx: StageContext) -> StageReport:
 
     def keep_snapshot(probe: Probe) -> None:
         if probe.iteration in events:
-            ctx.amp_snapshots[probe.iteration] = probe.snapshot()
+            ctx.amp_snapshots[probe.iteration] = probe.snapshot(copy_state=False)  # kept as a copy
 
     ctx.evidence.amp = summary = run_mode(ctx, "amp", before_step=keep_snapshot)
     return StageReport("amp as configured", "ran", probe_sentence(summary), details=probe_details(summary))

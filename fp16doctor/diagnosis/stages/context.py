@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import MutableMapping
 from typing import Any, Callable
 
 import pandas as pd
 import torch
 
 from ...config import DoctorConfig, build_config, merge
+from ...engine.kept import StateKeeper, owned_copy
 from ...engine.instruments import InstrumentOptions, precision_map
 from ...engine.optimizers import flat_schedulers, named_optimizers
 from ...engine.probe import (
@@ -50,14 +51,15 @@ class StageContext:
     config: DoctorConfig
     evidence: Evidence
     ci: bool = False
-    states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    """FP32 trajectory weights by step, shared by the stages that evaluate the same states."""
+    states: MutableMapping[int, dict[str, torch.Tensor]] = field(default_factory=lambda: StateKeeper().kept())
+    """FP32 trajectory weights by step, shared by the stages that evaluate the same states (a diagnosis run
+    gives :class:`fp16doctor.engine.kept.KeptStates`: in host memory within its budget, else on disk)."""
     loss_floor: float = 0.0
     """The denominator floor of same-state loss deviations (:func:`fp16doctor.measure.symptoms.loss_floor`)."""
-    fault_snapshots: dict[int, ProbeSnapshot] = field(default_factory=dict)
+    fault_snapshots: MutableMapping[int, ProbeSnapshot] = field(default_factory=lambda: StateKeeper().kept())
     """The AMP probe's state one step before the localised step (kept by the localisation's replay): the
     intervention search screens each candidate from there instead of replaying the run."""
-    amp_snapshots: dict[int, ProbeSnapshot] = field(default_factory=dict)
+    amp_snapshots: MutableMapping[int, ProbeSnapshot] = field(default_factory=lambda: StateKeeper().kept())
     """The AMP probe's full state right before the LR schedule's peak and jump: the LR-peak stage
     pauses there without replaying the run (at most two snapshots)."""
     on_probe_step: ProbeStepHook | None = None
@@ -84,6 +86,11 @@ class StageContext:
         if step is None:
             return None
         return next((e for e in self.schedule_event_steps() if e <= step <= e + EVENT_LEAD), None)
+
+
+def owned_snapshot(kept: MutableMapping[int, ProbeSnapshot], step: int) -> ProbeSnapshot:
+    """A copy of the kept snapshot at ``step`` that a probe may take over (``Probe.restore(..., owned=True)``)."""
+    return owned_copy(kept, step)
 
 
 def summarise(probe: Probe) -> ProbeSummary:
@@ -150,7 +157,7 @@ def remember_fp32_states(ctx: StageContext, steps: list[int]) -> None:
         for step in wanted:
             while reference.iteration < step:
                 reference.step()
-            ctx.states[step] = copy.deepcopy(reference.model.state_dict())
+            ctx.states[step] = reference.model.state_dict()  # the mapping keeps a copy
     finally:
         reference.close()
 
@@ -173,6 +180,7 @@ def same_state_losses(ctx: StageContext, step: int, configs: dict[str, tuple[str
             losses[key] = probe.step().loss
         finally:
             probe.close()
+        del probe  # freed before the next mode's probe is built: one probe alive at a time
     return losses
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 from ...engine.probe import Probe
 from ..model import StageReport
 from .context import StageContext, gap_states, probe_details, probe_sentence, run_mode
@@ -15,7 +13,7 @@ def stage_fp32(ctx: StageContext) -> StageReport:
 
     def keep_state(probe: Probe) -> None:
         if probe.iteration in wanted:
-            ctx.states[probe.iteration] = copy.deepcopy(probe.model.state_dict())
+            ctx.states[probe.iteration] = probe.model.state_dict()  # kept as a copy (KeptStates)
 
     ctx.evidence.fp32 = summary = run_mode(ctx, "fp32", before_step=keep_state)
     return StageReport("fp32 baseline", "ran", probe_sentence(summary), details=probe_details(summary))

@@ -37,6 +37,7 @@ def stage_scale(ctx: StageContext) -> StageReport:
         capture = capture_gradients(reference)  # step 0 from the start: the same step observed_underflow compares
     finally:
         reference.close()
+    del reference  # freed before observed_underflow and the sweep build their probes
     ev.window = window = scale_window(capture)
     configured = cfg.scaler.init_scale if cfg.scaler.enabled else 1.0
     ev.predicted_underflow = predicted_underflow(capture, configured)

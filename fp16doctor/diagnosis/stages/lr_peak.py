@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 
-from ...engine.probe import Probe
+from ...engine.probe import Probe, ProbeSnapshot
 from ..model import LrPause, LrPeak, LrSchedule, StageReport
-from .context import StageContext, bad_step
+from .context import StageContext, bad_step, owned_snapshot
 
 
 def stage_lr_peak(ctx: StageContext) -> StageReport:
@@ -38,22 +39,32 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
 def _pause(ctx: StageContext, event: int, lrs: list[float]) -> LrPause:
     """From the AMP run's state right before ``event`` (kept by the AMP stage, else replayed), take that step
     at its own and at the previous learning rate."""
-    probe = ctx.bench.probe("amp", ctx.config)
-    try:
-        snap = ctx.amp_snapshots.get(event)
-        if snap is None:
+    kept = ctx.amp_snapshots
+    if event not in kept:
+        probe = ctx.bench.probe("amp", ctx.config, instruments=None)
+        try:
             while probe.iteration < event and probe.failed is None:
                 probe.step()
-            snap = probe.snapshot()
-        probe.restore(snap)
-        at_peak = _instrumented_step(probe)
-        probe.restore(snap)
-        before = _instrumented_step(probe, lr=lrs[event - 1])
-    finally:
-        probe.close()
+            kept[event] = probe.snapshot(copy_state=False)
+        finally:
+            probe.close()
+        del probe
+    at_peak = _paused_step(ctx, kept, event)
+    before = _paused_step(ctx, kept, event, lr=lrs[event - 1])
     return LrPause(pause_step=event, finite_at_peak=at_peak["finite"], finite_before_peak=before["finite"],
                    update_to_weight_at_peak=at_peak["update_to_weight"], update_to_weight_before_peak=before["update_to_weight"],
                    activation_max_at_peak=at_peak["activation_max"], activation_max_before_peak=before["activation_max"])
+
+
+def _paused_step(ctx: StageContext, kept: MutableMapping[int, ProbeSnapshot], event: int, lr: float | None = None) -> dict[str, Any]:
+    """:func:`_instrumented_step` on a fresh probe given its own copy of the snapshot before ``event``: a
+    probe holding no gradients or optimizer state yet takes the copy over (no second copy in memory)."""
+    probe = ctx.bench.probe("amp", ctx.config)
+    try:
+        probe.restore(owned_snapshot(kept, event), owned=True)
+        return _instrumented_step(probe, lr=lr)
+    finally:
+        probe.close()
 
 
 def _instrumented_step(probe: Probe, lr: float | None = None) -> dict[str, Any]:

@@ -82,6 +82,7 @@ def _rank_modules(ctx: StageContext, step: int) -> list[ModuleGap]:
                 h.remove()
             probe.close()
         outputs[mode] = captured
+        del probe, handles, hook  # freed before the next mode's probe is built
     ranked = []
     for name, (in32, out32) in outputs["fp32"].items():
         in16, out16 = outputs["amp"].get(name, (None, None))

@@ -1,0 +1,188 @@
+"""States a diagnosis keeps for later stages, held off the accelerator and, past a budget, on disk.
+
+The FP32 trajectory's weights (the same-state comparisons), the AMP probe's snapshots at the LR events and
+the failing step's snapshot (localisation, intervention search) are each a copy of the model, the last two
+with the optimizer's state too: kept in memory they add up to several copies of the training. A
+:class:`StateKeeper` is owned by one diagnosis run (a context manager): every state it keeps is moved to host
+memory (a CUDA run's GPU memory stays the training's), counted against a byte budget, and past that budget
+written to a temporary folder that the keeper removes when the run ends, also on an exception or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import ctypes.util
+import dataclasses
+import functools
+import gc
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, MutableMapping
+from pathlib import Path
+from typing import Any, Generic, TypeVar, cast
+
+import torch
+
+Kept = TypeVar("Kept")
+
+
+def host_copy_of(value: Any) -> Any:
+    """A copy of ``value`` with every tensor in it copied to the CPU (dicts, lists, tuples and dataclasses walked;
+    anything else deep-copied): one copy, made straight into host memory."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: host_copy_of(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(host_copy_of(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: host_copy_of(getattr(value, f.name)) for f in dataclasses.fields(value)})
+    return copy.deepcopy(value)
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in ``value`` (walked as :func:`to_host` walks it)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
+
+
+class StateKeeper:
+    """The memory budget of the states one diagnosis keeps, and the temporary folder past it.
+
+    ``budget``: bytes of kept states held in memory (None: no limit, nothing goes to disk). The folder is made
+    on the first spill only, and removed by :meth:`close` (the ``with`` block's end).
+    """
+
+    def __init__(self, budget: int | None = None):
+        self.budget = budget
+        self.in_memory = 0
+        """Bytes of kept states held in memory now."""
+        self.spilled = 0
+        """How many states went to disk (the report and the tests read it)."""
+        self._folder: Path | None = None
+
+    def __enter__(self) -> "StateKeeper":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def folder(self) -> Path | None:
+        """The temporary folder of the spilled states (None until the first spill, and after :meth:`close`)."""
+        return self._folder
+
+    def kept(self) -> "KeptStates[Any]":
+        """A new mapping of states kept under this budget."""
+        return KeptStates(self)
+
+    def fits(self, size: int) -> bool:
+        return self.budget is None or self.in_memory + size <= self.budget
+
+    def spill(self, value: Any) -> Path:
+        """Write ``value`` to a new file of the temporary folder."""
+        if self._folder is None:
+            self._folder = Path(tempfile.mkdtemp(prefix="fp16doctor-states-"))
+        self.spilled += 1
+        path = self._folder / f"state-{self.spilled}.pt"
+        torch.save(value, path)
+        return path
+
+    def close(self) -> None:
+        """Remove the spilled states' folder (kept states in memory go with their mappings)."""
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+
+class KeptStates(MutableMapping[int, Kept], Generic[Kept]):
+    """States by step, in host memory while the keeper's budget allows, else in its temporary folder.
+
+    Keeping a state copies it (the value given may be a probe's live tensors: ``Probe.snapshot(copy_state=False)``
+    or ``model.state_dict()``): into host memory within the budget, else straight into a file, with no copy
+    in memory first. Reading a spilled state loads it again, on the CPU (one state at a time is in memory
+    for the stage that needs it); :meth:`owned` gives a copy the caller may change.
+    """
+
+    def __init__(self, keeper: StateKeeper):
+        self.keeper = keeper
+        self._memory: dict[int, tuple[Kept, int]] = {}
+        self._disk: dict[int, Path] = {}
+
+    def __setitem__(self, step: int, value: Kept) -> None:
+        if step in self:
+            del self[step]
+        size = tensor_bytes(value)
+        if self.keeper.fits(size):
+            self._memory[step] = (host_copy_of(value), size)
+            self.keeper.in_memory += size
+        else:
+            self._disk[step] = self.keeper.spill(value)
+
+    def __getitem__(self, step: int) -> Kept:
+        if step in self._memory:
+            return self._memory[step][0]
+        if step in self._disk:
+            # Our own file, written by spill(); the CPU whatever device the state was saved from.
+            loaded: Kept = torch.load(self._disk[step], map_location="cpu", weights_only=False)
+            return loaded
+        raise KeyError(step)
+
+    def owned(self, step: int) -> Kept:
+        """The state at ``step`` as a copy the caller owns (may hand to a probe, which then changes it)."""
+        return self[step] if step in self._disk else host_copy_of(self[step])
+
+    def __delitem__(self, step: int) -> None:
+        if step in self._memory:
+            self.keeper.in_memory -= self._memory.pop(step)[1]
+        elif step in self._disk:
+            self._disk.pop(step).unlink(missing_ok=True)
+        else:
+            raise KeyError(step)
+
+    def __contains__(self, step: object) -> bool:
+        return step in self._memory or step in self._disk  # Mapping's default would load a spilled state
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted({*self._memory, *self._disk}))
+
+    def __len__(self) -> int:
+        return len(self._memory) + len(self._disk)
+
+    def on_disk(self, step: int) -> bool:
+        return step in self._disk
+
+
+def owned_copy(kept: MutableMapping[int, Kept], step: int) -> Kept:
+    """A copy of the state kept at ``step`` that the caller owns (a probe may take it over and change it)."""
+    return kept.owned(step) if isinstance(kept, KeptStates) else copy.deepcopy(kept[step])
+
+
+def release_memory(device: torch.device) -> None:
+    """Hand freed memory back: a full collection (any cycle left), glibc's ``malloc_trim`` (the allocator keeps
+    freed blocks of a closed probe otherwise, and the process's resident memory only grows), and on CUDA the
+    caching allocator's free blocks."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, where the C library has one (not on macOS, Windows or musl)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return cast(Callable[[int], int], libc.malloc_trim)
+    except (OSError, AttributeError):
+        return None

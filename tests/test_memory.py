@@ -1,0 +1,221 @@
+"""The diagnosis's memory (issue #17): one probe alive at a time, kept states within a budget and spilled to a
+temporary folder that goes away however the run ends, and ``--max-memory``'s bad values."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import MLP_FILE, ROOT, SAMPLES, run_cli
+from fp16doctor.engine.kept import StateKeeper
+
+
+def state(value: float, size: int = 1000) -> dict[str, torch.Tensor]:
+    return {"weight": torch.full((size,), value), "bias": torch.full((10,), value)}
+
+
+def test_kept_states_past_the_budget_go_to_disk_and_come_back_the_same():
+    budget = 4 * 1010  # one state of 1010 floats
+    with StateKeeper(budget) as keeper:
+        kept = keeper.kept()
+        live = state(1.0)
+        kept[0] = live
+        live["weight"].add_(1)  # a probe goes on training: the kept state is a copy
+        kept[5] = state(2.0)
+        kept[9] = state(3.0)
+        assert keeper.in_memory == budget and keeper.spilled == 2
+        assert not kept.on_disk(0) and kept.on_disk(5) and kept.on_disk(9)
+        folder = keeper.folder
+        assert folder is not None and len(list(folder.iterdir())) == 2
+        assert list(kept) == [0, 5, 9] and 9 in kept and 4 not in kept
+        assert torch.equal(kept[0]["weight"], torch.full((1000,), 1.0))
+        assert torch.equal(kept[9]["weight"], torch.full((1000,), 3.0))
+        owned = kept.owned(0)
+        owned["weight"].zero_()
+        assert torch.equal(kept[0]["weight"], torch.full((1000,), 1.0))  # owned: a copy of an in-memory state
+        del kept[5]
+        assert len(list(folder.iterdir())) == 1
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize("interruption", [RuntimeError, KeyboardInterrupt])
+def test_the_spill_folder_is_removed_after_an_exception_or_ctrl_c(interruption):
+    with pytest.raises(interruption):
+        with StateKeeper(0) as keeper:
+            keeper.kept()[0] = state(1.0)
+            folder = keeper.folder
+            assert folder is not None and any(folder.iterdir())
+            raise interruption()
+    assert not folder.exists()
+
+
+PROBE_CENSUS = r"""
+import gc, json, sys, weakref
+import fp16doctor.engine.kept as kept_module
+from fp16doctor.config import build_config
+from fp16doctor.diagnosis import DiagnoseOptions, diagnose
+from fp16doctor.engine.probe import Probe
+from fp16doctor.userfile.spec import load_training_file
+
+alive = weakref.WeakSet()
+census = {"most_alive": 0, "alive_at_stage_start": [], "folders": [], "spilled": 0}
+build = Probe.__init__
+
+def counted(self, *args, **kwargs):
+    build(self, *args, **kwargs)
+    alive.add(self.model)  # a probe's model: its weights, gradients and optimizer state go with it
+    census["most_alive"] = max(census["most_alive"], len(alive))
+
+Probe.__init__ = counted
+spill = kept_module.StateKeeper.spill
+
+def spilled(self, value):
+    path = spill(self, value)
+    census["folders"].append(str(path.parent))
+    census["spilled"] += 1
+    return path
+
+kept_module.StateKeeper.spill = spilled
+stop_at = sys.argv[3] if len(sys.argv) > 3 else None
+
+def on_stage(name):
+    census["alive_at_stage_start"].append([name, len(alive)])  # no collection first: released, not collected later
+    if name == stop_at:
+        raise KeyboardInterrupt
+
+spec = load_training_file(sys.argv[1])
+config = build_config(spec.config, {"device": "cpu"})
+try:
+    result = diagnose(spec, config, DiagnoseOptions(ci=True, max_memory=int(sys.argv[2]) or None), on_stage=on_stage)
+    census["causes"] = [f.cause for f in result.findings]
+except KeyboardInterrupt:
+    census["interrupted"] = True
+print(json.dumps(census))
+"""
+
+
+def census(sample: str, max_memory: int = 0, stop_at: str | None = None) -> dict:
+    """Run a diagnosis in a fresh process, counting the probes alive (weak references, no collection forced)."""
+    proc = subprocess.run([sys.executable, "-c", PROBE_CENSUS, str(SAMPLES / sample), str(max_memory), *([stop_at] if stop_at else [])],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def needed_bytes(sample: str) -> int:
+    """What --max-memory must leave at least: one probe and the reference weights (diagnosis/memory.py)."""
+    from fp16doctor.config import build_config
+    from fp16doctor.diagnosis.memory import memory_plan
+    from fp16doctor.engine.probe import Workbench
+    from fp16doctor.userfile.spec import load_training_file
+
+    spec = load_training_file(SAMPLES / sample)
+    plan = memory_plan(Workbench(spec, build_config(spec.config, {"device": "cpu", "steps": 2})))
+    return plan.probe_bytes + plan.model_bytes
+
+
+def test_one_probe_alive_at_a_time_and_none_between_stages():
+    # warmup_peak: AMP overflows after the LR jump, so the AMP snapshots, the localisation, the LR-peak pause
+    # and the fix verification all run; the budget leaves nothing for kept states in memory: all on disk.
+    found = census("warmup_peak.py", max_memory=needed_bytes("warmup_peak.py"))
+    assert found["most_alive"] == 1, found
+    assert found["alive_at_stage_start"] and all(count == 0 for _, count in found["alive_at_stage_start"]), found
+    assert found["spilled"] >= 3  # the FP32 states, the AMP snapshot at the jump, the failing step's snapshot
+    assert not any((ROOT / f).exists() for f in set(found["folders"]))  # removed at the end
+    assert found["causes"][0] == "lr-schedule-peak"  # the same diagnosis from states read back from disk
+
+
+def test_an_interrupted_diagnosis_removes_its_spilled_states():
+    found = census("warmup_peak.py", max_memory=needed_bytes("warmup_peak.py"), stop_at="LR schedule peak")
+    assert found.get("interrupted") and found["spilled"] >= 2, found
+    assert not any((ROOT / f).exists() for f in set(found["folders"]))
+
+
+@pytest.mark.parametrize("value", ["lots", "2XB", "-1GB", "12"])
+def test_max_memory_that_is_not_a_size_exits_2_naming_the_flag(training_file, value):
+    proc = run_cli("diagnose", training_file(MLP_FILE), "--max-memory", value)
+    assert proc.returncode == 2, proc.stderr
+    message = " ".join(proc.stderr.split())
+    assert "--max-memory" in message and "2GB" in message and "Traceback" not in proc.stderr
+
+
+def test_max_memory_too_small_for_one_probe_says_what_one_probe_needs(training_file):
+    proc = run_cli("diagnose", training_file(MLP_FILE), "--max-memory", "1kB")
+    assert proc.returncode == 2, proc.stderr
+    message = " ".join(proc.stderr.split())
+    assert "too small" in message and "one probe needs about" in message, message
+    needed = message.split("one probe needs about ")[1].split()[0]
+    assert needed.endswith("kB")  # the MLP of tests/conftest.py: a few hundred parameters
+    again = run_cli("diagnose", training_file(MLP_FILE), "--max-memory", "0.25", "--ci", "--json")
+    assert again.returncode in (0, 1), again.stderr  # a share of the machine's memory is accepted
+    assert json.loads(again.stdout)["stages"]
+
+
+def test_the_cli_runs_with_every_state_on_disk_and_leaves_no_folder(tmp_path):
+    proc = run_cli("diagnose", SAMPLES / "warmup_peak.py", "--ci", "--json", "--max-memory",
+                   str(needed_bytes("warmup_peak.py")), env={"TMPDIR": str(tmp_path)})
+    assert proc.returncode == 1, proc.stderr
+    assert json.loads(proc.stdout)["findings"][0]["cause"] == "lr-schedule-peak"
+    assert not list(tmp_path.glob("fp16doctor-states-*"))
+
+
+@pytest.mark.cuda
+def test_kept_states_of_a_cuda_run_are_in_host_memory():
+    with StateKeeper(None) as keeper:
+        kept = keeper.kept()
+        kept[0] = {"w": torch.ones(3, device="cuda")}
+        assert kept[0]["w"].device.type == "cpu"
+
+
+def test_a_stage_out_of_memory_is_skipped_with_the_reason_and_the_next_runs():
+    from types import SimpleNamespace
+
+    from fp16doctor.diagnosis.engine import run_stage
+    from fp16doctor.diagnosis.model import StageReport
+    from fp16doctor.diagnosis.stages import Stage
+
+    def too_big(ctx):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    ctx = SimpleNamespace(bench=SimpleNamespace(device=torch.device("cpu")))
+    report = run_stage(Stage("precision-gap search", too_big), ctx)
+    assert report.status == "skipped" and "did not fit in memory" in report.summary and "20.00 GiB" in report.summary
+    after = run_stage(Stage("bf16 check", lambda ctx: StageReport("bf16 check", "ran", "fine")), ctx)
+    assert after.status == "ran" and after.seconds is not None
+
+
+HUNGRY_UNDER_AMP = """
+import torch
+from torch import nn
+
+class Hungry(nn.Module):
+    '''Runs out of memory in half precision: a stand-in for an AMP run that does not fit the device.'''
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 3)
+
+    def forward(self, x):
+        out = self.inner(x)
+        if out.dtype == torch.float16:
+            raise torch.OutOfMemoryError("out of memory: tried to allocate 80.00 GiB")
+        return out
+
+def model():
+    return Hungry()
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(6)]
+"""
+
+
+def test_an_amp_probe_out_of_memory_is_no_verdict_but_one_clear_message(training_file):
+    proc = run_cli("diagnose", training_file(HUNGRY_UNDER_AMP), "--ci", "--json")
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
+    message = " ".join(proc.stderr.split())
+    assert "amp as configured probe ran out of memory" in message and "80.00 GiB" in message, message
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
