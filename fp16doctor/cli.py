@@ -199,7 +199,7 @@ def stdout_for_json_only(active: bool) -> Iterator[None]:
     finally:
         sys.stdout = original
         _json_stream.flush()
-        if saved is not None:
+        if saved is not None and fd is not None:
             _json_stream.close()
             os.dup2(saved, fd)
             os.close(saved)

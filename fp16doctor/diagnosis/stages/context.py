@@ -272,6 +272,8 @@ def scheduler_lrs(ctx: StageContext) -> list[float] | None:
     """Dry-run a copy of the user's scheduler over the run, on a throw-away optimizer; None for a scheduler
     that follows the loss (``ReduceLROnPlateau``): it has no schedule to know in advance."""
     spec = ctx.bench.spec
+    if spec.scheduler is None:
+        return None
     # Shape-only stand-ins for the model's parameters: an optimizer() that groups them (by dimension, say)
     # builds the same groups, and nothing is allocated (the dry run never steps the optimizer).
     stand_ins = [torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in ctx.bench.parameter_shapes]
