@@ -75,8 +75,9 @@ HtmlFile = Annotated[Optional[Path], typer.Option("--html", help="Write a self-c
 Wide = Annotated[bool, typer.Option("--wide", help="Every column at full precision, however wide the terminal.")]
 MaxMemory = Annotated[Optional[str], typer.Option(
     "--max-memory", metavar="SIZE", show_default=False,
-    help="Memory the diagnosis may hold: 2GB, 512MiB, or 0.5 for half the machine's (default: about 1.5x the "
-         "training's own). States kept for later stages go to a temporary folder past it.")]
+    help="Memory the diagnosis may hold: 2GB, 512MiB, or 0.5 for half the machine's. States kept for later "
+         "stages stay in memory up to it and go to a temporary folder past it (default: one probe in memory, "
+         "every kept state in the folder).")]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite output files that already exist (otherwise: ask, or refuse without a terminal).")]
 
 

@@ -34,7 +34,7 @@ class MemoryPlan:
 
 
 def memory_plan(bench: Workbench, max_memory: int | None = None) -> MemoryPlan:
-    """The plan for ``bench``'s model under ``max_memory`` bytes (None: the default, about 1.5x the training)."""
+    """The plan for ``bench``'s model under ``max_memory`` bytes (None: the default, one probe in memory and every kept state on disk)."""
     model_bytes = tensor_bytes(bench.initial_state)
     probe_bytes = PROBE_COPIES * model_bytes
     if max_memory is None:
@@ -45,7 +45,7 @@ def memory_plan(bench: Workbench, max_memory: int | None = None) -> MemoryPlan:
             f"--max-memory {size_text(max_memory)} is too small for this model: one probe needs about {size_text(needed)} "
             f"(its weights, gradients and optimizer state, {size_text(probe_bytes)}, and the reference weights every probe "
             f"starts from, {size_text(model_bytes)}), before activations.",
-            hint=f"Give at least that, e.g. --max-memory {size_text(2 * needed)}, or leave the flag out (about 1.5x the training).")
+            hint=f"Give at least that, e.g. --max-memory {size_text(2 * needed)}, or leave the flag out (one probe in memory, kept states on disk).")
     return MemoryPlan(model_bytes, probe_bytes, max_memory - needed)
 
 
