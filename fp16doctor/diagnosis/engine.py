@@ -56,7 +56,7 @@ class DiagnoseOptions:
     scan_batches: int | None = None
     """Scan this many batches in stage 1 (default: the batches the probes use)."""
     max_memory: int | None = None
-    """Bytes the diagnosis may hold (--max-memory; None: about 1.5x the training, see :mod:`.memory`)."""
+    """Bytes the diagnosis may hold (--max-memory; None: one probe in memory, every kept state on disk, see :mod:`.memory`)."""
 
 
 def diagnose(
