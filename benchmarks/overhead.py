@@ -23,7 +23,10 @@ and the host synchronisations (``aten::_local_scalar_dense``: ``.item()``, ``flo
 device-to-host copies) with a ``TorchDispatchMode``: deterministic numbers (checked on a second step)
 that predict the cost on a GPU, where launches and syncs dominate.
 
-Usage: python benchmarks/overhead.py [--pairs N] [--also naive fp32] [--threads T] [--device cpu|cuda]
+Steps are timed on the process's CPU time on CPU and on elapsed time on CUDA, where the host waits for
+the device (``--clock`` chooses).
+
+Usage: python benchmarks/overhead.py [--pairs N] [--also naive fp32] [--threads T] [--device cpu|cuda] [--clock cpu|wall]
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ TARGET = {"instrumented": 1.05, "fp32": 2.0}
 """The targets of the ratios to plain (fp32's is AMP / FP32, plain over fp32)."""
 
 aten = torch.ops.aten
+
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+"""``cpu``: the process's CPU time, all its threads (a neighbour on a shared machine delays a step's wall time
+but adds nothing to its CPU time); ``wall``: elapsed time, what a user waits (on a quiet machine, or a GPU)."""
+CLOCK = CLOCKS["cpu"]
 
 
 class NaiveDetector:
@@ -121,9 +129,9 @@ class Variant:
 
     def timed_step(self, batch: Any, index: int) -> float:
         with self.wrap():
-            start = time.perf_counter()
+            start = CLOCK()
             self.probe.step(batch, index)
-            return time.perf_counter() - start
+            return CLOCK() - start
 
 
 @dataclass
@@ -227,7 +235,13 @@ def main() -> None:
     parser.add_argument("--spread", type=float, default=0.02, help="stop when the IQR of the block medians is under this")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--clock", default=None, choices=sorted(CLOCKS),
+                        help="cpu: process CPU time (robust on a shared machine; the default on CPU); "
+                             "wall: elapsed time (the default on CUDA, where the host waits for the device)")
     args = parser.parse_args()
+    global CLOCK
+    args.clock = args.clock or ("wall" if args.device.startswith("cuda") else "cpu")
+    CLOCK = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -246,7 +260,7 @@ def main() -> None:
         others.append(Variant("fp32", bench.probe("fp32", instruments=None), contextlib.nullcontext))
     batches = bench.batches
     run_block(plain, others, batches, WARMUP_ROUNDS, 0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {bench.device.type}; "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {bench.device.type}, {args.clock} clock; "
           f"after {WARMUP_ROUNDS} warm-up rounds:", flush=True)
     # counted first: deterministic, and printed even if a slow machine stops the timing early
     print("\n".join(dispatch_table(plain, [v for v in others if v.probe is probe], batches[0])))
