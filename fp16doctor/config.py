@@ -241,7 +241,11 @@ def parse_memory_size(text: str, flag: str = "--max-memory") -> int:
                           hint=f"For example {flag} 2GB, {flag} 512MiB or {flag} 0.5 (half of this machine's memory).")
     number = float(match.group(1))
     if not unit and 0 < number <= 1:
-        return int(number * machine_memory())
+        try:
+            return int(number * machine_memory())
+        except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name on this system
+            raise ConfigError(f"{flag} {text!r}: this system does not say how much memory it has.",
+                              hint=f"Give a size instead, e.g. {flag} 8GB.") from None
     if number <= 0 or (not unit and number < 1024):
         raise ConfigError(f"{flag} {text!r} is not a usable size: give a unit, or a share between 0 and 1.",
                           hint=f"For example {flag} 2GB or {flag} 0.5.")

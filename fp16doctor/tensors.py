@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import torch
 
+OUT_OF_MEMORY = (
+    getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
+"""Running out of memory, on the device or the host: the diagnosis's own limit, never evidence about the
+training (a probe re-raises it instead of recording it as the user's exception)."""
+
+
+
+def one_line(exc: BaseException) -> str:
+    """An error in one line, its type first (PyTorch's out-of-memory message runs to several)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 FP16_MAX = 65504.0
 """The largest finite fp16 value (mixed-precision-notes.md, Formats)."""
 FP16_MIN_SUBNORMAL = 2.0**-24
@@ -20,3 +33,12 @@ def grad_values(p: torch.Tensor) -> torch.Tensor | None:
         return None
     g = g.detach()
     return g.coalesce().values() if g.is_sparse else g
+
+
+def norms(tensors: list[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
+    """Each tensor's norm in one fused pass, accumulated in fp32 (a half tensor's own norm can pass 65504), or
+    in fp64 when a tensor is fp64 (``_foreach_norm`` refuses to narrow)."""
+    if not tensors:
+        return []
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return list(torch._foreach_norm(tensors, ord, dtype=wide))

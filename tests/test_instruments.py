@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp16doctor.config import build_config
-from fp16doctor.engine.instruments import InstrumentOptions, magnitude_histogram, precision_map, tensor_vector
+from fp16doctor.engine.instruments import InstrumentOptions, Instruments, magnitude_histogram, precision_map, tensor_vector
 from fp16doctor.measure.localise import OUTSIDE_MODEL, localise
 from fp16doctor.measure.numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
 from fp16doctor.engine.probe import Workbench
@@ -285,3 +285,19 @@ def test_an_optimizer_that_writes_inf_into_the_weights_is_localised_at_its_own_s
     assert (loc.step, loc.phase, loc.module, loc.operator) == (0, "optimizer", None, "aten::div")
     assert loc.replayed == [] and "in the optimizer at step 0" in loc.describe()
     assert "float16" in loc.output
+
+
+def test_a_float64_parameter_beside_fp32_ones_is_measured():
+    """``_foreach_norm`` refuses to narrow fp64 to the fp32 the half gradients' norms accumulate in."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1).double())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instruments = Instruments(model, optimizer)
+    instruments.begin_step(0, 1.0)
+    model[1](model[0](torch.randn(3, 4)).double()).sum().backward()
+    optimizer.step()
+    instruments.end_step()
+    grads = instruments.frames()["param_grads"].set_index("param")
+    assert grads.loc["1.bias", "dtype"] == "float64" and grads.loc["1.bias", "grad_norm"] == pytest.approx(3.0)
+    expected = model[0].weight.grad.norm().item()
+    assert grads.loc["0.weight", "grad_norm"] == pytest.approx(expected, rel=1e-6)
+    assert len(instruments.frames()["updates"]) == 4

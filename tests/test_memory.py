@@ -219,3 +219,65 @@ def test_an_amp_probe_out_of_memory_is_no_verdict_but_one_clear_message(training
     message = " ".join(proc.stderr.split())
     assert "amp as configured probe ran out of memory" in message and "80.00 GiB" in message, message
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_compare_out_of_memory_is_one_clear_message(training_file):
+    proc = run_cli("compare", training_file(HUNGRY_UNDER_AMP), "--fp32", "--amp", "--steps", "3")
+    message = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "amp run ran out of memory" in message and "80.00 GiB" in message, (
+        proc.returncode, proc.stdout[-500:], message[-1500:])
+    assert "Traceback" not in proc.stderr and "internal error" not in message
+
+
+def test_train_out_of_memory_stops_as_failed_not_as_an_internal_error(training_file, tmp_path):
+    proc = run_cli("train", training_file(HUNGRY_UNDER_AMP), "--steps", "3", "--run-dir", str(tmp_path / "run"))
+    output = " ".join((proc.stdout + proc.stderr).split())
+    assert "out of memory at step 0" in output and "80.00 GiB" in output, (proc.returncode, output[-1500:])
+    assert "Traceback" not in output and "internal error" not in output
+
+
+def test_a_fix_whose_trial_runs_out_of_memory_stays_untried_with_the_reason(monkeypatch):
+    from types import SimpleNamespace
+
+    from fp16doctor.diagnosis.verify import Intervention, Verifier
+
+    ctx = SimpleNamespace(evidence=SimpleNamespace(symptoms=[SimpleNamespace(code="nonfinite-loss")]),
+                          bench=SimpleNamespace(device=torch.device("cpu")))
+    verifier = Verifier(ctx)
+
+    def out_of_memory(intervention):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(verifier, "run", out_of_memory)
+    verification = verifier.verify(Intervention("keep the head in fp32", config_patch={"fp32_modules": ["head"]}), "n/a")
+    assert verification.tried is None and not verification.repaired
+    assert "did not fit in memory" in verification.reason and verification.symptoms_before == ["nonfinite-loss"]
+
+
+def test_host_copies_keep_namedtuples_and_a_state_dicts_metadata():
+    import collections
+
+    from fp16doctor.engine.kept import host_copy_of
+
+    state = torch.nn.Linear(2, 2).state_dict()
+    copied = host_copy_of(state)
+    assert type(copied) is type(state) and copied._metadata == state._metadata
+    assert copied["weight"].data_ptr() != state["weight"].data_ptr() and torch.equal(copied["weight"], state["weight"])
+    Pair = collections.namedtuple("Pair", "tensor count")
+    pair = host_copy_of(Pair(torch.ones(2), 3))
+    assert isinstance(pair, Pair) and pair.count == 3 and torch.equal(pair.tensor, torch.ones(2))
+
+
+def test_a_share_of_memory_on_a_system_that_cannot_say_is_bad_input(monkeypatch):
+    import os
+
+    from fp16doctor.config import parse_memory_size
+    from fp16doctor.errors import ConfigError
+
+    def no_sysconf(name):
+        raise ValueError(f"unrecognized configuration name {name!r}")
+
+    monkeypatch.setattr(os, "sysconf", no_sysconf)
+    with pytest.raises(ConfigError, match="does not say how much memory"):
+        parse_memory_size("0.5")
+    assert parse_memory_size("2GB") == 2 * 10**9

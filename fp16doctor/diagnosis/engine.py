@@ -9,9 +9,10 @@ from typing import Any, Callable
 
 from ..config import DoctorConfig, build_config, merge
 from ..engine.kept import StateKeeper, release_memory
-from ..engine.probe import OUT_OF_MEMORY, Workbench
+from ..engine.probe import Workbench
 from ..errors import MemoryLimitError
 from ..measure.symptoms import Symptom
+from ..tensors import OUT_OF_MEMORY, one_line
 from ..userfile.spec import TrainingSpec
 from .interventions import InterventionSearch, SearchResult
 from .memory import memory_plan
@@ -101,7 +102,7 @@ def run_stage(stage: Stage, ctx: StageContext) -> StageReport:
     try:
         report = stage.run(ctx)
     except OUT_OF_MEMORY as exc:
-        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'out of memory'}"
+        reason = one_line(exc)
         if stage.name in ESSENTIAL_STAGES:
             raise MemoryLimitError(f"the {stage.name} probe ran out of memory ({reason}); the diagnosis needs it.",
                                    hint="Diagnose with smaller batches or a smaller model (the same numerics show at "
@@ -134,15 +135,20 @@ def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], Non
     findings = [f for f in findings if f.cause not in hidden or repair_rank(f) == 0]
     demote_unrepairing(findings)
     unexplained = explain_symptoms(findings, evidence)
-    search, searched = None, time.perf_counter()
+    search, search_unfit, searched = None, None, time.perf_counter()
     if unexplained:
         if on_stage is not None:
             on_stage(SEARCHING)
-        search = InterventionSearch(ctx, verifier, unexplained).run()
-        release_memory(ctx.bench.device)
-        if search.repair is not None:
+        try:
+            search = InterventionSearch(ctx, verifier, unexplained).run()
+        except OUT_OF_MEMORY as exc:  # the diagnosis's limit, not the training's: the symptoms stay unexplained
+            search_unfit = one_line(exc)
+        finally:
+            release_memory(ctx.bench.device)
+        if search is not None and search.repair is not None:
             unexplained = adopt_repair(findings, search.repair, evidence, unexplained)
-    search_stage = search_report(search)
+    search_stage = search_report(search) if search_unfit is None else StageReport(
+        "intervention search", "skipped", f"did not fit in memory ({search_unfit}); the diagnosis goes on without it")
     search_stage.seconds = time.perf_counter() - searched
     if unexplained:
         findings.append(unexplained_finding(unexplained, evidence, search))
@@ -204,7 +210,11 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
     if single is not None and single.tried and single.config_patch == patch:
         after, summary, records = list(single.symptoms_after or []), single.summary, single.amp_records
     else:
-        outcome = verifier.run(Intervention("the corrected config", config_patch=patch))
+        try:
+            outcome = verifier.run(Intervention("the corrected config", config_patch=patch))
+        except OUT_OF_MEMORY:  # each finding's own verification stands; the combination is left unverified
+            release_memory(verifier.ctx.bench.device)
+            return None
         after, summary, records = [s.code for s in outcome.symptoms], outcome.summary(), outcome.amp
     return CorrectedConfig(config_patch=patch, from_findings=[f.cause for f in usable],
                            symptoms_before=[s.code for s in ev.symptoms], symptoms_after=after, summary=summary,

@@ -26,6 +26,7 @@ from ..measure.symptoms import (
     skip_profile,
     tail_losses,
 )
+from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import iter_tensors, map_named_tensors
 from .model import Evidence, Finding, Verification
 
@@ -169,7 +170,14 @@ class Verifier:
         if intervention is None:
             return Verification(tried=None, reason=nothing_to_try, symptoms_before=before, symptoms_after=None,
                                 removed_share=None, repaired=False)
-        outcome = self.run(intervention)
+        try:
+            outcome = self.run(intervention)
+        except OUT_OF_MEMORY as exc:  # the diagnosis's limit: the fix stays untried, the finding stands
+            from ..engine.kept import release_memory  # here: importing a rule must not load the engine
+
+            release_memory(self.ctx.bench.device)
+            return Verification(tried=None, reason=f"trying it did not fit in memory ({type(exc).__name__})",
+                                symptoms_before=before, symptoms_after=None, removed_share=None, repaired=False)
         after = [s.code for s in outcome.symptoms]
         removed = [c for c in before if c not in after]
         return Verification(

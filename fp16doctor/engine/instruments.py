@@ -31,7 +31,7 @@ from typing import Any, Iterable, cast
 import pandas as pd
 import torch
 
-from ..tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL, grad_values
+from ..tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL, grad_values, norms
 from ..userfile.batches import iter_tensors
 
 # Layout of one stat vector (a row of the per-step stack): input range, output range, then the sampled
@@ -138,11 +138,18 @@ def tensor_vector(outputs: list[torch.Tensor], inputs: list[torch.Tensor], sampl
         return torch.cat([in_range, out_range, histogram])
 
 
+SEGMENT_CACHE_SIZE = 4
+"""Segment-id tensors kept (each as long as the samples): the parameter-gradient and update layouts of one or
+two optimizers; a model whose parameters with gradients change every step rebuilds them instead of piling up."""
+
+
 def _segment_ids(lengths: tuple[int, ...], device: torch.device, cache: dict[Any, torch.Tensor]) -> torch.Tensor:
     """For pieces of these lengths concatenated: the index of the piece each element came from (cached: the
     parameters' shapes, hence their samples' lengths, are the same every step)."""
     key = (lengths, device)
     if key not in cache:
+        if len(cache) >= SEGMENT_CACHE_SIZE:  # the set of parameters with gradients changes (unused experts)
+            cache.clear()
         cache[key] = torch.repeat_interleave(torch.arange(len(lengths), device=device),
                                              torch.tensor(lengths, device=device))
     return cache[key]
@@ -218,8 +225,10 @@ class _Pending:
         self.tensors.extend(tensors)
 
     def values(self) -> list[list[float]]:
-        """Every row's values, in one device-to-host transfer."""
-        return torch.cat(self.vectors).to(torch.float64).view(-1, VECTOR).tolist()
+        """Every row's values, in one device-to-host transfer (one per device for a model split across devices)."""
+        devices = {v.device for v in self.vectors}
+        vectors = self.vectors if len(devices) == 1 else [v.to("cpu") for v in self.vectors]
+        return torch.cat(vectors).to(torch.float64).view(-1, VECTOR).tolist()
 
 
 class Instruments:
@@ -385,7 +394,7 @@ class Instruments:
         n = len(grads)
         with torch.no_grad():
             # Norms accumulate in fp32: a half gradient's own norm can overflow fp16.
-            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double() / divide_by
+            l2 = torch.stack(norms(grads)).double() / divide_by
             samples = [self._sampled(g) for g in grads]
             ids = self._segments_of(samples)
             flat = _as_float(torch.cat(samples)).abs()
@@ -394,11 +403,12 @@ class Instruments:
             # Buckets of |g * S|: bucket 1 is 0 < |g S| < 2^-24, what fp16 flushes to zero at this scale.
             buckets = torch.bucketize(flat * self._scale, _edges(flat.device), right=True)
             counts = torch.bincount(ids * 5 + buckets, minlength=5 * n).view(n, 5)
-            amax = torch.stack(torch._foreach_norm(samples, math.inf, dtype=torch.float32)) / divide_by  # max |g|
+            amax = torch.stack(norms(samples, math.inf)) / divide_by  # max |g|
             # The L1 mass that flushes (bucket 1) and the whole mass: underflow that matters is a share of the mass.
-            flushed = torch.bincount(ids, weights=flat * (buckets == 1), minlength=n)
-            mass = torch.bincount(ids, weights=flat, minlength=n)
-            block = torch.cat([norms[:, None], counts, torch.stack([amax, flushed, mass], 1)], 1)  # float64, as norms are
+            mass_weights = flat.double()  # sums of up to 16384 values per parameter: accumulate in fp64
+            flushed = torch.bincount(ids, weights=mass_weights * (buckets == 1), minlength=n)
+            mass = torch.bincount(ids, weights=mass_weights, minlength=n)
+            block = torch.cat([l2[:, None], counts, torch.stack([amax.double(), flushed, mass], 1)], 1)
         rows = [("param_grad", name, -1, str(g.dtype).replace("torch.", ""), g.numel()) for name, g in named]
         self._pending.add_block(rows, block, [[g] for g in grads])
 

@@ -33,7 +33,14 @@ def host_copy_of(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: host_copy_of(v) for k, v in value.items()}
+        copied = {k: host_copy_of(v) for k, v in value.items()}
+        if type(value) is not dict:  # an OrderedDict state_dict: keep its type and its _metadata (module versions)
+            copied = type(value)(copied)  # type: ignore[call-arg]
+            if hasattr(value, "_metadata"):
+                copied._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
+        return copied
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(value)(*(host_copy_of(v) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(host_copy_of(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -40,6 +40,7 @@ from ..precision.overrides import (
     keep_modules_in_fp32,
 )
 from ..precision.session import PrecisionSession
+from ..tensors import OUT_OF_MEMORY
 from ..precision.recording import (
     OptimizerWatch,
     RecordingGradScaler,
@@ -59,11 +60,8 @@ MODES = ("fp32", "amp", "bf16")
 SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
 """PyTorch's warning when the scheduler steps after a skipped optimizer step: the doctor reports that itself."""
 DEFAULT_INSTRUMENTS = InstrumentOptions()
-"""Every probe carries the numerics instruments (about 4% of a step, benchmarks/overhead.py)."""
+"""Every probe carries the numerics instruments (about 10% of a CPU step, benchmarks/overhead.py)."""
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
-"""Running out of memory is the diagnosis's problem, not evidence about the training: a probe re-raises it (the
-diagnosis skips the stage that did not fit) instead of recording it as the user's exception."""
 
 
 def resolve_device(name: str) -> torch.device:

@@ -32,7 +32,7 @@ import torch
 
 from ..engine.rng import callers_rng_kept, rng_state
 from ..files import atomic_torch_save, atomic_write_text
-from ..tensors import grad_values
+from ..tensors import grad_values, norms
 from ..userfile.batches import map_tensors
 from .capsule import (CAPSULE_FORMAT, capsule_config, capsule_folder, capsule_training_file, constructor_settings,
                       cpu_copy, detached_module, import_roots, loss_gradient_finding, replay_inputs,
@@ -171,12 +171,12 @@ class Watch:
         device = params[0].grad.device if params else torch.device("cpu")
         scale_now = scale_tensor(scaler, device)
         grads = [g for g in map(grad_values, params) if g is not None]  # every one: params have a grad
-        # one pass over the gradients: per-layer L2 norms, in fp32 (a half gradient's norm may pass 65504)
-        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)) if grads else torch.zeros(0, device=device)
+        # one pass over the gradients: per-layer L2 norms, in fp32 or wider (a half gradient's norm may pass 65504)
+        layer_l2 = torch.stack(norms(grads)) if grads else torch.zeros(0, device=device)
         loss = torch.stack([l.to(device) for l in self._losses]).sum() if self._losses else torch.tensor(math.nan, device=device)
         flag = found_inf.to(device).float().sum() if found_inf is not None else torch.tensor(0.0, device=device)
-        values = torch.cat([loss.reshape(1), flag.reshape(1), norms.pow(2).sum().sqrt().reshape(1), scale_now.reshape(1),
-                            norms]).tolist()  # the one transfer (the scale too: get_scale() would be a second sync)
+        values = torch.cat([loss.reshape(1), flag.reshape(1), layer_l2.pow(2).sum().sqrt().reshape(1), scale_now.reshape(1),
+                            layer_l2]).tolist()  # the one transfer (the scale too: get_scale() would be a second sync)
         loss_value = values[0] if self._losses else None
         scale = values[3]
         divide = scale if grads_scaled else 1.0

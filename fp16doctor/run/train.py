@@ -39,6 +39,7 @@ from ..engine.probe import Probe, Workbench
 from ..engine.rng import rng_state, set_rng_state
 from ..errors import DoctorError, TrainingFileError
 from ..files import atomic_torch_save, atomic_write_text
+from ..tensors import OUT_OF_MEMORY, one_line
 from ..measure.localise import trace_step
 from ..userfile.batches import check_batch
 from ..userfile.spec import TrainingSpec
@@ -254,7 +255,11 @@ class Trainer:
                 tick = time.perf_counter()
                 batch = self._next_batch()
                 self.snapshot[2].append(batch)
-                record = self.probe.step(batch, step)  # the canonical AMP step (or the file's train_step)
+                try:
+                    record = self.probe.step(batch, step)  # the canonical AMP step (or the file's train_step)
+                except OUT_OF_MEMORY as exc:  # the run stops as failed, its checkpoints and metrics kept
+                    result.status, result.reason = "failed", f"out of memory at step {step}: {one_line(exc)}"
+                    break
                 if record.exception_type is not None:
                     result.status, result.reason = "failed", f"{record.exception_type}: {record.exception} ({record.exception_location})"
                     break
