@@ -18,11 +18,13 @@ import functools
 import gc
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
 
 import torch
+
+from ..userfile.batches import map_tensors_of
 
 Kept = TypeVar("Kept")
 
@@ -32,13 +34,8 @@ def host_copy_of(value: Any) -> Any:
     anything else deep-copied): one copy, made straight into host memory."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        copied = {k: host_copy_of(v) for k, v in value.items()}
-        if type(value) is not dict:  # an OrderedDict state_dict: keep its type and its _metadata (module versions)
-            copied = type(value)(copied)  # type: ignore[call-arg]
-            if hasattr(value, "_metadata"):
-                copied._metadata = copy.deepcopy(value._metadata)  # type: ignore[attr-defined]
-        return copied
+    if isinstance(value, Mapping):  # an OrderedDict state_dict keeps its type and its _metadata
+        return map_tensors_of(value, {k: host_copy_of(v) for k, v in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments
         return type(value)(*(host_copy_of(v) for v in value))
     if isinstance(value, (list, tuple)):
@@ -49,10 +46,10 @@ def host_copy_of(value: Any) -> Any:
 
 
 def tensor_bytes(value: Any) -> int:
-    """The bytes of the tensors in ``value`` (walked as :func:`to_host` walks it)."""
+    """The bytes of the tensors in ``value`` (walked as :func:`host_copy_of` walks it)."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return sum(tensor_bytes(v) for v in value.values())
     if isinstance(value, (list, tuple)):
         return sum(tensor_bytes(v) for v in value)

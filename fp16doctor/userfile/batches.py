@@ -8,6 +8,8 @@ containers because real datasets carry ids and lengths.
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
@@ -42,14 +44,18 @@ def map_named_tensors(batch: Any, fn: Callable[[str, torch.Tensor], torch.Tensor
 
 
 def map_tensors_of(original: Mapping, mapped: dict) -> Mapping:
-    """``mapped`` in ``original``'s dict type where it can be rebuilt (OrderedDict, ModelOutput-like)."""
+    """``mapped`` in ``original``'s dict type where it can be rebuilt (OrderedDict, ModelOutput-like), with a
+    ``state_dict``'s ``_metadata`` (module versions ``load_state_dict`` reads) carried over."""
     if type(original) is dict:
         return mapped
     rebuild: Any = type(original)  # a concrete mapping class: its constructor takes the items
     try:
-        return rebuild(mapped)
+        rebuilt = rebuild(mapped)
     except Exception:  # noqa: BLE001
         return mapped
+    if hasattr(original, "_metadata"):
+        rebuilt._metadata = copy.deepcopy(original._metadata)
+    return rebuilt
 
 
 def iter_tensors(batch: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
