@@ -12,6 +12,24 @@ EXIT_FINDINGS = 1
 EXIT_BAD_INPUT = 2
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message, its first line only ("" for none): what a record or a table has room for."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def one_line(exc: BaseException) -> str:
+    """An error in one line, its type first (PyTorch's out-of-memory message runs to several)."""
+    message = first_line(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def smaller_run_hint(command: str) -> str:
+    """What to do when a probe the command stands on runs out of memory."""
+    return (f"{command} with smaller batches or a smaller model (the same numerics show at a smaller scale), "
+            "or on a device with more memory.")
+
+
 class DoctorError(Exception):
     """Base class: a problem the user can fix, with a hint saying how.
 

@@ -11,12 +11,6 @@ training (a probe re-raises it instead of recording it as the user's exception).
 
 
 
-def one_line(exc: BaseException) -> str:
-    """An error in one line, its type first (PyTorch's out-of-memory message runs to several)."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
 FP16_MAX = 65504.0
 """The largest finite fp16 value (mixed-precision-notes.md, Formats)."""
 FP16_MIN_SUBNORMAL = 2.0**-24

@@ -10,9 +10,9 @@ from typing import Any, Callable
 from ..config import DoctorConfig, build_config, merge
 from ..engine.kept import StateKeeper, release_memory
 from ..engine.probe import Workbench
-from ..errors import MemoryLimitError
+from ..errors import MemoryLimitError, one_line, smaller_run_hint
 from ..measure.symptoms import Symptom
-from ..tensors import OUT_OF_MEMORY, one_line
+from ..tensors import OUT_OF_MEMORY
 from ..userfile.spec import TrainingSpec
 from .interventions import InterventionSearch, SearchResult
 from .memory import memory_plan
@@ -105,8 +105,7 @@ def run_stage(stage: Stage, ctx: StageContext) -> StageReport:
         reason = one_line(exc)
         if stage.name in ESSENTIAL_STAGES:
             raise MemoryLimitError(f"the {stage.name} probe ran out of memory ({reason}); the diagnosis needs it.",
-                                   hint="Diagnose with smaller batches or a smaller model (the same numerics show at "
-                                        "a smaller scale), or on a device with more memory.") from exc
+                                   hint=smaller_run_hint("Diagnose")) from exc
         report = StageReport(stage.name, "skipped", f"did not fit in memory ({reason}); the diagnosis goes on without it")
     finally:
         release_memory(ctx.bench.device)

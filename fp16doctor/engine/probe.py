@@ -30,7 +30,7 @@ import pandas as pd
 import torch
 
 from ..config import DoctorConfig
-from ..errors import DoctorError, TrainingFileError
+from ..errors import DoctorError, TrainingFileError, first_line
 from ..precision.autocast_policy import autocast_factory
 from ..precision.fp32_mode import NeutraliseHalfCasts, full_precision
 from ..precision.overrides import (
@@ -383,7 +383,7 @@ class Probe:
         return StepRecord(
             step=self.iteration - 1, batch_index=batch_index, loss=float("nan"), grad_norm=float("nan"), lr=lr,
             loss_scale=scale, skipped=True, optimizer_stepped=trace.optimizer_stepped, micro_step=False, nonfinite_loss=True,
-            nonfinite_grads=True, exception_type=type(exc).__name__, exception=str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+            nonfinite_grads=True, exception_type=type(exc).__name__, exception=first_line(exc),
             exception_location=location, exception_module=raising_module(exc, self.model), trace=trace,
         )
 

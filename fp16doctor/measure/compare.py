@@ -18,8 +18,8 @@ import pandas as pd
 from ..config import DoctorConfig
 from ..engine.instruments import InstrumentOptions
 from ..engine.probe import DEFAULT_INSTRUMENTS, Workbench
-from ..errors import MemoryLimitError
-from ..tensors import OUT_OF_MEMORY, one_line
+from ..errors import MemoryLimitError, one_line, smaller_run_hint
+from ..tensors import OUT_OF_MEMORY
 from .records import ExceptionInfo
 from .symptoms import Symptom, measure
 from .thresholds import BF16_FACTOR, GAP_ERROR, GAP_TOLERANCE
@@ -199,8 +199,7 @@ def run_aligned(bench: Workbench, mode: str, config: DoctorConfig, steps: int,
             records = probe.run(steps, max_iterations=max_iterations, stop_on_nonfinite_loss=True)
         except OUT_OF_MEMORY as exc:  # a comparison missing a precision would be no comparison
             raise MemoryLimitError(f"the {mode} run ran out of memory ({one_line(exc)}).",
-                                   hint="Compare with smaller batches or a smaller model (the same numerics show at "
-                                        "a smaller scale), or on a device with more memory.") from exc
+                                   hint=smaller_run_hint("Compare")) from exc
         trajectory = _align(mode, records)
         trajectory.skipped_by_optimizer = probe.skips_by_optimizer()
         if probe.instruments is not None:

@@ -37,9 +37,9 @@ from ..engine.ddp import half_precision_comm_hooks
 from ..engine.instruments import InstrumentOptions
 from ..engine.probe import Probe, Workbench
 from ..engine.rng import rng_state, set_rng_state
-from ..errors import DoctorError, TrainingFileError
+from ..errors import DoctorError, TrainingFileError, one_line
 from ..files import atomic_torch_save, atomic_write_text
-from ..tensors import OUT_OF_MEMORY, one_line
+from ..tensors import OUT_OF_MEMORY
 from ..measure.localise import trace_step
 from ..userfile.batches import check_batch
 from ..userfile.spec import TrainingSpec
