@@ -301,3 +301,38 @@ def test_a_float64_parameter_beside_fp32_ones_is_measured():
     expected = model[0].weight.grad.norm().item()
     assert grads.loc["0.weight", "grad_norm"] == pytest.approx(expected, rel=1e-6)
     assert len(instruments.frames()["updates"]) == 4
+
+
+def test_activation_gradients_are_not_held_until_the_step_ends():
+    """Autograd frees each activation gradient once the next node consumed it; the instruments must not keep
+    them all alive until the step's transfer (a second copy of a step's activation gradients, issue #17)."""
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instruments = Instruments(model, optimizer, EXACT)
+    seen: list[weakref.ref] = []
+
+    def watch(module, args, out):  # returns None: the output stays the module's own
+        out.register_hook(lambda g: seen.append(weakref.ref(g)))
+
+    model[1].register_forward_hook(watch)
+    instruments.begin_step(0, 1.0)
+    model(torch.randn(4, 8)).square().mean().backward()
+    assert seen and all(ref() is None for ref in seen)  # freed before end_step, though the instruments saw it
+    instruments.end_step()
+    grads = instruments.frames()["activation_grads"].set_index("module")
+    assert grads.loc["1", "abs_max"] > 0 and grads.loc["1", "nan"] == 0
+
+
+def test_non_finite_activation_gradients_are_flagged_by_kind():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instruments = Instruments(model, optimizer, EXACT)
+    instruments.begin_step(0, 1.0)
+    out = model(torch.randn(3, 4))
+    (out * torch.tensor([[math.inf], [1.0], [1.0]])).sum().backward()  # +inf into the last layer's grad_output
+    instruments.end_step()
+    row = instruments.frames()["activation_grads"].set_index("module").loc["1"]
+    assert (row["posinf"], row["neginf"], row["nan"]) == (1, 0, 0)
+    assert math.isnan(row["abs_max"])  # the largest finite value of an unheld gradient is not measured

@@ -5,8 +5,12 @@ Cheap enough to run inside every probe:
 * every statistic is reduced on the device into a few numbers per tensor and
   all of them are stacked and moved to the host **once per step**;
 * non-finite values are detected exactly with one ``aminmax`` pass (NaN and
-  inf propagate into it); exact NaN/+inf/-inf counts are taken only on the
-  rare steps where that pass found any (a second transfer on bad steps only);
+  inf propagate into it); exact NaN/+inf/-inf counts of forward outputs and
+  parameter gradients are taken only on the rare steps where that pass found
+  any (a second transfer on bad steps only). Activation gradients are not held
+  until then (that would keep every one of a step's activation gradients
+  alive): their rows flag which kinds the range shows (1 for present) and
+  leave the largest finite magnitude of a non-finite gradient unmeasured (NaN);
 * the shares of elements beyond the fp16 range or below its subnormal and
   normal thresholds are measured exactly on tensors up to ``sample`` (16384)
   elements and on an evenly strided subsample of ``sample`` elements beyond
@@ -343,7 +347,7 @@ class Instruments:
     def _grad_hook(self, name: str, order: int):
         def hook(grad: torch.Tensor) -> None:
             if self._active and grad is not None:
-                self._queue("activation_grad", name, order, str(grad.dtype).replace("torch.", ""), [grad], [])
+                self._queue("activation_grad", name, order, str(grad.dtype).replace("torch.", ""), [grad], [], hold=False)
         return hook
 
     def _queue_alias(self, name: str, order: int, dtype: str, output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
@@ -356,11 +360,15 @@ class Instruments:
         self._pending.add(("forward", name, order, dtype, numel), vector, self._pending.tensors[row])
 
     def _queue(self, kind: str, name: str, order: int, dtype: str, outputs: list[torch.Tensor],
-               inputs: list[torch.Tensor]) -> int:
-        """Queue one module call's stat vector; the index of its vector."""
+               inputs: list[torch.Tensor], hold: bool = True) -> int:
+        """Queue one module call's stat vector; the index of its vector. ``hold``: keep ``outputs`` until the
+        step's transfer, for exact counts should they be non-finite. Activation gradients are not held: autograd
+        frees each as soon as the next node consumed it, and holding them all kept a second copy of the step's
+        activation gradients alive (issue #17); their rows say which kinds of non-finite values the exact range
+        saw instead of counting them."""
         vector = tensor_vector(outputs, inputs, self.options.sample, self._pending.ranges)
         numel = sum(t.numel() for t in outputs)
-        return self._pending.add((kind, name, order, dtype, numel), vector, outputs)
+        return self._pending.add((kind, name, order, dtype, numel), vector, outputs if hold else [])
 
     # --- parameters -----------------------------------------------------------------------------
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -440,13 +448,17 @@ class Instruments:
         if kind in ("forward", "activation_grad"):
             finite = all(math.isfinite(x) for x in (v[OUT_MIN], v[OUT_MAX]))
             nan = pos = neg = 0
-            if not finite:
+            abs_max = max(abs(v[OUT_MIN]), abs(v[OUT_MAX]))
+            if not finite and tensors:
                 nan, pos, neg = exact_counts(tensors)
+                abs_max = _finite_abs_max(tensors)
+            elif not finite:  # not held (activation gradients): what the exact range shows, 1 for present
+                nan, pos, neg, abs_max = kinds_in_range(v[OUT_MIN], v[OUT_MAX]) + (math.nan,)
             sample_n = max(sum(v[ZERO:OVER + 1]), 1.0)
             nonzero = max(sample_n - v[ZERO], 1.0)
             row = {
                 **base, "order": order, "numel": numel,
-                "abs_max": max(abs(v[OUT_MIN]), abs(v[OUT_MAX])) if finite else _finite_abs_max(tensors),
+                "abs_max": abs_max,
                 "nan": nan, "posinf": pos, "neginf": neg,
                 "over_fp16_max": v[OVER] / sample_n,
                 "below_fp16_subnormal": v[SUB24] / nonzero,
@@ -497,6 +509,14 @@ class Instruments:
             return None
         first_step = min(r["step"] for r in bad)
         return min((r for r in bad if r["step"] == first_step), key=lambda r: r["order"])
+
+
+def kinds_in_range(low: float, high: float) -> tuple[int, int, int]:
+    """``(nan, posinf, neginf)`` as 0/1 flags from a tensor's exact ``[min, max]``: NaN propagates into both
+    (and then hides whether infinities are there too), +inf is the max, -inf the min."""
+    if math.isnan(low) or math.isnan(high):
+        return 1, 0, 0
+    return 0, int(high == math.inf), int(low == -math.inf)
 
 
 def _finite_abs_max(tensors: list[torch.Tensor]) -> float:
