@@ -237,9 +237,12 @@ def compare(
     """Run precisions side by side from identical weights and batches. Exit 0 healthy, 1 drift/diverged, 2 bad input."""
 
     def job() -> int:
+        from .engine.kept import return_large_blocks_on_free
         from .engine.probe import Workbench
         from .measure.compare import compare as run_compare
         from .output.terminal import render_comparison
+
+        return_large_blocks_on_free()  # one probe per mode, one after another
 
         for path in (csv, html):
             if path is not None:
@@ -306,8 +309,10 @@ def diagnose(
 
     def job() -> int:
         from .config import parse_memory_size
+        from .engine.kept import return_large_blocks_on_free
 
         memory_limit = parse_memory_size(max_memory) if max_memory is not None else None
+        return_large_blocks_on_free()  # probe after probe: a closed probe's memory goes back (issue #17)
         training_file, replay = capsule_training_file(capsule, given)
         from .diagnosis import DiagnoseOptions, fixed_config
         from .diagnosis import diagnose as run_diagnose

@@ -95,6 +95,57 @@ def test_snapshot_restore_replays_identically():
     pd.testing.assert_frame_equal(first, second, check_exact=True)
 
 
+ACCUMULATING = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+def model():
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 6, generator=g), torch.randint(0, 2, (4,), generator=g)) for _ in range(4)]
+
+def train_step(model, batch, optimizer, scaler, autocast):
+    group = optimizer.param_groups[0]          # the phase lives in the optimizer's state dict
+    group["micro"] = group.get("micro", 0) + 1
+    x, y = batch
+    with autocast():
+        loss = F.cross_entropy(model(x), y) / 2
+    scaler.scale(loss).backward()
+    if group["micro"] % 2 == 0:                # every second micro-batch: one optimizer step
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
+"""
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_snapshot_inside_an_accumulation_keeps_the_gradients(training_file, kept):
+    """Restored mid-accumulation, the next step adds to the accumulated gradients, as the original did; and
+    a restore frees the probe's own gradients and optimizer state rather than keeping them beside the copy."""
+    from fp16doctor.engine.kept import StateKeeper
+
+    bench = bench_for(training_file(ACCUMULATING), steps=4)
+    probe = bench.probe("fp32", instruments=None)
+    probe.run(1)  # a micro-step: gradients accumulated, no optimizer step yet
+    store = StateKeeper(budget=0).kept()
+    store[1] = probe.snapshot(copy_state=False)
+    snap = probe.snapshot()
+    assert snap.grads and all(g.abs().sum() > 0 for g in snap.grads.values())
+    probe.step()
+    first = [p.detach().clone() for p in probe.model.parameters()]
+    if kept:
+        probe.restore_kept(store, 1)
+    else:
+        probe.restore(snap)
+    probe.step()
+    assert all(torch.equal(a, b) for a, b in zip(first, probe.model.parameters()))
+    probe.close()
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_skipped_steps_are_detected_from_the_scalers_found_inf(training_file, fused):
     source = MLP_FILE + f"\nimport torch\ndef optimizer(params):\n    return torch.optim.Adam(params, lr=1e-3, fused={fused})\n"

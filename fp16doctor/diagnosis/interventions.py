@@ -36,7 +36,6 @@ from ..measure.thresholds import EXTREME_INPUT
 from .model import Evidence, Repair, Verification
 from .rules._helpers import stores_half_training_state
 from .stages import StageContext, same_state_gap
-from .stages.context import owned_snapshot
 from .verify import Intervention, Verifier, drop_rows, standardise
 
 KINDS = ("fp32-modules", "loss-fp32", "fp32-weights", "scaler-scale", "scaler-growth", "lr-cap", "hold-scheduler",
@@ -163,7 +162,7 @@ class InterventionSearch:
         try:
             kept = [step for step in self.ctx.fault_snapshots if step <= loc.step]
             if kept:
-                probe.restore(owned_snapshot(self.ctx.fault_snapshots, max(kept)), owned=True)
+                probe.restore_kept(self.ctx.fault_snapshots, max(kept))
             while probe.iteration < loc.step and probe.failed is None:
                 probe.step()
             if probe.failed is not None:

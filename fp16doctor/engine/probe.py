@@ -24,6 +24,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import MutableMapping
 from typing import Any, Callable
 
 import pandas as pd
@@ -52,6 +53,7 @@ from ..userfile.batches import to_device
 from ..userfile.loop import canonical_step, default_loss, output_field
 from ..userfile.spec import TrainingSpec, build_model, draw_batches, user_frame
 from .instruments import InstrumentOptions, Instruments
+from .kept import owned_copy
 from .optimizers import ProbeOptimizers, flat_schedulers, named_optimizers
 from .records import RECORD_COLUMNS, StepRecord  # re-exported: the record types' old home
 from .rng import rng_state, seed_everything, set_rng_state
@@ -105,6 +107,9 @@ class ProbeSnapshot:
     rng: dict[str, Any]
     iteration: int
     cursor: int
+    grads: dict[str, torch.Tensor] | None = None
+    """The parameters' gradients, by name, when the snapshot falls inside a gradient accumulation (the last
+    step was a micro-step: the next one adds to them); None otherwise (the next step starts afresh)."""
 
 
 class Workbench:
@@ -429,18 +434,26 @@ class Probe:
         """The probe's state now. ``copy_state=False``: the weights and optimizer state as live tensors, for a
         caller that saves them at once (a kept state spilled to disk needs no copy in memory first)."""
         rng = rng_state()
+        accumulating = bool(self.records) and self.records[-1].micro_step
+        grads = {n: p.grad.detach().clone() if copy_state else p.grad for n, p in self.model.named_parameters()
+                 if p.grad is not None} if accumulating else None
         return ProbeSnapshot(
             model=copy.deepcopy(self.model.state_dict()) if copy_state else self.model.state_dict(),
             optimizer=self.optimizers.state(copy_state),
             scheduler=[copy.deepcopy(s.state_dict()) for s in self.schedulers] if self.schedulers else None,
             scaler=copy.deepcopy(self.scaler.state_dict()),
-            rng=rng, iteration=self.iteration, cursor=self.cursor,
+            rng=rng, iteration=self.iteration, cursor=self.cursor, grads=grads,
         )
 
     def restore(self, snap: ProbeSnapshot, owned: bool = False) -> None:
         """Back to ``snap``. ``owned``: the snapshot is the probe's to keep (a fresh load of a kept state): its
-        optimizer tensors become the optimizer's state instead of being copied."""
+        optimizer tensors become the optimizer's state instead of being copied.
+
+        The probe's own gradients and optimizer state are dropped first: they are replaced anyway, and holding
+        them while the snapshot's load would keep two copies of the optimizer state (issue #17)."""
+        self._drop_training_state()
         self.model.load_state_dict(snap.model)
+        self._load_grads(snap.grads, owned)
         self.optimizers.load(snap.optimizer, owned=owned)
         for scheduler, state in zip(self.schedulers, snap.scheduler or []):
             scheduler.load_state_dict(state)
@@ -450,6 +463,28 @@ class Probe:
         self.iteration, self.cursor = snap.iteration, snap.cursor
         self.records = [r for r in self.records if r.step < snap.iteration]
         self.failed = None
+
+    def restore_kept(self, kept: "MutableMapping[int, ProbeSnapshot]", step: int) -> None:
+        """Back to the snapshot kept at ``step`` (a :class:`~.kept.KeptStates` on disk or in memory). The
+        probe's gradients and optimizer state are freed before the snapshot is read back, so the restore
+        holds the probe's weights and one snapshot, not the probe's whole state beside it."""
+        self._drop_training_state()
+        self.restore(owned_copy(kept, step), owned=True)  # owned: its optimizer tensors are taken over, not copied
+
+    def _drop_training_state(self) -> None:
+        """Free the gradients and every optimizer's state (a restore replaces both)."""
+        for p in self.model.parameters():
+            p.grad = None
+        for optimizer in self.optimizers.all():
+            optimizer.state.clear()
+
+    def _load_grads(self, grads: dict[str, torch.Tensor] | None, owned: bool) -> None:
+        if not grads:
+            return
+        for name, p in self.model.named_parameters():
+            if name in grads:
+                g = grads[name]
+                p.grad = g.to(p.device) if owned else g.detach().clone().to(p.device)
 
     def close(self) -> None:
         """Detach what the probe hooked into, and break its reference cycles: a closed probe (its model,

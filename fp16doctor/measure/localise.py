@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine.instruments import module_names
-from ..engine.kept import StateKeeper, owned_copy
+from ..engine.kept import StateKeeper
 from ..engine.probe import Probe, ProbeSnapshot, Workbench
 from .records import OUTSIDE_MODEL, Localisation  # re-exported: the record types' old home
 
@@ -309,7 +309,7 @@ def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: 
         weights_broken = not all(_finite(p) for p in probe.model.parameters())
         found = trace_step(probe) if probe.failed is None and not weights_broken else None
         if found is None and before is not None:
-            probe.restore(owned_copy(kept, before), owned=True)  # no second copy of the optimizer's state
+            probe.restore_kept(kept, before)  # no second copy of the optimizer's state
             found = trace_step(probe)
         if found is not None:
             found.replayed = [(r.loss, r.loss_scale) for r in probe.records if r.step < found.step]

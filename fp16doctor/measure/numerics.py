@@ -36,20 +36,29 @@ class GradientCapture:
 
 
 
-def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
-    """Take one step of ``probe`` keeping its gradients, then restore the probe to before the step.
+def capture_gradients(probe: Probe, sample: int = 262144, restore: bool = False) -> GradientCapture:
+    """Take one step of ``probe`` keeping (a strided sample of) its gradients.
 
     Works for any training file, ``train_step`` included: parameter gradients
     are read just before the optimizer step (unscaled by then) or after the
-    step when it was skipped; activation gradients through tensor hooks.
+    step when it was skipped; activation gradients through tensor hooks. The
+    samples are kept in float32 (every fp16 and bf16 value is exact there, and
+    the loss scales that divide them are powers of two): half the memory of
+    float64, whose sums the readers do themselves.
+
+    ``restore``: put the probe back to before the step. Every caller in the
+    diagnosis captures from a fresh probe it closes next, so the default is not
+    to: the snapshot would be a full copy of the weights and the optimizer's
+    state beside the live ones, the largest allocation of the loss-scale stage.
     """
-    snap = probe.snapshot()
+    snap = probe.snapshot() if restore else None
     captured: dict[str, torch.Tensor] = {}
     names = module_names(probe.model)
     params = {p: n for n, p in probe.model.named_parameters()}
 
     def keep(key: str, g: torch.Tensor, divide: float = 1.0) -> None:
-        captured[key] = strided_sample(g.detach(), sample).double() / divide  # a copy: double() or the division makes one
+        kept = strided_sample(g.detach(), sample).to(torch.float32, copy=True)  # a copy: the sample is a view of g
+        captured[key] = kept.div_(divide) if divide != 1.0 else kept
 
     def forward_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad and output.is_floating_point():
@@ -76,7 +85,8 @@ def capture_gradients(probe: Probe, sample: int = 262144) -> GradientCapture:
     finally:
         for h in handles:
             h.remove()
-        probe.restore(snap)
+        if snap is not None:
+            probe.restore(snap)
     return GradientCapture(captured, scale)
 
 

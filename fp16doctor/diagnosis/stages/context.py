@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 
 from ...config import DoctorConfig, build_config, merge
-from ...engine.kept import StateKeeper, owned_copy
+from ...engine.kept import StateKeeper
 from ...engine.instruments import InstrumentOptions, precision_map
 from ...engine.optimizers import flat_schedulers, named_optimizers
 from ...engine.probe import (
@@ -86,11 +86,6 @@ class StageContext:
         if step is None:
             return None
         return next((e for e in self.schedule_event_steps() if e <= step <= e + EVENT_LEAD), None)
-
-
-def owned_snapshot(kept: MutableMapping[int, ProbeSnapshot], step: int) -> ProbeSnapshot:
-    """A copy of the kept snapshot at ``step`` that a probe may take over (``Probe.restore(..., owned=True)``)."""
-    return owned_copy(kept, step)
 
 
 def summarise(probe: Probe) -> ProbeSummary:

@@ -9,7 +9,7 @@ import torch
 
 from ...engine.probe import Probe, ProbeSnapshot
 from ..model import LrPause, LrPeak, LrSchedule, StageReport
-from .context import StageContext, bad_step, owned_snapshot
+from .context import StageContext, bad_step
 
 
 def stage_lr_peak(ctx: StageContext) -> StageReport:
@@ -61,7 +61,7 @@ def _paused_step(ctx: StageContext, kept: MutableMapping[int, ProbeSnapshot], ev
     probe holding no gradients or optimizer state yet takes the copy over (no second copy in memory)."""
     probe = ctx.bench.probe("amp", ctx.config)
     try:
-        probe.restore(owned_snapshot(kept, event), owned=True)
+        probe.restore_kept(kept, event)
         return _instrumented_step(probe, lr=lr)
     finally:
         probe.close()
