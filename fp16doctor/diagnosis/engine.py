@@ -83,7 +83,9 @@ def diagnose(
     with StateKeeper(plan.kept_budget) as keeper:  # its temporary folder goes, however the run ends
         ctx = StageContext(bench=bench, config=config, evidence=Evidence(
                                config=config, device=bench.device.type, steps=config.steps,
-                               has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None),
+                               has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None,
+                               uses_default_loss=spec.loss is None and spec.train_step is None,
+                               near_misses={name: dict(found) for name, found in spec.near_misses.items()}),
                            ci=options.ci,
                            states=keeper.kept(), fault_snapshots=keeper.kept(), amp_snapshots=keeper.kept())
         return _triage(ctx, spec, on_stage)
