@@ -182,13 +182,14 @@ def test_step_progress_counts_against_the_outermost_plan():
 
     seen: list[tuple[str, int, int]] = []
     progress = StepProgress(lambda mode, step, steps: seen.append((mode, step, steps)))
-    with progress.planned(4):
-        with progress.planned(10):  # a helper's own estimate inside the stage's plan: the stage's stands
+    with progress.planned(6):  # a stage's plan: a helper's 4 steps, then 2 of its own
+        with progress.planned(4):  # the helper's own announcement, a part of the stage's: it adds nothing
             progress.step("fp32")
             progress.step("amp")
+        assert progress.total == 4  # the helper stopped early: its 2 untaken steps are dropped at once
         progress.step("amp")
-    assert seen == [("fp32", 0, 4), ("amp", 1, 4), ("amp", 2, 4)]
-    assert progress.total == 3  # the step it planned and did not take is dropped
+    assert seen == [("fp32", 0, 6), ("amp", 1, 6), ("amp", 2, 4)]
+    assert progress.total == 3  # the step the stage planned and did not take is dropped too
     progress.step("amp")  # past every plan: the total follows, never below the step
     assert seen[-1] == ("amp", 3, 4)
     with progress.planned(2):

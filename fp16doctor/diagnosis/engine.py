@@ -132,8 +132,10 @@ def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], Non
         stages.append(run_stage(stage, ctx))
     announce(VERIFYING)  # measuring the symptoms may replay AMP aligned on the steps taken: the verification's work
     start = time.perf_counter()
-    evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
-                                          evidence.gap.gap if evidence.gap else None)
+    skips = len(evidence.amp.skip_steps) if evidence.amp is not None else 0
+    with ctx.progress.planned(evidence.steps + skips if skips else 0):  # the AMP run aligned on the steps taken, if a drift needs it
+        evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
+                                              evidence.gap.gap if evidence.gap else None)
     findings, hidden = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
     verify_findings(findings, evidence, verifier, hidden)

@@ -137,7 +137,8 @@ class InterventionSearch:
             seen.add(key)
             if len(self.trials) >= self.budget:
                 break
-            trial = self._try(candidate)
+            with self.ctx.progress.planned(self._screen_steps() + self.ev.steps):  # a failed screen drops the rest
+                trial = self._try(candidate)
             self.trials.append(trial)
             if trial.repaired:
                 return SearchResult(self.trials, self._repair(trial), self.intrinsic)

@@ -4,10 +4,10 @@ reports itself, against the steps the work under way announced.
 The engine prints nothing: it tells a hook ``(probe mode, step about to run, steps planned)``; a caller
 (the CLI's progress display) renders it. The counting cannot be forgotten by a stage, because the probe
 itself reports each step it takes; what a stage (or a helper it calls) adds is the *total*, announced with
-:meth:`StepProgress.planned` before it steps: the outermost announcement stands, so a stage that knows its
+:meth:`StepProgress.planned` before it steps: the outermost announcement sets it, so a stage that knows its
 whole plan announces it once, and the helpers it calls (which announce their own steps for the callers that
-do not) add nothing to it. A step past the plan raises the total to that step: the display never shows
-"step 7 of 6", only an estimate that grew.
+do not) only correct it, dropping what they planned and did not take. A step past the plan raises the total
+to that step: the display never shows "step 7 of 6", only an estimate that grew.
 """
 
 from __future__ import annotations
@@ -40,8 +40,11 @@ class StepProgress:
     @contextlib.contextmanager
     def planned(self, steps: int) -> Iterator[None]:
         """About ``steps`` probe steps are taken inside (an estimate; an upper bound where the work may stop
-        early). Only the outermost announcement counts; on leaving it, the steps it did not take are dropped
-        from the total, so an early stop shortens the estimate instead of leaving it hanging."""
+        early). The outermost announcement sets the total; one inside it is a part of it (a helper announcing
+        its own steps), and adds nothing. On leaving any announcement, the steps it did not take are dropped
+        from the total: an early stop (a sweep setting that settled, a search that found its repair) shortens
+        the estimate at once instead of leaving it hanging. So an outer plan is the sum of the parts it
+        expects, each counted as the part itself announces it."""
         outermost = self._depth == 0
         start = self.done
         if outermost:
@@ -51,10 +54,9 @@ class StepProgress:
             yield
         finally:
             self._depth -= 1
-            if outermost:
-                unused = steps - (self.done - start)
-                if unused > 0:
-                    self.total = max(self.total - unused, self.done)
+            unused = steps - (self.done - start)
+            if unused > 0:
+                self.total = max(self.total - unused, self.done)
 
     def step(self, mode: str) -> None:
         """A probe of ``mode`` is about to take a step (called by the probe itself)."""

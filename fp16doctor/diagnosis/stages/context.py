@@ -207,8 +207,7 @@ def measured_symptoms(ctx: StageContext, config: DoctorConfig, amp: ProbeSummary
         return found
     aligned = ctx.bench.probe("amp", config, align_on_taken_steps=True, instruments=None, hold_scheduler_on_retry=False)
     try:
-        with ctx.progress.planned(ctx.evidence.steps + len(amp.skip_steps)):  # a skipped step is taken again
-            records = aligned.run(ctx.evidence.steps)
+        records = aligned.run(ctx.evidence.steps)
     finally:
         aligned.close()
     drift = [s for s in measure(records, fp32.records, bf16=bf16) if s.code == "trajectory-drift"]

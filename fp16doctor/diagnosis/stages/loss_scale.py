@@ -96,8 +96,15 @@ def _sweep(ctx: StageContext, capture: Any, window: Any) -> pd.DataFrame:
         base = window.recommended()
         for interval in (ctx.config.scaler.growth_interval * 10, ctx.config.scaler.growth_interval * 100):
             settings.append({"init_scale": base, "growth_interval": int(interval)})
-    with ctx.progress.planned(steps * (1 + len(settings))):  # FP32, then each setting: at least ``steps`` each
+    # FP32, then each setting at most ``sweep_iterations`` (a skipped step is taken again): an upper bound, so
+    # that the estimate of the time left shrinks as settings settle instead of growing step by step
+    with ctx.progress.planned(steps + len(settings) * sweep_iterations(steps)):
         return _run_sweep(ctx, capture, settings, steps)
+
+
+def sweep_iterations(steps: int) -> int:
+    """The most iterations one sweep setting runs: a setting still skipping after the calibration allowance has failed."""
+    return steps + CALIBRATION_SKIPS + 2
 
 
 def _run_sweep(ctx: StageContext, capture: Any, settings: list[dict[str, Any]], steps: int) -> pd.DataFrame:
@@ -108,7 +115,7 @@ def _run_sweep(ctx: StageContext, capture: Any, settings: list[dict[str, Any]], 
         config = ctx.with_config({"scaler": {"enabled": True, **setting}})
         # A setting still skipping after the calibration allowance has failed: no need to watch it further.
         result = compare(ctx.bench, ["amp"], steps=steps, config=config, reference=baseline, instruments=None,
-                         max_iterations=steps + CALIBRATION_SKIPS + 2)
+                         max_iterations=sweep_iterations(steps))
         trajectory = result.trajectories["amp"]
         iterations = len(trajectory.records)
         under = predicted_underflow(capture, setting["init_scale"])["predicted_underflow_mass"].max()
