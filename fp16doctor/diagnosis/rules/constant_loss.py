@@ -11,6 +11,8 @@ training that trains nothing says little.
 
 from __future__ import annotations
 
+import math
+
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
 from . import Rule
@@ -39,8 +41,8 @@ class ConstantLoss(Rule):
         if fp32 is None or fp32.exception is not None:
             return []
         losses = [float(v) for v in fp32.records["loss"]]
-        if len(losses) < MIN_STEPS or any(v != v or v in (float("inf"), float("-inf")) for v in losses):
-            return []
+        if len(losses) < MIN_STEPS or not all(math.isfinite(v) for v in losses):
+            return []  # too short to tell; a non-finite loss is other rules' evidence
         if any(v != losses[0] for v in losses):
             return []
         value = losses[0]

@@ -36,7 +36,6 @@ from ...measure.symptoms import (
 from ..model import Evidence, ProbeSummary
 
 
-
 EVENT_LEAD = 3
 """Trouble that starts at most this many steps after an LR schedule's peak or jump starts there."""
 
