@@ -438,8 +438,9 @@ class DiagnosisProgress:
         self._show(self.index, stage=name, step="")
 
     def probe_step(self, mode: str, step: int, steps: int) -> None:
-        """A probe's step starts: its place in the probe, and the bar's share of the stage (never moving back,
-        so that the estimate of the time left follows the work done)."""
+        """A probe's step starts: its place among the probe steps the stage planned (every probe step of the
+        diagnosis reports itself, see :mod:`fp16doctor.engine.progress`), and the bar's share of the stage
+        (never moving back, so that the estimate of the time left follows the work done)."""
         done = min(step, steps) / max(steps, 1)
         self._show(self.index + 0.9 * done, step=f"{mode} step {min(step + 1, steps)}/{steps}")
 

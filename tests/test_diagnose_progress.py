@@ -101,3 +101,100 @@ def test_the_display_writes_nothing_off_a_terminal():
         progress.stage("fp32 baseline")
         progress.probe_step("fp32", 1, 4)
     assert screen.getvalue() == ""
+
+
+# --- every stage that steps a probe reports its steps against a planned total -------------------------
+
+FAULTY = "warmup_peak.py"
+"""A faulty sample whose diagnosis steps probes in nearly every stage: the baselines, the localisation's
+replay, the loss-scale capture, the pause at the LR peak, the same-state comparisons, bf16, the verification."""
+
+STEPPING_STAGES = {"fp32 baseline", "amp as configured", "localisation", "loss-scale sweep", "LR schedule peak",
+                   "precision-gap search", "bf16 check", "verifying fixes"}
+
+
+def recorded_diagnosis(sample: str) -> tuple[dict[str, list[tuple[str, int, int]]], object]:
+    """The diagnosis of ``sample`` (--ci) with its progress reports, by the stage they came in."""
+    from collections import defaultdict
+
+    from fp16doctor.config import build_config
+    from fp16doctor.diagnosis import DiagnoseOptions, diagnose
+    from fp16doctor.userfile.spec import load_training_file
+
+    spec = load_training_file(SAMPLES / sample)
+    reports: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
+    stage = ["before any stage"]
+
+    def on_stage(name: str) -> None:
+        stage[0] = name
+        reports[name]  # a stage that steps nothing shows as an empty list
+
+    result = diagnose(spec, build_config(spec.config, {"device": "cpu"}), DiagnoseOptions(ci=True), on_stage=on_stage,
+                      on_probe_step=lambda mode, step, steps: reports[stage[0]].append((mode, step, steps)))
+    return dict(reports), result
+
+
+def test_every_stage_that_steps_a_probe_reports_step_i_of_n():
+    reports, result = recorded_diagnosis(FAULTY)
+    assert "before any stage" not in reports  # every probe step falls in a stage
+    stepped = {name for name, steps in reports.items() if steps}
+    assert STEPPING_STAGES <= stepped, (stepped, [(s.name, s.status) for s in result.stages])
+    assert not reports["data scan"]
+    for name in stepped:
+        steps = reports[name]
+        assert [i for _, i, _ in steps] == list(range(len(steps))), name  # counted within the stage, from 0
+        assert all(0 <= i < n for _, i, n in steps), (name, steps)  # never "step 7 of 6"
+        # the stage announced its steps before taking them: the first report already knows more are coming
+        assert steps[0][2] >= min(len(steps), 2), (name, steps[:3])
+    steps = result.evidence.steps
+    for name, mode in (("fp32 baseline", "fp32"), ("amp as configured", "amp"), ("bf16 check", "bf16")):
+        assert reports[name] == [(mode, i, steps) for i in range(steps)]  # one probe: exactly its steps
+    replay = reports["localisation"]
+    assert {n for _, _, n in replay} == {result.evidence.localisation.step + 1}  # the replay and the traced step
+    assert {m for m, _, _ in reports["precision-gap search"]} == {"fp32", "amp"}  # the same-state pairs
+
+
+def test_a_faulty_diagnosis_off_a_terminal_keeps_stderr_free_of_progress_and_stdout_one_object():
+    proc = run_cli("diagnose", SAMPLES / FAULTY, "--ci", "--json", env={"TERM": "xterm-256color"})
+    assert proc.returncode == 1, proc.stderr  # error findings
+    decoder = json.JSONDecoder()
+    found, end = decoder.raw_decode(proc.stdout.strip())
+    assert end == len(proc.stdout.strip())  # exactly one JSON object, nothing after it
+    assert found["verdict"] != "healthy"
+    assert {s["name"]: s["status"] for s in found["stages"]}["LR schedule peak"] == "ran"
+    assert ESCAPE not in proc.stderr and ESCAPE not in proc.stdout
+    for word in (" step ", "/16", "localisation", "fp32 baseline", "left"):
+        assert word not in proc.stderr, (word, proc.stderr[-1000:])
+
+
+def test_a_faulty_diagnosis_on_a_terminal_shows_the_steps_of_its_later_stages():
+    stdout, terminal, code = run_with_terminal_stderr("diagnose", SAMPLES / FAULTY, "--ci", "--json")
+    assert code == 1, terminal[-2000:]
+    assert json.loads(stdout)["verdict"] != "healthy"
+    for stage in ("localisation", "LR schedule peak", "verifying fixes"):
+        assert stage in terminal, stage
+    assert "amp step" in terminal and "bf16 step" in terminal
+    assert terminal.rfind("\x1b[1A\x1b[2K") > terminal.rfind("diagnose"), repr(terminal[-300:])
+
+
+def test_step_progress_counts_against_the_outermost_plan():
+    from fp16doctor.engine.progress import StepProgress
+
+    seen: list[tuple[str, int, int]] = []
+    progress = StepProgress(lambda mode, step, steps: seen.append((mode, step, steps)))
+    with progress.planned(6):  # a stage's plan: a helper's 4 steps, then 2 of its own
+        with progress.planned(4):  # the helper's own announcement, a part of the stage's: it adds nothing
+            progress.step("fp32")
+            progress.step("amp")
+        assert progress.total == 4  # the helper stopped early: its 2 untaken steps are dropped at once
+        progress.step("amp")
+    assert seen == [("fp32", 0, 6), ("amp", 1, 6), ("amp", 2, 4)]
+    assert progress.total == 3  # the step the stage planned and did not take is dropped too
+    progress.step("amp")  # past every plan: the total follows, never below the step
+    assert seen[-1] == ("amp", 3, 4)
+    with progress.planned(2):
+        progress.step("fp32")
+    assert seen[-1] == ("fp32", 4, 6)
+    progress.begin()  # the next stage counts from 0
+    progress.step("bf16")
+    assert seen[-1] == ("bf16", 0, 1) and progress.done == 1

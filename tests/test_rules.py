@@ -19,7 +19,8 @@ CONTRACT_CODES = {
     "nonfinite-data", "extreme-data", "fp32-divergence", "loss-in-half", "activation-overflow", "grad-underflow",
     "scale-overflow", "scale-growth", "half-weights", "half-batchnorm", "half-optimizer-state",
     "clip-before-unscale", "lr-schedule-peak", "scheduler-skip-drift", "precision-gap", "bf16-advice",
-    "constant-out-of-range", "empty-targets", "scaler-misuse", "backward-overflow",
+    "constant-out-of-range", "empty-targets", "scaler-misuse", "backward-overflow", "loss-name-mismatch",
+    "constant-loss",
 }
 RULES = all_rules()
 HEALTHY = ["mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"]
@@ -35,7 +36,10 @@ def test_every_rule_documents_itself_and_has_a_sample():
     for rule in RULES:
         assert rule.doc(), rule.code
         assert rule.severity in ("error", "warning", "info")
-        if rule.code != "bf16-advice" and rule.fires_on:  # advice never tops a diagnosis with errors
+        # Advice, and a warning that explains no symptom, never becomes an error: it tops no unhealthy sample
+        # (bf16-advice; loss-name-mismatch and constant-loss have their training file in tests/test_loss_warnings.py).
+        never_an_error = rule.severity != "error" and not rule.explains
+        if not never_an_error and rule.fires_on:
             assert rule.triggers, rule.code  # (a cause only the intervention search names has training files instead)
         for sample in rule.triggers + rule.passes:
             assert (SAMPLES / sample).is_file(), sample

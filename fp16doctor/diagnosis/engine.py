@@ -10,6 +10,7 @@ from typing import Any, Callable
 from ..config import DoctorConfig, build_config, merge
 from ..engine.kept import StateKeeper, release_memory
 from ..engine.probe import Workbench
+from ..engine.progress import ProbeStepHook, StepProgress
 from ..errors import MemoryLimitError, one_line, smaller_run_hint
 from ..measure.symptoms import Symptom
 from ..tensors import OUT_OF_MEMORY
@@ -28,7 +29,6 @@ from .model import (
     Verification,
 )
 from .stages import STAGES, Stage, StageContext, measured_symptoms, same_state_gap
-from .stages.context import ProbeStepHook
 from .verify import Verifier, repair_rank
 
 UNEXPLAINED = "unexplained"
@@ -70,19 +70,23 @@ def diagnose(
     """Run every stage in order, then every rule; return the ranked diagnosis.
 
     ``on_stage`` is told each stage's name as it starts (then "verifying fixes", and "intervention search"
-    when it runs); ``on_probe_step`` each step of the probes the stages and verifications run: a caller's
-    progress display, nothing the diagnosis depends on.
+    when it runs); ``on_probe_step`` every probe step the diagnosis takes, as ``(mode, step, steps)``: the
+    step within the stage (from 0) and the steps the stage planned so far (see :mod:`fp16doctor.engine.progress`).
+    A caller's progress display, nothing the diagnosis depends on.
     """
     options = options or DiagnoseOptions()
     if options.ci and config.steps > CI_STEPS:
         config = build_config(merge(config.to_dict(), {"steps": CI_STEPS}))
     bench = Workbench(spec, config, batch_count=max(config.steps, options.scan_batches or 0))
+    bench.progress = StepProgress(on_probe_step)  # every probe of the bench reports its steps there
     plan = memory_plan(bench, options.max_memory)
     with StateKeeper(plan.kept_budget) as keeper:  # its temporary folder goes, however the run ends
         ctx = StageContext(bench=bench, config=config, evidence=Evidence(
                                config=config, device=bench.device.type, steps=config.steps,
-                               has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None),
-                           ci=options.ci, on_probe_step=on_probe_step,
+                               has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None,
+                               uses_default_loss=spec.loss is None and spec.train_step is None,
+                               near_misses={name: dict(found) for name, found in spec.near_misses.items()}),
+                           ci=options.ci,
                            states=keeper.kept(), fault_snapshots=keeper.kept(), amp_snapshots=keeper.kept())
         return _triage(ctx, spec, on_stage)
 
@@ -116,16 +120,22 @@ def run_stage(stage: Stage, ctx: StageContext) -> StageReport:
 def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], None] | None) -> Diagnosis:
     """Every stage, then the rules, the fixes' verification and (for what no rule explains) the search."""
     config, evidence = ctx.config, ctx.evidence
+
+    def announce(name: str) -> None:
+        ctx.progress.begin()  # the steps of each stage are counted from 0 against that stage's plan
+        if on_stage is not None:
+            on_stage(name)
+
     stages: list[StageReport] = []
     for stage in STAGES:
-        if on_stage is not None:
-            on_stage(stage.name)
+        announce(stage.name)
         stages.append(run_stage(stage, ctx))
-    evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
-                                          evidence.gap.gap if evidence.gap else None)
-    if on_stage is not None:
-        on_stage(VERIFYING)
+    announce(VERIFYING)  # measuring the symptoms may replay AMP aligned on the steps taken: the verification's work
     start = time.perf_counter()
+    skips = len(evidence.amp.skip_steps) if evidence.amp is not None else 0
+    with ctx.progress.planned(evidence.steps + skips if skips else 0):  # the AMP run aligned on the steps taken, if a drift needs it
+        evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
+                                              evidence.gap.gap if evidence.gap else None)
     findings, hidden = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
     verify_findings(findings, evidence, verifier, hidden)
@@ -136,8 +146,7 @@ def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], Non
     unexplained = explain_symptoms(findings, evidence)
     search, search_unfit, searched = None, None, time.perf_counter()
     if unexplained:
-        if on_stage is not None:
-            on_stage(SEARCHING)
+        announce(SEARCHING)
         try:
             search = InterventionSearch(ctx, verifier, unexplained).run()
         except OUT_OF_MEMORY as exc:  # the diagnosis's limit, not the training's: the symptoms stay unexplained
@@ -172,12 +181,13 @@ def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier, h
     measured = {s.code for s in ev.symptoms}
     candidates = [f for f in findings if f.severity == "error"
                   or (f.severity == "warning" and measured & set(rules[f.cause].explains))]
-    for group in ([f for f in candidates if f.cause not in hidden], [f for f in candidates if f.cause in hidden]):
-        if group and group[0].cause in hidden and any(repair_rank(f) == 0 for f in candidates):
-            return
-        for finding in group:
-            rule = rules[finding.cause]
-            finding.verification = verifier.verify(rule.intervention(finding, ev), rule.nothing_to_try)
+    interventions = {id(f): rules[f.cause].intervention(f, ev) for f in candidates}
+    with verifier.ctx.progress.planned(sum(verifier.planned_steps(i) for i in interventions.values())):
+        for group in ([f for f in candidates if f.cause not in hidden], [f for f in candidates if f.cause in hidden]):
+            if group and group[0].cause in hidden and any(repair_rank(f) == 0 for f in candidates):
+                return
+            for finding in group:
+                finding.verification = verifier.verify(interventions[id(finding)], rules[finding.cause].nothing_to_try)
 
 
 def demote_unrepairing(findings: list[Finding]) -> None:

@@ -33,15 +33,17 @@ def records(
     nonfinite_grads: Iterable[int] = (),
     scales: list[float] | None = None,
     exception: dict[str, Any] | None = None,
+    losses: list[float] | None = None,
 ) -> pd.DataFrame:
-    """A probe record: a loss falling from 2.0, the given steps skipped or non-finite, an exception ending it."""
+    """A probe record: a loss falling from 2.0 (else ``losses``), the given steps skipped or non-finite, an
+    exception ending it."""
     skipped, bad_loss, bad_grads = set(skipped), set(nonfinite_loss), set(nonfinite_grads)
     exc = exception or {}
     rows = []
     for i in range(steps):
         raised = exception is not None and i == exc["step"]
         rows.append({
-            "step": i, "batch_index": i, "loss": math.nan if i in bad_loss or raised else 2.0 - 0.05 * i,
+            "step": i, "batch_index": i, "loss": math.nan if i in bad_loss or raised else (losses[i] if losses else 2.0 - 0.05 * i),
             "grad_norm": math.inf if i in bad_grads or i in skipped else 1.0, "lr": 1e-3,
             "loss_scale": scales[i] if scales else 65536.0, "skipped": i in skipped or raised,
             "optimizer_stepped": i not in skipped and not raised, "micro_step": False,

@@ -107,6 +107,21 @@ class InterventionSearch:
 
     # --- the search ---------------------------------------------------------------------------------
     def run(self) -> SearchResult:
+        # the estimate: the scale-1 screen, then each candidate's screen and full probe (unused steps are
+        # dropped when the search stops early)
+        with self.ctx.progress.planned(self._screen_steps() + self.budget * (self._screen_steps() + self.ev.steps)):
+            return self._search()
+
+    def _screen_steps(self) -> int:
+        """The probe steps of one screen of the failing step (:meth:`_screen_fault`): from the snapshot the
+        localisation kept (else from the start) through the failing step; a same-state pair for a gap."""
+        loc = self.ev.localisation
+        if loc is None:
+            return 2 if self.ev.gap else 0
+        kept = [step for step in self.ctx.fault_snapshots if step <= loc.step]
+        return loc.step - (max(kept) if kept else 0) + 1
+
+    def _search(self) -> SearchResult:
         loc = self.ev.localisation
         if (self.codes & RANGE_SYMPTOMS and "fp32-nonfinite" not in self.codes and loc is not None
                 and loc.phase != "data" and self.ev.localisation_deterministic):
@@ -121,7 +136,8 @@ class InterventionSearch:
             seen.add(key)
             if len(self.trials) >= self.budget:
                 break
-            trial = self._try(candidate)
+            with self.ctx.progress.planned(self._screen_steps() + self.ev.steps):  # a failed screen drops the rest
+                trial = self._try(candidate)
             self.trials.append(trial)
             if trial.repaired:
                 return SearchResult(self.trials, self._repair(trial), self.intrinsic)
@@ -160,14 +176,15 @@ class InterventionSearch:
         config = self.ctx.with_config(patch)
         probe = self.ctx.bench.probe("amp", config, instruments=None)
         try:
-            kept = [step for step in self.ctx.fault_snapshots if step <= loc.step]
-            if kept:
-                probe.restore_kept(self.ctx.fault_snapshots, max(kept))
-            while probe.iteration < loc.step and probe.failed is None:
-                probe.step()
-            if probe.failed is not None:
-                return loc  # the user's code raised before the failing step: no repair
-            found = trace_step(probe)
+            with self.ctx.progress.planned(self._screen_steps()):
+                kept = [step for step in self.ctx.fault_snapshots if step <= loc.step]
+                if kept:
+                    probe.restore_kept(self.ctx.fault_snapshots, max(kept))
+                while probe.iteration < loc.step and probe.failed is None:
+                    probe.step()
+                if probe.failed is not None:
+                    return loc  # the user's code raised before the failing step: no repair
+                found = trace_step(probe)
             return loc if found is None and probe.failed is not None else found  # raising is no repair either
         finally:
             probe.close()

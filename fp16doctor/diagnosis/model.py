@@ -326,6 +326,11 @@ class Evidence:
     steps: int
     has_scheduler: bool
     has_train_step: bool
+    uses_default_loss: bool = False
+    """The probes computed the doctor's default loss: the file defines neither ``loss()`` nor ``train_step()``."""
+    near_misses: dict[str, dict[str, str]] = field(default_factory=dict)
+    """The file's callables named like a contract function it lacks (``loss_fn`` for ``loss``), by that name,
+    with their signatures (:attr:`fp16doctor.userfile.spec.TrainingSpec.near_misses`): ignored by the loader."""
     data: list[FieldScan] = field(default_factory=list)
     fp32: ProbeSummary | None = None
     amp: ProbeSummary | None = None

@@ -155,14 +155,27 @@ class Verifier:
             ctx.bench = copy.copy(self.ctx.bench)
             ctx.bench.batches = intervention.batches(self.ctx.bench.batches)
         instruments = symptom_instruments()
-        amp = run_mode(ctx, "amp", config, instruments=instruments)
-        fp32 = run_mode(ctx, "fp32", config, instruments=instruments) if intervention.touches_fp32 else self.ev.fp32
-        assert fp32 is not None, "verification runs after the FP32 baseline stage"
-        gap = None
-        if self.measure_gap is not None and self.ev.gap and any(s.code == "same-state-gap" for s in self.ev.symptoms):
-            gap = self.measure_gap(config, self.ev.gap.worst_step)
-        symptoms = measured_symptoms(ctx, config, amp, fp32, gap)
+        with ctx.progress.planned(self.planned_steps(intervention)):
+            amp = run_mode(ctx, "amp", config, instruments=instruments)
+            fp32 = run_mode(ctx, "fp32", config, instruments=instruments) if intervention.touches_fp32 else self.ev.fp32
+            assert fp32 is not None, "verification runs after the FP32 baseline stage"
+            gap = None
+            if self._measures_gap():
+                assert self.measure_gap is not None and self.ev.gap is not None
+                gap = self.measure_gap(config, self.ev.gap.worst_step)
+            symptoms = measured_symptoms(ctx, config, amp, fp32, gap)
         return Outcome(amp=amp.records, fp32=fp32.records, symptoms=symptoms)
+
+    def _measures_gap(self) -> bool:
+        return self.measure_gap is not None and bool(self.ev.gap) and any(s.code == "same-state-gap" for s in self.ev.symptoms)
+
+    def planned_steps(self, intervention: Intervention | None) -> int:
+        """The probe steps :meth:`run` takes for ``intervention`` (its progress estimate): the AMP probe, the
+        FP32 one where the intervention changes it, the same-state pair where a gap is measured."""
+        if intervention is None:
+            return 0
+        steps = self.ev.steps * (2 if intervention.touches_fp32 else 1)
+        return steps + (2 if self._measures_gap() else 0)
 
     def verify(self, intervention: Intervention | None, nothing_to_try: str) -> Verification:
         """The ``verification`` record of one finding: what was tried, symptoms before and after, the share removed."""

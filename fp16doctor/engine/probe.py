@@ -55,6 +55,7 @@ from ..userfile.spec import TrainingSpec, build_model, draw_batches, user_frame
 from .instruments import InstrumentOptions, Instruments
 from .kept import owned_copy
 from .optimizers import ProbeOptimizers, flat_schedulers, named_optimizers
+from .progress import StepProgress
 from .records import RECORD_COLUMNS, StepRecord  # re-exported: the record types' old home
 from .rng import rng_state, seed_everything, set_rng_state
 
@@ -122,6 +123,8 @@ class Workbench:
         seed_everything(config.seed)
         self.batches = draw_batches(spec, batch_count or config.steps)
         self.initial_state = self._reference_state()
+        self.progress = StepProgress()
+        """Every probe step of this bench reports itself here (a diagnosis sets its hook: the progress display)."""
 
     def _reference_state(self) -> dict[str, torch.Tensor]:
         """Seeded fp32 build: the weights every mode starts from (rounded where a mode stores half)."""
@@ -290,7 +293,9 @@ class Probe:
 
         Without ``batch`` the step replays the workbench's batch at the data cursor; a
         training run streams its own batches in. The step runs inside the probe's precision session.
+        Every step reports itself to the bench's :class:`~fp16doctor.engine.progress.StepProgress` first.
         """
+        self.bench.progress.step(self.mode)
         with self._precision():
             return self._step(batch, batch_index)
 

@@ -196,7 +196,9 @@ def run_aligned(bench: Workbench, mode: str, config: DoctorConfig, steps: int,
     probe = bench.probe(mode, config, align_on_taken_steps=True, instruments=instruments)
     try:
         try:
-            records = probe.run(steps, max_iterations=max_iterations, stop_on_nonfinite_loss=True)
+            # at least ``steps`` (a skipped step is taken again), at most ``max_iterations``
+            with bench.progress.planned(max_iterations or steps):
+                records = probe.run(steps, max_iterations=max_iterations, stop_on_nonfinite_loss=True)
         except OUT_OF_MEMORY as exc:  # a comparison missing a precision would be no comparison
             raise MemoryLimitError(f"the {mode} run ran out of memory ({one_line(exc)}).",
                                    hint=smaller_run_hint("Compare")) from exc

@@ -299,20 +299,32 @@ def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: 
     """
     probe = bench.probe(mode, config, align_on_taken_steps=align)
     try:
-        while probe.iteration < step - 1 and probe.failed is None:
-            probe.step()
-        kept = keep if keep is not None else StateKeeper().kept()
-        before = probe.iteration if step > 0 and probe.failed is None else None
-        if before is not None:
-            kept[before] = probe.snapshot(copy_state=False)  # kept as a copy: in memory, or straight to disk
-            probe.step()
-        weights_broken = not all(_finite(p) for p in probe.model.parameters())
-        found = trace_step(probe) if probe.failed is None and not weights_broken else None
-        if found is None and before is not None:
-            probe.restore_kept(kept, before)  # no second copy of the optimizer's state
-            found = trace_step(probe)
-        if found is not None:
-            found.replayed = [(r.loss, r.loss_scale) for r in probe.records if r.step < found.step]
-        return found
+        with bench.progress.planned(localise_steps(step)):
+            return _replay_and_trace(probe, step, keep)
     finally:
         probe.close()
+
+
+def localise_steps(step: int) -> int:
+    """The probe steps :func:`localise` takes to trace ``step``: the replay up to it and the traced step (one
+    more when the step before must be traced too)."""
+    return step + 1
+
+
+def _replay_and_trace(probe: Probe, step: int, keep: MutableMapping[int, ProbeSnapshot] | None) -> Localisation | None:
+    """:func:`localise`'s work on its fresh ``probe`` (see there)."""
+    while probe.iteration < step - 1 and probe.failed is None:
+        probe.step()
+    kept = keep if keep is not None else StateKeeper().kept()
+    before = probe.iteration if step > 0 and probe.failed is None else None
+    if before is not None:
+        kept[before] = probe.snapshot(copy_state=False)  # kept as a copy: in memory, or straight to disk
+        probe.step()
+    weights_broken = not all(_finite(p) for p in probe.model.parameters())
+    found = trace_step(probe) if probe.failed is None and not weights_broken else None
+    if found is None and before is not None:
+        probe.restore_kept(kept, before)  # no second copy of the optimizer's state
+        found = trace_step(probe)
+    if found is not None:
+        found.replayed = [(r.loss, r.loss_scale) for r in probe.records if r.step < found.step]
+    return found

@@ -155,20 +155,21 @@ def observed_underflow(bench: Workbench, state_from: Probe | None = None, config
             probe.iteration, probe.cursor = snap.iteration, snap.cursor
         return probe
 
-    if reference is None or snap is not None:
-        fp32 = probe_from_state("fp32")  # one probe alive at a time: FP32's capture first, then AMP's
+    with bench.progress.planned(2 if reference is None or snap is not None else 1):  # a step per capture
+        if reference is None or snap is not None:
+            fp32 = probe_from_state("fp32")  # one probe alive at a time: FP32's capture first, then AMP's
+            try:
+                reference = capture_gradients(fp32)
+            finally:
+                fp32.close()
+            del fp32
+        amp = probe_from_state("amp")
         try:
-            reference = capture_gradients(fp32)
+            if state_from is not None and state_from.scaler.is_enabled() and amp.scaler.is_enabled():
+                amp.scaler.load_state_dict(state_from.scaler.state_dict())
+            low = capture_gradients(amp)
         finally:
-            fp32.close()
-        del fp32
-    amp = probe_from_state("amp")
-    try:
-        if state_from is not None and state_from.scaler.is_enabled() and amp.scaler.is_enabled():
-            amp.scaler.load_state_dict(state_from.scaler.state_dict())
-        low = capture_gradients(amp)
-    finally:
-        amp.close()
+            amp.close()
     del amp, snap
     rows = []
     for key, g32 in reference.tensors.items():

@@ -16,6 +16,7 @@ breaks class identity or registers their operators twice.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import inspect
 import itertools
@@ -38,6 +39,15 @@ REQUIRED = ("model", "data")
 COMPILED_NOTE = ("model() returns a torch.compile'd module: the doctor runs the module it wraps, uncompiled (eager), "
                  "so that its instruments can see every submodule and aten operator; backend='eager' gives the same numerics.")
 OPTIONAL_CALLABLES = ("loss", "optimizer", "optimizers", "scheduler", "train_step")
+NEAR_MISSES = {
+    "loss": ("loss_fn", "lossfn", "loss_func", "loss_function", "loss_fct", "compute_loss", "get_loss", "calc_loss",
+             "calculate_loss", "criterion"),
+    "train_step": ("training_step", "train_one_step", "trainstep", "train_step_fn", "train_batch", "train_on_batch",
+                   "step_fn", "step"),
+}
+"""Names people give the contract's optional functions that the loader does not read. A file that lacks the
+contract's name but defines one of these (or, for the loss, any function with "loss" in its name) ran with
+the doctor's default in its place: the diagnosis warns (the ``loss-name-mismatch`` rule)."""
 
 
 @dataclass
@@ -57,6 +67,10 @@ class TrainingSpec:
     """``optimizers(model)``: a tuple, list or dict of optimizers (several need a ``train_step``), instead of ``optimizer``."""
     notes: list[str] = field(default_factory=list)
     """Things the user should know about how the doctor ran their file (printed once, in yellow)."""
+    near_misses: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per contract name the file does not define (``loss``, ``train_step``): the callables the file defines
+    at its top level whose names look like it (:data:`NEAR_MISSES`), each with its signature. The doctor
+    ignored them and used its default; the diagnosis reads this through its evidence and warns."""
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -116,7 +130,47 @@ def load_training_file(path: str | Path) -> TrainingSpec:
     config = getattr(module, "CONFIG", None) or {}
     if not isinstance(config, dict):
         raise TrainingFileError(f"CONFIG in '{path}' must be a dict, got {type(config).__name__}.")
-    return TrainingSpec(path=path, module=module, model=module.model, data=module.data, config=config, **optional)
+    return TrainingSpec(path=path, module=module, model=module.model, data=module.data, config=config,
+                        near_misses=near_misses(path, module, [n for n in NEAR_MISSES if optional[n] is None]), **optional)
+
+
+def near_misses(path: Path, module: types.ModuleType, absent: list[str]) -> dict[str, dict[str, str]]:
+    """For each contract name in ``absent``: the callables defined at the file's top level (a ``def``, or an
+    assignment such as ``criterion = nn.MSELoss()``; not what it imports) whose names look like it, with
+    their signatures. Names the file itself binds are read from its source, so an imported ``mse_loss`` or
+    a torch function never counts."""
+    if not absent:
+        return {}
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    defined: list[str] = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defined.append(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.extend(t.id for t in targets if isinstance(t, ast.Name))
+    found: dict[str, dict[str, str]] = {}
+    for name in absent:
+        matches = {n: _signature(getattr(module, n)) for n in dict.fromkeys(defined)
+                   if n != name and _looks_like(n, name) and callable(getattr(module, n, None))}
+        if matches:
+            found[name] = matches
+    return found
+
+
+def _looks_like(candidate: str, name: str) -> bool:
+    lowered = candidate.lower()
+    return lowered in NEAR_MISSES[name] or (name == "loss" and "loss" in lowered)
+
+
+def _signature(value: Any) -> str:
+    try:
+        return str(inspect.signature(value))
+    except (TypeError, ValueError):
+        return ""
 
 
 def module_name_for(path: Path) -> str:

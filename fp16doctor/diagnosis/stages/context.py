@@ -14,6 +14,7 @@ import torch
 
 from ...config import DoctorConfig, build_config, merge
 from ...engine.kept import StateKeeper
+from ...engine.progress import StepProgress
 from ...engine.instruments import InstrumentOptions, precision_map
 from ...engine.optimizers import flat_schedulers, named_optimizers
 from ...engine.probe import (
@@ -33,10 +34,6 @@ from ...measure.symptoms import (
     relative_deviation,
 )
 from ..model import Evidence, ProbeSummary
-
-ProbeStepHook = Callable[[str, int, int], None]
-"""Told ``(probe mode, step about to run, the probe's steps)`` before each step of a probe that
-:func:`run_mode` runs: what a progress display needs, and nothing it could change."""
 
 
 EVENT_LEAD = 3
@@ -62,8 +59,12 @@ class StageContext:
     amp_snapshots: MutableMapping[int, ProbeSnapshot] = field(default_factory=lambda: StateKeeper().kept())
     """The AMP probe's full state right before the LR schedule's peak and jump: the LR-peak stage
     pauses there without replaying the run (at most two snapshots)."""
-    on_probe_step: ProbeStepHook | None = None
-    """Progress: told before each step of the probes :func:`run_mode` runs (None: nobody is watching)."""
+
+    @property
+    def progress(self) -> StepProgress:
+        """The bench's probe-step count: every probe step reports itself there; a stage announces how many
+        it will take (``with ctx.progress.planned(n):``) so that a display can show "step i of n"."""
+        return self.bench.progress
 
     def with_config(self, patch: dict[str, Any]) -> DoctorConfig:
         return build_config(merge(self.config.to_dict(), patch))
@@ -114,25 +115,11 @@ def run_mode(ctx: StageContext, mode: str, config: DoctorConfig | None = None, s
     probe = ctx.bench.probe(mode, config or ctx.config, instruments=instruments)
     steps = steps or ctx.evidence.steps
     try:
-        probe.run(steps, before_step=reporting_progress(ctx, before_step, steps))
+        with ctx.progress.planned(steps):
+            probe.run(steps, before_step=before_step)
         return summarise(probe)
     finally:
         probe.close()
-
-
-def reporting_progress(ctx: StageContext, before_step: Callable[[Probe], None] | None,
-                       steps: int) -> Callable[[Probe], None] | None:
-    """``before_step``, preceded by telling ``ctx.on_probe_step`` which step of ``steps`` comes next."""
-    hook = ctx.on_probe_step
-    if hook is None:
-        return before_step
-
-    def tell_then_step(probe: Probe) -> None:
-        hook(probe.mode, probe.iteration, steps)
-        if before_step is not None:
-            before_step(probe)
-
-    return tell_then_step
 
 
 def fp32_state_at(ctx: StageContext, step: int) -> dict[str, torch.Tensor]:
@@ -149,10 +136,11 @@ def remember_fp32_states(ctx: StageContext, steps: list[int]) -> None:
         return
     reference = ctx.bench.probe("fp32", ctx.config, instruments=None)
     try:
-        for step in wanted:
-            while reference.iteration < step:
-                reference.step()
-            ctx.states[step] = reference.model.state_dict()  # the mapping keeps a copy
+        with ctx.progress.planned(wanted[-1]):
+            for step in wanted:
+                while reference.iteration < step:
+                    reference.step()
+                ctx.states[step] = reference.model.state_dict()  # the mapping keeps a copy
     finally:
         reference.close()
 
@@ -169,13 +157,14 @@ def probe_at(ctx: StageContext, mode: str, config: DoctorConfig, step: int) -> P
 def same_state_losses(ctx: StageContext, step: int, configs: dict[str, tuple[str, DoctorConfig]]) -> dict[str, float]:
     """Loss of each (mode, config) on the FP32 trajectory's state at ``step``: same weights, same batch."""
     losses = {}
-    for key, (mode, config) in configs.items():
-        probe = probe_at(ctx, mode, config, step)
-        try:
-            losses[key] = probe.step().loss
-        finally:
-            probe.close()
-        del probe  # freed before the next mode's probe is built: one probe alive at a time
+    with ctx.progress.planned(len(configs)):
+        for key, (mode, config) in configs.items():
+            probe = probe_at(ctx, mode, config, step)
+            try:
+                losses[key] = probe.step().loss
+            finally:
+                probe.close()
+            del probe  # freed before the next mode's probe is built: one probe alive at a time
     return losses
 
 

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import math
 
-from ...measure.localise import Localisation, localise
+from ...measure.localise import Localisation, localise, localise_steps
 from ..model import ProbeSummary, StageReport
 from .context import StageContext, bad_step
 
 
 def stage_localise(ctx: StageContext) -> StageReport:
+    ev = ctx.evidence
+    with ctx.progress.planned(sum(localise_steps(bad_step(summary)) for summary in (ev.fp32, ev.amp)
+                                  if summary is not None and not summary.finite and summary.exception is None)):
+        return _localise(ctx)
+
+
+def _localise(ctx: StageContext) -> StageReport:
     ev = ctx.evidence
     notes = []
     if ev.fp32 is not None and not ev.fp32.finite and ev.fp32.exception is None:

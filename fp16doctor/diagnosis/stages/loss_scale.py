@@ -32,16 +32,17 @@ def stage_scale(ctx: StageContext) -> StageReport:
         return StageReport("loss-scale sweep", "skipped", "bfloat16 has fp32's range: no loss scaling needed")
     if ev.fp32 is None or not ev.fp32.finite:
         return StageReport("loss-scale sweep", "skipped", "the fp32 baseline is not finite: scaling cannot help")
-    reference = ctx.bench.probe("fp32", cfg, instruments=None)
-    try:
-        capture = capture_gradients(reference)  # step 0 from the start: the same step observed_underflow compares
-    finally:
-        reference.close()
-    del reference  # freed before observed_underflow and the sweep build their probes
+    with ctx.progress.planned(2):  # step 0 in FP32 and in AMP; the sweep plans its own steps
+        reference = ctx.bench.probe("fp32", cfg, instruments=None)
+        try:
+            capture = capture_gradients(reference)  # step 0 from the start: the same step observed_underflow compares
+        finally:
+            reference.close()
+        del reference  # freed before observed_underflow and the sweep build their probes
+        ev.observed_underflow = observed_underflow(ctx.bench, config=cfg, reference=capture)
     ev.window = window = scale_window(capture)
     configured = cfg.scaler.init_scale if cfg.scaler.enabled else 1.0
     ev.predicted_underflow = predicted_underflow(capture, configured)
-    ev.observed_underflow = observed_underflow(ctx.bench, config=cfg, reference=capture)
     worst_predicted = float(ev.predicted_underflow["predicted_underflow_mass"].max()) if len(ev.predicted_underflow) else 0.0
     worst_observed = worst_underflow(ev.observed_underflow)
     amp = ev.amp
@@ -89,19 +90,32 @@ def _sweep_scales(window: Any, ci: bool) -> list[float]:
 def _sweep(ctx: StageContext, capture: Any, window: Any) -> pd.DataFrame:
     """Each setting: skipped-step rate, predicted underflow and loss deviation from fp32 on aligned steps."""
     steps = min(ctx.evidence.steps, 10)  # the scale settles (or not) within the first steps
-    rows = []
     settings: list[dict[str, Any]] = [{"init_scale": s} for s in _sweep_scales(window, ctx.ci)]
     amp = ctx.evidence.amp
     if amp is not None and len(skip_runs(amp.skip_steps)) >= 3:  # skips keep coming back: try slower growth too
         base = window.recommended()
         for interval in (ctx.config.scaler.growth_interval * 10, ctx.config.scaler.growth_interval * 100):
             settings.append({"init_scale": base, "growth_interval": int(interval)})
+    # FP32, then each setting at most ``sweep_iterations`` (a skipped step is taken again): an upper bound, so
+    # that the estimate of the time left shrinks as settings settle instead of growing step by step
+    with ctx.progress.planned(steps + len(settings) * sweep_iterations(steps)):
+        return _run_sweep(ctx, capture, settings, steps)
+
+
+def sweep_iterations(steps: int) -> int:
+    """The most iterations one sweep setting runs: a setting still skipping after the calibration allowance has failed."""
+    return steps + CALIBRATION_SKIPS + 2
+
+
+def _run_sweep(ctx: StageContext, capture: Any, settings: list[dict[str, Any]], steps: int) -> pd.DataFrame:
+    """The sweep's probes: one FP32 reference, then each setting against it."""
+    rows = []
     baseline = run_aligned(ctx.bench, "fp32", ctx.config, steps, instruments=None)  # one FP32 reference for every setting
     for setting in settings:
         config = ctx.with_config({"scaler": {"enabled": True, **setting}})
         # A setting still skipping after the calibration allowance has failed: no need to watch it further.
         result = compare(ctx.bench, ["amp"], steps=steps, config=config, reference=baseline, instruments=None,
-                         max_iterations=steps + CALIBRATION_SKIPS + 2)
+                         max_iterations=sweep_iterations(steps))
         trajectory = result.trajectories["amp"]
         iterations = len(trajectory.records)
         under = predicted_underflow(capture, setting["init_scale"])["predicted_underflow_mass"].max()

@@ -40,6 +40,16 @@ def _pause(ctx: StageContext, event: int, lrs: list[float]) -> LrPause:
     """From the AMP run's state right before ``event`` (kept by the AMP stage, else replayed), take that step
     at its own and at the previous learning rate."""
     kept = ctx.amp_snapshots
+    # the replay to the event where the AMP stage kept no snapshot, then two steps at each learning rate
+    with ctx.progress.planned((0 if event in kept else event) + 2 * PAUSED_STEPS):
+        return _pause_at(ctx, kept, event, lrs)
+
+
+PAUSED_STEPS = 2
+"""Each pause takes the step and the one after it: an update's damage shows in the next forward."""
+
+
+def _pause_at(ctx: StageContext, kept: MutableMapping[int, ProbeSnapshot], event: int, lrs: list[float]) -> LrPause:
     if event not in kept:
         probe = ctx.bench.probe("amp", ctx.config, instruments=None)
         try:
@@ -73,7 +83,7 @@ def _instrumented_step(probe: Probe, lr: float | None = None) -> dict[str, Any]:
     assert instruments is not None, "the LR-peak probes carry the instruments"
     rows_before = len(instruments.update_rows), len(instruments.forward_rows)
     records = []
-    for _ in range(2):
+    for _ in range(PAUSED_STEPS):
         if lr is not None:
             for group in probe.optimizer.param_groups:
                 group["lr"] = lr

@@ -30,11 +30,13 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     states = gap_states(ctx)
     floor = loss_floor(ev.fp32.records) if ev.fp32 is not None else 0.0
     ctx.loss_floor = floor
-    remember_fp32_states(ctx, states)
+    missing = sorted(set(states) - set(ctx.states))  # usually none: the FP32 baseline kept them
     gaps: dict[int, float] = {}
-    for step in states:
-        losses = same_state_losses(ctx, step, {"fp32": ("fp32", cfg), "amp": ("amp", cfg)})
-        gaps[step] = relative_deviation(losses["amp"], losses["fp32"], floor)
+    with ctx.progress.planned((missing[-1] if missing else 0) + 2 * len(states)):  # the replay, then a pair per state
+        remember_fp32_states(ctx, states)
+        for step in states:
+            losses = same_state_losses(ctx, step, {"fp32": ("fp32", cfg), "amp": ("amp", cfg)})
+            gaps[step] = relative_deviation(losses["amp"], losses["fp32"], floor)
     worst_step = max(gaps, key=lambda step: gaps[step])
     gap = gaps[worst_step]
     ev.gap = info = GapSearch(same_state_rel_dev=gaps, worst_step=worst_step, gap=gap, tolerance=tolerance)
@@ -42,7 +44,21 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
         return StageReport("precision-gap search", "skipped",
                            f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step})",
                            details=info.to_json())
-    if cfg.scaler.enabled and cfg.dtype == "float16":
+    leak_check = cfg.scaler.enabled and cfg.dtype == "float16"
+    # at most: the pair without loss scaling, the pair that ranks the modules, a pair per module set tried
+    with ctx.progress.planned((2 if leak_check else 0) + 2 + 2 * search_limit(ctx)):
+        return _search(ctx, info, leak_check)
+
+
+def search_limit(ctx: StageContext) -> int:
+    """At most this many module sets are tried."""
+    return 3 if ctx.ci else 6
+
+
+def _search(ctx: StageContext, info: GapSearch, leak_check: bool) -> StageReport:
+    """A same-state gap past the tolerance: the loss scale's leak, else the modules that close it."""
+    gap, worst_step, tolerance = info.gap, info.worst_step, info.tolerance
+    if leak_check:
         # The loss of one step does not depend on the loss scale, unless the scale leaks into it.
         info.gap_without_loss_scaling = plain = same_state_gap(ctx, ctx.with_config({"scaler": {"enabled": False}}), worst_step)
         if plain <= tolerance:
@@ -103,7 +119,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def _search_fp32_set(ctx: StageContext, found: GapSearch, candidates: list[str]) -> None:
     """The smallest set of modules (greedy, in ranked order) whose fp32 fallback closes the gap, into ``found``
     (``closing_set`` stays None when no set tried closes it; ``tried`` lists every set)."""
-    limit = 3 if ctx.ci else 6
+    limit = search_limit(ctx)
     chosen: list[str] = []
     found.tried = tried = []
     for name in candidates[:limit]:
