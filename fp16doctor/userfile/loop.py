@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -125,9 +125,11 @@ def micro_batched_step(
     """:func:`canonical_step` with the batch cut into micro-batches, ``(micro-batch, its share of the rows)``:
     the same update up to summation order, for a loss that is a mean over the batch's rows (the FP32
     probes use it to hold one micro-batch's activations at a time, see :mod:`fp16doctor.engine.microbatch`)."""
+    if not micro_batches:
+        raise ValueError("a step needs at least one micro-batch")
     # Clear last step's gradients once, before the first micro-batch: every backward below adds to them.
     optimizer.zero_grad(set_to_none=True)
-    total = None
+    total: torch.Tensor | None = None
     for batch, share in micro_batches:
         # Forward and loss under autocast, as in the whole step (in the FP32 baseline autocast is off).
         with autocast():
@@ -150,5 +152,4 @@ def micro_batched_step(
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     scaler.step(optimizer)
     scaler.update()
-    assert total is not None, "a step needs at least one micro-batch"
-    return total
+    return cast(torch.Tensor, total)
