@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import sys
@@ -232,3 +233,17 @@ def test_the_diagnosis_says_when_its_fp32_probes_split(training_file):
     stage = next(s for s in report["stages"] if s["name"] == "fp32 baseline")
     assert "split each batch into 2 micro-batches" in stage["summary"], stage["summary"]
     assert stage["details"]["micro_batches"]["count"] == 2
+
+
+def test_planning_keeps_nothing_it_measured(training_file):
+    # The measured graphs are dropped: a pack hook that saved an output as itself would keep each of them
+    # alive through a cycle no collection sees (90 MB on benchmarks/diagnose_scale.py's seq-512 transformer).
+    bench = bench_for(training_file(GATED_FILE))
+
+    def live_bytes() -> int:
+        gc.collect()
+        return sum(o.untyped_storage().nbytes() for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    before = live_bytes()
+    assert bench.micro_batch_plan("fp32").split
+    assert live_bytes() - before < 100_000

@@ -216,7 +216,10 @@ def saved_activation_bytes(run: Callable[[], Any], exclude: set[int]) -> int:
         if pointer not in seen and pointer not in exclude:
             seen.add(pointer)
             total += storage.nbytes()
-        return t
+        # A detached alias keeps the storage alive (so no later tensor reuses its address while the graph
+        # stands) without the tensor's own grad_fn: a saved output returned as itself would make a cycle
+        # through the graph that nothing collects, and every measured activation would outlive planning.
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = run()

@@ -52,7 +52,7 @@ from ..userfile.batches import to_device
 from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
 from ..userfile.spec import TrainingSpec, build_model, draw_batches, user_frame
 from .instruments import InstrumentOptions, Instruments
-from .kept import tensor_bytes
+from .kept import release_memory, tensor_bytes
 from .microbatch import UNSPLIT, MicroBatchPlan, plan_micro_batches
 from .optimizers import ProbeOptimizers, flat_schedulers, named_optimizers
 from .records import RECORD_COLUMNS, StepRecord  # re-exported: the record types' old home
@@ -149,6 +149,7 @@ class Workbench:
             self._micro_batch_plan = plan_micro_batches(
                 self.batches[0], tensor_bytes(self.initial_state), self.spec.train_step is not None,
                 lambda planned: self.probe(planned, instruments=None, micro_batches=UNSPLIT))
+            release_memory(self.device)  # the planning probes' freed blocks go back before the first probe allocates
         return self._micro_batch_plan
 
 
