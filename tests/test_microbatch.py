@@ -106,7 +106,7 @@ def test_a_decomposable_loss_gives_the_same_update_micro_batched(training_file):
     split_bench = bench_for(path)
     plan = split_bench.micro_batch_plan("fp32")
     assert plan.count >= 2 and plan.needed and plan.fp32_bytes > plan.amp_bytes, plan
-    assert split_bench.probe("amp").micro_batches.count == 1  # only the FP32 probes split
+    assert split_bench.probe("amp").batch_plan.count == 1  # only the FP32 probes split
     split, split_weights, split_tables = run_fp32(split_bench)
     whole, whole_weights, whole_tables = run_fp32(bench_for(path, micro_batching=False))
     assert bench_for(path, micro_batching=False).micro_batch_plan("fp32").count == 1
@@ -195,9 +195,9 @@ def test_only_batches_of_rows_split():
     pieces = split_rows({"a": x, "b": (y,)}, [4, 2])
     assert [p["a"].shape[0] for p in pieces] == [4, 2] and isinstance(pieces[1]["b"], tuple)
     plan = MicroBatchPlan(count=4)
-    assert [share for _, share in plan.micro_batches((x, y))] == [2 / 6, 2 / 6, 1 / 6, 1 / 6]
-    assert plan.micro_batches((x[:1], y[:1]))[0][1] == 1.0  # a single row: whole
-    assert len(plan.micro_batches((x, 7))) == 1
+    assert [share for _, share in plan.pieces((x, y))] == [2 / 6, 2 / 6, 1 / 6, 1 / 6]
+    assert plan.pieces((x[:1], y[:1]))[0][1] == 1.0  # a single row: whole
+    assert len(plan.pieces((x, 7))) == 1
 
 
 def test_a_file_whose_batches_cannot_split_is_not_planned(training_file):
@@ -214,7 +214,7 @@ def test_localisation_traces_a_micro_batched_fp32_step(training_file):
         "for _ in range(3)]\n", "for _ in range(3)]\n    batches[1][0][-1] = 300.0\n    return batches\n")
     bench = bench_for(training_file(source))
     probe = bench.probe("fp32")
-    assert probe.micro_batches.split
+    assert probe.batch_plan.split
     first = probe.step()
     assert first.loss == first.loss and not first.nonfinite_loss
     found = trace_step(probe)

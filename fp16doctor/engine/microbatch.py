@@ -100,7 +100,7 @@ class MicroBatchPlan:
             return None
         return self.fp32_bytes / self.amp_bytes
 
-    def micro_batches(self, batch: Any) -> list[tuple[Any, float]]:
+    def pieces(self, batch: Any) -> list[tuple[Any, float]]:
         """``batch`` as ``(micro-batch, its share of the rows)`` pairs: ``count`` of them, fewer for a batch with
         fewer rows (a short last batch), the batch whole for one that cannot be split."""
         rows, _ = batch_rows(batch)

@@ -148,7 +148,7 @@ class Workbench:
         if self._micro_batch_plan is None:
             self._micro_batch_plan = plan_micro_batches(
                 self.batches[0], tensor_bytes(self.initial_state), self.spec.train_step is not None,
-                lambda planned: self.probe(planned, instruments=None, micro_batches=UNSPLIT))
+                lambda planned: self.probe(planned, instruments=None, batch_plan=UNSPLIT))
             release_memory(self.device)  # the planning probes' freed blocks go back before the first probe allocates
         return self._micro_batch_plan
 
@@ -159,13 +159,13 @@ class Probe:
     def __init__(
         self, bench: Workbench, mode: str, config: DoctorConfig, align_on_taken_steps: bool = False,
         instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS, hold_scheduler_on_retry: bool = True,
-        micro_batches: MicroBatchPlan | None = None,
+        batch_plan: MicroBatchPlan | None = None,
     ):
         """``align_on_taken_steps``: a skipped step retries the same batch with the same RNG, the scheduler
         held (``compare``'s alignment); ``hold_scheduler_on_retry=False`` lets the scheduler step on a skip as
         the user's loop does, so an alignment removes the lag of skipped steps but not the schedule's.
-        ``micro_batches``: how the steps cut their batches (None: the workbench's plan for this mode)."""
-        self.micro_batches = micro_batches if micro_batches is not None else bench.micro_batch_plan(mode)
+        ``batch_plan``: how the steps cut their batches into micro-batches (None: the workbench's plan for this mode)."""
+        self.batch_plan = batch_plan if batch_plan is not None else bench.micro_batch_plan(mode)
         """Planned before anything of this probe is built: planning's throw-away probes are never alive beside it."""
         self.bench = bench
         self.spec = bench.spec
@@ -303,8 +303,8 @@ class Probe:
             stack.enter_context(self.optimizers)  # optimizers the step creates itself are found as they step
             if self.spec.train_step is not None:
                 return self.spec.train_step(self.model, batch, self.optimizer_arg, self.scaler, self.autocast)
-            if self.micro_batches.split:
-                return micro_batched_step(self.model, self.micro_batches.micro_batches(batch), self.optimizer, self.scaler,
+            if self.batch_plan.split:
+                return micro_batched_step(self.model, self.batch_plan.pieces(batch), self.optimizer, self.scaler,
                                           self.autocast, self._loss_fn(), self.config.max_grad_norm,
                                           after_backward=self._micro_batch_done)
             return canonical_step(self.model, batch, self.optimizer, self.scaler, self.autocast, self._loss_fn(), self.config.max_grad_norm)
