@@ -77,7 +77,8 @@ def diagnose(
     options = options or DiagnoseOptions()
     if options.ci and config.steps > CI_STEPS:
         config = build_config(merge(config.to_dict(), {"steps": CI_STEPS}))
-    bench = Workbench(spec, config, batch_count=max(config.steps, options.scan_batches or 0))
+    # FP32 probes may split their batches: the diagnosis stays within the AMP training's activation memory.
+    bench = Workbench(spec, config, batch_count=max(config.steps, options.scan_batches or 0), micro_batching=True)
     bench.progress = StepProgress(on_probe_step)  # every probe of the bench reports its steps there
     plan = memory_plan(bench, options.max_memory)
     with StateKeeper(plan.kept_budget) as keeper:  # its temporary folder goes, however the run ends

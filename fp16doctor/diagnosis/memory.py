@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.kept import tensor_bytes
+from ..engine.microbatch import TRAINING_COPIES
 from ..engine.probe import Workbench
 from ..errors import MemoryLimitError
 
-PROBE_COPIES = 4
+PROBE_COPIES = TRAINING_COPIES
 """Weights, gradients and two optimizer moments: one probe's model-sized tensors, before activations."""
 DEFAULT_KEPT_BYTES = 0
 """Without --max-memory: every kept state goes to the temporary folder (read back one at a time)."""

@@ -303,12 +303,31 @@ class Instruments:
             return
         if self.options.param_grads and not self._param_grads_taken:
             self._take_param_grads(divide_by=1.0 if grads_unscaled else self._scale)
+        if self._emit_pending():
+            self._active = False
+
+    def end_micro_batch(self) -> None:
+        """One micro-batch of a micro-batched step (an FP32 probe's, :mod:`.microbatch`) is through its forward
+        and backward: its rows are taken now, in one transfer, and the tensors they were measured on let go,
+        so that the step holds one micro-batch's activations at a time, not all of them until its end.
+
+        Each module call of each micro-batch is then a row of the step: ``order`` runs on across the
+        micro-batches (still the execution order, which the first non-finite forward is found by), a module's
+        largest ``abs_max`` over the step's rows is the whole batch's, its non-finite counts add up over them,
+        and ``inputs_finite`` is per call, as it always is. The shares (``over_fp16_max`` and the underflow
+        shares) are each micro-batch's own. Parameter gradients and updates stay one row per step: they are
+        taken once, at the optimizer step, from the summed gradients."""
+        if self._active:
+            self._emit_pending()
+
+    def _emit_pending(self) -> bool:
+        """Turn every pending vector into rows (one transfer); whether there were any."""
         pending, self._pending = self._pending, _Pending()
         if not pending.vectors:
-            return
+            return False
         for (kind, name, order, dtype, numel), vector, tensors in zip(pending.rows, pending.values(), pending.tensors):
             self._emit(kind, name, order, dtype, numel, vector, tensors)
-        self._active = False
+        return True
 
     # --- forward --------------------------------------------------------------------------------
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:

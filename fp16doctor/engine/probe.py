@@ -50,10 +50,11 @@ from ..precision.recording import (
     step_outcome,
 )
 from ..userfile.batches import to_device
-from ..userfile.loop import canonical_step, default_loss, output_field
+from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
 from ..userfile.spec import TrainingSpec, build_model, draw_batches, user_frame
 from .instruments import InstrumentOptions, Instruments
-from .kept import owned_copy
+from .kept import owned_copy, release_memory, tensor_bytes
+from .microbatch import UNSPLIT, MicroBatchPlan, plan_micro_batches
 from .optimizers import ProbeOptimizers, flat_schedulers, named_optimizers
 from .progress import StepProgress
 from .records import RECORD_COLUMNS, StepRecord  # re-exported: the record types' old home
@@ -116,7 +117,11 @@ class ProbeSnapshot:
 class Workbench:
     """The shared ground of all probes of one command: spec, config, batches, initial weights."""
 
-    def __init__(self, spec: TrainingSpec, config: DoctorConfig, batch_count: int | None = None):
+    def __init__(self, spec: TrainingSpec, config: DoctorConfig, batch_count: int | None = None,
+                 micro_batching: bool = False):
+        """``micro_batching``: FP32 probes may split their batches into micro-batches to stay within the AMP
+        training's activation memory (:mod:`.microbatch`; the diagnosis's memory target). Planning runs the
+        file's loss a few extra times on part of the first batch, so only a caller that needs it asks."""
         self.spec = spec
         self.config = config
         self.device = resolve_device(config.device)
@@ -125,6 +130,8 @@ class Workbench:
         self.initial_state = self._reference_state()
         self.progress = StepProgress()
         """Every probe step of this bench reports itself here (a diagnosis sets its hook: the progress display)."""
+        self.micro_batching = micro_batching
+        self._micro_batch_plan: MicroBatchPlan | None = None
 
     def _reference_state(self) -> dict[str, torch.Tensor]:
         """Seeded fp32 build: the weights every mode starts from (rounded where a mode stores half)."""
@@ -139,6 +146,19 @@ class Workbench:
         """A fresh probe of ``mode`` (instruments attached unless ``instruments=None``)."""
         return Probe(self, mode, config or self.config, **options)
 
+    def micro_batch_plan(self, mode: str) -> MicroBatchPlan:
+        """How probes of ``mode`` cut their batches: FP32 probes of a workbench made with ``micro_batching``
+        follow one plan, made the first time it is asked for (before the first FP32 probe builds its model)
+        and kept; every other probe takes its batches whole."""
+        if mode != "fp32" or not self.micro_batching:
+            return UNSPLIT
+        if self._micro_batch_plan is None:
+            self._micro_batch_plan = plan_micro_batches(
+                self.batches[0], tensor_bytes(self.initial_state), self.spec.train_step is not None,
+                lambda planned: self.probe(planned, instruments=None, batch_plan=UNSPLIT))
+            release_memory(self.device)  # the planning probes' freed blocks go back before the first probe allocates
+        return self._micro_batch_plan
+
 
 class Probe:
     """Live training objects for one mode; ``run`` steps them and returns the record."""
@@ -146,10 +166,14 @@ class Probe:
     def __init__(
         self, bench: Workbench, mode: str, config: DoctorConfig, align_on_taken_steps: bool = False,
         instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS, hold_scheduler_on_retry: bool = True,
+        batch_plan: MicroBatchPlan | None = None,
     ):
         """``align_on_taken_steps``: a skipped step retries the same batch with the same RNG, the scheduler
         held (``compare``'s alignment); ``hold_scheduler_on_retry=False`` lets the scheduler step on a skip as
-        the user's loop does, so an alignment removes the lag of skipped steps but not the schedule's."""
+        the user's loop does, so an alignment removes the lag of skipped steps but not the schedule's.
+        ``batch_plan``: how the steps cut their batches into micro-batches (None: the workbench's plan for this mode)."""
+        self.batch_plan = batch_plan if batch_plan is not None else bench.micro_batch_plan(mode)
+        """Planned before anything of this probe is built: planning's throw-away probes are never alive beside it."""
         self.bench = bench
         self.spec = bench.spec
         self.config = config
@@ -286,7 +310,26 @@ class Probe:
             stack.enter_context(self.optimizers)  # optimizers the step creates itself are found as they step
             if self.spec.train_step is not None:
                 return self.spec.train_step(self.model, batch, self.optimizer_arg, self.scaler, self.autocast)
+            if self.batch_plan.split:
+                return micro_batched_step(self.model, self.batch_plan.pieces(batch), self.optimizer, self.scaler,
+                                          self.autocast, self._loss_fn(), self.config.max_grad_norm,
+                                          after_backward=self._micro_batch_done)
             return canonical_step(self.model, batch, self.optimizer, self.scaler, self.autocast, self._loss_fn(), self.config.max_grad_norm)
+
+    def _micro_batch_done(self) -> None:
+        """Between two micro-batches: the instruments take the finished one's rows and let its tensors go."""
+        if self.instruments is not None:
+            self.instruments.end_micro_batch()
+
+    def loss_of(self, batch: Any) -> torch.Tensor:
+        """The loss on ``batch`` as this probe's steps compute it (moved to its device and dtype, under its
+        precision, its runtime fixes and autocast), with its graph; nothing steps. What planning measures."""
+        batch = to_device(batch, self.device, torch.float32 if self.mode == "fp32" else None)
+        with self._precision(), contextlib.ExitStack() as stack:
+            for mode in self._step_modes:
+                stack.enter_context(mode)
+            with self.autocast():
+                return self._loss_fn()(self.model, batch)
 
     def step(self, batch: Any = None, batch_index: int | None = None) -> StepRecord:
         """Take one training step and record it. A user exception ends the probe (``self.failed``).

@@ -9,6 +9,7 @@ containers because real datasets carry ids and lengths.
 from __future__ import annotations
 
 import copy
+import functools
 
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
@@ -99,3 +100,64 @@ def to_device(batch: Any, device: torch.device, float_dtype: torch.dtype | None 
         return t
 
     return map_tensors(batch, move)
+
+
+def batch_rows(batch: Any) -> tuple[int | None, str]:
+    """The number of rows a batch splits into (its tensors' common leading dimension), or None and why not.
+
+    Only a batch made of tensors alone (a tensor, tuples/lists/dicts of them, nested) whose every tensor has
+    the same leading dimension is split: a non-tensor leaf (a token count, a list of captions) or a tensor
+    that is not per row (a shared mask, a scalar) has no rows to follow, so its meaning after a split is a
+    guess. Non-tensor containers' own types are kept by :func:`split_rows`.
+    """
+    if not isinstance(batch, (torch.Tensor, Mapping, list, tuple)):
+        return None, f"the batch is a {type(batch).__name__}"
+    leaves = list(_leaves(batch))
+    odd = next((type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)), None)
+    if odd is not None:
+        return None, f"the batch holds a {odd}, not only tensors"
+    if not leaves:
+        return None, "the batch holds no tensor"
+    if any(t.dim() == 0 for t in leaves):
+        return None, "the batch holds a scalar tensor"
+    sizes = {t.shape[0] for t in leaves}
+    if len(sizes) > 1:
+        return None, f"the batch's tensors have different leading dimensions ({', '.join(map(str, sorted(sizes)))})"
+    return sizes.pop(), ""
+
+
+def _leaves(batch: Any) -> Iterator[Any]:
+    """Every leaf of a batch, tensors and anything else."""
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _leaves(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _leaves(value)
+    else:
+        yield batch
+
+
+def row_counts(rows: int, parts: int) -> list[int]:
+    """``rows`` split into ``parts`` contiguous pieces as even as can be (the first ones one row longer)."""
+    base, extra = divmod(rows, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts) if base + (1 if i < extra else 0)]
+
+
+def split_rows(batch: Any, counts: list[int]) -> list[Any]:
+    """The batch cut into consecutive pieces of ``counts`` rows (views: nothing is copied), each in the
+    batch's own container types. Only for a batch :func:`batch_rows` accepts."""
+    pieces, start = [], 0
+    for count in counts:
+        pieces.append(map_tensors(batch, functools.partial(_rows, start=start, count=count)))
+        start += count
+    return pieces
+
+
+def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    return t.narrow(0, start, count)
+
+
+def first_rows(batch: Any, count: int) -> Any:
+    """The batch's first ``count`` rows (views)."""
+    return split_rows(batch, [count])[0]

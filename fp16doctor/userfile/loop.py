@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -110,3 +110,46 @@ def canonical_step(
     # Adjusts the scale once per iteration: halve after a skip, grow after growth_interval clean steps.
     scaler.update()
     return loss
+
+
+def micro_batched_step(
+    model: torch.nn.Module,
+    micro_batches: list[tuple[Any, float]],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    autocast: Callable[[], Any],
+    loss_fn: LossFn = default_loss,
+    max_grad_norm: float | None = None,
+    after_backward: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """:func:`canonical_step` with the batch cut into micro-batches, ``(micro-batch, its share of the rows)``:
+    the same update up to summation order, for a loss that is a mean over the batch's rows (the FP32
+    probes use it to hold one micro-batch's activations at a time, see :mod:`fp16doctor.engine.microbatch`)."""
+    if not micro_batches:
+        raise ValueError("a step needs at least one micro-batch")
+    # Clear last step's gradients once, before the first micro-batch: every backward below adds to them.
+    optimizer.zero_grad(set_to_none=True)
+    total: torch.Tensor | None = None
+    for batch, share in micro_batches:
+        # Forward and loss under autocast, as in the whole step (in the FP32 baseline autocast is off).
+        with autocast():
+            loss = loss_fn(model, batch)
+        # Backward on the loss weighted by this micro-batch's share of the rows: the mean over the whole
+        # batch is the weighted sum of the micro-batch means, so the summed gradients are the whole
+        # batch's. Backward frees this micro-batch's graph before the next forward builds its own.
+        scaler.scale(loss * share).backward()
+        # The reported loss is the same weighted sum, detached: no graph outlives its micro-batch.
+        part = loss.detach() * share
+        total = part if total is None else total + part
+        # Whoever watches the step (the probe's instruments) takes this micro-batch's statistics now, so
+        # that its tensors go too.
+        if after_backward is not None:
+            after_backward()
+    # From here on, once per step, as in the whole step: unscale before anything reads gradient
+    # magnitudes (clipping), then step (skipped on inf/NaN), then adjust the scale.
+    scaler.unscale_(optimizer)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    return cast(torch.Tensor, total)

@@ -8,7 +8,8 @@ from .context import StageContext, gap_states, probe_details, probe_sentence, ru
 
 
 def stage_fp32(ctx: StageContext) -> StageReport:
-    """The baseline run; it also keeps its weights at the steps the precision-gap search evaluates (no second run)."""
+    """The baseline run; it also keeps its weights at the steps the precision-gap search evaluates (no second run).
+    Its summary says when the FP32 probes split their batches into micro-batches, or why a wanted split was refused."""
     wanted = set(gap_states(ctx))
 
     def keep_state(probe: Probe) -> None:
@@ -16,4 +17,6 @@ def stage_fp32(ctx: StageContext) -> StageReport:
             ctx.states[probe.iteration] = probe.model.state_dict()  # kept as a copy (KeptStates)
 
     ctx.evidence.fp32 = summary = run_mode(ctx, "fp32", before_step=keep_state)
-    return StageReport("fp32 baseline", "ran", probe_sentence(summary), details=probe_details(summary))
+    plan = ctx.bench.micro_batch_plan("fp32")  # made when the probe was built: what every FP32 probe follows
+    sentence = "; ".join(part for part in (probe_sentence(summary), plan.sentence()) if part)
+    return StageReport("fp32 baseline", "ran", sentence, details={**probe_details(summary), "micro_batches": plan.to_json()})
