@@ -1,5 +1,6 @@
 """The CPU AMP probe follows CUDA's autocast op lists, op by op."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -171,3 +172,71 @@ def test_a_users_cuda_autocast_block_acts_on_cpu_autocast_in_a_probe():
     with cuda_policy_on_cpu(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "CUDA is not available": torch disables the CUDA autocast
         assert block_dtype() == torch.float16
+
+
+def _emulated_step(model, x, outer_hooks=False):
+    """Forward under the emulated policy (optionally inside a user's own saved-tensor hooks), backward; the
+    gradients."""
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if outer_hooks else contextlib.nullcontext()
+    model.zero_grad(set_to_none=True)
+    with cuda_policy_on_cpu(), torch.autocast("cpu", dtype=torch.float16), hooks:
+        out = model(x)
+    out.float().square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _saved_bytes(run):
+    from fp16doctor.engine.microbatch import saved_activation_bytes
+
+    return saved_activation_bytes(run, exclude=set())
+
+
+def test_emulated_products_keep_their_inputs_in_half_precision_for_the_backward():
+    """The emulation computes on fp32 copies of the rounded inputs; autograd must not keep those copies (twice
+    the activation memory of the GPU training), but the half-precision values, widened again in backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    x = torch.randn(512, 64)
+
+    def forward():
+        with cuda_policy_on_cpu(), torch.autocast("cpu", dtype=torch.float16):
+            return model(x)
+
+    with torch.autocast("cpu", dtype=torch.float16):  # the saved inputs of the same products in plain fp16
+        half_inputs = 2 * (512 * 64 + 256 * 64 + 512 * 256 + 256 * 64)
+    assert _saved_bytes(forward) <= half_inputs + 512 * 256 * 2  # + the ReLU's own fp16 output
+
+
+def test_the_backward_on_widened_inputs_is_bit_identical():
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16, requires_grad=True)
+    packed = _emulated_step(model, x)
+    unpacked = _emulated_step(model, x, outer_hooks=True)  # a user's own hooks: the fp32 copies are saved as before
+    assert all(torch.equal(a, b) for a, b in zip(packed, unpacked))
+
+
+def test_an_inplace_change_of_a_kept_half_input_is_refused_as_autograd_would():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with cuda_policy_on_cpu(), torch.autocast("cpu", dtype=torch.float16):
+        h = x.half() * 1  # a half activation the product saves as it is
+        out = lin(h)
+        h.mul_(2)         # changed after the product: its backward would read other values
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()
+
+
+def test_activation_checkpointing_keeps_its_own_hooks():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    plain = _emulated_step(model, x)
+    model.zero_grad(set_to_none=True)
+    with cuda_policy_on_cpu():  # held through the backward, as a probe's step holds it: the recompute meets it too
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = checkpoint(model, x, use_reentrant=False)
+        out.float().square().mean().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))

@@ -38,6 +38,7 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar
 import torch
 
 from ..errors import first_line
+from ..precision.autocast_policy import SEES_LOW_PRECISION_SAVES
 from ..userfile.batches import batch_rows, first_rows, row_counts, split_rows
 from .rng import callers_rng_kept, rng_state, set_rng_state
 
@@ -221,6 +222,7 @@ def saved_activation_bytes(run: Callable[[], Any], exclude: set[int]) -> int:
         # through the graph that nothing collects, and every measured activation would outlive planning.
         return t.detach()
 
+    setattr(pack, SEES_LOW_PRECISION_SAVES, True)  # an AMP probe's emulated products keep half-precision inputs
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = run()
     del result  # the graph goes with it: nothing is backpropagated

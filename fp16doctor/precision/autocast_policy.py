@@ -110,6 +110,87 @@ def _widest(args: Any, kwargs: dict) -> torch.dtype | None:
 _EXCLUDE_AUTOCAST_CPU = DispatchKeySet(DispatchKey.AutocastCPU)
 
 
+class RoundedInputs:
+    """The inputs of one emulated low-precision product: each rounded to the low dtype, then computed on as
+    an exact fp32 copy. Autograd saves the copies for the backward; :meth:`saved_in_low_precision` keeps
+    the low-precision values instead and widens them again when the backward reads them (exactly: every
+    fp16 and bf16 value is an fp32 value), so an AMP probe holds its activations in half precision, as the
+    GPU training does, not in fp32 (issue #17: the AMP probe of a CPU transformer saved twice the user's
+    activation memory). The backward computes on the very same numbers."""
+
+    def __init__(self, low: torch.dtype):
+        self.low = low
+        self.sources: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """(fp32 copy, its low-precision source) of every rounded input."""
+
+    def round(self, t: torch.Tensor) -> torch.Tensor:
+        if not _eligible(t):
+            return t
+        source = t.to(self.low)
+        copy = source.float()
+        self.sources.append((copy, source))
+        return copy
+
+    def saved_in_low_precision(self) -> contextlib.AbstractContextManager[Any]:
+        """Saved-tensor hooks for the product's call, where hooks are allowed (not while a compiler traces)
+        and nobody else's are active: activation checkpointing and offloading bring their own, and theirs
+        must see every saved tensor as it is. The one exception is a hook that asks to see what is really
+        kept (:data:`SEES_LOW_PRECISION_SAVES`: the doctor's own measurement of saved activation bytes)."""
+        if not self.sources or not torch.is_grad_enabled() or not _saved_tensor_hooks_allowed():
+            return contextlib.nullcontext()
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if outer is None:
+            return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        if getattr(outer[0], SEES_LOW_PRECISION_SAVES, False):
+            outer_pack, outer_unpack = outer
+            return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer_pack),
+                                                            lambda saved: _unpack(saved, outer_unpack))
+        return contextlib.nullcontext()
+
+    def _pack(self, t: torch.Tensor, outer: Callable[[torch.Tensor], Any] | None = None) -> Any:
+        base = t if t._base is None else t._base
+        for copy, source in self.sources:
+            if base is copy and source.stride() == copy.stride():
+                kept = outer(source) if outer is not None else source
+                return _Widened(kept, source, t.size(), t.stride(), t.storage_offset(), source._version)
+        return outer(t) if outer is not None else t
+
+
+def _saved_tensor_hooks_allowed() -> bool:
+    """False while a compiler traces (it disables saved-tensor hooks; pushing one then raises)."""
+    allowed = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return bool(allowed()) if allowed is not None else True
+
+
+SEES_LOW_PRECISION_SAVES = "fp16doctor_sees_low_precision_saves"
+"""An attribute that, set true on a saved-tensor pack hook, has the emulated products hand it the
+low-precision tensors they really keep instead of their fp32 copies."""
+
+
+class _Widened:
+    """A saved fp32 view of a widened low-precision tensor, kept as the low-precision tensor (``kept``: that
+    tensor, or what an outer hook made of it)."""
+
+    __slots__ = ("kept", "size", "stride", "offset", "version", "source")
+
+    def __init__(self, kept: Any, source: torch.Tensor, size: Any, stride: Any, offset: Any, version: int):
+        self.kept, self.size, self.stride, self.offset, self.version = kept, size, stride, offset, version
+        self.source = source  # for the in-place check only: the same tensor as ``kept`` without an outer hook
+
+
+def _unpack(saved: Any, outer: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
+    if not isinstance(saved, _Widened):
+        return outer(saved) if outer is not None else saved
+    if saved.source._version != saved.version:
+        # What autograd says when a GPU autocast saved this low-precision tensor itself and it changed.
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{saved.source.dtype} {list(saved.source.shape)}] is at version {saved.source._version}; expected "
+            f"version {saved.version} instead.")
+    low = outer(saved.kept) if outer is not None else saved.kept
+    return low.float().as_strided(saved.size, saved.stride, saved.offset)
+
+
 def _make_kernel(op: Any, policy: str) -> Callable[..., Any]:
     """A Python kernel for the AutocastCPU key implementing ``policy`` for ``op``."""
 
@@ -131,8 +212,10 @@ def _make_kernel(op: Any, policy: str) -> Callable[..., Any]:
             low = torch.get_autocast_dtype("cpu")
             # Round inputs to the low dtype, compute with fp32 accumulation, round the result:
             # the numerics of a tensor-core GEMM/convolution, at fp32 CPU speed.
-            args, kwargs = cast_args(args, kwargs, lambda t: t.to(low).float() if _eligible(t) else t)
-            out = op(*args, **kwargs)
+            rounded = RoundedInputs(low)
+            args, kwargs = cast_args(args, kwargs, rounded.round)
+            with rounded.saved_in_low_precision():
+                out = op(*args, **kwargs)
             return _map(out, lambda t: t.to(low) if _eligible(t) else t)
 
     return kernel
