@@ -58,11 +58,19 @@ import gc, json, sys, weakref
 import fp16doctor.engine.kept as kept_module
 from fp16doctor.config import build_config
 from fp16doctor.diagnosis import DiagnoseOptions, diagnose
-from fp16doctor.engine.probe import Probe
+from fp16doctor.engine.probe import Probe, Workbench
 from fp16doctor.userfile.spec import load_training_file
 
 alive = weakref.WeakSet()
-census = {"most_alive": 0, "alive_at_stage_start": [], "folders": [], "spilled": 0}
+census = {"most_alive": 0, "alive_at_stage_start": [], "folders": [], "spilled": 0, "reference_in_memory": []}
+benches = []
+make_bench = Workbench.__init__
+
+def kept_bench(self, *args, **kwargs):
+    make_bench(self, *args, **kwargs)
+    benches.append(self)
+
+Workbench.__init__ = kept_bench
 build = Probe.__init__
 
 def counted(self, *args, **kwargs):
@@ -84,6 +92,7 @@ stop_at = sys.argv[3] if len(sys.argv) > 3 else None
 
 def on_stage(name):
     census["alive_at_stage_start"].append([name, len(alive)])  # no collection first: released, not collected later
+    census["reference_in_memory"].append(benches[-1]._initial_state is not None)
     if name == stop_at:
         raise KeyboardInterrupt
 
@@ -92,6 +101,7 @@ config = build_config(spec.config, {"device": "cpu"})
 try:
     result = diagnose(spec, config, DiagnoseOptions(ci=True, max_memory=int(sys.argv[2]) or None), on_stage=on_stage)
     census["causes"] = [f.cause for f in result.findings]
+    census["reference_back"] = benches[-1]._initial_state is not None and len(benches[-1].initial_state) > 0
 except KeyboardInterrupt:
     census["interrupted"] = True
 print(json.dumps(census))
@@ -127,6 +137,8 @@ def test_one_probe_alive_at_a_time_and_none_between_stages():
     assert found["spilled"] >= 3  # the FP32 states, the AMP snapshot at the jump, the failing step's snapshot
     assert not any((ROOT / f).exists() for f in set(found["folders"]))  # removed at the end
     assert found["causes"][0] == "lr-schedule-peak"  # the same diagnosis from states read back from disk
+    # the reference weights every probe starts from wait on disk too, and are in memory again afterwards
+    assert found["reference_in_memory"] and not any(found["reference_in_memory"]) and found["reference_back"], found
 
 
 def test_an_interrupted_diagnosis_removes_its_spilled_states():

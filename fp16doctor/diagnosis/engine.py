@@ -81,7 +81,7 @@ def diagnose(
     bench = Workbench(spec, config, batch_count=max(config.steps, options.scan_batches or 0), micro_batching=True)
     bench.progress = StepProgress(on_probe_step)  # every probe of the bench reports its steps there
     plan = memory_plan(bench, options.max_memory)
-    with StateKeeper(plan.kept_budget) as keeper:  # its temporary folder goes, however the run ends
+    with StateKeeper(plan.kept_budget) as keeper, bench.reference_kept_in(keeper.kept()):  # the folder goes, however the run ends
         ctx = StageContext(bench=bench, config=config, evidence=Evidence(
                                config=config, device=bench.device.type, steps=config.steps,
                                has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None,

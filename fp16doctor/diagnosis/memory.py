@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.kept import tensor_bytes
 from ..engine.microbatch import TRAINING_COPIES
 from ..engine.probe import Workbench
 from ..errors import MemoryLimitError
@@ -36,7 +35,7 @@ class MemoryPlan:
 
 def memory_plan(bench: Workbench, max_memory: int | None = None) -> MemoryPlan:
     """The plan for ``bench``'s model under ``max_memory`` bytes (None: the default, one probe in memory and every kept state on disk)."""
-    model_bytes = tensor_bytes(bench.initial_state)
+    model_bytes = bench.model_bytes
     probe_bytes = PROBE_COPIES * model_bytes
     if max_memory is None:
         return MemoryPlan(model_bytes, probe_bytes, DEFAULT_KEPT_BYTES)

@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import MutableMapping
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pandas as pd
 import torch
@@ -61,6 +61,8 @@ from .records import RECORD_COLUMNS, StepRecord  # re-exported: the record types
 from .rng import rng_state, seed_everything, set_rng_state
 
 MODES = ("fp32", "amp", "bf16")
+REFERENCE_KEY = -1
+"""The reference weights' key in a diagnosis's kept states (steps are >= 0)."""
 SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
 """PyTorch's warning when the scheduler steps after a skipped optimizer step: the doctor reports that itself."""
 DEFAULT_INSTRUMENTS = InstrumentOptions()
@@ -127,7 +129,10 @@ class Workbench:
         self.device = resolve_device(config.device)
         seed_everything(config.seed)
         self.batches = draw_batches(spec, batch_count or config.steps)
-        self.initial_state = self._reference_state()
+        self._initial_state: dict[str, torch.Tensor] | None = self._reference_state()
+        self._kept_reference: MutableMapping[int, Any] | None = None
+        self.model_bytes = tensor_bytes(self._initial_state)
+        """The reference weights' bytes (fp32): one copy of the model."""
         self.progress = StepProgress()
         """Every probe step of this bench reports itself here (a diagnosis sets its hook: the progress display)."""
         self.micro_batching = micro_batching
@@ -142,6 +147,31 @@ class Workbench:
         """The shapes of ``model().parameters()`` in order (for dry runs of the user's optimizer and scheduler)."""
         return {k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone() for k, v in model.state_dict().items()}
 
+    @property
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """The reference weights every probe starts from: in memory, or read back from where
+        :meth:`reference_kept_in` put them (each read is a fresh copy: read it once per use)."""
+        if self._initial_state is not None:
+            return self._initial_state
+        assert self._kept_reference is not None
+        state: dict[str, torch.Tensor] = self._kept_reference[REFERENCE_KEY]
+        return state
+
+    @contextlib.contextmanager
+    def reference_kept_in(self, kept: MutableMapping[int, Any]) -> Iterator[None]:
+        """Keep the reference weights in ``kept`` (a diagnosis's :class:`~.kept.KeptStates`: on disk past its
+        budget) while the block runs, and in memory again after it. Probes read them only while they are
+        built, one probe at a time: the diagnosis then holds one probe, not a probe and a copy of the
+        weights beside it (issue #17)."""
+        assert self._initial_state is not None, "the reference weights are kept elsewhere already"
+        kept[REFERENCE_KEY] = self._initial_state
+        self._kept_reference, self._initial_state = kept, None
+        try:
+            yield
+        finally:
+            self._initial_state, self._kept_reference = kept[REFERENCE_KEY], None
+            del kept[REFERENCE_KEY]
+
     def probe(self, mode: str, config: DoctorConfig | None = None, **options: Any) -> "Probe":
         """A fresh probe of ``mode`` (instruments attached unless ``instruments=None``)."""
         return Probe(self, mode, config or self.config, **options)
@@ -154,7 +184,7 @@ class Workbench:
             return UNSPLIT
         if self._micro_batch_plan is None:
             self._micro_batch_plan = plan_micro_batches(
-                self.batches[0], tensor_bytes(self.initial_state), self.spec.train_step is not None,
+                self.batches[0], self.model_bytes, self.spec.train_step is not None,
                 lambda planned: self.probe(planned, instruments=None, batch_plan=UNSPLIT))
             release_memory(self.device)  # the planning probes' freed blocks go back before the first probe allocates
         return self._micro_batch_plan
@@ -237,7 +267,8 @@ class Probe:
             model.float()
         keep_modules_in_fp32(model, self.config.overrides.fp32_modules, self.device.type)
         state = model.state_dict()
-        missing = set(state) ^ set(self.bench.initial_state)
+        reference = self.bench.initial_state  # read once: it may come back from disk
+        missing = set(state) ^ set(reference)
         if missing:
             raise TrainingFileError(
                 "model() builds a different model on each call (state keys differ: " + ", ".join(sorted(missing)[:5]) + ").",
@@ -245,7 +276,7 @@ class Probe:
             )
         with torch.no_grad():
             for name, tensor in state.items():
-                tensor.copy_(self.bench.initial_state[name])
+                tensor.copy_(reference[name])
         return model.train()
 
     def _build_optimizers(self) -> Any:
