@@ -17,8 +17,10 @@ process:
 Memory is the peak resident memory of each process (``os.wait4``'s ``ru_maxrss``; on CUDA,
 ``torch.cuda.max_memory_allocated`` would be the number to read) minus that of an interpreter that only
 imported torch; time is wall-clock. The targets (issue #17): diagnose's memory <= 1.5x the training's at
-every size, and its time < 4x one FP32 plus one AMP probe (twice the training under CUDA's lists: the AMP
-probe's products are emulated at fp32 speed, CPU autocast's native fp16 ones are several times slower).
+every size, and its time < 4x one FP32 plus one AMP probe: the whole command's wall time (less an
+interpreter's start) against its own FP32 baseline and AMP stages, read from its --json output (as
+benchmarks/diagnose_cost.py compares them; the training's own time is not a probe's: CPU autocast's native
+fp16 products are several times slower than the AMP probe's emulated ones).
 
     python benchmarks/diagnose_scale.py [--quick]
 """
@@ -26,6 +28,7 @@ probe's products are emulated at fp32 speed, CPU autocast's native fp16 ones are
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -155,6 +158,7 @@ class Case:
 class Measured:
     peak_mb: float
     seconds: float
+    output: str = ""
 
 
 def mlp_case(width: int, depth: int, faulty: bool, steps: int = 8, batch: int = 16) -> Case:
@@ -183,14 +187,23 @@ def measured(command: list[str]) -> Measured:
     """Run ``command`` in a fresh process; its peak resident memory (MB) and wall-clock seconds."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="2")
     start = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - start
-    errors = process.stderr.read().decode() if process.stderr else ""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:  # files: a full pipe would block the child
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=err)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - start
+        out.seek(0), err.seek(0)
+        output, errors = out.read().decode(), err.read().decode()
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode not in (0, 1):  # diagnose exits 1 on findings
         raise SystemExit(f"{' '.join(command)} failed ({process.returncode}):\n{errors[-2000:]}")
-    return Measured(usage.ru_maxrss / 1024, seconds)
+    return Measured(usage.ru_maxrss / 1024, seconds, output)
+
+
+def probe_seconds(diagnosis_json: str) -> float:
+    """The diagnosis's own FP32 baseline and AMP stages: one FP32 and one AMP probe, timed in the same process
+    (as benchmarks/diagnose_cost.py times them)."""
+    stages = {stage["name"]: stage["seconds"] for stage in json.loads(diagnosis_json)["stages"]}
+    return stages["fp32 baseline"] + stages["amp as configured"]
 
 
 def main() -> None:
@@ -204,7 +217,7 @@ def main() -> None:
     print(f"baseline: an interpreter with torch imported peaks at {baseline:.0f} MB and starts in {start_seconds:.1f} s "
           "(both subtracted below)")
     header = (f"{'model':12} {'size':13} {'fault':7} {'train MB':>9} {'gpu-policy MB':>13} {'diag MB':>8} {'mem x':>6} "
-              f"{'mem x gpu-policy':>16} {'train s':>8} {'gpu-policy s':>12} {'diag s':>7} {'time x':>7}")
+              f"{'mem x gpu-policy':>16} {'train s':>8} {'gpu-policy s':>12} {'diag s':>7} {'probes s':>8} {'time x':>7}")
     print(header)
     worst_memory, worst_policy_memory, worst_time = 0.0, 0.0, 0.0
     with tempfile.TemporaryDirectory(prefix="diagnose-scale-") as folder:
@@ -218,14 +231,13 @@ def main() -> None:
             train_mb, policy_mb, diag_mb = (m.peak_mb - baseline for m in (plain, policy, diagnosis))
             memory_ratio, policy_ratio = diag_mb / max(train_mb, 1.0), diag_mb / max(policy_mb, 1.0)
             train_s, policy_s, diag_s = (m.seconds - start_seconds for m in (plain, policy, diagnosis))
-            # Against one FP32 plus one AMP probe: the AMP probe runs the GPU policy's emulated products (at fp32
-            # speed, as the FP32 probe does), not CPU autocast's native fp16 ones.
-            time_ratio = diag_s / (2 * max(policy_s, 1e-3))
+            probes_s = probe_seconds(diagnosis.output)
+            time_ratio = diag_s / max(probes_s, 1e-3)  # the whole command against its own FP32 and AMP probes
             worst_memory, worst_policy_memory = max(worst_memory, memory_ratio), max(worst_policy_memory, policy_ratio)
             worst_time = max(worst_time, time_ratio)
             print(f"{case.family:12} {case.size:13} {'LR jump' if case.faulty else 'none':7} {train_mb:9.0f} {policy_mb:13.0f} "
                   f"{diag_mb:8.0f} {memory_ratio:6.2f} {policy_ratio:16.2f} {train_s:8.1f} {policy_s:12.1f} {diag_s:7.1f} "
-                  f"{time_ratio:7.1f}", flush=True)
+                  f"{probes_s:8.1f} {time_ratio:7.1f}", flush=True)
 
     def verdict(value: float, met: bool) -> str:
         return f"{value:.2f} ({'met' if met else 'NOT met'})"

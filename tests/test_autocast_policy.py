@@ -1,6 +1,7 @@
 """The CPU AMP probe follows CUDA's autocast op lists, op by op."""
 
 import contextlib
+import gc
 import warnings
 
 import pytest
@@ -202,9 +203,14 @@ def test_emulated_products_keep_their_inputs_in_half_precision_for_the_backward(
         with cuda_policy_on_cpu(), torch.autocast("cpu", dtype=torch.float16):
             return model(x)
 
-    with torch.autocast("cpu", dtype=torch.float16):  # the saved inputs of the same products in plain fp16
-        half_inputs = 2 * (512 * 64 + 256 * 64 + 512 * 256 + 256 * 64)
+    half_inputs = 2 * (512 * 64 + 256 * 64 + 512 * 256 + 256 * 64)  # the products' inputs, in fp16
     assert _saved_bytes(forward) <= half_inputs + 512 * 256 * 2  # + the ReLU's own fp16 output
+    out = forward()  # and nothing else holds the fp32 copies while the graph stands
+    gc.collect()
+    own = {id(x), *(id(p) for p in model.parameters())}
+    fp32_alive = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and id(o) not in own
+                  and o.dtype == torch.float32 and o.numel() >= 256 * 64]
+    assert out.requires_grad and not fp32_alive
 
 
 def test_the_backward_on_widened_inputs_is_bit_identical():

@@ -131,6 +131,11 @@ class RoundedInputs:
         self.sources.append((copy, source))
         return copy
 
+    def release(self) -> None:
+        """Let go of the fp32 copies and their sources once the product is recorded: autograd holds the
+        saved-tensor hooks, and with them this object, for as long as the graph stands."""
+        self.sources.clear()
+
     def saved_in_low_precision(self) -> contextlib.AbstractContextManager[Any]:
         """Saved-tensor hooks for the product's call, where hooks are allowed (not while a compiler traces)
         and nobody else's are active: activation checkpointing and offloading bring their own, and theirs
@@ -214,8 +219,11 @@ def _make_kernel(op: Any, policy: str) -> Callable[..., Any]:
             # the numerics of a tensor-core GEMM/convolution, at fp32 CPU speed.
             rounded = RoundedInputs(low)
             args, kwargs = cast_args(args, kwargs, rounded.round)
-            with rounded.saved_in_low_precision():
-                out = op(*args, **kwargs)
+            try:
+                with rounded.saved_in_low_precision():
+                    out = op(*args, **kwargs)
+            finally:
+                rounded.release()  # the graph keeps the hooks (and so this object) as long as it stands
             return _map(out, lambda t: t.to(low) if _eligible(t) else t)
 
     return kernel
