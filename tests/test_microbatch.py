@@ -181,7 +181,8 @@ def test_the_count_is_the_smallest_power_of_two_within_amp():
     assert micro_batch_count(per_row, amp_bytes=int(0.5e8), rows=100, model_bytes=1000) == 2
     assert micro_batch_count(per_row, amp_bytes=int(0.3e8), rows=100, model_bytes=1000) == 4
     assert micro_batch_count(per_row, amp_bytes=int(1e6), rows=100, model_bytes=1000) == 8  # at most 8
-    assert micro_batch_count(per_row, amp_bytes=int(1e6), rows=2, model_bytes=1000) == 2  # at most the rows
+    assert micro_batch_count(ActivationBytes(0.0, 4e6), amp_bytes=int(1e6), rows=2, model_bytes=1000) == 2  # at most the rows
+    assert micro_batch_count(ActivationBytes(0.0, 4e3), amp_bytes=int(1e3), rows=100, model_bytes=10) == 1  # under 1 MiB to save
     assert micro_batch_count(per_row, amp_bytes=int(0.95e8), rows=100, model_bytes=1000) == 1  # within the margin
     assert micro_batch_count(per_row, amp_bytes=int(0.5e8), rows=100, model_bytes=int(2e8)) == 1  # small next to the model
 

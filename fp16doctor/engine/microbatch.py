@@ -50,6 +50,9 @@ MARGIN = 0.1
 """Split only when the FP32 activations exceed AMP's by more than this share of the training's memory
 (``TRAINING_COPIES`` model copies plus AMP's activations): below it splitting saves too little to be worth
 a changed summation order."""
+MIN_SAVING = 2**20
+"""Nor when the FP32 activations exceed AMP's by under 1 MiB: on a small model that is a fraction of what any
+process holds, and not worth a changed summation order (the share test alone splits tiny models)."""
 MAX_MICRO_BATCHES = 8
 """More micro-batches save little more (the model copies stay) and cost a forward each."""
 MEASURED_SHARE = 4
@@ -194,8 +197,9 @@ def _on_probe(probe: Callable[[str], LossProbe], mode: str, use: Callable[[LossP
 def micro_batch_count(fp32: ActivationBytes, amp_bytes: int, rows: int, model_bytes: int) -> int:
     """The smallest power of two k (at most ``MAX_MICRO_BATCHES`` and ``rows``) whose micro-batches' FP32
     activations are within ``amp_bytes``; 1 when FP32's exceed AMP's by little next to the training's memory
-    (``MARGIN``)."""
-    if fp32.at(rows) - amp_bytes <= MARGIN * (TRAINING_COPIES * model_bytes + amp_bytes):
+    (``MARGIN``) or by little at all (``MIN_SAVING``)."""
+    excess = fp32.at(rows) - amp_bytes
+    if excess <= MARGIN * (TRAINING_COPIES * model_bytes + amp_bytes) or excess < MIN_SAVING:
         return 1
     count = 2
     while count * 2 <= min(rows, MAX_MICRO_BATCHES) and fp32.fixed + fp32.per_row * rows / count > amp_bytes:

@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 
 from ..engine.instruments import module_names, strided_sample
+from ..engine.microbatch import UNSPLIT
 from ..engine.probe import Probe, Workbench
 from ..engine.rng import seed_everything
 from ..tensors import FP16_MAX, FP16_MIN_SUBNORMAL, grad_values
@@ -51,6 +52,8 @@ def capture_gradients(probe: Probe, sample: int = 262144, restore: bool = False)
     to: the snapshot would be a full copy of the weights and the optimizer's
     state beside the live ones, the largest allocation of the loss-scale stage.
     """
+    if probe.batch_plan.split:  # a micro-batch's activation gradients would overwrite the one before
+        raise ValueError("capture_gradients needs a probe that takes its batches whole (batch_plan=UNSPLIT)")
     snap = probe.snapshot() if restore else None
     captured: dict[str, torch.Tensor] = {}
     names = module_names(probe.model)
@@ -149,7 +152,7 @@ def observed_underflow(bench: Workbench, state_from: Probe | None = None, config
     snap = state_from.snapshot() if state_from is not None else None
 
     def probe_from_state(mode: str) -> Probe:
-        probe = bench.probe(mode, config, instruments=None)
+        probe = bench.probe(mode, config, instruments=None, batch_plan=UNSPLIT)  # gradients of the whole batch, as AMP's
         if snap is not None:
             probe.model.load_state_dict(snap.model)
             probe.iteration, probe.cursor = snap.iteration, snap.cursor

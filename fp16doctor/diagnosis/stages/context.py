@@ -16,6 +16,7 @@ from ...config import DoctorConfig, build_config, merge
 from ...engine.kept import StateKeeper
 from ...engine.progress import StepProgress
 from ...engine.instruments import InstrumentOptions, precision_map
+from ...engine.microbatch import UNSPLIT
 from ...engine.optimizers import flat_schedulers, named_optimizers
 from ...engine.probe import (
     DEFAULT_INSTRUMENTS,
@@ -145,9 +146,11 @@ def remember_fp32_states(ctx: StageContext, steps: list[int]) -> None:
         reference.close()
 
 
-def probe_at(ctx: StageContext, mode: str, config: DoctorConfig, step: int) -> Probe:
-    """A probe of ``mode`` holding the FP32 trajectory's weights at ``step``, about to take that step."""
-    probe = ctx.bench.probe(mode, config, instruments=None)
+def probe_at(ctx: StageContext, mode: str, config: DoctorConfig, step: int, whole_batches: bool = False) -> Probe:
+    """A probe of ``mode`` holding the FP32 trajectory's weights at ``step``, about to take that step.
+    ``whole_batches``: never micro-batched, for a caller that hooks what each module computes on the batch
+    (a micro-batched FP32 step would show it a part of the rows at a time)."""
+    probe = ctx.bench.probe(mode, config, instruments=None, **({"batch_plan": UNSPLIT} if whole_batches else {}))
     probe.model.load_state_dict(fp32_state_at(ctx, step))
     probe.iteration = probe.cursor = step
     seed_everything(ctx.config.seed + step)  # the same dropout masks in every mode

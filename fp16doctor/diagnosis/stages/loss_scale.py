@@ -7,6 +7,7 @@ from typing import Any
 
 import pandas as pd
 
+from ...engine.microbatch import UNSPLIT
 from ...measure.compare import compare, run_aligned
 from ...measure.numerics import (
     capture_gradients,
@@ -33,7 +34,7 @@ def stage_scale(ctx: StageContext) -> StageReport:
     if ev.fp32 is None or not ev.fp32.finite:
         return StageReport("loss-scale sweep", "skipped", "the fp32 baseline is not finite: scaling cannot help")
     with ctx.progress.planned(2):  # step 0 in FP32 and in AMP; the sweep plans its own steps
-        reference = ctx.bench.probe("fp32", cfg, instruments=None)
+        reference = ctx.bench.probe("fp32", cfg, instruments=None, batch_plan=UNSPLIT)  # the gradients of the whole batch
         try:
             capture = capture_gradients(reference)  # step 0 from the start: the same step observed_underflow compares
         finally:

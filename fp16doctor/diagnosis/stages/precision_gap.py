@@ -79,7 +79,7 @@ def _rank_modules(ctx: StageContext, step: int) -> list[ModuleGap]:
     """Per module: the relative error its output adds over its input, AMP against fp32, same state and batch."""
     outputs: dict[str, dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
     for mode in ("fp32", "amp"):
-        probe = probe_at(ctx, mode, ctx.config, step)
+        probe = probe_at(ctx, mode, ctx.config, step, whole_batches=True)  # each module's output on the whole batch
         names = {m: n for m, n in module_names(probe.model).items() if n != "<root>"}
         captured: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
@@ -87,8 +87,9 @@ def _rank_modules(ctx: StageContext, step: int) -> list[ModuleGap]:
             if module in names and names[module] not in captured:
                 first_in = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
                 out = output if isinstance(output, torch.Tensor) else next((o for o in (output if isinstance(output, (tuple, list)) else []) if isinstance(o, torch.Tensor)), None)
-                captured[names[module]] = (first_in.detach().double().clone() if first_in is not None else None,
-                                           out.detach().double().clone() if out is not None and out.is_floating_point() else None)
+                # fp32 copies: exact for fp32 and half values (the errors are taken in fp64, one module at a time)
+                captured[names[module]] = (first_in.detach().to(torch.float32, copy=True) if first_in is not None else None,
+                                           out.detach().to(torch.float32, copy=True) if out is not None and out.is_floating_point() else None)
 
         handles = [m.register_forward_hook(hook) for m in names]
         try:
@@ -112,6 +113,7 @@ def _rank_modules(ctx: StageContext, step: int) -> list[ModuleGap]:
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
     diff = torch.linalg.vector_norm((a - b).nan_to_num(nan=1e30, posinf=1e30, neginf=1e30)).item()
     return diff / max(torch.linalg.vector_norm(b).item(), 1e-30)
 
