@@ -75,6 +75,22 @@ def loss(model, batch):
     z = F.normalize(model(x), dim=1)
     return F.cross_entropy(z @ z.T * 10, torch.arange(len(x)))  # every row against every other
 """
+TOKEN_MEAN_FILE = GATED_FILE + """
+
+def data():  # (x, y, weight): the first batch weighs every row alike, the later ones do not (padding)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(3):
+        weight = torch.ones(BATCH) if i == 0 else torch.randint(1, 4, (BATCH,), generator=g).float()
+        batches.append((torch.randn(BATCH, 16, generator=g), torch.randint(0, 4, (BATCH,), generator=g), weight))
+    return batches
+
+
+def loss(model, batch):
+    x, y, weight = batch
+    per_row = F.cross_entropy(model(x), y, reduction="none")
+    return (per_row * weight).sum() / weight.sum()  # normalised by a count over the whole batch
+"""
 TRAIN_STEP_FILE = GATED_FILE + """
 
 def train_step(model, batch, optimizer, scaler, autocast):
@@ -251,3 +267,10 @@ def test_planning_keeps_nothing_it_measured(training_file):
     before = live_bytes()
     assert bench.micro_batch_plan("fp32").split
     assert live_bytes() - before < 100_000
+
+
+def test_a_loss_normalised_over_the_batch_is_refused_even_when_the_first_batch_hides_it(training_file):
+    """Equal weights in the first batch make its chunk decompose; the later batches' uneven ones do not: the
+    check looks at several drawn batches, not only the first."""
+    plan = bench_for(training_file(TOKEN_MEAN_FILE, "token_mean.py")).micro_batch_plan("fp32")
+    assert plan.needed and plan.count == 1 and "does not decompose" in plan.reason, plan

@@ -137,10 +137,14 @@ def test_a_snapshot_inside_an_accumulation_keeps_the_gradients(training_file, ke
     assert snap.grads and all(g.abs().sum() > 0 for g in snap.grads.values())
     probe.step()
     first = [p.detach().clone() for p in probe.model.parameters()]
+    import weakref
+
+    old_moment = weakref.ref(next(iter(probe.optimizer.state.values()))["exp_avg"])
     if kept:
         probe.restore_kept(store, 1)
     else:
         probe.restore(snap)
+    assert old_moment() is None  # the probe's own optimizer state went, not kept beside the restored one
     probe.step()
     assert all(torch.equal(a, b) for a, b in zip(first, probe.model.parameters()))
     probe.close()

@@ -131,11 +131,18 @@ UNSPLIT = MicroBatchPlan(reason="not planned")
 """The plan of every probe that is not an FP32 probe of a planning workbench (and of the planner's own probes)."""
 
 
+CHECKED_BATCHES = 4
+"""The decomposition is checked on this many of the drawn batches (the first, the last, evenly between): a loss
+normalised by a count over the batch (tokens that are not padding) can pass on one chunk whose rows happen to
+hold equal counts."""
+
+
 def plan_micro_batches(batch: Any, model_bytes: int, owns_loop: bool,
-                       probe: Callable[[str], LossProbe]) -> MicroBatchPlan:
+                       probe: Callable[[str], LossProbe], others: Sequence[Any] = ()) -> MicroBatchPlan:
     """The plan for FP32 probes whose first batch is ``batch`` (see the module docstring); ``probe(mode)``
-    builds a throw-away probe of that mode. Whatever planning does, every random generator continues as the
-    caller left it; a file whose loss fails here is planned unsplit (its probes then report the failure)."""
+    builds a throw-away probe of that mode; ``others``: further batches the decomposition is checked on (those
+    that split like the first). Whatever planning does, every random generator continues as the caller left
+    it; a file whose loss fails here is planned unsplit (its probes then report the failure)."""
     if owns_loop:
         return MicroBatchPlan(reason="the file's train_step() owns its loop")
     rows, why = batch_rows(batch)
@@ -152,7 +159,9 @@ def plan_micro_batches(batch: Any, model_bytes: int, owns_loop: bool,
             if count == 1:
                 return MicroBatchPlan(reason="the fp32 activations are not much above AMP's next to the model",
                                       fp32_bytes=fp32, amp_bytes=amp)
-            refusal = _on_probe(probe, "fp32", lambda fp32_probe: decomposition_refusal(fp32_probe, batch, rows, count))
+            checked = [batch] + [b for b in others if batch_rows(b)[0] == rows]
+            refusal = _on_probe(probe, "fp32", lambda fp32_probe: next(
+                (why for why in (decomposition_refusal(fp32_probe, b, rows, count) for b in checked) if why is not None), None))
         except Exception as exc:  # noqa: BLE001 - the probes meet the same failure and report it as the file's
             return MicroBatchPlan(reason=f"the measurement failed: {type(exc).__name__}: {first_line(exc)}")
     if refusal is not None:

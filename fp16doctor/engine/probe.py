@@ -54,7 +54,7 @@ from ..userfile.loop import canonical_step, default_loss, micro_batched_step, ou
 from ..userfile.spec import TrainingSpec, build_model, draw_batches, user_frame
 from .instruments import InstrumentOptions, Instruments
 from .kept import owned_copy, release_memory, tensor_bytes
-from .microbatch import UNSPLIT, MicroBatchPlan, plan_micro_batches
+from .microbatch import CHECKED_BATCHES, UNSPLIT, MicroBatchPlan, plan_micro_batches
 from .optimizers import ProbeOptimizers, flat_schedulers, named_optimizers
 from .progress import StepProgress
 from .records import RECORD_COLUMNS, StepRecord  # re-exported: the record types' old home
@@ -176,6 +176,12 @@ class Workbench:
         """A fresh probe of ``mode`` (instruments attached unless ``instruments=None``)."""
         return Probe(self, mode, config or self.config, **options)
 
+    def _spread_batches(self) -> list[Any]:
+        """Up to ``CHECKED_BATCHES - 1`` drawn batches after the first, evenly spread, the last included."""
+        rest = self.batches[1:]
+        wanted = min(len(rest), CHECKED_BATCHES - 1)
+        return [rest[round(i * (len(rest) - 1) / max(wanted - 1, 1))] for i in range(wanted)] if wanted else []
+
     def micro_batch_plan(self, mode: str) -> MicroBatchPlan:
         """How probes of ``mode`` cut their batches: FP32 probes of a workbench made with ``micro_batching``
         follow one plan, made the first time it is asked for (before the first FP32 probe builds its model)
@@ -185,7 +191,7 @@ class Workbench:
         if self._micro_batch_plan is None:
             self._micro_batch_plan = plan_micro_batches(
                 self.batches[0], self.model_bytes, self.spec.train_step is not None,
-                lambda planned: self.probe(planned, instruments=None, batch_plan=UNSPLIT))
+                lambda planned: self.probe(planned, instruments=None, batch_plan=UNSPLIT), others=self._spread_batches())
             release_memory(self.device)  # the planning probes' freed blocks go back before the first probe allocates
         return self._micro_batch_plan
 
