@@ -87,3 +87,31 @@ def test_a_file_with_a_proper_loss_gets_neither_warning(training_file):
     assert proc.returncode == 0, proc.stderr[-2000:]
     causes = {f["cause"] for f in json.loads(proc.stdout)["findings"]}
     assert not causes & {"loss-name-mismatch", "constant-loss"}, causes
+
+
+NEGATIVE_ZERO_LOSS = """
+import torch
+from torch import nn
+
+CONFIG = {"steps": 4}
+criterion = nn.MSELoss()                      # meant as the loss; the doctor reads only loss(model, batch)
+
+
+def model():
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(16, 4, generator=g) for _ in range(4)]
+    return [(x, x.sum(1, keepdim=True)) for x in xs]  # float targets: the default cross-entropy is -0.0
+"""
+
+
+def test_a_loss_of_minus_zero_reads_as_zero(training_file):
+    proc = run_cli("diagnose", training_file(NEGATIVE_ZERO_LOSS, "negative_zero.py"), "--ci", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    fp32 = next(s for s in report["stages"] if s["name"] == "fp32 baseline")
+    assert "loss 0 -> 0" in fp32["summary"] and "-0" not in fp32["summary"]
+    assert {"loss-name-mismatch", "constant-loss"} <= {f["cause"] for f in report["findings"]}

@@ -225,7 +225,8 @@ def probe_sentence(summary: ProbeSummary) -> str:
     if summary.exception:
         e = summary.exception
         return f"stopped at step {e.step}: {e.type}: {e.message} ({e.location})"
-    parts = [f"{len(rec)} steps, loss {rec['loss'].iloc[0]:.4g} -> {rec['loss'].iloc[-1]:.4g}"]
+    first, last = (float(rec["loss"].iloc[i]) + 0.0 for i in (0, -1))  # + 0.0: a loss of -0.0 reads as 0
+    parts = [f"{len(rec)} steps, loss {first:.4g} -> {last:.4g}"]
     if summary.first_nonfinite_loss is not None:
         parts.append(f"loss non-finite from step {summary.first_nonfinite_loss}")
     skips = summary.skip_steps
