@@ -202,20 +202,21 @@ def return_large_blocks_on_free(threshold: int = MMAP_THRESHOLD) -> bool:
     return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, threshold) == 1
 
 
-@functools.lru_cache(maxsize=1)
 def _mallopt() -> Callable[[int, int], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return cast(Callable[[int, int], int], libc.mallopt)
-    except (OSError, AttributeError):
-        return None
+    """glibc's ``mallopt``, where the C library has one."""
+    return cast("Callable[[int, int], int] | None", _libc_function("mallopt"))
 
 
-@functools.lru_cache(maxsize=1)
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, where the C library has one (not on macOS, Windows or musl)."""
+    return cast("Callable[[int], int] | None", _libc_function("malloc_trim"))
+
+
+@functools.lru_cache(maxsize=None)
+def _libc_function(name: str) -> Callable[..., int] | None:
+    """The C library's function ``name`` (loaded once), or None where the library or the function is missing."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return cast(Callable[[int], int], libc.malloc_trim)
+        return cast(Callable[..., int], getattr(libc, name))
     except (OSError, AttributeError):
         return None
