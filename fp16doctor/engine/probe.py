@@ -341,10 +341,7 @@ class Probe:
         return checked_loss
 
     def _run_step(self, batch: Any) -> Any:
-        with contextlib.ExitStack() as stack:
-            for mode in self._step_modes:
-                stack.enter_context(mode)
-            stack.enter_context(self.optimizers)  # optimizers the step creates itself are found as they step
+        with self._runtime_fixes_active(), self.optimizers:  # optimizers the step creates itself are found as they step
             if self.spec.train_step is not None:
                 return self.spec.train_step(self.model, batch, self.optimizer_arg, self.scaler, self.autocast)
             if self.batch_plan.split:
@@ -362,11 +359,16 @@ class Probe:
         """The loss on ``batch`` as this probe's steps compute it (moved to its device and dtype, under its
         precision, its runtime fixes and autocast), with its graph; nothing steps. What planning measures."""
         batch = to_device(batch, self.device, torch.float32 if self.mode == "fp32" else None)
-        with self._precision(), contextlib.ExitStack() as stack:
+        with self._precision(), self._runtime_fixes_active(), self.autocast():
+            return self._loss_fn()(self.model, batch)
+
+    @contextlib.contextmanager
+    def _runtime_fixes_active(self) -> Iterator[None]:
+        """The torch-function modes of ``config.overrides`` (:meth:`_runtime_fixes`), entered together."""
+        with contextlib.ExitStack() as stack:
             for mode in self._step_modes:
                 stack.enter_context(mode)
-            with self.autocast():
-                return self._loss_fn()(self.model, batch)
+            yield
 
     def step(self, batch: Any = None, batch_index: int | None = None) -> StepRecord:
         """Take one training step and record it. A user exception ends the probe (``self.failed``).
