@@ -13,7 +13,7 @@ from rich.console import Console
 from conftest import SAMPLES, run_cli
 from fp16doctor.diagnosis import fixtures as fx
 from fp16doctor.diagnosis.model import CorrectedConfig, Diagnosis, Finding, Fix, Verification
-from fp16doctor.output.formatting import human, humanize
+from fp16doctor.output.formatting import healthy_headline, human, humanize
 from fp16doctor.output.html import diagnosis_html
 from fp16doctor.output.markdown import markdown
 from fp16doctor.output.terminal import render_diagnosis
@@ -110,3 +110,10 @@ def test_an_exception_no_finding_explains_is_reported_by_every_output():
     render_diagnosis(diagnosis, Console(file=buffer, width=160, color_system=None), "train.py")
     for text in (buffer.getvalue(), markdown(diagnosis, "train.py")):
         assert "amp probe raised RuntimeError at step 2" in " ".join(text.split()) and "train.py:7" in text
+
+
+def test_the_healthy_headline_sends_the_reader_to_warnings_and_keeps_notes_as_notes():
+    assert healthy_headline([]) == "trains in mixed precision like its FP32 twin"
+    assert healthy_headline(["info", "info"]).endswith("(2 note(s) below)")
+    warned = healthy_headline(["info", "warning"])
+    assert "FP32 twin" not in warned and "1 warning(s) below" in warned

@@ -78,6 +78,8 @@ def test_the_warnings_show_in_the_terminal_report():
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = " ".join(proc.stdout.split())
     assert "loss-name-mismatch" in text and "loss_fn" in text and "constant-loss" in text
+    headline = text.split(" Triage")[0]  # a training that trains nothing is not "like its FP32 twin" in the headline
+    assert headline.startswith("healthy: ") and "2 warning(s) below" in headline and "FP32 twin" not in headline
 
 
 def test_a_file_with_a_proper_loss_gets_neither_warning(training_file):

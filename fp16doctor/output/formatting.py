@@ -99,3 +99,17 @@ def exact_numbers(value: Any) -> Any:
     if isinstance(value, float) and math.isfinite(value) and value == int(value) and abs(value) < 2**53:
         return int(value)
     return value
+
+
+def healthy_headline(severities: list[str]) -> str:
+    """What follows ``healthy: FILE`` for a diagnosis with no error finding, given its findings' severities.
+
+    "Trains like its FP32 twin" is true of a training whose loss never moves (both twins train nothing), so
+    a headline over warnings says that precision is not the problem and sends the reader to the warnings
+    first, instead of reading as a clean bill of health with notes attached."""
+    warnings = severities.count("warning")
+    if warnings:
+        return (f"has no mixed-precision fault, but {warnings} warning(s) below say the training itself needs "
+                "a look first")
+    notes = len(severities)
+    return "trains in mixed precision like its FP32 twin" + (f" ({notes} note(s) below)" if notes else "")

@@ -15,7 +15,7 @@ import yaml
 
 from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
-from .formatting import exact_numbers, human, humanize
+from .formatting import exact_numbers, healthy_headline, human, humanize
 from .patches import contradicted_settings, reference_to_corrected
 from .markdown import corrected_text
 from .plots import Figure, comparison_figures, diagnosis_figures
@@ -117,7 +117,7 @@ def diagnosis_html(diagnosis: Diagnosis, training_file: str) -> str:
     errors = [f for f in diagnosis.findings if f.severity == "error"]
     verdict = diagnosis.verdict
     line = f"{verdict}: " + (f"{len(errors)} error finding(s); top cause {errors[0].cause}" if errors
-                             else "trains in mixed precision like its FP32 twin")
+                             else "the training " + healthy_headline([f.severity for f in diagnosis.findings]))
     header = (f"<h1>fp16doctor diagnosis</h1><p class=\"verdict {verdict}\">{_e(line)}</p>"
               f"<p class=\"meta\"><code>{_e(training_file)}</code> · device {_e(ev.device)} · {ev.steps} steps per probe · "
               f"dtype {_e(ev.config.dtype)}</p>" + "".join(f'<p class="meta">note: {_e(n)}</p>' for n in diagnosis.notes))

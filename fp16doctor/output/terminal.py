@@ -15,7 +15,7 @@ from rich.table import Table
 from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
 from ..measure.compare import Comparison
-from .formatting import exact_numbers, human, humanize
+from .formatting import exact_numbers, healthy_headline, human, humanize
 from .patches import contradicted_settings, reference_to_corrected
 
 VERDICT_STYLE = {"healthy": "bold green", "drift": "bold yellow", "unstable": "bold red", "diverged": "bold red"}
@@ -138,8 +138,9 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
     if not errors and diagnosis.unexplained:
         console.print("[bold red]unhealthy[/]: the training raised an exception under AMP that no rule explains (below).")
     elif diagnosis.healthy:
-        console.print(f"[bold green]healthy[/]: {training_file} trains in mixed precision like its FP32 twin"
-                      + (f" ({len(diagnosis.findings)} note(s) below)" if diagnosis.findings else "") + ".")
+        style = "bold yellow" if any(f.severity == "warning" for f in diagnosis.findings) else "bold green"
+        console.print(f"[{style}]healthy[/]: {escape(training_file)} "
+                      f"{healthy_headline([f.severity for f in diagnosis.findings])}.")
     else:
         console.print(f"[bold red]unhealthy[/]: {len(errors)} error finding(s) in {escape(training_file)}; top cause: [bold]{errors[0].cause}[/]")
     stages = Table(title="Triage", title_justify="left", show_lines=False)
