@@ -140,3 +140,17 @@ def test_opt_in_browser_screenshots(tmp_path):
         subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--window-size={width},2400",
                         f"--screenshot={shot}", path.as_uri()], capture_output=True, timeout=120)
         assert shot.is_file() and shot.stat().st_size > 10_000
+
+
+def test_a_layer_finite_at_no_step_stays_in_the_activation_plot_with_its_own_marker():
+    import math
+
+    import pandas as pd
+
+    from fp16doctor.output.plots import activation_ranges
+
+    forward = pd.DataFrame([{"module": "ok", "abs_max": 3.0}, {"module": "ok", "abs_max": math.nan},  # one bad step
+                            {"module": "broken", "abs_max": math.nan}, {"module": "broken", "abs_max": math.nan}])
+    backward = pd.DataFrame([{"module": "ok", "abs_max": 1e-3}, {"module": "blown", "abs_max": math.inf}])
+    figure = activation_ranges(forward, backward)
+    assert figure.data == {"layers": 3, "over_fp16_max": 2, "never_finite": 2}  # "broken" and "blown" drawn, past the edge

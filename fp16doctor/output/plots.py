@@ -116,11 +116,17 @@ def loss_scale(records: pd.DataFrame, window: tuple[float, float] | None = None)
                   {"skipped_marked": len(skipped)})
 
 
+NONFINITE_AT = 4 * FP16_MAX
+"""Where a layer with no finite value at any step is drawn: past fp16's largest value, its own marker."""
+
+
 def _per_module_max(table: pd.DataFrame | None) -> pd.Series:
+    """Per module, the largest finite ``abs_max`` over the steps; ``inf`` for a module finite at no step (its
+    rows' ``abs_max`` are NaN or inf), which would otherwise drop out of the plot it is the point of."""
     if table is None or table.empty or "module" not in table:
         return pd.Series(dtype=float)
-    values = table.assign(abs_max=table["abs_max"].astype(float)).groupby("module", sort=False)["abs_max"].max()
-    return values.replace([math.inf, -math.inf], math.nan).dropna()
+    finite = table["abs_max"].astype(float).replace([math.inf, -math.inf], math.nan)
+    return table.assign(abs_max=finite).groupby("module", sort=False)["abs_max"].max().fillna(math.inf)
 
 
 def activation_ranges(forward: pd.DataFrame | None, backward: pd.DataFrame | None) -> Figure:
@@ -130,13 +136,23 @@ def activation_ranges(forward: pd.DataFrame | None, backward: pd.DataFrame | Non
     if len(modules) > MAX_ROWS:  # keep the layers nearest an edge of fp16's range
         def distance(m: str) -> float:
             values = [v for v in (fwd.get(m), bwd.get(m)) if v is not None and v > 0]
+            if math.inf in values:  # never finite: the layer the plot is for
+                return 0.0
             return min((min(abs(math.log10(v / FP16_MAX)), abs(math.log10(v / FP16_MIN_SUBNORMAL))) for v in values), default=math.inf)
 
         modules = sorted(modules, key=distance)[:MAX_ROWS]
     fig, ax = _new(6.4, max(2.4, 0.22 * len(modules) + 1.0))
     rows = list(range(len(modules)))
-    ax.scatter([max(fwd.get(m, math.nan), 1e-30) for m in modules], rows, marker="o", color=COLOURS["fp32"], label="forward |x| max", zorder=3)
-    ax.scatter([max(bwd.get(m, math.nan), 1e-30) for m in modules], rows, marker="s", color=COLOURS["amp"], label="backward |g·S| max", zorder=3)
+
+    def finite_points(values: pd.Series) -> list[float]:
+        return [max(v, 1e-30) if math.isfinite(v := values.get(m, math.nan)) else math.nan for m in modules]
+
+    ax.scatter(finite_points(fwd), rows, marker="o", color=COLOURS["fp32"], label="forward |x| max", zorder=3)
+    ax.scatter(finite_points(bwd), rows, marker="s", color=COLOURS["amp"], label="backward |g·S| max", zorder=3)
+    never_finite = [(m, row) for values in (fwd, bwd) for row, m in enumerate(modules) if values.get(m) == math.inf]
+    if never_finite:
+        ax.scatter([NONFINITE_AT] * len(never_finite), [row for _, row in never_finite], marker="x", color="black",
+                   label="non-finite at every step", zorder=4)
     for value, label, style in ((FP16_MAX, "fp16 max 65504", "-"), (FP16_MIN_NORMAL, "smallest normal", "--"),
                                 (FP16_MIN_SUBNORMAL, "smallest subnormal", ":")):
         ax.axvline(value, color="black", linestyle=style, linewidth=1, label=label)
@@ -147,7 +163,8 @@ def activation_ranges(forward: pd.DataFrame | None, backward: pd.DataFrame | Non
     ax.legend(loc="lower right", fontsize=7)
     over = sum(1 for m in modules if fwd.get(m, 0.0) > FP16_MAX or bwd.get(m, 0.0) > FP16_MAX)
     return Figure("plot-activations", "Activation ranges per layer", "Layers whose points reach the solid line overflow fp16; "
-                  "backward points left of the dotted line flush to zero.", _svg(fig), {"layers": len(modules), "over_fp16_max": over})
+                  "backward points left of the dotted line flush to zero; a cross past the line: no finite value at any step.",
+                  _svg(fig), {"layers": len(modules), "over_fp16_max": over, "never_finite": len({m for m, _ in never_finite})})
 
 
 def underflow_heatmap(param_grads: pd.DataFrame | None) -> Figure | None:
