@@ -329,7 +329,8 @@ def diagnose(
         if replay is not None:
             spec.note(replay)
         with DiagnosisProgress(err, stage_names()) as progress:
-            result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches, max_memory=memory_limit),
+            result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches, max_memory=memory_limit,
+                                                             own_process=True),
                                   on_stage=progress.stage, on_probe_step=progress.probe_step)
         show_notes(spec)
         name = str(training_file)

@@ -326,3 +326,44 @@ def test_freed_model_sized_blocks_go_back_to_the_system_in_the_diagnosing_proces
         pytest.skip("this allocator handed the freed blocks back by itself: nothing to show")
     fixed, kept_resident = leftover("fixed")
     assert fixed == "True" and kept_resident < 8
+
+
+def test_the_state_block_threshold_is_the_size_of_the_tensors_holding_most_of_the_model():
+    from fp16doctor.engine.kept import MMAP_THRESHOLD, state_block_threshold
+
+    mlp = [(896, 64), (896,)] + [(896, 896), (896,)] * 6 + [(10, 896), (10,)]  # 3.2 MB weights hold 98% of it
+    assert state_block_threshold(mlp) == 896 * 896 * 4
+    assert state_block_threshold([(128, 128)] * 12) == MMAP_THRESHOLD  # 64 KiB tensors: activations would be mapped too
+    assert state_block_threshold([(4096, 4096)] * 3) == MMAP_THRESHOLD  # mapped already at the default
+    assert state_block_threshold([]) == MMAP_THRESHOLD
+    bert_like = [(30522, 768)] + [(768, 768)] * 48 + [(3072, 768)] * 24  # the embedding alone is not 90% of it
+    assert state_block_threshold(bert_like) == 768 * 768 * 4
+
+
+MAPPED_STATE_BLOCK = """
+import ctypes, sys, torch
+from fp16doctor.engine.kept import return_large_blocks_on_free, state_block_threshold
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6"); libc.mallinfo2.restype = Info
+return_large_blocks_on_free(state_block_threshold([(896, 896)] * 6) if sys.argv[1] == "model" else 4 * 2**20)
+before = libc.mallinfo2().hblks
+weights = [torch.empty(896, 896) for _ in range(4)]  # 3.2 MB each: below the 4 MiB default
+print(libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_a_diagnosed_models_weight_sized_blocks_get_their_own_mappings():
+    def mapped(variant: str) -> int:
+        try:
+            out = subprocess.run([sys.executable, "-c", MAPPED_STATE_BLOCK, variant], capture_output=True, text=True,
+                                 check=True, cwd=ROOT)
+        except subprocess.CalledProcessError as exc:
+            if "mallinfo2" in exc.stderr:
+                pytest.skip("glibc before 2.33: no mallinfo2 to count mapped blocks with")
+            raise
+        return int(out.stdout)
+
+    assert mapped("default") == 0  # in the heap, where their holes stay resident between probes
+    assert mapped("model") == 4

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import DoctorConfig, build_config, merge
-from ..engine.kept import StateKeeper, release_memory
+from ..engine.kept import StateKeeper, release_memory, return_large_blocks_on_free, state_block_threshold
 from ..engine.probe import Workbench
 from ..engine.progress import ProbeStepHook, StepProgress
 from ..errors import MemoryLimitError, one_line, smaller_run_hint
@@ -58,6 +58,9 @@ class DiagnoseOptions:
     """Scan this many batches in stage 1 (default: the batches the probes use)."""
     max_memory: int | None = None
     """Bytes the diagnosis may hold (--max-memory; None: one probe in memory, every kept state on disk, see :mod:`.memory`)."""
+    own_process: bool = False
+    """The process is the diagnosis's own (the CLI's command): it may set glibc's mmap threshold to the model's
+    tensor size (:func:`~fp16doctor.engine.kept.state_block_threshold`). A library caller's allocator is left alone."""
 
 
 def diagnose(
@@ -80,6 +83,8 @@ def diagnose(
     # FP32 probes may split their batches: the diagnosis stays within the AMP training's activation memory.
     bench = Workbench(spec, config, batch_count=max(config.steps, options.scan_batches or 0), micro_batching=True)
     bench.progress = StepProgress(on_probe_step)  # every probe of the bench reports its steps there
+    if options.own_process:  # before the first probe: its weights, gradients and moments get their own mappings
+        return_large_blocks_on_free(state_block_threshold(bench.parameter_shapes))
     plan = memory_plan(bench, options.max_memory)
     with StateKeeper(plan.kept_budget) as keeper, bench.reference_kept_in(keeper.kept()):  # the folder goes, however the run ends
         ctx = StageContext(bench=bench, config=config, evidence=Evidence(
