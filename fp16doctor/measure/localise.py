@@ -297,7 +297,7 @@ def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: 
     the weights leaves that step's loss and gradients finite, and shows only in the next forward.
     ``keep`` receives that snapshot (by the step it starts), for later work on the failing step.
     """
-    probe = bench.probe(mode, config, align_on_taken_steps=align)
+    probe = bench.probe(mode, config, align_on_taken_steps=align, instruments=None)  # the tracer reads the step, not the instruments
     try:
         with bench.progress.planned(localise_steps(step)):
             return _replay_and_trace(probe, step, keep)
