@@ -403,3 +403,15 @@ def test_non_finite_activation_gradients_are_flagged_by_kind():
     row = instruments.frames()["activation_grads"].set_index("module").loc["1"]
     assert (row["posinf"], row["neginf"], row["nan"]) == (1, 0, 0)
     assert math.isnan(row["abs_max"])  # the largest finite value of an unheld gradient is not measured
+
+
+def test_strided_sample_of_a_non_contiguous_tensor_takes_the_flattened_order():
+    """A transposed tensor's sample is every k-th element of its flattened (logical) order, as ``reshape`` gives,
+    without copying the whole tensor first."""
+    from fp16doctor.engine.instruments import strided_sample
+
+    t = torch.arange(16 * 128 * 6, dtype=torch.float32).view(16, 128, 6).transpose(0, 1)
+    assert not t.is_contiguous()
+    for size, k in [(0, 1), (1000, 13), (100, 123), (20000, 1)]:
+        sample = strided_sample(t, size)
+        assert torch.equal(sample, t.reshape(-1)[::k])

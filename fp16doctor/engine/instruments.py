@@ -92,15 +92,28 @@ def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
     return names
 
 
+_TAKE_INDICES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+"""(numel, stride, device) -> the flat indices of a non-contiguous tensor's strided sample (a model's shapes repeat)."""
+
+
 def strided_sample(t: torch.Tensor, size: int) -> torch.Tensor:
     """Every k-th of ``t``'s elements in flattened order, k = ceil(numel / size) (all of them when ``size`` is 0
     or ``t`` is no larger): an unbiased sample for shares. A view, one operator for a contiguous tensor, because
-    the instruments take it of every activation, gradient and parameter in every step."""
+    the instruments take it of every activation, gradient and parameter in every step; for a non-contiguous one
+    (a transposed attention output) a ``take`` of the sampled elements only, not a copy of the whole tensor."""
     n = t.numel()
     stride = 1 if size <= 0 or n <= size else math.ceil(n / size)
     if t.is_contiguous():
         return t.as_strided((math.ceil(n / stride),), (stride,), t.storage_offset())
-    return t.reshape(-1)[::stride]
+    if stride == 1:
+        return t.reshape(-1)
+    key = (n, stride, t.device)
+    indices = _TAKE_INDICES.get(key)
+    if indices is None:
+        if len(_TAKE_INDICES) >= 64:
+            _TAKE_INDICES.clear()
+        indices = _TAKE_INDICES[key] = torch.arange(0, n, stride, device=t.device)
+    return torch.take(t, indices)
 
 
 def magnitude_histogram(values: torch.Tensor, sample: int) -> torch.Tensor:
@@ -176,7 +189,7 @@ class SampleCounter:
         if self.buffer is None or self.used + slot > self.buffer.numel():
             self._grow(self.used + slot)
         assert self.buffer is not None
-        self.buffer[self.used:self.used + n].copy_(sample.reshape(-1))
+        self.buffer[self.used:self.used + n].copy_(sample if sample.dim() == 1 else sample.reshape(-1))
         self.used += slot
         self.chunks.append(slot // CHUNK)
         self.padded.append(slot)
@@ -284,7 +297,7 @@ class _Layout:
         """The pieces copied into their slots of a fresh zeroed buffer, as ``dtype``."""
         buffer = torch.zeros(self.total, dtype=dtype, device=self.device)
         for piece, offset in zip(pieces, self.offsets):
-            buffer[offset:offset + piece.numel()].copy_(piece.reshape(-1))
+            buffer[offset:offset + piece.numel()].copy_(piece if piece.dim() == 1 else piece.reshape(-1))
         return buffer
 
     def chunk_sums(self, values: torch.Tensor) -> torch.Tensor:
