@@ -410,8 +410,11 @@ def test_strided_sample_of_a_non_contiguous_tensor_takes_the_flattened_order():
     without copying the whole tensor first."""
     from fp16doctor.engine.instruments import strided_sample
 
-    t = torch.arange(16 * 128 * 6, dtype=torch.float32).view(16, 128, 6).transpose(0, 1)
-    assert not t.is_contiguous()
-    for size, k in [(0, 1), (1000, 13), (100, 123), (20000, 1)]:
-        sample = strided_sample(t, size)
-        assert torch.equal(sample, t.reshape(-1)[::k])
+    cases = [((16, 128, 256), 16384), ((16, 128, 256), 1000), ((16, 128, 6), 1000), ((16, 128, 6), 100),
+             ((4, 64, 6), 4), ((3, 5, 7), 0), ((3, 5, 7), 20000), ((40, 2, 8), 10)]
+    for shape, size in cases:
+        t = torch.arange(math.prod(shape), dtype=torch.float32).view(shape).transpose(0, 1)
+        assert not t.is_contiguous()
+        n = t.numel()
+        k = 1 if size == 0 or n <= size else -(-n // size)
+        assert torch.equal(strided_sample(t, size), t.reshape(-1)[::k]), (shape, size)

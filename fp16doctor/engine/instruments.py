@@ -92,28 +92,31 @@ def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
     return names
 
 
-_TAKE_INDICES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-"""(numel, stride, device) -> the flat indices of a non-contiguous tensor's strided sample (a model's shapes repeat)."""
-
-
 def strided_sample(t: torch.Tensor, size: int) -> torch.Tensor:
     """Every k-th of ``t``'s elements in flattened order, k = ceil(numel / size) (all of them when ``size`` is 0
     or ``t`` is no larger): an unbiased sample for shares. A view, one operator for a contiguous tensor, because
     the instruments take it of every activation, gradient and parameter in every step; for a non-contiguous one
-    (a transposed attention output) a ``take`` of the sampled elements only, not a copy of the whole tensor."""
+    (a transposed attention output) a copy of the sampled elements only where k divides, or is a multiple of,
+    the innermost dimensions (see :func:`_sample_view`), else a copy of the whole tensor first."""
     n = t.numel()
     stride = 1 if size <= 0 or n <= size else math.ceil(n / size)
     if t.is_contiguous():
         return t.as_strided((math.ceil(n / stride),), (stride,), t.storage_offset())
-    if stride == 1:
-        return t.reshape(-1)
-    key = (n, stride, t.device)
-    indices = _TAKE_INDICES.get(key)
-    if indices is None:
-        if len(_TAKE_INDICES) >= 64:
-            _TAKE_INDICES.clear()
-        indices = _TAKE_INDICES[key] = torch.arange(0, n, stride, device=t.device)
-    return torch.take(t, indices)
+    view = _sample_view(t, stride) if t.dim() else None
+    return view.reshape(-1) if view is not None else t.reshape(-1)[::stride]
+
+
+def _sample_view(t: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Elements 0, k, 2k, ... of ``t`` in flattened order as a view, where its innermost dimension allows: every
+    k-th along it (k divides it), or its first element along it and every (k / d)-th of the rest (d divides k)."""
+    d = t.shape[-1]
+    if k == 1:
+        return t
+    if d % k == 0:
+        return t[..., ::k]
+    if k % d == 0 and t.dim() > 1:
+        return _sample_view(t[..., 0], k // d)
+    return None
 
 
 def magnitude_histogram(values: torch.Tensor, sample: int) -> torch.Tensor:
