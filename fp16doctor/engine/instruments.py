@@ -15,7 +15,10 @@ Cheap enough to run inside every probe:
   normal thresholds are measured exactly on tensors up to ``sample`` (16384)
   elements and on an evenly strided subsample of ``sample`` elements beyond
   that (an unbiased estimate whose error is well under the 5% thresholds the
-  rules use);
+  rules use). The samples of a step are copied into one buffer and counted
+  together by a few in-place integer passes over their fp32 bit patterns
+  (:class:`SampleCounter`; parameters: :class:`_Layout`), not by a
+  ``bucketize`` and a ``bincount`` per tensor;
 * update health (lost updates, update-to-weight ratio) is measured on the same
   strided sample of each parameter before and after the optimizer step;
 * ``every=k`` instruments one step in k.
