@@ -337,10 +337,6 @@ def _dense_grad(p: torch.Tensor) -> torch.Tensor | None:
     return g if g is None or not g.is_sparse else grad_values(p)
 
 
-def _as_float(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
-
-
 def exact_counts(tensors: Iterable[torch.Tensor]) -> tuple[int, int, int]:
     """Exact NaN, +inf and -inf counts (the slow path, taken only on bad steps)."""
     nan = pos = neg = 0
@@ -655,7 +651,7 @@ class Instruments:
     def _sampled(self, t: torch.Tensor) -> torch.Tensor:
         return strided_sample(t, self.options.sample)
 
-    def _layout_of(self, pieces: list[torch.Tensor]) -> "_Layout":
+    def _layout_of(self, pieces: list[torch.Tensor]) -> _Layout:
         return _layout(tuple(p.numel() for p in pieces), pieces[0].device, self._segment_cache)
 
     def _take_param_grads(self, divide_by: float) -> None:
