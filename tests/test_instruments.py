@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fp16doctor.config import build_config
-from fp16doctor.engine.instruments import InstrumentOptions, Instruments, magnitude_histogram, precision_map, tensor_vector
+from fp16doctor.engine.instruments import (InstrumentOptions, Instruments, SampleCounter, histogram_of, magnitude_histogram,
+                                           precision_map)
 from fp16doctor.measure.localise import OUTSIDE_MODEL, localise
 from fp16doctor.measure.numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
 from fp16doctor.engine.probe import Workbench
@@ -268,10 +269,76 @@ def test_sampling_interval(training_file):
     assert sorted(set(instruments.frames()["forward"]["step"])) == [0, 2]
 
 
-def test_tensor_vector_layout():
-    v = tensor_vector([torch.tensor([0.0, 1.0, -2.0, 1e5])], [torch.tensor([3.0, -4.0])], 0).tolist()
-    assert v[:4] == [-4.0, 3.0, -2.0, 1e5]  # input range, output range (the element count stays on the host)
-    assert v[4:] == [1.0, 0.0, 0.0, 2.0, 1.0]
+def edge_values(dtype, n=3000, seed=0):
+    """Values on and around every histogram edge, zeros of both signs, infinities and NaN, shuffled, as ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    edges = [2.0**-149, 2.0**-24, 2.0**-14, 65504.0, 65504.0078125]
+    special = [0.0, -0.0, math.inf, -math.inf, math.nan] + [e * f for e in edges for f in (0.5, 1 - 2**-20, 1.0, 1 + 2**-20, 2.0)]
+    body = torch.randn(n, generator=g, dtype=torch.float64) * torch.logspace(-50, 6, n, dtype=torch.float64)
+    values = torch.cat([torch.tensor(special, dtype=torch.float64), -torch.tensor(special, dtype=torch.float64), body])
+    return values[torch.randperm(values.numel(), generator=g)].to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_sample_counter_counts_as_bucketize_does(dtype):
+    """The in-place integer passes over the buffered samples give bucketize's histogram, in every dtype, for
+    samples of any length, buffered with others, flushed when the buffer is full or counted on their own."""
+    counter = SampleCounter(torch.device("cpu"), capacity=4096)  # small: flushes and oversized samples happen
+    tensors = [edge_values(dtype, n, seed) for seed, n in enumerate([1, 200, 3000, 255, 257, 5000, 40])]
+    tensors.append(edge_values(dtype, 3000)[::3])  # a strided view
+    indices = [counter.add(t) for t in tensors]
+    counts, padded = counter.take()
+    values = counts.tolist()
+    for t, i in zip(tensors, indices):
+        assert histogram_of([(t.numel(), padded[i], values[i])]) == magnitude_histogram(t, 0).tolist()
+    assert counter.take() == (None, [])  # taken: the next step starts empty
+    assert counter.buffer is None or not counter.buffer.any()  # and the buffer is zero again
+
+
+def test_forward_rows_of_several_inputs_and_outputs_match_direct_computation():
+    class Split(torch.nn.Module):
+        def forward(self, x, y):
+            return x * 2, y[:, :3] - 1e6
+
+    split = Split()
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    instruments = Instruments(split, optimizer, EXACT)
+    instruments.begin_step(0, 1.0)
+    x, y = torch.randn(4, 5), torch.randn(4, 6) * 1e-6
+    a, b = split(x, y)
+    instruments.end_step()
+    row = instruments.frames()["forward"].iloc[0]
+    assert row["numel"] == a.numel() + b.numel()
+    assert row["abs_max"] == pytest.approx(max(a.abs().max().item(), b.abs().max().item()))
+    assert row["input_abs_max"] == pytest.approx(max(x.abs().max().item(), y.abs().max().item()))
+    assert row["over_fp16_max"] == pytest.approx(float((b.abs() > 65504).sum()) / (a.numel() + b.numel()))
+    assert row["inputs_finite"] and row["nan"] == 0
+
+
+def test_param_gradient_shares_at_the_scale_match_direct_computation():
+    """Zero share, flushed share and mass at the loss scale, and the largest |g|, per parameter, against
+    computing them directly on the gradients (exact sampling)."""
+    model = torch.nn.Sequential(torch.nn.Linear(300, 7), torch.nn.Linear(7, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instruments = Instruments(model, optimizer, EXACT)
+    scale = 2.0**10
+    instruments.begin_step(0, scale)
+    out = model(torch.randn(5, 300) * torch.logspace(-40, 0, 300))
+    out.sum().backward()
+    with torch.no_grad():
+        model[0].weight.grad[0, :50] = 0.0
+    optimizer.step()
+    instruments.end_step()
+    rows = instruments.frames()["param_grads"].set_index("param")
+    for name, param in model.named_parameters():
+        g = param.grad.abs().float()
+        flushed = (g * scale > 0) & (g * scale < 2.0**-24)
+        nonzero = int((g > 0).sum())
+        assert rows.loc[name, "zero_share"] == pytest.approx(1 - nonzero / g.numel())
+        assert rows.loc[name, "underflow_at_scale"] == pytest.approx(int(flushed.sum()) / max(nonzero, 1))
+        assert rows.loc[name, "underflow_mass_at_scale"] == pytest.approx(float(g.double()[flushed].sum() / g.double().sum()))
+        assert rows.loc[name, "grad_abs_max"] == float(g.max())
+    assert rows.loc["0.weight", "underflow_at_scale"] > 0  # the test reaches the flushed bucket
 
 
 def test_an_optimizer_that_writes_inf_into_the_weights_is_localised_at_its_own_step():
@@ -336,3 +403,18 @@ def test_non_finite_activation_gradients_are_flagged_by_kind():
     row = instruments.frames()["activation_grads"].set_index("module").loc["1"]
     assert (row["posinf"], row["neginf"], row["nan"]) == (1, 0, 0)
     assert math.isnan(row["abs_max"])  # the largest finite value of an unheld gradient is not measured
+
+
+def test_strided_sample_of_a_non_contiguous_tensor_takes_the_flattened_order():
+    """A transposed tensor's sample is every k-th element of its flattened (logical) order, as ``reshape`` gives,
+    without copying the whole tensor first."""
+    from fp16doctor.engine.instruments import strided_sample
+
+    cases = [((16, 128, 256), 16384), ((16, 128, 256), 1000), ((16, 128, 6), 1000), ((16, 128, 6), 100),
+             ((4, 64, 6), 4), ((3, 5, 7), 0), ((3, 5, 7), 20000), ((40, 2, 8), 10)]
+    for shape, size in cases:
+        t = torch.arange(math.prod(shape), dtype=torch.float32).view(shape).transpose(0, 1)
+        assert not t.is_contiguous()
+        n = t.numel()
+        k = 1 if size == 0 or n <= size else -(-n // size)
+        assert torch.equal(strided_sample(t, size), t.reshape(-1)[::k]), (shape, size)

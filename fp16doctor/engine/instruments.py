@@ -15,7 +15,10 @@ Cheap enough to run inside every probe:
   normal thresholds are measured exactly on tensors up to ``sample`` (16384)
   elements and on an evenly strided subsample of ``sample`` elements beyond
   that (an unbiased estimate whose error is well under the 5% thresholds the
-  rules use);
+  rules use). The samples of a step are copied into one buffer and counted
+  together by a few in-place integer passes over their fp32 bit patterns
+  (:class:`SampleCounter`; parameters: :class:`_Layout`), not by a
+  ``bucketize`` and a ``bincount`` per tensor;
 * update health (lost updates, update-to-weight ratio) is measured on the same
   strided sample of each parameter before and after the optimizer step;
 * ``every=k`` instruments one step in k.
@@ -28,6 +31,7 @@ backward, where fp16 underflow happens), per-parameter gradient statistics
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, cast
@@ -44,7 +48,6 @@ from ..userfile.batches import iter_tensors
 IN_MIN, IN_MAX, OUT_MIN, OUT_MAX, ZERO, SUB24, SUB14, NORMAL, OVER = range(9)
 VECTOR = 9
 _EDGES: dict[torch.device, torch.Tensor] = {}  # device -> bucket edges; right=True counts the edges <= |x|
-_NO_RANGE: dict[torch.device, torch.Tensor] = {}  # device -> the [0, 0] input range of a call with no inputs
 
 
 def _edges(device: torch.device) -> torch.Tensor:
@@ -55,11 +58,15 @@ def _edges(device: torch.device) -> torch.Tensor:
     return _EDGES[device]
 
 
-def _no_range(device: torch.device) -> torch.Tensor:
-    """A constant ``[0, 0]`` in float64 (never written to: ``cat`` copies it)."""
-    if device not in _NO_RANGE:
-        _NO_RANGE[device] = torch.zeros(2, dtype=torch.float64, device=device)
-    return _NO_RANGE[device]
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``"float16"`` for ``torch.float16`` (cached: every hook call names its dtype)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def _floating_leaves(value: Any) -> list[torch.Tensor]:
@@ -91,12 +98,28 @@ def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
 def strided_sample(t: torch.Tensor, size: int) -> torch.Tensor:
     """Every k-th of ``t``'s elements in flattened order, k = ceil(numel / size) (all of them when ``size`` is 0
     or ``t`` is no larger): an unbiased sample for shares. A view, one operator for a contiguous tensor, because
-    the instruments take it of every activation, gradient and parameter in every step."""
+    the instruments take it of every activation, gradient and parameter in every step; for a non-contiguous one
+    (a transposed attention output) a copy of the sampled elements only where k divides, or is a multiple of,
+    the innermost dimensions (see :func:`_sample_view`), else a copy of the whole tensor first."""
     n = t.numel()
     stride = 1 if size <= 0 or n <= size else math.ceil(n / size)
     if t.is_contiguous():
         return t.as_strided((math.ceil(n / stride),), (stride,), t.storage_offset())
-    return t.reshape(-1)[::stride]
+    view = _sample_view(t, stride) if t.dim() else None
+    return view.reshape(-1) if view is not None else t.reshape(-1)[::stride]
+
+
+def _sample_view(t: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Elements 0, k, 2k, ... of ``t`` in flattened order as a view, where its innermost dimension allows: every
+    k-th along it (k divides it), or its first element along it and every (k / d)-th of the rest (d divides k)."""
+    d = t.shape[-1]
+    if k == 1:
+        return t
+    if d % k == 0:
+        return t[..., ::k]
+    if k % d == 0 and t.dim() > 1:
+        return _sample_view(t[..., 0], k // d)
+    return None
 
 
 def magnitude_histogram(values: torch.Tensor, sample: int) -> torch.Tensor:
@@ -106,40 +129,154 @@ def magnitude_histogram(values: torch.Tensor, sample: int) -> torch.Tensor:
     return torch.bincount(torch.bucketize(a, _edges(a.device), right=True), minlength=5)
 
 
-def _range(t: torch.Tensor) -> torch.Tensor:
-    """``[min, max]`` of one tensor, in its own dtype (NaN propagates)."""
-    return torch.stack(torch.aminmax(t))
+def _bits_of(value: float) -> int:
+    """The bit pattern of ``value`` as an fp32 number, read as an int32."""
+    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
 
 
-def value_range(tensors: list[torch.Tensor], known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """[min, max] over the tensors in float64 (NaN propagates); ranges already measured (``known``, by id) are
-    reused. Call it under ``torch.no_grad()`` (the instruments' hooks do): no graph is recorded."""
-    known = known or {}
-    ranges = [known[id(t)] if id(t) in known else _range(t).double() for t in tensors if t.numel()]
+EDGE_BITS = (_bits_of(2.0**-149), _bits_of(FP16_MIN_SUBNORMAL), _bits_of(FP16_MIN_NORMAL),
+             _bits_of(FP16_MAX * (1 + 2.0**-23)))
+"""The histogram's edges (:func:`_edges`) as fp32 bit patterns. The bits of a non-negative fp32 number, read as an
+int32, order as the numbers do (NaN's above +inf, where ``bucketize`` puts it too): counting ``|x|`` at or above
+an edge is an integer comparison, which a subtraction and a sign shift make in place."""
+CHUNK = 256
+"""Elements per chunk of a :class:`SampleCounter`'s buffer: each sample starts a chunk, so a chunk's counts are
+one sample's (the zeros padding its last chunk count below every edge)."""
+COUNTER_ELEMENTS = 1 << 20
+"""A counter's buffer holds at most this many elements (4 MiB, and as much again of scratch) before it counts
+what it holds; a larger sample is counted on its own."""
+
+
+def at_least_counts(sample: torch.Tensor) -> torch.Tensor:
+    """How many of ``|sample|`` reach each histogram edge (``[4]``, int64), by comparisons in fp32 (fp64 for an
+    fp64 sample), NaN reaching every edge (as in ``bucketize``): what :class:`SampleCounter` computes for the
+    samples it buffers."""
+    a = sample.detach().reshape(-1).abs()
+    a = a.double() if a.dtype == torch.float64 else a.float()
+    return torch.stack([a.numel() - (a < edge).sum() for edge in _edges(a.device).to(a.dtype)])
+
+
+class SampleCounter:
+    """The histogram counts of a step's samples (activations, activation gradients), taken in a few passes.
+
+    Each sample is copied, as fp32 (exact for fp16, bf16 and fp32 values), into a chunk-aligned slot of one
+    zeroed buffer: the copy also lets the sampled tensor go. When the buffer is full, and when the step's rows
+    are taken, one pass per edge over the buffer's int32 view counts the elements below the edge per chunk, and
+    one ``index_add_`` sums the chunks per sample. That replaces a ``bucketize`` and a ``bincount`` per tensor
+    (binary searches and a scatter, ten times slower per element than these in-place integer passes). An fp64
+    sample, and one larger than the buffer, is counted on its own by :func:`at_least_counts` (exact in fp64).
+
+    Counts come back as ``value`` per sample and edge, where ``padded + value`` is how many of the sample's
+    elements reach the edge (``padded``: the slot's length, 0 for a sample counted on its own)."""
+
+    def __init__(self, device: torch.device, capacity: int = COUNTER_ELEMENTS):
+        self.device = device
+        self.capacity = capacity
+        self.buffer: torch.Tensor | None = None  # fp32, zero beyond ``used``
+        self.scratch: torch.Tensor | None = None  # int32, as long as the buffer
+        self.used = 0
+        self.chunks: list[int] = []  # per buffered sample, its slot's chunks
+        self.blocks: list[torch.Tensor] = []  # [k, 4] counts, in sample order
+        self.padded: list[int] = []  # per sample since the last take()
+        self._ids: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def add(self, sample: torch.Tensor) -> int:
+        """Queue one sample (a view is fine: it is copied); its index among the samples since the last take()."""
+        index = len(self.padded)
+        n = sample.numel()
+        slot = -(-n // CHUNK) * CHUNK
+        if sample.dtype == torch.float64 or slot > self.capacity:
+            self.flush()
+            self.blocks.append(at_least_counts(sample)[None])
+            self.padded.append(0)
+            return index
+        if self.used + slot > self.capacity:
+            self.flush()
+        if self.buffer is None or self.used + slot > self.buffer.numel():
+            self._grow(self.used + slot)
+        assert self.buffer is not None
+        self.buffer[self.used:self.used + n].copy_(sample if sample.dim() == 1 else sample.reshape(-1))
+        self.used += slot
+        self.chunks.append(slot // CHUNK)
+        self.padded.append(slot)
+        return index
+
+    def _grow(self, needed: int) -> None:
+        size = min(self.capacity, max(needed, 2 * (self.buffer.numel() if self.buffer is not None else 0), 16 * CHUNK))
+        buffer = torch.zeros(size, dtype=torch.float32, device=self.device)
+        if self.buffer is not None and self.used:
+            buffer[:self.used].copy_(self.buffer[:self.used])
+        self.buffer, self.scratch = buffer, torch.empty(size, dtype=torch.int32, device=self.device)
+
+    def flush(self) -> None:
+        """Count the buffered samples (a few in-place passes) and zero the buffer for the next ones."""
+        if not self.chunks:
+            return
+        assert self.buffer is not None and self.scratch is not None
+        used = self.used
+        bits = self.buffer[:used].view(torch.int32)
+        bits.bitwise_and_(0x7FFFFFFF)  # |x|: the sign bit cleared
+        scratch = self.scratch[:used]
+        below = []
+        for edge in EDGE_BITS:
+            torch.sub(bits, edge, out=scratch)
+            scratch.bitwise_right_shift_(31)  # -1 below the edge, 0 at or above it
+            below.append(scratch.view(-1, CHUNK).sum(1, dtype=torch.int32))
+        per_chunk = torch.stack(below, 1)
+        ids = self._chunk_ids(tuple(self.chunks))
+        self.blocks.append(torch.zeros(len(self.chunks), 4, dtype=torch.int32, device=self.device).index_add_(0, ids, per_chunk))
+        self.buffer[:used].zero_()
+        self.used = 0
+        self.chunks = []
+
+    def _chunk_ids(self, chunks: tuple[int, ...]) -> torch.Tensor:
+        """Each chunk's sample (cached: a step's layouts repeat every step)."""
+        if chunks not in self._ids:
+            if len(self._ids) >= 4 * SEGMENT_CACHE_SIZE:
+                self._ids.clear()
+            self._ids[chunks] = torch.repeat_interleave(torch.arange(len(chunks), device=self.device),
+                                                        torch.tensor(chunks, device=self.device))
+        return self._ids[chunks]
+
+    def reset(self) -> None:
+        """Drop what a step left unfinished (it raised before its rows were taken)."""
+        if self.buffer is not None and self.used:
+            self.buffer[:self.used].zero_()
+        self.used, self.chunks, self.blocks, self.padded = 0, [], [], []
+
+    def take(self) -> tuple[torch.Tensor | None, list[int]]:
+        """The counts of every sample since the last take() (``[k, 4]``, on the device) and their ``padded``."""
+        self.flush()
+        blocks, padded = self.blocks, self.padded
+        self.blocks, self.padded = [], []
+        if not blocks:
+            return None, padded
+        return (blocks[0] if len(blocks) == 1 else torch.cat(blocks)), padded
+
+
+def histogram_of(counts: list[tuple[int, int, list[float]]]) -> list[float]:
+    """The five bucket counts (zero, below 2^-24, below 2^-14, normal, above 65504) of one or more samples, from
+    each one's ``(length, padded, values)`` of :class:`SampleCounter` (``padded + value``: elements at or above an
+    edge)."""
+    histogram = [0.0] * 5
+    for length, padded, values in counts:
+        c0, c1, c2, c3 = (padded + v for v in values)
+        for i, n in enumerate((length - c0, c0 - c1, c1 - c2, c2 - c3, c3)):
+            histogram[i] += n
+    return histogram
+
+
+def combined_range(ranges: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(min, max)`` over tensors' ``(min, max)`` ranges; ``(0, 0)`` for none. NaN propagates, each side on
+    its own, as a min/max over the stacked ranges on the device does."""
     if not ranges:
-        return torch.zeros(2, dtype=torch.float64)
+        return 0.0, 0.0
     if len(ranges) == 1:
         return ranges[0]
-    stacked = torch.stack([r.to(ranges[0].device) for r in ranges])
-    return torch.stack([stacked[:, 0].min(), stacked[:, 1].max()])
-
-
-def tensor_vector(outputs: list[torch.Tensor], inputs: list[torch.Tensor], sample: int,
-                  known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """The float64 stat vector of a module call: input range, output range, sampled magnitude histogram. A
-    handful of operators for the usual one-output call (``cat`` promotes the pieces to float64 at once)."""
-    with torch.no_grad():
-        device = outputs[0].device
-        sized = [t for t in outputs if t.numel()]
-        in_range = value_range(inputs, known).to(device) if inputs else _no_range(device)
-        if len(sized) == 1:
-            out_range, histogram = _range(sized[0]), magnitude_histogram(sized[0], sample)
-        elif sized:
-            out_range = value_range(sized).to(device)
-            histogram = torch.stack([magnitude_histogram(t, sample) for t in sized]).sum(0)
-        else:
-            out_range, histogram = _no_range(device), torch.zeros(5, dtype=torch.long, device=device)
-        return torch.cat([in_range, out_range, histogram])
+    lows, highs = [r[0] for r in ranges], [r[1] for r in ranges]
+    low = math.nan if any(math.isnan(x) for x in lows) else min(lows)
+    high = math.nan if any(math.isnan(x) for x in highs) else max(highs)
+    return low, high
 
 
 SEGMENT_CACHE_SIZE = 4
@@ -147,15 +284,50 @@ SEGMENT_CACHE_SIZE = 4
 two optimizers; a model whose parameters with gradients change every step rebuilds them instead of piling up."""
 
 
-def _segment_ids(lengths: tuple[int, ...], device: torch.device, cache: dict[Any, torch.Tensor]) -> torch.Tensor:
-    """For pieces of these lengths concatenated: the index of the piece each element came from (cached: the
-    parameters' shapes, hence their samples' lengths, are the same every step)."""
+class _Layout:
+    """Chunk-aligned slots for pieces of fixed lengths (the samples of a step's parameters; cached, as they are the
+    same every step): piece ``i`` starts chunk ``starts[i]`` of a flat buffer, zeros pad it to a whole chunk. Per
+    piece sums are then a contiguous sum per chunk and one ``index_add_`` over the chunks, which is many times
+    faster per element than ``bincount`` with weights."""
+
+    def __init__(self, lengths: tuple[int, ...], device: torch.device):
+        chunks = [max(1, -(-n // CHUNK)) for n in lengths]
+        self.offsets = [CHUNK * c for c in itertools.accumulate([0, *chunks[:-1]])]
+        self.total = CHUNK * sum(chunks)
+        self.ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(chunks, device=device))
+        self.lengths = torch.tensor(lengths, dtype=torch.float64, device=device)[:, None]
+        self.padded = torch.tensor([CHUNK * c for c in chunks], dtype=torch.float64, device=device)[:, None]
+        self.device = device
+
+    def packed(self, pieces: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The pieces copied into their slots of a fresh zeroed buffer, as ``dtype``."""
+        buffer = torch.zeros(self.total, dtype=dtype, device=self.device)
+        for piece, offset in zip(pieces, self.offsets):
+            buffer[offset:offset + piece.numel()].copy_(piece if piece.dim() == 1 else piece.reshape(-1))
+        return buffer
+
+    def chunk_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Per chunk: the sum of a packed buffer's values, in fp64 (exact for counts)."""
+        return values.view(-1, CHUNK).sum(1, dtype=torch.float64)
+
+    def sums(self, columns: list[torch.Tensor]) -> torch.Tensor:
+        """Per piece (``n x len(columns)``, fp64): the sums of per-chunk columns."""
+        stacked = torch.stack(columns, 1)
+        return torch.zeros(len(self.offsets), len(columns), dtype=torch.float64, device=self.device).index_add_(0, self.ids, stacked)
+
+    def maxima(self, values: torch.Tensor) -> torch.Tensor:
+        """Per piece: the largest of a packed buffer's non-negative values (NaN propagates; the padding's zeros
+        change no maximum of values >= 0)."""
+        chunk_max = values.view(-1, CHUNK).amax(1)
+        return torch.zeros(len(self.offsets), dtype=values.dtype, device=self.device).scatter_reduce_(0, self.ids, chunk_max, "amax")
+
+
+def _layout(lengths: tuple[int, ...], device: torch.device, cache: dict[Any, _Layout]) -> _Layout:
     key = (lengths, device)
     if key not in cache:
         if len(cache) >= SEGMENT_CACHE_SIZE:  # the set of parameters with gradients changes (unused experts)
             cache.clear()
-        cache[key] = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                             torch.tensor(lengths, device=device))
+        cache[key] = _Layout(lengths, device)
     return cache[key]
 
 
@@ -163,10 +335,6 @@ def _dense_grad(p: torch.Tensor) -> torch.Tensor | None:
     """``p.grad`` itself (read under ``no_grad``: no detached alias to dispatch), or a sparse one's values."""
     g = p.grad
     return g if g is None or not g.is_sparse else grad_values(p)
-
-
-def _as_float(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
 
 
 def exact_counts(tensors: Iterable[torch.Tensor]) -> tuple[int, int, int]:
@@ -200,39 +368,68 @@ class InstrumentOptions:
 
 
 @dataclass
+class _ModuleRow:
+    """One module call's row (forward, or an activation gradient) waiting for the step's transfer."""
+
+    kind: str
+    name: str
+    order: int
+    dtype: str
+    numel: int
+    inputs: list[int]
+    """Its floating inputs' ranges (indices into ``_Pending.ranges``); none: ``[0, 0]``."""
+    outputs: list[int]
+    """Its measured outputs' ranges."""
+    samples: list[tuple[SampleCounter, int, int]]
+    """Its outputs' samples: (counter, index in it, sample length)."""
+    tensors: list[torch.Tensor]
+    """Kept for exact counts on bad steps (none for activation gradients)."""
+
+
+@dataclass
 class _Pending:
     """Device-side results of one step, waiting for the single transfer.
 
-    ``vectors`` holds one float64 tensor per queued call: a stat vector (``VECTOR`` values, one row) or a block
-    of rows (``k x VECTOR``, the batched parameter statistics); ``rows`` and ``tensors`` have one entry per row,
-    in the same order."""
+    A module call's range is two 0-d tensors (``torch.aminmax``'s), stacked with every other of the step only at
+    the transfer; its histogram is counted by a :class:`SampleCounter`; a row's ranges over several tensors are
+    combined on the host. ``blocks`` are the batched parameter statistics (``k x VECTOR`` each), with one entry
+    of ``block_rows`` and ``block_tensors`` per row."""
 
-    rows: list[tuple[str, str, int, str, int]] = field(default_factory=list)  # (kind, name, order, dtype, numel)
-    vectors: list[torch.Tensor] = field(default_factory=list)
-    tensors: list[list[torch.Tensor]] = field(default_factory=list)  # kept for exact counts on bad steps
-    seen: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """Output id -> (index of its vector, index of its row): a container handing on its child's output reuses them."""
-    ranges: dict[int, torch.Tensor] = field(default_factory=dict)  # output id -> its [min, max] (inputs reuse them)
+    rows: list[_ModuleRow] = field(default_factory=list)
+    ranges: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    known: dict[int, int] = field(default_factory=dict)
+    """Output id -> the index of its range: a module's input is usually an earlier module's output."""
+    seen: dict[int, int] = field(default_factory=dict)
+    """Output id -> the index of its row: a container handing on its child's output reuses its numbers."""
+    block_rows: list[tuple[str, str, int, str, int]] = field(default_factory=list)  # (kind, name, order, dtype, numel)
+    blocks: list[torch.Tensor] = field(default_factory=list)
+    block_tensors: list[list[torch.Tensor]] = field(default_factory=list)
 
-    def add(self, row: tuple[str, str, int, str, int], vector: torch.Tensor, tensors: list[torch.Tensor]) -> int:
-        """Queue one row; the index of its vector."""
-        self.rows.append(row)
-        self.vectors.append(vector)
-        self.tensors.append(tensors)
-        return len(self.vectors) - 1
+    def range_of(self, t: torch.Tensor) -> int:
+        """The index of ``t``'s ``(min, max)`` (measured now unless known; NaN propagates into both)."""
+        index = self.known.get(id(t))
+        if index is None:
+            self.ranges.append(torch.aminmax(t))
+            index = len(self.ranges) - 1
+        return index
 
     def add_block(self, rows: list[tuple[str, str, int, str, int]], block: torch.Tensor,
                   tensors: list[list[torch.Tensor]]) -> None:
         """Queue ``len(rows)`` rows at once (``block``: ``len(rows) x VECTOR``)."""
-        self.rows.extend(rows)
-        self.vectors.append(block.reshape(-1))
-        self.tensors.extend(tensors)
+        self.block_rows.extend(rows)
+        self.blocks.append(block.reshape(-1))
+        self.block_tensors.extend(tensors)
 
-    def values(self) -> list[list[float]]:
-        """Every row's values, in one device-to-host transfer (one per device for a model split across devices)."""
-        devices = {v.device for v in self.vectors}
-        vectors = self.vectors if len(devices) == 1 else [v.to("cpu") for v in self.vectors]
-        return torch.cat(vectors).to(torch.float64).view(-1, VECTOR).tolist()
+    def empty(self) -> bool:
+        return not self.rows and not self.blocks
+
+
+def _transfer(pieces: list[torch.Tensor]) -> list[float]:
+    """The pieces' values as one float64 list: one device-to-host transfer (one per device for a model split
+    across devices)."""
+    if len({p.device for p in pieces}) > 1:
+        pieces = [p.to("cpu") for p in pieces]
+    return torch.cat([p.reshape(-1).to(torch.float64) for p in pieces]).tolist()
 
 
 class Instruments:
@@ -259,7 +456,8 @@ class Instruments:
         self._scale = 1.0
         self._before: tuple[list[torch.nn.Parameter], torch.Tensor] | None = None
         """The parameters an optimizer is about to step, and their strided samples concatenated (fp32)."""
-        self._segment_cache: dict[Any, torch.Tensor] = {}
+        self._segment_cache: dict[Any, _Layout] = {}
+        self._counters: dict[torch.device, SampleCounter] = {}
         self._param_grads_taken = False
         self.attach()
 
@@ -293,6 +491,8 @@ class Instruments:
         self._step, self._scale = step, scale
         self._active = step % max(1, self.options.every) == 0
         self._pending = _Pending()
+        for counter in self._counters.values():
+            counter.reset()
         self._order = 0
         self._before = None
         self._param_grads_taken = False
@@ -321,12 +521,37 @@ class Instruments:
             self._emit_pending()
 
     def _emit_pending(self) -> bool:
-        """Turn every pending vector into rows (one transfer); whether there were any."""
+        """Turn every pending row into table rows (one transfer); whether there were any."""
         pending, self._pending = self._pending, _Pending()
-        if not pending.vectors:
+        taken = [(counter, *counter.take()) for counter in self._counters.values()]
+        if pending.empty():
             return False
-        for (kind, name, order, dtype, numel), vector, tensors in zip(pending.rows, pending.values(), pending.tensors):
-            self._emit(kind, name, order, dtype, numel, vector, tensors)
+        pieces: list[torch.Tensor] = []
+        if pending.ranges:
+            ends = [end for pair in pending.ranges for end in pair]
+            if len({t.device for t in ends}) > 1:
+                ends = [t.to("cpu") for t in ends]
+            pieces.append(torch.stack(ends))  # stack promotes mixed dtypes (fp16, bf16, fp32: exactly) to one
+        pieces += [counts for _, counts, _ in taken if counts is not None]
+        pieces += pending.blocks
+        values = _transfer(pieces)
+        offset = 2 * len(pending.ranges)
+        ranges = [(values[2 * i], values[2 * i + 1]) for i in range(len(pending.ranges))]
+        counts: dict[int, tuple[list[float], list[int]]] = {}
+        for counter, block, padded in taken:
+            if block is not None:
+                counts[id(counter)] = (values[offset:offset + 4 * len(padded)], padded)
+                offset += 4 * len(padded)
+        for row in pending.rows:
+            histogram = histogram_of([(length, counts[id(c)][1][i], counts[id(c)][0][4 * i:4 * i + 4])
+                                      for c, i, length in row.samples])
+            low, high = combined_range([ranges[i] for i in row.inputs])
+            out_low, out_high = combined_range([ranges[i] for i in row.outputs])
+            self._emit(row.kind, row.name, row.order, row.dtype, row.numel, [low, high, out_low, out_high, *histogram],
+                       row.tensors)
+        for (kind, name, order, dtype, numel), tensors in zip(pending.block_rows, pending.block_tensors):
+            self._emit(kind, name, order, dtype, numel, values[offset:offset + VECTOR], tensors)
+            offset += VECTOR
         return True
 
     # --- forward --------------------------------------------------------------------------------
@@ -344,20 +569,22 @@ class Instruments:
             return
         order = self._order
         self._order += 1
-        dtype = str(leaves[0].dtype).replace("torch.", "")
+        dtype = _dtype_name(leaves[0].dtype)
         self.compute_dtypes[name] = dtype
-        outputs = [t for t in leaves if id(t) not in self._pending.seen]
+        pending = self._pending
+        outputs = [t for t in leaves if id(t) not in pending.seen]
         if not outputs:  # a container handing on its child's output: reuse the child's numbers
             if self.options.forward:
                 self._queue_alias(name, order, dtype, leaves[0], _floating_leaves(args))
             return
         if self.options.forward:
-            index = self._queue("forward", name, order, dtype, outputs, _floating_leaves(args))
-            row = len(self._pending.rows) - 1
-            vector = self._pending.vectors[index]
-            for t in outputs:  # a module's input is usually an earlier module's output: its range is known
-                self._pending.seen[id(t)] = (index, row)
-                self._pending.ranges[id(t)] = vector[OUT_MIN:OUT_MAX + 1] if len(outputs) == 1 else value_range([t])
+            with torch.no_grad():
+                inputs = [pending.range_of(t) for t in _floating_leaves(args) if t.numel()]
+                row = self._queue("forward", name, order, dtype, outputs, inputs, hold=True)
+            for t, index in zip([t for t in outputs if t.numel()], row.outputs):
+                pending.known[id(t)] = index
+            for t in outputs:
+                pending.seen[id(t)] = len(pending.rows) - 1
         if self.options.activation_grads:
             for t in outputs:
                 if t.requires_grad:
@@ -366,28 +593,41 @@ class Instruments:
     def _grad_hook(self, name: str, order: int):
         def hook(grad: torch.Tensor) -> None:
             if self._active and grad is not None:
-                self._queue("activation_grad", name, order, str(grad.dtype).replace("torch.", ""), [grad], [], hold=False)
+                with torch.no_grad():
+                    self._queue("activation_grad", name, order, _dtype_name(grad.dtype), [grad], [], hold=False)
         return hook
 
     def _queue_alias(self, name: str, order: int, dtype: str, output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
-        index, row = self._pending.seen[id(output)]
-        source = self._pending.vectors[index]
+        source = self._pending.rows[self._pending.seen[id(output)]]
         with torch.no_grad():
-            own_inputs = value_range(inputs, self._pending.ranges) if inputs else source[:OUT_MIN]
-            vector = torch.cat([own_inputs.to(source.device), source[OUT_MIN:]])
-        numel = self._pending.rows[row][4]
-        self._pending.add(("forward", name, order, dtype, numel), vector, self._pending.tensors[row])
+            own_inputs = [self._pending.range_of(t) for t in inputs if t.numel()] if inputs else source.inputs
+        self._pending.rows.append(_ModuleRow("forward", name, order, dtype, source.numel, own_inputs, source.outputs,
+                                             source.samples, source.tensors))
 
-    def _queue(self, kind: str, name: str, order: int, dtype: str, outputs: list[torch.Tensor],
-               inputs: list[torch.Tensor], hold: bool = True) -> int:
-        """Queue one module call's stat vector; the index of its vector. ``hold``: keep ``outputs`` until the
-        step's transfer, for exact counts should they be non-finite. Activation gradients are not held: autograd
-        frees each as soon as the next node consumed it, and holding them all kept a second copy of the step's
+    def _queue(self, kind: str, name: str, order: int, dtype: str, outputs: list[torch.Tensor], inputs: list[int],
+               hold: bool) -> _ModuleRow:
+        """Queue one module call's row: its outputs' exact ranges (one ``aminmax`` each) and their samples (one
+        copy each into the device's :class:`SampleCounter`). ``hold``: keep ``outputs`` until the step's
+        transfer, for exact counts should they be non-finite. Activation gradients are not held: autograd frees
+        each as soon as the next node consumed it, and holding them all kept a second copy of the step's
         activation gradients alive (issue #17); their rows say which kinds of non-finite values the exact range
-        saw instead of counting them."""
-        vector = tensor_vector(outputs, inputs, self.options.sample, self._pending.ranges)
-        numel = sum(t.numel() for t in outputs)
-        return self._pending.add((kind, name, order, dtype, numel), vector, outputs if hold else [])
+        saw instead of counting them. Call it under ``torch.no_grad()``."""
+        pending = self._pending
+        sized = [t for t in outputs if t.numel()]
+        samples = []
+        for t in sized:
+            sample = strided_sample(t, self.options.sample)
+            samples.append((self._counter(t.device), self._counter(t.device).add(sample), sample.numel()))
+        row = _ModuleRow(kind, name, order, dtype, sum(t.numel() for t in outputs), inputs,
+                         [pending.range_of(t) for t in sized], samples, outputs if hold else [])
+        pending.rows.append(row)
+        return row
+
+    def _counter(self, device: torch.device) -> SampleCounter:
+        counter = self._counters.get(device)
+        if counter is None:
+            counter = self._counters[device] = SampleCounter(device)
+        return counter
 
     # --- parameters -----------------------------------------------------------------------------
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -401,42 +641,58 @@ class Instruments:
             # Sparse gradients are left out: their values do not line up with the parameter's elements.
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
             params = [p for p in self.param_names if id(p) in stepped and p.grad is not None and not p.grad.is_sparse]
-            with torch.no_grad():  # cat copies: the samples survive the step's in-place update
-                self._before = (params, _as_float(torch.cat([self._sampled(p) for p in params]))) if params else None
+            with torch.no_grad():  # packing copies: the samples survive the step's in-place update
+                if params:
+                    samples = [self._sampled(p) for p in params]
+                    self._before = (params, self._layout_of(samples).packed(samples, torch.float32))
+                else:
+                    self._before = None
 
     def _sampled(self, t: torch.Tensor) -> torch.Tensor:
         return strided_sample(t, self.options.sample)
 
-    def _segments_of(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        return _segment_ids(tuple(p.numel() for p in pieces), pieces[0].device, self._segment_cache)
+    def _layout_of(self, pieces: list[torch.Tensor]) -> _Layout:
+        return _layout(tuple(p.numel() for p in pieces), pieces[0].device, self._segment_cache)
 
     def _take_param_grads(self, divide_by: float) -> None:
-        """Per-parameter gradient statistics, batched across parameters: a fixed handful of operators plus one
-        view per parameter, whatever the number of parameters."""
+        """Per-parameter gradient statistics, batched across parameters: a fixed handful of passes over the
+        parameters' samples packed into chunk-aligned slots (:class:`_Layout`), plus one copy per parameter."""
         self._param_grads_taken = True
         named = [(name, g) for p, name in self.param_names.items() if (g := _dense_grad(p)) is not None]
         if not named:
             return
         grads = [g for _, g in named]
-        n = len(grads)
         with torch.no_grad():
             # Norms accumulate in fp32: a half gradient's own norm can overflow fp16.
             l2 = torch.stack(norms(grads)).double() / divide_by
             samples = [self._sampled(g) for g in grads]
-            ids = self._segments_of(samples)
-            flat = _as_float(torch.cat(samples)).abs()
+            layout = self._layout_of(samples)
+            flat = layout.packed(samples, torch.float32).abs_()  # |g| (fp32), zeros padding each slot
             if divide_by != 1.0:
-                flat = flat / divide_by
+                flat.div_(divide_by)
             # Buckets of |g * S|: bucket 1 is 0 < |g S| < 2^-24, what fp16 flushes to zero at this scale.
-            buckets = torch.bucketize(flat * self._scale, _edges(flat.device), right=True)
-            counts = torch.bincount(ids * 5 + buckets, minlength=5 * n).view(n, 5)
-            amax = torch.stack(norms(samples, math.inf)) / divide_by  # max |g|
-            # The L1 mass that flushes (bucket 1) and the whole mass: underflow that matters is a share of the mass.
-            mass_weights = flat.double()  # sums of up to 16384 values per parameter: accumulate in fp64
-            flushed = torch.bincount(ids, weights=mass_weights * (buckets == 1), minlength=n)
-            mass = torch.bincount(ids, weights=mass_weights, minlength=n)
-            block = torch.cat([l2[:, None], counts, torch.stack([amax.double(), flushed, mass], 1)], 1)
-        rows = [("param_grad", name, -1, str(g.dtype).replace("torch.", ""), g.numel()) for name, g in named]
+            scaled = (flat * self._scale).view(torch.int32).bitwise_and_(0x7FFFFFFF)
+            below, first, second = [], torch.empty_like(scaled), torch.empty_like(scaled)
+            in_bucket_1 = first
+            for k, edge in enumerate(EDGE_BITS):
+                out = first if k == 0 else second
+                torch.sub(scaled, edge, out=out)
+                out.bitwise_right_shift_(31)  # -1 below the edge, 0 at or above it
+                below.append(layout.chunk_sums(out))
+                if k == 1:
+                    torch.sub(first, second, out=in_bucket_1)  # 1 at or above edge 0 and below edge 1
+            # The L1 mass that flushes (bucket 1) and the whole mass: underflow that matters is a share of the mass;
+            # sums of up to 16384 values per parameter accumulate in fp64.
+            flushed = layout.chunk_sums(flat * in_bucket_1)
+            per_param = layout.sums([*below, flushed, layout.chunk_sums(flat)])
+            at_least = per_param[:, :4] + layout.padded
+            histogram = torch.cat([layout.lengths - at_least[:, :1], at_least[:, :3] - at_least[:, 1:], at_least[:, 3:]], 1)
+            if any(g.dtype == torch.float64 for g in grads):
+                amax = torch.stack(norms(samples, math.inf)).double() / divide_by  # max |g|, exactly in fp64
+            else:
+                amax = layout.maxima(flat).double()  # max |g| / divide_by: the same, as division is monotonic
+            block = torch.cat([l2[:, None], histogram, amax[:, None], per_param[:, 4:]], 1)
+        rows = [("param_grad", name, -1, _dtype_name(g.dtype), g.numel()) for name, g in named]
         self._pending.add_block(rows, block, [[g] for g in grads])
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -444,20 +700,19 @@ class Instruments:
         if not (self._active and self.options.updates and self._before):
             return
         (params, before), self._before = self._before, None
-        n = len(params)
         with torch.no_grad():
-            after = _as_float(torch.cat([self._sampled(p) for p in params]))
+            samples = [self._sampled(p) for p in params]
+            layout = self._layout_of(samples)
+            moved = layout.packed(samples, torch.float32).sub_(before)  # zero in the padding, as both are
             # every one had a gradient when _pre_step chose it, and a step does not take it away
-            grad_samples = [self._sampled(cast(torch.Tensor, p.grad)) for p in params]
-            ids = self._segments_of(grad_samples)
-            moved = after - before
-            wanted = torch.cat(grad_samples) != 0
-            lost = torch.bincount(ids, weights=wanted & (moved == 0), minlength=n)
-            wanted_count = torch.bincount(ids, weights=wanted, minlength=n)
-            delta = torch.bincount(ids, weights=moved.double().square(), minlength=n).sqrt()
-            weight = torch.bincount(ids, weights=before.double().square(), minlength=n).sqrt()
-            block = torch.nn.functional.pad(torch.stack([lost, wanted_count, delta, weight], 1), (0, VECTOR - 4))
-        rows = [("update", self.param_names[p], -1, str(p.dtype).replace("torch.", ""), p.numel()) for p in params]
+            grads = [cast(torch.Tensor, p.grad) for p in params]
+            wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+            wanted = layout.packed([self._sampled(g) for g in grads], wide) != 0
+            lost = wanted & (moved == 0)
+            squares = [moved.double().square_(), before.double().square_()]
+            sums = layout.sums([layout.chunk_sums(lost), layout.chunk_sums(wanted), *map(layout.chunk_sums, squares)])
+            block = torch.nn.functional.pad(torch.cat([sums[:, :2], sums[:, 2:].sqrt()], 1), (0, VECTOR - 4))
+        rows = [("update", self.param_names[p], -1, _dtype_name(p.dtype), p.numel()) for p in params]
         self._pending.add_block(rows, block, [[] for _ in params])
 
     # --- turning vectors into rows ------------------------------------------------------------------

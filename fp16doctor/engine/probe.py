@@ -66,7 +66,7 @@ REFERENCE_KEY = -1
 SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
 """PyTorch's warning when the scheduler steps after a skipped optimizer step: the doctor reports that itself."""
 DEFAULT_INSTRUMENTS = InstrumentOptions()
-"""Every probe carries the numerics instruments (about 10% of a CPU step, benchmarks/overhead.py)."""
+"""Every probe carries the numerics instruments (about 4-5% of a CPU step, benchmarks/overhead.py)."""
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
