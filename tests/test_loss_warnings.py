@@ -1,7 +1,8 @@
 """The loss the doctor trained with is probably not the one the user meant: a loss function under another
-name than the contract's ``loss(model, batch)`` (the doctor ignores it and uses its default loss), and a
-loss that is the same number at every FP32 step (measured: nothing is trained). Both are warnings: the exit
-code of a file that is otherwise healthy stays 0 (README, Exit codes)."""
+name than the contract's ``loss(model, batch)`` (the doctor ignores it and uses its default loss), a loss
+that is the same number at every FP32 step (measured: nothing is trained), and one that rises in FP32 (the
+twin AMP is compared with diverges itself). All are warnings: the exit code of a file that is otherwise
+healthy stays 0 (README, Exit codes)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,21 @@ def test_a_loss_of_minus_zero_reads_as_zero(training_file):
     fp32 = next(s for s in report["stages"] if s["name"] == "fp32 baseline")
     assert "loss 0 -> 0" in fp32["summary"] and "-0" not in fp32["summary"]
     assert {"loss-name-mismatch", "constant-loss"} <= {f["cause"] for f in report["findings"]}
+
+
+def test_a_training_that_diverges_in_fp32_gets_the_warning_and_a_converging_one_not(training_file):
+    proper_loss = "def loss(model, batch):\n    x, y = batch\n    return F.mse_loss(model(x), y)\n"
+    adam = "def optimizer(params):\n    return torch.optim.Adam(params, lr={lr})\n"
+    diverging = training_file(REGRESSION + proper_loss + adam.format(lr=1.0), "adam_lr_1.py")  # far too high for Adam
+    proc = run_cli("diagnose", diverging, "--ci", "--json")
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]  # its huge gradients may overflow a scale too: that is AMP's
+    report = json.loads(proc.stdout)
+    rises = next(f for f in report["findings"] if f["cause"] == "fp32-loss-rises")
+    assert rises["severity"] == "warning"
+    evidence = rises["evidence"]
+    assert evidence["last_third_median"] >= 2 * evidence["first_loss"] > 0  # measured on the FP32 probe
+    assert evidence["losses"][0] == evidence["first_loss"]
+    converging = training_file(REGRESSION + proper_loss + adam.format(lr=1e-2), "adam_lr_small.py")
+    proc = run_cli("diagnose", converging, "--ci", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fp32-loss-rises" not in {f["cause"] for f in json.loads(proc.stdout)["findings"]}

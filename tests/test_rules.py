@@ -20,7 +20,7 @@ CONTRACT_CODES = {
     "scale-overflow", "scale-growth", "half-weights", "half-batchnorm", "half-optimizer-state",
     "clip-before-unscale", "lr-schedule-peak", "scheduler-skip-drift", "precision-gap", "bf16-advice",
     "constant-out-of-range", "empty-targets", "scaler-misuse", "backward-overflow", "loss-name-mismatch",
-    "constant-loss",
+    "constant-loss", "fp32-loss-rises",
 }
 RULES = all_rules()
 HEALTHY = ["mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"]
@@ -37,7 +37,7 @@ def test_every_rule_documents_itself_and_has_a_sample():
         assert rule.doc(), rule.code
         assert rule.severity in ("error", "warning", "info")
         # Advice, and a warning that explains no symptom, never becomes an error: it tops no unhealthy sample
-        # (bf16-advice; loss-name-mismatch and constant-loss have their training file in tests/test_loss_warnings.py).
+        # (bf16-advice; loss-name-mismatch, constant-loss and fp32-loss-rises have their training files in tests/test_loss_warnings.py).
         never_an_error = rule.severity != "error" and not rule.explains
         if not never_an_error and rule.fires_on:
             assert rule.triggers, rule.code  # (a cause only the intervention search names has training files instead)

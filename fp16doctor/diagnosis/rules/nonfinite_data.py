@@ -25,7 +25,8 @@ class NonfiniteData(Rule):
                                              nonfinite_batches=[1])]),)
     quiet_on = (lambda: fx.evidence(data=[fx.field(abs_max=3.0)]),)
     suppresses = ("fp32-divergence", "scale-overflow", "scale-growth", "activation-overflow", "loss-in-half",
-                  "grad-underflow", "lr-schedule-peak", "precision-gap", "scheduler-skip-drift", "bf16-advice")
+                  "grad-underflow", "lr-schedule-peak", "precision-gap", "scheduler-skip-drift", "bf16-advice",
+                  "fp32-loss-rises")
 
     def intervention(self, finding: Finding, ev: Evidence) -> Intervention:
         field = finding.evidence["field"]

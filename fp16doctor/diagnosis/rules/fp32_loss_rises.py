@@ -1,0 +1,70 @@
+"""The loss rises in full precision: the FP32 baseline's loss ends well above where it started, every step finite.
+
+Evidence: the FP32 probe's per-step losses: the first (the initial model's, before any update) against the
+median of the last third (a median: one easy batch neither hides a trend nor makes one). A training that more
+than doubles its loss in a few dozen steps diverges in FP32 already (a learning rate too high for the model
+or the schedule, a wrong sign, an unnormalised input); AMP on top of it skips steps and drifts because the
+gradients grow, not because of fp16, and comparing the two says little. Measured, not guessed: the FP32
+baseline shows it. A warning (no precision setting fixes an FP32 divergence), beside whatever AMP's own
+measured faults are (a loss in the thousands overflows a 65536 loss scale): the diagnosis of precision is
+only as good as the FP32 twin it compares with. A loss that only gets noisier,
+one that jumps and comes back down, or a negative loss (no scale to compare) stays quiet; a non-finite
+FP32 loss is ``fp32-divergence``'s, and data at fault (``extreme-data``, ``nonfinite-data``) hides this
+warning: batches of another scale make another loss.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix
+from . import Rule
+
+MIN_STEPS = 6
+"""At least this many finite FP32 steps (two in the last third): fewer say nothing about a trend."""
+RISE = 2.0
+"""The last third's median loss at least this many times the first step's."""
+
+
+class Fp32LossRises(Rule):
+    code = "fp32-loss-rises"
+    severity = "warning"
+    """Measured, but no mixed-precision fault: the FP32 twin itself trains away from its start."""
+    order = 5
+    verifiable = False
+    fires_on = (lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[1.0 + 1.5 * i for i in range(10)]))),
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=6, losses=[0.9, 1.1, 0.8, 5.0, 9.0, 14.0]))))
+    quiet_on = (lambda: fx.evidence(),  # a falling loss
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=6, losses=[2.0, 1.2, 3.0, 1.5, 2.8, 1.9]))),  # noisy, no trend
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=6, losses=[3.0, 380.0, 1500.0, 1.5, 0.9, 0.8]))),  # a jump that came back
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=4, losses=[1.0, 2.0, 4.0, 8.0]))),  # too short
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[-3.0 + 0.5 * i for i in range(10)]))),  # negative losses: no scale to compare
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(nonfinite_loss=[5]))))  # non-finite: fp32-divergence's
+
+    nothing_to_try = "the FP32 baseline rises too: the learning rate, the schedule or the loss is at fault, and no precision setting changes that"
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        fp32 = ev.fp32
+        if fp32 is None or fp32.exception is not None:
+            return []
+        losses = [float(v) for v in fp32.records["loss"]]
+        if len(losses) < MIN_STEPS or not all(math.isfinite(v) for v in losses):
+            return []  # too short to tell; a non-finite loss is fp32-divergence's evidence
+        third = len(losses) // 3
+        first, last = losses[0], statistics.median(losses[-third:])
+        if first <= 0 or last < RISE * first:
+            return []
+        lrs = [float(v) for v in fp32.records["lr"]] if "lr" in fp32.records else []
+        evidence = {"probe": "fp32", "steps": len(losses), "first_loss": first, "last_third_median": last,
+                    "losses": losses[:20],
+                    "lr_range": [min(lrs), max(lrs)] if lrs else None}
+        return [self.finding(
+            f"The loss rises in FP32 too: from {first:.4g} at the first step to {last:.4g} (the median of the last "
+            f"{third}), every step finite: the FP32 twin AMP is compared with does not converge",
+            evidence,
+            Fix("Make the FP32 training converge first (a lower learning rate or a warm-up, the loss's sign and "
+                "normalisation, the inputs' scale), then diagnose again: AMP's skips and drift on a diverging "
+                "training come from its growing gradients, not from fp16."),
+        )]
