@@ -342,28 +342,38 @@ def test_the_state_block_threshold_is_the_size_of_the_tensors_holding_most_of_th
 
 MAPPED_STATE_BLOCK = """
 import ctypes, sys, torch
-from fp16doctor.engine.kept import return_large_blocks_on_free, state_block_threshold
+from fp16doctor.engine.kept import StateBlockMapping, return_large_blocks_on_free
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 libc = ctypes.CDLL("libc.so.6"); libc.mallinfo2.restype = Info
-return_large_blocks_on_free(state_block_threshold([(896, 896)] * 6) if sys.argv[1] == "model" else 4 * 2**20)
-before = libc.mallinfo2().hblks
-weights = [torch.empty(896, 896) for _ in range(4)]  # 3.2 MB each: below the 4 MiB default
-print(libc.mallinfo2().hblks - before)
+def mapped():  # how many of four 3.2 MB blocks (below the 4 MiB default) get their own mapping
+    before = libc.mallinfo2().hblks
+    blocks = [torch.empty(896, 896) for _ in range(4)]
+    return libc.mallinfo2().hblks - before
+return_large_blocks_on_free()
+seen = [mapped()]
+with StateBlockMapping([(896, 896)] * 6) as mapping:
+    seen.append(mapped())
+    mapping.saw_activations([64 * 1024, 4 * 896 * 896])  # an activation of the weights' size: mapped by it alone
+    seen.append(mapped())
+with StateBlockMapping([(896, 896)] * 6) as mapping:
+    mapping.saw_activations([64 * 1024, 8 * 2**20])  # small and large activations: the threshold stays
+    seen.append(mapped())
+seen.append(mapped())  # the diagnosis is over: back at the default
+print(*seen)
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_a_diagnosed_models_weight_sized_blocks_get_their_own_mappings():
-    def mapped(variant: str) -> int:
-        try:
-            out = subprocess.run([sys.executable, "-c", MAPPED_STATE_BLOCK, variant], capture_output=True, text=True,
-                                 check=True, cwd=ROOT)
-        except subprocess.CalledProcessError as exc:
-            if "mallinfo2" in exc.stderr:
-                pytest.skip("glibc before 2.33: no mallinfo2 to count mapped blocks with")
-            raise
-        return int(out.stdout)
-
-    assert mapped("default") == 0  # in the heap, where their holes stay resident between probes
-    assert mapped("model") == 4
+def test_a_diagnosed_models_weight_sized_blocks_get_their_own_mappings_while_no_activation_shares_the_size():
+    try:
+        out = subprocess.run([sys.executable, "-c", MAPPED_STATE_BLOCK], capture_output=True, text=True, check=True, cwd=ROOT)
+    except subprocess.CalledProcessError as exc:
+        if "mallinfo2" in exc.stderr:
+            pytest.skip("glibc before 2.33: no mallinfo2 to count mapped blocks with")
+        raise
+    default, lowered, activation_of_that_size, other_sizes, after = map(int, out.stdout.split())
+    assert default == 0  # in the heap, where their holes stay resident between probes
+    assert lowered == 4 and other_sizes == 4
+    assert activation_of_that_size == 0  # every such activation would be a fresh mapping per step: back to the default
+    assert after == 0  # diagnose --train trains in the same process next

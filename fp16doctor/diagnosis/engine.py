@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import DoctorConfig, build_config, merge
-from ..engine.kept import StateKeeper, release_memory, return_large_blocks_on_free, state_block_threshold
+from ..engine.kept import StateBlockMapping, StateKeeper, release_memory
 from ..engine.probe import Workbench
 from ..engine.progress import ProbeStepHook, StepProgress
 from ..errors import MemoryLimitError, one_line, smaller_run_hint
@@ -83,10 +84,10 @@ def diagnose(
     # FP32 probes may split their batches: the diagnosis stays within the AMP training's activation memory.
     bench = Workbench(spec, config, batch_count=max(config.steps, options.scan_batches or 0), micro_batching=True)
     bench.progress = StepProgress(on_probe_step)  # every probe of the bench reports its steps there
-    if options.own_process:  # before the first probe: its weights, gradients and moments get their own mappings
-        return_large_blocks_on_free(state_block_threshold(bench.parameter_shapes))
     plan = memory_plan(bench, options.max_memory)
-    with StateKeeper(plan.kept_budget) as keeper, bench.reference_kept_in(keeper.kept()):  # the folder goes, however the run ends
+    # Before the first probe: its weights, gradients and moments get their own mappings (the CLI's process only).
+    mapping = StateBlockMapping(bench.parameter_shapes) if options.own_process else contextlib.nullcontext()
+    with mapping, StateKeeper(plan.kept_budget) as keeper, bench.reference_kept_in(keeper.kept()):  # the folder goes, however the run ends
         ctx = StageContext(bench=bench, config=config, evidence=Evidence(
                                config=config, device=bench.device.type, steps=config.steps,
                                has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None,
@@ -94,7 +95,14 @@ def diagnose(
                                near_misses={name: dict(found) for name, found in spec.near_misses.items()}),
                            ci=options.ci,
                            states=keeper.kept(), fault_snapshots=keeper.kept(), amp_snapshots=keeper.kept())
-        return _triage(ctx, spec, on_stage)
+        return _triage(ctx, spec, on_stage, mapping if isinstance(mapping, StateBlockMapping) else None)
+
+
+def activation_bytes(forward: Any) -> list[int]:
+    """The sizes a probe's module outputs take in fp32 and in half precision (the forward table's ``numel``)."""
+    if forward is None or len(forward) == 0 or "numel" not in forward:
+        return []
+    return [int(n) * width for n in forward["numel"].unique() for width in (2, 4)]
 
 
 ESSENTIAL_STAGES = ("fp32 baseline", "amp as configured")
@@ -123,8 +131,10 @@ def run_stage(stage: Stage, ctx: StageContext) -> StageReport:
     return report
 
 
-def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], None] | None) -> Diagnosis:
-    """Every stage, then the rules, the fixes' verification and (for what no rule explains) the search."""
+def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], None] | None,
+            mapping: StateBlockMapping | None = None) -> Diagnosis:
+    """Every stage, then the rules, the fixes' verification and (for what no rule explains) the search.
+    ``mapping``: the allocator setting the first probes' activation sizes may put back (CLI runs only)."""
     config, evidence = ctx.config, ctx.evidence
 
     def announce(name: str) -> None:
@@ -136,6 +146,9 @@ def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], Non
     for stage in STAGES:
         announce(stage.name)
         stages.append(run_stage(stage, ctx))
+        probed = {"fp32 baseline": evidence.fp32, "amp as configured": evidence.amp}.get(stage.name)
+        if mapping is not None and probed is not None:  # the first two probes show the steps' activation sizes
+            mapping.saw_activations(activation_bytes(probed.tables.get("forward")))
     announce(VERIFYING)  # measuring the symptoms may replay AMP aligned on the steps taken: the verification's work
     start = time.perf_counter()
     skips = len(evidence.amp.skip_steps) if evidence.amp is not None else 0

@@ -23,7 +23,8 @@ class Fp32Divergence(Rule):
     fires_on = (lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(nonfinite_loss=[3, 4]))),)
     quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[3]))),)
     suppresses = ("scale-overflow", "scale-growth", "activation-overflow", "loss-in-half", "grad-underflow",
-                  "lr-schedule-peak", "precision-gap", "scheduler-skip-drift", "bf16-advice", "clip-before-unscale")
+                  "lr-schedule-peak", "precision-gap", "scheduler-skip-drift", "bf16-advice", "clip-before-unscale",
+                  "fp32-loss-rises")
 
     nothing_to_try = "FP32 fails too: the data, the learning rate or the model is at fault, and no precision setting can fix that"
 

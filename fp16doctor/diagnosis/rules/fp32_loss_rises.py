@@ -1,7 +1,7 @@
 """The loss rises in full precision: the FP32 baseline's loss ends well above where it started, every step finite.
 
-Evidence: the FP32 probe's per-step losses: the first (the initial model's, before any update) against the
-median of the last third (a median: one easy batch neither hides a trend nor makes one). A training that more
+Evidence: the FP32 probe's per-step losses, the median of the first third against the median of the last
+(at least three steps each: one easy first batch or one late spike makes no trend). A training that more
 than doubles its loss in a few dozen steps diverges in FP32 already (a learning rate too high for the model
 or the schedule, a wrong sign, an unnormalised input); AMP on top of it skips steps and drifts because the
 gradients grow, not because of fp16, and comparing the two says little. Measured, not guessed: the FP32
@@ -22,10 +22,10 @@ from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
 from . import Rule
 
-MIN_STEPS = 6
-"""At least this many finite FP32 steps (two in the last third): fewer say nothing about a trend."""
+MIN_STEPS = 9
+"""At least this many finite FP32 steps (three in the last third): fewer say nothing about a trend."""
 RISE = 2.0
-"""The last third's median loss at least this many times the first step's."""
+"""The last third's median loss at least this many times the first third's."""
 
 
 class Fp32LossRises(Rule):
@@ -35,11 +35,14 @@ class Fp32LossRises(Rule):
     order = 5
     verifiable = False
     fires_on = (lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[1.0 + 1.5 * i for i in range(10)]))),
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=6, losses=[0.9, 1.1, 0.8, 5.0, 9.0, 14.0]))))
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[1.0, 3.5, 2.2, 0.2, 0.9, 6.3, 0.7, 3.1, 5.4, 14.4]))))  # erratic, upwards
     quiet_on = (lambda: fx.evidence(),  # a falling loss
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=6, losses=[2.0, 1.2, 3.0, 1.5, 2.8, 1.9]))),  # noisy, no trend
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=6, losses=[3.0, 380.0, 1500.0, 1.5, 0.9, 0.8]))),  # a jump that came back
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=4, losses=[1.0, 2.0, 4.0, 8.0]))),  # too short
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=9, losses=[2.0, 1.2, 3.0, 1.5, 2.8, 1.9, 2.2, 1.7, 2.5]))),  # noisy, no trend
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=9, losses=[3.0, 380.0, 1500.0, 1.5, 0.9, 0.8, 0.7, 0.7, 0.6]))),  # a jump that came back
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=6, losses=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0]))),  # too short
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[0.3, 1.0, 0.9, 1.1, 0.8, 1.0, 0.9, 1.2, 0.7, 0.8]))),  # one easy first batch
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[1.0 + 1.5 * i for i in range(10)],
+                                                                     nonfinite_grads=[9]))),  # fp32-divergence's
                 lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[-3.0 + 0.5 * i for i in range(10)]))),  # negative losses: no scale to compare
                 lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(nonfinite_loss=[5]))))  # non-finite: fp32-divergence's
 
@@ -47,22 +50,22 @@ class Fp32LossRises(Rule):
 
     def check(self, ev: Evidence) -> list[Finding]:
         fp32 = ev.fp32
-        if fp32 is None or fp32.exception is not None:
-            return []
+        if fp32 is None or not fp32.finite:
+            return []  # a non-finite loss or gradient, or an exception: fp32-divergence's evidence
         losses = [float(v) for v in fp32.records["loss"]]
         if len(losses) < MIN_STEPS or not all(math.isfinite(v) for v in losses):
-            return []  # too short to tell; a non-finite loss is fp32-divergence's evidence
+            return []  # too short to tell
         third = len(losses) // 3
-        first, last = losses[0], statistics.median(losses[-third:])
+        first, last = statistics.median(losses[:third]), statistics.median(losses[-third:])
         if first <= 0 or last < RISE * first:
             return []
         lrs = [float(v) for v in fp32.records["lr"]] if "lr" in fp32.records else []
-        evidence = {"probe": "fp32", "steps": len(losses), "first_loss": first, "last_third_median": last,
+        evidence = {"probe": "fp32", "steps": len(losses), "first_third_median": first, "last_third_median": last,
                     "losses": losses[:20],
                     "lr_range": [min(lrs), max(lrs)] if lrs else None}
         return [self.finding(
-            f"The loss rises in FP32 too: from {first:.4g} at the first step to {last:.4g} (the median of the last "
-            f"{third}), every step finite: the FP32 twin AMP is compared with does not converge",
+            f"The loss rises in FP32 too: from {first:.4g} to {last:.4g} (the medians of the first and the last {third} "
+            f"steps), every step finite: the FP32 twin AMP is compared with does not converge",
             evidence,
             Fix("Make the FP32 training converge first (a lower learning rate or a warm-up, the loss's sign and "
                 "normalisation, the inputs' scale), then diagnose again: AMP's skips and drift on a diverging "
