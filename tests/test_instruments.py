@@ -418,3 +418,16 @@ def test_strided_sample_of_a_non_contiguous_tensor_takes_the_flattened_order():
         n = t.numel()
         k = 1 if size == 0 or n <= size else -(-n // size)
         assert torch.equal(strided_sample(t, size), t.reshape(-1)[::k]), (shape, size)
+
+
+def test_detached_instruments_let_their_step_buffers_go():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instruments = Instruments(model, optimizer)
+    instruments.begin_step(0, 1.0)
+    model(torch.randn(32, 64)).sum().backward()
+    optimizer.step()
+    instruments.end_step()
+    assert instruments._counters  # the step's samples were counted in a buffer kept for the next step
+    instruments.detach()
+    assert not instruments._counters and not instruments._segment_cache

@@ -482,9 +482,13 @@ class Instruments:
                 self._hook_optimizer(optimizer)
 
     def detach(self) -> None:
+        """Remove the hooks and let the step buffers go (up to 8 MiB per device): detached instruments of a
+        probe that lives on (an intervention's, a verification's) hold no memory for steps they no longer see."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._counters.clear()
+        self._segment_cache.clear()
 
     # --- step protocol (called by the probe) ------------------------------------------------------
     def begin_step(self, step: int, scale: float) -> None:
