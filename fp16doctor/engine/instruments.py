@@ -142,8 +142,8 @@ an edge is an integer comparison, which a subtraction and a sign shift make in p
 CHUNK = 256
 """Elements per chunk of a :class:`SampleCounter`'s buffer: each sample starts a chunk, so a chunk's counts are
 one sample's (the zeros padding its last chunk count below every edge)."""
-COUNTER_ELEMENTS = 1 << 20
-"""A counter's buffer holds at most this many elements (4 MiB, and as much again of scratch) before it counts
+COUNTER_ELEMENTS = 1 << 18
+"""A counter's buffer holds at most this many elements (1 MiB, and as much again of scratch) before it counts
 what it holds; a larger sample is counted on its own."""
 
 
@@ -482,7 +482,7 @@ class Instruments:
                 self._hook_optimizer(optimizer)
 
     def detach(self) -> None:
-        """Remove the hooks and let the step buffers go (up to 8 MiB per device): detached instruments of a
+        """Remove the hooks and let the step buffers go (up to 2 MiB per device): detached instruments of a
         probe that lives on (an intervention's, a verification's) hold no memory for steps they no longer see."""
         for handle in self._handles:
             handle.remove()
