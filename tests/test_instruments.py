@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from fp16doctor.config import build_config
-from fp16doctor.engine.instruments import (InstrumentOptions, Instruments, SampleCounter, histogram_of, magnitude_histogram,
-                                           precision_map)
+from fp16doctor.engine.instruments import (InstrumentOptions, Instruments, SampleCounter, histogram_of, precision_map,
+                                           strided_sample)
+from fp16doctor.tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 from fp16doctor.measure.localise import OUTSIDE_MODEL, localise
 from fp16doctor.measure.numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
 from fp16doctor.engine.probe import Workbench
@@ -236,12 +237,30 @@ def test_localisation_of_a_loss_outside_the_model():
     assert localise(bench, "fp32", 0) is None
 
 
+def bucketize_histogram(values: torch.Tensor, sample: int) -> torch.Tensor:
+    """The reference the instruments' counts must equal: |x| of a strided sample in the buckets zero, below
+    2^-24, below 2^-14, normal, above 65504, by ``bucketize`` (what the instruments computed before their
+    counting moved into :class:`SampleCounter`)."""
+    a = strided_sample(values, sample).abs()
+    edges = torch.tensor([2.0**-149, FP16_MIN_SUBNORMAL, FP16_MIN_NORMAL, FP16_MAX * (1 + 2.0**-23)])  # fp32, as before
+    return torch.bincount(torch.bucketize(a, edges, right=True), minlength=5)
+
+
+def counted_histogram(values: torch.Tensor, sample: int) -> torch.Tensor:
+    """The instruments' own histogram of ``values``: its strided sample counted by a :class:`SampleCounter`."""
+    counter = SampleCounter(torch.device("cpu"))
+    piece = strided_sample(values, sample)
+    index = counter.add(piece)
+    counts, padded = counter.take()
+    return torch.tensor(histogram_of([(piece.numel(), padded[index], counts.tolist()[index])]))
+
+
 def test_histogram_buckets_and_sampling():
     x = torch.tensor([0.0, 2.0**-30, -(2.0**-20), 1.0, -70000.0, 3.0])
-    assert magnitude_histogram(x, 0).tolist() == [1, 1, 1, 2, 1]
+    assert counted_histogram(x, 0).tolist() == [1, 1, 1, 2, 1]
     big = torch.randn(1_000_000)
-    exact = magnitude_histogram(big, 0).double() / big.numel()
-    sampled = magnitude_histogram(big, 65536).double()
+    exact = counted_histogram(big, 0).double() / big.numel()
+    sampled = counted_histogram(big, 65536).double()
     assert 60000 <= sampled.sum() <= 65536
     sampled /= sampled.sum()
     assert torch.allclose(exact, sampled, atol=0.01)
@@ -290,7 +309,7 @@ def test_the_sample_counter_counts_as_bucketize_does(dtype):
     counts, padded = counter.take()
     values = counts.tolist()
     for t, i in zip(tensors, indices):
-        assert histogram_of([(t.numel(), padded[i], values[i])]) == magnitude_histogram(t, 0).tolist()
+        assert histogram_of([(t.numel(), padded[i], values[i])]) == bucketize_histogram(t, 0).tolist()
     assert counter.take() == (None, [])  # taken: the next step starts empty
     assert counter.buffer is None or not counter.buffer.any()  # and the buffer is zero again
 

@@ -122,13 +122,6 @@ def _sample_view(t: torch.Tensor, k: int) -> torch.Tensor | None:
     return None
 
 
-def magnitude_histogram(values: torch.Tensor, sample: int) -> torch.Tensor:
-    """Counts of |x| in the buckets zero, below 2^-24, below 2^-14, normal, above 65504 (on a sample): exactly
-    five, since the four edges give bucket indices 0..4."""
-    a = strided_sample(values, sample).abs()
-    return torch.bincount(torch.bucketize(a, _edges(a.device), right=True), minlength=5)
-
-
 def _bits_of(value: float) -> int:
     """The bit pattern of ``value`` as an fp32 number, read as an int32."""
     return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
@@ -620,8 +613,8 @@ class Instruments:
         sized = [t for t in outputs if t.numel()]
         samples = []
         for t in sized:
-            sample = strided_sample(t, self.options.sample)
-            samples.append((self._counter(t.device), self._counter(t.device).add(sample), sample.numel()))
+            sample, counter = strided_sample(t, self.options.sample), self._counter(t.device)
+            samples.append((counter, counter.add(sample), sample.numel()))
         row = _ModuleRow(kind, name, order, dtype, sum(t.numel() for t in outputs), inputs,
                          [pending.range_of(t) for t in sized], samples, outputs if hold else [])
         pending.rows.append(row)
