@@ -86,8 +86,8 @@ def diagnose(
     bench.progress = StepProgress(on_probe_step)  # every probe of the bench reports its steps there
     plan = memory_plan(bench, options.max_memory)
     # Before the first probe: its weights, gradients and moments get their own mappings (the CLI's process only).
-    mapping = StateBlockMapping(bench.parameter_shapes) if options.own_process else contextlib.nullcontext()
-    with mapping, StateKeeper(plan.kept_budget) as keeper, bench.reference_kept_in(keeper.kept()):  # the folder goes, however the run ends
+    mapping = StateBlockMapping(bench.parameter_shapes) if options.own_process else None
+    with mapping or contextlib.nullcontext(), StateKeeper(plan.kept_budget) as keeper, bench.reference_kept_in(keeper.kept()):  # the folder goes, however the run ends
         ctx = StageContext(bench=bench, config=config, evidence=Evidence(
                                config=config, device=bench.device.type, steps=config.steps,
                                has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None,
@@ -95,7 +95,7 @@ def diagnose(
                                near_misses={name: dict(found) for name, found in spec.near_misses.items()}),
                            ci=options.ci,
                            states=keeper.kept(), fault_snapshots=keeper.kept(), amp_snapshots=keeper.kept())
-        return _triage(ctx, spec, on_stage, mapping if isinstance(mapping, StateBlockMapping) else None)
+        return _triage(ctx, spec, on_stage, mapping)
 
 
 def activation_bytes(forward: Any) -> list[int]:
