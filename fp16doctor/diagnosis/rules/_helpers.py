@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pandas as pd
@@ -15,6 +16,18 @@ NORM_TYPES = ("BatchNorm", "LayerNorm", "GroupNorm", "InstanceNorm", "RMSNorm", 
 
 def fp32_finite(ev: Evidence) -> bool:
     return ev.fp32 is not None and ev.fp32.finite
+
+
+def fp32_losses(ev: Evidence, min_steps: int) -> list[float] | None:
+    """The FP32 baseline's per-step losses, when it ran without an exception for at least ``min_steps`` steps, all
+    finite: the trend the loss warnings read (a non-finite loss is other rules' evidence); else None."""
+    fp32 = ev.fp32
+    if fp32 is None or fp32.exception is not None:
+        return None
+    losses = [float(v) for v in fp32.records["loss"]]
+    if len(losses) < min_steps or not all(math.isfinite(v) for v in losses):
+        return None
+    return losses
 
 
 def module_abs_max(summary: ProbeSummary | None, module: str) -> float | None:

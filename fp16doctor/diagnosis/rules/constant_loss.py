@@ -11,11 +11,11 @@ training that trains nothing says little.
 
 from __future__ import annotations
 
-import math
 
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
 from . import Rule
+from ._helpers import fp32_losses
 
 MIN_STEPS = 3
 """At least this many steps with the same loss: one or two equal values are no evidence."""
@@ -37,13 +37,8 @@ class ConstantLoss(Rule):
     nothing_to_try = "the fix is the loss in the training file; no precision setting changes a constant loss"
 
     def check(self, ev: Evidence) -> list[Finding]:
-        fp32 = ev.fp32
-        if fp32 is None or fp32.exception is not None:
-            return []
-        losses = [float(v) for v in fp32.records["loss"]]
-        if len(losses) < MIN_STEPS or not all(math.isfinite(v) for v in losses):
-            return []  # too short to tell; a non-finite loss is other rules' evidence
-        if any(v != losses[0] for v in losses):
+        losses = fp32_losses(ev, MIN_STEPS)
+        if losses is None or any(v != losses[0] for v in losses):
             return []
         value = losses[0]
         evidence = {"probe": "fp32", "steps": len(losses), "loss": value, "losses": losses[:10],

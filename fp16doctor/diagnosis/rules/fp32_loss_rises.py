@@ -15,12 +15,12 @@ warning: batches of another scale make another loss.
 
 from __future__ import annotations
 
-import math
 import statistics
 
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
 from . import Rule
+from ._helpers import fp32_finite, fp32_losses
 
 MIN_STEPS = 9
 """At least this many finite FP32 steps (three in the last third): fewer say nothing about a trend."""
@@ -49,12 +49,11 @@ class Fp32LossRises(Rule):
     nothing_to_try = "the FP32 baseline rises too: the learning rate, the schedule or the loss is at fault, and no precision setting changes that"
 
     def check(self, ev: Evidence) -> list[Finding]:
+        losses = fp32_losses(ev, MIN_STEPS) if fp32_finite(ev) else None  # non-finite gradients: fp32-divergence's
+        if losses is None:
+            return []
         fp32 = ev.fp32
-        if fp32 is None or not fp32.finite:
-            return []  # a non-finite loss or gradient, or an exception: fp32-divergence's evidence
-        losses = [float(v) for v in fp32.records["loss"]]
-        if len(losses) < MIN_STEPS or not all(math.isfinite(v) for v in losses):
-            return []  # too short to tell
+        assert fp32 is not None
         third = len(losses) // 3
         first, last = statistics.median(losses[:third]), statistics.median(losses[-third:])
         if first <= 0 or last < RISE * first:
