@@ -1,7 +1,9 @@
 """The loss rises in full precision: the FP32 baseline's loss ends well above where it started, every step finite.
 
 Evidence: the FP32 probe's per-step losses, the median of the first third against the median of the last
-(at least three steps each: one easy first batch or one late spike makes no trend). A training that more
+(at least three steps each: one easy first batch or one late spike makes no trend), the rise larger than the
+first third's own spread from batch to batch (a loss near zero that only wobbles, a contrastive loss of
+0.005 with batches at 5e-9 and 0.015, doubles its median by chance). A training that more
 than doubles its loss in a few dozen steps diverges in FP32 already (a learning rate too high for the model
 or the schedule, a wrong sign, an unnormalised input); AMP on top of it skips steps and drifts because the
 gradients grow, not because of fp16, and comparing the two says little. Measured, not guessed: the FP32
@@ -41,6 +43,8 @@ class Fp32LossRises(Rule):
                 lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=9, losses=[3.0, 380.0, 1500.0, 1.5, 0.9, 0.8, 0.7, 0.7, 0.6]))),  # a jump that came back
                 lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=6, losses=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0]))),  # too short
                 lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[0.3, 1.0, 0.9, 1.1, 0.8, 1.0, 0.9, 1.2, 0.7, 0.8]))),  # one easy first batch
+                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=12, losses=[0.0074, 0.0034, 0.0065, 5e-9, 0.0145, 0.0026, 0.0028,
+                                                                                     0.0071, 0.0092, 0.0005, 0.0114, 0.0291]))),  # wobbling near 0
                 lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[1.0 + 1.5 * i for i in range(10)],
                                                                      nonfinite_grads=[9]))),  # fp32-divergence's
                 lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[-3.0 + 0.5 * i for i in range(10)]))),  # negative losses: no scale to compare
@@ -56,10 +60,12 @@ class Fp32LossRises(Rule):
         assert fp32 is not None
         third = len(losses) // 3
         first, last = statistics.median(losses[:third]), statistics.median(losses[-third:])
-        if first <= 0 or last < RISE * first:
+        spread = max(losses[:third]) - min(losses[:third])
+        if first <= 0 or last < RISE * first or last - first <= spread:
             return []
         lrs = [float(v) for v in fp32.records["lr"]] if "lr" in fp32.records else []
         evidence = {"probe": "fp32", "steps": len(losses), "first_third_median": first, "last_third_median": last,
+                    "first_third_spread": spread,
                     "losses": losses[:20],
                     "lr_range": [min(lrs), max(lrs)] if lrs else None}
         return [self.finding(
