@@ -8,9 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from fp16doctor.live.watch import Watch, WatchOptions
+from fp16doctor.measure.thresholds import CALIBRATION_SKIPS
 
 
-def loop(tmp_path, steps=12, init_scale=2.0**16, spike_at=None, nan_at=None, optimizer_class=torch.optim.SGD, **options):
+def loop(tmp_path, steps=12, init_scale=2.0**16, spike_at=None, nan_at=None, optimizer_class=torch.optim.SGD,
+         loss_factor=lambda step: 1.0, first_step=0, **options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
     optimizer = optimizer_class(model.parameters(), lr=1e-2)
@@ -26,10 +28,10 @@ def loop(tmp_path, steps=12, init_scale=2.0**16, spike_at=None, nan_at=None, opt
         watch.capture_batch((x, y))
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x), y) * loss_factor(step)
         watch.record_loss(loss)
         scaler.scale(loss).backward()
-        alarm = watch.before_optimizer_step(step, optimizer, scaler, grads_scaled=True)
+        alarm = watch.before_optimizer_step(first_step + step, optimizer, scaler, grads_scaled=True)
         scaler.step(optimizer)
         scaler.update()
         if alarm is not None:
@@ -70,9 +72,34 @@ def test_each_optimizer_the_capsule_builds_starts_from_its_own_copy_of_the_saved
     assert all(torch.isfinite(s["exp_avg"]).all() for s in capsule.STATE["optimizer"]["state"].values())
 
 
-def test_a_scale_far_too_high_alarms_as_a_skip_streak(tmp_path):
+def test_a_scale_far_too_high_alarms_as_a_skip_streak_once_settling_would_have_ended(tmp_path):
+    """A fresh scaler's leading skips are settling up to CALIBRATION_SKIPS (what diagnose counts as settling);
+    from 2^60 the scale still overflows after them."""
     watch, alarm = loop(tmp_path, init_scale=2.0**60, skip_streak=4)
-    assert alarm.kind == "skip-streak" and alarm.step == 3 and all(h.skipped for h in watch.history)
+    assert alarm.kind == "skip-streak" and alarm.step == CALIBRATION_SKIPS and all(h.skipped for h in watch.history)
+    assert "from the scaler's initial scale 1.15292e+18" in alarm.message
+
+
+def test_a_default_scale_settling_is_no_alarm_but_a_streak_after_applied_steps_is(tmp_path):
+    """The loss x 300 overflows fp16 logit gradients at scales above ~3000: a default scaler skips 5 steps in a
+    row while it settles (the watch alarmed on them at 5, where the capsule's diagnosis then said healthy);
+    from step 10 the loss x 1e7 overflows at every scale that is left: 5 skips after applied steps alarm (the
+    loss-spike alarm, which would see the jump first, is off)."""
+    factor = lambda step: 300.0 if step < 10 else 1e7  # noqa: E731
+    scaled_down = lambda params, lr: torch.optim.SGD(params, lr=lr / 300)  # noqa: E731  the same updates
+    watch, alarm = loop(tmp_path, steps=20, loss_factor=factor, skip_streak=5, optimizer_class=scaled_down,
+                        alarms=("nonfinite", "skip-streak", "scale-collapse"))
+    leading = next(i for i, h in enumerate(watch.history) if not h.skipped)
+    assert 5 <= leading <= CALIBRATION_SKIPS  # longer than the streak: the settling is what is tested
+    assert not any(h.skipped for h in watch.history[leading:10])
+    assert alarm.kind == "skip-streak" and alarm.step == 14 and "initial scale" not in alarm.message
+
+
+def test_a_resumed_scaler_is_settled_from_its_first_step(tmp_path):
+    """A watch that begins past optimizer step 0 (a resumed Trainer's global_step) sees a scale that settled before:
+    skips alarm at the streak."""
+    watch, alarm = loop(tmp_path, init_scale=2.0**60, skip_streak=4, first_step=100)
+    assert alarm.kind == "skip-streak" and alarm.step == 103
 
 
 def test_a_collapsed_scale_alarms(tmp_path):
@@ -159,16 +186,19 @@ def test_a_finite_loss_with_a_non_finite_output_gradient_is_localised_to_the_los
     model = torch.nn.Linear(8, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
-    try:
+    try:  # a first, healthy step is applied: the scale has settled, so one skip is the streak of 1
         with TrainingObserver(WatchOptions(capsule_dir=tmp_path, skip_streak=1)) as observer:
-            with torch.autocast("cpu", dtype=torch.float16):
-                logits = model(torch.randn(16, 8))
-            loss = torch.sqrt((logits.float() * 0).sum())
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
+            for sqrt_at_zero in (False, True):
+                optimizer.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    logits = model(torch.randn(16, 8))
+                loss = torch.sqrt((logits.float() * 0).sum()) if sqrt_at_zero else logits.float().pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
     except WatchStopped as stopped:
         alarm = stopped.alarm
-    assert alarm.kind == "skip-streak" and observer.alarms == [alarm]
+    assert alarm.kind == "skip-streak" and alarm.step == 1 and observer.alarms == [alarm]
     manifest = check_capsule(alarm.capsule)
     assert "outside the model" in manifest["loss_finding"] and "outside the model" in replay_note(manifest)
     assert json.loads((alarm.capsule / "manifest.json").read_text())["replay"] == "output-grads"

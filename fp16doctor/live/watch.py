@@ -32,6 +32,7 @@ import torch
 
 from ..engine.rng import callers_rng_kept, rng_state
 from ..files import atomic_torch_save, atomic_write_text
+from ..measure.thresholds import CALIBRATION_SKIPS
 from ..tensors import grad_values, norms
 from ..userfile.batches import map_tensors
 from .capsule import (CAPSULE_FORMAT, capsule_config, capsule_folder, capsule_training_file, constructor_settings,
@@ -50,7 +51,9 @@ class WatchOptions:
     stop_on_alarm: bool = True
     """Stop the training at the first alarm (the callbacks ask their trainer to stop)."""
     skip_streak: int = 5
-    """This many optimizer steps skipped in a row is an alarm (a settling scale skips a few, not in a row this long)."""
+    """This many optimizer steps skipped in a row is an alarm. Skips of a fresh GradScaler calibrating its
+    initial scale (before its first applied step) are settling, as the diagnosis counts them: they alarm only
+    past ``CALIBRATION_SKIPS`` (each halves the scale: 2^16 down to 2^6 in 10), or past ``skip_streak`` if larger."""
     min_scale: float = 1.0
     """A loss scale at or below this has collapsed: the gradients overflow even unscaled."""
     spike_factor: float = 10.0
@@ -116,6 +119,9 @@ class Watch:
         self.label: str | None = None
         """The optimizer and model this watch checks, named in its alarms where a training has several optimizers."""
         self._streak = 0
+        self._calibrating = False
+        """A fresh scaler is still settling from its initial scale: the watch began at optimizer step 0 and no step
+    has been applied since."""
         self._names = {p: n for n, p in model.named_parameters()}
 
     # --- feeding -------------------------------------------------------------------------------------
@@ -145,6 +151,8 @@ class Watch:
                     found_inf: torch.Tensor | None) -> Alarm | None:
         try:
             numbers = self._measure(step, optimizer, scaler, grads_scaled, found_inf)
+            if not self.history:  # a fresh training's first step, at its scaler's own initial scale
+                self._calibrating = step == 0 and at_initial_scale(scaler, numbers.loss_scale)
             self.history.append(numbers)
             kind, message = self._decide(numbers)
             if kind is not None and self.alarm is None:
@@ -200,12 +208,16 @@ class Watch:
     def _decide(self, n: StepNumbers) -> tuple[str | None, str]:
         wanted = self.options.alarms
         self._streak = self._streak + 1 if n.skipped else 0
+        self._calibrating = self._calibrating and n.skipped
         if "nonfinite" in wanted and n.loss is not None and not math.isfinite(n.loss):
             return "nonfinite", f"the loss is {n.loss}"
         if "nonfinite" in wanted and n.nonfinite_layers and not n.skipped:  # no scaler caught them: they reach the weights
             return "nonfinite", f"non-finite gradients in {', '.join(n.nonfinite_layers[:3])}"
-        if "skip-streak" in wanted and self._streak >= self.options.skip_streak:
-            return "skip-streak", f"{self._streak} optimizer steps skipped in a row (inf/NaN gradients in {', '.join(n.nonfinite_layers[:3])})"
+        if "skip-streak" in wanted and self._streak >= self._streak_limit():
+            settling = (f" from the scaler's initial scale {self.history[0].loss_scale:g} down to {n.loss_scale:g}, more than"
+                        f" calibrating it takes" if self._calibrating else "")
+            return "skip-streak", (f"{self._streak} optimizer steps skipped in a row{settling} (inf/NaN gradients in "
+                                   f"{', '.join(n.nonfinite_layers[:3])})")
         if "scale-collapse" in wanted and n.skipped and n.loss_scale <= self.options.min_scale:
             return "scale-collapse", f"the loss scale fell to {n.loss_scale:g} and the gradients still overflow"
         recent = [h.loss for h in self.history[-self.options.spike_window - 1:-1] if h.loss is not None and math.isfinite(h.loss)]
@@ -214,6 +226,13 @@ class Watch:
             if median > 0 and n.loss > self.options.spike_factor * median:
                 return "loss-spike", f"the loss {n.loss:.4g} is {n.loss / median:.1f}x the recent median {median:.4g}"
         return None, ""
+
+    def _streak_limit(self) -> int:
+        """Skips in a row that alarm: more while a fresh scaler settles (a default 2^16 halves to what the gradients
+        allow: ``diagnose`` counts up to ``CALIBRATION_SKIPS`` such leading skips as settling, not as a fault)."""
+        if self._calibrating:
+            return max(self.options.skip_streak, CALIBRATION_SKIPS + 1)
+        return self.options.skip_streak
 
     # --- the capsule -------------------------------------------------------------------------------------
     def write_capsule(self, optimizer: torch.optim.Optimizer, scaler: Any, numbers: StepNumbers) -> Path:
@@ -261,6 +280,15 @@ def nonfinite_layers(grads: list[torch.Tensor], names: list[str], layer_norms: l
         return []
     flags = torch.stack([~torch.isfinite(grads[i]).all() for i in suspects]).tolist()
     return [names[i] for i, bad in zip(suspects, flags) if bad]
+
+
+def at_initial_scale(scaler: Any, scale: float) -> bool:
+    """Whether ``scale`` is an enabled GradScaler's own ``init_scale`` (``load_state_dict`` sets it to the loaded
+    scale too: the watch also asks for optimizer step 0, as a resumed Trainer's global_step is not)."""
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+        return False
+    initial = getattr(scaler, "_init_scale", None)
+    return isinstance(initial, (int, float)) and float(initial) == scale
 
 
 def scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
