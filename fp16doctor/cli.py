@@ -548,7 +548,7 @@ def watch(
     command: Annotated[Optional[list[str]], typer.Argument(help="SCRIPT [ARGS...] (with -m: MODULE [ARGS...]), as you would give them to python.", show_default=False)] = None,
     module: Annotated[bool, typer.Option("-m", help="Run a module, as python -m MODULE does.")] = False,
     capsule_dir: Annotated[Path, typer.Option("--capsule-dir", help="Where a replay capsule is written on an alarm.")] = Path("fp16doctor_capsules"),
-    skip_streak: Annotated[int, typer.Option("--skip-streak", min=1, help="Optimizer steps skipped in a row that raise an alarm.")] = 5,
+    skip_streak: Annotated[int, typer.Option("--skip-streak", min=1, help="Optimizer steps skipped in a row that raise an alarm (a fresh GradScaler settling from its initial scale may skip up to 10 first).")] = 5,
     spike_factor: Annotated[float, typer.Option("--spike-factor", min=1.0, help="A loss above this multiple of the recent median is a spike.")] = 10.0,
     keep_going: Annotated[bool, typer.Option("--keep-going", help="Go on after an alarm (the capsule is still written; the exit code is still 1).")] = False,
     debug: Debug = False,
