@@ -234,6 +234,26 @@ def test_an_amp_exception_is_never_healthy_and_the_search_names_what_repairs_it(
     assert finding["evidence"]["exception"]["location"].endswith(":13") and payload["unexplained"] == []
 
 
+def test_an_exception_in_the_default_loss_has_one_place_in_every_probe_and_is_explained(tmp_path):
+    """A label out of range in the default cross_entropy raises in both probes: the place is the default loss, not
+    the doctor's dispatch modes (FP32's and AMP's gave two places, and the AMP one went unexplained)."""
+    path = tmp_path / "bad_label.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def model():\n    return nn.Linear(4, 3)\n\n"
+        "def data():\n    return [(torch.randn(5, 4), torch.tensor([0, 1, 2, 3 if i == 1 else 0, 1])) for i in range(3)]\n"
+    )
+    proc = run_cli("diagnose", path, "--json", "--steps", "3")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    payload = json.loads(proc.stdout)
+    finding = payload["findings"][0]
+    assert finding["cause"] == "fp32-divergence" and payload["unexplained"] == []
+    assert finding["evidence"]["exception"]["location"] == "fp16doctor's default loss cross_entropy(model(x), y)"
+    assert "fp16doctor/" not in finding["fix"]["summary"] and "IndexError" in finding["fix"]["summary"]
+    stages = {s["name"]: s["summary"] for s in payload["stages"]}
+    assert "raised IndexError" in stages["loss-scale sweep"] and "raised IndexError" in stages["precision-gap search"]
+
+
 def test_scan_batches_reaches_beyond_the_probes_batches():
     short = run_cli("diagnose", SAMPLES / "nan_in_data.py", "--steps", "5", "--json")
     scanned = run_cli("diagnose", SAMPLES / "nan_in_data.py", "--steps", "5", "--scan-batches", "20", "--json")

@@ -627,10 +627,18 @@ def raising_module(exc: BaseException, model: torch.nn.Module) -> str | None:
 
 
 def _outside_torch_frame(exc: BaseException) -> str | None:
-    """The deepest frame outside PyTorch: a helper module of the user's, or the doctor's canonical step."""
+    """The deepest frame outside PyTorch and the doctor's precision machinery (its dispatch modes and thin
+    wrappers, which sit under every op of every probe): a helper module of the user's, a library's model, or
+    the doctor's default loss, named as such. The same exception then has the same place in every probe (the
+    FP32 probe's mode and AMP's autocast policy gave two places, and the AMP one went unexplained)."""
     torch_dir = str(Path(torch.__file__).resolve().parent)
-    precision = Path(__file__).resolve().parent.parent / "precision"
-    wrappers = {str(precision / n) for n in ("recording.py", "overrides.py")}  # the doctor's thin wrappers
+    precision = str(Path(__file__).resolve().parent.parent / "precision")
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not str(Path(f.filename).resolve()).startswith(torch_dir) and str(Path(f.filename).resolve()) not in wrappers]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+              if not str(Path(f.filename).resolve()).startswith((torch_dir, precision))]
+    if not frames:
+        return None
+    last = frames[-1]
+    if last.name == "default_loss" and Path(last.filename).resolve() == Path(default_loss.__code__.co_filename).resolve():
+        what = "cross_entropy(model(x), y)" if "cross_entropy" in (last.line or "") else "model(**batch).loss"
+        return f"fp16doctor's default loss {what}"
+    return f"{last.filename}:{last.lineno}"

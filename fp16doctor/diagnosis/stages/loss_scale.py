@@ -32,7 +32,8 @@ def stage_scale(ctx: StageContext) -> StageReport:
     if cfg.dtype != "float16":
         return StageReport("loss-scale sweep", "skipped", "bfloat16 has fp32's range: no loss scaling needed")
     if ev.fp32 is None or not ev.fp32.finite:
-        return StageReport("loss-scale sweep", "skipped", "the fp32 baseline is not finite: scaling cannot help")
+        failed = f"raised {ev.fp32.exception.type}" if ev.fp32 is not None and ev.fp32.exception else "is not finite"
+        return StageReport("loss-scale sweep", "skipped", f"the fp32 baseline {failed}: scaling cannot help")
     with ctx.progress.planned(2):  # step 0 in FP32 and in AMP; the sweep plans its own steps
         reference = ctx.bench.probe("fp32", cfg, instruments=None, batch_plan=UNSPLIT)  # the gradients of the whole batch
         try:

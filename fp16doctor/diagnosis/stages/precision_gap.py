@@ -24,7 +24,9 @@ from .context import (
 def stage_precision_gap(ctx: StageContext) -> StageReport:
     ev, cfg = ctx.evidence, ctx.config
     amp = ev.amp
-    if amp is None or amp.exception is not None or amp.first_nonfinite_loss is not None:
+    if amp is not None and amp.exception is not None:
+        return StageReport("precision-gap search", "skipped", f"AMP raised {amp.exception.type}: no trajectory to compare")
+    if amp is None or amp.first_nonfinite_loss is not None:
         return StageReport("precision-gap search", "skipped", "AMP is not finite: a range problem, not a precision gap")
     tolerance = GAP_TOLERANCE * (BF16_FACTOR if cfg.dtype == "bfloat16" else 1.0)
     states = gap_states(ctx)
