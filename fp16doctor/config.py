@@ -23,6 +23,9 @@ from .errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float16", "bfloat16")
+CALIBRATION_SKIPS = 10
+"""Skips a dynamic scale may take to settle: each halves it, 2^16 down to 2^6 in 10 (``diagnose`` counts up to
+this many leading skips as settling, and the live watch's skip-streak allows them to a fresh scaler)."""
 
 
 def _doc(text: str) -> dict[str, str]:

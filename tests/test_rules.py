@@ -20,7 +20,7 @@ CONTRACT_CODES = {
     "scale-overflow", "scale-growth", "half-weights", "half-batchnorm", "half-optimizer-state",
     "clip-before-unscale", "lr-schedule-peak", "scheduler-skip-drift", "precision-gap", "bf16-advice",
     "constant-out-of-range", "empty-targets", "scaler-misuse", "backward-overflow", "loss-name-mismatch",
-    "constant-loss", "fp32-loss-rises",
+    "constant-loss", "fp32-loss-rises", "divisor-underflow",
 }
 RULES = all_rules()
 HEALTHY = ["mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fp16doctor.live.watch import Watch, WatchOptions
-from fp16doctor.measure.thresholds import CALIBRATION_SKIPS
+from fp16doctor.config import CALIBRATION_SKIPS
 
 
 def loop(tmp_path, steps=12, init_scale=2.0**16, spike_at=None, nan_at=None, optimizer_class=torch.optim.SGD,

@@ -30,9 +30,9 @@ from typing import Any, Callable
 import cloudpickle
 import torch
 
+from ..config import CALIBRATION_SKIPS
 from ..engine.rng import callers_rng_kept, rng_state
 from ..files import atomic_torch_save, atomic_write_text
-from ..measure.thresholds import CALIBRATION_SKIPS
 from ..tensors import grad_values, norms
 from ..userfile.batches import map_tensors
 from .capsule import (CAPSULE_FORMAT, capsule_config, capsule_folder, capsule_training_file, constructor_settings,

@@ -1,0 +1,113 @@
+"""A divisor (or a log's or rsqrt's argument) underflows to 0 in fp16 while fp32 keeps it positive.
+
+Evidence: the first non-finite AMP operator in the forward pass divides (``div``, ``reciprocal``,
+``rsqrt``, ``log``, ``addcdiv``), its finite divisor's range reaches 0 in fp16, and nothing overflowed:
+no result past 65504 was seen, and the same module's FP32 output stays inside fp16's range. So it is
+not an activation overflow: 0/0 or x/0 made the NaN or inf. The usual source is an epsilon below fp16's
+smallest subnormal (about 6e-8: a norm's ``sqrt(mean(x*x) + 1e-8)``, ``F.normalize``'s eps) that is
+0 in fp16, on rows that are exactly 0 (padding), or squares of small values that flush to zero
+(mixed-precision-notes.md, "Epsilons below fp16's smallest subnormal"). The fix: the module in fp32
+(verified by the doctor), or an epsilon fp16 holds (1e-5 is usual).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ...measure.records import Localisation
+from ...tensors import FP16_MAX
+from .. import fixtures as fx
+from ..model import Evidence, Finding, Fix, Repair
+from . import Rule
+from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, module_abs_max
+
+DIVISOR_INPUT = {"aten::div": 1, "aten::div_": 1, "aten::true_divide": 1, "aten::reciprocal": 0, "aten::rsqrt": 0,
+                 "aten::log": 0, "aten::log2": 0, "aten::log10": 0, "aten::addcdiv": 2}
+"""Operators that are non-finite at 0, and which of their inputs is then the divisor (or the argument)."""
+
+
+def _fp32_forward(module: str, abs_max: float) -> object:
+    return fx.probe("fp32", tables={"forward": pd.DataFrame([{"module": module, "abs_max": abs_max}])})
+
+
+class DivisorUnderflow(Rule):
+    code = "divisor-underflow"
+    order = 58
+    explains = ("nonfinite", "skips")
+    repairs = ("fp32-modules",)
+    triggers = ("eps_underflow_norm.py",)
+    fires_on = (
+        lambda: fx.evidence(fp32=_fp32_forward("norm", 40.9), localisation=fx.localisation(
+            "forward", "norm", "aten::div", [(-26.0, 24.8), (0.0, 0.74)], "nan (float16)")),
+        lambda: fx.evidence(fp32=_fp32_forward("norm", 3.0), localisation=fx.localisation(
+            "forward", "norm", "aten::rsqrt", [(0.0, 2.5)], "+inf (float16)")),
+    )
+    quiet_on = (
+        # a divisor that never reaches 0: the NaN comes from elsewhere
+        lambda: fx.evidence(fp32=_fp32_forward("norm", 40.9), localisation=fx.localisation(
+            "forward", "norm", "aten::div", [(-26.0, 24.8), (0.01, 0.74)], "nan (float16)")),
+        # the module's FP32 output passes 65504: an overflow, activation-overflow's
+        lambda: fx.evidence(fp32=_fp32_forward("norm", 1e6), localisation=fx.localisation(
+            "forward", "norm", "aten::div", [(-1e6, 1e6), (0.0, 0.74)], "+inf (float16)")),
+        # not a dividing operator
+        lambda: fx.evidence(fp32=_fp32_forward("norm", 40.9), localisation=fx.localisation(
+            "forward", "norm", "aten::mm", [(0.0, 0.74)], "+inf (float16)")),
+        # in the loss: loss-in-half's
+        lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>", "aten::log", [(0.0, 1.0)])),
+    )
+    names_cases = (lambda: (fx.repair("fp32-modules", ["norm"], forward_overflow=True),
+                            fx.evidence(fp32=_fp32_forward("norm", 40.9), localisation=fx.localisation(
+                                "forward", "norm", "aten::div", [(-26.0, 24.8), (0.0, 0.74)], "nan (float16)"))),)
+    suppresses = ("activation-overflow", "scale-overflow", "scheduler-skip-drift")
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        loc = ev.localisation
+        if loc is None or not fp32_finite(ev) or not self._divides_by_zero(ev, loc):
+            return []
+        keep = enclosing_fp32_safe(ev, loc.module or "")
+        low, high = loc.input_ranges[DIVISOR_INPUT[loc.operator]]
+        peak = module_abs_max(ev.fp32, loc.module or "")
+        return [self.finding(
+            f"A divisor underflows to 0 in fp16 in module '{loc.module}' ({loc.operator} at step {loc.step}: its range "
+            f"[{low:.3g}, {high:.3g}] reaches 0 -> {loc.output}) while the module's fp32 output stays at {peak:.3g}",
+            {"module": loc.module, "operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
+             "operator_input_ranges": loc.input_ranges, "divisor_range": [low, high], "output": loc.output,
+             "fp32_abs_max": peak, "keep_in_fp32": keep, "deterministic": ev.localisation_deterministic},
+            Fix(
+                f"Run {keep} in fp32 (autocast off inside it), or use an epsilon fp16 holds: fp16's smallest subnormal "
+                "is 6e-8, so an eps of 1e-8 is 0 in fp16 (1e-5 is usual), or add it after casting up to fp32.",
+                code=("# the statistic in fp32, where the epsilon is not 0:\n"
+                      "rms = torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)\n"
+                      "return (x.float() / rms).to(x.dtype) * self.weight\n\n# or keep the module in fp32:\n"
+                      + fp32_wrapper_code(keep)),
+                config_patch={"overrides": {"fp32_modules": [keep]}},
+            ),
+            confidence=1.0 if ev.localisation_deterministic else 0.6,
+        )]
+
+    @staticmethod
+    def _divides_by_zero(ev: Evidence, loc: Localisation) -> bool:
+        """The localised forward operator divides by a finite range that reaches 0, and nothing overflowed."""
+        index = DIVISOR_INPUT.get(loc.operator)
+        if loc.phase != "forward" or not loc.module or index is None or index >= len(loc.input_ranges):
+            return False
+        low, high = loc.input_ranges[index]
+        peak = module_abs_max(ev.fp32, loc.module)
+        return low <= 0.0 <= high and loc.peak is None and peak is not None and peak < FP16_MAX
+
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
+        """Modules kept in fp32 repaired it, and the fault is a division by a divisor that reached 0 inside them."""
+        loc = ev.localisation
+        holds = loc is not None and any(loc.module == m or (loc.module or "").startswith(m + ".") for m in repair.modules)
+        return repair.kind == "fp32-modules" and holds and loc is not None and self._divides_by_zero(ev, loc)
+
+    def repair_title(self, repair: Repair, ev: Evidence) -> str:
+        loc = ev.localisation
+        assert loc is not None
+        return (f"A divisor underflows to 0 in fp16 in module '{loc.module}' ({loc.operator} at step {loc.step} -> "
+                f"{loc.output}); keeping {', '.join(repair.modules)} in fp32 repairs the training")
+
+    def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
+        keep = ", ".join(repair.modules)
+        return (f"Run {keep} in fp32 (autocast off inside it), or use an epsilon fp16 holds (1e-5; 1e-8 is 0 in fp16).",
+                fp32_wrapper_code(repair.modules[0]))
