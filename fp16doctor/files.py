@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
+from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +61,25 @@ def atomic_torch_save(path: str | Path, obj: Any, pickle_module: Any = None) -> 
     buffer = io.BytesIO()
     torch.save(obj, buffer, pickle_module=pickle_module or pickle)
     atomic_write_bytes(path, buffer.getvalue())
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON types only; non-finite floats become strings ("inf", "nan") in evidence."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if is_dataclass(value) and not isinstance(value, type) and hasattr(value, "to_json"):
+        return jsonable(value.to_json())  # a record inside evidence: its own documented shape
+    if hasattr(value, "item") and not isinstance(value, (int, float)):
+        try:
+            value = value.item()
+        except (ValueError, AttributeError):
+            return str(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
+    return str(value)

@@ -340,3 +340,20 @@ def test_under_ddp_the_first_nonfinite_step_names_the_users_module(tmp_path):
     localisation = summary["first_nonfinite"]["localisation"]
     assert (localisation["module"], localisation["phase"]) == ("1.proj", "forward"), (localisation, proc.stderr[-2000:])
     assert not localisation["module"].startswith("module.")
+
+
+def test_a_run_whose_every_step_is_skipped_stops_and_writes_strict_json(tmp_path):
+    """It reached its last step, but the weights never moved: not "completed" (user check), and summary.json and
+    the non-finite step's report are strict JSON (non-finite numbers as strings, as diagnose --json writes them)."""
+    proc = run_cli("train", SAMPLES / "eps_underflow_norm.py", "--steps", "4", "--run-dir", tmp_path / "run")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "every one of the 4 optimizer steps was skipped" in proc.stdout
+
+    def refuse(name):
+        raise ValueError(f"bare {name} in JSON")
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["status"] == "stopped" and summary["skipped"] == 4
+    for report in (tmp_path / "run").glob("nonfinite_step_*.json"):
+        json.loads(report.read_text(), parse_constant=refuse)
+    assert list((tmp_path / "run").glob("nonfinite_step_*.json"))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pandas as pd
 
 from ..config import DoctorConfig
+from ..files import jsonable
 from ..measure.datascan import FieldScan
 from ..measure.records import ExceptionInfo, Localisation, ScaleWindow
 from ..measure.symptoms import Symptom, exception_of, first_step
@@ -411,25 +412,3 @@ class Diagnosis:
 
 def json_key(value: Any) -> str:
     return json.dumps(jsonable(value), sort_keys=True)
-
-
-def jsonable(value: Any) -> Any:
-    """Plain JSON types only; non-finite floats become strings ("inf", "nan") in evidence."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value
-    if is_dataclass(value) and not isinstance(value, type) and hasattr(value, "to_json"):
-        return jsonable(value.to_json())  # a record inside evidence: its own documented shape
-    if hasattr(value, "item") and not isinstance(value, (int, float)):
-        try:
-            value = value.item()
-        except (ValueError, AttributeError):
-            return str(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
-    return str(value)

@@ -38,7 +38,7 @@ from ..engine.instruments import InstrumentOptions
 from ..engine.probe import Probe, Workbench
 from ..engine.rng import rng_state, set_rng_state
 from ..errors import DoctorError, TrainingFileError, one_line
-from ..files import atomic_torch_save, atomic_write_text
+from ..files import atomic_torch_save, atomic_write_text, jsonable
 from ..tensors import OUT_OF_MEMORY
 from ..measure.localise import trace_step
 from ..userfile.batches import check_batch
@@ -183,7 +183,7 @@ class Trainer:
         report = {"rank": self.dist.rank, "param_sum": float(params.sum()), "param_abs_sum": float(params.abs().sum()),
                   "loss_scale": float(self.probe.scaler.get_scale()) if self.probe.scaler.is_enabled() else 1.0,
                   "skipped": result.skipped, "steps": result.steps}
-        atomic_write_text(self.run_dir / "ranks" / f"rank{self.dist.rank}.json", json.dumps(report))
+        atomic_write_text(self.run_dir / "ranks" / f"rank{self.dist.rank}.json", json.dumps(jsonable(report), allow_nan=False))
 
     def comm_hook_findings(self) -> list[dict[str, Any]]:
         """An fp16/bf16 gradient-compression hook on DDP: gradients then travel in half precision."""
@@ -246,6 +246,7 @@ class Trainer:
         metrics = self._open_metrics(start)
         self.snapshot = (self.probe.snapshot(), self.stream.position, [])
         in_a_row = 0
+        attempted = 0  # optimizer steps attempted (not accumulation micro-batches)
         began = time.perf_counter()
         interrupted = _InterruptFlag()
         try:
@@ -270,6 +271,7 @@ class Trainer:
                 self._write_metric(metrics, row)
                 result.steps = step + 1
                 result.skipped += int(record.skipped)
+                attempted += int(not record.micro_step)
                 result.final_loss = record.loss if math.isfinite(record.loss) else result.final_loss
                 if nonfinite:
                     result.nonfinite += 1
@@ -296,12 +298,16 @@ class Trainer:
         finally:
             interrupted.restore()
             metrics.close()
+        if result.status == "completed" and attempted and result.skipped >= attempted:
+            result.status = "stopped"  # it reached its last step, but nothing was trained
+            result.reason = (f"every one of the {attempted} optimizer steps was skipped (non-finite gradients): the weights "
+                             "never moved")
         result.seconds = time.perf_counter() - began
         result.findings = self.comm_hook_findings()  # after the run: a train_step may register one on its first step
         if self.dist.world > 1:
             self._rank_report(result)
         if self.dist.main:
-            atomic_write_text(self.run_dir / "summary.json", json.dumps(asdict(result), indent=2, default=str))
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(jsonable(asdict(result)), indent=2, allow_nan=False))
         return result
 
     def _next_batch(self) -> Any:
@@ -355,7 +361,7 @@ class Trainer:
             self.probe.restore(current)
         if self.dist.main:
             base = self.run_dir / f"nonfinite_step_{step}"
-            atomic_write_text(base.with_suffix(".json"), json.dumps(report, indent=2, default=str))
+            atomic_write_text(base.with_suffix(".json"), json.dumps(jsonable(report), indent=2, allow_nan=False))
             atomic_write_text(base.with_suffix(".md"), _markdown_step(report))
         return report
 
