@@ -139,20 +139,22 @@ def check_writable(path: Path, force: bool) -> None:
     raise DoctorError(f"'{path}' already exists; not overwriting it.", hint="Choose another path, or pass --force to overwrite.")
 
 
-def capsule_training_file(capsule: Path | None, training_file: Path | None) -> tuple[Path, str | None]:
+def capsule_training_file(capsule: Path | None, training_file: Path | None) -> tuple[Path, str | None, str | None]:
     """The training file to diagnose (the one given, or the capsule's ``train_capsule.py``) and, for a capsule,
-    the note saying what its diagnosis replays and what it cannot verify."""
+    the note saying what its diagnosis replays and what it cannot verify, and what its watch recorded about the
+    loss computation the replay does not run (evidence for the diagnosis)."""
     from .errors import DoctorError
 
     if capsule is None:
         if training_file is None:
             raise DoctorError("no training file given.", hint="fp16doctor diagnose model.py, or --capsule DIR for a watch's capsule.")
-        return training_file, None
+        return training_file, None, None
     if training_file is not None:
         raise DoctorError("give a training file or --capsule, not both.")
     from .live.capsule import check_capsule, replay_note
 
-    return capsule / "train_capsule.py", replay_note(check_capsule(capsule))
+    manifest = check_capsule(capsule)
+    return capsule / "train_capsule.py", replay_note(manifest), manifest.get("loss_finding")
 
 
 def figures_folder(report: Path) -> Path:
@@ -313,7 +315,7 @@ def diagnose(
 
         memory_limit = parse_memory_size(max_memory) if max_memory is not None else None
         return_large_blocks_on_free()  # probe after probe: a closed probe's memory goes back (issue #17)
-        training_file, replay = capsule_training_file(capsule, given)
+        training_file, replay, recorded_loss_finding = capsule_training_file(capsule, given)
         from .diagnosis import DiagnoseOptions, fixed_config
         from .diagnosis import diagnose as run_diagnose
         from .diagnosis.engine import UNEXPLAINED, stage_names
@@ -330,7 +332,7 @@ def diagnose(
             spec.note(replay)
         with DiagnosisProgress(err, stage_names()) as progress:
             result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches, max_memory=memory_limit,
-                                                             own_process=True),
+                                                             own_process=True, recorded_loss_finding=recorded_loss_finding),
                                   on_stage=progress.stage, on_probe_step=progress.probe_step)
         show_notes(spec)
         name = str(training_file)

@@ -276,3 +276,44 @@ def test_only_gradients_holding_an_inf_or_nan_are_non_finite_layers_not_those_wh
     norms = [float(n) for n in torch._foreach_norm(grads, 2, dtype=torch.float32)]
     assert not math.isfinite(norms[0]) and math.isfinite(norms[1])
     assert nonfinite_layers(grads, names, norms) == ["inf", "nan"]
+
+
+def test_a_capsule_whose_loss_gradient_is_non_finite_is_diagnosed_as_the_loss_not_as_fp32(tmp_path):
+    """log(softmax + 1e-8) in fp16: a probability that is 0 in fp16 stays 0 (1e-8 is 0 there too), the loss (of the
+    targets' probabilities) is finite, and its gradient w.r.t. the logits is NaN. The capsule replays the model from
+    that gradient: with its NaN entries the FP32 replay was NaN too and the diagnosis said fp32-divergence, "not
+    precision" (user check). Its finite entries drive the model; the finding is about the loss, outside the model."""
+    import json
+
+    from conftest import run_cli
+    from fp16doctor.live.observe import TrainingObserver, WatchStopped
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(16, 8), torch.zeros(16, dtype=torch.long)
+    try:
+        with TrainingObserver(WatchOptions(capsule_dir=tmp_path, skip_streak=1)) as observer:
+            for sharp in (1.0, 40.0):  # a first, healthy step is applied; then sharp logits
+                optimizer.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    logits = model(x) * sharp
+                    logits = logits + torch.tensor([30.0, 0.0, 0.0]) * (sharp > 1)  # the target's probability stays ~1
+                    loss = F.nll_loss(torch.log(torch.softmax(logits, -1) + 1e-8), y)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+    except WatchStopped as stopped:
+        alarm = stopped.alarm
+    manifest = json.loads((alarm.capsule / "manifest.json").read_text())
+    assert manifest["loss_finding"] and manifest["replay"] == "output-grads"
+    proc = run_cli("diagnose", "--capsule", alarm.capsule, "--json")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    payload = json.loads(proc.stdout)
+    causes = [f["cause"] for f in payload["findings"]]
+    assert causes[0] == "loss-in-half" and "fp32-divergence" not in causes, causes
+    top = payload["findings"][0]
+    assert top["severity"] == "error" and top["evidence"]["recorded"] == manifest["loss_finding"]
+    assert top["fix"]["config_patch"] == {} and "log_softmax" in top["fix"]["summary"]
+    assert "non-finite" not in {s["name"]: s["summary"] for s in payload["stages"]}["fp32 baseline"]

@@ -59,6 +59,9 @@ class DiagnoseOptions:
     """Scan this many batches in stage 1 (default: the batches the probes use)."""
     max_memory: int | None = None
     """Bytes the diagnosis may hold (--max-memory; None: one probe in memory, every kept state on disk, see :mod:`.memory`)."""
+    recorded_loss_finding: str | None = None
+    """A capsule's: what its watch recorded about the loss computation the replay cannot run (a finite loss whose
+    gradient w.r.t. the model's outputs was non-finite). Evidence the rules read (``loss-in-half``)."""
     own_process: bool = False
     """The process is the diagnosis's own (the CLI's command): it may set glibc's mmap threshold to the model's
     tensor size (:func:`~fp16doctor.engine.kept.state_block_threshold`). A library caller's allocator is left alone."""
@@ -92,7 +95,8 @@ def diagnose(
                                config=config, device=bench.device.type, steps=config.steps,
                                has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None,
                                uses_default_loss=spec.loss is None and spec.train_step is None,
-                               near_misses={name: dict(found) for name, found in spec.near_misses.items()}),
+                               near_misses={name: dict(found) for name, found in spec.near_misses.items()},
+                               recorded_loss_finding=options.recorded_loss_finding),
                            ci=options.ci,
                            states=keeper.kept(), fault_snapshots=keeper.kept(), amp_snapshots=keeper.kept())
         return _triage(ctx, spec, on_stage, mapping)

@@ -121,7 +121,8 @@ def replay_note(manifest: dict[str, Any]) -> str:
     """What a capsule diagnosis replays, and what it cannot verify."""
     step = manifest.get("step")
     if manifest.get("loss_finding"):
-        return f"optimizer step {step}: {manifest['loss_finding']}; the replay starts from that gradient"
+        return (f"optimizer step {step}: {manifest['loss_finding']}; the replay drives the model's backward with "
+                "that gradient's finite entries (its inf/NaN entries as 0)")
     if manifest.get("replay") == "output-grads":
         return (f"single-step replay of optimizer step {step}: the model's forward and backward and the optimizer step "
                 "replay exactly, driven by the recorded gradient of the loss w.r.t. the model's outputs; the loss "
@@ -230,12 +231,19 @@ def _same_rows(out, grad, rows):
     return grad
 
 
+def _finite_part(grad):
+    """A recorded gradient's inf/NaN entries count as 0: they were made in the loss computation, outside the model
+    (the manifest's loss_finding says so), and the replay measures the model, in FP32 as under AMP."""
+    return torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def loss(model, batch):
     """The surrogate sum(output * recorded d loss / d output): its backward is the script's backward, no loss code."""
     grads = STATE["output_grads"][int(batch["replay_index"])]
     rows = batch.get("replay_rows")
     outputs = _tensors(model(*batch.get("args", ()), **batch.get("kwargs", {})))
-    terms = [(out.float() * _same_rows(out, g, rows).to(out.device)).sum() for out, g in zip(outputs, grads) if g is not None]
+    terms = [(out.float() * _finite_part(_same_rows(out, g, rows)).to(out.device)).sum()
+             for out, g in zip(outputs, grads) if g is not None]
     return torch.stack(terms).sum()
 '''
 

@@ -2,7 +2,10 @@
 
 Evidence: the first non-finite operator ran in the loss, outside the model,
 on half-precision tensors (or the loss came out in half, or CUDA autocast
-refused binary_cross_entropy), while fp32 is finite.
+refused binary_cross_entropy), while fp32 is finite. In a capsule of a watched
+script, whose loss code the replay does not hold: the watch saw a finite loss
+whose gradient w.r.t. the model's outputs held inf/NaN (made in the loss's
+backward), and the model itself replays finite in FP32 and under AMP.
 """
 
 from __future__ import annotations
@@ -24,14 +27,20 @@ class LossInHalf(Rule):
         "loss", "<loss: outside the model>", "aten::log", output="-inf (float32)"))),)
     triggers = ("loss_in_half.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]), loss_dtypes=["float16"]),
-                                    localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float16)")),)
+                                    localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float16)")),
+                lambda: fx.evidence(recorded_loss_finding="the loss is finite but its gradient w.r.t. the model's outputs is not"))
     quiet_on = (lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float32)")),)
     suppresses = ("activation-overflow", "scale-overflow", "precision-gap", "scheduler-skip-drift")
+
+    nothing_to_try = ("the loss code is not in what the doctor runs (a capsule replays the model, driven by the recorded "
+                      "gradient of the loss), so there is nothing it can apply")
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp, loc = ev.amp, ev.localisation
         if amp is None or not fp32_finite(ev):
             return []
+        if ev.recorded_loss_finding:
+            return [self._recorded(ev)]
         evidence: dict[str, Any] = {"loss_dtypes": amp.loss_dtypes}
         if loc is not None and loc.phase == "loss" and any(d in loc.output for d in LOW_DTYPES):
             evidence.update({"operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
@@ -57,6 +66,28 @@ class LossInHalf(Rule):
                 config_patch={"overrides": {"loss_in_fp32": True}},
             ),
         )]
+
+    def _recorded(self, ev: Evidence) -> Finding:
+        """A capsule's loss gradient, non-finite as the watch recorded it, from a loss the replay cannot run."""
+        amp = ev.amp
+        model_finite = amp is not None and amp.finite and not amp.skip_steps
+        return self.finding(
+            "The loss computation, outside the model, makes the gradient non-finite: the watch saw a finite loss whose "
+            "gradient w.r.t. the model's outputs held inf/NaN" + ("; the model itself replays finite under AMP" if model_finite else ""),
+            {"recorded": ev.recorded_loss_finding, "model_replays_finite_under_amp": model_finite},
+            Fix("Compute the loss from the model's outputs in fp32 and in a stable form: F.cross_entropy or F.log_softmax "
+                "instead of log(softmax(z) + eps) (an eps of 1e-8 is 0 in fp16), torch.logsumexp instead of "
+                "log(sum(exp(z))), F.binary_cross_entropy_with_logits instead of a hand-written BCE; cast the outputs up first.",
+                code="with torch.autocast('cuda', dtype=torch.float16):\n    logits = model(x)\n"
+                     "loss = F.cross_entropy(logits.float(), y)   # not torch.log(torch.softmax(logits, -1) + 1e-8)"),
+            confidence=0.6,
+        )
+
+    def intervention(self, finding: Finding, ev: Evidence) -> Any:
+        """The loss code a capsule's finding is about is not in the capsule: nothing to try there."""
+        if "recorded" in finding.evidence:
+            return None
+        return super().intervention(finding, ev)
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """The loss computed in fp32 repaired it, also when the op that made the inf ran in fp32 itself: the
