@@ -33,11 +33,25 @@ def test_a_custom_functions_backward_overflow_is_named_by_keeping_its_module_in_
     top = report["findings"][0]
     assert (top["cause"], top["severity"], top["found_by"]) == ("backward-overflow", "error", "intervention")
     assert top["fix"]["config_patch"] == {"overrides": {"fp32_modules": ["norm"]}}
-    assert top["verification"]["repaired"] and top["verification"]["tried"] == "keeping norm in fp32"
+    assert top["verification"]["repaired"] and top["verification"]["tried"] == "keeping 'norm' (RMSNorm) in fp32"
     assert top["evidence"]["localisation"]["phase"] == "backward" and top["evidence"]["localisation"]["module"] == "norm"
     assert "custom_fwd" in top["fix"]["summary"] and "RMSNormFunction" in top["fix"]["summary"]
     assert "unexplained" not in [f["cause"] for f in report["findings"]]
     assert all(s["explained_by"] for s in report["symptoms"])
+
+
+def test_a_custom_backward_overflowing_at_every_scale_is_localised_past_the_calibration_skip():
+    """Every step skipped: step 0's skip at the default 2^16 is the output layer's bias gradient (calibration),
+    and localising it kept that Linear in fp32 and never named the custom Function (user check). The last
+    skipped step, at the lowest scale, holds the fault that no scale removes: the Mish's hand-written backward."""
+    report = diagnose("mish_backward_every_scale.py")
+    top = report["findings"][0]
+    assert (top["cause"], top["found_by"]) == ("backward-overflow", "intervention")
+    assert top["evidence"]["localisation"]["module"] in ("1", "3") and top["evidence"]["localisation"]["step"] > 0
+    kept = top["fix"]["config_patch"]["overrides"]["fp32_modules"]
+    assert kept and set(kept) <= {"1", "3"}  # the Mish modules only, not the output Linear '4'
+    assert "MishFunction" in top["fix"]["summary"] and "custom_fwd" in top["fix"]["summary"]
+    assert top["verification"]["repaired"]
 
 
 def test_a_repeated_block_is_kept_in_fp32_as_a_class_when_one_block_alone_moves_the_overflow_on():
@@ -46,7 +60,7 @@ def test_a_repeated_block_is_kept_in_fp32_as_a_class_when_one_block_alone_moves_
     assert (top["cause"], top["found_by"]) == ("activation-overflow", "intervention")
     assert top["fix"]["config_patch"]["overrides"]["fp32_modules"] == [f"blocks.{i}" for i in range(5)]
     trials = search_stage(report)["details"]["trials"]
-    assert trials[0]["intervention"] == "keeping blocks.3 in fp32" and not trials[0]["repaired"]
+    assert trials[0]["intervention"] == "keeping 'blocks.3' (Block) in fp32" and not trials[0]["repaired"]
     assert "still fails" in trials[0]["screen"] and "blocks.4" in trials[0]["screen"]  # the fault moved to the next block
     assert trials[-1]["repaired"] and len(trials) <= 3  # --ci tries at most three interventions
 

@@ -277,7 +277,9 @@ class InterventionSearch:
         return {("" if m == "<root>" else str(m)): str(t) for m, t in zip(amp.precision["module"], amp.precision["type"])}
 
     def _fp32_modules(self, modules: list[str], scope: str, module_class: str | None = None) -> Candidate:
-        what = f"every {module_class} ({', '.join(modules)})" if module_class else ", ".join(modules)
+        types = self._module_types()
+        named = ", ".join(f"'{m}' ({types[m]})" if m in types else f"'{m}'" for m in modules)  # '1' (Mish), not "1"
+        what = f"every {module_class} ({', '.join(modules)})" if module_class else named
         return Candidate("fp32-modules", Intervention(f"keeping {what} in fp32", {"overrides": {"fp32_modules": modules}}),
                          modules=modules, scope=scope, module_class=module_class, screen=self._screen_kind())
 

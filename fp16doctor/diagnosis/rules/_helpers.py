@@ -103,3 +103,8 @@ def fp32_wrapper_code(target: str, per_class: bool = False) -> str:
             "    def forward(self, *args):\n"
             "        with torch.autocast('cuda', enabled=False):\n"
             "            return self.inner(*(a.float() for a in args))")
+
+
+def quoted(modules: list[str]) -> str:
+    """Module names as prose reads them: ``'1', '4'`` (a Sequential's children are numbers: "keep 4, 1" read as counts)."""
+    return ", ".join(f"'{m}'" for m in modules)

@@ -16,6 +16,7 @@ from ._helpers import (
     fp32_finite,
     fp32_wrapper_code,
     module_abs_max,
+    quoted,
 )
 
 
@@ -68,7 +69,7 @@ class ActivationOverflow(Rule):
         where = f" ({loc.operator} in {loc.module} at step {loc.step})" if loc is not None and loc.module else ""
         if repair.kind == "bf16":
             return f"Activations overflow fp16{where}; bf16, with fp32's range, repairs the training"
-        what = f"every {repair.module_class} ({len(repair.modules)} modules)" if repair.module_class else ", ".join(repair.modules)
+        what = f"every {repair.module_class} ({len(repair.modules)} modules)" if repair.module_class else quoted(repair.modules)
         return f"Activations overflow fp16{where}; keeping {what} in fp32 repairs the training"
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
@@ -78,5 +79,5 @@ class ActivationOverflow(Rule):
             return (f"Run every {repair.module_class} in fp32: autocast off inside its forward, inputs cast up (one "
                     "block alone is not enough: the next one overflows instead). Or rescale what grows (a residual gain, "
                     "attention scores by 1/sqrt(d)), or train in bf16.", fp32_wrapper_code(repair.module_class, per_class=True))
-        keep = ", ".join(repair.modules)
+        keep = quoted(repair.modules)
         return f"Run {keep} in fp32 (autocast off inside it), or rescale what overflows, or train in bf16.", fp32_wrapper_code(repair.modules[0])

@@ -16,6 +16,7 @@ from __future__ import annotations
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Repair
 from . import Rule
+from ._helpers import quoted
 
 
 class BackwardOverflow(Rule):
@@ -48,8 +49,8 @@ class BackwardOverflow(Rule):
         assert loc is not None
         inside = f" in {loc.custom_function}.backward" if loc.custom_function else ""
         fixed = "bf16" if repair.kind == "bf16" else "keeping " + (
-            f"every {repair.module_class}" if repair.module_class else ", ".join(repair.modules)) + " in fp32"
-        return (f"The backward pass overflows fp16 in {loc.module}{inside} ({loc.operator} at step {loc.step} -> {loc.output}) "
+            f"every {repair.module_class}" if repair.module_class else quoted(repair.modules)) + " in fp32"
+        return (f"The backward pass overflows fp16 in module '{loc.module}'{inside} ({loc.operator} at step {loc.step} -> {loc.output}) "
                 f"while its forward stays in range; {fixed} repairs the training")
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
@@ -69,6 +70,6 @@ class BackwardOverflow(Rule):
                     "    def backward(ctx, grad): ...")
         if repair.kind == "bf16":
             return ("Train in bfloat16 (fp32's range: its backward cannot overflow), or keep the module in fp32.", "")
-        keep = f"every {repair.module_class}" if repair.module_class else ", ".join(repair.modules) or "the module"
+        keep = f"every {repair.module_class}" if repair.module_class else quoted(repair.modules) or "the module"
         return (f"Keep {keep} in fp32 (autocast off inside its forward, inputs cast up), so its backward runs on fp32 "
                 "tensors; or train in bf16.", "")

@@ -19,7 +19,7 @@ from ...tensors import FP16_MAX
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
-from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, module_abs_max
+from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, module_abs_max, quoted
 
 DIVISOR_INPUT = {"aten::div": 1, "aten::div_": 1, "aten::true_divide": 1, "aten::reciprocal": 0, "aten::rsqrt": 0,
                  "aten::log": 0, "aten::log2": 0, "aten::log10": 0, "aten::addcdiv": 2}
@@ -105,9 +105,9 @@ class DivisorUnderflow(Rule):
         loc = ev.localisation
         assert loc is not None
         return (f"A divisor underflows to 0 in fp16 in module '{loc.module}' ({loc.operator} at step {loc.step} -> "
-                f"{loc.output}); keeping {', '.join(repair.modules)} in fp32 repairs the training")
+                f"{loc.output}); keeping {quoted(repair.modules)} in fp32 repairs the training")
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
-        keep = ", ".join(repair.modules)
+        keep = quoted(repair.modules)
         return (f"Run {keep} in fp32 (autocast off inside it), or use an epsilon fp16 holds (1e-5; 1e-8 is 0 in fp16).",
                 fp32_wrapper_code(repair.modules[0]))

@@ -29,6 +29,7 @@ from ...engine.probe import (
 from ...engine.rng import seed_everything
 from ...measure.symptoms import (
     Symptom,
+    attempts,
     first_nonfinite,
     measure,
     probe_symptoms,
@@ -247,13 +248,29 @@ def probe_details(summary: ProbeSummary) -> dict[str, Any]:
 
 def bad_step(summary: ProbeSummary) -> int:
     """The step to localise: the first the training did not survive (an inf/NaN loss, or inf/NaN gradients
-    applied to the weights), else the first whose gradients the GradScaler caught. A skip is the scaler at
+    applied to the weights), else the skip that tells the fault (:func:`telling_skip`). A skip is the scaler at
     work; a forward that overflows a few steps later is the fault the user sees."""
     unhandled = first_nonfinite(summary.records)
     if unhandled is not None:
         return unhandled
     candidates = [s for s in (summary.first_nonfinite_loss, summary.first_nonfinite_grads) if s is not None]
-    return min(candidates)
+    return telling_skip(summary.records, min(candidates))
+
+
+def telling_skip(records: pd.DataFrame, first: int) -> int:
+    """Of a training whose trouble is skipped steps only, the skip that tells its fault from the scaler's
+    calibration: the first skip after an applied step (the scale had settled: what overflows then is the fault);
+    else, when no step was applied, the last (at the lowest scale: what still overflows there is not the initial
+    scale's doing: a default 2^16 overflows some gradient at step 0 in most trainings, a custom backward
+    overflows at every scale); else ``first`` (calibration skips only)."""
+    rows = attempts(records)
+    caught = (rows["skipped"].astype(bool) | rows["nonfinite_grads"].astype(bool)).tolist()
+    steps = [int(s) for s in rows["step"]]
+    applied = next((i for i, bad in enumerate(caught) if not bad), None)
+    if applied is None:
+        return steps[-1] if steps else first
+    later = [step for step, bad in zip(steps[applied:], caught[applied:]) if bad]
+    return later[0] if later else first
 
 
 def scheduler_lrs(ctx: StageContext) -> list[float] | None:
