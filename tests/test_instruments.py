@@ -450,3 +450,21 @@ def test_detached_instruments_let_their_step_buffers_go():
     assert instruments._counters  # the step's samples were counted in a buffer kept for the next step
     instruments.detach()
     assert not instruments._counters and not instruments._segment_cache
+
+
+def test_predicted_underflow_counts_only_gradients_that_carry_signal():
+    """A gradient that is rounding noise (an RMS 1e-9 of its kind's median: a key bias under softmax's shift
+    invariance) flushes whole at any scale; the window ignores it, and so must the underflow the sweep and its
+    summary quote (the summary read 'predicted underflow 100%' inside a window that held the scale: user check)."""
+    from fp16doctor.measure.numerics import GradientCapture, scale_window
+
+    g = torch.Generator().manual_seed(0)
+    capture = GradientCapture({"param:w1": torch.randn(1000, generator=g) * 1e-8,
+                               "param:w2": torch.randn(1000, generator=g) * 1e-7,
+                               "param:bias_k": torch.randn(1000, generator=g) * 1e-19}, scale=1.0)
+    window = scale_window(capture)
+    predicted = predicted_underflow(capture, 65536.0)
+    assert predicted.set_index("name").loc["bias_k", "predicted_underflow_mass"] == 1.0  # the noise flushes whole
+    assert window.worst_signal_underflow(predicted) < 0.01  # the signal does not
+    flushing = predicted_underflow(capture, 1.0)  # no scaling: the signal tensors flush too, and that is counted
+    assert window.worst_signal_underflow(flushing) > 0.5

@@ -68,6 +68,18 @@ class ScaleWindow:
     def feasible(self) -> bool:
         return self.low <= self.high
 
+    def worst_signal_underflow(self, predicted: pd.DataFrame) -> float:
+        """The largest predicted underflow mass (:func:`~fp16doctor.measure.numerics.predicted_underflow`) over the
+        tensors carrying signal: a gradient that is rounding noise flushes whole at any scale, and the window
+        ignores it (its low bound), so a 100% there is no underflow to act on."""
+        if predicted is None or not len(predicted):
+            return 0.0
+        frame = self.per_tensor
+        if frame is not None and len(frame) and "negligible" in frame:
+            noise = set(zip(frame.loc[frame["negligible"].astype(bool), "kind"], frame.loc[frame["negligible"].astype(bool), "name"]))
+            predicted = predicted[[(k, n) not in noise for k, n in zip(predicted["kind"], predicted["name"])]]
+        return float(predicted["predicted_underflow_mass"].max()) if len(predicted) else 0.0
+
     def recommended(self) -> float:
         """A power of two inside the window, 8x below the top for headroom (gradients grow in training)."""
         if not self.feasible:

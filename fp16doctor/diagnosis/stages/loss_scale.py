@@ -45,7 +45,7 @@ def stage_scale(ctx: StageContext) -> StageReport:
     ev.window = window = scale_window(capture)
     configured = cfg.scaler.init_scale if cfg.scaler.enabled else 1.0
     ev.predicted_underflow = predicted_underflow(capture, configured)
-    worst_predicted = float(ev.predicted_underflow["predicted_underflow_mass"].max()) if len(ev.predicted_underflow) else 0.0
+    worst_predicted = window.worst_signal_underflow(ev.predicted_underflow)
     worst_observed = worst_underflow(ev.observed_underflow)
     amp = ev.amp
     skips = len(amp.skip_steps) if amp is not None else 0
@@ -101,7 +101,7 @@ def _sweep(ctx: StageContext, capture: Any, window: Any) -> pd.DataFrame:
     # FP32, then each setting at most ``sweep_iterations`` (a skipped step is taken again): an upper bound, so
     # that the estimate of the time left shrinks as settings settle instead of growing step by step
     with ctx.progress.planned(steps + len(settings) * sweep_iterations(steps)):
-        return _run_sweep(ctx, capture, settings, steps)
+        return _run_sweep(ctx, capture, window, settings, steps)
 
 
 def sweep_iterations(steps: int) -> int:
@@ -109,8 +109,9 @@ def sweep_iterations(steps: int) -> int:
     return steps + CALIBRATION_SKIPS + 2
 
 
-def _run_sweep(ctx: StageContext, capture: Any, settings: list[dict[str, Any]], steps: int) -> pd.DataFrame:
-    """The sweep's probes: one FP32 reference, then each setting against it."""
+def _run_sweep(ctx: StageContext, capture: Any, window: Any, settings: list[dict[str, Any]], steps: int) -> pd.DataFrame:
+    """The sweep's probes: one FP32 reference, then each setting against it (its predicted underflow over the
+    tensors that carry signal, as the window counts them)."""
     rows = []
     baseline = run_aligned(ctx.bench, "fp32", ctx.config, steps, instruments=None)  # one FP32 reference for every setting
     for setting in settings:
@@ -120,7 +121,7 @@ def _run_sweep(ctx: StageContext, capture: Any, settings: list[dict[str, Any]], 
                          max_iterations=sweep_iterations(steps))
         trajectory = result.trajectories["amp"]
         iterations = len(trajectory.records)
-        under = predicted_underflow(capture, setting["init_scale"])["predicted_underflow_mass"].max()
+        under = window.worst_signal_underflow(predicted_underflow(capture, setting["init_scale"]))
         rows.append({
             "init_scale": setting["init_scale"], "growth_interval": setting.get("growth_interval", ctx.config.scaler.growth_interval),
             "skip_rate": trajectory.skipped / max(iterations, 1), "predicted_underflow": float(under),
