@@ -147,3 +147,29 @@ def test_cli_bad_yaml_config(tmp_path):
     config.write_text("scaler:\n  init_scale: lots\n")
     proc = run_cli("compare", SAMPLES / "mlp.py", "--config", config)
     assert proc.returncode == 2 and "scaler.init_scale" in proc.stderr
+
+
+def test_every_mode_reads_the_gradient_norm_before_the_clip(tmp_path):
+    """A train_step that clips at 0.01: AMP recorded its norm at unscale_ (before the clip) and FP32/bf16 at the
+    optimizer step (after it), so FP32's column read 0.01 at every step beside AMP's raw norm (user check)."""
+    path = tmp_path / "clipped.py"
+    path.write_text(MLP_FILE + '''
+
+def train_step(model, batch, optimizer, scaler, autocast):
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    with autocast():
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.detach()
+''')
+    proc = run_cli("compare", path, "--fp32", "--amp", "--bf16", "--json", "--steps", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    steps = json.loads(proc.stdout)["steps"]
+    for row in steps:
+        fp32, amp, bf16 = (row[m]["grad_norm"] for m in ("fp32", "amp", "bf16"))
+        assert fp32 > 0.05 and abs(amp - fp32) < 0.01 * fp32 and abs(bf16 - fp32) < 0.05 * fp32, row
