@@ -86,8 +86,10 @@ def cli_layer(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def guarded(debug: bool, job: Callable[[], int]) -> None:
-    """Run ``job``; map bad input to one red message and exit 2, never a traceback unless --debug."""
+def guarded(debug: bool, job: Callable[[], int], json_errors: bool = False) -> None:
+    """Run ``job``; map bad input to one red message and exit 2, never a traceback unless --debug. With
+    ``json_errors`` (``--json``) stdout still carries one object: ``{"error": {...}}`` (message, hint, location,
+    exit code), so a CI script that parses stdout reads why instead of failing on an empty document."""
     try:
         code = job()
     except DoctorError as exc:
@@ -98,6 +100,9 @@ def guarded(debug: bool, job: Callable[[], int]) -> None:
             err.print(f"  [red]at[/] {exc.location}", highlight=False)
         if exc.hint:
             err.print(f"  {exc.hint}", highlight=False)
+        if json_errors:
+            print_json({"error": {"message": exc.message, "hint": exc.hint, "location": exc.location,
+                                  "exit_code": exc.exit_code}})
         raise typer.Exit(exc.exit_code)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")
@@ -107,6 +112,9 @@ def guarded(debug: bool, job: Callable[[], int]) -> None:
             traceback.print_exc()
         err.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}", highlight=False)
         err.print("  This is a bug in fp16doctor; run again with --debug for the traceback and report it.")
+        if json_errors:
+            print_json({"error": {"message": f"internal error: {type(exc).__name__}: {exc}", "hint": None,
+                                  "location": None, "exit_code": EXIT_INTERNAL}})
         raise typer.Exit(EXIT_INTERNAL)
     raise typer.Exit(code)
 
@@ -272,7 +280,7 @@ def compare(
         return EXIT_OK if result.healthy else EXIT_FINDINGS
 
     with stdout_for_json_only(json_):
-        guarded(debug, job)
+        guarded(debug, job, json_errors=json_)
 
 
 @app.command()
@@ -369,7 +377,7 @@ def diagnose(
         return run_training(spec, build_config(corrected, cli_layer(device=device)), options, nproc, training_file, quiet=json_)
 
     with stdout_for_json_only(json_):
-        guarded(debug, job)
+        guarded(debug, job, json_errors=json_)
 
 
 @app.command()

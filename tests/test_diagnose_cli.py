@@ -271,3 +271,11 @@ def test_help_shows_flags_without_a_value_placeholder(command, flag):
     assert flag in proc.stdout and "--help" in proc.stdout
     assert "<bool>" not in proc.stdout
     assert "<path>" in proc.stdout or not command  # options that take a value keep theirs
+
+
+def test_bad_input_under_json_is_still_one_object_on_stdout(tmp_path):
+    """A CI script parsing stdout reads why, not an empty document; the red message stays on stderr."""
+    proc = run_cli("diagnose", tmp_path / "missing.py", "--json")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    error = json.loads(proc.stdout)["error"]
+    assert error["exit_code"] == 2 and "does not exist" in error["message"] and error["hint"]

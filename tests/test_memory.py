@@ -230,7 +230,9 @@ def test_an_amp_probe_out_of_memory_is_no_verdict_but_one_clear_message(training
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-2000:])
     message = " ".join(proc.stderr.split())
     assert "amp as configured probe ran out of memory" in message and "80.00 GiB" in message, message
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    error = json.loads(proc.stdout)["error"]  # --json: stdout is still one object, saying why
+    assert error["exit_code"] == 2 and "ran out of memory" in error["message"]
 
 
 def test_compare_out_of_memory_is_one_clear_message(training_file):
