@@ -178,7 +178,7 @@ def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], Non
             release_memory(ctx.bench.device)
         if search is not None and search.repair is not None:
             unexplained = adopt_repair(findings, search.repair, evidence, unexplained)
-    search_stage = search_report(search) if search_unfit is None else StageReport(
+    search_stage = search_report(search, len(evidence.symptoms)) if search_unfit is None else StageReport(
         "intervention search", "skipped", f"did not fit in memory ({search_unfit}); the diagnosis goes on without it")
     search_stage.seconds = time.perf_counter() - searched
     if unexplained:
@@ -310,10 +310,11 @@ def adopt_repair(findings: list[Finding], repair: Repair, ev: Evidence, unexplai
     return [s for s in unexplained if s.code not in repair.symptoms]
 
 
-def search_report(search: SearchResult | None) -> StageReport:
+def search_report(search: SearchResult | None, symptoms: int = 0) -> StageReport:
     """The intervention search as a stage of the report: what was tried, and what repaired."""
     if search is None:
-        return StageReport("intervention search", "skipped", "every measured symptom is explained by a rule's finding")
+        return StageReport("intervention search", "skipped", "every measured symptom is explained by a rule's finding"
+                           if symptoms else "no measured symptom to repair")
     tried = "; ".join(f"{t.candidate.intervention.description}: " + ("repaired" if t.repaired else
                       t.screen if t.passed_screen is False else f"symptoms left {t.symptoms_after}") for t in search.trials)
     head = (f"repaired by {search.repair.description}" if search.repair is not None

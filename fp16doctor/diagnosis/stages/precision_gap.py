@@ -43,9 +43,9 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     gap = gaps[worst_step]
     ev.gap = info = GapSearch(same_state_rel_dev=gaps, worst_step=worst_step, gap=gap, tolerance=tolerance)
     if gap <= tolerance:
-        return StageReport("precision-gap search", "skipped",
-                           f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step})",
-                           details=info.to_json())
+        return StageReport("precision-gap search", "ran",  # the same-state pairs ran; no module search is needed
+                           f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step}): "
+                           "no module to search for", details=info.to_json())
     leak_check = cfg.scaler.enabled and cfg.dtype == "float16"
     # at most: the pair without loss scaling, the pair that ranks the modules, a pair per module set tried
     with ctx.progress.planned((2 if leak_check else 0) + 2 + 2 * search_limit(ctx)):
