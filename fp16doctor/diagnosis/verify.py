@@ -89,8 +89,11 @@ class Outcome:
         bad = next((s for s in self.symptoms if s.code in ("nonfinite", "amp-exception")), None)
         parts.append("AMP finite" if bad is None else f"AMP still fails ({bad.description})")
         profile = skip_profile(self.amp)
-        parts.append(f"{profile['after_settling']} skip(s) after calibration"
-                     + (f" ({profile['leading']} while the scale settled)" if profile["leading"] else ""))
+        if not profile["settled"] and profile["attempted"]:
+            parts.append(f"all {profile['attempted']} steps skipped: the scale never settled")
+        else:
+            parts.append(f"{profile['after_settling']} skip(s) after calibration"
+                         + (f" ({profile['leading']} while the scale settled)" if profile["leading"] else ""))
         tails = tail_losses(self.amp, self.fp32)
         if bad is None and tails is not None:
             parts.append(f"final loss within {relative_deviation(tails[0], tails[1], loss_floor(self.fp32)):.1%} of FP32")

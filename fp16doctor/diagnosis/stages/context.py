@@ -34,6 +34,7 @@ from ...measure.symptoms import (
     measure,
     probe_symptoms,
     relative_deviation,
+    skip_profile,
 )
 from ..model import Evidence, ProbeSummary
 
@@ -263,13 +264,11 @@ def telling_skip(records: pd.DataFrame, first: int) -> int:
     else, when no step was applied, the last (at the lowest scale: what still overflows there is not the initial
     scale's doing: a default 2^16 overflows some gradient at step 0 in most trainings, a custom backward
     overflows at every scale); else ``first`` (calibration skips only)."""
-    rows = attempts(records)
-    caught = (rows["skipped"].astype(bool) | rows["nonfinite_grads"].astype(bool)).tolist()
-    steps = [int(s) for s in rows["step"]]
-    applied = next((i for i, bad in enumerate(caught) if not bad), None)
-    if applied is None:
-        return steps[-1] if steps else first
-    later = [step for step, bad in zip(steps[applied:], caught[applied:]) if bad]
+    profile = skip_profile(records)
+    if not profile["settled"]:
+        tried = attempts(records)
+        return int(tried["step"].iloc[-1]) if len(tried) else first
+    later = profile["skipped_steps"][profile["leading"]:]
     return later[0] if later else first
 
 
