@@ -317,3 +317,27 @@ def test_a_capsule_whose_loss_gradient_is_non_finite_is_diagnosed_as_the_loss_no
     assert top["severity"] == "error" and top["evidence"]["recorded"] == manifest["loss_finding"]
     assert top["fix"]["config_patch"] == {} and "log_softmax" in top["fix"]["summary"]
     assert "non-finite" not in {s["name"]: s["summary"] for s in payload["stages"]}["fp32 baseline"]
+
+
+def test_a_script_that_loads_its_scaler_state_is_settled_under_the_observer(tmp_path):
+    """Under fp16doctor watch every process counts its optimizer steps from 0, and load_state_dict makes the
+    loaded scale the scaler's init_scale: the observer sees the load, so a resumed run alarms at the streak (4),
+    not after the 11 skips a fresh scaler may take to settle (review)."""
+    from fp16doctor.live.observe import TrainingObserver
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with TrainingObserver(WatchOptions(capsule_dir=tmp_path, skip_streak=4, stop_on_alarm=False)) as observer:
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.load_state_dict({"scale": 2.0**60, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                "growth_interval": 2000, "_growth_tracker": 7})  # a checkpoint's scaler
+        for _ in range(6):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(torch.randn(16, 8)), torch.randint(0, 3, (16,)))
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    assert [a.kind for a in observer.alarms] == ["skip-streak"] and observer.alarms[0].step == 3
+    assert "initial scale" not in observer.alarms[0].message

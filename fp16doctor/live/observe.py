@@ -112,6 +112,9 @@ class TrainingObserver:
         """Optimizers created inside the watch whose parameters no found model holds yet (the global module
         hooks stay on until each has its model)."""
         self._originals: list[tuple[Any, str, Any]] = []
+        self.resumed_scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
+        """Scalers the script loaded a saved state into: settled, whatever their scale (``load_state_dict`` sets
+        ``init_scale`` to the loaded scale, so the scale alone cannot tell)."""
 
     # --- install / restore ------------------------------------------------------------------------
     def __enter__(self) -> "TrainingObserver":
@@ -129,6 +132,7 @@ class TrainingObserver:
             if not self.observe_steps:
                 return self
             self._patch(GradScaler, "step", _observed_step(GradScaler.step))
+            self._patch(GradScaler, "load_state_dict", _observed_scaler_load(GradScaler.load_state_dict))
             for cls in _scaler_classes():
                 if "update" in vars(cls):
                     self._patch(cls, "update", _observed_update(vars(cls)["update"]))
@@ -294,6 +298,7 @@ class TrainingObserver:
         if _world_size() > 1:  # held until update() has agreed across ranks
             self._last_step = (watch, optimizer, calls, self._losses)
         self._losses = []
+        watch.scaler_resumed = scaler is not None and scaler in self.resumed_scalers
         alarm = watch.before_optimizer_step(step, optimizer, scaler, grads_scaled=False, found_inf=found_inf)
         if alarm is None:
             return
@@ -502,6 +507,16 @@ def _observed_step(original: Callable[..., Any]) -> Callable[..., Any]:
             observer._in_scaler_step = False
 
     return step
+
+
+def _observed_scaler_load(original: Callable[..., Any]) -> Callable[..., Any]:
+    def load_state_dict(self: GradScaler, state_dict: Any) -> Any:
+        observer = _active
+        if observer is not None:
+            observer.resumed_scalers.add(self)
+        return original(self, state_dict)
+
+    return load_state_dict
 
 
 def _observed_update(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -52,8 +52,8 @@ class WatchOptions:
     """Stop the training at the first alarm (the callbacks ask their trainer to stop)."""
     skip_streak: int = 5
     """This many optimizer steps skipped in a row is an alarm. Skips of a fresh GradScaler calibrating its
-    initial scale (before its first applied step) are settling, as the diagnosis counts them: they alarm only
-    past ``CALIBRATION_SKIPS`` (each halves the scale: 2^16 down to 2^6 in 10), or past ``skip_streak`` if larger."""
+    initial scale (before its first applied step) are settling, as the diagnosis counts them: they alarm at
+    ``max(skip_streak, CALIBRATION_SKIPS + 1)`` in a row (each halves the scale: 2^16 down to 2^6 in 10)."""
     min_scale: float = 1.0
     """A loss scale at or below this has collapsed: the gradients overflow even unscaled."""
     spike_factor: float = 10.0
@@ -120,8 +120,11 @@ class Watch:
         """The optimizer and model this watch checks, named in its alarms where a training has several optimizers."""
         self._streak = 0
         self._calibrating = False
-        """A fresh scaler is still settling from its initial scale: the watch began at optimizer step 0 and no step
-    has been applied since."""
+        """A fresh scaler is still settling from its initial scale: the watch began at optimizer step 0, the scaler
+        holds no loaded state, and no step has been applied since."""
+        self.scaler_resumed = False
+        """The scaler was loaded from a saved state (set by whoever sees ``load_state_dict``: ``fp16doctor watch``'s
+        observer): its scale has settled, though ``load_state_dict`` made it the scaler's ``init_scale``."""
         self._names = {p: n for n, p in model.named_parameters()}
 
     # --- feeding -------------------------------------------------------------------------------------
@@ -152,7 +155,7 @@ class Watch:
         try:
             numbers = self._measure(step, optimizer, scaler, grads_scaled, found_inf)
             if not self.history:  # a fresh training's first step, at its scaler's own initial scale
-                self._calibrating = step == 0 and at_initial_scale(scaler, numbers.loss_scale)
+                self._calibrating = step == 0 and not self.scaler_resumed and at_initial_scale(scaler, numbers.loss_scale)
             self.history.append(numbers)
             kind, message = self._decide(numbers)
             if kind is not None and self.alarm is None:
@@ -287,8 +290,8 @@ def at_initial_scale(scaler: Any, scale: float) -> bool:
     scale too: the watch also asks for optimizer step 0, as a resumed Trainer's global_step is not)."""
     if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
         return False
-    initial = getattr(scaler, "_init_scale", None)
-    return isinstance(initial, (int, float)) and float(initial) == scale
+    initial = getattr(scaler, "_init_scale", None)  # read back in float32, as the watch reads the scale
+    return isinstance(initial, (int, float)) and float(torch.tensor(float(initial), dtype=torch.float32)) == scale
 
 
 def scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
