@@ -247,29 +247,49 @@ def probe_details(summary: ProbeSummary) -> dict[str, Any]:
     }
 
 
-def bad_step(summary: ProbeSummary) -> int:
+def bad_step(summary: ProbeSummary, unsettled: str = "last") -> int:
     """The step to localise: the first the training did not survive (an inf/NaN loss, or inf/NaN gradients
     applied to the weights), else the skip that tells the fault (:func:`telling_skip`). A skip is the scaler at
-    work; a forward that overflows a few steps later is the fault the user sees."""
+    work; a forward that overflows a few steps later is the fault the user sees. ``unsettled="first"``: where no
+    step was applied, the first skip (where the trouble starts, as the LR-peak stage asks) instead of the last."""
     unhandled = first_nonfinite(summary.records)
     if unhandled is not None:
         return unhandled
     candidates = [s for s in (summary.first_nonfinite_loss, summary.first_nonfinite_grads) if s is not None]
-    return telling_skip(summary.records, min(candidates))
+    return telling_skip(summary.records, min(candidates), unsettled)
 
 
-def telling_skip(records: pd.DataFrame, first: int) -> int:
+def telling_skip(records: pd.DataFrame, first: int, unsettled: str = "last") -> int:
     """Of a training whose trouble is skipped steps only, the skip that tells its fault from the scaler's
     calibration: the first skip after an applied step (the scale had settled: what overflows then is the fault);
     else, when no step was applied, the last (at the lowest scale: what still overflows there is not the initial
     scale's doing: a default 2^16 overflows some gradient at step 0 in most trainings, a custom backward
-    overflows at every scale); else ``first`` (calibration skips only)."""
+    overflows at every scale; ``unsettled="first"``: ``first``); else ``first`` (calibration skips only).
+    Under gradient accumulation the optimizer step found is mapped back to the first micro-batch of its group
+    whose gradients turned non-finite: that is where the inf is made."""
     profile = skip_profile(records)
     if not profile["settled"]:
-        tried = attempts(records)
-        return int(tried["step"].iloc[-1]) if len(tried) else first
-    later = profile["skipped_steps"][profile["leading"]:]
-    return later[0] if later else first
+        tried = attempts(records[records["exception_type"].isna()])
+        if unsettled != "last" or not len(tried):
+            return first
+        chosen = int(tried["step"].iloc[-1])
+    else:
+        later = profile["skipped_steps"][profile["leading"]:]
+        if not later:
+            return first
+        chosen = later[0]
+    return _first_bad_in_group(records, chosen)
+
+
+def _first_bad_in_group(records: pd.DataFrame, step: int) -> int:
+    """The first row with non-finite gradients among the micro-batches accumulated into optimizer step ``step``."""
+    if "micro_step" not in records:
+        return step
+    steps = records["step"].astype(int)
+    before = records[(steps < step) & ~records["micro_step"].astype(bool)]
+    start = int(before["step"].max()) + 1 if len(before) else int(steps.min())
+    group = records[(steps >= start) & (steps <= step) & records["nonfinite_grads"].astype(bool)]
+    return int(group["step"].min()) if len(group) else step
 
 
 def scheduler_lrs(ctx: StageContext) -> list[float] | None:

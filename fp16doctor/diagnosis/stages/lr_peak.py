@@ -25,7 +25,7 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
     amp = ev.amp
     trouble = None
     if amp is not None and not amp.finite:
-        trouble = bad_step(amp) if amp.exception is None else None
+        trouble = bad_step(amp, unsettled="first") if amp.exception is None else None  # where the trouble starts
     event = ctx.schedule_event_before(trouble)
     summary = f"peak lr {lrs[peak]:.3g} at step {peak}; largest jump x{schedule.jump_ratio:.3g} at step {jump}"
     if event is None:
