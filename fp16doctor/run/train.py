@@ -246,7 +246,7 @@ class Trainer:
         metrics = self._open_metrics(start)
         self.snapshot = (self.probe.snapshot(), self.stream.position, [])
         in_a_row = 0
-        attempted = 0  # optimizer steps attempted (not accumulation micro-batches)
+        attempted, moved = 0, False  # optimizer steps attempted (not accumulation micro-batches); any applied
         began = time.perf_counter()
         interrupted = _InterruptFlag()
         try:
@@ -272,6 +272,7 @@ class Trainer:
                 result.steps = step + 1
                 result.skipped += int(record.skipped)
                 attempted += int(not record.micro_step)
+                moved = moved or bool(record.optimizer_stepped)  # any optimizer (a GAN's other one counts)
                 result.final_loss = record.loss if math.isfinite(record.loss) else result.final_loss
                 if nonfinite:
                     result.nonfinite += 1
@@ -298,8 +299,8 @@ class Trainer:
         finally:
             interrupted.restore()
             metrics.close()
-        if result.status == "completed" and attempted and result.skipped >= attempted:
-            result.status = "stopped"  # it reached its last step, but nothing was trained
+        if result.status == "completed" and start == 0 and attempted and not moved:
+            result.status = "stopped"  # it reached its last step, but nothing was trained (a resumed run had trained)
             result.reason = (f"every one of the {attempted} optimizer steps was skipped (non-finite gradients): the weights "
                              "never moved")
         result.seconds = time.perf_counter() - began
