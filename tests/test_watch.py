@@ -341,3 +341,4 @@ def test_a_script_that_loads_its_scaler_state_is_settled_under_the_observer(tmp_
             scaler.update()
     assert [a.kind for a in observer.alarms] == ["skip-streak"] and observer.alarms[0].step == 3
     assert "initial scale" not in observer.alarms[0].message
+

@@ -39,8 +39,9 @@ class LossInHalf(Rule):
         amp, loc = ev.amp, ev.localisation
         if amp is None or not fp32_finite(ev):
             return []
-        if ev.recorded_loss_finding:
-            return [self._recorded(ev)]
+        if ev.recorded_loss_finding and not amp.exception and amp.finite and not amp.skip_steps:
+            return [self._recorded(ev)]  # the model replays finite: what failed is the loss (else the model's own
+            # fault is for the other rules, and the note still says what the loss gradient held)
         evidence: dict[str, Any] = {"loss_dtypes": amp.loss_dtypes}
         if loc is not None and loc.phase == "loss" and any(d in loc.output for d in LOW_DTYPES):
             evidence.update({"operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
@@ -69,12 +70,10 @@ class LossInHalf(Rule):
 
     def _recorded(self, ev: Evidence) -> Finding:
         """A capsule's loss gradient, non-finite as the watch recorded it, from a loss the replay cannot run."""
-        amp = ev.amp
-        model_finite = amp is not None and amp.finite and not amp.skip_steps
         return self.finding(
             "The loss computation, outside the model, makes the gradient non-finite: the watch saw a finite loss whose "
-            "gradient w.r.t. the model's outputs held inf/NaN" + ("; the model itself replays finite under AMP" if model_finite else ""),
-            {"recorded": ev.recorded_loss_finding, "model_replays_finite_under_amp": model_finite},
+            "gradient w.r.t. the model's outputs held inf/NaN; the model itself replays finite under AMP",
+            {"recorded": ev.recorded_loss_finding, "model_replays_finite_under_amp": True},
             Fix("Compute the loss from the model's outputs in fp32 and in a stable form: F.cross_entropy or F.log_softmax "
                 "instead of log(softmax(z) + eps) (an eps of 1e-8 is 0 in fp16), torch.logsumexp instead of "
                 "log(sum(exp(z))), F.binary_cross_entropy_with_logits instead of a hand-written BCE; cast the outputs up first.",
