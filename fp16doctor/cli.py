@@ -153,6 +153,9 @@ def capsule_training_file(capsule: Path | None, training_file: Path | None) -> t
     loss computation the replay does not run (evidence for the diagnosis)."""
     from .errors import DoctorError
 
+    if capsule is None and training_file is not None and training_file.name == "train_capsule.py" \
+            and (training_file.parent / "manifest.json").is_file():
+        capsule, training_file = training_file.parent, None  # a capsule's own file: diagnosed as the capsule
     if capsule is None:
         if training_file is None:
             raise DoctorError("no training file given.", hint="fp16doctor diagnose model.py, or --capsule DIR for a watch's capsule.")

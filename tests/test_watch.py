@@ -317,6 +317,8 @@ def test_a_capsule_whose_loss_gradient_is_non_finite_is_diagnosed_as_the_loss_no
     assert top["severity"] == "error" and top["evidence"]["recorded"] == manifest["loss_finding"]
     assert top["fix"]["config_patch"] == {} and "log_softmax" in top["fix"]["summary"]
     assert "non-finite" not in {s["name"]: s["summary"] for s in payload["stages"]}["fp32 baseline"]
+    direct = run_cli("diagnose", alarm.capsule / "train_capsule.py", "--json")  # the capsule's own file: the same
+    assert json.loads(direct.stdout)["findings"][0]["cause"] == "loss-in-half", direct.stderr[-2000:]
 
 
 def test_a_script_that_loads_its_scaler_state_is_settled_under_the_observer(tmp_path):

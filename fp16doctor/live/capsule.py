@@ -212,6 +212,10 @@ def loss(model, batch):
 '''
 
 REPLAY_LOSS = '''
+LOSS_FINDING = json.loads((HERE / "manifest.json").read_text()).get("loss_finding") if (HERE / "manifest.json").is_file() else None
+"""What the watch recorded about the loss computation (the manifest's): where set, the replay counts the recorded
+gradient's inf/NaN entries as 0 (they were made outside the model)."""
+
 
 def _tensors(value):
     """The output's tensors in a fixed order (the order the watch recorded their gradients in)."""
@@ -232,8 +236,10 @@ def _same_rows(out, grad, rows):
 
 
 def _finite_part(grad):
-    """A recorded gradient's inf/NaN entries count as 0: they were made in the loss computation, outside the model
-    (the manifest's loss_finding says so), and the replay measures the model, in FP32 as under AMP."""
+    """Where the manifest's loss_finding says the recorded gradient's inf/NaN entries were made in the loss
+    computation, outside the model, they count as 0: the replay measures the model, in FP32 as under AMP."""
+    if not LOSS_FINDING:
+        return grad
     return torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
 
 
@@ -261,6 +267,7 @@ def capsule_training_file(numbers: Any, config: dict[str, Any], framework: str, 
 
         import copy
         import importlib
+        import json
         import sys
         from pathlib import Path
 
