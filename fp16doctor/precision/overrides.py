@@ -20,7 +20,7 @@ import torch.nn.utils.clip_grad as clip_grad_module
 from ..errors import ConfigError
 from ..userfile.batches import map_tensors
 from .fp32_mode import NeutraliseHalfCasts
-from .recording import RecordingGradScaler, global_grad_norm, optimizer_params
+from .recording import RecordingGradScaler, global_grad_norm
 
 LOW = (torch.float16, torch.bfloat16)
 
@@ -110,11 +110,17 @@ class ClipObserver:
             for optimizer in self.optimizers:
                 self.scaler.unscale_(optimizer, _implicit=True)  # the doctor's fix, not a call of the loop's
         trace.clip_calls.append({"function": name, "scaled": still_scaled and not self.unscale_first, "scale": trace.scale_used})
-        if trace.grad_norm is None and not trace.scaled:
-            # No scaler recorded the norm at unscale_ (FP32, bf16): record it here, before the clip, where AMP's
-            # canonical loop records it (unscale_, then clip); at the optimizer step it would be the clipped norm,
-            # and compare's columns would set AMP's raw norm beside FP32's clipped one.
-            trace.grad_norm = global_grad_norm(p for optimizer in self.optimizers for p in optimizer_params(optimizer))
+        if not trace.scaled and not trace.unscaled:
+            # No scaler records the norm at unscale_ (FP32, bf16): record it here, before the clip, where AMP's
+            # canonical loop records it (unscale_, then clip), over the parameters clipped so far this iteration
+            # (a GAN clips D, then G); at the optimizer step it would be the clipped norm, and compare's columns
+            # set AMP's raw norm beside FP32's clipped one.
+            given = args[0] if args else kwargs.get("parameters")
+            params = [given] if isinstance(given, torch.Tensor) else list(given or [])
+            trace.clipped_params.update({id(p): p for p in params})
+            trace.grad_norm = global_grad_norm(trace.clipped_params.values())
+            # handed on as the list: a generator (model.parameters()) was consumed above
+            args, kwargs = ((params, *args[1:]), kwargs) if args else (args, {**kwargs, "parameters": params})
         return original(*args, **kwargs)
 
 

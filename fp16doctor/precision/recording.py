@@ -50,6 +50,9 @@ class StepTrace:
     """The optimizers whose step the scaler skipped this iteration (inf/NaN in their gradients)."""
     unscaled_params: dict[int, torch.nn.Parameter] = field(default_factory=dict, repr=False)
     """The parameters whose gradients ``unscale_`` has unscaled this iteration (of every optimizer so far)."""
+    clipped_params: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    """Without a scaler: the parameters the iteration's clip calls were given so far (the norm is theirs, before
+    each clip, as ``unscale_`` takes it over the parameters unscaled so far)."""
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter], divide_by: float = 1.0) -> float:
