@@ -49,7 +49,7 @@ class ActivationOverflow(Rule):
              "overflowing_value": loc.peak,
              "deterministic": ev.localisation_deterministic, "keep_in_fp32": keep, "note": loc.note},
             Fix(
-                f"Run {keep} in fp32 (autocast off inside it), or rescale what overflows (e.g. attention scores by 1/sqrt(d)), or train in bf16.",
+                f"Run '{keep}' in fp32 (autocast off inside it), or rescale what overflows (e.g. attention scores by 1/sqrt(d)), or train in bf16.",
                 code=fp32_wrapper_code(keep),
                 config_patch={"overrides": {"fp32_modules": [keep]}},
             ),

@@ -49,6 +49,9 @@ class DivisorUnderflow(Rule):
         # the module's FP32 output passes 65504: an overflow, activation-overflow's
         lambda: fx.evidence(fp32=_fp32_forward("norm", 1e6), localisation=fx.localisation(
             "forward", "norm", "aten::div", [(-1e6, 1e6), (0.0, 0.74)], "+inf (float16)")),
+        # a log of negative values: NaN in any precision
+        lambda: fx.evidence(fp32=_fp32_forward("norm", 3.0), localisation=fx.localisation(
+            "forward", "norm", "aten::log", [(-1.0, 2.0)], "nan (float16)")),
         # not a dividing operator
         lambda: fx.evidence(fp32=_fp32_forward("norm", 40.9), localisation=fx.localisation(
             "forward", "norm", "aten::mm", [(0.0, 0.74)], "+inf (float16)")),
@@ -74,7 +77,7 @@ class DivisorUnderflow(Rule):
              "operator_input_ranges": loc.input_ranges, "divisor_range": [low, high], "output": loc.output,
              "fp32_abs_max": peak, "keep_in_fp32": keep, "deterministic": ev.localisation_deterministic},
             Fix(
-                f"Run {keep} in fp32 (autocast off inside it), or use an epsilon fp16 holds: fp16's smallest subnormal "
+                f"Run '{keep}' in fp32 (autocast off inside it), or use an epsilon fp16 holds: fp16's smallest subnormal "
                 "is 6e-8, so an eps of 1e-8 is 0 in fp16 (1e-5 is usual), or add it after casting up to fp32.",
                 code=("# the statistic in fp32, where the epsilon is not 0:\n"
                       "rms = torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)\n"
@@ -93,7 +96,9 @@ class DivisorUnderflow(Rule):
             return False
         low, high = loc.input_ranges[index]
         peak = module_abs_max(ev.fp32, loc.module)
-        return low <= 0.0 <= high and loc.peak is None and peak is not None and peak < FP16_MAX
+        # a non-negative divisor whose smallest value is 0 (a negative one, or a log's negative argument, is NaN in
+        # FP32 as well: not an underflow)
+        return low == 0.0 <= high and loc.peak is None and peak is not None and peak < FP16_MAX
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it, and the fault is a division by a divisor that reached 0 inside them."""
