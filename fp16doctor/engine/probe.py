@@ -20,6 +20,7 @@ import contextlib
 import copy
 import math
 import numbers
+import os
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -631,8 +632,8 @@ def _outside_torch_frame(exc: BaseException) -> str | None:
     wrappers, which sit under every op of every probe): a helper module of the user's, a library's model, or
     the doctor's default loss, named as such. The same exception then has the same place in every probe (the
     FP32 probe's mode and AMP's autocast policy gave two places, and the AMP one went unexplained)."""
-    torch_dir = str(Path(torch.__file__).resolve().parent)
-    precision = str(Path(__file__).resolve().parent.parent / "precision")
+    torch_dir = str(Path(torch.__file__).resolve().parent) + os.sep
+    precision = str(Path(__file__).resolve().parent.parent / "precision") + os.sep
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if not str(Path(f.filename).resolve()).startswith((torch_dir, precision))]
     if not frames:
