@@ -55,7 +55,7 @@ class StepTrace:
     each clip, as ``unscale_`` takes it over the parameters unscaled so far)."""
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter], divide_by: float = 1.0) -> float:
+def global_grad_norm(params: Iterable[torch.Tensor], divide_by: float = 1.0) -> float:
     """L2 norm over all gradients, computed in fp32 with one host synchronisation."""
     norms = [g.float().norm() for g in map(grad_values, params) if g is not None]
     if not norms:

@@ -17,7 +17,7 @@ import pandas as pd
 from ...measure.records import Localisation
 from ...tensors import FP16_MAX
 from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, Repair
+from ..model import Evidence, Finding, Fix, ProbeSummary, Repair
 from . import Rule
 from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, module_abs_max, quoted
 
@@ -26,7 +26,7 @@ DIVISOR_INPUT = {"aten::div": 1, "aten::div_": 1, "aten::true_divide": 1, "aten:
 """Operators that are non-finite at 0, and which of their inputs is then the divisor (or the argument)."""
 
 
-def _fp32_forward(module: str, abs_max: float) -> object:
+def _fp32_forward(module: str, abs_max: float) -> ProbeSummary:
     return fx.probe("fp32", tables={"forward": pd.DataFrame([{"module": module, "abs_max": abs_max}])})
 
 
