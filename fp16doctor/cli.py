@@ -101,8 +101,7 @@ def guarded(debug: bool, job: Callable[[], int], json_errors: bool = False) -> N
         if exc.hint:
             err.print(f"  {exc.hint}", highlight=False)
         if json_errors:
-            print_json({"error": {"message": exc.message, "hint": exc.hint, "location": exc.location,
-                                  "exit_code": exc.exit_code}})
+            print_json_error(exc.message, exc.hint, exc.location, exc.exit_code)
         raise typer.Exit(exc.exit_code)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")
@@ -113,8 +112,7 @@ def guarded(debug: bool, job: Callable[[], int], json_errors: bool = False) -> N
         err.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}", highlight=False)
         err.print("  This is a bug in fp16doctor; run again with --debug for the traceback and report it.")
         if json_errors:
-            print_json({"error": {"message": f"internal error: {type(exc).__name__}: {exc}", "hint": None,
-                                  "location": None, "exit_code": EXIT_INTERNAL}})
+            print_json_error(f"internal error: {type(exc).__name__}: {exc}", None, None, EXIT_INTERNAL)
         raise typer.Exit(EXIT_INTERNAL)
     raise typer.Exit(code)
 
@@ -181,6 +179,11 @@ def show_notes(spec: Any) -> None:
 
 _json_stream: TextIO | None = None
 """Where ``--json`` output goes while :func:`stdout_for_json_only` holds the real stdout."""
+
+
+def print_json_error(message: str, hint: str | None, location: str | None, exit_code: int) -> None:
+    """``--json``'s one object when the command fails: why, and the exit code it ends with."""
+    print_json({"error": {"message": message, "hint": hint, "location": location, "exit_code": exit_code}})
 
 
 def print_json(payload: dict[str, Any]) -> None:

@@ -73,20 +73,14 @@ class LossInHalf(Rule):
         return self.finding(
             "The loss computation, outside the model, makes the gradient non-finite: the watch saw a finite loss whose "
             "gradient w.r.t. the model's outputs held inf/NaN; the model itself replays finite under AMP",
-            {"recorded": ev.recorded_loss_finding, "model_replays_finite_under_amp": True},
+            {"recorded": ev.recorded_loss_finding},
             Fix("Compute the loss from the model's outputs in fp32 and in a stable form: F.cross_entropy or F.log_softmax "
                 "instead of log(softmax(z) + eps) (an eps of 1e-8 is 0 in fp16), torch.logsumexp instead of "
                 "log(sum(exp(z))), F.binary_cross_entropy_with_logits instead of a hand-written BCE; cast the outputs up first.",
                 code="with torch.autocast('cuda', dtype=torch.float16):\n    logits = model(x)\n"
                      "loss = F.cross_entropy(logits.float(), y)   # not torch.log(torch.softmax(logits, -1) + 1e-8)"),
             confidence=0.6,
-        )
-
-    def intervention(self, finding: Finding, ev: Evidence) -> Any:
-        """The loss code a capsule's finding is about is not in the capsule: nothing to try there."""
-        if "recorded" in finding.evidence:
-            return None
-        return super().intervention(finding, ev)
+        )  # no config patch: the loss code is not in the capsule, so the verification has nothing to try
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """The loss computed in fp32 repaired it, also when the op that made the inf ran in fp32 itself: the

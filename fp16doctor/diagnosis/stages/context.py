@@ -29,7 +29,6 @@ from ...engine.probe import (
 from ...engine.rng import seed_everything
 from ...measure.symptoms import (
     Symptom,
-    attempts,
     first_nonfinite,
     measure,
     probe_symptoms,
@@ -268,11 +267,10 @@ def telling_skip(records: pd.DataFrame, first: int, unsettled: str = "last") -> 
     Under gradient accumulation the optimizer step found is mapped back to the first micro-batch of its group
     whose gradients turned non-finite: that is where the inf is made."""
     profile = skip_profile(records)
-    if not profile["settled"]:
-        tried = attempts(records[records["exception_type"].isna()])
-        if unsettled != "last" or not len(tried):
+    if not profile["settled"]:  # every attempt skipped: the last skip is the last attempt
+        if unsettled != "last" or not profile["skipped_steps"]:
             return first
-        chosen = int(tried["step"].iloc[-1])
+        chosen = profile["skipped_steps"][-1]
     else:
         later = profile["skipped_steps"][profile["leading"]:]
         if not later:
