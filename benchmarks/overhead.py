@@ -1,12 +1,18 @@
 """Overhead of fp16doctor's instruments, measured so that 5% shows; and the speed of CPU AMP probes.
 
 One AMP probe of benchmarks/bert_like.py (4-layer BERT-like encoder, batch 16 x 128, AdamW) steps
-through rounds of ``plain, instrumented, plain`` on one batch per round (with ``--also naive fp32``:
-``plain, instrumented, plain, naive, plain, fp32, plain``):
+through rounds of ``plain, instrumented, plain, report, plain`` on one batch per round (with ``--also report
+every naive fp32``: ``plain, instrumented, plain, report, plain, every, plain, naive, plain, fp32, plain``):
 
 * plain:        the probe with no instrument attached;
-* instrumented: the same probe, the same model and the same batch, with forward, activation-gradient,
-                parameter-gradient and update statistics attached (target <= 1.05 x plain);
+* instrumented: the same probe, the same model and the same batch, with the instruments every probe of a
+                diagnosis carries (``probe.DEFAULT_INSTRUMENTS``: what the rules read, forward outputs' exact
+                ranges and update health) attached (target <= 1.05 x plain);
+* report:       the same with what the AMP probe of ``diagnose --report`` carries for the plots too
+                (``probe.PLOT_INSTRUMENTS``: activation-gradient ranges, parameter-gradient statistics;
+                target <= 1.05 x plain);
+* every:        every statistic the instruments can take (``InstrumentOptions()``: the module rows' sampled
+                shares too, which no rule or plot reads; for the API's callers, no target);
 * naive:        the same probe with a per-module detector that syncs with the host per statistic, like
                 Hugging Face's DebugUnderflowOverflow (for scale);
 * fp32:         an FP32 probe on the same batch (the CPU emulation of tensor-core GEMMs: AMP / FP32 <= 2.0).
@@ -26,7 +32,7 @@ that predict the cost on a GPU, where launches and syncs dominate.
 Steps are timed on the process's CPU time on CPU and on elapsed time on CUDA, where the host waits for
 the device (``--clock`` chooses).
 
-Usage: python benchmarks/overhead.py [--pairs N] [--also naive fp32] [--threads T] [--device cpu|cuda] [--clock cpu|wall]
+Usage: python benchmarks/overhead.py [--pairs N] [--also report every naive fp32] [--threads T] [--device cpu|cuda] [--clock cpu|wall]
 """
 
 from __future__ import annotations
@@ -50,12 +56,12 @@ sys.path.insert(0, str(ROOT))
 
 from fp16doctor.config import build_config
 from fp16doctor.engine.instruments import InstrumentOptions, Instruments
-from fp16doctor.engine.probe import Probe, Workbench
+from fp16doctor.engine.probe import DEFAULT_INSTRUMENTS, PLOT_INSTRUMENTS, Probe, Workbench
 from fp16doctor.userfile.spec import load_training_file
 
 WARMUP_ROUNDS = 2
 """Rounds run and thrown away first: optimizer state, allocator pools and the thread pool settle."""
-TARGET = {"instrumented": 1.05, "fp32": 2.0}
+TARGET = {"instrumented": 1.05, "report": 1.05, "fp32": 2.0}
 """The targets of the ratios to plain (fp32's is AMP / FP32, plain over fp32)."""
 
 aten = torch.ops.aten
@@ -95,6 +101,14 @@ class NaiveDetector:
                 for x in t:
                     if isinstance(x, torch.Tensor) and x.is_floating_point():
                         self.describe(x)
+
+
+def detached(probe: Probe, options: InstrumentOptions) -> Instruments:
+    """Instruments built for ``probe`` and taken off it again: :func:`instrumented` attaches them per step."""
+    instruments = probe.instrument(options)
+    instruments.detach()
+    probe.instruments = None
+    return instruments
 
 
 @contextlib.contextmanager
@@ -230,7 +244,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=8, help="rounds per block (each: one paired ratio per variant)")
     parser.add_argument("--min-blocks", type=int, default=3, help="blocks before the spread is judged")
     parser.add_argument("--max-blocks", type=int, default=5, help="the cap on repeats")
-    parser.add_argument("--also", nargs="*", default=[], choices=["naive", "fp32"],
+    parser.add_argument("--also", nargs="*", default=["report"], choices=["report", "every", "naive", "fp32"],
                         help="measure these variants too, the same way (each adds a step per round)")
     parser.add_argument("--spread", type=float, default=0.02, help="stop when the IQR of the block medians is under this")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -248,12 +262,16 @@ def main() -> None:
     spec = load_training_file(ROOT / "benchmarks" / "bert_like.py")
     bench = Workbench(spec, build_config(spec.config, {"device": args.device, "steps": 8}))
     probe = bench.probe("amp", instruments=None)
-    instruments = probe.instrument(InstrumentOptions())
-    instruments.detach()
-    probe.instruments = None
+    instruments = detached(probe, DEFAULT_INSTRUMENTS)
     detector = NaiveDetector(probe.model)
     plain = Variant("plain", probe, lambda: instrumented(probe, instruments, on=False))
     others = [Variant("instrumented", probe, lambda: instrumented(probe, instruments, on=True))]
+    if "report" in args.also:
+        report = detached(probe, PLOT_INSTRUMENTS)
+        others.append(Variant("report", probe, lambda: instrumented(probe, report, on=True)))
+    if "every" in args.also:
+        every = detached(probe, InstrumentOptions())
+        others.append(Variant("every", probe, lambda: instrumented(probe, every, on=True)))
     if "naive" in args.also:
         others.append(Variant("naive", probe, lambda: detecting(detector)))
     if "fp32" in args.also:

@@ -346,7 +346,8 @@ def diagnose(
             spec.note(replay)
         with DiagnosisProgress(err, stage_names()) as progress:
             result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches, max_memory=memory_limit,
-                                                             own_process=True, recorded_loss_finding=recorded_loss_finding),
+                                                             own_process=True, recorded_loss_finding=recorded_loss_finding,
+                                                             plots=report is not None or html is not None),
                                   on_stage=progress.stage, on_probe_step=progress.probe_step)
         show_notes(spec)
         name = str(training_file)

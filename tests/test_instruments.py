@@ -55,7 +55,8 @@ def test_overflowing_layer_is_measured_and_localised(training_file):
     bench = bench_for(training_file, OVERFLOW)
     _, instruments, _ = instrumented_run(bench)
     forward = instruments.frames()["forward"].set_index("module")
-    assert forward.loc["1.proj", "posinf"] == 32 and forward.loc["1.proj", "nan"] == 0
+    assert (forward.loc["1.proj", "posinf"], forward.loc["1.proj", "neginf"], forward.loc["1.proj", "nan"]) == (1, 0, 0)
+    assert math.isnan(forward.loc["1.proj", "abs_max"])  # not held: the largest finite magnitude is not measured
     assert forward.loc["1.proj", "over_fp16_max"] == 1.0 and forward.loc["1.proj", "inputs_finite"]
     assert forward.loc["0", "posinf"] == 0 and forward.loc["0", "abs_max"] == 40.0
     first = instruments.first_nonfinite_forward()
@@ -271,7 +272,7 @@ def test_one_host_transfer_per_step(training_file, monkeypatch):
 
     bench = bench_for(training_file, MLP_FILE)
     probe = bench.probe("amp")
-    instruments = probe.instrument()
+    instruments = probe.instrument(InstrumentOptions())  # every table, not only the diagnosis's
     transfers = []
     original = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: transfers.append(self.shape) or original(self))
@@ -468,3 +469,96 @@ def test_predicted_underflow_counts_only_gradients_that_carry_signal():
     assert window.worst_signal_underflow(predicted) < 0.01  # the signal does not
     flushing = predicted_underflow(capture, 1.0)  # no scaling: the signal tensors flush too, and that is counted
     assert window.worst_signal_underflow(flushing) > 0.5
+
+
+def test_count_nonfinite_holds_forward_outputs_for_exact_counts(training_file):
+    """The train command's report of a bad step counts NaN and inf exactly; the probes only flag them."""
+    bench = bench_for(training_file, OVERFLOW)
+    _, instruments, _ = instrumented_run(bench, options=InstrumentOptions(sample=0, count_nonfinite=True))
+    row = instruments.frames()["forward"].set_index("module").loc["1.proj"]
+    assert (row["posinf"], row["nan"]) == (32, 0)  # 4 x 8 outputs, each 102400 in fp16
+    assert row["abs_max"] == 0.0  # every element is inf: no finite magnitude
+
+
+def test_forward_outputs_are_freed_before_the_step_ends():
+    """The instruments hold no forward output: one autograd no longer needs is freed during the step, as it
+    would be without them (holding them all kept a step's activations alive, issue #17)."""
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instruments = Instruments(model, optimizer, EXACT)
+    seen: list[weakref.ref] = []
+    model[2].register_forward_hook(lambda module, args, out: seen.append(weakref.ref(out)))
+    instruments.begin_step(0, 1.0)
+    model(torch.randn(4, 8)).sum().backward()  # the head's output: consumed by sum, whose backward keeps nothing
+    assert seen and seen[0]() is None
+    instruments.end_step()
+    assert instruments.frames()["forward"].set_index("module").loc["2", "abs_max"] > 0
+
+
+def test_a_freed_outputs_id_on_a_new_tensor_is_measured_afresh():
+    """Outputs are not held, so a later tensor can take a freed output's id: its range is its own."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instruments = Instruments(model, optimizer, EXACT)
+    instruments.begin_step(0, 1.0)
+    with torch.no_grad():
+        for _ in range(50):  # many short-lived outputs: CPython reuses their ids
+            model[1](torch.full((2, 4), 1.0))
+        x = torch.full((2, 4), 1000.0)
+        model[1](x)
+    instruments.end_step()
+    rows = instruments.frames()["forward"]
+    last = rows[rows["module"] == "1"].iloc[-1]
+    assert last["input_abs_max"] == 1000.0
+
+
+def test_module_shares_off_leaves_them_unmeasured_and_the_ranges_exact():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instruments = Instruments(model, optimizer, InstrumentOptions(module_shares=False))
+    x = torch.randn(3, 4)
+    instruments.begin_step(0, 1.0)
+    out = model(x)
+    out.sum().backward()
+    instruments.end_step()
+    forward = instruments.frames()["forward"].set_index("module")
+    assert forward.loc["1", "abs_max"] == pytest.approx(out.abs().max().item())
+    assert all(math.isnan(forward.loc["1", c]) for c in ("over_fp16_max", "below_fp16_subnormal", "zero_share"))
+    grads = instruments.frames()["activation_grads"].set_index("module")
+    assert grads.loc["1", "abs_max"] == 1.0 and math.isnan(grads.loc["1", "below_fp16_normal"])
+
+
+def test_the_diagnosis_instruments_take_what_the_rules_and_plots_read():
+    """Every probe: forward ranges and update health (the rules' reads); the AMP probe of a report also the
+    activation-gradient ranges and parameter-gradient statistics its plots read."""
+    from fp16doctor.engine.probe import DEFAULT_INSTRUMENTS, PLOT_INSTRUMENTS
+
+    assert DEFAULT_INSTRUMENTS.forward and DEFAULT_INSTRUMENTS.updates
+    assert not (DEFAULT_INSTRUMENTS.activation_grads or DEFAULT_INSTRUMENTS.param_grads or DEFAULT_INSTRUMENTS.module_shares)
+    assert PLOT_INSTRUMENTS.activation_grads and PLOT_INSTRUMENTS.param_grads and PLOT_INSTRUMENTS.forward
+
+
+def test_parameter_statistics_of_a_second_step_are_its_own():
+    """The packed buffers are kept from step to step: a second step's numbers come from its own gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instruments = Instruments(model, optimizer, EXACT)
+    for step, factor in enumerate((1.0, 1e-3)):
+        optimizer.zero_grad()
+        instruments.begin_step(step, 1.0)
+        (model(torch.randn(5, 300)).sum() * factor).backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        instruments.end_step()
+    rows = instruments.frames()["param_grads"]
+    last = rows[rows["step"] == 1].set_index("param")
+    updates = instruments.frames()["updates"]
+    moved = updates[updates["step"] == 1].set_index("param")
+    for name, p in model.named_parameters():
+        assert last.loc[name, "grad_abs_max"] == pytest.approx(grads[name].abs().max().item())
+        delta = (p.detach() - before[name]).norm() / before[name].norm()
+        assert moved.loc[name, "update_to_weight"] == pytest.approx(delta.item(), rel=1e-5)

@@ -62,6 +62,10 @@ class DiagnoseOptions:
     recorded_loss_finding: str | None = None
     """A capsule's: what its watch recorded about the loss computation the replay cannot run (a finite loss whose
     gradient w.r.t. the model's outputs was non-finite). Evidence the rules read (``loss-in-half``)."""
+    plots: bool = False
+    """The report's plots will be drawn (``--report``, ``--html``): the AMP probe also records the activation
+    gradients' ranges and the parameter gradients' underflow mass they show (:data:`PLOT_INSTRUMENTS`). Off, those
+    tables are empty and :func:`fp16doctor.output.plots.figures` leaves their series out."""
     own_process: bool = False
     """The process is the diagnosis's own (the CLI's command): it may set glibc's mmap threshold to the model's
     tensor size (:func:`~fp16doctor.engine.kept.state_block_threshold`). A library caller's allocator is left alone."""
@@ -97,7 +101,7 @@ def diagnose(
                                uses_default_loss=spec.loss is None and spec.train_step is None,
                                near_misses={name: dict(found) for name, found in spec.near_misses.items()},
                                recorded_loss_finding=options.recorded_loss_finding),
-                           ci=options.ci,
+                           ci=options.ci, plots=options.plots,
                            states=keeper.kept(), fault_snapshots=keeper.kept(), amp_snapshots=keeper.kept())
         return _triage(ctx, spec, on_stage, mapping)
 

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
 from ..measure.symptoms import Symptom, skip_runs
 from ..measure.thresholds import EXTREME_INPUT
+from ..tensors import FP16_MAX
 from .model import Evidence, Repair, Verification
 from .rules._helpers import stores_half_training_state
 from .stages import StageContext, same_state_gap
@@ -389,5 +390,5 @@ class InterventionSearch:
         made = (rows["nan"] + rows["posinf"] + rows["neginf"]) > 0
         if "inputs_finite" in rows:
             made &= rows["inputs_finite"].astype(bool)  # made here, not carried in
-        return bool(made.any() or (rows["over_fp16_max"] > 0).any())
+        return bool(made.any() or (rows["abs_max"] > FP16_MAX).any())  # an fp32 output beyond fp16's range
 

@@ -5,12 +5,15 @@ Cheap enough to run inside every probe:
 * every statistic is reduced on the device into a few numbers per tensor and
   all of them are stacked and moved to the host **once per step**;
 * non-finite values are detected exactly with one ``aminmax`` pass (NaN and
-  inf propagate into it); exact NaN/+inf/-inf counts of forward outputs and
-  parameter gradients are taken only on the rare steps where that pass found
-  any (a second transfer on bad steps only). Activation gradients are not held
-  until then (that would keep every one of a step's activation gradients
-  alive): their rows flag which kinds the range shows (1 for present) and
-  leave the largest finite magnitude of a non-finite gradient unmeasured (NaN);
+  inf propagate into it); exact NaN/+inf/-inf counts of parameter gradients
+  are taken only on the rare steps where that pass found any (a second
+  transfer on bad steps only). Forward outputs and activation gradients are
+  not held until then: holding them kept a step's activations alive past
+  their last use, which cost memory and, in fresh pages, time (issue #17).
+  Their rows flag which kinds the range shows (1 for present; every reader
+  asks only whether a module made any) and leave the largest finite magnitude
+  of a non-finite output unmeasured (NaN). ``count_nonfinite`` holds forward
+  outputs for exact counts, where a report of one bad step shows them;
 * the shares of elements beyond the fp16 range or below its subnormal and
   normal thresholds are measured exactly on tensors up to ``sample`` (16384)
   elements and on an evenly strided subsample of ``sample`` elements beyond
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, cast
 
@@ -291,12 +295,21 @@ class _Layout:
         self.lengths = torch.tensor(lengths, dtype=torch.float64, device=device)[:, None]
         self.padded = torch.tensor([CHUNK * c for c in chunks], dtype=torch.float64, device=device)[:, None]
         self.device = device
+        self.piece_lengths = lengths
+        self._buffers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
-    def packed(self, pieces: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """The pieces copied into their slots of a fresh zeroed buffer, as ``dtype``."""
-        buffer = torch.zeros(self.total, dtype=dtype, device=self.device)
-        for piece, offset in zip(pieces, self.offsets):
-            buffer[offset:offset + piece.numel()].copy_(piece if piece.dim() == 1 else piece.reshape(-1))
+    def packed(self, pieces: list[torch.Tensor], dtype: torch.dtype, purpose: str) -> torch.Tensor:
+        """The pieces copied, as ``dtype``, into their slots of this layout's buffer for ``purpose``, by one
+        ``_foreach_copy_`` (not a slice and a copy per piece: a step's parameters are many). The buffer is kept
+        for the next step's same purpose, zero in its padding: the slots are overwritten, and what is done in
+        place to a packed buffer (``abs_``, ``div_``, ``sub_`` of another packed buffer) keeps zero at zero.
+        A purpose's buffer is in use from one packing to the next of the same purpose."""
+        key = (purpose, dtype)
+        if key not in self._buffers:
+            buffer = torch.zeros(self.total, dtype=dtype, device=self.device)
+            self._buffers[key] = buffer, [buffer[o:o + n] for o, n in zip(self.offsets, self.piece_lengths)]
+        buffer, slots = self._buffers[key]
+        torch._foreach_copy_(slots, [piece if piece.dim() == 1 else piece.reshape(-1) for piece in pieces])
         return buffer
 
     def chunk_sums(self, values: torch.Tensor) -> torch.Tensor:
@@ -358,6 +371,18 @@ class InstrumentOptions:
     sample: int = 16384
     """Elements per tensor measured for the threshold shares; 0 = all (exact). At 16384 the standard
     error of a 5% share is 0.17%: ample for rules that act at 5%."""
+    module_shares: bool = True
+    """The shares of each forward output's and activation gradient's elements beyond fp16's range, below its
+    subnormal and normal thresholds and at zero (``over_fp16_max``, ``below_fp16_subnormal``,
+    ``below_fp16_normal``, ``zero_share``: a sample of each tensor copied and counted). Off, those columns are
+    NaN (not measured) and a module call costs one ``aminmax`` per tensor. The diagnosis reads none of them (a
+    module's overflow is its exact range, the plot reads the ranges), so its probes leave them off
+    (``probe.DEFAULT_INSTRUMENTS``); parameter-gradient shares are measured either way."""
+    count_nonfinite: bool = False
+    """Hold each step's forward outputs until its transfer and count their NaN, +inf and -inf exactly (and the
+    largest finite magnitude) where the range shows any: for a report of one bad step (``train``'s
+    ``nonfinite_step_N.json``). Off, a non-finite output's row flags the kinds present (0/1) and its
+    ``abs_max`` is NaN, and a step's outputs are freed as soon as autograd is done with them."""
 
 
 @dataclass
@@ -376,7 +401,13 @@ class _ModuleRow:
     samples: list[tuple[SampleCounter, int, int]]
     """Its outputs' samples: (counter, index in it, sample length)."""
     tensors: list[torch.Tensor]
-    """Kept for exact counts on bad steps (none for activation gradients)."""
+    """Kept for exact counts on bad steps: forward outputs with ``count_nonfinite`` only."""
+
+
+def _lookup(table: dict[int, tuple[weakref.ref, int]], t: torch.Tensor) -> int | None:
+    """``t``'s entry in an id-keyed table, if it is ``t``'s (not a freed tensor's whose id ``t`` now has)."""
+    entry = table.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
 
 
 @dataclass
@@ -390,21 +421,28 @@ class _Pending:
 
     rows: list[_ModuleRow] = field(default_factory=list)
     ranges: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    known: dict[int, int] = field(default_factory=dict)
-    """Output id -> the index of its range: a module's input is usually an earlier module's output."""
-    seen: dict[int, int] = field(default_factory=dict)
-    """Output id -> the index of its row: a container handing on its child's output reuses its numbers."""
+    known: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
+    """Output id -> (the output, the index of its range): a module's input is usually an earlier module's output.
+    Outputs are not held (:meth:`Instruments._queue`), so an id can come back on another tensor once its output
+    is freed: the weak reference tells them apart."""
+    seen: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
+    """Output id -> (the output, the index of its row): a container handing on its child's output reuses its
+    numbers."""
     block_rows: list[tuple[str, str, int, str, int]] = field(default_factory=list)  # (kind, name, order, dtype, numel)
     blocks: list[torch.Tensor] = field(default_factory=list)
     block_tensors: list[list[torch.Tensor]] = field(default_factory=list)
 
     def range_of(self, t: torch.Tensor) -> int:
         """The index of ``t``'s ``(min, max)`` (measured now unless known; NaN propagates into both)."""
-        index = self.known.get(id(t))
+        index = _lookup(self.known, t)
         if index is None:
             self.ranges.append(torch.aminmax(t))
             index = len(self.ranges) - 1
         return index
+
+    def row_of(self, t: torch.Tensor) -> int | None:
+        """The index of the row that measured ``t`` this step, if one did."""
+        return _lookup(self.seen, t)
 
     def add_block(self, rows: list[tuple[str, str, int, str, int]], block: torch.Tensor,
                   tensors: list[list[torch.Tensor]]) -> None:
@@ -569,7 +607,7 @@ class Instruments:
         dtype = _dtype_name(leaves[0].dtype)
         self.compute_dtypes[name] = dtype
         pending = self._pending
-        outputs = [t for t in leaves if id(t) not in pending.seen]
+        outputs = [t for t in leaves if pending.row_of(t) is None]
         if not outputs:  # a container handing on its child's output: reuse the child's numbers
             if self.options.forward:
                 self._queue_alias(name, order, dtype, leaves[0], _floating_leaves(args))
@@ -577,11 +615,11 @@ class Instruments:
         if self.options.forward:
             with torch.no_grad():
                 inputs = [pending.range_of(t) for t in _floating_leaves(args) if t.numel()]
-                row = self._queue("forward", name, order, dtype, outputs, inputs, hold=True)
+                row = self._queue("forward", name, order, dtype, outputs, inputs, hold=self.options.count_nonfinite)
             for t, index in zip([t for t in outputs if t.numel()], row.outputs):
-                pending.known[id(t)] = index
+                pending.known[id(t)] = (weakref.ref(t), index)
             for t in outputs:
-                pending.seen[id(t)] = len(pending.rows) - 1
+                pending.seen[id(t)] = (weakref.ref(t), len(pending.rows) - 1)
         if self.options.activation_grads:
             for t in outputs:
                 if t.requires_grad:
@@ -595,7 +633,7 @@ class Instruments:
         return hook
 
     def _queue_alias(self, name: str, order: int, dtype: str, output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
-        source = self._pending.rows[self._pending.seen[id(output)]]
+        source = self._pending.rows[cast(int, self._pending.row_of(output))]  # a child measured it
         with torch.no_grad():
             own_inputs = [self._pending.range_of(t) for t in inputs if t.numel()] if inputs else source.inputs
         self._pending.rows.append(_ModuleRow("forward", name, order, dtype, source.numel, own_inputs, source.outputs,
@@ -605,14 +643,15 @@ class Instruments:
                hold: bool) -> _ModuleRow:
         """Queue one module call's row: its outputs' exact ranges (one ``aminmax`` each) and their samples (one
         copy each into the device's :class:`SampleCounter`). ``hold``: keep ``outputs`` until the step's
-        transfer, for exact counts should they be non-finite. Activation gradients are not held: autograd frees
-        each as soon as the next node consumed it, and holding them all kept a second copy of the step's
-        activation gradients alive (issue #17); their rows say which kinds of non-finite values the exact range
-        saw instead of counting them. Call it under ``torch.no_grad()``."""
+        transfer, for exact counts should they be non-finite (``count_nonfinite``). Otherwise nothing is held:
+        autograd frees each output and gradient as soon as it is done with it (holding a step's activation
+        gradients kept a second copy of them alive, holding its forward outputs kept every one past its last
+        use: issue #17), and the row says which kinds of non-finite values the exact range saw instead of
+        counting them. Call it under ``torch.no_grad()``."""
         pending = self._pending
         sized = [t for t in outputs if t.numel()]
         samples = []
-        for t in sized:
+        for t in sized if self.options.module_shares else ():
             sample, counter = strided_sample(t, self.options.sample), self._counter(t.device)
             samples.append((counter, counter.add(sample), sample.numel()))
         row = _ModuleRow(kind, name, order, dtype, sum(t.numel() for t in outputs), inputs,
@@ -641,7 +680,7 @@ class Instruments:
             with torch.no_grad():  # packing copies: the samples survive the step's in-place update
                 if params:
                     samples = [self._sampled(p) for p in params]
-                    self._before = (params, self._layout_of(samples).packed(samples, torch.float32))
+                    self._before = (params, self._layout_of(samples).packed(samples, torch.float32, "before"))
                 else:
                     self._before = None
 
@@ -664,7 +703,7 @@ class Instruments:
             l2 = torch.stack(norms(grads)).double() / divide_by
             samples = [self._sampled(g) for g in grads]
             layout = self._layout_of(samples)
-            flat = layout.packed(samples, torch.float32).abs_()  # |g| (fp32), zeros padding each slot
+            flat = layout.packed(samples, torch.float32, "grads").abs_()  # |g| (fp32), zeros padding each slot
             if divide_by != 1.0:
                 flat.div_(divide_by)
             # Buckets of |g * S|: bucket 1 is 0 < |g S| < 2^-24, what fp16 flushes to zero at this scale.
@@ -700,11 +739,11 @@ class Instruments:
         with torch.no_grad():
             samples = [self._sampled(p) for p in params]
             layout = self._layout_of(samples)
-            moved = layout.packed(samples, torch.float32).sub_(before)  # zero in the padding, as both are
+            moved = layout.packed(samples, torch.float32, "after").sub_(before)  # zero in the padding, as both are
             # every one had a gradient when _pre_step chose it, and a step does not take it away
             grads = [cast(torch.Tensor, p.grad) for p in params]
             wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-            wanted = layout.packed([self._sampled(g) for g in grads], wide) != 0
+            wanted = layout.packed([self._sampled(g) for g in grads], wide, "wanted") != 0
             lost = wanted & (moved == 0)
             squares = [moved.double().square_(), before.double().square_()]
             sums = layout.sums([layout.chunk_sums(lost), layout.chunk_sums(wanted), *map(layout.chunk_sums, squares)])
@@ -725,17 +764,8 @@ class Instruments:
                 abs_max = _finite_abs_max(tensors)
             elif not finite:  # not held (activation gradients): what the exact range shows, 1 for present
                 nan, pos, neg, abs_max = kinds_in_range(v[OUT_MIN], v[OUT_MAX]) + (math.nan,)
-            sample_n = max(sum(v[ZERO:OVER + 1]), 1.0)
-            nonzero = max(sample_n - v[ZERO], 1.0)
-            row = {
-                **base, "order": order, "numel": numel,
-                "abs_max": abs_max,
-                "nan": nan, "posinf": pos, "neginf": neg,
-                "over_fp16_max": v[OVER] / sample_n,
-                "below_fp16_subnormal": v[SUB24] / nonzero,
-                "below_fp16_normal": (v[SUB24] + v[SUB14]) / nonzero,
-                "zero_share": v[ZERO] / sample_n,
-            }
+            row = {**base, "order": order, "numel": numel, "abs_max": abs_max, "nan": nan, "posinf": pos, "neginf": neg,
+                   **(_shares(v) if self.options.module_shares else UNMEASURED_SHARES)}
             if kind == "forward":
                 row["inputs_finite"] = math.isfinite(v[IN_MIN]) and math.isfinite(v[IN_MAX])
                 row["input_abs_max"] = max(abs(v[IN_MIN]), abs(v[IN_MAX])) if row["inputs_finite"] else math.inf
@@ -780,6 +810,19 @@ class Instruments:
             return None
         first_step = min(r["step"] for r in bad)
         return min((r for r in bad if r["step"] == first_step), key=lambda r: r["order"])
+
+
+UNMEASURED_SHARES = {"over_fp16_max": math.nan, "below_fp16_subnormal": math.nan, "below_fp16_normal": math.nan,
+                     "zero_share": math.nan}
+"""A module row's shares where ``module_shares`` is off."""
+
+
+def _shares(v: list[float]) -> dict[str, float]:
+    """A module row's shares from its stat vector's sampled histogram."""
+    sample_n = max(sum(v[ZERO:OVER + 1]), 1.0)
+    nonzero = max(sample_n - v[ZERO], 1.0)
+    return {"over_fp16_max": v[OVER] / sample_n, "below_fp16_subnormal": v[SUB24] / nonzero,
+            "below_fp16_normal": (v[SUB24] + v[SUB14]) / nonzero, "zero_share": v[ZERO] / sample_n}
 
 
 def kinds_in_range(low: float, high: float) -> tuple[int, int, int]:

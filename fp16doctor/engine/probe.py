@@ -66,8 +66,13 @@ REFERENCE_KEY = -1
 """The reference weights' key in a diagnosis's kept states (steps are >= 0)."""
 SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
 """PyTorch's warning when the scheduler steps after a skipped optimizer step: the doctor reports that itself."""
-DEFAULT_INSTRUMENTS = InstrumentOptions()
-"""Every probe carries the numerics instruments (about 4-5% of a CPU step, benchmarks/overhead.py)."""
+DEFAULT_INSTRUMENTS = InstrumentOptions(activation_grads=False, param_grads=False, module_shares=False)
+"""The numerics instruments every probe carries: what the rules read (forward outputs' exact ranges, which say
+where a non-finite value was made and how large the FP32 activations get; update health). The rest is taken
+only where something reads it (benchmarks/overhead.py measures both sets)."""
+PLOT_INSTRUMENTS = InstrumentOptions(module_shares=False)
+"""The AMP probe's where the report's plots are drawn: activation-gradient ranges (the activation-range plot)
+and parameter-gradient statistics (the underflow heatmap) too."""
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -349,7 +349,7 @@ class Trainer:
             self.probe.restore(snap)
             for earlier in batches[:-1]:
                 self.probe.step(earlier)
-            instruments = self.probe.instrument(InstrumentOptions())
+            instruments = self.probe.instrument(InstrumentOptions(count_nonfinite=True))  # one step: count exactly
             localisation = trace_step(self.probe, batches[-1], step)
             first = instruments.first_nonfinite_forward()
             report["localisation"] = localisation.to_json() if localisation else None

@@ -31,12 +31,14 @@ def fp32_losses(ev: Evidence, min_steps: int) -> list[float] | None:
 
 
 def module_abs_max(summary: ProbeSummary | None, module: str) -> float | None:
-    """Largest forward output magnitude of ``module`` over the probe (None if not recorded)."""
+    """Largest forward output magnitude of ``module`` over the probe (None if not recorded, or non-finite at every
+    step: a non-finite output's ``abs_max`` is NaN, not measured)."""
     if summary is None or "forward" not in summary.tables or summary.tables["forward"].empty:
         return None
     rows = summary.tables["forward"]
     rows = rows[rows["module"] == module]
-    return float(rows["abs_max"].max()) if len(rows) else None
+    peak = float(rows["abs_max"].max()) if len(rows) else math.nan  # pandas' max skips NaN
+    return None if math.isnan(peak) else peak
 
 
 def enclosing_fp32_safe(ev: Evidence, module: str) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...engine.probe import Probe
+from ...engine.probe import DEFAULT_INSTRUMENTS, PLOT_INSTRUMENTS, Probe
 from ..model import StageReport
 from .context import StageContext, probe_details, probe_sentence, run_mode
 
@@ -15,5 +15,6 @@ def stage_amp(ctx: StageContext) -> StageReport:
         if probe.iteration in events:
             ctx.amp_snapshots[probe.iteration] = probe.snapshot(copy_state=False)  # kept as a copy
 
-    ctx.evidence.amp = summary = run_mode(ctx, "amp", before_step=keep_snapshot)
+    instruments = PLOT_INSTRUMENTS if ctx.plots else DEFAULT_INSTRUMENTS  # the plots read this probe's tables
+    ctx.evidence.amp = summary = run_mode(ctx, "amp", before_step=keep_snapshot, instruments=instruments)
     return StageReport("amp as configured", "ran", probe_sentence(summary), details=probe_details(summary))

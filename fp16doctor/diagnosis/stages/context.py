@@ -50,6 +50,8 @@ class StageContext:
     config: DoctorConfig
     evidence: Evidence
     ci: bool = False
+    plots: bool = False
+    """The report's plots will be drawn: the AMP stage's probe carries :data:`PLOT_INSTRUMENTS`."""
     states: MutableMapping[int, dict[str, torch.Tensor]] = field(default_factory=lambda: StateKeeper().kept())
     """FP32 trajectory weights by step, shared by the stages that evaluate the same states (a diagnosis run
     gives :class:`fp16doctor.engine.kept.KeptStates`: in host memory within its budget, else on disk)."""

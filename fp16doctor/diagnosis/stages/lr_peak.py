@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -94,5 +95,6 @@ def _instrumented_step(probe: Probe, lr: float | None = None) -> dict[str, Any]:
     return {
         "finite": all(r.exception_type is None and not r.nonfinite_loss and not r.nonfinite_grads for r in records) and weights_finite,
         "update_to_weight": max((u["update_to_weight"] for u in updates), default=0.0),
-        "activation_max": max((f["abs_max"] for f in forward), default=0.0),
+        # a non-finite output's largest finite magnitude is not measured (NaN): its row is left out
+        "activation_max": max((f["abs_max"] for f in forward if not math.isnan(f["abs_max"])), default=0.0),
     }
