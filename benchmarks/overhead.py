@@ -120,7 +120,7 @@ def instrumented(probe: Probe, instruments: Instruments, on: bool) -> Iterator[N
     try:
         yield
     finally:
-        instruments.detach()
+        instruments.detach(release=False)  # its buffers stay, as they do between the steps of a diagnosis's probe
         probe.instruments = None
 
 

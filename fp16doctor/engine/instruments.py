@@ -512,14 +512,17 @@ class Instruments:
             if self._handles:
                 self._hook_optimizer(optimizer)
 
-    def detach(self) -> None:
-        """Remove the hooks and let the step buffers go (up to 2 MiB per device): detached instruments of a
-        probe that lives on (an intervention's, a verification's) hold no memory for steps they no longer see."""
+    def detach(self, release: bool = True) -> None:
+        """Remove the hooks and let the step buffers go (up to 2 MiB per device, and the packed parameter
+        samples): detached instruments of a probe that lives on (an intervention's, a verification's) hold no
+        memory for steps they no longer see. ``release=False`` keeps them, for hooks taken off between two steps
+        of one probe (``benchmarks/overhead.py``), as attached instruments keep them from step to step."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._counters.clear()
-        self._segment_cache.clear()
+        if release:
+            self._counters.clear()
+            self._segment_cache.clear()
 
     # --- step protocol (called by the probe) ------------------------------------------------------
     def begin_step(self, step: int, scale: float) -> None:
