@@ -1,8 +1,8 @@
 """Overhead of fp16doctor's instruments, measured so that 5% shows; and the speed of CPU AMP probes.
 
 One AMP probe of benchmarks/bert_like.py (4-layer BERT-like encoder, batch 16 x 128, AdamW) steps
-through rounds of ``plain, instrumented, plain, report, plain`` on one batch per round (with ``--also report
-every naive fp32``: ``plain, instrumented, plain, report, plain, every, plain, naive, plain, fp32, plain``):
+through rounds of ``plain, instrumented, plain, report, plain`` on one batch per round (with ``--also every
+naive fp32``: ``plain, instrumented, plain, report, plain, every, plain, naive, plain, fp32, plain``):
 
 * plain:        the probe with no instrument attached;
 * instrumented: the same probe, the same model and the same batch, with the instruments every probe of a
@@ -32,7 +32,7 @@ that predict the cost on a GPU, where launches and syncs dominate.
 Steps are timed on the process's CPU time on CPU and on elapsed time on CUDA, where the host waits for
 the device (``--clock`` chooses).
 
-Usage: python benchmarks/overhead.py [--pairs N] [--also report every naive fp32] [--threads T] [--device cpu|cuda] [--clock cpu|wall]
+Usage: python benchmarks/overhead.py [--pairs N] [--also every naive fp32] [--threads T] [--device cpu|cuda] [--clock cpu|wall]
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=8, help="rounds per block (each: one paired ratio per variant)")
     parser.add_argument("--min-blocks", type=int, default=3, help="blocks before the spread is judged")
     parser.add_argument("--max-blocks", type=int, default=5, help="the cap on repeats")
-    parser.add_argument("--also", nargs="*", default=["report"], choices=["report", "every", "naive", "fp32"],
+    parser.add_argument("--also", nargs="*", default=[], choices=["every", "naive", "fp32"],
                         help="measure these variants too, the same way (each adds a step per round)")
     parser.add_argument("--spread", type=float, default=0.02, help="stop when the IQR of the block medians is under this")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -266,9 +266,8 @@ def main() -> None:
     detector = NaiveDetector(probe.model)
     plain = Variant("plain", probe, lambda: instrumented(probe, instruments, on=False))
     others = [Variant("instrumented", probe, lambda: instrumented(probe, instruments, on=True))]
-    if "report" in args.also:
-        report = detached(probe, PLOT_INSTRUMENTS)
-        others.append(Variant("report", probe, lambda: instrumented(probe, report, on=True)))
+    report = detached(probe, PLOT_INSTRUMENTS)
+    others.append(Variant("report", probe, lambda: instrumented(probe, report, on=True)))
     if "every" in args.also:
         every = detached(probe, InstrumentOptions())
         others.append(Variant("every", probe, lambda: instrumented(probe, every, on=True)))

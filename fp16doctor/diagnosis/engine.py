@@ -65,7 +65,8 @@ class DiagnoseOptions:
     plots: bool = False
     """The report's plots will be drawn (``--report``, ``--html``): the AMP probe also records the activation
     gradients' ranges and the parameter gradients' underflow mass they show (:data:`PLOT_INSTRUMENTS`). Off, those
-    tables are empty and :func:`fp16doctor.output.plots.figures` leaves their series out."""
+    tables are empty and :func:`fp16doctor.output.plots.diagnosis_figures` leaves what they show out (the
+    activation-range plot's backward series, the underflow heatmap)."""
     own_process: bool = False
     """The process is the diagnosis's own (the CLI's command): it may set glibc's mmap threshold to the model's
     tensor size (:func:`~fp16doctor.engine.kept.state_block_threshold`). A library caller's allocator is left alone."""

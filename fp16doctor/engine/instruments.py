@@ -302,7 +302,7 @@ class _Layout:
         """The pieces copied, as ``dtype``, into their slots of this layout's buffer for ``purpose``, by one
         ``_foreach_copy_`` (not a slice and a copy per piece: a step's parameters are many). The buffer is kept
         for the next step's same purpose, zero in its padding: the slots are overwritten, and what is done in
-        place to a packed buffer (``abs_``, ``div_``, ``sub_`` of another packed buffer) keeps zero at zero.
+        place to a packed buffer (``abs_``, ``sub_`` of another packed buffer) keeps zero at zero.
         A purpose's buffer is in use from one packing to the next of the same purpose."""
         key = (purpose, dtype)
         if key not in self._buffers:
@@ -551,7 +551,8 @@ class Instruments:
 
         Each module call of each micro-batch is then a row of the step: ``order`` runs on across the
         micro-batches (still the execution order, which the first non-finite forward is found by), a module's
-        largest ``abs_max`` over the step's rows is the whole batch's, its non-finite counts add up over them,
+        largest ``abs_max`` over the step's rows is the whole batch's, its non-finite flags (or, with
+        ``count_nonfinite``, counts) add up over them (flags then count the micro-batches that had any),
         and ``inputs_finite`` is per call, as it always is. The shares (``over_fp16_max`` and the underflow
         shares) are each micro-batch's own. Parameter gradients and updates stay one row per step: they are
         taken once, at the optimizer step, from the summed gradients."""
@@ -708,7 +709,7 @@ class Instruments:
             layout = self._layout_of(samples)
             flat = layout.packed(samples, torch.float32, "grads").abs_()  # |g| (fp32), zeros padding each slot
             if divide_by != 1.0:
-                flat.div_(divide_by)
+                flat = flat / divide_by  # not in place: the kept buffer's padding stays 0 even for a scale of 0
             # Buckets of |g * S|: bucket 1 is 0 < |g S| < 2^-24, what fp16 flushes to zero at this scale.
             scaled = (flat * self._scale).view(torch.int32).bitwise_and_(0x7FFFFFFF)
             below, first, second = [], torch.empty_like(scaled), torch.empty_like(scaled)
@@ -765,7 +766,7 @@ class Instruments:
             if not finite and tensors:
                 nan, pos, neg = exact_counts(tensors)
                 abs_max = _finite_abs_max(tensors)
-            elif not finite:  # not held (activation gradients): what the exact range shows, 1 for present
+            elif not finite:  # not held (without count_nonfinite): what the exact range shows, 1 for present
                 nan, pos, neg, abs_max = kinds_in_range(v[OUT_MIN], v[OUT_MAX]) + (math.nan,)
             row = {**base, "order": order, "numel": numel, "abs_max": abs_max, "nan": nan, "posinf": pos, "neginf": neg,
                    **(_shares(v) if self.options.module_shares else UNMEASURED_SHARES)}

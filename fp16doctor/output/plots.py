@@ -148,7 +148,8 @@ def activation_ranges(forward: pd.DataFrame | None, backward: pd.DataFrame | Non
         return [max(v, 1e-30) if math.isfinite(v := values.get(m, math.nan)) else math.nan for m in modules]
 
     ax.scatter(finite_points(fwd), rows, marker="o", color=COLOURS["fp32"], label="forward |x| max", zorder=3)
-    ax.scatter(finite_points(bwd), rows, marker="s", color=COLOURS["amp"], label="backward |g·S| max", zorder=3)
+    if len(bwd):  # a diagnosis that drew no plots did not record the activation gradients
+        ax.scatter(finite_points(bwd), rows, marker="s", color=COLOURS["amp"], label="backward |g·S| max", zorder=3)
     never_finite = [(m, row) for values in (fwd, bwd) for row, m in enumerate(modules) if values.get(m) == math.inf]
     if never_finite:
         ax.scatter([NONFINITE_AT] * len(never_finite), [row for _, row in never_finite], marker="x", color="black",
@@ -162,8 +163,10 @@ def activation_ranges(forward: pd.DataFrame | None, backward: pd.DataFrame | Non
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize=7)
     over = sum(1 for m in modules if fwd.get(m, 0.0) > FP16_MAX or bwd.get(m, 0.0) > FP16_MAX)
-    return Figure("plot-activations", "Activation ranges per layer", "Layers whose points reach the solid line overflow fp16; "
-                  "backward points left of the dotted line flush to zero; a cross past the line: no finite value at any step.",
+    caption = ("Layers whose points reach the solid line overflow fp16; "
+               + ("backward points left of the dotted line flush to zero; " if len(bwd) else "")
+               + "a cross past the line: no finite value at any step.")
+    return Figure("plot-activations", "Activation ranges per layer", caption,
                   _svg(fig), {"layers": len(modules), "over_fp16_max": over, "never_finite": len({m for m, _ in never_finite})})
 
 

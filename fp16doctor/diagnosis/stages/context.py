@@ -114,8 +114,9 @@ def summarise(probe: Probe) -> ProbeSummary:
 def run_mode(ctx: StageContext, mode: str, config: DoctorConfig | None = None, steps: int | None = None,
              before_step: Callable[[Probe], None] | None = None,
              instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS) -> ProbeSummary:
-    """Run a fresh probe of ``mode`` (every instrument unless told fewer: a probe whose tables no rule reads
-    need not pay for them) and summarise it."""
+    """Run a fresh probe of ``mode`` (with the instruments the rules read, :data:`DEFAULT_INSTRUMENTS`, unless
+    told others: the report's AMP probe takes the plots' too, a probe whose tables nothing reads none) and
+    summarise it."""
     probe = ctx.bench.probe(mode, config or ctx.config, instruments=instruments)
     steps = steps or ctx.evidence.steps
     try:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 
-from ...engine.probe import Probe, ProbeSnapshot
+from ...engine.probe import DEFAULT_INSTRUMENTS, Probe, ProbeSnapshot
 from ..model import LrPause, LrPeak, LrSchedule, StageReport
 from .context import StageContext, bad_step
 
@@ -50,6 +51,11 @@ PAUSED_STEPS = 2
 """Each pause takes the step and the one after it: an update's damage shows in the next forward."""
 
 
+PAUSE_INSTRUMENTS = dataclasses.replace(DEFAULT_INSTRUMENTS, count_nonfinite=True)
+"""The paused steps' instruments: the diagnosis's, with a non-finite output's largest finite magnitude measured
+(the activations at the peak are evidence)."""
+
+
 def _pause_at(ctx: StageContext, kept: MutableMapping[int, ProbeSnapshot], event: int, lrs: list[float]) -> LrPause:
     if event not in kept:
         probe = ctx.bench.probe("amp", ctx.config, instruments=None)
@@ -70,7 +76,8 @@ def _pause_at(ctx: StageContext, kept: MutableMapping[int, ProbeSnapshot], event
 def _paused_step(ctx: StageContext, kept: MutableMapping[int, ProbeSnapshot], event: int, lr: float | None = None) -> dict[str, Any]:
     """:func:`_instrumented_step` on a fresh probe given its own copy of the snapshot before ``event``: a
     probe holding no gradients or optimizer state yet takes the copy over (no second copy in memory)."""
-    probe = ctx.bench.probe("amp", ctx.config)
+    # two steps: their outputs held to the step's end, so that an overflowing module's finite magnitude shows
+    probe = ctx.bench.probe("amp", ctx.config, instruments=PAUSE_INSTRUMENTS)
     try:
         probe.restore_kept(kept, event)
         return _instrumented_step(probe, lr=lr)
@@ -95,6 +102,6 @@ def _instrumented_step(probe: Probe, lr: float | None = None) -> dict[str, Any]:
     return {
         "finite": all(r.exception_type is None and not r.nonfinite_loss and not r.nonfinite_grads for r in records) and weights_finite,
         "update_to_weight": max((u["update_to_weight"] for u in updates), default=0.0),
-        # a non-finite output's largest finite magnitude is not measured (NaN): its row is left out
+        # NaN where no finite magnitude was measured (a row of another probe's instruments): left out
         "activation_max": max((f["abs_max"] for f in forward if not math.isnan(f["abs_max"])), default=0.0),
     }
