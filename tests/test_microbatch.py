@@ -19,6 +19,7 @@ from fp16doctor.engine.microbatch import ActivationBytes, MicroBatchPlan, micro_
 from fp16doctor.engine.probe import Workbench
 from fp16doctor.engine.rng import rng_state
 from fp16doctor.measure.localise import trace_step
+from fp16doctor.measure.numerics import capture_gradients, observed_underflow
 from fp16doctor.userfile.batches import batch_rows, split_rows
 from fp16doctor.userfile.spec import load_training_file
 
@@ -275,3 +276,58 @@ def test_a_loss_normalised_over_the_batch_is_refused_even_when_the_first_batch_h
     check looks at several drawn batches, not only the first."""
     plan = bench_for(training_file(TOKEN_MEAN_FILE, "token_mean.py")).micro_batch_plan("fp32")
     assert plan.needed and plan.count == 1 and "does not decompose" in plan.reason, plan
+
+
+TWICE_AND_TRANSPOSED = GATED_FILE.replace(
+    "        return self.head(self.blowup(h))",
+    "        h = self.blocks[0](h)  # a module called twice per forward\n"
+    "        return self.head(self.transposed(self.blowup(h)))").replace(
+    "        self.head = nn.Linear(WIDTH, 4)",
+    "        self.head = nn.Linear(WIDTH, 4)\n        self.transposed = Transposed()").replace(
+    "class Exp(nn.Module):", "class Transposed(nn.Module):\n    def forward(self, h):\n"
+    "        return (h.T * 1.0).T  # computed on a transposed copy: the output's rows are the batch's, its memory is not\n\n\n"
+    "class Flat(nn.Module):\n    def forward(self, h):\n        return h\n\n\nclass Exp(nn.Module):")
+
+
+@pytest.mark.parametrize("sample", [1000, 0])
+def test_a_micro_batched_capture_samples_what_the_whole_batch_would(training_file, sample):
+    # The loss-scale stage's FP32 reference is micro-batched like every FP32 probe (its whole-batch step was
+    # the diagnosis's peak): its capture must hold the elements a whole-batch capture holds, so that AMP's
+    # gradients compare with it element for element.
+    path = training_file(GATED_FILE)
+    split_probe = bench_for(path).probe("fp32", instruments=None)
+    assert split_probe.batch_plan.split and split_probe.next_micro_batch_rows() == [256, 256]
+    split = capture_gradients(split_probe, sample=sample)
+    split_probe.close()
+    whole_probe = bench_for(path, micro_batching=False).probe("fp32", instruments=None)
+    assert whole_probe.next_micro_batch_rows() is None
+    whole = capture_gradients(whole_probe, sample=sample)
+    whole_probe.close()
+    assert set(split.tensors) == set(whole.tensors) and any(k.startswith("act:") for k in whole.tensors)
+    for key, tensor in whole.tensors.items():
+        assert split.tensors[key].shape == tensor.shape, key
+        torch.testing.assert_close(split.tensors[key], tensor, rtol=1e-4, atol=1e-6 * float(tensor.abs().max()))
+
+
+def test_a_micro_batched_capture_leaves_out_what_it_cannot_place(training_file):
+    # A module called twice per forward has no one output per micro-batch; the rest is captured as whole.
+    path = training_file(TWICE_AND_TRANSPOSED)
+    split_probe = bench_for(path).probe("fp32", instruments=None)
+    assert split_probe.batch_plan.split
+    split = capture_gradients(split_probe, sample=1000)
+    split_probe.close()
+    whole_probe = bench_for(path, micro_batching=False).probe("fp32", instruments=None)
+    whole = capture_gradients(whole_probe, sample=1000)
+    whole_probe.close()
+    assert "act:blocks.0" in whole.tensors and "act:blocks.0" not in split.tensors
+    assert {"act:transposed", "act:blowup", "act:head"} <= set(split.tensors)
+    for key in split.tensors:
+        torch.testing.assert_close(split.tensors[key], whole.tensors[key], rtol=1e-4, atol=1e-6 * float(whole.tensors[key].abs().max()))
+
+
+def test_observed_underflow_is_the_same_against_a_micro_batched_reference(training_file):
+    path = training_file(GATED_FILE.replace('CONFIG = {"steps": 3}', 'CONFIG = {"steps": 3, "scaler": {"enabled": False}}'))
+    split, whole = observed_underflow(bench_for(path)), observed_underflow(bench_for(path, micro_batching=False))
+    assert len(split) == len(whole) > 0 and list(split.columns) == list(whole.columns)
+    pd.testing.assert_frame_equal(split.drop(columns=["rms"]), whole.drop(columns=["rms"]), atol=1e-3, rtol=1e-3)
+    pd.testing.assert_series_equal(split["rms"], whole["rms"], rtol=1e-4)

@@ -107,11 +107,21 @@ class MicroBatchPlan:
     def pieces(self, batch: Any) -> list[tuple[Any, float]]:
         """``batch`` as ``(micro-batch, its share of the rows)`` pairs: ``count`` of them, fewer for a batch with
         fewer rows (a short last batch), the batch whole for one that cannot be split."""
-        rows, _ = batch_rows(batch)
-        if self.count <= 1 or rows is None or rows < 2:
+        counts = self.piece_rows(batch)
+        if counts is None or len(counts) == 1:
             return [(batch, 1.0)]
-        counts = row_counts(rows, min(self.count, rows))
+        rows = sum(counts)
         return [(piece, count / rows) for piece, count in zip(split_rows(batch, counts), counts)]
+
+    def piece_rows(self, batch: Any) -> list[int] | None:
+        """The rows of each of :meth:`pieces`, in order, without cutting the batch (one count for a batch taken
+        whole; None for one whose rows cannot be counted)."""
+        rows, _ = batch_rows(batch)
+        if rows is None:
+            return None
+        if self.count <= 1 or rows < 2:
+            return [rows]
+        return row_counts(rows, min(self.count, rows))
 
     def sentence(self) -> str | None:
         """What the FP32 stage's summary says: the split, or why a wanted split was refused; None otherwise."""

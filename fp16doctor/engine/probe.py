@@ -229,6 +229,9 @@ class Probe:
         self.records: list[StepRecord] = []
         self.failed: StepRecord | None = None
         self.instruments: Instruments | None = None
+        self.micro_batch_watchers: list[Callable[[], None]] = []
+        """Told after each micro-batch's backward in a micro-batched step (the instruments are told first): who
+        watches a step's tensors a micro-batch at a time (:func:`~fp16doctor.measure.numerics.capture_gradients`)."""
         self._session = PrecisionSession.for_mode(mode, self.device.type)
         """Entered by the probe itself around its construction and every step (see :meth:`_precision`)."""
         with self._precision(), (NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext()):
@@ -356,10 +359,20 @@ class Probe:
                                           after_backward=self._micro_batch_done)
             return canonical_step(self.model, batch, self.optimizer, self.scaler, self.autocast, self._loss_fn(), self.config.max_grad_norm)
 
+    def next_micro_batch_rows(self) -> list[int] | None:
+        """The rows of each micro-batch the next :meth:`step` (on the workbench's batch at the data cursor) cuts
+        its batch into, in order; None when it takes the batch whole (one micro-batch, or a ``train_step``)."""
+        if self.spec.train_step is not None or not self.batch_plan.split:
+            return None
+        rows = self.batch_plan.piece_rows(self.bench.batches[self.cursor % len(self.bench.batches)])
+        return rows if rows is not None and len(rows) > 1 else None
+
     def _micro_batch_done(self) -> None:
         """Between two micro-batches: the instruments take the finished one's rows and let its tensors go."""
         if self.instruments is not None:
             self.instruments.end_micro_batch()
+        for watcher in self.micro_batch_watchers:
+            watcher()
 
     def loss_of(self, batch: Any) -> torch.Tensor:
         """The loss on ``batch`` as this probe's steps compute it (moved to its device and dtype, under its

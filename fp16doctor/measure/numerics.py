@@ -9,14 +9,14 @@ happens in the backward pass between layers).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 import torch
 
 from ..engine.instruments import module_names, strided_sample
-from ..engine.microbatch import UNSPLIT
 from ..engine.probe import Probe, Workbench
 from ..engine.rng import seed_everything
 from ..tensors import FP16_MAX, FP16_MIN_SUBNORMAL, grad_values
@@ -37,7 +37,8 @@ class GradientCapture:
 
 
 
-def capture_gradients(probe: Probe, sample: int = 262144, restore: bool = False) -> GradientCapture:
+def capture_gradients(probe: Probe, sample: int = 262144, restore: bool = False,
+                      consume: Callable[[str, torch.Tensor], None] | None = None) -> GradientCapture:
     """Take one step of ``probe`` keeping (a strided sample of) its gradients.
 
     Works for any training file, ``train_step`` included: parameter gradients
@@ -47,25 +48,47 @@ def capture_gradients(probe: Probe, sample: int = 262144, restore: bool = False)
     the loss scales that divide them are powers of two): half the memory of
     float64, whose sums the readers do themselves.
 
+    A micro-batched probe (an FP32 probe within AMP's activation memory) captures what the whole batch's
+    step would have: the accumulated parameter gradients, and each activation gradient sampled at the
+    positions the whole batch's strided sample takes (:class:`_WholeBatchSamples`), so that the capture
+    compares element for element with an AMP step on the whole batch.
+
     ``restore``: put the probe back to before the step. Every caller in the
     diagnosis captures from a fresh probe it closes next, so the default is not
     to: the snapshot would be a full copy of the weights and the optimizer's
     state beside the live ones, the largest allocation of the loss-scale stage.
+
+    ``consume``: given each sample ``(key, tensor)`` as it is taken, which the capture then does not keep
+    (its tensors stay empty): a comparison against another capture needs no second one alive beside it.
     """
-    if probe.batch_plan.split:  # a micro-batch's activation gradients would overwrite the one before
-        raise ValueError("capture_gradients needs a probe that takes its batches whole (batch_plan=UNSPLIT)")
     snap = probe.snapshot() if restore else None
     captured: dict[str, torch.Tensor] = {}
     names = module_names(probe.model)
     params = {p: n for n, p in probe.model.named_parameters()}
+    piece_rows = probe.next_micro_batch_rows()
+    pieces = _WholeBatchSamples(piece_rows, sample) if piece_rows is not None else None
+
+    took_params = False
 
     def keep(key: str, g: torch.Tensor, divide: float = 1.0) -> None:
+        nonlocal took_params
+        took_params = took_params or key.startswith("param:")
         kept = strided_sample(g.detach(), sample).to(torch.float32, copy=True)  # a copy: the sample is a view of g
-        captured[key] = kept.div_(divide) if divide != 1.0 else kept
+        store(key, kept.div_(divide) if divide != 1.0 else kept)
+
+    def store(key: str, kept: torch.Tensor) -> None:
+        if consume is None:
+            captured[key] = kept
+        else:
+            consume(key, kept)
 
     def forward_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad and output.is_floating_point():
-            output.register_hook(lambda g, key=f"act:{names[module]}": keep(key, g))
+            key = f"act:{names[module]}"
+            if pieces is None:
+                output.register_hook(lambda g, key=key: keep(key, g))
+            else:
+                pieces.watch(key, output)
 
     def pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         for p, n in params.items():
@@ -74,12 +97,14 @@ def capture_gradients(probe: Probe, sample: int = 262144, restore: bool = False)
                 keep(f"param:{n}", g)
 
     handles = [m.register_forward_hook(forward_hook) for m in names]
+    if pieces is not None:
+        probe.micro_batch_watchers.append(pieces.next_piece)
     handles += [optimizer.register_step_pre_hook(pre_step) for optimizer in probe.optimizers.all()]
     scale = float(probe.scaler.get_scale()) if probe.scaler.is_enabled() else 1.0
     try:
         seed_everything(probe.config.seed + probe.iteration)
         record = probe.step()
-        if not any(k.startswith("param:") for k in captured):
+        if not took_params:
             divide = scale if record.trace and record.trace.scaled and not record.trace.unscaled else 1.0
             for p, n in params.items():
                 g = grad_values(p)
@@ -88,9 +113,64 @@ def capture_gradients(probe: Probe, sample: int = 262144, restore: bool = False)
     finally:
         for h in handles:
             h.remove()
+        if pieces is not None:
+            probe.micro_batch_watchers.remove(pieces.next_piece)
         if snap is not None:
             probe.restore(snap)
+    if pieces is not None:  # the activation gradients first, as a whole-batch step's backward takes them
+        params_taken, captured = captured, {}
+        for key, kept in pieces.assembled().items():
+            store(key, kept)
+        captured.update(params_taken)
     return GradientCapture(captured, scale)
+
+
+class _WholeBatchSamples:
+    """Activation gradients of a micro-batched step, sampled where :func:`strided_sample` samples the whole
+    batch's: every k-th element of the batch's gradient in flattened order, k from the whole tensor's size.
+
+    A module's output on micro-batch j holds rows ``[sum(rows[:j]), sum(rows[:j + 1]))`` of the whole batch's
+    output when its leading dimension is the batch's, so its flattened elements are a contiguous stretch of
+    the whole's, and the whole's sample positions in that stretch are known before the whole exists. Only
+    what the sample keeps is copied, as for the whole batch. A module's gradient is kept only when every
+    micro-batch showed it exactly once with the batch as its leading dimension, and the step took every
+    micro-batch; else (an output without the batch's rows in front, a module called twice per forward) it is
+    left out of the capture, which readers treat as a tensor not measured."""
+
+    def __init__(self, rows: list[int], sample: int):
+        self.rows, self.sample = rows, sample
+        self.starts = [sum(rows[:j]) for j in range(len(rows))]
+        self.piece = 0
+        """The micro-batch whose forward or backward runs (the probe's micro-batch watchers advance it)."""
+        self.parts: dict[str, dict[int, torch.Tensor]] = {}
+        self.watched: set[tuple[str, int]] = set()
+        self.unaligned: set[str] = set()
+
+    def next_piece(self) -> None:
+        self.piece += 1
+
+    def watch(self, key: str, output: torch.Tensor) -> None:
+        """``output`` is ``key``'s on the running micro-batch: sample its gradient when backward reaches it."""
+        piece = self.piece
+        if not 0 <= piece < len(self.rows) or (key, piece) in self.watched or output.dim() == 0 or output.shape[0] != self.rows[piece]:
+            self.unaligned.add(key)
+            return
+        self.watched.add((key, piece))
+        output.register_hook(lambda g, key=key, piece=piece: self._keep(key, piece, g))
+
+    def _keep(self, key: str, piece: int, g: torch.Tensor) -> None:
+        per_row = g.numel() // self.rows[piece]
+        whole = per_row * sum(self.rows)
+        stride = 1 if self.sample <= 0 or whole <= self.sample else math.ceil(whole / self.sample)
+        first = -(per_row * self.starts[piece]) % stride  # the whole's first sampled position in this stretch
+        self.parts.setdefault(key, {})[piece] = g.detach().reshape(-1)[first::stride].to(torch.float32, copy=True)
+
+    def assembled(self) -> dict[str, torch.Tensor]:
+        """Each aligned module's sample of the whole batch's gradient."""
+        if self.piece != len(self.rows):  # the step failed before its last micro-batch's backward
+            return {}
+        return {key: torch.cat([parts[j] for j in range(len(self.rows))]) for key, parts in self.parts.items()
+                if key not in self.unaligned and len(parts) == len(self.rows)}
 
 
 def predicted_underflow(capture: GradientCapture, scale: float) -> pd.DataFrame:
@@ -141,6 +221,22 @@ def scale_window(capture: GradientCapture, keep: float = KEEP) -> ScaleWindow:
     return ScaleWindow(frame, float(signal["min_scale"].max()), float(frame["max_scale"].min()))
 
 
+def _underflow_row(key: str, g32: torch.Tensor, g16: torch.Tensor) -> dict[str, Any]:
+    """One tensor's observed underflow: FP32's sample ``g32`` against AMP's ``g16`` at the same positions."""
+    wanted = g32 != 0
+    lost = wanted & (g16 == 0)
+    kind, name = key.split(":", 1)
+    magnitude = g32.abs().double()
+    return {
+        "kind": kind, "name": name,
+        "observed_underflow": float(lost.sum()) / max(int(wanted.sum()), 1),
+        # The share of the gradient's L1 mass that flushed: entries far below the rest (a
+        # sharp softmax's tails, a key bias's exact-zero gradient in rounding noise) carry none.
+        "observed_underflow_mass": float(magnitude[lost].sum() / magnitude.sum()) if bool(wanted.any()) else 0.0,
+        "rms": float(magnitude.pow(2).mean().sqrt()) if magnitude.numel() else 0.0,
+    }
+
+
 def observed_underflow(bench: Workbench, state_from: Probe | None = None, config: Any = None,
                        reference: GradientCapture | None = None) -> pd.DataFrame:
     """Per tensor: the share of gradients non-zero in FP32 but zero in AMP (of the elements, and of their L1 mass).
@@ -152,7 +248,7 @@ def observed_underflow(bench: Workbench, state_from: Probe | None = None, config
     snap = state_from.snapshot() if state_from is not None else None
 
     def probe_from_state(mode: str) -> Probe:
-        probe = bench.probe(mode, config, instruments=None, batch_plan=UNSPLIT)  # gradients of the whole batch, as AMP's
+        probe = bench.probe(mode, config, instruments=None)  # FP32 micro-batched if planned: its capture samples the whole batch's gradients
         if snap is not None:
             probe.model.load_state_dict(snap.model)
             probe.iteration, probe.cursor = snap.iteration, snap.cursor
@@ -167,30 +263,22 @@ def observed_underflow(bench: Workbench, state_from: Probe | None = None, config
                 fp32.close()
             del fp32
         amp = probe_from_state("amp")
+        compared: dict[str, dict[str, Any]] = {}
+        fp32_capture = reference
+
+        def compare(key: str, g16: torch.Tensor) -> None:  # as AMP's step takes each sample: none is kept
+            g32 = fp32_capture.tensors.get(key)
+            if g32 is not None and g16.shape == g32.shape:
+                compared[key] = _underflow_row(key, g32, g16)
         try:
             if state_from is not None and state_from.scaler.is_enabled() and amp.scaler.is_enabled():
                 amp.scaler.load_state_dict(state_from.scaler.state_dict())
-            low = capture_gradients(amp)
+            low = capture_gradients(amp, consume=compare)
         finally:
             amp.close()
     del amp, snap
-    rows = []
-    for key, g32 in reference.tensors.items():
-        g16 = low.tensors.get(key)
-        if g16 is None or g16.shape != g32.shape:
-            continue
-        wanted = g32 != 0
-        lost = wanted & (g16 == 0)
-        kind, name = key.split(":", 1)
-        magnitude = g32.abs().double()
-        rows.append({
-            "kind": kind, "name": name, "scale": low.scale,
-            "observed_underflow": float(lost.sum()) / max(int(wanted.sum()), 1),
-            # The share of the gradient's L1 mass that flushed: entries far below the rest (a
-            # sharp softmax's tails, a key bias's exact-zero gradient in rounding noise) carry none.
-            "observed_underflow_mass": float(magnitude[lost].sum() / magnitude.sum()) if bool(wanted.any()) else 0.0,
-            "rms": float(magnitude.pow(2).mean().sqrt()) if magnitude.numel() else 0.0,
-        })
+    rows = [{"kind": row["kind"], "name": row["name"], "scale": low.scale, **row} for key in reference.tensors
+            if (row := compared.get(key)) is not None]
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame

@@ -7,7 +7,6 @@ from typing import Any
 
 import pandas as pd
 
-from ...engine.microbatch import UNSPLIT
 from ...measure.compare import compare, run_aligned
 from ...measure.numerics import (
     capture_gradients,
@@ -35,7 +34,7 @@ def stage_scale(ctx: StageContext) -> StageReport:
         failed = f"raised {ev.fp32.exception.type}" if ev.fp32 is not None and ev.fp32.exception else "is not finite"
         return StageReport("loss-scale sweep", "skipped", f"the fp32 baseline {failed}: scaling cannot help")
     with ctx.progress.planned(2):  # step 0 in FP32 and in AMP; the sweep plans its own steps
-        reference = ctx.bench.probe("fp32", cfg, instruments=None, batch_plan=UNSPLIT)  # the gradients of the whole batch
+        reference = ctx.bench.probe("fp32", cfg, instruments=None)  # micro-batched if planned: the capture is the whole batch's
         try:
             capture = capture_gradients(reference)  # step 0 from the start: the same step observed_underflow compares
         finally:
