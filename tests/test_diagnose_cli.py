@@ -71,6 +71,19 @@ def test_ci_fast_path_with_junit(tmp_path):
     assert ET.parse(junit).getroot().find("testsuite").get("failures") == "1"
 
 
+def test_an_optimizer_written_for_the_model_is_told_what_it_receives(tmp_path):
+    # A common slip: optimizer(model) where the contract passes model.parameters() (as torch.optim takes them).
+    path = tmp_path / "opt.py"
+    path.write_text("import torch\n"
+                    "def model():\n    return torch.nn.Linear(4, 3)\n"
+                    "def data():\n    return [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(2)]\n"
+                    "def optimizer(model):\n    return torch.optim.AdamW(model.parameters(), lr=1e-3)\n")
+    proc = run_cli("diagnose", path, "--ci", "--steps", "2")
+    message = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "optimizer() raised AttributeError" in message, proc.stderr[-2000:]
+    assert "with model.parameters()" in message and "opt.py:7" in message and "Traceback" not in proc.stderr
+
+
 def test_bad_input_gets_exit_two(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import torch\ndef model():\n    return torch.nn.Linear(2, 2)\n")

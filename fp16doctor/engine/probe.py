@@ -202,6 +202,19 @@ class Workbench:
         return self._micro_batch_plan
 
 
+CALLED_WITH = {
+    "optimizer": "fp16doctor calls optimizer(params) with model.parameters(), as torch.optim's constructors take them "
+                 "(not the model): e.g. `def optimizer(params): return torch.optim.AdamW(params, lr=3e-4)`. "
+                 "To build parameter groups from the model, define optimizers(model) instead.",
+    "optimizers": "fp16doctor calls optimizers(model) with the model and steps what it returns: one optimizer, or a "
+                  "tuple/list/dict of them (then the file's train_step() steps them).",
+    "scheduler": "fp16doctor calls scheduler(optimizer) with the optimizer optimizer(params) returned (or what "
+                 "optimizers(model) returned: one optimizer, or the same tuple/list/dict).",
+}
+"""What a user function of the contract is called with: the hint when calling it raises (a wrong signature is
+the likeliest reason)."""
+
+
 class Probe:
     """Live training objects for one mode; ``run`` steps them and returns the record."""
 
@@ -329,7 +342,8 @@ class Probe:
         except (DoctorError, *OUT_OF_MEMORY):
             raise
         except Exception as exc:  # noqa: BLE001
-            raise TrainingFileError(f"{name}() raised {type(exc).__name__}: {exc}", location=self.spec.user_location(exc)) from exc
+            raise TrainingFileError(f"{name}() raised {type(exc).__name__}: {exc}", location=self.spec.user_location(exc),
+                                    hint=CALLED_WITH.get(name, "")) from exc
 
     # --- contexts -----------------------------------------------------------------------------
     def _precision(self) -> contextlib.AbstractContextManager[None]:
