@@ -9,7 +9,6 @@ from rich import box
 from rich.console import Console, Group
 from rich.markup import escape
 from rich.panel import Panel
-from rich.syntax import Syntax
 from rich.table import Table
 
 from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
@@ -160,12 +159,19 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
                       + ("" if c.healthy_after else f"; symptoms left: {', '.join(c.symptoms_after)}")
                       + (f"; also needs data changes: {', '.join(c.needs_data_changes)}" if c.needs_data_changes else ""))
         if contested:  # the findings point here instead of printing patches that contradict each other
-            console.print(Syntax(yaml.safe_dump(exact_numbers(jsonable(c.config_patch)), sort_keys=False).rstrip(), "yaml",
-                                 theme="ansi_dark", background_color="default"))
+            console.print(_highlighted(yaml.safe_dump(exact_numbers(jsonable(c.config_patch)), sort_keys=False).rstrip(), "yaml"))
     for item in diagnosis.unexplained:
         exc = item.exception
         console.print(f"[bold red]the {item.probe} probe raised {exc.type} at step {exc.step}[/]: {escape(str(exc.message))} "
                       f"({escape(str(exc.location))}); no rule explains it: fix the training code there.")
+
+
+def _highlighted(code: str, language: str) -> Any:
+    """``code`` syntax-highlighted. rich's Syntax is imported here, when a fix is printed: it loads pygments (2 MB
+    resident), which a diagnosis's probes would otherwise carry (issue #17 counts the doctor's own imports)."""
+    from rich.syntax import Syntax
+
+    return Syntax(code, language, theme="ansi_dark", background_color="default")
 
 
 def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis) -> Panel:
@@ -178,12 +184,11 @@ def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis)
         evidence.add_row(key, escape(text.removesuffix("\n...")))
     parts: list = [f"[bold]{escape(finding.title)}[/]", "", "[underline]Evidence[/]", evidence, "", f"[underline]Fix[/] {escape(finding.fix.summary)}"]
     if finding.fix.code:
-        parts.append(Syntax(finding.fix.code, "python", theme="ansi_dark", background_color="default"))
+        parts.append(_highlighted(finding.fix.code, "python"))
     if contested:
         parts.append(f"[dim]{escape(reference_to_corrected(finding, contested, diagnosis))}[/]")
     elif finding.fix.config_patch:
-        parts += ["[dim]config patch:[/]", Syntax(yaml.safe_dump(exact_numbers(finding.fix.config_patch), sort_keys=False).rstrip(), "yaml",
-                                                   theme="ansi_dark", background_color="default")]
+        parts += ["[dim]config patch:[/]", _highlighted(yaml.safe_dump(exact_numbers(finding.fix.config_patch), sort_keys=False).rstrip(), "yaml")]
     if finding.verification:
         parts.append(verification_line(finding.verification))
     style = SEVERITY_STYLE[finding.severity]
