@@ -321,6 +321,44 @@ def test_a_capsule_whose_loss_gradient_is_non_finite_is_diagnosed_as_the_loss_no
     assert json.loads(direct.stdout)["findings"][0]["cause"] == "loss-in-half", direct.stderr[-2000:]
 
 
+def test_a_capsule_whose_outputs_went_non_finite_is_diagnosed_from_the_data_not_as_fp32(tmp_path):
+    """Raw inputs (~1e5) overflow fp16 in the first Linear: the loss is NaN and so is its whole gradient w.r.t. the
+    outputs. The replay used that gradient as recorded: the FP32 replay turned NaN and the diagnosis said
+    fp32-divergence (user trial), while its data scan and localisation had the answer. The NaN entries now count
+    as 0, a tensor without a finite entry stands in its mean's gradient."""
+    import json
+
+    from conftest import run_cli
+    from fp16doctor.live.observe import TrainingObserver, WatchStopped
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    try:
+        with TrainingObserver(WatchOptions(capsule_dir=tmp_path, skip_streak=1)) as observer:
+            for raw in (False, True):  # a first, healthy step; then a shard in raw units
+                x = torch.randn(16, 8)
+                y = x.sum(1, keepdim=True)
+                x = x * 2e4 + 1e5 if raw else x
+                optimizer.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.mse_loss(model(x).float(), y)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+    except WatchStopped as stopped:
+        alarm = stopped.alarm
+    manifest = json.loads((alarm.capsule / "manifest.json").read_text())
+    assert not manifest["loss_finding"] and manifest["replay"] == "output-grads"  # the loss itself is NaN
+    proc = run_cli("diagnose", "--capsule", alarm.capsule, "--json", "--device", "cpu")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    payload = json.loads(proc.stdout)
+    causes = [f["cause"] for f in payload["findings"]]
+    assert causes[0] == "extreme-data" and "fp32-divergence" not in causes, causes
+    assert "non-finite" not in {s["name"]: s["summary"] for s in payload["stages"]}["fp32 baseline"]
+
+
 def test_a_script_that_loads_its_scaler_state_is_settled_under_the_observer(tmp_path):
     """Under fp16doctor watch every process counts its optimizer steps from 0, and load_state_dict makes the
     loaded scale the scaler's init_scale: the observer sees the load, so a resumed run alarms at the streak (4),

