@@ -179,6 +179,20 @@ def test_a_float32_min_mask_cast_to_fp16_is_a_constant_out_of_range():
     assert top["verification"]["repaired"] is True
 
 
+def test_a_constant_in_every_block_is_named_and_fixed_in_every_block():
+    """The same additive finfo(float32).min mask in each of two blocks: keeping the localised block in fp32 alone
+    left the next one failing, the rule's fix was demoted and the search's repair was named activation-overflow
+    (user trial). The rule's fix now keeps every module of the class, and it repairs."""
+    code, report, _ = diagnose_json("finfo_min_mask_stacked.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "constant-out-of-range", [(f["cause"], f["title"]) for f in report["findings"]]
+    assert top["severity"] == "error" and top["verification"]["repaired"] is True
+    assert top["evidence"]["module"] == "blocks.0.attn" and top["evidence"]["same_code_in"] == ["blocks.0.attn", "blocks.1.attn"]
+    assert top["fix"]["config_patch"] == {"overrides": {"fp32_modules": ["blocks.0.attn", "blocks.1.attn"]}}
+    assert "activation-overflow" not in [f["cause"] for f in report["findings"]]
+
+
 def test_a_scheduler_that_follows_the_loss_is_given_the_loss(tmp_path):
     """ReduceLROnPlateau.step(metrics) crashed every probe (an internal error); now each step's loss is passed,
     and the learning rate of the run drops when the loss stops improving."""

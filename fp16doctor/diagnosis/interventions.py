@@ -35,7 +35,7 @@ from ..measure.symptoms import Symptom, skip_runs
 from ..measure.thresholds import EXTREME_INPUT
 from ..tensors import FP16_MAX
 from .model import Evidence, Repair, Verification
-from .rules._helpers import stores_half_training_state
+from .rules._helpers import class_members, module_types, stores_half_training_state
 from .stages import StageContext, same_state_gap
 from .verify import Intervention, Verifier, drop_rows, standardise
 
@@ -265,17 +265,10 @@ class InterventionSearch:
             yield self._fp32_modules(modules, "relocalised")
 
     def _class_members(self, path: str, types: dict[str, str]) -> list[str]:
-        """Every module of ``path``'s class, when there are several and they are not most of the model."""
-        kind = types.get(path)
-        members = [name for name, t in types.items() if t == kind and name]
-        modules = max(len(types) - 1, 1)
-        return members if 1 < len(members) and len(members) <= modules / 2 else []
+        return class_members(path, types)
 
     def _module_types(self) -> dict[str, str]:
-        amp = self.ev.amp
-        if amp is None or amp.precision is None or amp.precision.empty:
-            return {}
-        return {("" if m == "<root>" else str(m)): str(t) for m, t in zip(amp.precision["module"], amp.precision["type"])}
+        return module_types(self.ev)
 
     def _fp32_modules(self, modules: list[str], scope: str, module_class: str | None = None) -> Candidate:
         types = self._module_types()

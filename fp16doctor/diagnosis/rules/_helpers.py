@@ -94,17 +94,40 @@ def scale_patch(ev: Evidence) -> dict[str, Any]:
 
 
 def fp32_wrapper_code(target: str, per_class: bool = False) -> str:
-    """The permanent edit that keeps a module (or every module of a class) in fp32 under autocast."""
+    """The permanent edit that keeps a module (or every module of a class) in fp32 under autocast. Only floating
+    tensors are cast up: a boolean mask or integer ids passed along stay what they are. Lines fit a terminal's
+    80 columns inside the report's box."""
+    cast = ("[a.float() if torch.is_tensor(a)\n"
+            "                    and a.is_floating_point() else a for a in args]")
     if per_class:
         return (f"class {target}(nn.Module):\n"
-                "    def forward(self, x):\n"
-                "        with torch.autocast('cuda', enabled=False):   # fp16 cannot hold what this block computes\n"
-                "            return self._forward(x.float())           # the original forward, renamed")
-    return (f"class Fp32Block(torch.nn.Module):   # wrap model.{target}\n"
+                "    def forward(self, *args, **kwargs):  # old forward: _forward\n"
+                "        with torch.autocast('cuda', enabled=False):  # fp32 inside\n"
+                f"            args = {cast}\n"
+                "            return self._forward(*args, **kwargs)")
+    return (f"class Fp32Block(torch.nn.Module):  # wrap model.{target}\n"
             "    def __init__(self, inner):\n        super().__init__(); self.inner = inner\n"
-            "    def forward(self, *args):\n"
-            "        with torch.autocast('cuda', enabled=False):\n"
-            "            return self.inner(*(a.float() for a in args))")
+            "    def forward(self, *args, **kwargs):\n"
+            "        with torch.autocast('cuda', enabled=False):  # fp32 inside\n"
+            f"            args = {cast}\n"
+            "            return self.inner(*args, **kwargs)")
+
+
+def module_types(ev: Evidence) -> dict[str, str]:
+    """Every module of the AMP probe's model by path (the root as ``""``) and its class name."""
+    amp = ev.amp
+    if amp is None or amp.precision is None or amp.precision.empty:
+        return {}
+    return {("" if m == "<root>" else str(m)): str(t) for m, t in zip(amp.precision["module"], amp.precision["type"])}
+
+
+def class_members(path: str, types: dict[str, str]) -> list[str]:
+    """Every module of ``path``'s class, when there are several and they are not most of the model: the modules
+    that run the same code as ``path`` (the blocks of a stack), where a fault in that code shows in each."""
+    kind = types.get(path)
+    members = [name for name, t in types.items() if t == kind and name]
+    modules = max(len(types) - 1, 1)
+    return members if 1 < len(members) and len(members) <= modules / 2 else []
 
 
 def quoted(modules: list[str]) -> str:

@@ -7,6 +7,10 @@ localised first non-finite operator is a cast or fill whose input, or whose
 Python number argument, holds a constant of constant-like magnitude (|x| >= 1e8,
 e.g. `(1 - mask) * torch.finfo(torch.float32).min`) that becomes inf in fp16. fp16's largest finite value is 65504
 (mixed-precision-notes.md, "Constants out of fp16 range").
+
+The fix keeps the module in fp32, and every other module of its class (the blocks of a stack run the same
+code, so the constant meets fp16 in each: keeping the first alone moves the fault to the next). A repair the
+intervention search measures by keeping modules around such a constant in fp32 is named this cause.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from typing import Any
 
 from ...measure.thresholds import CONSTANT_MAGNITUDE
 from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from ...measure.localise import Localisation
+from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
-from ._helpers import fp32_finite
+from ._helpers import class_members, fp32_finite, module_types, quoted
 
 OVERFLOW_MESSAGE = "without overflow"
 """The end of PyTorch's message when a Python scalar does not fit the tensor's dtype."""
@@ -41,6 +46,10 @@ class ConstantOutOfRange(Rule):
         lambda: fx.evidence(localisation=fx.localisation("forward", "attn", "aten::_to_copy", [(-7e4, 7e4)])),
     )
     suppresses = ("activation-overflow", "scale-overflow")
+    repairs = ("fp32-modules",)
+    names_cases = (lambda: (fx.repair("fp32-modules", ["blocks.0.attn", "blocks.1.attn"], forward_overflow=True),
+                            fx.evidence(localisation=fx.localisation("forward", "blocks.0.attn", "aten::mul", [(0.0, 1.0)],
+                                                                     "-inf (float16)", scalars=[-3.4e38]))),)
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp = ev.amp
@@ -52,29 +61,66 @@ class ConstantOutOfRange(Rule):
                                        "dtype": "float16", "module": exc.module, "location": exc.location},
                                   exc.module)]
         loc = ev.localisation
-        if loc is None or loc.operator not in CAST_OR_FILL or loc.phase not in ("forward", "loss"):
-            return []
-        magnitudes = [max(abs(lo), abs(hi)) for lo, hi in loc.input_ranges] + [abs(v) for v in loc.scalars]
-        constant = max(magnitudes, default=0.0)
-        if constant < CONSTANT_MAGNITUDE:
+        constant = _constant_met(loc)
+        if loc is None or constant is None:
             return []
         module = loc.module if loc.module and not loc.module.startswith("<") else None
         literal = next((v for v in loc.scalars if abs(v) >= CONSTANT_MAGNITUDE), None)
         return [self._finding(ev, {"operator": loc.operator, "constant_magnitude": constant, "constant": literal,
                                    "output": loc.output, "module": loc.module, "step": loc.step, "batch": loc.batch_index}, module)]
 
+    def names_repair(self, repair: Repair, ev: Evidence) -> bool:
+        """Modules kept in fp32 repaired it, and the localised fault is a constant out of fp16's range met inside them."""
+        loc = ev.localisation
+        inside = loc is not None and any(loc.module == m or (loc.module or "").startswith(m + ".") for m in repair.modules)
+        return repair.kind == "fp32-modules" and inside and _constant_met(loc) is not None
+
+    def repair_title(self, repair: Repair, ev: Evidence) -> str:
+        loc = ev.localisation
+        assert loc is not None
+        return (f"A constant beyond fp16's range (65504) meets an fp16 tensor in module '{loc.module}' ({loc.operator} at "
+                f"step {loc.step} -> {loc.output}); keeping {_kept(repair.modules, repair.module_class)} in fp32 repairs the training")
+
+    def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
+        return (f"Use the dtype's own limit instead of a literal, or a boolean mask (`torch.finfo(scores.dtype).min`); "
+                f"or keep {_kept(repair.modules, repair.module_class)} in fp32.", MASK_CODE)
+
     def _finding(self, ev: Evidence, evidence: dict[str, Any], module: str | None) -> Finding:
         where = f" in module '{module}'" if module else ""
-        patch = {"overrides": {"fp32_modules": [module]}} if module else {}
+        types = module_types(ev)
+        members = class_members(module, types) if module else []
+        keep = members or ([module] if module else [])
+        if members:  # the same code runs in every module of the class: the constant meets fp16 in each
+            evidence = {**evidence, "same_code_in": members}
+        kept = _kept(keep, types.get(module or "") if members else None)
         return self.finding(
             f"A constant beyond fp16's range (65504) meets an fp16 tensor{where}: {evidence['operator']}"
             + (f" with {evidence['constant']:.3g}" if evidence.get("constant") is not None else ""),
             evidence,
             Fix(
                 "Use the dtype's own limit instead of a literal, or a boolean mask: "
-                "`torch.finfo(scores.dtype).min`" + (f"; or keep '{module}' in fp32" if module else "") + ".",
-                code=("scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)   # not -1e9\n"
-                      "# or: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)       # a boolean mask"),
-                config_patch=patch,
+                "`torch.finfo(scores.dtype).min`" + (f"; or keep {kept} in fp32" if keep else "") + ".",
+                code=MASK_CODE,
+                config_patch={"overrides": {"fp32_modules": keep}} if keep else {},
             ),
         )
+
+
+MASK_CODE = ("scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)\n"
+             "# not -1e9, nor torch.finfo(torch.float32).min: inf in fp16\n"
+             "# or: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)")
+
+
+def _constant_met(loc: Localisation | None) -> float | None:
+    """The magnitude of the constant the localised forward cast or fill met (an input or a Python number of at
+    least ``CONSTANT_MAGNITUDE``), or None when the localised fault is something else."""
+    if loc is None or loc.operator not in CAST_OR_FILL or loc.phase not in ("forward", "loss"):
+        return None
+    magnitudes = [max(abs(lo), abs(hi)) for lo, hi in loc.input_ranges] + [abs(v) for v in loc.scalars]
+    constant = max(magnitudes, default=0.0)
+    return constant if constant >= CONSTANT_MAGNITUDE else None
+
+
+def _kept(modules: list[str], module_class: str | None) -> str:
+    """The modules a fix keeps in fp32, as the report says them."""
+    return f"every {module_class} ({quoted(modules)})" if module_class else quoted(modules)
