@@ -65,6 +65,17 @@ def test_a_repeated_block_is_kept_in_fp32_as_a_class_when_one_block_alone_moves_
     assert trials[-1]["repaired"] and len(trials) <= 3  # --ci tries at most three interventions
 
 
+def test_an_overflowing_library_module_is_kept_in_fp32_where_it_sits_in_each_block():
+    """Every layer's FFN `wo` (an nn.Linear) overflows: the set the search keeps is every FFN's wo, not every
+    Linear of the model (user trial: 5 Linears, and a fix that told the user to edit nn.Linear)."""
+    report = diagnose("t5_ffn_wo_overflow.py")
+    top = report["findings"][0]
+    assert (top["cause"], top["found_by"]) == ("activation-overflow", "intervention"), [(f["cause"], f["title"]) for f in report["findings"]]
+    assert top["fix"]["config_patch"]["overrides"]["fp32_modules"] == ["layers.0.ffn.wo", "layers.1.ffn.wo"]
+    assert "every FFN's wo" in top["title"] or "every FFN's wo" in top["evidence"]["intervention"]
+    assert "class Linear" not in top["fix"]["code"] and top["verification"]["repaired"]
+
+
 def test_a_log_of_a_half_precision_sigmoid_is_loss_in_half_although_the_log_ran_in_fp32():
     report = diagnose("sigmoid_log_loss.py")
     top = report["findings"][0]

@@ -35,7 +35,7 @@ from ..measure.symptoms import Symptom, skip_runs
 from ..measure.thresholds import EXTREME_INPUT
 from ..tensors import FP16_MAX
 from .model import Evidence, Repair, Verification
-from .rules._helpers import class_members, module_types, stores_half_training_state
+from .rules._helpers import class_members, library_modules, module_types, role_members, stores_half_training_state
 from .stages import StageContext, same_state_gap
 from .verify import Intervention, Verifier, drop_rows, standardise
 
@@ -244,9 +244,14 @@ class InterventionSearch:
                 chain.append(parent)
             if len(chain) == 3:
                 break
+        library = library_modules(self.ev)
         for index, path in enumerate(chain):
             yield self._fp32_modules([path], "module" if index == 0 else "parent")
             members = self._class_members(path, types)
+            role = role_members(path, types) if path in library else []
+            if role and role != members:  # every FFN's wo before every Linear of the model
+                parent, _, last = path.rpartition(".")
+                yield self._fp32_modules(role, "role", what=f"every {types[parent]}'s {last} ({', '.join(role)})")
             if members:
                 yield self._fp32_modules(members, "class", module_class=types[path])
         yield from self._grown([module])
@@ -270,10 +275,10 @@ class InterventionSearch:
     def _module_types(self) -> dict[str, str]:
         return module_types(self.ev)
 
-    def _fp32_modules(self, modules: list[str], scope: str, module_class: str | None = None) -> Candidate:
+    def _fp32_modules(self, modules: list[str], scope: str, module_class: str | None = None, what: str | None = None) -> Candidate:
         types = self._module_types()
         named = ", ".join(f"'{m}' ({types[m]})" if m in types else f"'{m}'" for m in modules)  # '1' (Mish), not "1"
-        what = f"every {module_class} ({', '.join(modules)})" if module_class else named
+        what = what or (f"every {module_class} ({', '.join(modules)})" if module_class else named)
         return Candidate("fp32-modules", Intervention(f"keeping {what} in fp32", {"overrides": {"fp32_modules": modules}}),
                          modules=modules, scope=scope, module_class=module_class, screen=self._screen_kind())
 

@@ -137,7 +137,8 @@ class Repair:
     modules: list[str] = field(default_factory=list)
     """For ``fp32-modules``: the modules kept in fp32."""
     scope: str = ""
-    """For ``fp32-modules``: ``module`` (the localised one), ``class`` (every module of its class), ``parent``,
+    """For ``fp32-modules``: ``module`` (the localised one), ``class`` (every module of its class), ``role`` (for a
+    library module, the one in its place in every module of its parent's class: every FFN's ``wo``), ``parent``,
     ``relocalised`` (grown by localising again after a partial repair) or ``gap-set`` (the precision-gap search's)."""
     module_class: str | None = None
     """For a ``class`` scope: the class every kept module is an instance of."""

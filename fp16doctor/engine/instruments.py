@@ -842,10 +842,16 @@ def _finite_abs_max(tensors: list[torch.Tensor]) -> float:
     return max(values, default=0.0)
 
 
+LIBRARY_PACKAGES = ("torch", "transformers", "timm", "torchvision")
+"""Packages whose module classes a user does not edit (``nn.Linear``, a Hugging Face layer): a fix names where such a
+module sits in the user's model, not its class (the precision table's ``library`` column)."""
+
+
 def precision_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None,
                   compute_dtypes: dict[str, str] | None = None) -> pd.DataFrame:
     """For every module: the dtype its computation ran in, and the dtypes of its parameters, buffers and optimizer state.
 
+    ``library``: the module's class comes from a library (:data:`LIBRARY_PACKAGES`), not the user's code.
     ``trained_param_dtypes``: the dtypes of the parameters the training trains (they require grad and an
     optimizer holds them); ``frozen``: the module has parameters and trains none of them. Only trained
     parameters are the training's weights: a frozen module kept in fp16 on purpose (a distillation teacher, a
@@ -864,6 +870,7 @@ def precision_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Ite
         trained = [p for p in params if p.requires_grad and id(p) in held]
         rows.append({
             "module": name or "<root>", "type": type(module).__name__,
+            "library": type(module).__module__.split(".")[0] in LIBRARY_PACKAGES,
             "compute_dtype": compute_dtypes.get(name or "<root>"),
             "param_dtypes": _dtype_names(params),
             "buffer_dtypes": _dtype_names(buffers),

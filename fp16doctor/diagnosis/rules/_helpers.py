@@ -93,19 +93,27 @@ def scale_patch(ev: Evidence) -> dict[str, Any]:
                        "growth_interval": int(interval)}}
 
 
-def fp32_wrapper_code(target: str, per_class: bool = False) -> str:
+def fp32_wrapper_code(target: str, per_class: bool = False, library: bool = False) -> str:
     """The permanent edit that keeps a module (or every module of a class) in fp32 under autocast. Only floating
-    tensors are cast up: a boolean mask or integer ids passed along stay what they are. Lines fit a terminal's
-    80 columns inside the report's box."""
+    tensors are cast up: a boolean mask or integer ids passed along stay what they are. A library's class
+    (``library``: ``nn.Linear``) is not the user's to edit: its modules are wrapped where they sit. Lines fit a
+    terminal's 80 columns inside the report's box."""
     cast = ("[a.float() if torch.is_tensor(a)\n"
             "                    and a.is_floating_point() else a for a in args]")
+    if per_class and library:
+        return (fp32_wrapper_code(f"every {target}") + "\n\n"
+                "for parent in list(model.modules()):\n"
+                "    for name, child in parent.named_children():\n"
+                f"        if type(child).__name__ == '{target}':\n"
+                "            setattr(parent, name, Fp32Block(child))")
     if per_class:
         return (f"class {target}(nn.Module):\n"
                 "    def forward(self, *args, **kwargs):  # old forward: _forward\n"
                 "        with torch.autocast('cuda', enabled=False):  # fp32 inside\n"
                 f"            args = {cast}\n"
                 "            return self._forward(*args, **kwargs)")
-    return (f"class Fp32Block(torch.nn.Module):  # wrap model.{target}\n"
+    where = target if " " in target else f"model.{target}"  # a module's path, or words ("every Linear")
+    return (f"class Fp32Block(torch.nn.Module):  # wrap {where}\n"
             "    def __init__(self, inner):\n        super().__init__(); self.inner = inner\n"
             "    def forward(self, *args, **kwargs):\n"
             "        with torch.autocast('cuda', enabled=False):  # fp32 inside\n"
@@ -128,6 +136,26 @@ def class_members(path: str, types: dict[str, str]) -> list[str]:
     members = [name for name, t in types.items() if t == kind and name]
     modules = max(len(types) - 1, 1)
     return members if 1 < len(members) and len(members) <= modules / 2 else []
+
+
+def library_modules(ev: Evidence) -> set[str]:
+    """The paths of the AMP probe's modules whose class comes from a library (``nn.Linear``): not code the user edits."""
+    amp = ev.amp
+    if amp is None or amp.precision is None or amp.precision.empty or "library" not in amp.precision:
+        return set()
+    return {("" if m == "<root>" else str(m)) for m, lib in zip(amp.precision["module"], amp.precision["library"]) if bool(lib)}
+
+
+def role_members(path: str, types: dict[str, str]) -> list[str]:
+    """The modules that hold ``path``'s place in every module of its parent's class: for ``layers.0.ffn.wo``, the
+    ``wo`` of every module of ``layers.0.ffn``'s class (T5's ``_keep_in_fp32_modules = ["wo"]``), when there are
+    several. Where ``path``'s own class is a library's (every Linear of a model is too broad a set), this is the
+    set the same user code puts in the same place."""
+    parent, _, last = path.rpartition(".")
+    if not parent or parent not in types:
+        return []
+    members = [f"{p}.{last}" for p, t in types.items() if p and t == types[parent] and types.get(f"{p}.{last}") == types.get(path)]
+    return members if len(members) > 1 else []
 
 
 def quoted(modules: list[str]) -> str:

@@ -15,6 +15,7 @@ from ._helpers import (
     enclosing_fp32_safe,
     fp32_finite,
     fp32_wrapper_code,
+    library_modules,
     module_abs_max,
     quoted,
 )
@@ -78,6 +79,9 @@ class ActivationOverflow(Rule):
         if repair.module_class:
             return (f"Run every {repair.module_class} in fp32: autocast off inside its forward, inputs cast up (one "
                     "block alone is not enough: the next one overflows instead). Or rescale what grows (a residual gain, "
-                    "attention scores by 1/sqrt(d)), or train in bf16.", fp32_wrapper_code(repair.module_class, per_class=True))
+                    "attention scores by 1/sqrt(d)), or train in bf16.",
+                    fp32_wrapper_code(repair.module_class, per_class=True, library=repair.modules[0] in library_modules(ev)))
         keep = quoted(repair.modules)
-        return f"Run {keep} in fp32 (autocast off inside it), or rescale what overflows, or train in bf16.", fp32_wrapper_code(repair.modules[0])
+        several = len(repair.modules) > 1
+        return (f"Run {keep} in fp32 (autocast off inside {'each' if several else 'it'}), or rescale what overflows, or train in bf16.",
+                fp32_wrapper_code(f"each of {keep}" if several else repair.modules[0]))
