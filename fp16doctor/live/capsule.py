@@ -127,9 +127,13 @@ def replay_note(manifest: dict[str, Any]) -> str:
         return (f"single-step replay of optimizer step {step}: the model's forward and backward and the optimizer step "
                 "replay exactly, driven by the recorded gradient of the loss w.r.t. the model's outputs; the loss "
                 "computation itself is not replayed (a non-finite gradient arriving from it is a finding about the loss, "
-                "outside the model), nor are the steps before or after")
+                "outside the model), nor are the steps before or after" + REPEATED)
     return (f"single-step replay of optimizer step {step} with the {manifest.get('replay')} loss; "
-            "the steps before and after it are not replayed")
+            "the steps before and after it are not replayed" + REPEATED)
+
+
+REPEATED = "; the probes take that batch again for a few steps from the recorded state, so that the scaler can back off"
+"""Why a single-step capsule's stages report several steps on one batch (:func:`capsule_config`)."""
 
 
 def constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
