@@ -19,7 +19,7 @@ from typing import Any
 
 from ...measure.thresholds import CONSTANT_MAGNITUDE
 from .. import fixtures as fx
-from ...measure.localise import Localisation
+from ...measure.records import Localisation
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import class_members, fp32_finite, module_types, quoted
