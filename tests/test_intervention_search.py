@@ -109,3 +109,20 @@ def test_no_search_runs_where_every_symptom_is_explained(name):
     report = json.loads(proc.stdout)
     assert search_stage(report)["status"] == "skipped"
     assert all(f["found_by"] == "rule" for f in report["findings"])
+
+
+def test_the_modules_in_a_library_modules_place_are_found_through_containers():
+    from fp16doctor.diagnosis.rules._helpers import class_members, role_members
+
+    types = {"": "Net", "blocks": "ModuleList", "blocks.0": "Block", "blocks.1": "Block",
+             "blocks.0.mlp": "Sequential", "blocks.1.mlp": "Sequential", "blocks.0.mlp.2": "Linear",
+             "blocks.1.mlp.2": "Linear", "head": "Sequential", "head.2": "Linear", "blocks.0.attn": "Attn",
+             "blocks.1.attn": "Attn", "blocks.0.attn.wo": "Linear", "blocks.1.attn.wo": "Linear"}
+    role = role_members("blocks.0.mlp.2", types)  # through the Sequential: in its place in every Block
+    assert role is not None and role.members == ["blocks.0.mlp.2", "blocks.1.mlp.2"] and (role.owner, role.place) == ("Block", "mlp.2")
+    assert role.description() == "every Block's mlp.2 (blocks.0.mlp.2, blocks.1.mlp.2)"
+    wo = role_members("blocks.1.attn.wo", types)
+    assert wo is not None and wo.members == ["blocks.0.attn.wo", "blocks.1.attn.wo"] and wo.owner == "Attn"
+    assert role_members("head.2", types) is None  # its owner is the model itself: nothing else holds that place
+    assert class_members("blocks.0.attn", types) == ["blocks.0.attn", "blocks.1.attn"]
+    assert len(class_members("blocks.0.mlp.2", types)) == 5  # every Linear: the wider candidate, tried after

@@ -286,17 +286,17 @@ TWICE_AND_TRANSPOSED = GATED_FILE.replace(
     "        self.head = nn.Linear(WIDTH, 4)\n        self.transposed = Transposed()").replace(
     "class Exp(nn.Module):", "class Transposed(nn.Module):\n    def forward(self, h):\n"
     "        return (h.T * 1.0).T  # computed on a transposed copy: the output's rows are the batch's, its memory is not\n\n\n"
-    "class Flat(nn.Module):\n    def forward(self, h):\n        return h\n\n\nclass Exp(nn.Module):")
+    "class Exp(nn.Module):")
 
 
-@pytest.mark.parametrize("sample", [1000, 0])
-def test_a_micro_batched_capture_samples_what_the_whole_batch_would(training_file, sample):
+@pytest.mark.parametrize("sample, batch, rows", [(1000, 512, [256, 256]), (0, 512, [256, 256]), (997, 511, [256, 255])])
+def test_a_micro_batched_capture_samples_what_the_whole_batch_would(training_file, sample, batch, rows):
     # The loss-scale stage's FP32 reference is micro-batched like every FP32 probe (its whole-batch step was
     # the diagnosis's peak): its capture must hold the elements a whole-batch capture holds, so that AMP's
-    # gradients compare with it element for element.
-    path = training_file(GATED_FILE)
+    # gradients compare with it element for element (an uneven split and a sample size dividing nothing too).
+    path = training_file(GATED_FILE.replace("WIDTH, BATCH = 256, 512", f"WIDTH, BATCH = 256, {batch}"))
     split_probe = bench_for(path).probe("fp32", instruments=None)
-    assert split_probe.batch_plan.split and split_probe.next_micro_batch_rows() == [256, 256]
+    assert split_probe.batch_plan.split and split_probe.next_micro_batch_rows() == rows
     split = capture_gradients(split_probe, sample=sample)
     split_probe.close()
     whole_probe = bench_for(path, micro_batching=False).probe("fp32", instruments=None)
@@ -304,6 +304,7 @@ def test_a_micro_batched_capture_samples_what_the_whole_batch_would(training_fil
     whole = capture_gradients(whole_probe, sample=sample)
     whole_probe.close()
     assert set(split.tensors) == set(whole.tensors) and any(k.startswith("act:") for k in whole.tensors)
+    assert split.shapes == whole.shapes  # the whole batch's gradient shapes, as the comparison checks them
     for key, tensor in whole.tensors.items():
         assert split.tensors[key].shape == tensor.shape, key
         torch.testing.assert_close(split.tensors[key], tensor, rtol=1e-4, atol=1e-6 * float(tensor.abs().max()))
@@ -331,3 +332,21 @@ def test_observed_underflow_is_the_same_against_a_micro_batched_reference(traini
     assert len(split) == len(whole) > 0 and list(split.columns) == list(whole.columns)
     pd.testing.assert_frame_equal(split.drop(columns=["rms"]), whole.drop(columns=["rms"]), atol=1e-3, rtol=1e-3)
     pd.testing.assert_series_equal(split["rms"], whole["rms"], rtol=1e-4)
+
+
+def test_a_micro_batch_capture_leaves_out_outputs_it_cannot_tell_from_the_batch():
+    from fp16doctor.measure.numerics import _WholeBatchSamples
+
+    single = _WholeBatchSamples([1, 1], sample=100)  # a leading 1 may be the row or a broadcast (1, T, D)
+    single.watch("act:wpe", torch.zeros(1, 4, 3, requires_grad=True))
+    assert "act:wpe" in single.unaligned
+    trimmed = _WholeBatchSamples([2, 2], sample=100)  # each micro-batch cut to its own longest sequence
+    trimmed.watch("act:h", torch.zeros(2, 5, requires_grad=True))
+    trimmed.next_piece()
+    trimmed.watch("act:h", torch.zeros(2, 3, requires_grad=True))
+    assert "act:h" in trimmed.unaligned
+    steady = _WholeBatchSamples([2, 2], sample=100)
+    steady.watch("act:h", torch.zeros(2, 5, requires_grad=True))
+    steady.next_piece()
+    steady.watch("act:h", torch.zeros(2, 5, requires_grad=True))
+    assert not steady.unaligned

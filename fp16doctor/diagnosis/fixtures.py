@@ -23,7 +23,7 @@ from ..measure.records import Localisation, ScaleWindow
 from .model import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
 
 PRECISION_COLUMNS = ["module", "type", "compute_dtype", "param_dtypes", "buffer_dtypes", "optimizer_state_dtypes",
-                     "trained_param_dtypes", "frozen"]
+                     "trained_param_dtypes", "frozen", "library"]
 
 
 def records(
@@ -57,13 +57,18 @@ def records(
     return pd.DataFrame(rows, columns=RECORD_COLUMNS)
 
 
+LIBRARY_TYPES = {"Linear", "Conv2d", "LayerNorm", "BatchNorm1d", "BatchNorm2d", "Embedding", "MultiheadAttention",
+                 "ReLU", "GELU", "Dropout", "Sequential", "ModuleList"}
+"""torch.nn classes the fixtures use: their precision rows say ``library`` as the instruments' would."""
+
+
 def precision(*rows: tuple[Any, ...]) -> pd.DataFrame:
     """(module, type, param dtypes, buffer dtypes, optimizer-state dtypes[, frozen]) per module; a module's
     parameters are trained unless ``frozen`` is true."""
     table = rows or (("0", "Linear", "float32", None, "float32"),)
     return pd.DataFrame([{"module": m, "type": t, "compute_dtype": None, "param_dtypes": p, "buffer_dtypes": b,
                           "optimizer_state_dtypes": o, "trained_param_dtypes": None if frozen else p,
-                          "frozen": bool(frozen and p)}
+                          "frozen": bool(frozen and p), "library": t in LIBRARY_TYPES}
                          for m, t, p, b, o, *rest in table for frozen in [rest[0] if rest else False]],
                         columns=PRECISION_COLUMNS)
 

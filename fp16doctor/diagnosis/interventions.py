@@ -248,10 +248,9 @@ class InterventionSearch:
         for index, path in enumerate(chain):
             yield self._fp32_modules([path], "module" if index == 0 else "parent")
             members = self._class_members(path, types)
-            role = role_members(path, types) if path in library else []
-            if role and role != members:  # every FFN's wo before every Linear of the model
-                parent, _, last = path.rpartition(".")
-                yield self._fp32_modules(role, "role", what=f"every {types[parent]}'s {last} ({', '.join(role)})")
+            role = role_members(path, types) if path in library else None
+            if role is not None and role.members != members:  # every FFN's wo before every Linear of the model
+                yield self._fp32_modules(role.members, "role", what=role.description())
             if members:
                 yield self._fp32_modules(members, "class", module_class=types[path])
         yield from self._grown([module])

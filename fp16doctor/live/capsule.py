@@ -122,12 +122,13 @@ def replay_note(manifest: dict[str, Any]) -> str:
     step = manifest.get("step")
     if manifest.get("loss_finding"):
         return (f"optimizer step {step}: {manifest['loss_finding']}; the replay drives the model's backward with "
-                "that gradient's finite entries (its inf/NaN entries as 0)")
+                "that gradient's finite entries (its inf/NaN entries as 0)" + REPEATED)
     if manifest.get("replay") == "output-grads":
         return (f"single-step replay of optimizer step {step}: the model's forward and backward and the optimizer step "
                 "replay exactly, driven by the recorded gradient of the loss w.r.t. the model's outputs; the loss "
                 "computation itself is not replayed (a non-finite gradient arriving from it is a finding about the loss, "
-                "outside the model), nor are the steps before or after" + REPEATED)
+                "outside the model: its inf/NaN entries count as 0, and an output whose gradient has no finite entry "
+                "is driven by its mean's), nor are the steps before or after" + REPEATED)
     return (f"single-step replay of optimizer step {step} with the {manifest.get('replay')} loss; "
             "the steps before and after it are not replayed" + REPEATED)
 

@@ -10,7 +10,7 @@ happens in the backward pass between layers).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pandas as pd
@@ -33,12 +33,15 @@ class GradientCapture:
     tensors: dict[str, torch.Tensor]
     scale: float
     """The loss scale the activation gradients were computed at (parameter gradients are unscaled)."""
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """The shape of the gradient each sample was taken from (a micro-batched capture's: the whole batch's). Two
+    samples compare element for element only where these agree, not merely their lengths."""
 
 
 
 
 def capture_gradients(probe: Probe, sample: int = 262144, restore: bool = False,
-                      consume: Callable[[str, torch.Tensor], None] | None = None) -> GradientCapture:
+                      consume: Callable[[str, torch.Tensor, tuple[int, ...]], None] | None = None) -> GradientCapture:
     """Take one step of ``probe`` keeping (a strided sample of) its gradients.
 
     Works for any training file, ``train_step`` included: parameter gradients
@@ -58,11 +61,12 @@ def capture_gradients(probe: Probe, sample: int = 262144, restore: bool = False,
     to: the snapshot would be a full copy of the weights and the optimizer's
     state beside the live ones, the largest allocation of the loss-scale stage.
 
-    ``consume``: given each sample ``(key, tensor)`` as it is taken, which the capture then does not keep
+    ``consume``: given each sample ``(key, tensor, source shape)`` as it is taken, which the capture then does not keep
     (its tensors stay empty): a comparison against another capture needs no second one alive beside it.
     """
     snap = probe.snapshot() if restore else None
     captured: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     names = module_names(probe.model)
     params = {p: n for n, p in probe.model.named_parameters()}
     piece_rows = probe.next_micro_batch_rows()
@@ -74,13 +78,13 @@ def capture_gradients(probe: Probe, sample: int = 262144, restore: bool = False,
         nonlocal took_params
         took_params = took_params or key.startswith("param:")
         kept = strided_sample(g.detach(), sample).to(torch.float32, copy=True)  # a copy: the sample is a view of g
-        store(key, kept.div_(divide) if divide != 1.0 else kept)
+        store(key, kept.div_(divide) if divide != 1.0 else kept, tuple(g.shape))
 
-    def store(key: str, kept: torch.Tensor) -> None:
+    def store(key: str, kept: torch.Tensor, shape: tuple[int, ...]) -> None:
         if consume is None:
-            captured[key] = kept
+            captured[key], shapes[key] = kept, shape
         else:
-            consume(key, kept)
+            consume(key, kept, shape)
 
     def forward_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad and output.is_floating_point():
@@ -119,10 +123,10 @@ def capture_gradients(probe: Probe, sample: int = 262144, restore: bool = False,
             probe.restore(snap)
     if pieces is not None:  # the activation gradients first, as a whole-batch step's backward takes them
         params_taken, captured = captured, {}
-        for key, kept in pieces.assembled().items():
-            store(key, kept)
+        for key, (kept, shape) in pieces.assembled().items():
+            store(key, kept, shape)
         captured.update(params_taken)
-    return GradientCapture(captured, scale)
+    return GradientCapture(captured, scale, shapes)
 
 
 class _WholeBatchSamples:
@@ -132,10 +136,13 @@ class _WholeBatchSamples:
     A module's output on micro-batch j holds rows ``[sum(rows[:j]), sum(rows[:j + 1]))`` of the whole batch's
     output when its leading dimension is the batch's, so its flattened elements are a contiguous stretch of
     the whole's, and the whole's sample positions in that stretch are known before the whole exists. Only
-    what the sample keeps is copied, as for the whole batch. A module's gradient is kept only when every
-    micro-batch showed it exactly once with the batch as its leading dimension, and the step took every
-    micro-batch; else (an output without the batch's rows in front, a module called twice per forward) it is
-    left out of the capture, which readers treat as a tensor not measured."""
+    what the sample keeps is copied (a non-contiguous gradient is flattened first, a transient copy). A module's
+    gradient is kept only when every micro-batch showed it exactly once with the batch's rows as its leading
+    dimension and the same shape per row, and the step took every micro-batch; else (an output without the
+    batch's rows in front, one trimmed to each micro-batch's longest sequence, a module called twice per
+    forward) it is left out of the capture, which readers treat as a tensor not measured. A micro-batch of one
+    row cannot tell the batch's rows from a leading dimension of 1 (a position embedding's ``(1, T, D)``): its
+    outputs are left out too."""
 
     def __init__(self, rows: list[int], sample: int):
         self.rows, self.sample = rows, sample
@@ -145,6 +152,7 @@ class _WholeBatchSamples:
         self.parts: dict[str, dict[int, torch.Tensor]] = {}
         self.watched: set[tuple[str, int]] = set()
         self.unaligned: set[str] = set()
+        self.row_shapes: dict[str, tuple[int, ...]] = {}
 
     def next_piece(self) -> None:
         self.piece += 1
@@ -152,7 +160,10 @@ class _WholeBatchSamples:
     def watch(self, key: str, output: torch.Tensor) -> None:
         """``output`` is ``key``'s on the running micro-batch: sample its gradient when backward reaches it."""
         piece = self.piece
-        if not 0 <= piece < len(self.rows) or (key, piece) in self.watched or output.dim() == 0 or output.shape[0] != self.rows[piece]:
+        aligned = (0 <= piece < len(self.rows) and (key, piece) not in self.watched and output.dim() > 0
+                   and self.rows[piece] > 1 and output.shape[0] == self.rows[piece]
+                   and self.row_shapes.setdefault(key, tuple(output.shape[1:])) == tuple(output.shape[1:]))
+        if not aligned:
             self.unaligned.add(key)
             return
         self.watched.add((key, piece))
@@ -165,12 +176,12 @@ class _WholeBatchSamples:
         first = -(per_row * self.starts[piece]) % stride  # the whole's first sampled position in this stretch
         self.parts.setdefault(key, {})[piece] = g.detach().reshape(-1)[first::stride].to(torch.float32, copy=True)
 
-    def assembled(self) -> dict[str, torch.Tensor]:
-        """Each aligned module's sample of the whole batch's gradient."""
+    def assembled(self) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
+        """Each aligned module's sample of the whole batch's gradient, and the whole gradient's shape."""
         if self.piece != len(self.rows):  # the step failed before its last micro-batch's backward
             return {}
-        return {key: torch.cat([parts[j] for j in range(len(self.rows))]) for key, parts in self.parts.items()
-                if key not in self.unaligned and len(parts) == len(self.rows)}
+        return {key: (torch.cat([parts[j] for j in range(len(self.rows))]), (sum(self.rows), *self.row_shapes[key]))
+                for key, parts in self.parts.items() if key not in self.unaligned and len(parts) == len(self.rows)}
 
 
 def predicted_underflow(capture: GradientCapture, scale: float) -> pd.DataFrame:
@@ -266,9 +277,9 @@ def observed_underflow(bench: Workbench, state_from: Probe | None = None, config
         compared: dict[str, dict[str, Any]] = {}
         fp32_capture = reference
 
-        def compare(key: str, g16: torch.Tensor) -> None:  # as AMP's step takes each sample: none is kept
+        def compare(key: str, g16: torch.Tensor, shape: tuple[int, ...]) -> None:  # as AMP's step takes each sample: none is kept
             g32 = fp32_capture.tensors.get(key)
-            if g32 is not None and g16.shape == g32.shape:
+            if g32 is not None and g16.shape == g32.shape and fp32_capture.shapes.get(key, shape) == shape:
                 compared[key] = _underflow_row(key, g32, g16)
         try:
             if state_from is not None and state_from.scaler.is_enabled() and amp.scaler.is_enabled():

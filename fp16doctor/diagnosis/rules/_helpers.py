@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -98,8 +99,10 @@ def fp32_wrapper_code(target: str, per_class: bool = False, library: bool = Fals
     tensors are cast up: a boolean mask or integer ids passed along stay what they are. A library's class
     (``library``: ``nn.Linear``) is not the user's to edit: its modules are wrapped where they sit. Lines fit a
     terminal's 80 columns inside the report's box."""
-    cast = ("[a.float() if torch.is_tensor(a)\n"
-            "                    and a.is_floating_point() else a for a in args]")
+    up = ("def up(a):  # floating tensors to fp32; masks, ids, the rest as they are\n"
+          "    return a.float() if torch.is_tensor(a) and a.is_floating_point() else a\n\n")
+    cast = ("            args = [up(a) for a in args]\n"
+            "            kwargs = {k: up(v) for k, v in kwargs.items()}\n")
     if per_class and library:
         return (fp32_wrapper_code(f"every {target}") + "\n\n"
                 "for parent in list(model.modules()):\n"
@@ -107,17 +110,17 @@ def fp32_wrapper_code(target: str, per_class: bool = False, library: bool = Fals
                 f"        if type(child).__name__ == '{target}':\n"
                 "            setattr(parent, name, Fp32Block(child))")
     if per_class:
-        return (f"class {target}(nn.Module):\n"
+        return (up + f"class {target}(nn.Module):\n"
                 "    def forward(self, *args, **kwargs):  # old forward: _forward\n"
                 "        with torch.autocast('cuda', enabled=False):  # fp32 inside\n"
-                f"            args = {cast}\n"
+                + cast +
                 "            return self._forward(*args, **kwargs)")
     where = target if " " in target else f"model.{target}"  # a module's path, or words ("every Linear")
-    return (f"class Fp32Block(torch.nn.Module):  # wrap {where}\n"
+    return (up + f"class Fp32Block(torch.nn.Module):  # wrap {where}\n"
             "    def __init__(self, inner):\n        super().__init__(); self.inner = inner\n"
             "    def forward(self, *args, **kwargs):\n"
             "        with torch.autocast('cuda', enabled=False):  # fp32 inside\n"
-            f"            args = {cast}\n"
+            + cast +
             "            return self.inner(*args, **kwargs)")
 
 
@@ -146,16 +149,43 @@ def library_modules(ev: Evidence) -> set[str]:
     return {("" if m == "<root>" else str(m)) for m, lib in zip(amp.precision["module"], amp.precision["library"]) if bool(lib)}
 
 
-def role_members(path: str, types: dict[str, str]) -> list[str]:
-    """The modules that hold ``path``'s place in every module of its parent's class: for ``layers.0.ffn.wo``, the
-    ``wo`` of every module of ``layers.0.ffn``'s class (T5's ``_keep_in_fp32_modules = ["wo"]``), when there are
-    several. Where ``path``'s own class is a library's (every Linear of a model is too broad a set), this is the
-    set the same user code puts in the same place."""
-    parent, _, last = path.rpartition(".")
-    if not parent or parent not in types:
-        return []
-    members = [f"{p}.{last}" for p, t in types.items() if p and t == types[parent] and types.get(f"{p}.{last}") == types.get(path)]
-    return members if len(members) > 1 else []
+CONTAINERS = ("Sequential", "ModuleList", "ModuleDict")
+"""Module classes that only hold others: no code of their own decides what a child in them does."""
+
+
+@dataclass(frozen=True)
+class Role:
+    """The modules in one place of every module of a user class: every ``FFN``'s ``wo``."""
+
+    members: list[str]
+    owner: str
+    """The class whose every instance holds one of them (``FFN``)."""
+    place: str
+    """Their path inside it (``wo``; ``mlp.2`` through a Sequential)."""
+
+    def description(self) -> str:
+        return f"every {self.owner}'s {self.place} ({', '.join(self.members)})"
+
+
+def role_members(path: str, types: dict[str, str]) -> Role | None:
+    """The modules that hold ``path``'s place in every module of its owner's class, when there are several: for
+    ``layers.0.ffn.wo``, the ``wo`` of every module of ``layers.0.ffn``'s class (T5's ``_keep_in_fp32_modules =
+    ["wo"]``). The owner is the nearest enclosing module that is not a container (a Sequential's index 2 means
+    nothing across Sequentials: ``blocks.0.mlp.2`` is in its place in every Block, not in every Sequential).
+    Where ``path``'s own class is a library's (every Linear of a model is too broad a set), this is the set the
+    same user code puts in the same place."""
+    parts = path.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        owner = ".".join(parts[:depth])
+        if owner not in types:
+            return None
+        if types[owner] in CONTAINERS:
+            continue
+        place = ".".join(parts[depth:])
+        members = [f"{p}.{place}" for p, t in types.items()
+                   if p and t == types[owner] and types.get(f"{p}.{place}") == types.get(path)]
+        return Role(members, types[owner], place) if len(members) > 1 else None
+    return None
 
 
 def quoted(modules: list[str]) -> str:

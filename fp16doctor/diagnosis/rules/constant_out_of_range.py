@@ -22,7 +22,7 @@ from .. import fixtures as fx
 from ...measure.records import Localisation
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
-from ._helpers import class_members, fp32_finite, module_types, quoted
+from ._helpers import class_members, fp32_finite, library_modules, module_types, quoted, role_members
 
 OVERFLOW_MESSAGE = "without overflow"
 """The end of PyTorch's message when a Python scalar does not fit the tensor's dtype."""
@@ -88,11 +88,11 @@ class ConstantOutOfRange(Rule):
     def _finding(self, ev: Evidence, evidence: dict[str, Any], module: str | None) -> Finding:
         where = f" in module '{module}'" if module else ""
         types = module_types(ev)
-        members = class_members(module, types) if module else []
+        members, owner = _same_code(module, types, ev)
         keep = members or ([module] if module else [])
-        if members:  # the same code runs in every module of the class: the constant meets fp16 in each
+        if members:  # the same code runs in every one of them: the constant meets fp16 in each
             evidence = {**evidence, "same_code_in": members}
-        kept = _kept(keep, types.get(module or "") if members else None)
+        kept = _kept(keep, owner)
         return self.finding(
             f"A constant beyond fp16's range (65504) meets an fp16 tensor{where}: {evidence['operator']}"
             + (f" with {evidence['constant']:.3g}" if evidence.get("constant") is not None else ""),
@@ -119,6 +119,19 @@ def _constant_met(loc: Localisation | None) -> float | None:
     magnitudes = [max(abs(lo), abs(hi)) for lo, hi in loc.input_ranges] + [abs(v) for v in loc.scalars]
     constant = max(magnitudes, default=0.0)
     return constant if constant >= CONSTANT_MAGNITUDE else None
+
+
+def _same_code(module: str | None, types: dict[str, str], ev: Evidence) -> tuple[list[str], str | None]:
+    """The modules that run the localised module's code, and how to say them: every module of its class (a user
+    class: every Attn), or for a library class (an nn.Linear) the one in its place in every module of its owner's
+    class; none (``[]``) when it is the only one."""
+    if not module:
+        return [], None
+    if module in library_modules(ev):
+        role = role_members(module, types)
+        return (role.members, f"{role.owner}'s {role.place}") if role is not None else ([], None)
+    members = class_members(module, types)
+    return members, types.get(module) if members else None
 
 
 def _kept(modules: list[str], module_class: str | None) -> str:
