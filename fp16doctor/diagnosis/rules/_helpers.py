@@ -188,6 +188,12 @@ def role_members(path: str, types: dict[str, str]) -> Role | None:
     return None
 
 
+def localised_inside(ev: Evidence, modules: list[str]) -> bool:
+    """The localised fault is in one of ``modules`` or in a module inside one of them."""
+    loc = ev.localisation
+    return loc is not None and any(loc.module == m or (loc.module or "").startswith(m + ".") for m in modules)
+
+
 def quoted(modules: list[str]) -> str:
     """Module names as prose reads them: ``'1', '4'`` (a Sequential's children are numbers: "keep 4, 1" read as counts)."""
     return ", ".join(f"'{m}'" for m in modules)

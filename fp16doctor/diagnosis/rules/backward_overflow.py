@@ -16,7 +16,7 @@ from __future__ import annotations
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Repair
 from . import Rule
-from ._helpers import quoted
+from ._helpers import localised_inside, quoted
 
 
 class BackwardOverflow(Rule):
@@ -41,8 +41,7 @@ class BackwardOverflow(Rule):
         loc = ev.localisation
         if loc is None or loc.phase != "backward":
             return False
-        holds = any(loc.module == m or (loc.module or "").startswith(m + ".") for m in repair.modules)
-        return repair.kind == "bf16" or (repair.kind == "fp32-modules" and holds and not repair.forward_overflow)
+        return repair.kind == "bf16" or (repair.kind == "fp32-modules" and localised_inside(ev, repair.modules) and not repair.forward_overflow)
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation

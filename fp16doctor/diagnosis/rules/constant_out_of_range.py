@@ -22,7 +22,7 @@ from .. import fixtures as fx
 from ...measure.records import Localisation
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
-from ._helpers import class_members, fp32_finite, library_modules, module_types, quoted, role_members
+from ._helpers import class_members, fp32_finite, library_modules, localised_inside, module_types, quoted, role_members
 
 OVERFLOW_MESSAGE = "without overflow"
 """The end of PyTorch's message when a Python scalar does not fit the tensor's dtype."""
@@ -72,8 +72,7 @@ class ConstantOutOfRange(Rule):
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it, and the localised fault is a constant out of fp16's range met inside them."""
         loc = ev.localisation
-        inside = loc is not None and any(loc.module == m or (loc.module or "").startswith(m + ".") for m in repair.modules)
-        return repair.kind == "fp32-modules" and inside and _constant_met(loc) is not None
+        return repair.kind == "fp32-modules" and localised_inside(ev, repair.modules) and _constant_met(loc) is not None
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation

@@ -19,7 +19,7 @@ from ...tensors import FP16_MAX
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix, ProbeSummary, Repair
 from . import Rule
-from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, module_abs_max, quoted
+from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, localised_inside, module_abs_max, quoted
 
 DIVISOR_INPUT = {"aten::div": 1, "aten::div_": 1, "aten::true_divide": 1, "aten::reciprocal": 0, "aten::rsqrt": 0,
                  "aten::log": 0, "aten::log2": 0, "aten::log10": 0, "aten::addcdiv": 2}
@@ -103,8 +103,7 @@ class DivisorUnderflow(Rule):
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it, and the fault is a division by a divisor that reached 0 inside them."""
         loc = ev.localisation
-        holds = loc is not None and any(loc.module == m or (loc.module or "").startswith(m + ".") for m in repair.modules)
-        return repair.kind == "fp32-modules" and holds and loc is not None and self._divides_by_zero(ev, loc)
+        return repair.kind == "fp32-modules" and localised_inside(ev, repair.modules) and loc is not None and self._divides_by_zero(ev, loc)
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
