@@ -278,6 +278,26 @@ def test_only_gradients_holding_an_inf_or_nan_are_non_finite_layers_not_those_wh
     assert nonfinite_layers(grads, names, norms) == ["inf", "nan"]
 
 
+def watched_amp_steps(folder, optimizer, losses):
+    """PyTorch's AMP recipe, one step per loss function in ``losses``, under a TrainingObserver that alarms at the
+    first skipped step and writes its capsule into ``folder``: the alarm."""
+    from fp16doctor.live.observe import TrainingObserver, WatchStopped
+
+    scaler = torch.amp.GradScaler("cpu")
+    try:
+        with TrainingObserver(WatchOptions(capsule_dir=folder, skip_streak=1)):
+            for compute in losses:
+                optimizer.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = compute()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+    except WatchStopped as stopped:
+        return stopped.alarm
+    raise AssertionError("the observer did not alarm")
+
+
 def test_a_capsule_whose_loss_gradient_is_non_finite_is_diagnosed_as_the_loss_not_as_fp32(tmp_path):
     """log(softmax + 1e-8) in fp16: a probability that is 0 in fp16 stays 0 (1e-8 is 0 there too), the loss (of the
     targets' probabilities) is finite, and its gradient w.r.t. the logits is NaN. The capsule replays the model from
@@ -286,26 +306,18 @@ def test_a_capsule_whose_loss_gradient_is_non_finite_is_diagnosed_as_the_loss_no
     import json
 
     from conftest import run_cli
-    from fp16doctor.live.observe import TrainingObserver, WatchStopped
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu")
     x, y = torch.randn(16, 8), torch.zeros(16, dtype=torch.long)
-    try:
-        with TrainingObserver(WatchOptions(capsule_dir=tmp_path, skip_streak=1)) as observer:
-            for sharp in (1.0, 40.0):  # a first, healthy step is applied; then sharp logits
-                optimizer.zero_grad()
-                with torch.autocast("cpu", dtype=torch.float16):
-                    logits = model(x) * sharp
-                    logits = logits + torch.tensor([30.0, 0.0, 0.0]) * (sharp > 1)  # the target's probability stays ~1
-                    loss = F.nll_loss(torch.log(torch.softmax(logits, -1) + 1e-8), y)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-    except WatchStopped as stopped:
-        alarm = stopped.alarm
+
+    def sharp_nll(sharp: float) -> torch.Tensor:
+        logits = model(x) * sharp
+        logits = logits + torch.tensor([30.0, 0.0, 0.0]) * (sharp > 1)  # the target's probability stays ~1
+        return F.nll_loss(torch.log(torch.softmax(logits, -1) + 1e-8), y)
+
+    # a first, healthy step is applied; then sharp logits
+    alarm = watched_amp_steps(tmp_path, torch.optim.SGD(model.parameters(), lr=1e-2), [lambda: sharp_nll(1.0), lambda: sharp_nll(40.0)])
     manifest = json.loads((alarm.capsule / "manifest.json").read_text())
     assert manifest["loss_finding"] and manifest["replay"] == "output-grads"
     proc = run_cli("diagnose", "--capsule", alarm.capsule, "--json")
@@ -329,26 +341,17 @@ def test_a_capsule_whose_outputs_went_non_finite_is_diagnosed_from_the_data_not_
     import json
 
     from conftest import run_cli
-    from fp16doctor.live.observe import TrainingObserver, WatchStopped
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    try:
-        with TrainingObserver(WatchOptions(capsule_dir=tmp_path, skip_streak=1)) as observer:
-            for raw in (False, True):  # a first, healthy step; then a shard in raw units
-                x = torch.randn(16, 8)
-                y = x.sum(1, keepdim=True)
-                x = x * 2e4 + 1e5 if raw else x
-                optimizer.zero_grad()
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = F.mse_loss(model(x).float(), y)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-    except WatchStopped as stopped:
-        alarm = stopped.alarm
+
+    def regression(raw: bool) -> torch.Tensor:
+        x = torch.randn(16, 8)
+        y = x.sum(1, keepdim=True)
+        return F.mse_loss(model(x * 2e4 + 1e5 if raw else x).float(), y)
+
+    # a first, healthy step; then a shard in raw units
+    alarm = watched_amp_steps(tmp_path, torch.optim.Adam(model.parameters(), lr=1e-3), [lambda: regression(False), lambda: regression(True)])
     manifest = json.loads((alarm.capsule / "manifest.json").read_text())
     assert not manifest["loss_finding"] and manifest["replay"] == "output-grads"  # the loss itself is NaN
     proc = run_cli("diagnose", "--capsule", alarm.capsule, "--json", "--device", "cpu")

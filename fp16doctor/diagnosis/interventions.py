@@ -235,7 +235,7 @@ class InterventionSearch:
         the module the fault moved to is added to the set."""
         if not module or module == OUTSIDE_MODEL or module == "<root>":
             return
-        types = self._module_types()
+        types = module_types(self.ev)
         chain = [module]
         parts = module.split(".")
         for depth in range(len(parts) - 1, 0, -1):
@@ -247,7 +247,7 @@ class InterventionSearch:
         library = library_modules(self.ev)
         for index, path in enumerate(chain):
             yield self._fp32_modules([path], "module" if index == 0 else "parent")
-            members = self._class_members(path, types)
+            members = class_members(path, types)
             role = role_members(path, types) if path in library else None
             if role is not None and role.members != members:  # every FFN's wo before every Linear of the model
                 yield self._fp32_modules(role.members, "role", what=role.description())
@@ -268,14 +268,8 @@ class InterventionSearch:
             modules = modules + [moved.module]
             yield self._fp32_modules(modules, "relocalised")
 
-    def _class_members(self, path: str, types: dict[str, str]) -> list[str]:
-        return class_members(path, types)
-
-    def _module_types(self) -> dict[str, str]:
-        return module_types(self.ev)
-
     def _fp32_modules(self, modules: list[str], scope: str, module_class: str | None = None, what: str | None = None) -> Candidate:
-        types = self._module_types()
+        types = module_types(self.ev)
         named = ", ".join(f"'{m}' ({types[m]})" if m in types else f"'{m}'" for m in modules)  # '1' (Mish), not "1"
         what = what or (f"every {module_class} ({', '.join(modules)})" if module_class else named)
         return Candidate("fp32-modules", Intervention(f"keeping {what} in fp32", {"overrides": {"fp32_modules": modules}}),
@@ -292,8 +286,8 @@ class InterventionSearch:
         if ranked and not closing:
             top = ranked[0].module
             yield self._fp32_modules([top], "module")
-            types = self._module_types()
-            members = self._class_members(top, types)
+            types = module_types(self.ev)
+            members = class_members(top, types)
             if members:
                 yield self._fp32_modules(members, "class", module_class=types[top])
 

@@ -273,7 +273,6 @@ def capsule_training_file(numbers: Any, config: dict[str, Any], framework: str, 
 
         import copy
         import importlib
-        import json
         import sys
         from pathlib import Path
 

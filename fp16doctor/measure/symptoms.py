@@ -253,10 +253,11 @@ def measure(
     bad = first_nonfinite(mode)
     if bad is not None and not fp32_failed:
         row = mode.loc[mode["step"] == bad].iloc[0]
-        what = "loss turns" if bool(row["nonfinite_loss"]) else "gradients turn"
+        what = "loss" if bool(row["nonfinite_loss"]) else "gradients"
+        turn = "turns" if what == "loss" else "turn"
         count = int(unhandled_nonfinite(mode).sum())
-        found.append(Symptom(SymptomCode.NONFINITE, f"the AMP {what} non-finite from step {bad} while FP32 stays finite",
-                             {"first_nonfinite_step": bad, "first_nonfinite": what.split()[0], "nonfinite_steps": count,
+        found.append(Symptom(SymptomCode.NONFINITE, f"the AMP {what} {turn} non-finite from step {bad} while FP32 stays finite",
+                             {"first_nonfinite_step": bad, "first_nonfinite": what, "nonfinite_steps": count,
                               "batch": int(row["batch_index"])}, bad))
     profile = skip_profile(mode)
     if excess_skips(profile):

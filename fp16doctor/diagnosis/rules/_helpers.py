@@ -124,12 +124,17 @@ def fp32_wrapper_code(target: str, per_class: bool = False, library: bool = Fals
             "            return self.inner(*args, **kwargs)")
 
 
+def _precision_column(ev: Evidence, column: str) -> dict[str, Any]:
+    """The AMP probe's precision table's ``column`` by module path (the root as ``""``); empty without the column."""
+    amp = ev.amp
+    if amp is None or amp.precision is None or amp.precision.empty or column not in amp.precision:
+        return {}
+    return {("" if m == "<root>" else str(m)): value for m, value in zip(amp.precision["module"], amp.precision[column])}
+
+
 def module_types(ev: Evidence) -> dict[str, str]:
     """Every module of the AMP probe's model by path (the root as ``""``) and its class name."""
-    amp = ev.amp
-    if amp is None or amp.precision is None or amp.precision.empty:
-        return {}
-    return {("" if m == "<root>" else str(m)): str(t) for m, t in zip(amp.precision["module"], amp.precision["type"])}
+    return {path: str(kind) for path, kind in _precision_column(ev, "type").items()}
 
 
 def class_members(path: str, types: dict[str, str]) -> list[str]:
@@ -143,10 +148,7 @@ def class_members(path: str, types: dict[str, str]) -> list[str]:
 
 def library_modules(ev: Evidence) -> set[str]:
     """The paths of the AMP probe's modules whose class comes from a library (``nn.Linear``): not code the user edits."""
-    amp = ev.amp
-    if amp is None or amp.precision is None or amp.precision.empty or "library" not in amp.precision:
-        return set()
-    return {("" if m == "<root>" else str(m)) for m, lib in zip(amp.precision["module"], amp.precision["library"]) if bool(lib)}
+    return {path for path, library in _precision_column(ev, "library").items() if bool(library)}
 
 
 CONTAINERS = ("Sequential", "ModuleList", "ModuleDict")
