@@ -335,13 +335,13 @@ def unexplained_finding(symptoms: list[Symptom], ev: Evidence, search: SearchRes
     if loc is not None:
         evidence["localisation"] = {"module": loc.module, "operator": loc.operator, "phase": loc.phase,
                                     "step": loc.step, "batch": loc.batch_index}
-    where = f"; it starts in {loc.module} ({loc.operator}, {loc.phase}) at step {loc.step}, batch {loc.batch_index}" if loc else ""
+    where = f"; it starts in {loc.place} at {loc.operator}, step {loc.step}, batch {loc.batch_index}" if loc else ""
     if ev.amp is not None and ev.amp.exception is not None:
         evidence["exception"] = ev.amp.exception
         where += f"; AMP raised {ev.amp.exception.type} at {ev.amp.exception.location}"
     inspect = ["re-run `fp16doctor compare FILE --fp32 --amp --steps N` to see where the curves part"]
     if loc is not None:
-        inspect.insert(0, f"print the inputs and output of {loc.module} at step {loc.step} (batch {loc.batch_index}) under AMP and FP32")
+        inspect.insert(0, f"print the inputs and output of {loc.operator} in {loc.place} at step {loc.step} (batch {loc.batch_index}) under AMP and FP32")
     if search is not None and search.trials:
         evidence["interventions_tried"] = [t.to_json() for t in search.trials]
         inspect.insert(0, "no intervention the doctor can apply removed it (tried: " + "; ".join(

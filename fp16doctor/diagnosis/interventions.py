@@ -151,7 +151,7 @@ class InterventionSearch:
             trial.passed_screen = moved is None
             trial.moved_to = moved
             trial.screen = ("the failing step stays finite" if moved is None else
-                            f"the failing step still fails: {moved.operator} in {moved.module or moved.phase} ({moved.phase})")
+                            f"the failing step still fails: {moved.operator} in {moved.place}")
         elif candidate.screen == "gap" and self.ev.gap:
             gap = same_state_gap(self.ctx, self.ctx.with_config(candidate.intervention.config_patch), self.ev.gap.worst_step)
             trial.passed_screen = gap <= self.ev.gap.tolerance

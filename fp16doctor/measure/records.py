@@ -47,9 +47,21 @@ class Localisation:
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "replayed"}
 
+    @property
+    def place(self) -> str:
+        """Where, as prose reads it: ``module '6' (forward)``, ``the optimizer``. Module names are quoted: a
+        Sequential's children are numbers ("in 6" reads as a count)."""
+        outside = {"optimizer": "the optimizer", "data": "the data", "loss": "the loss"}
+        if not self.module:
+            return outside.get(self.phase, f"the {self.phase}")
+        if self.module == OUTSIDE_MODEL:
+            return f"the loss computation, outside the model ({self.phase})"
+        if self.module == "<root>":
+            return f"the model's own forward code, outside its submodules ({self.phase})"
+        return f"module '{self.module}' ({self.phase})"
+
     def describe(self) -> str:
-        outside = {"optimizer": "the optimizer", "data": "the data"}
-        where = outside[self.phase] if not self.module and self.phase in outside else f"{self.module or '?'} ({self.phase})"
+        where = self.place
         ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
         return f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}" + (f"; {self.note}" if self.note else "")
 

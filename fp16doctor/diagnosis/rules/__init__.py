@@ -90,7 +90,7 @@ class Rule:
         where = ""
         loc = ev.localisation
         if loc is not None:
-            where = f"; it starts at {loc.operator} in {loc.module or loc.phase} ({loc.phase}), step {loc.step}"
+            where = f"; it starts at {loc.operator} in {loc.place}, step {loc.step}"
         return f"{self.code}: {repair.description} repairs the training{where}"
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
@@ -140,7 +140,7 @@ class _Unexplained(Rule):
         where = ""
         if ev.amp is not None and ev.amp.exception:
             exc = ev.amp.exception
-            where = f" ({exc.type} in {exc.module or exc.location}: {exc.message})"
+            where = f" ({exc.type} in {f'module {exc.module!r}' if exc.module else exc.location}: {exc.message})"
         return f"No rule names this cause: {measured}{where}; {repair.description} repairs the training"
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:

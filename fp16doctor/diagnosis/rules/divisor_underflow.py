@@ -26,6 +26,25 @@ DIVISOR_INPUT = {"aten::div": 1, "aten::div_": 1, "aten::true_divide": 1, "aten:
 """Operators that are non-finite at 0, and which of their inputs is then the divisor (or the argument)."""
 
 
+DIVISOR_IN_FP32 = {
+    "aten::reciprocal": "y = torch.reciprocal(d.float() + eps).to(d.dtype)",
+    "aten::rsqrt": "y = torch.rsqrt(v.float() + eps).to(v.dtype)",
+    "aten::log": "y = torch.log(p.float() + eps).to(p.dtype)",
+    "aten::log2": "y = torch.log2(p.float() + eps).to(p.dtype)",
+    "aten::log10": "y = torch.log10(p.float() + eps).to(p.dtype)",
+    "aten::addcdiv": "y = torch.addcdiv(x.float(), a.float(), d.float() + eps).to(x.dtype)",
+}
+"""The localised operator with its divisor (or argument) computed in fp32; a division is the default."""
+
+
+def divisor_in_fp32_code(loc: Localisation) -> str:
+    """The operator the doctor localised, rewritten so that its divisor is fp32 when the epsilon is added: the
+    snippet names the operator the measurement saw, not a norm the module may not be."""
+    line = DIVISOR_IN_FP32.get(loc.operator, "y = (x.float() / (d.float() + eps)).to(x.dtype)")
+    return (f"# in '{loc.module}'.forward, at its {loc.operator.split('::')[-1]}: the divisor in fp32, where an\n"
+            f"# epsilon such as 1e-8 is not 0 (in fp16 it is):\n{line}")
+
+
 def _fp32_forward(module: str, abs_max: float) -> ProbeSummary:
     return fx.probe("fp32", tables={"forward": pd.DataFrame([{"module": module, "abs_max": abs_max}])})
 
@@ -79,10 +98,7 @@ class DivisorUnderflow(Rule):
             Fix(
                 f"Run '{keep}' in fp32 (autocast off inside it), or use an epsilon fp16 holds: fp16's smallest subnormal "
                 "is 6e-8, so an eps of 1e-8 is 0 in fp16 (1e-5 is usual), or add it after casting up to fp32.",
-                code=("# the statistic in fp32, where the epsilon is not 0:\n"
-                      "rms = torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)\n"
-                      "return (x.float() / rms).to(x.dtype) * self.weight\n\n# or keep the module in fp32:\n"
-                      + fp32_wrapper_code(keep)),
+                code=divisor_in_fp32_code(loc) + "\n\n# or keep the module in fp32:\n" + fp32_wrapper_code(keep),
                 config_patch={"overrides": {"fp32_modules": [keep]}},
             ),
             confidence=1.0 if ev.localisation_deterministic else 0.6,

@@ -41,7 +41,7 @@ class Fp32Divergence(Rule):
             )]
         step = min(s for s in (fp32.first_nonfinite_loss, fp32.first_nonfinite_grads) if s is not None)
         loc = ev.fp32_localisation
-        where = f" in {loc.module} ({loc.operator}, {loc.phase})" if loc else ""
+        where = f" at {loc.operator} in {loc.place}" if loc else ""
         evidence: dict[str, Any] = {"step": step, "loss_first_nonfinite": fp32.first_nonfinite_loss,
                     "grads_first_nonfinite": fp32.first_nonfinite_grads}
         if loc:

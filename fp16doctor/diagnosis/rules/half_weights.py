@@ -57,8 +57,8 @@ class HalfWeights(Rule):
         if unscale_error and amp is not None:
             evidence["exception"] = amp.exception
         patch = {"overrides": {"fp32_weights": True}}
-        if ev.config.dtype == "float16":
-            patch["scaler"] = {"enabled": True}
+        if ev.config.dtype == "float16" and (amp is None or amp.scaler_called):
+            patch["scaler"] = {"enabled": True}  # a step that never calls the scaler would not read the setting
         consequence = ("the share of updates lost could not be measured" if math.isnan(lost) else
                        f"{lost:.0%} of updates lost" if lost > HALF_WEIGHTS_LOST_SHARE else
                        "this can lose small updates below their resolution, overflow in the optimizer step, "
