@@ -224,3 +224,51 @@ def test_t5_feed_forward_overflow_is_found_past_its_deliberate_log_of_zero():
     top = report["findings"][0]
     assert top["cause"] == "activation-overflow"
     assert top["evidence"]["module"] == "encoder.block.1.layer.1.DenseReluDense.wo" and top["verification"]["repaired"] is True
+
+
+def test_an_exp_that_grows_past_1e8_is_an_activation_overflow_not_a_constant():
+    """A hand-written softmax (exp of cosine scores over a temperature, times a causal mask, normalised at the
+    end) reaches 4.9e8: large enough to pass for a mask's constant by its size, but made of many distinct values.
+    It was named constant-out-of-range, with a masked_fill fix for code that has no constant."""
+    code, report, _ = diagnose_json("hand_softmax_attention.py")
+    assert code == 1
+    causes = [f["cause"] for f in report["findings"]]
+    assert causes[0] == "activation-overflow" and "constant-out-of-range" not in causes, causes
+    top = report["findings"][0]
+    assert top["verification"]["repaired"] is True
+    assert set(top["fix"]["config_patch"]["overrides"]["fp32_modules"]) == {"blocks.0.attn", "blocks.1.attn"}
+
+
+def test_a_head_bias_fp16_cannot_hold_is_kept_in_fp32_alone_with_the_scale_its_gradients_need():
+    """A regression head whose bias starts at the median price (1.6e5): autocast's cast of that parameter
+    overflows. Keeping the head alone in fp32 leaves GradScaler halving from 65536 for many steps; the fix is
+    completed with the sweep's scale and measured, instead of keeping every Linear (the whole model) in fp32."""
+    code, report, _ = diagnose_json("raw_price_head_bias.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "activation-overflow" and top["verification"]["repaired"] is True
+    patch = top["fix"]["config_patch"]
+    assert patch["overrides"]["fp32_modules"] == ["head"]
+    assert patch["scaler"]["init_scale"] < 65536 and "initial loss scale" in top["fix"]["summary"]
+    localisation = next(s for s in report["stages"] if s["name"] == "localisation")
+    assert "parameter 'head.bias'" in localisation["summary"]
+
+
+def test_a_low_temperature_contrastive_loss_is_computed_outside_autocast_and_rescaled():
+    """NT-Xent over unnormalised embeddings divided by 0.01 overflows in the loss; computed in fp32, the loss
+    (about 9000) still needs a scale of a few units, not 65536: the verified fix carries both."""
+    code, report, _ = diagnose_json("infonce_low_temperature.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "loss-in-half" and top["verification"]["repaired"] is True
+    assert top["fix"]["config_patch"]["overrides"]["loss_in_fp32"] is True
+    assert top["fix"]["config_patch"]["scaler"]["init_scale"] < 65536
+    assert "enabled=False" in top["fix"]["code"]  # casting the outputs up is not enough while autocast is on
+
+
+def test_a_vae_with_sigmoid_and_binary_cross_entropy_is_told_to_use_the_logits():
+    code, report, _ = diagnose_json("vae_bce.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "loss-in-half" and top["verification"]["repaired"] is True
+    assert "binary_cross_entropy_with_logits" in top["fix"]["code"] and "sigmoid" in top["fix"]["summary"]

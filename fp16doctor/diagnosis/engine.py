@@ -30,7 +30,7 @@ from .model import (
     Verification,
 )
 from .stages import STAGES, Stage, StageContext, measured_symptoms, same_state_gap
-from .verify import Verifier, repair_rank
+from .verify import Verifier, repair_rank, with_recommended_scale
 
 UNEXPLAINED = "unexplained"
 """The cause code of symptoms that no rule explains (an error finding: never healthy)."""
@@ -216,6 +216,24 @@ def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier, h
                 return
             for finding in group:
                 finding.verification = verifier.verify(interventions[id(finding)], rules[finding.cause].nothing_to_try)
+                complete_with_scale(finding, interventions[id(finding)], ev, verifier)
+
+
+def complete_with_scale(finding: Finding, intervention: Any, ev: Evidence, verifier: Verifier) -> None:
+    """A fix that removed the fault but left a loss scale settling from far too high is tried once more with the
+    sweep's recommended scale (:func:`~.verify.with_recommended_scale`); where that repairs the training, the
+    finding's fix and its verification are the completed ones, and the fix says what was added."""
+    completion = with_recommended_scale(intervention, finding.verification, ev, verifier.ctx.config) if intervention else None
+    if completion is None:
+        return
+    completed, also = completion
+    with verifier.ctx.progress.planned(verifier.planned_steps(completed)):
+        verification = verifier.verify(completed, "")
+    if verification.repaired:
+        finding.verification = verification
+        finding.fix.config_patch = dict(completed.config_patch)
+        finding.fix.summary += (f" Together with {also}: with the fix alone, GradScaler still halves its scale step "
+                                "after skipped step down to what the repaired gradients need (measured).")
 
 
 def demote_unrepairing(findings: list[Finding]) -> None:
@@ -264,11 +282,18 @@ def _verification_sentence(findings: list[Finding], corrected: CorrectedConfig |
     if not tried and corrected is None:
         return "no fix to try"
     parts = [f"{cause}: " + ("repaired" if v.repaired else
-                             f"removed {v.removed_share:.0%} of the symptoms" if v.removed_share is not None
+                             f"removed {v.removed_share:.0%} of the symptoms{_appeared(v)}" if v.removed_share is not None
                              else "no measured symptom to remove") for cause, v in tried]
     if corrected is not None:
         parts.append("corrected config: " + corrected.summary)
     return "; ".join(parts)
+
+
+def _appeared(v: Verification) -> str:
+    """The symptoms a tried fix left that were not there before it (a fix can remove every symptom it was tried
+    for and still leave the training unrepaired)."""
+    new = [c for c in (v.symptoms_after or []) if c not in (v.symptoms_before or [])]
+    return f", but {', '.join(new)} appeared" if new else ""
 
 
 def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Symptom]:

@@ -37,7 +37,7 @@ from ..tensors import FP16_MAX
 from .model import Evidence, Repair, Verification
 from .rules._helpers import class_members, library_modules, module_types, role_members, stores_half_training_state
 from .stages import StageContext, same_state_gap
-from .verify import Intervention, Verifier, drop_rows, standardise
+from .verify import Intervention, Verifier, drop_rows, recommended_init_scale, standardise, with_recommended_scale
 
 KINDS = ("fp32-modules", "loss-fp32", "fp32-weights", "scaler-scale", "scaler-growth", "lr-cap", "hold-scheduler",
          "unscale-before-clip", "drop-nonfinite-rows", "standardise", "bf16")
@@ -64,6 +64,8 @@ class Candidate:
     module_class: str | None = None
     screen: str = "none"
     """How it is screened before a full probe: ``range`` (the failing step), ``gap`` (the same-state gap), ``none``."""
+    also: str = ""
+    """A change made besides ``kind``'s (see :attr:`fp16doctor.diagnosis.model.Repair.also`)."""
 
 
 @dataclass
@@ -140,9 +142,28 @@ class InterventionSearch:
             with self.ctx.progress.planned(self._screen_steps() + self.ev.steps):  # a failed screen drops the rest
                 trial = self._try(candidate)
             self.trials.append(trial)
+            completed = self._with_recommended_scale(trial)
+            if completed is not None and len(self.trials) < self.budget:
+                seen.add(completed.intervention.description)
+                with self.ctx.progress.planned(self.ev.steps):
+                    trial = self._try(completed)
+                self.trials.append(trial)
             if trial.repaired:
                 return SearchResult(self.trials, self._repair(trial), self.intrinsic)
         return SearchResult(self.trials, None, self.intrinsic)
+
+    def _with_recommended_scale(self, trial: Trial) -> Candidate | None:
+        """The candidate again with the sweep's recommended initial loss scale, when it removed the fault but
+        left only a settling scale's skips (:func:`~fp16doctor.diagnosis.verify.with_recommended_scale`)."""
+        c = trial.candidate
+        if c.kind.startswith("scaler") or c.also:
+            return None
+        completion = with_recommended_scale(c.intervention, trial.verification, self.ev, self.ctx.config)
+        if completion is None:
+            return None
+        intervention, also = completion
+        return Candidate(c.kind, intervention, modules=list(c.modules), scope=c.scope, module_class=c.module_class,
+                         screen="none", also=also)
 
     def _try(self, candidate: Candidate) -> Trial:
         trial = Trial(candidate)
@@ -195,7 +216,7 @@ class InterventionSearch:
         return Repair(kind=c.kind, description=c.intervention.description, config_patch=dict(c.intervention.config_patch),
                       modules=list(c.modules), scope=c.scope, module_class=c.module_class,
                       symptoms=sorted(self.codes), forward_overflow=self._forward_overflow(c.modules),
-                      verification=trial.verification)
+                      verification=trial.verification, also=c.also)
 
     # --- candidates, most local first ---------------------------------------------------------------
     def _candidates(self) -> Iterator[Candidate]:
@@ -311,8 +332,7 @@ class InterventionSearch:
         cfg = self.ctx.config
         if cfg.dtype != "float16":
             return
-        window = self.ev.window
-        recommended = (self.ev.recommended_scaler or {}).get("init_scale") or (window.recommended() if window is not None else None)
+        recommended = recommended_init_scale(self.ev)
         if not cfg.scaler.enabled:
             yield Candidate("scaler-scale", Intervention(f"dynamic loss scaling from {recommended or 65536:g}",
                                                          {"scaler": {"enabled": True, "init_scale": float(recommended or 65536)}}))

@@ -148,6 +148,9 @@ class Repair:
     """Whether the AMP run's forward outputs of the kept modules left fp16's range (inf/NaN or past 65504)."""
     verification: Verification | None = None
     """The full probe's verification record (:meth:`fp16doctor.diagnosis.verify.Verifier.verify`)."""
+    also: str = ""
+    """What the repair changed besides its kind, in words (``an initial loss scale of 2048``): a partial repair
+    that left only the loss scale's calibration skips, completed with the sweep's recommended scale."""
 
 
 @dataclass

@@ -205,6 +205,39 @@ class Verifier:
         )
 
 
+SETTLING_SYMPTOMS = frozenset({"skips", "trajectory-drift"})
+"""What a loss scale settling from far too high leaves behind: skipped steps, and the curve they hold back."""
+
+
+def recommended_init_scale(ev: Evidence) -> float | None:
+    """The initial loss scale the sweep measured best (else the scale window's), None without either."""
+    scale = (ev.recommended_scaler or {}).get("init_scale") or (ev.window.recommended() if ev.window is not None else None)
+    return float(scale) if scale else None
+
+
+def with_recommended_scale(intervention: Intervention, tried: Verification | None, ev: Evidence,
+                           config: DoctorConfig) -> tuple[Intervention, str] | None:
+    """``intervention`` again with the sweep's recommended initial loss scale, and that change in words, when,
+    tried, it removed the fault but left only a settling scale's symptoms (GradScaler halving from 65536, step
+    after skipped step, down to what the repaired gradients need: an unnormalised loss of 9000 needs 8), and the
+    sweep measured a lower scale. Keeping more of the model in fp32 would remove those skips too; the scale is the
+    smaller change, and it is measured like every fix. None where that does not apply."""
+    if tried is None or not tried.tried or tried.repaired or not tried.symptoms_after or tried.amp_records is None:
+        return None
+    scaler = intervention.config_patch.get("scaler", {})
+    if (not set(tried.symptoms_after) <= SETTLING_SYMPTOMS or not skip_profile(tried.amp_records)["skipped"]
+            or config.dtype != "float16" or not config.scaler.enabled or intervention.config_patch.get("dtype")
+            or "init_scale" in scaler or scaler.get("enabled") is False):
+        return None
+    recommended = recommended_init_scale(ev)
+    if recommended is None or recommended >= config.scaler.init_scale:
+        return None
+    patch = copy.deepcopy(intervention.config_patch)
+    patch["scaler"] = dict(scaler, init_scale=recommended)
+    also = f"an initial loss scale of {recommended:g}"
+    return Intervention(f"{intervention.description}, with {also}", patch, batches=intervention.batches), also
+
+
 def verification_status(v: Verification) -> tuple[str, str]:
     """What trying a fix measured, for every renderer: a status (``untried``, ``verified``, ``unmeasured``:
     nothing was measured to remove, ``partial``: symptoms left) and the plain sentence."""

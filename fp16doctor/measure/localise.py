@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..engine.instruments import module_names
 from ..engine.kept import StateKeeper
 from ..engine.probe import Probe, ProbeSnapshot, Workbench
+from ..tensors import FP16_MAX
 from .records import OUTSIDE_MODEL, Localisation  # re-exported: the record types' old home
 
 CASTS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_to_dtype"}
@@ -62,6 +63,27 @@ def _range(t: torch.Tensor) -> tuple[float, float]:
         return (0.0, 0.0)
     lo, hi = torch.aminmax(t.detach().double().reshape(-1))
     return (float(lo), float(hi))
+
+
+SPREAD_CAP = 64
+"""Distinct values beyond fp16's range are counted up to this many: a constant fill shows one or two, an
+activation that grew past 65504 (an ``exp`` of large scores) shows many."""
+
+
+def _spread(t: torch.Tensor, value_range: tuple[float, float]) -> int:
+    """How many distinct values beyond fp16's range ``t`` holds (0 when none; counted up to ``SPREAD_CAP``).
+    Computed only for a tensor whose range already passes 65504, so the tracer's cost stays where it was."""
+    if max(abs(value_range[0]), abs(value_range[1])) < FP16_MAX or not t.is_floating_point():
+        return 0
+    flat = t.detach().reshape(-1)
+    wide = flat[torch.isfinite(flat) & (flat.abs() >= FP16_MAX)]
+    return min(int(torch.unique(wide[: SPREAD_CAP * 1024]).numel()), SPREAD_CAP)
+
+
+def _described(inputs: list[torch.Tensor]) -> tuple[list[tuple[float, float]], list[int]]:
+    """Each input's range and its spread beyond fp16's range."""
+    ranges = [_range(t) for t in inputs]
+    return ranges, [_spread(t, r) for t, r in zip(inputs, ranges)]
 
 
 def _nonfinite_field(batch: Any) -> tuple[str, torch.Tensor] | None:
@@ -112,13 +134,16 @@ class NonFiniteTracer(TorchDispatchMode):
     whose values reach a module's output; in backward, the optimizer and the loss, the first candidate.
     """
 
-    def __init__(self, context: _Context):
+    def __init__(self, context: _Context, parameters: dict[int, tuple[torch.nn.Parameter, str]] | None = None):
         super().__init__()
         self.context = context
+        self.parameters = parameters or {}
+        """The model's parameters by id, with their names: a cast of one that overflows is a weight fp16 cannot hold."""
         self.candidates: list[dict[str, Any]] = []
         self.confirmed: int | None = None
         self._taint: dict[int, tuple[weakref.ref, int]] = {}
-        self._producers: dict[int, tuple[weakref.ref, str, list[tuple[float, float]], list[float]]] = {}
+        self._producers: dict[int, tuple[weakref.ref, str, list[tuple[float, float]], list[float], list[int]]] = {}
+        """Who made each tensor: (the tensor, operator, its input ranges, Python numbers, input spreads)."""
 
     @property
     def found(self) -> dict[str, Any] | None:
@@ -166,7 +191,8 @@ class NonFiniteTracer(TorchDispatchMode):
             return out
         if name in UNINITIALISED or not inputs or _asks_for_nonfinite(args, kwargs):
             return out  # factories (uninitialised memory), or an infinity on purpose: masked_fill(mask, -inf)
-        operator, ranges, note, peak, scalars = name, [_range(t) for t in inputs], "", None, _scalars(args, kwargs)
+        (ranges, spreads), scalars = _described(inputs), _scalars(args, kwargs)
+        operator, note, peak = name, "", None
         if not all(_finite(t) for t in inputs):
             # Infinite inputs (an attention mask's -inf) are legitimate until an op turns them into NaN:
             # inf - inf, 0 * inf, a softmax over a row that is -inf everywhere.
@@ -176,14 +202,20 @@ class NonFiniteTracer(TorchDispatchMode):
         elif name in CASTS:
             producer = self._producers.get(id(inputs[0]))
             if producer is not None and producer[0]() is inputs[0]:
-                operator, ranges, scalars = producer[1], producer[2], producer[3]
+                operator, ranges, scalars, spreads = producer[1], producer[2], producer[3], producer[4]
                 peak = max(abs(v) for v in _range(inputs[0]))
                 note = f"its result, max |x| = {peak:.4g}, overflowed when rounded to {str(bad.dtype).replace('torch.', '')}"
             else:
                 note = f"overflowed when cast to {str(bad.dtype).replace('torch.', '')}"
+                known = self.parameters.get(id(inputs[0]))
+                if known is not None and known[0] is inputs[0]:
+                    peak = max(abs(v) for v in ranges[0])
+                    note = (f"the parameter '{known[1]}' (max |x| = {peak:.4g}) overflowed when autocast cast it to "
+                            f"{str(bad.dtype).replace('torch.', '')}: a weight fp16 cannot hold")
         phase = self._phase()
         self.candidates.append({"phase": phase, "module": self._module(), "operator": operator, "input_ranges": ranges,
                                 "output": _describe_bad(bad), "note": note, "peak": peak, "scalars": scalars,
+                                "input_spreads": spreads,
                                 **(_autograd_node() if phase == "backward" else {})})
         self._mark(outputs, len(self.candidates) - 1)
         if phase != "forward":
@@ -199,11 +231,11 @@ class NonFiniteTracer(TorchDispatchMode):
             known = self._producers.get(id(inputs[0]))
             if known is not None and known[0]() is inputs[0]:
                 for t in outputs:
-                    self._producers[id(t)] = (weakref.ref(t), known[1], known[2], known[3])
+                    self._producers[id(t)] = (weakref.ref(t), *known[1:])
             return
-        ranges, scalars = [_range(t) for t in inputs], _scalars(args, kwargs)
+        (ranges, spreads), scalars = _described(inputs), _scalars(args, kwargs)
         for t in outputs:
-            self._producers[id(t)] = (weakref.ref(t), name, ranges, scalars)
+            self._producers[id(t)] = (weakref.ref(t), name, ranges, scalars, spreads)
 
     def _phase(self) -> str:
         if self.context.in_optimizer:
@@ -240,7 +272,7 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
         context.stack.append(names[module])
 
     hooked: dict[int, torch.Tensor] = {}  # by id; holding the tensor keeps its id from being reused this step
-    tracer = NonFiniteTracer(context)
+    tracer = NonFiniteTracer(context, {id(p): (p, n) for n, p in probe.model.named_parameters()})
 
     def pop(module: torch.nn.Module, args: Any, output: Any) -> None:
         if context.stack:

@@ -36,6 +36,9 @@ class Localisation:
     """The largest magnitude of the result that overflowed when rounded to low precision, when it was seen."""
     scalars: list[float] = field(default_factory=list)
     """The Python numbers the culprit operator was called with (a mask's fill value, a scale)."""
+    input_spreads: list[int] = field(default_factory=list)
+    """Per input, how many distinct values beyond fp16's range it holds (0: none; counted up to 64): a constant
+    fill (a mask's -1e9, ``finfo(float32).min``) shows one or two, an activation that grew past 65504 many."""
     autograd_node: str | None = None
     """In backward: the autograd node that ran the culprit op (``MulBackward0``, or a custom Function's)."""
     custom_function: str | None = None
@@ -55,7 +58,7 @@ class Localisation:
         if not self.module:
             return outside.get(self.phase, f"the {self.phase}")
         if self.module == OUTSIDE_MODEL:
-            return f"the loss computation, outside the model ({self.phase})"
+            return "the loss computation, outside the model" + ("" if self.phase == "loss" else f" ({self.phase})")
         if self.module == "<root>":
             return f"the model's own forward code, outside its submodules ({self.phase})"
         return f"module '{self.module}' ({self.phase})"

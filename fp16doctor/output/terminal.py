@@ -171,7 +171,8 @@ def _highlighted(code: str, language: str) -> Any:
     resident), which a diagnosis's probes would otherwise carry (issue #17 counts the doctor's own imports)."""
     from rich.syntax import Syntax
 
-    return Syntax(code, language, theme="ansi_dark", background_color="default")
+    # word_wrap: a line wider than the panel wraps instead of being cut off (a fix's comment is part of the fix)
+    return Syntax(code, language, theme="ansi_dark", background_color="default", word_wrap=True)
 
 
 def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis) -> Panel:

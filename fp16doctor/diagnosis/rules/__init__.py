@@ -80,7 +80,11 @@ class Rule:
             evidence["localisation"] = {"module": loc.module, "operator": loc.operator, "phase": loc.phase,
                                         "step": loc.step, "batch": loc.batch_index, "output": loc.output}
         summary, code = self.repair_fix(repair, ev)
-        finding = self.finding(self.repair_title(repair, ev), evidence,
+        title = self.repair_title(repair, ev)
+        if repair.also:  # the rule names the cause; the measured repair also needed this
+            title += f" (together with {repair.also})"
+            summary += f" Together with {repair.also} (config patch below): without it the loss scale still calibrates too slowly."
+        finding = self.finding(title, evidence,
                                Fix(summary, code=code, config_patch=dict(repair.config_patch)), severity="error")
         finding.found_by = "intervention"
         finding.verification = repair.verification

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...measure.thresholds import CONSTANT_MAGNITUDE
+from ...measure.thresholds import CONSTANT_MAGNITUDE, CONSTANT_SPREAD
 from .. import fixtures as fx
 from ...measure.records import Localisation
 from ..model import Evidence, Finding, Fix, Repair
@@ -40,10 +40,16 @@ class ConstantOutOfRange(Rule):
                                                                      "message": "value cannot be converted to type c10::Half without overflow"}))),
         lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])),
                             localisation=fx.localisation("forward", "attn", "aten::_to_copy", [(-3.4e38, 0.0)], "-inf (float16)")),
+        # scores plus an additive finfo(float32).min mask: one value beyond fp16's range
+        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
+            "forward", "attn", "aten::add", [(-8.0, 8.0), (-3.4e38, 0.0)], "-inf (float16)", input_spreads=[0, 1])),
     )
     quiet_on = (
         lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 0, "type": "RuntimeError", "message": "shape mismatch"}))),
         lambda: fx.evidence(localisation=fx.localisation("forward", "attn", "aten::_to_copy", [(-7e4, 7e4)])),
+        # a hand-written softmax's exp(scores) times a causal mask: past 1e8, but many distinct values (an activation)
+        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
+            "forward", "attn", "aten::mul", [(6.2e-8, 4.9e8)], "+inf (float16)", input_spreads=[64])),
     )
     suppresses = ("activation-overflow", "scale-overflow")
     repairs = ("fp32-modules",)
@@ -115,7 +121,9 @@ def _constant_met(loc: Localisation | None) -> float | None:
     least ``CONSTANT_MAGNITUDE``), or None when the localised fault is something else."""
     if loc is None or loc.operator not in CAST_OR_FILL or loc.phase not in ("forward", "loss"):
         return None
-    magnitudes = [max(abs(lo), abs(hi)) for lo, hi in loc.input_ranges] + [abs(v) for v in loc.scalars]
+    spreads = loc.input_spreads if len(loc.input_spreads) == len(loc.input_ranges) else [0] * len(loc.input_ranges)
+    magnitudes = [max(abs(lo), abs(hi)) for (lo, hi), spread in zip(loc.input_ranges, spreads) if spread <= CONSTANT_SPREAD]
+    magnitudes += [abs(v) for v in loc.scalars]  # a Python number is a constant whatever its size
     constant = max(magnitudes, default=0.0)
     return constant if constant >= CONSTANT_MAGNITUDE else None
 

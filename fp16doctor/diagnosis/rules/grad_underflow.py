@@ -9,6 +9,11 @@ zero in exact arithmetic and rounding noise in fp32) carry nothing when they
 flush, and a tensor whose whole gradient is under 1e-4 of the typical one is
 such noise. Flushing gradients are a warning of what they can lead to (layers
 that stop learning); they are an error once a symptom they explain is measured.
+Where the configured scale already lies at or above the window's low end (the
+scale that keeps 99.9% of the FP32 gradients' mass), zeros in AMP's gradients
+were not made by too small a scale (a linear attention whose normaliser
+overflowed to inf zeroes its values' gradients): the rule stays quiet rather than
+tell the user to enable the scaler they run.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ class GradUnderflow(Rule):
     fires_on = (lambda: fx.evidence(config={"scaler": {"enabled": False}}, window=fx.window(512.0, 1e6),
                                     observed_underflow=fx.underflow(("0.weight", 0.6, 0.4, False))),)
     quiet_on = (lambda: fx.evidence(window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("0.weight", 0.6, 0.01, False))),
-                lambda: fx.evidence(window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("attn.key.bias", 0.6, 0.6, True))))
+                lambda: fx.evidence(window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("attn.key.bias", 0.6, 0.6, True))),
+                # the configured 65536 already keeps the gradients (the window starts at 56): the zeros are not scaling's
+                lambda: fx.evidence(window=fx.window(56.4, 1e6), observed_underflow=fx.underflow(("attn.v", 1.0, 1.0, False))))
 
     def check(self, ev: Evidence) -> list[Finding]:
         if ev.config.dtype != "float16" or not fp32_finite(ev) or ev.observed_underflow is None or ev.observed_underflow.empty:
@@ -59,9 +66,14 @@ class GradUnderflow(Rule):
         flagged = observed[observed["observed_underflow_mass"] > UNDERFLOW_ALARM]
         patch = scale_patch(ev)
         configured = ev.config.scaler.init_scale if ev.config.scaler.enabled else None
+        window = ev.window
+        if configured is not None and window is not None and window.feasible and configured >= window.low:
+            # The configured scale already keeps 99.9% of the FP32 gradients' mass: zeros in AMP's gradients are
+            # not scaling's to cure (a forward that made them, e.g. a division by an overflowed sum), and telling
+            # the user to enable the scaler they run would be wrong.
+            return []
         if configured is not None:  # curing underflow never means a smaller scale
             patch["scaler"]["init_scale"] = max(patch["scaler"]["init_scale"], configured)
-        window = ev.window
         if window is not None and not window.feasible:
             summary = (f"No single loss scale fits: keeping 99.9% of the gradient mass needs {window.low:.3g}, while the "
                        f"largest gradients overflow above {window.high:.3g}. Use init_scale "

@@ -18,6 +18,26 @@ from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite
 
 
+OUTSIDE_AUTOCAST_FIX = (
+    "Compute the loss in fp32 with autocast off: outside the autocast block, or inside "
+    "torch.autocast('cuda', enabled=False), and on the model's outputs cast up to fp32. Casting up alone is not "
+    "enough where autocast is still on: it runs the loss's own matrix products in fp16 again (a Gram matrix, "
+    "an InfoNCE similarity divided by its temperature).",
+    "with torch.autocast('cuda', dtype=torch.float16):\n"
+    "    out = model(x)\n"
+    "with torch.autocast('cuda', enabled=False):  # the loss's products, divisions, exp/log in fp32\n"
+    "    loss = loss_fn(out.float(), y)")
+"""The fix for a loss that breaks on half-precision values, whatever operator broke."""
+BCE_FIX = (
+    "Drop the sigmoid and use F.binary_cross_entropy_with_logits (or nn.BCEWithLogitsLoss) on the logits: it is "
+    "stable in any precision and autocast runs it in fp32. CUDA autocast refuses F.binary_cross_entropy.",
+    "logits = model(x)              # no torch.sigmoid at the end\n"
+    "loss = F.binary_cross_entropy_with_logits(logits, y)   # not F.binary_cross_entropy(torch.sigmoid(logits), y)")
+"""The fix for CUDA autocast's refusal of binary_cross_entropy."""
+BCE_REFUSAL = "unsafe to autocast"
+"""Part of the message CUDA autocast (and the doctor's CPU emulation of it) raises for binary_cross_entropy."""
+
+
 class LossInHalf(Rule):
     code = "loss-in-half"
     order = 50
@@ -47,7 +67,7 @@ class LossInHalf(Rule):
             evidence.update({"operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
                              "operator_input_ranges": loc.input_ranges, "output": loc.output})
             title = f"The loss overflows in half precision: {loc.operator} outside the model at step {loc.step} -> {loc.output}"
-        elif amp.exception and "unsafe to autocast" in (amp.exception.message or ""):
+        elif amp.exception and BCE_REFUSAL in (amp.exception.message or ""):
             evidence["exception"] = amp.exception
             title = "binary_cross_entropy on half-precision probabilities: CUDA autocast refuses it"
         elif any(d in LOW_DTYPES for d in amp.loss_dtypes) and ev.gap is not None and ev.gap.exceeded:
@@ -55,18 +75,8 @@ class LossInHalf(Rule):
             title = f"The loss is computed in {'/'.join(amp.loss_dtypes)} and AMP deviates {ev.gap.gap:.2%} from fp32"
         else:
             return []
-        return [self.finding(
-            title, evidence,
-            Fix(
-                "Compute the loss in fp32, outside autocast: cast the logits up first.",
-                code=(
-                    "with torch.autocast('cuda', dtype=torch.float16):\n"
-                    "    logits = model(x)\n"
-                    "loss = loss_fn(logits.float(), y)   # softmax/log/exp in fp32"
-                ),
-                config_patch={"overrides": {"loss_in_fp32": True}},
-            ),
-        )]
+        summary, code = self._fix_for(ev)
+        return [self.finding(title, evidence, Fix(summary, code=code, config_patch={"overrides": {"loss_in_fp32": True}}))]
 
     def _recorded(self, ev: Evidence) -> Finding:
         """A capsule's loss gradient, non-finite as the watch recorded it, from a loss the replay cannot run."""
@@ -94,6 +104,14 @@ class LossInHalf(Rule):
         return f"The loss breaks on half-precision values{where}; computing the loss in fp32 repairs the training"
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
+        return self._fix_for(ev)
+
+    @staticmethod
+    def _fix_for(ev: Evidence) -> tuple[str, str]:
+        """The fix for the operator that broke (a log of a rounded probability, an exp past 11.09, CUDA's refusal
+        of binary_cross_entropy), else the loss in fp32 with autocast off."""
+        if ev.amp is not None and ev.amp.exception and BCE_REFUSAL in (ev.amp.exception.message or ""):
+            return BCE_FIX
         loc = ev.localisation
         op = (loc.operator if loc is not None else "").split("::")[-1].split(".")[0]
         if op in ("log", "log1p", "log2", "log10", "xlogy"):
@@ -109,5 +127,4 @@ class LossInHalf(Rule):
             return ("Compute the loss in fp32 and in a stable form: torch.logsumexp instead of log(sum(exp(z))), "
                     "F.softplus instead of log(1 + exp(z)); exp overflows fp16 past 11.09.",
                     "loss = torch.logsumexp(logits.float(), dim=-1).mean()")
-        return ("Compute the loss in fp32, outside autocast: cast the model's output up first.",
-                "with torch.autocast('cuda', dtype=torch.float16):\n    logits = model(x)\nloss = loss_fn(logits.float(), y)")
+        return OUTSIDE_AUTOCAST_FIX

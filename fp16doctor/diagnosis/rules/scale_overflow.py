@@ -38,6 +38,8 @@ class ScaleOverflow(Rule):
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_grads=range(10), nonfinite_loss=range(1, 10)),
                                                  scaler_called=False, scaler_enabled=False)))
     quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 1]))),
+                # every step skipped while the scale halved down to 2^-4: gradients that are NaN at any scale (0/0)
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(steps=20, skipped=range(20), scales=[2.0 ** (16 - i) for i in range(20)]))),
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]))))
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -57,6 +59,8 @@ class ScaleOverflow(Rule):
         if not (leading == len(overflowing) or leading > CALIBRATION_SKIPS or settling > CALIBRATION_SKIPS
                 or (persistent >= PERSISTENT_OVERFLOW_SHARE and sum(after) >= 3)):
             return []
+        if amp.scaler_called and leading == len(overflowing) and float(rec["loss_scale"].min()) <= 1.0:
+            return []  # the scale backed off to 1 and below and every step still overflows: not a scale too high
         steps = [int(s) for s, bad in zip(rec["step"], overflowing) if bad]
         runs = skip_runs(steps)
         if not amp.scaler_called:  # the step scales by hand: the measured window carries its static factor

@@ -1,0 +1,70 @@
+"""Completing a partial repair with the measured loss scale, and the prose that names where a fault is.
+
+Each case is built by hand (the rules' fixtures), so a changed condition shows here, not only in a slow CLI run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fp16doctor.diagnosis import fixtures as fx
+from fp16doctor.diagnosis.model import Verification
+from fp16doctor.diagnosis.rules.divisor_underflow import divisor_in_fp32_code
+from fp16doctor.diagnosis.verify import Intervention, with_recommended_scale
+
+
+def tried(after: list[str], skipped: list[int]) -> Verification:
+    """A fix tried on a 20-step probe that skipped ``skipped`` and left ``after``."""
+    return Verification(tried="the fix", symptoms_before=["nonfinite", "skips"], symptoms_after=after,
+                        removed_share=0.5, repaired=not after, amp_records=fx.records(steps=20, skipped=skipped))
+
+
+def evidence(low: float = 0.01, high: float = 2000.0, **config):
+    return fx.evidence(window=fx.window(low, high), config=config or None)
+
+
+FIX = Intervention("keeping 'head' in fp32", {"overrides": {"fp32_modules": ["head"]}})
+
+
+def test_a_fix_that_leaves_only_a_settling_scale_is_completed_with_the_windows_scale():
+    completion = with_recommended_scale(FIX, tried(["skips"], list(range(6))), evidence(), fx.evidence().config)
+    assert completion is not None
+    intervention, also = completion
+    scale = intervention.config_patch["scaler"]["init_scale"]
+    assert 0.01 <= scale <= 2000.0 and scale < 65536
+    assert intervention.config_patch["overrides"] == {"fp32_modules": ["head"]}  # the fix itself is kept
+    assert FIX.config_patch == {"overrides": {"fp32_modules": ["head"]}}  # and not edited in place
+    assert also == f"an initial loss scale of {scale:g}" and also in intervention.description
+
+
+@pytest.mark.parametrize("case", [
+    "fault left",          # the fix did not remove the non-finite loss: no scale completes it
+    "repaired",            # nothing to complete
+    "no skips",            # a drift without a skipped step is not a settling scale's
+    "scale already low",   # the window's scale is not below the configured one
+    "scaler off",          # no GradScaler to set
+    "fix sets a scale",    # the fix's own scale stands
+])
+def test_a_fix_is_not_completed_where_the_scale_is_not_what_is_left(case):
+    v = {"fault left": tried(["nonfinite", "skips"], [0, 1]), "repaired": tried([], []),
+         "no skips": tried(["trajectory-drift"], [])}.get(case, tried(["skips"], list(range(6))))
+    ev = evidence(low=1e5, high=1e6) if case == "scale already low" else evidence()
+    config = fx.evidence(config={"scaler": {"enabled": False}}).config if case == "scaler off" else ev.config
+    fix = Intervention("a scale", {"scaler": {"init_scale": 4.0}}) if case == "fix sets a scale" else FIX
+    assert with_recommended_scale(fix, v, ev, config) is None
+
+
+def test_module_names_read_as_names_not_counts():
+    assert fx.localisation("forward", "6").place == "module '6' (forward)"
+    assert fx.localisation("optimizer", None).place == "the optimizer"
+    assert fx.localisation("loss", "<loss: outside the model>").place == "the loss computation, outside the model"
+    assert "in module '6' (forward) at step 0" in fx.localisation("forward", "6").describe()
+
+
+@pytest.mark.parametrize("operator, expected", [("aten::rsqrt", "torch.rsqrt(v.float() + eps)"),
+                                                ("aten::log", "torch.log(p.float() + eps)"),
+                                                ("aten::div", "x.float() / (d.float() + eps)")])
+def test_the_divisor_snippet_rewrites_the_operator_that_was_localised(operator, expected):
+    code = divisor_in_fp32_code(fx.localisation("forward", "mixer", operator, [(0.0, 1.0)]))
+    assert expected in code and "'mixer'" in code and "self.weight" not in code
+    compile(code, "<fix>", "exec")  # the snippet is Python
