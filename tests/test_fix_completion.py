@@ -6,11 +6,14 @@ Each case is built by hand (the rules' fixtures), so a changed condition shows h
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fp16doctor.diagnosis import fixtures as fx
 from fp16doctor.diagnosis.model import Verification
 from fp16doctor.diagnosis.rules.divisor_underflow import divisor_in_fp32_code
 from fp16doctor.diagnosis.verify import Intervention, with_recommended_scale
+from fp16doctor.measure.localise import _range, _spread
+from fp16doctor.measure.thresholds import CONSTANT_SPREAD
 
 
 def tried(after: list[str], skipped: list[int]) -> Verification:
@@ -68,3 +71,20 @@ def test_the_divisor_snippet_rewrites_the_operator_that_was_localised(operator, 
     code = divisor_in_fp32_code(fx.localisation("forward", "mixer", operator, [(0.0, 1.0)]))
     assert expected in code and "'mixer'" in code and "self.weight" not in code
     compile(code, "<fix>", "exec")  # the snippet is Python
+
+
+@pytest.mark.parametrize("values, constant", [
+    (torch.randn(1000) * 130 - 1e9, True),                              # -1e9 plus scores: fp32 rounds them away
+    (torch.randn(1000) + torch.finfo(torch.float32).min, True),         # an additive finfo(float32).min mask
+    (torch.tensor([0.0, -1e9, -2e9]), True),                            # two masks' fills added
+    (torch.exp(torch.linspace(-20, 20, 1000)), False),                  # an exp that grew past 65504
+])
+def test_a_constant_beyond_fp16_is_told_from_an_activation_by_its_distinct_values(values, constant):
+    spread = _spread(values, _range(values))
+    assert 0 < spread and (spread <= CONSTANT_SPREAD) is constant
+
+
+def test_tensors_inside_fp16s_range_or_not_floating_have_no_spread():
+    assert _spread(torch.randn(10), _range(torch.randn(10))) == 0
+    assert _spread(torch.tensor([10**6, 2 * 10**6]), (1e6, 2e6)) == 0  # integer ids are not values fp16 rounds
+    assert _spread(torch.zeros(0), (0.0, 0.0)) == 0

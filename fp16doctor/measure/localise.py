@@ -71,13 +71,16 @@ activation that grew past 65504 (an ``exp`` of large scores) shows many."""
 
 
 def _spread(t: torch.Tensor, value_range: tuple[float, float]) -> int:
-    """How many distinct values beyond fp16's range ``t`` holds (0 when none; counted up to ``SPREAD_CAP``).
-    Computed only for a tensor whose range already passes 65504, so the tracer's cost stays where it was."""
-    if max(abs(value_range[0]), abs(value_range[1])) < FP16_MAX or not t.is_floating_point():
+    """How many distinct values beyond fp16's range ``t`` holds, told apart at about three significant digits
+    (0 when none; counted up to ``SPREAD_CAP``): -1e9 plus scores of a few hundred is one value (fp32 rounds
+    most of them away), an ``exp`` that grew past 65504 many. Computed only for a tensor whose range already
+    passes 65504, so the tracer's cost stays where it was."""
+    if max(abs(value_range[0]), abs(value_range[1])) < FP16_MAX or not t.is_floating_point() or t.is_complex():
         return 0
     flat = t.detach().reshape(-1)
-    wide = flat[torch.isfinite(flat) & (flat.abs() >= FP16_MAX)]
-    return min(int(torch.unique(wide[: SPREAD_CAP * 1024]).numel()), SPREAD_CAP)
+    wide = flat[torch.isfinite(flat) & (flat.abs() >= FP16_MAX)][: SPREAD_CAP * 1024].double()
+    bins = torch.round(torch.log10(wide.abs()) * 1000) * torch.sign(wide)  # 0.23% wide, signed
+    return min(int(torch.unique(bins).numel()), SPREAD_CAP)
 
 
 def _described(inputs: list[torch.Tensor]) -> tuple[list[tuple[float, float]], list[int]]:

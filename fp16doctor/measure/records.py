@@ -37,8 +37,9 @@ class Localisation:
     scalars: list[float] = field(default_factory=list)
     """The Python numbers the culprit operator was called with (a mask's fill value, a scale)."""
     input_spreads: list[int] = field(default_factory=list)
-    """Per input, how many distinct values beyond fp16's range it holds (0: none; counted up to 64): a constant
-    fill (a mask's -1e9, ``finfo(float32).min``) shows one or two, an activation that grew past 65504 many."""
+    """Per input, how many distinct values beyond fp16's range it holds, at about three significant digits (0: none;
+    counted up to 64): a constant fill (a mask's -1e9, ``finfo(float32).min``) shows one or two, an activation
+    that grew past 65504 many."""
     autograd_node: str | None = None
     """In backward: the autograd node that ran the culprit op (``MulBackward0``, or a custom Function's)."""
     custom_function: str | None = None

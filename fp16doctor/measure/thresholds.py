@@ -59,7 +59,8 @@ IGNORE_INDEX = -100
 """PyTorch's default ``ignore_index`` of cross_entropy/nll_loss (and Hugging Face's label padding)."""
 CONSTANT_MAGNITUDE = 1e8
 """Values this large in a cast's input are constants (masks, ``finfo`` limits), not activations."""
-CONSTANT_SPREAD = 2
+CONSTANT_SPREAD = 4
 """An input whose values beyond fp16's range take at most this many distinct values holds a constant (a mask's
-fill, and the fill plus the scores it absorbed); more, and it is an activation that grew (``exp(20)`` = 4.9e8 is
+fill, or two masks' fills added: -1e9 and -2e9; values are told apart at about three significant digits, so -1e9
+plus scores of a few hundred is one); more, and it is an activation that grew (``exp(20)`` = 4.9e8 is
 large enough to look like a constant by its size alone: a user trial's hand-written softmax)."""
