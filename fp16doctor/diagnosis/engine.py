@@ -190,7 +190,8 @@ def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], Non
         findings.append(unexplained_finding(unexplained, evidence, search))
     findings = rank(findings)
     corrected = verify_corrected(findings, evidence, verifier)
-    stages.append(StageReport("fix verification", "ran" if any(f.verification for f in findings) else "skipped",
+    ran = corrected is not None or any(f.verification is not None and f.verification.tried for f in findings)
+    stages.append(StageReport("fix verification", "ran" if ran else "skipped",  # an untried record is no run
                               _verification_sentence(findings, corrected), seconds=time.perf_counter() - start - search_stage.seconds,
                               details={"corrected": corrected}))
     stages.append(search_stage)
