@@ -88,3 +88,49 @@ def test_tensors_inside_fp16s_range_or_not_floating_have_no_spread():
     assert _spread(torch.randn(10), _range(torch.randn(10))) == 0
     assert _spread(torch.tensor([10**6, 2 * 10**6]), (1e6, 2e6)) == 0  # integer ids are not values fp16 rounds
     assert _spread(torch.zeros(0), (0.0, 0.0)) == 0
+
+
+def _traced_culprit(step) -> dict:
+    """The culprit the tracer finds in ``step``, run as a module's forward."""
+    from fp16doctor.measure.localise import NonFiniteTracer, _Context
+
+    tracer = NonFiniteTracer(_Context(stack=["attn"]))
+    with torch.no_grad(), tracer:
+        step()
+    assert tracer.found is not None
+    return tracer.found
+
+
+def test_an_exp_on_a_cosine_attentions_diagonal_is_an_activation_though_it_is_one_value():
+    """Head dim 64: only the diagonal's exp(1/tau) passes 65504, one distinct value; an exp made it."""
+    g = torch.Generator().manual_seed(0)
+
+    def step():
+        q = torch.nn.functional.normalize(torch.randn(2, 4, 32, 64, generator=g), dim=-1)
+        weights = torch.exp(q @ q.transpose(-1, -2) / 0.05) * torch.ones(32, 32, dtype=torch.bool).tril()
+        weights.half()  # autocast's cast before the next matmul
+
+    found = _traced_culprit(step)
+    assert found["operator"] == "aten::mul" and found["input_spreads"][0] <= CONSTANT_SPREAD
+    assert found["input_constants"] == [False]
+    loc = fx.localisation("forward", "attn", found["operator"], found["input_ranges"], found["output"],
+                          input_spreads=found["input_spreads"], input_constants=found["input_constants"])
+    from fp16doctor.diagnosis.rules.constant_out_of_range import _constant_met
+    assert _constant_met(loc) is None
+
+
+def test_a_mask_made_in_the_step_from_a_python_number_carries_its_constant():
+    mask = torch.ones(2, 8)
+    mask[:, 5:] = 0
+
+    def step():
+        scores = torch.randn(2, 8)
+        bias = (1.0 - mask) * torch.finfo(torch.float32).min
+        (scores + bias).half()
+
+    found = _traced_culprit(step)
+    assert found["operator"] == "aten::add" and found["input_constants"] == [False, True]
+    loc = fx.localisation("forward", "attn", found["operator"], found["input_ranges"], found["output"],
+                          input_spreads=found["input_spreads"], input_constants=found["input_constants"])
+    from fp16doctor.diagnosis.rules.constant_out_of_range import _constant_met
+    assert _constant_met(loc) == pytest.approx(3.4028e38, rel=1e-3)

@@ -17,6 +17,7 @@ the op that produced the cast's input (e.g. ``aten::mm``), as a GPU would.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from collections.abc import MutableMapping
@@ -36,6 +37,18 @@ CASTS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_to_dtype"}
 RESHAPES = {"aten::_unsafe_view", "aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::permute",
             "aten::expand", "aten::squeeze", "aten::unsqueeze", "aten::alias", "aten::contiguous", "aten::clone"}
 """Ops that move values without computing: they pass their input's producer on."""
+CONSTANT_MAKERS = {"aten::full", "aten::full_like", "aten::new_full", "aten::fill_", "aten::fill", "aten::scalar_tensor",
+                   "aten::lift_fresh", "aten::lift_fresh_copy", "aten::masked_fill", "aten::masked_fill_", "aten::where",
+                   "aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::rsub", "aten::mul", "aten::mul_",
+                   "aten::div", "aten::div_", "aten::neg", "aten::clamp", "aten::clamp_min", "aten::clamp_max",
+                   "aten::maximum", "aten::minimum", "aten::cat", "aten::stack", "aten::tril", "aten::triu",
+                   "aten::repeat", "aten::index_select", "aten::gather", "aten::index", "aten::copy", "aten::roll",
+                   "aten::flip", "aten::expand_copy"}
+"""Ops whose output carries a constant beyond fp16's range when they were given one (a Python number or a tensor
+that carries one): fills, selections and arithmetic. Every other op computes: its output is an activation, however
+few distinct values it holds (``exp(1/tau)`` on a cosine attention's diagonal is one value, 4.9e8)."""
+LIFTS = {"aten::lift_fresh", "aten::lift_fresh_copy"}
+"""``torch.tensor(-1e9)``: a constant made outside the dispatcher, lifted into the step."""
 UNINITIALISED = {"aten::empty_like", "aten::empty", "aten::new_empty", "aten::empty_strided", "aten::new_empty_strided"}
 """Ops whose output is uninitialised memory (garbage may be NaN): never a culprit."""
 
@@ -121,6 +134,20 @@ def _describe_bad(t: torch.Tensor) -> str:
     return "/".join(kinds) + f" ({str(t.dtype).replace('torch.', '')})"
 
 
+@dataclass(frozen=True)
+class _Made:
+    """How a tensor the traced step made was made: its operator, that operator's inputs (ranges, spreads beyond
+    fp16's range, origins) and Python numbers, and whether the tensor carries a constant beyond fp16's range."""
+
+    tensor: weakref.ref
+    operator: str
+    ranges: list[tuple[float, float]]
+    scalars: list[float]
+    spreads: list[int]
+    origins: list[bool | None]
+    carries_constant: bool
+
+
 @dataclass
 class _Context:
     stack: list[str] = field(default_factory=list)
@@ -145,8 +172,8 @@ class NonFiniteTracer(TorchDispatchMode):
         self.candidates: list[dict[str, Any]] = []
         self.confirmed: int | None = None
         self._taint: dict[int, tuple[weakref.ref, int]] = {}
-        self._producers: dict[int, tuple[weakref.ref, str, list[tuple[float, float]], list[float], list[int]]] = {}
-        """Who made each tensor: (the tensor, operator, its input ranges, Python numbers, input spreads)."""
+        self._producers: dict[int, _Made] = {}
+        """Who made each tensor, by id: what a rounding cast of it reports as the culprit."""
 
     @property
     def found(self) -> dict[str, Any] | None:
@@ -195,7 +222,8 @@ class NonFiniteTracer(TorchDispatchMode):
         if name in UNINITIALISED or not inputs or _asks_for_nonfinite(args, kwargs):
             return out  # factories (uninitialised memory), or an infinity on purpose: masked_fill(mask, -inf)
         (ranges, spreads), scalars = _described(inputs), _scalars(args, kwargs)
-        operator, note, peak = name, "", None
+        origins = [self._carries_constant(t) for t in inputs]
+        operator, note, peak, parameter = name, "", None, None
         if not all(_finite(t) for t in inputs):
             # Infinite inputs (an attention mask's -inf) are legitimate until an op turns them into NaN:
             # inf - inf, 0 * inf, a softmax over a row that is -inf everywhere.
@@ -203,22 +231,23 @@ class NonFiniteTracer(TorchDispatchMode):
                 return out
             note = "NaN from infinite inputs (inf - inf, 0 * inf, or a softmax over a row that is -inf everywhere)"
         elif name in CASTS:
-            producer = self._producers.get(id(inputs[0]))
-            if producer is not None and producer[0]() is inputs[0]:
-                operator, ranges, scalars, spreads = producer[1], producer[2], producer[3], producer[4]
+            producer = self._made(inputs[0])
+            if producer is not None:
+                operator, ranges, scalars = producer.operator, producer.ranges, producer.scalars
+                spreads, origins = producer.spreads, producer.origins
                 peak = max(abs(v) for v in _range(inputs[0]))
                 note = f"its result, max |x| = {peak:.4g}, overflowed when rounded to {str(bad.dtype).replace('torch.', '')}"
             else:
                 note = f"overflowed when cast to {str(bad.dtype).replace('torch.', '')}"
                 known = self.parameters.get(id(inputs[0]))
                 if known is not None and known[0] is inputs[0]:
-                    peak = max(abs(v) for v in ranges[0])
+                    peak, parameter = max(abs(v) for v in ranges[0]), known[1]
                     note = (f"the parameter '{known[1]}' (max |x| = {peak:.4g}) overflowed when autocast cast it to "
                             f"{str(bad.dtype).replace('torch.', '')}: a weight fp16 cannot hold")
         phase = self._phase()
         self.candidates.append({"phase": phase, "module": self._module(), "operator": operator, "input_ranges": ranges,
                                 "output": _describe_bad(bad), "note": note, "peak": peak, "scalars": scalars,
-                                "input_spreads": spreads,
+                                "input_spreads": spreads, "input_constants": origins, "parameter": parameter,
                                 **(_autograd_node() if phase == "backward" else {})})
         self._mark(outputs, len(self.candidates) - 1)
         if phase != "forward":
@@ -231,14 +260,29 @@ class NonFiniteTracer(TorchDispatchMode):
         if name in CASTS:
             return
         if (getattr(func, "is_view", False) or name in RESHAPES) and inputs:
-            known = self._producers.get(id(inputs[0]))
-            if known is not None and known[0]() is inputs[0]:
+            known = self._made(inputs[0])
+            if known is not None:
                 for t in outputs:
-                    self._producers[id(t)] = (weakref.ref(t), *known[1:])
+                    self._producers[id(t)] = dataclasses.replace(known, tensor=weakref.ref(t))
             return
         (ranges, spreads), scalars = _described(inputs), _scalars(args, kwargs)
+        origins = [self._carries_constant(t) for t in inputs]
+        carries = name in CONSTANT_MAKERS and (
+            any(abs(v) >= FP16_MAX for v in scalars) or any(origins)
+            or (name in LIFTS and any(max(abs(lo), abs(hi)) >= FP16_MAX for lo, hi in ranges)))
         for t in outputs:
-            self._producers[id(t)] = (weakref.ref(t), name, ranges, scalars, spreads)
+            self._producers[id(t)] = _Made(weakref.ref(t), name, ranges, scalars, spreads, origins, carries)
+
+    def _made(self, t: torch.Tensor) -> _Made | None:
+        known = self._producers.get(id(t))
+        return known if known is not None and known.tensor() is t else None
+
+    def _carries_constant(self, t: torch.Tensor) -> bool | None:
+        """Whether ``t`` carries a constant beyond fp16's range (made by a fill, or by arithmetic on one), or
+        holds only what the step computed (False); None for a tensor the step did not make (a parameter, a
+        buffer, a batch field): its values tell."""
+        known = self._made(t)
+        return None if known is None else known.carries_constant
 
     def _phase(self) -> str:
         if self.context.in_optimizer:

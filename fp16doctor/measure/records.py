@@ -40,6 +40,14 @@ class Localisation:
     """Per input, how many distinct values beyond fp16's range it holds, at about three significant digits (0: none;
     counted up to 64): a constant fill (a mask's -1e9, ``finfo(float32).min``) shows one or two, an activation
     that grew past 65504 many."""
+    input_constants: list[bool | None] = field(default_factory=list)
+    """Per input, where the traced step made it: True when it carries a constant beyond fp16's range (a fill with
+    a Python number, or arithmetic on one: ``(1 - mask) * finfo(float32).min``), False when an operator computed it
+    (an ``exp``, a matmul: an activation, however few distinct values it holds), None when the step did not make
+    it (a parameter, a buffer, a batch field: its spread tells)."""
+    parameter: str | None = None
+    """The model parameter whose cast to low precision overflowed, when the culprit is one (a weight fp16 cannot
+    hold: not a constant in the code)."""
     autograd_node: str | None = None
     """In backward: the autograd node that ran the culprit op (``MulBackward0``, or a custom Function's)."""
     custom_function: str | None = None

@@ -6,7 +6,10 @@ attention mask filled with -1e9), with the module whose code raised it; or the
 localised first non-finite operator is a cast or fill whose input, or whose
 Python number argument, holds a constant of constant-like magnitude (|x| >= 1e8,
 e.g. `(1 - mask) * torch.finfo(torch.float32).min`) that becomes inf in fp16. fp16's largest finite value is 65504
-(mixed-precision-notes.md, "Constants out of fp16 range").
+(mixed-precision-notes.md, "Constants out of fp16 range"). An input counts as a constant by how the traced step
+made it (a fill or arithmetic on a Python number, not an ``exp`` or a matmul); one the step did not make (a
+buffer, a batch field) by its values: a few distinct values beyond fp16's range. A parameter's cast is a weight
+fp16 cannot hold, not a constant.
 
 The fix keeps the module in fp32, and every other module of its class (the blocks of a stack run the same
 code, so the constant meets fp16 in each: keeping the first alone moves the fault to the next). A repair the
@@ -43,6 +46,10 @@ class ConstantOutOfRange(Rule):
         # scores plus an additive finfo(float32).min mask: one value beyond fp16's range
         lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
             "forward", "attn", "aten::add", [(-8.0, 8.0), (-3.4e38, 0.0)], "-inf (float16)", input_spreads=[0, 1])),
+        # the same mask made inside the step: (1 - mask) * finfo(float32).min carries the constant, whatever its spread
+        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
+            "forward", "attn", "aten::add", [(-8.0, 8.0), (-3.4e38, 0.0)], "-inf (float16)", input_spreads=[0, 9],
+            input_constants=[False, True])),
     )
     quiet_on = (
         lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 0, "type": "RuntimeError", "message": "shape mismatch"}))),
@@ -50,6 +57,12 @@ class ConstantOutOfRange(Rule):
         # a hand-written softmax's exp(scores) times a causal mask: past 1e8, but many distinct values (an activation)
         lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
             "forward", "attn", "aten::mul", [(6.2e-8, 4.9e8)], "+inf (float16)", input_spreads=[64])),
+        # cosine attention at head dim 64: only the diagonal's exp(1/tau) passes 65504, one value, but an exp made it
+        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
+            "forward", "attn", "aten::mul", [(0.1, 4.9e8)], "+inf (float16)", input_spreads=[1], input_constants=[False])),
+        # a weight fp16 cannot hold, cast by autocast: a parameter, not a constant in the code
+        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
+            "forward", "head", "aten::_to_copy", [(-2e8, 2e8)], "+inf (float16)", input_spreads=[1], parameter="head.bias")),
     )
     suppresses = ("activation-overflow", "scale-overflow")
     repairs = ("fp32-modules",)
@@ -118,14 +131,24 @@ MASK_CODE = ("scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)\
 
 def _constant_met(loc: Localisation | None) -> float | None:
     """The magnitude of the constant the localised forward cast or fill met (an input or a Python number of at
-    least ``CONSTANT_MAGNITUDE``), or None when the localised fault is something else."""
-    if loc is None or loc.operator not in CAST_OR_FILL or loc.phase not in ("forward", "loss"):
+    least ``CONSTANT_MAGNITUDE``), or None when the localised fault is something else (a weight fp16 cannot hold,
+    an activation that grew)."""
+    if loc is None or loc.operator not in CAST_OR_FILL or loc.phase not in ("forward", "loss") or loc.parameter:
         return None
-    spreads = loc.input_spreads if len(loc.input_spreads) == len(loc.input_ranges) else [0] * len(loc.input_ranges)
-    magnitudes = [max(abs(lo), abs(hi)) for (lo, hi), spread in zip(loc.input_ranges, spreads) if spread <= CONSTANT_SPREAD]
+    magnitudes = [max(abs(lo), abs(hi)) for i, (lo, hi) in enumerate(loc.input_ranges) if _holds_constant(loc, i)]
     magnitudes += [abs(v) for v in loc.scalars]  # a Python number is a constant whatever its size
     constant = max(magnitudes, default=0.0)
     return constant if constant >= CONSTANT_MAGNITUDE else None
+
+
+def _holds_constant(loc: Localisation, i: int) -> bool:
+    """Input ``i`` carries a constant: the traced step made it from one (a fill, arithmetic on a Python number),
+    or, where the step did not make it (a buffer, a batch field), its values beyond fp16's range are a few."""
+    made = loc.input_constants[i] if len(loc.input_constants) == len(loc.input_ranges) else None
+    if made is not None:
+        return made
+    spread = loc.input_spreads[i] if len(loc.input_spreads) == len(loc.input_ranges) else 0
+    return spread <= CONSTANT_SPREAD
 
 
 def _same_code(module: str | None, types: dict[str, str], ev: Evidence) -> tuple[list[str], str | None]:
