@@ -117,3 +117,20 @@ def test_the_healthy_headline_sends_the_reader_to_warnings_and_keeps_notes_as_no
     assert healthy_headline(["info", "info"]).endswith("(2 note(s) below)")
     warned = healthy_headline(["info", "warning"])
     assert "FP32 twin" not in warned and "1 warning(s) below" in warned
+
+
+def test_a_fix_snippet_is_fitted_to_the_terminal_with_its_comments_still_comments():
+    from fp16doctor.output.formatting import fitted_code
+
+    code = ("optimizer = torch.optim.AdamW(model.parameters(), lr=lr)   # fp32 params -> fp32 state; no .half()\n"
+            "    # several optimizers (PyTorch's AMP recipe): every optimizer steps once, through the scaler\n"
+            "s = 'a string  # with a hash that is not a comment, long enough to pass the width'\n"
+            "scaler.update()")
+    fitted = fitted_code(code, 60)
+    lines = fitted.splitlines()
+    assert lines[0] == "# fp32 params -> fp32 state; no .half()"  # the trailing comment above its code
+    assert lines[1] == "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)"
+    assert all(len(line) <= 60 and line.startswith("    # ") for line in lines[2:4])
+    assert lines[4] == code.splitlines()[2]  # a string is never split
+    compile(fitted, "<fix>", "exec")
+    assert fitted_code(code, 200) == code  # what fits is left alone

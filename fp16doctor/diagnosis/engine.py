@@ -233,6 +233,7 @@ def complete_with_scale(finding: Finding, intervention: Any, ev: Evidence, verif
     if verification.repaired:
         finding.verification = verification
         finding.fix.config_patch = dict(completed.config_patch)
+        finding.title += f" (together with {also})"
         finding.fix.summary += (f" Together with {also}: with the fix alone, GradScaler still halves its scale step "
                                 "after skipped step down to what the repaired gradients need (measured).")
 

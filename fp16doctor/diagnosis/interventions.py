@@ -142,12 +142,13 @@ class InterventionSearch:
             with self.ctx.progress.planned(self._screen_steps() + self.ev.steps):  # a failed screen drops the rest
                 trial = self._try(candidate)
             self.trials.append(trial)
-            completed = self._with_recommended_scale(trial)
+            completed = None if trial.repaired else self._with_recommended_scale(trial)
             if completed is not None and len(self.trials) < self.budget:
                 seen.add(completed.intervention.description)
                 with self.ctx.progress.planned(self.ev.steps):
-                    trial = self._try(completed)
-                self.trials.append(trial)
+                    completion = self._try(completed)
+                self.trials.append(completion)
+                trial = completion if completion.repaired else trial
             if trial.repaired:
                 return SearchResult(self.trials, self._repair(trial), self.intrinsic)
         return SearchResult(self.trials, None, self.intrinsic)

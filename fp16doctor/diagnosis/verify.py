@@ -221,8 +221,10 @@ def with_recommended_scale(intervention: Intervention, tried: Verification | Non
     tried, it removed the fault but left only a settling scale's symptoms (GradScaler halving from 65536, step
     after skipped step, down to what the repaired gradients need: an unnormalised loss of 9000 needs 8), and the
     sweep measured a lower scale. Keeping more of the model in fp32 would remove those skips too; the scale is the
-    smaller change, and it is measured like every fix. None where that does not apply."""
-    if tried is None or not tried.tried or tried.repaired or not tried.symptoms_after or tried.amp_records is None:
+    smaller change, and it is measured like every fix. None where that does not apply: the fix removed no fault of
+    its own (skips alone before it), or it changes the data (a scale measured on the original batches)."""
+    if (tried is None or not tried.tried or tried.repaired or not tried.symptoms_after or tried.amp_records is None
+            or intervention.batches is not None or not set(tried.symptoms_before or []) - SETTLING_SYMPTOMS):
         return None
     scaler = intervention.config_patch.get("scaler", {})
     if (not set(tried.symptoms_after) <= SETTLING_SYMPTOMS or not skip_profile(tried.amp_records)["skipped"]

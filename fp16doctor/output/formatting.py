@@ -9,6 +9,8 @@ fp16's limits) are never rounded: ``2048``, ``65536``, ``2^-14``, ``2^40``; a lo
 from __future__ import annotations
 
 import math
+import re
+import textwrap
 from typing import Any
 
 
@@ -113,3 +115,37 @@ def healthy_headline(severities: list[str]) -> str:
                 "a look first")
     notes = len(severities)
     return "trains in mixed precision like its FP32 twin" + (f" ({notes} note(s) below)" if notes else "")
+
+
+TRAILING_COMMENT = re.compile(r"^(?P<code>\s*[^#\s][^#]*?)\s{2,}(?P<comment>#.*)$")
+"""A code line and its trailing comment, separated by two spaces or more (the snippets' style; a ``#`` inside a
+string is not preceded by two spaces in them)."""
+
+
+def fitted_code(code: str, width: int) -> str:
+    """A fix's Python snippet with its lines kept within ``width`` columns the way a person would: a trailing
+    comment that does not fit goes on its own line above the code, and a comment line too long is wrapped into
+    comment lines. So a terminal that wraps what is still too wide never turns a comment's words into code (the
+    snippet stays valid Python to copy). Code itself is left as it is."""
+    out: list[str] = []
+    for line in code.splitlines():
+        if len(line) <= width:
+            out.append(line)
+            continue
+        trailing = TRAILING_COMMENT.match(line)
+        if trailing is not None and all(trailing["code"].count(q) % 2 == 0 for q in "'\""):  # not inside a string
+            indent = line[: len(line) - len(line.lstrip())]
+            out += _wrapped_comment(indent + trailing["comment"], width)
+            out.append(trailing["code"].rstrip())
+        elif line.lstrip().startswith("#"):
+            out += _wrapped_comment(line, width)
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _wrapped_comment(line: str, width: int) -> list[str]:
+    indent = line[: len(line) - len(line.lstrip())]
+    text = line.lstrip()[1:].strip()
+    return textwrap.wrap(text, width=max(width, 20), initial_indent=indent + "# ", subsequent_indent=indent + "# ",
+                         break_long_words=False, break_on_hyphens=False) or [line]

@@ -14,7 +14,7 @@ from rich.table import Table
 from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
 from ..measure.compare import Comparison
-from .formatting import exact_numbers, healthy_headline, human, humanize
+from .formatting import exact_numbers, fitted_code, healthy_headline, human, humanize
 from .patches import contradicted_settings, reference_to_corrected
 
 VERDICT_STYLE = {"healthy": "bold green", "drift": "bold yellow", "unstable": "bold red", "diverged": "bold red"}
@@ -151,7 +151,7 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
     console.print(stages)
     contested = contradicted_settings(diagnosis)
     for finding in diagnosis.findings:
-        console.print(_finding_panel(finding, contested.get(finding.rank, []), diagnosis))
+        console.print(_finding_panel(finding, contested.get(finding.rank, []), diagnosis, console.width))
     if diagnosis.corrected is not None:
         c = diagnosis.corrected
         style = "green" if c.healthy_after else "yellow"
@@ -171,12 +171,13 @@ def _highlighted(code: str, language: str) -> Any:
     resident), which a diagnosis's probes would otherwise carry (issue #17 counts the doctor's own imports)."""
     from rich.syntax import Syntax
 
-    # word_wrap: a line wider than the panel wraps instead of being cut off (a fix's comment is part of the fix)
+    # word_wrap: a line still wider than the panel wraps instead of being cut off (comments were fitted first)
     return Syntax(code, language, theme="ansi_dark", background_color="default", word_wrap=True)
 
 
-def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis) -> Panel:
-    """One finding; ``contested``: the settings of its patch another finding's contradicts (see :mod:`.patches`)."""
+def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis, width: int) -> Panel:
+    """One finding; ``contested``: the settings of its patch another finding's contradicts (see :mod:`.patches`);
+    ``width``: the terminal's, that the fix's code is fitted to (the panel's border and padding take 4)."""
     evidence = Table.grid(padding=(0, 2))
     evidence.add_column(style="dim")
     evidence.add_column(overflow="fold")
@@ -185,7 +186,7 @@ def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis)
         evidence.add_row(key, escape(text.removesuffix("\n...")))
     parts: list = [f"[bold]{escape(finding.title)}[/]", "", "[underline]Evidence[/]", evidence, "", f"[underline]Fix[/] {escape(finding.fix.summary)}"]
     if finding.fix.code:
-        parts.append(_highlighted(finding.fix.code, "python"))
+        parts.append(_highlighted(fitted_code(finding.fix.code, width - PANEL_MARGIN), "python"))
     if contested:
         parts.append(f"[dim]{escape(reference_to_corrected(finding, contested, diagnosis))}[/]")
     elif finding.fix.config_patch:
@@ -197,6 +198,9 @@ def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis)
     return Panel(Group(*parts), title=f"[{style}]{finding.rank}. {finding.severity}: {finding.cause}{found}[/]", title_align="left",
                  border_style=style.split()[-1])
 
+
+PANEL_MARGIN = 4
+"""Columns a finding's panel takes from the terminal's width: its border and padding on both sides."""
 
 VERIFICATION_STYLE = {"untried": "dim", "verified": "green", "unmeasured": "dim", "partial": "yellow"}
 

@@ -67,7 +67,7 @@ class ActivationOverflow(Rule):
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
-        where = f" ({loc.operator} in module '{loc.module}' at step {loc.step})" if loc is not None and loc.module else ""
+        where = f" ({loc.operator} in {loc.place} at step {loc.step})" if loc is not None and loc.module else ""
         if repair.kind == "bf16":
             return f"Activations overflow fp16{where}; bf16, with fp32's range, repairs the training"
         what = f"every {repair.module_class} ({len(repair.modules)} modules)" if repair.module_class else quoted(repair.modules)

@@ -27,8 +27,10 @@ DIVISOR_INPUT = {"aten::div": 1, "aten::div_": 1, "aten::true_divide": 1, "aten:
 
 
 DIVISOR_IN_FP32 = {
-    "aten::reciprocal": "y = torch.reciprocal(d.float() + eps).to(d.dtype)",
-    "aten::rsqrt": "y = torch.rsqrt(v.float() + eps).to(v.dtype)",
+    "aten::reciprocal": ("# fp32 until multiplied: 1 / eps passes 65504\n"
+                         "y = (x.float() * torch.reciprocal(d.float() + eps)).to(x.dtype)"),
+    "aten::rsqrt": ("# fp32 until multiplied: 1 / sqrt(eps) can pass 65504\n"
+                    "y = (x.float() * torch.rsqrt(v.float() + eps)).to(x.dtype)"),
     "aten::log": "y = torch.log(p.float() + eps).to(p.dtype)",
     "aten::log2": "y = torch.log2(p.float() + eps).to(p.dtype)",
     "aten::log10": "y = torch.log10(p.float() + eps).to(p.dtype)",

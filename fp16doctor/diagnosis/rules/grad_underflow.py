@@ -9,7 +9,8 @@ zero in exact arithmetic and rounding noise in fp32) carry nothing when they
 flush, and a tensor whose whole gradient is under 1e-4 of the typical one is
 such noise. Flushing gradients are a warning of what they can lead to (layers
 that stop learning); they are an error once a symptom they explain is measured.
-Where the configured scale already lies at or above the window's low end (the
+Where the scale the step ran at (the scaler's recorded scale: 1 when the step never
+calls the scaler) already lies at or above the window's low end (the
 scale that keeps 99.9% of the FP32 gradients' mass), zeros in AMP's gradients
 were not made by too small a scale (a linear attention whose normaliser
 overflowed to inf zeroes its values' gradients): the rule stays quiet rather than
@@ -43,7 +44,13 @@ class GradUnderflow(Rule):
         return repair.kind == "scaler-scale" and (not ev.config.scaler.enabled or (new is not None and new > ev.config.scaler.init_scale))
     triggers = ("no_loss_scaling.py",)
     fires_on = (lambda: fx.evidence(config={"scaler": {"enabled": False}}, window=fx.window(512.0, 1e6),
-                                    observed_underflow=fx.underflow(("0.weight", 0.6, 0.4, False))),)
+                                    observed_underflow=fx.underflow(("0.weight", 0.6, 0.4, False))),
+                # 65536 configured, but the step never calls the scaler: it ran at a scale of 1
+                lambda: fx.evidence(amp=fx.probe(scaler_called=False, record=fx.records(scales=[1.0] * 10)),
+                                    window=fx.window(56.4, 1e6), observed_underflow=fx.underflow(("attn.v", 1.0, 1.0, False))),
+                # the scaler ran, but settled at 8 after overflows: below the 56 the gradients need
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(scales=[8.0] * 10)),
+                                    window=fx.window(56.4, 1e6), observed_underflow=fx.underflow(("attn.v", 1.0, 1.0, False))))
     quiet_on = (lambda: fx.evidence(window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("0.weight", 0.6, 0.01, False))),
                 lambda: fx.evidence(window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("attn.key.bias", 0.6, 0.6, True))),
                 # the configured 65536 already keeps the gradients (the window starts at 56): the zeros are not scaling's
@@ -67,10 +74,10 @@ class GradUnderflow(Rule):
         patch = scale_patch(ev)
         configured = ev.config.scaler.init_scale if ev.config.scaler.enabled else None
         window = ev.window
-        if configured is not None and window is not None and window.feasible and configured >= window.low:
-            # The configured scale already keeps 99.9% of the FP32 gradients' mass: zeros in AMP's gradients are
-            # not scaling's to cure (a forward that made them, e.g. a division by an overflowed sum), and telling
-            # the user to enable the scaler they run would be wrong.
+        if configured is not None and window is not None and window.feasible and _scale_used(ev) >= window.low:
+            # The scale the step ran at already keeps 99.9% of the FP32 gradients' mass: zeros in AMP's gradients
+            # are not scaling's to cure (a forward that made them, e.g. a division by an overflowed sum), and
+            # telling the user to enable the scaler they run would be wrong.
             return []
         if configured is not None:  # curing underflow never means a smaller scale
             patch["scaler"]["init_scale"] = max(patch["scaler"]["init_scale"], configured)
@@ -101,3 +108,12 @@ class GradUnderflow(Rule):
                 config_patch=patch,
             ),
         )]
+
+
+def _scale_used(ev: Evidence) -> float:
+    """The loss scale AMP's step ran at (the median of its recorded scales): 1 where the step never calls the
+    scaler, whatever the config says."""
+    amp = ev.amp
+    if amp is None or not amp.scaler_called or amp.records.empty:
+        return 1.0
+    return float(amp.records["loss_scale"].median())

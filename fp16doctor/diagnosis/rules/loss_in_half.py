@@ -30,7 +30,8 @@ OUTSIDE_AUTOCAST_FIX = (
 """The fix for a loss that breaks on half-precision values, whatever operator broke."""
 BCE_FIX = (
     "Drop the sigmoid and use F.binary_cross_entropy_with_logits (or nn.BCEWithLogitsLoss) on the logits: it is "
-    "stable in any precision and autocast runs it in fp32. CUDA autocast refuses F.binary_cross_entropy.",
+    "stable in any precision and autocast runs it in fp32. CUDA autocast refuses F.binary_cross_entropy. "
+    "The fix the doctor tried (the config patch) computes the loss outside autocast instead (loss_in_fp32).",
     "logits = model(x)              # no torch.sigmoid at the end\n"
     "loss = F.binary_cross_entropy_with_logits(logits, y)   # not F.binary_cross_entropy(torch.sigmoid(logits), y)")
 """The fix for CUDA autocast's refusal of binary_cross_entropy."""

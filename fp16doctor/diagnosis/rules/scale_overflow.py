@@ -40,7 +40,10 @@ class ScaleOverflow(Rule):
     quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 1]))),
                 # every step skipped while the scale halved down to 2^-4: gradients that are NaN at any scale (0/0)
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(steps=20, skipped=range(20), scales=[2.0 ** (16 - i) for i in range(20)]))),
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]))))
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]))),
+                # every step skipped though the scale fell to 64, below the 512 the FP32 gradients allow
+                lambda: fx.evidence(window=fx.window(1.0, 512.0), amp=fx.probe(record=fx.records(
+                    steps=10, skipped=range(10), scales=[2.0 ** (16 - i) for i in range(10)]))))
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp = ev.amp
@@ -59,8 +62,12 @@ class ScaleOverflow(Rule):
         if not (leading == len(overflowing) or leading > CALIBRATION_SKIPS or settling > CALIBRATION_SKIPS
                 or (persistent >= PERSISTENT_OVERFLOW_SHARE and sum(after) >= 3)):
             return []
-        if amp.scaler_called and leading == len(overflowing) and float(rec["loss_scale"].min()) <= 1.0:
-            return []  # the scale backed off to 1 and below and every step still overflows: not a scale too high
+        lowest = float(rec["loss_scale"].min())
+        safe = ev.window.high if ev.window is not None and math.isfinite(ev.window.high) else 0.0
+        if amp.scaler_called and leading == len(overflowing) and (lowest <= 1.0 or lowest <= safe):
+            # the scale backed off to 1, or to what the FP32 gradients allow, and every step still overflows:
+            # not a scale too high
+            return []
         steps = [int(s) for s, bad in zip(rec["step"], overflowing) if bad]
         runs = skip_runs(steps)
         if not amp.scaler_called:  # the step scales by hand: the measured window carries its static factor
