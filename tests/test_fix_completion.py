@@ -47,13 +47,19 @@ def test_a_fix_that_leaves_only_a_settling_scale_is_completed_with_the_windows_s
     "scale already low",   # the window's scale is not below the configured one
     "scaler off",          # no GradScaler to set
     "fix sets a scale",    # the fix's own scale stands
+    "data fix",            # a fix that changes the batches: the window was measured on the original ones
+    "skips alone",         # the fix removed no fault of its own: skips before, skips after
 ])
 def test_a_fix_is_not_completed_where_the_scale_is_not_what_is_left(case):
     v = {"fault left": tried(["nonfinite", "skips"], [0, 1]), "repaired": tried([], []),
          "no skips": tried(["trajectory-drift"], [])}.get(case, tried(["skips"], list(range(6))))
+    if case == "skips alone":
+        v.symptoms_before = ["skips"]
     ev = evidence(low=1e5, high=1e6) if case == "scale already low" else evidence()
     config = fx.evidence(config={"scaler": {"enabled": False}}).config if case == "scaler off" else ev.config
     fix = Intervention("a scale", {"scaler": {"init_scale": 4.0}}) if case == "fix sets a scale" else FIX
+    if case == "data fix":
+        fix = Intervention("dropping the bad rows", {}, batches=lambda batches: batches[1:])
     assert with_recommended_scale(fix, v, ev, config) is None
 
 
