@@ -140,3 +140,30 @@ def test_a_mask_made_in_the_step_from_a_python_number_carries_its_constant():
                           input_spreads=found["input_spreads"], input_constants=found["input_constants"])
     from fp16doctor.diagnosis.rules.constant_out_of_range import _constant_met
     assert _constant_met(loc) == pytest.approx(3.4028e38, rel=1e-3)
+
+
+def test_an_in_place_optimizer_update_that_writes_inf_is_the_culprit():
+    """A half-precision Adam whose eps of 1e-8 is 0 in fp16: the foreach update divides by a zero denominator
+    and returns nothing (it writes the parameters in place); the tracer reads the parameters before and after."""
+    from fp16doctor.measure.localise import NonFiniteTracer, _Context
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8).half()
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3, eps=1e-8, foreach=True)
+    (layer(torch.randn(4, 8).half()).float().pow(2).mean() * 1e-4).backward()
+    tracer = NonFiniteTracer(_Context(in_optimizer=True))
+    with tracer:
+        opt.step()
+    found = tracer.found
+    assert found is not None and found["phase"] == "optimizer" and "addcdiv" in found["operator"]
+    assert found["input_ranges"][0][0] > -1.0  # the parameters as they were, finite, not as the update left them
+    assert any(r == (0.0, 0.0) for r in found["input_ranges"])  # the denominator that eps did not keep from 0
+
+
+def test_an_in_place_op_that_overflows_its_own_tensor_is_seen_by_its_values_before():
+    def step():
+        x = torch.full((4,), 300.0, dtype=torch.float16)
+        x.mul_(1000.0)
+
+    found = _traced_culprit(step)
+    assert found["operator"] == "aten::mul_" and found["input_ranges"][0] == (300.0, 300.0)

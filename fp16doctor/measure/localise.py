@@ -102,6 +102,16 @@ def _described(inputs: list[torch.Tensor]) -> tuple[list[tuple[float, float]], l
     return ranges, [_spread(t, r) for t, r in zip(inputs, ranges)]
 
 
+def _writes_first_argument(func: Any) -> bool:
+    """Whether the op overwrites its first argument (``add_``, ``copy_``, ``_foreach_addcdiv_``): its schema
+    marks that argument as written."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
 def _nonfinite_field(batch: Any) -> tuple[str, torch.Tensor] | None:
     from ..userfile.batches import iter_tensors
 
@@ -203,34 +213,43 @@ class NonFiniteTracer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         if self.confirmed is not None:
-            return out
+            return func(*args, **kwargs)
+        # An in-place op (the optimizer's foreach updates, copy_, relu_) overwrites its first argument, and the
+        # foreach ones return nothing: its values before the op are read first, what it wrote after.
+        written = _floats(args[0]) if args and _writes_first_argument(func) else []
+        before = _described(written) if written else ([], [])
+        out = func(*args, **kwargs)
         name = func._schema.name if hasattr(func, "_schema") else str(func)
         inputs = _floats(args) + _floats(kwargs)
-        outputs = _floats(out)
+        outputs = _floats(out) or written
         if not outputs:
             return out
         bad = next((t for t in outputs if not _finite(t)), None)
         if bad is None:
             self._remember(func, name, inputs, outputs, args, kwargs)
             return out
-        sources = [s for s in (self._source_of(t) for t in inputs) if s is not None]
+        overwritten = {id(t) for t in written}
+        read = [t for t in inputs if id(t) not in overwritten]  # the inputs as they were: the rest, unchanged
+        sources = [s for s in (self._source_of(t) for t in [*written, *read]) if s is not None]
         if sources:
             self._mark(outputs, min(sources))  # an earlier candidate's values, carried on
             return out
         if name in UNINITIALISED or not inputs or _asks_for_nonfinite(args, kwargs):
             return out  # factories (uninitialised memory), or an infinity on purpose: masked_fill(mask, -inf)
-        (ranges, spreads), scalars = _described(inputs), _scalars(args, kwargs)
-        origins = [self._carries_constant(t) for t in inputs]
+        read_ranges, read_spreads = _described(read)
+        ranges, spreads = before[0] + read_ranges, before[1] + read_spreads
+        scalars = _scalars(args, kwargs)
+        origins = [self._carries_constant(t) for t in [*written, *read]]
         operator, note, peak, parameter = name, "", None, None
-        if not all(_finite(t) for t in inputs):
+        if not all(math.isfinite(lo) and math.isfinite(hi) for lo, hi in ranges):
             # Infinite inputs (an attention mask's -inf) are legitimate until an op turns them into NaN:
             # inf - inf, 0 * inf, a softmax over a row that is -inf everywhere.
-            if not (torch.isnan(bad).any() and not any(torch.isnan(t).any() for t in inputs)):
+            if not (torch.isnan(bad).any() and not any(math.isnan(lo) or math.isnan(hi) for lo, hi in ranges)):
                 return out
             note = "NaN from infinite inputs (inf - inf, 0 * inf, or a softmax over a row that is -inf everywhere)"
-        elif name in CASTS:
+        elif name in CASTS and read:
+            inputs = read  # copy_(dst, src): the source is what was cast
             producer = self._made(inputs[0])
             if producer is not None:
                 operator, ranges, scalars = producer.operator, producer.ranges, producer.scalars
