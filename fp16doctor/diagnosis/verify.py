@@ -80,6 +80,8 @@ class Outcome:
     amp: pd.DataFrame
     fp32: pd.DataFrame
     symptoms: list[Symptom]
+    aligned_amp: pd.DataFrame | None = None
+    """The AMP run aligned on the steps taken, where the drift was measured on it (a settling scale's lag)."""
 
     def summary(self) -> str:
         """ "AMP finite, 0 skips after calibration, final loss within 0.3% of FP32" """
@@ -94,9 +96,11 @@ class Outcome:
         else:
             parts.append(f"{profile['after_settling']} skip(s) after calibration"
                          + (f" ({profile['leading']} while the scale settled)" if profile["leading"] else ""))
-        tails = tail_losses(self.amp, self.fp32)
+        aligned = self.aligned_amp is not None
+        tails = tail_losses(self.aligned_amp if aligned else self.amp, self.fp32)
         if bad is None and tails is not None:
-            parts.append(f"final loss within {relative_deviation(tails[0], tails[1], loss_floor(self.fp32)):.1%} of FP32")
+            parts.append(f"final loss within {relative_deviation(tails[0], tails[1], loss_floor(self.fp32)):.1%} of FP32"
+                         + (" (aligned on the steps taken)" if aligned else ""))
         return ", ".join(parts)
 
 
@@ -149,7 +153,7 @@ class Verifier:
 
     def run(self, intervention: Intervention) -> Outcome:
         """The AMP probe (and FP32 where the intervention changes it) with the intervention applied."""
-        from .stages import measured_symptoms, run_mode
+        from .stages.context import measured_outcome, run_mode
 
         config = self.ctx.with_config(intervention.config_patch)
         ctx = self.ctx
@@ -166,8 +170,8 @@ class Verifier:
             if self._measures_gap():
                 assert self.measure_gap is not None and self.ev.gap is not None
                 gap = self.measure_gap(config, self.ev.gap.worst_step)
-            symptoms = measured_symptoms(ctx, config, amp, fp32, gap)
-        return Outcome(amp=amp.records, fp32=fp32.records, symptoms=symptoms)
+            symptoms, aligned = measured_outcome(ctx, config, amp, fp32, gap)
+        return Outcome(amp=amp.records, fp32=fp32.records, symptoms=symptoms, aligned_amp=aligned)
 
     def _measures_gap(self) -> bool:
         return self.measure_gap is not None and bool(self.ev.gap) and any(s.code == "same-state-gap" for s in self.ev.symptoms)

@@ -192,8 +192,14 @@ def same_state_gap(ctx: StageContext, config: DoctorConfig, step: int) -> float:
 
 def measured_symptoms(ctx: StageContext, config: DoctorConfig, amp: ProbeSummary | None, fp32: ProbeSummary | None,
                       gap: float | None) -> list[Symptom]:
+    """The symptoms of an AMP probe against FP32 (:func:`measured_outcome`'s)."""
+    return measured_outcome(ctx, config, amp, fp32, gap)[0]
+
+
+def measured_outcome(ctx: StageContext, config: DoctorConfig, amp: ProbeSummary | None, fp32: ProbeSummary | None,
+                     gap: float | None) -> tuple[list[Symptom], pd.DataFrame | None]:
     """The symptoms of an AMP probe against FP32 (:func:`fp16doctor.measure.symptoms.probe_symptoms`): the verdict's
-    and every fix's verification.
+    and every fix's verification; with the records of the aligned AMP run where one was measured (below), else None.
 
     A trajectory drift after skipped steps is measured again on an AMP run aligned on the steps taken (a
     skipped batch retried with the same RNG; the scheduler still steps on a skip, as the user's loop does):
@@ -201,11 +207,11 @@ def measured_symptoms(ctx: StageContext, config: DoctorConfig, amp: ProbeSummary
     look like a drift. What remains aligned is precision's, or the schedule's.
     """
     if amp is None:
-        return []
+        return [], None
     bf16 = config.dtype == "bfloat16"
     found = probe_symptoms(amp, fp32, gap, bf16=bf16)
     if fp32 is None or not amp.skip_steps or not any(s.code == "trajectory-drift" for s in found):
-        return found
+        return found, None
     aligned = ctx.bench.probe("amp", config, align_on_taken_steps=True, instruments=None, hold_scheduler_on_retry=False)
     try:
         records = aligned.run(ctx.evidence.steps)
@@ -215,7 +221,7 @@ def measured_symptoms(ctx: StageContext, config: DoctorConfig, amp: ProbeSummary
     for symptom in drift:
         symptom.measured["aligned_on_steps_taken"] = True
         symptom.description += " (aligned on the steps taken: not the lag of the skipped steps)"
-    return [s for s in found if s.code != "trajectory-drift"] + drift
+    return [s for s in found if s.code != "trajectory-drift"] + drift, records
 
 
 def gap_states(ctx: StageContext) -> list[int]:
@@ -319,7 +325,7 @@ def scheduler_lrs(ctx: StageContext) -> list[float] | None:
     lrs = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)  # no optimizer steps in a dry run
-        for _ in range(ctx.evidence.steps):
+        for _ in range(_scheduler_steps(ctx)):
             lrs.append(float(first.param_groups[0]["lr"]))
             try:
                 for scheduler in schedulers:
@@ -327,6 +333,17 @@ def scheduler_lrs(ctx: StageContext) -> list[float] | None:
             except Exception:  # noqa: BLE001 - e.g. OneCycleLR past its total_steps: the probes show it as the user's error
                 break
     return lrs
+
+
+def _scheduler_steps(ctx: StageContext) -> int:
+    """How many learning rates the training uses: one per optimizer step, so under gradient accumulation fewer
+    than the probe's steps (the FP32 baseline's steps that were no accumulation micro-step, once it ran). A rate
+    past them is never used (OneCycleLR past its ``total_steps`` is garbage, not a jump)."""
+    steps = ctx.evidence.steps
+    fp32 = ctx.evidence.fp32
+    if fp32 is not None and "micro_step" in fp32.records and len(fp32.records):
+        steps = min(steps, int((~fp32.records["micro_step"].astype(bool)).sum()))
+    return max(steps, 1)
 
 
 def schedule_events(lrs: list[float]) -> dict[str, Any]:
