@@ -272,3 +272,49 @@ def test_a_vae_with_sigmoid_and_binary_cross_entropy_is_told_to_use_the_logits()
     top = report["findings"][0]
     assert top["cause"] == "loss-in-half" and top["verification"]["repaired"] is True
     assert "binary_cross_entropy_with_logits" in top["fix"]["code"] and "sigmoid" in top["fix"]["summary"]
+
+
+def test_a_one_pass_variance_that_cancels_below_zero_is_precision_not_overflow():
+    """A hand-written GroupNorm computes E[x^2] - E[x]^2 on raw intensities (~100): fp16 rounds both terms and the
+    variance goes negative under a square root. Nothing passes 65504: keeping the norm in fp32 repairs it, and it
+    is named precision-gap (rounding), not activation-overflow."""
+    code, report, _ = diagnose_json("groupnorm_onepass.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert (top["cause"], top["found_by"]) == ("precision-gap", "intervention"), top["title"]
+    assert top["verification"]["repaired"] is True and top["evidence"]["localisation"]["operator"] == "aten::sqrt"
+    assert "activation-overflow" not in [f["cause"] for f in report["findings"]]
+
+
+def test_an_arcface_clamp_fp16_rounds_to_one_is_a_divisor_reaching_zero_in_backward():
+    """clamp(cos, -1 + 1e-7, 1 - 1e-7) is 1.0 in fp16, and acos's backward divides by sqrt(1 - cos^2) = 0."""
+    code, report, _ = diagnose_json("arcface_imprint.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "divisor-underflow" and top["verification"]["repaired"] is True, top["title"]
+    assert "backward of module 'head'" in top["title"] and "AcosBackward0" in top["title"]
+    assert top["fix"]["config_patch"]["overrides"]["fp32_modules"] == ["head"]
+    assert "aligned on the steps taken" in top["verification"]["summary"]  # not the lag of the settling skips
+
+
+def test_an_overflow_in_the_models_own_forward_code_is_fixed_there_not_by_a_patch_naming_the_root():
+    """The model un-normalises its output (z * 8e4 + 2.4e5) in its own forward, outside every submodule: no
+    module can be kept in fp32 short of the whole model, so the fix is that arithmetic in fp32. The target (3.2e5)
+    never enters the model: no extreme-data."""
+    code, report, stderr = diagnose_json("denorm_output.py")
+    assert code == 1, stderr[-2000:]
+    top = report["findings"][0]
+    assert top["cause"] == "activation-overflow" and "own forward code" in top["title"]
+    assert "<root>" not in json.dumps(top["fix"]["config_patch"]) and ".float()" in top["fix"]["code"]
+    assert "extreme-data" not in [f["cause"] for f in report["findings"]]
+
+
+def test_an_exception_under_amp_is_no_skipped_step_for_the_scheduler():
+    """A region with autocast disabled fed an fp16 activation raises at step 0: the probe ended there, nothing was
+    skipped and the scheduler never stepped."""
+    code, report, _ = diagnose_json("fp32_head_region.py")
+    assert code == 1
+    causes = [f["cause"] for f in report["findings"]]
+    assert "scheduler-skip-drift" not in causes, causes
+    top = report["findings"][0]
+    assert top["verification"]["repaired"] is True and "dtype mismatch" in top["fix"]["summary"]

@@ -211,7 +211,13 @@ class ProbeSummary:
 
     @property
     def skip_steps(self) -> list[int]:
-        return [int(s) for s in self.records.loc[self.records["skipped"].astype(bool), "step"]]
+        """The steps whose optimizer step was skipped (a scaler's inf check); not a step that raised: that step ended
+        the probe, and neither the optimizer nor the scheduler stepped on it."""
+        rows = self.records
+        skipped = rows["skipped"].astype(bool)
+        if "exception_type" in rows:
+            skipped &= rows["exception_type"].isna()
+        return [int(s) for s in rows.loc[skipped, "step"]]
 
 
 @dataclass

@@ -15,6 +15,10 @@ from typing import Any
 import pandas as pd
 
 OUTSIDE_MODEL = "<loss: outside the model>"
+ROOT = "<root>"
+"""The model's own forward code, outside its submodules (what the instruments name the root module)."""
+FP16_MAX_VALUE = 65504.0
+"""fp16's largest finite value (``fp16doctor.tensors.FP16_MAX``, repeated: this module loads no torch)."""
 
 
 @dataclass
@@ -68,9 +72,18 @@ class Localisation:
             return outside.get(self.phase, f"the {self.phase}")
         if self.module == OUTSIDE_MODEL:
             return "the loss computation, outside the model" + ("" if self.phase == "loss" else f" ({self.phase})")
-        if self.module == "<root>":
-            return f"the model's own forward code, outside its submodules ({self.phase})"
+        if self.module == ROOT:
+            return "the model's own forward code, outside its submodules" + ("" if self.phase == "forward" else f" ({self.phase})")
         return f"module '{self.module}' ({self.phase})"
+
+    @property
+    def overflowed(self) -> bool:
+        """Whether the culprit left a range: it made an infinity, a result past fp16's 65504 was seen, or an input
+        already lay beyond it. A NaN made from finite inputs inside fp16's range (the square root of a variance
+        that cancellation drove below 0) is rounding's, not range's."""
+        if "inf" in self.output or (self.peak is not None and self.peak >= FP16_MAX_VALUE):
+            return True
+        return any(not (abs(lo) < FP16_MAX_VALUE and abs(hi) < FP16_MAX_VALUE) for lo, hi in self.input_ranges)
 
     def describe(self) -> str:
         where = self.place

@@ -111,8 +111,8 @@ def healthy_headline(severities: list[str]) -> str:
     first, instead of reading as a clean bill of health with notes attached."""
     warnings = severities.count("warning")
     if warnings:
-        return (f"has no mixed-precision fault, but {warnings} warning(s) below say the training itself needs "
-                "a look first")
+        return (f"shows no measured mixed-precision failure, but {warnings} warning(s) below say what to look at "
+                "first")
     notes = len(severities)
     return "trains in mixed precision like its FP32 twin" + (f" ({notes} note(s) below)" if notes else "")
 

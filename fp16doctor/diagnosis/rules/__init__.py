@@ -44,6 +44,9 @@ class Rule:
     repairs: ClassVar[tuple[str, ...]] = ()
     """The kinds of intervention (:class:`fp16doctor.diagnosis.model.Repair` ``kind``) whose measured repair
     names this cause in the intervention search; :meth:`names_repair` may narrow it down by the evidence."""
+    repair_explains: ClassVar[tuple[str, ...]] = ()
+    """Symptoms a measured repair this rule names may remove beyond :attr:`explains` (which its check's findings
+    are tied to): precision-gap's check measures a gap on finite runs, its repairs also a NaN rounding made."""
     names_cases: ClassVar[tuple[Callable[[], tuple[Any, Evidence]], ...]] = ()
     """(repair, evidence) fixtures this rule must name (:meth:`names_repair`): its cases as the search sees them."""
 
@@ -148,14 +151,26 @@ class _Unexplained(Rule):
         return f"No rule names this cause: {measured}{where}; {repair.description} repairs the training"
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
-        return (f"Make the change that was measured to repair the training, {repair.description}, permanent in your code "
-                "(the config patch applies it in the doctor's loop now).", "")
+        summary = (f"Make the change that was measured to repair the training, {repair.description}, permanent in your "
+                   "code (the config patch applies it in the doctor's loop now).")
+        exc = ev.amp.exception if ev.amp is not None else None
+        if exc is not None and repair.kind == "fp32-modules" and any(m in (exc.message or "") for m in DTYPE_MISMATCH):
+            return (summary + " The exception is a dtype mismatch under AMP: code that runs outside autocast (a region "
+                    "with autocast disabled, a hand-written kernel) receives the fp16 tensors autocast made. Cast its "
+                    "inputs up where that code starts, which is what keeping the module in fp32 does.",
+                    "with torch.autocast('cuda', enabled=False):\n    out = self.proj(h.float())   # h is fp16 under autocast")
+        return summary, ""
+
+
+DTYPE_MISMATCH = ("must have the same dtype", "expected scalar type", "Half and Float", "Float and Half",
+                  "expected both vectors to have same dtype", "should be the same")
+"""Parts of PyTorch's messages for an operator given tensors of two dtypes (a matmul of fp16 and fp32)."""
 
 
 def name_repair(repair: Repair, ev: Evidence) -> Finding:
     """The finding for what the intervention search repaired: the first rule, in causal order, that names it."""
     for rule in all_rules():
-        if set(repair.symptoms) & set(rule.explains) and rule.names_repair(repair, ev):
+        if set(repair.symptoms) & {*rule.explains, *rule.repair_explains} and rule.names_repair(repair, ev):
             return rule.repair_finding(repair, ev)
     return _Unexplained().repair_finding(repair, ev)
 

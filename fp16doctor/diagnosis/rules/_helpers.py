@@ -8,6 +8,7 @@ from typing import Any
 
 import pandas as pd
 
+from ...measure.records import ROOT
 from ...tensors import FP16_MAX
 from ..model import Evidence, ProbeSummary
 
@@ -39,6 +40,19 @@ def module_abs_max(summary: ProbeSummary | None, module: str) -> float | None:
     rows = summary.tables["forward"]
     rows = rows[rows["module"] == module]
     peak = float(rows["abs_max"].max()) if len(rows) else math.nan  # pandas' max skips NaN
+    return None if math.isnan(peak) else peak
+
+
+def model_input_peak(summary: ProbeSummary | None) -> float | None:
+    """The largest magnitude among the floating inputs the model's forward was called with (its root module's
+    inputs) over the probe; None where not recorded."""
+    if summary is None or "forward" not in summary.tables or summary.tables["forward"].empty:
+        return None
+    rows = summary.tables["forward"]
+    if "input_abs_max" not in rows:
+        return None
+    rows = rows[rows["module"] == ROOT]
+    peak = float(rows["input_abs_max"].max()) if len(rows) else math.nan
     return None if math.isnan(peak) else peak
 
 

@@ -2,12 +2,16 @@
 
 Evidence: the first non-finite AMP operator in the forward pass, its module
 and input ranges, and the same module's output magnitude in fp32. The fix
-keeps the smallest enclosing module whose fp32 output fits fp16 in fp32.
+keeps the smallest enclosing module whose fp32 output fits fp16 in fp32; where the
+overflow is in the model's own forward code, outside every submodule, the fix is
+that arithmetic in fp32 (keeping the root in fp32 is AMP off). A NaN the culprit
+made from finite inputs inside fp16's range (a variance that cancellation drove
+below 0, under a square root) is no overflow: rounding's, not this rule's.
 """
 
 from __future__ import annotations
 
-from ...measure.records import OUTSIDE_MODEL
+from ...measure.records import OUTSIDE_MODEL, ROOT, Localisation
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
@@ -29,14 +33,21 @@ class ActivationOverflow(Rule):
     names_cases = (lambda: (fx.repair("fp32-modules", ["blocks.0", "blocks.1"], forward_overflow=True, scope="class",
                                       module_class="Block"), fx.evidence(localisation=fx.localisation("forward", "blocks.1"))),)
     triggers = ("bf16_pretrained_ffn.py",)
-    fires_on = (lambda: fx.evidence(localisation=fx.localisation("forward", "block.ff")),)
-    quiet_on = (lambda: fx.evidence(), lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>")))
+    fires_on = (lambda: fx.evidence(localisation=fx.localisation("forward", "block.ff")),
+                # the model's own forward un-normalises its output: z * 8e4 + 2.4e5 in fp16
+                lambda: fx.evidence(localisation=fx.localisation("forward", "<root>", "aten::mul", [(-2.0, 2.0)], scalars=[8e4])))
+    quiet_on = (lambda: fx.evidence(), lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>")),
+                # a one-pass variance E[x^2] - E[x]^2 rounded below 0, then sqrt: NaN inside fp16's range
+                lambda: fx.evidence(localisation=fx.localisation("forward", "norm", "aten::sqrt", [(-16.0, 16.0)], "nan (float16)")))
     suppresses = ("scale-overflow", "scheduler-skip-drift")
 
     def check(self, ev: Evidence) -> list[Finding]:
         loc = ev.localisation
-        if loc is None or loc.phase != "forward" or loc.module in (None, OUTSIDE_MODEL) or not fp32_finite(ev):
-            return []
+        if (loc is None or loc.phase != "forward" or loc.module in (None, OUTSIDE_MODEL) or not loc.overflowed
+                or not fp32_finite(ev)):
+            return []  # a NaN made inside fp16's range is rounding's (precision-gap, divisor-underflow)
+        if loc.module == ROOT:
+            return [self._in_root_code(ev, loc)]
         keep = enclosing_fp32_safe(ev, loc.module)
         peak = module_abs_max(ev.fp32, loc.module)
         if loc.peak is not None:
@@ -57,6 +68,22 @@ class ActivationOverflow(Rule):
             confidence=1.0 if ev.localisation_deterministic else 0.6,
         )]
 
+    def _in_root_code(self, ev: Evidence, loc: Localisation) -> Finding:
+        """The overflow is in the model's own forward, outside every submodule: no module can be kept in fp32 short
+        of the whole model (AMP off), so the fix is the arithmetic there, in fp32."""
+        size = f": its result reaches {loc.peak:.3g} (fp16 holds 65504)" if loc.peak is not None else ""
+        return self.finding(
+            f"Activations overflow fp16 in {loc.place} ({loc.operator} at step {loc.step}){size}",
+            {"module": loc.module, "operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
+             "operator_input_ranges": loc.input_ranges, "output": loc.output, "overflowing_value": loc.peak,
+             "deterministic": ev.localisation_deterministic, "note": loc.note},
+            Fix(f"Compute that arithmetic ({loc.operator.split('::')[-1]}) in fp32: cast up before it and keep the "
+                "result fp32 (a model whose outputs pass 65504 cannot return them in fp16), or rescale it (predict "
+                "standardised values and un-normalise outside the model), or train in bf16.",
+                code=ROOT_FP32_CODE),
+            confidence=1.0 if ev.localisation_deterministic else 0.6,
+        )
+
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it, and their forward output had left fp16's range under AMP (or bf16,
         fp32's range, repaired a forward fault)."""
@@ -74,6 +101,10 @@ class ActivationOverflow(Rule):
         return f"Activations overflow fp16{where}; keeping {what} in fp32 repairs the training"
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
+        loc = ev.localisation
+        if repair.kind == "bf16" and loc is not None and loc.module == ROOT:
+            return ("Train in bfloat16 (fp32's range; no loss scaling), or compute the arithmetic in the model's own "
+                    "forward that overflows in fp32 (cast up before it and keep the result fp32).", ROOT_FP32_CODE)
         if repair.kind == "bf16":
             return "Train in bfloat16 (fp32's range; no loss scaling), or keep the overflowing blocks in fp32.", ""
         if repair.module_class:
@@ -85,3 +116,7 @@ class ActivationOverflow(Rule):
         several = len(repair.modules) > 1
         return (f"Run {keep} in fp32 (autocast off inside {'each' if several else 'it'}), or rescale what overflows, or train in bf16.",
                 fp32_wrapper_code(f"each of {keep}" if several else repair.modules[0]))
+
+
+ROOT_FP32_CODE = ("# in the model's own forward, where it overflows: cast up first, keep fp32\n"
+                  "y = z.float() * scale + shift   # in fp16, z * scale passes 65504")

@@ -24,7 +24,8 @@ class ClipBeforeUnscale(Rule):
     repairs = ("unscale-before-clip",)
     names_cases = (lambda: (fx.repair("unscale-before-clip", symptoms=("trajectory-drift",)), fx.evidence()),)
     triggers = ("clip_before_unscale.py",)
-    fires_on = (lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": True, "scale": 65536.0, "step": 0}])),)
+    fires_on = (lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": True, "scale": 65536.0, "step": 0}])),
+                lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_value_", "scaled": True, "scale": 65536.0, "step": 0}])))
     quiet_on = (lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": False, "scale": 65536.0, "step": 0}])),)
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -43,10 +44,17 @@ class ClipBeforeUnscale(Rule):
                 code=(
                     "scaler.scale(loss).backward()\n"
                     "scaler.unscale_(optimizer)          # first unscale...\n"
-                    "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)   # ...then clip\n"
+                    + _clip_line(first["function"]) +
                     "scaler.step(optimizer)\n"
                     "scaler.update()"
                 ),
                 config_patch={"overrides": {"unscale_before_clip": True}},
             ),
         )]
+
+
+def _clip_line(function: str) -> str:
+    """The user's own clipping call, after the unscale (clip_grad_value_ keeps its clip value, not a norm)."""
+    if function == "clip_grad_value_":
+        return "torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)   # ...then clip\n"
+    return "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)   # ...then clip\n"

@@ -7,14 +7,16 @@ not an activation overflow: 0/0 or x/0 made the NaN or inf. The usual source is 
 smallest subnormal (about 6e-8: a norm's ``sqrt(mean(x*x) + 1e-8)``, ``F.normalize``'s eps) that is
 0 in fp16, on rows that are exactly 0 (padding), or squares of small values that flush to zero
 (mixed-precision-notes.md, "Epsilons below fp16's smallest subnormal"). The fix: the module in fp32
-(verified by the doctor), or an epsilon fp16 holds (1e-5 is usual).
+(verified by the doctor), or an epsilon fp16 holds (1e-5 is usual). In the backward pass (the derivative
+of acos, sqrt or a division at a value fp16 rounded onto its bound: ArcFace's clamp to 1 - 1e-7, which is 1.0 in
+fp16) the divisor rounds to 0 the same way, with the FP32 run finite.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
-from ...measure.records import Localisation
+from ...measure.records import OUTSIDE_MODEL, ROOT, Localisation
 from ...tensors import FP16_MAX
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix, ProbeSummary, Repair
@@ -37,6 +39,9 @@ DIVISOR_IN_FP32 = {
     "aten::addcdiv": "y = torch.addcdiv(x.float(), a.float(), d.float() + eps).to(x.dtype)",
 }
 """The localised operator with its divisor (or argument) computed in fp32; a division is the default."""
+BACKWARD_BOUND = (" In backward the divisor is a derivative's: a value fp16 rounds onto a bound makes it 0 (a clamp to "
+                  "1 - 1e-7 is 1.0 in fp16, so acos's or sqrt's derivative divides by 0): clamp to a bound fp16 holds "
+                  "(1 - 1e-3) or compute that part in fp32.")
 
 
 def divisor_in_fp32_code(loc: Localisation) -> str:
@@ -45,6 +50,21 @@ def divisor_in_fp32_code(loc: Localisation) -> str:
     line = DIVISOR_IN_FP32.get(loc.operator, "y = (x.float() / (d.float() + eps)).to(x.dtype)")
     return (f"# in '{loc.module}'.forward, at its {loc.operator.split('::')[-1]}: the divisor in fp32, where an\n"
             f"# epsilon such as 1e-8 is not 0 (in fp16 it is):\n{line}")
+
+
+def _reaches_zero(loc: Localisation) -> str:
+    """How the divisor got to 0: in backward, usually a value fp16 rounded to a bound (a clamp to 1 - 1e-7 is
+    1.0 in fp16, and acos's derivative divides by sqrt(1 - x^2) = 0)."""
+    return "rounds to 0 in fp16" if loc.phase == "backward" else "underflows to 0 in fp16"
+
+
+def _where(loc: Localisation) -> str:
+    return f"the backward of module '{loc.module}'" if loc.phase == "backward" else f"module '{loc.module}'"
+
+
+def _operator(loc: Localisation) -> str:
+    """The operator, with the autograd node that ran it in backward (``AcosBackward0's aten::rsqrt``)."""
+    return f"{loc.autograd_node}'s {loc.operator}" if loc.phase == "backward" and loc.autograd_node else loc.operator
 
 
 def _fp32_forward(module: str, abs_max: float) -> ProbeSummary:
@@ -62,6 +82,9 @@ class DivisorUnderflow(Rule):
             "forward", "norm", "aten::div", [(-26.0, 24.8), (0.0, 0.74)], "nan (float16)")),
         lambda: fx.evidence(fp32=_fp32_forward("norm", 3.0), localisation=fx.localisation(
             "forward", "norm", "aten::rsqrt", [(0.0, 2.5)], "+inf (float16)")),
+        # ArcFace: clamp(cos, -1 + 1e-7, 1 - 1e-7) is 1.0 in fp16; acos's backward takes rsqrt(1 - cos^2) = rsqrt(0)
+        lambda: fx.evidence(fp32=_fp32_forward("head", 1.0), localisation=fx.localisation(
+            "backward", "head", "aten::rsqrt", [(0.0, 1.0)], "+inf (float32)")),
     )
     quiet_on = (
         # a divisor that never reaches 0: the NaN comes from elsewhere
@@ -92,15 +115,17 @@ class DivisorUnderflow(Rule):
         low, high = loc.input_ranges[DIVISOR_INPUT[loc.operator]]
         peak = module_abs_max(ev.fp32, loc.module or "")
         return [self.finding(
-            f"A divisor underflows to 0 in fp16 in module '{loc.module}' ({loc.operator} at step {loc.step}: its range "
+            f"A divisor {_reaches_zero(loc)} in {_where(loc)} ({_operator(loc)} at step {loc.step}: its range "
             f"[{low:.3g}, {high:.3g}] reaches 0 -> {loc.output}) while the module's fp32 output stays at {peak:.3g}",
             {"module": loc.module, "operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
              "operator_input_ranges": loc.input_ranges, "divisor_range": [low, high], "output": loc.output,
              "fp32_abs_max": peak, "keep_in_fp32": keep, "deterministic": ev.localisation_deterministic},
             Fix(
                 f"Run '{keep}' in fp32 (autocast off inside it), or use an epsilon fp16 holds: fp16's smallest subnormal "
-                "is 6e-8, so an eps of 1e-8 is 0 in fp16 (1e-5 is usual), or add it after casting up to fp32.",
-                code=divisor_in_fp32_code(loc) + "\n\n# or keep the module in fp32:\n" + fp32_wrapper_code(keep),
+                "is 6e-8, so an eps of 1e-8 is 0 in fp16 (1e-5 is usual), or add it after casting up to fp32."
+                + (BACKWARD_BOUND if loc.phase == "backward" else ""),
+                code=(fp32_wrapper_code(keep) if loc.phase == "backward" else
+                      divisor_in_fp32_code(loc) + "\n\n# or keep the module in fp32:\n" + fp32_wrapper_code(keep)),
                 config_patch={"overrides": {"fp32_modules": [keep]}},
             ),
             confidence=1.0 if ev.localisation_deterministic else 0.6,
@@ -110,7 +135,8 @@ class DivisorUnderflow(Rule):
     def _divides_by_zero(ev: Evidence, loc: Localisation) -> bool:
         """The localised forward operator divides by a finite range that reaches 0, and nothing overflowed."""
         index = DIVISOR_INPUT.get(loc.operator)
-        if loc.phase != "forward" or not loc.module or index is None or index >= len(loc.input_ranges):
+        if (loc.phase not in ("forward", "backward") or not loc.module or loc.module in (OUTSIDE_MODEL, ROOT)
+                or index is None or index >= len(loc.input_ranges)):
             return False
         low, high = loc.input_ranges[index]
         peak = module_abs_max(ev.fp32, loc.module)
@@ -126,7 +152,7 @@ class DivisorUnderflow(Rule):
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
         assert loc is not None
-        return (f"A divisor underflows to 0 in fp16 in module '{loc.module}' ({loc.operator} at step {loc.step} -> "
+        return (f"A divisor {_reaches_zero(loc)} in {_where(loc)} ({_operator(loc)} at step {loc.step} -> "
                 f"{loc.output}); keeping {quoted(repair.modules)} in fp32 repairs the training")
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:

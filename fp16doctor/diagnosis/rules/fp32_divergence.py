@@ -26,7 +26,8 @@ class Fp32Divergence(Rule):
                   "lr-schedule-peak", "precision-gap", "scheduler-skip-drift", "bf16-advice", "clip-before-unscale",
                   "fp32-loss-rises")
 
-    nothing_to_try = "FP32 fails too: the data, the learning rate or the model is at fault, and no precision setting can fix that"
+    nothing_to_try = ("FP32 fails too (it goes non-finite or raises): the fix is in the training code, the data or the "
+                      "learning rate, and no precision setting can make it")
 
     def check(self, ev: Evidence) -> list[Finding]:
         fp32 = ev.fp32

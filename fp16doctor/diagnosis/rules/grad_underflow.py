@@ -90,14 +90,26 @@ class GradUnderflow(Rule):
                        f"99.9% of the gradient mass is {window.low:.3g}).")
         else:
             summary = "Enable GradScaler."
+        uncalled = configured is not None and ev.amp is not None and not ev.amp.scaler_called
+        if uncalled:  # a GradScaler is configured, but the step never scales its loss
+            summary = ("Your step never calls scaler.scale(loss), so it runs at a loss scale of 1 whatever the config "
+                       "says: scale the loss, then unscale and step through the scaler. " + summary.replace("Enable", "Use", 1))
+        used = _scale_used(ev)
+        if not uncalled and configured is not None and window is not None and window.feasible and used < configured:
+            summary = (f"The step ran at a loss scale of {used:g}: GradScaler backed off from {configured:g} after "
+                       f"overflows, below the {window.low:.3g} that keeps 99.9% of the gradient mass. Remove what "
+                       f"overflows at the higher scale (the other findings), then keep init_scale "
+                       f"{patch['scaler']['init_scale']:.0f}.")
         return [self.finding(
             f"{worst['observed_underflow']:.0%} of {worst['kind']} gradients of '{worst['name']}' "
             f"({worst['observed_underflow_mass']:.0%} of their mass) flush to zero in fp16"
-            + (" (loss scaling is off)" if configured is None else f" at loss scale {configured:.0f}")
+            + (" (loss scaling is off)" if configured is None
+               else " (the step never calls the scaler: loss scale 1)" if uncalled else f" at loss scale {used:.0f}")
             + ": the layers they feed can stop learning",
             {"worst": {"kind": worst["kind"], "name": worst["name"], "observed_underflow": float(worst["observed_underflow"]),
                        "observed_underflow_mass": float(worst["observed_underflow_mass"])},
              "tensors_over_5pct": len(flagged), "scaler_enabled": ev.config.scaler.enabled, "configured_scale": configured,
+             "scale_used": used if configured is not None else None,
              "scale_window": [window.low, window.high] if window is not None else None,
              "window_feasible": window.feasible if window is not None else None,
              "recommended": patch["scaler"]},

@@ -3,6 +3,11 @@
 Evidence: the loss of both precisions from the same weights and batch at
 several points of the FP32 trajectory, the modules ranked by the error their
 output adds in AMP, and the smallest set whose fp32 fallback closes the gap.
+
+Also named by intervention: modules kept in fp32 repair a NaN that the traced culprit made inside them from
+finite inputs within fp16's range (nothing overflowed): rounding drove a value out of its operator's domain, a
+variance computed as E[x^2] - E[x]^2 that cancels below 0 under a square root (issue 16: a module in fp32
+repairs, no overflow: precision-gap).
 """
 
 from __future__ import annotations
@@ -11,14 +16,19 @@ from ...measure.thresholds import GAP_ERROR, GAP_TOLERANCE
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
+from ._helpers import localised_inside, quoted
 
 
 class PrecisionGap(Rule):
     code = "precision-gap"
     order = 90
     explains = ('same-state-gap', 'trajectory-drift', 'skips')
+    repair_explains = ('nonfinite',)
     repairs = ("fp32-modules",)
-    names_cases = (lambda: (fx.repair("fp32-modules", ["norm"], symptoms=("same-state-gap",)), fx.evidence()),)
+    names_cases = (lambda: (fx.repair("fp32-modules", ["norm"], symptoms=("same-state-gap",)), fx.evidence()),
+                   # a one-pass variance rounded below 0 under a square root: NaN inside fp16's range
+                   lambda: (fx.repair("fp32-modules", ["enc.norm"], symptoms=("nonfinite",)), fx.evidence(
+                       localisation=fx.localisation("forward", "enc.norm", "aten::sqrt", [(-16.0, 16.0)], "nan (float16)"))))
     triggers = ("fast_variance_norm.py",)
     fires_on = (lambda: fx.evidence(gap=fx.gap(0.5, closing_set=["norm"], closed_gap=1e-4)),)
     quiet_on = (lambda: fx.evidence(gap=fx.gap(5e-4)),
@@ -50,5 +60,38 @@ class PrecisionGap(Rule):
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it with nothing out of fp16's range: precision, not range (the rules
-        before this one in causal order claim the overflows)."""
-        return repair.kind == "fp32-modules" and not set(repair.symptoms) & {"nonfinite", "skips", "amp-exception"}
+        before this one in causal order claim the overflows). A NaN counts when the traced culprit made it inside
+        those modules from finite inputs within fp16's range: rounding drove a value out of its operator's domain."""
+        if repair.kind != "fp32-modules" or repair.forward_overflow:
+            return False
+        return not set(repair.symptoms) & {"nonfinite", "skips", "amp-exception"} or _rounded_out_of_domain(ev, repair)
+
+    def repair_title(self, repair: Repair, ev: Evidence) -> str:
+        loc = ev.localisation
+        if loc is None or not _rounded_out_of_domain(ev, repair):
+            return super().repair_title(repair, ev)
+        ranges = ", ".join(f"[{lo:.3g}, {hi:.3g}]" for lo, hi in loc.input_ranges)
+        return (f"fp16's rounding makes {loc.operator} in {loc.place} non-finite from finite inputs inside fp16's range "
+                f"({ranges} -> {loc.output}, step {loc.step}): precision, not range; keeping {quoted(repair.modules)} "
+                "in fp32 repairs the training")
+
+    def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
+        if not _rounded_out_of_domain(ev, repair):
+            return super().repair_fix(repair, ev)
+        return (f"Keep {quoted(repair.modules)} in fp32 (autocast off inside), or compute the value in a form that "
+                "rounding cannot drive out of the operator's domain: a variance as mean((x - mean(x))**2) or x.var() "
+                "(not E[x^2] - E[x]^2, which cancels to below 0), a clamp to a bound fp16 holds before sqrt/log/acos "
+                "(1 - 1e-7 is 1.0 in fp16; 1 - 1e-3 is not).",
+                ROUNDING_CODE)
+
+
+ROUNDING_CODE = ("var = (x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)  # not E[x^2] - E[x]^2\n"
+                 "x = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(var.float() + eps).to(x.dtype)")
+
+
+def _rounded_out_of_domain(ev: Evidence, repair: Repair) -> bool:
+    """The traced culprit is inside the repaired modules and made its NaN or inf from finite inputs within fp16's
+    range, with nothing past 65504 (the square root of a variance that cancellation drove below 0)."""
+    loc = ev.localisation
+    return (loc is not None and loc.phase in ("forward", "backward") and localised_inside(ev, repair.modules)
+            and not loc.overflowed)

@@ -28,7 +28,11 @@ from . import Rule
 REFUSALS = {
     "has already been called on this optimizer since the last update": "unscale_ called twice before update()",
     "_scale is None": "step()/unscale_() on gradients that scaler.scale() never scaled",
-    "No inf checks were recorded": "step() after unscale_ found no gradients to check",
+    # PyTorch raises two messages that start alike: update() with no step() since the last update(), and step()
+    # whose unscale_ found no gradient in the optimizer's parameters
+    "No inf checks were recorded prior to update": "update() without a scaler.step() since the last update()",
+    "No inf checks were recorded for this optimizer": "step() found no gradients to check: none of the optimizer's "
+                                                      "parameters has a gradient",
     "is being called after step()": "step() without update(): the next iteration's step() finds the last one never closed",
 }
 RECIPE = """# gradient accumulation: scale every micro-batch, unscale/clip/step/update once
@@ -67,6 +71,10 @@ class ScalerMisuse(Rule):
                                     "message": "unscale_() has already been called on this optimizer since the last update()."}),
                                     scaler_calls=[["scale", "unscale_"], ["scale", "unscale_"]])),
                 lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "update"]] * 10)),
+                # update() every micro-batch, step() every fourth: PyTorch refuses the update with no step before it
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 0, "type": "AssertionError",
+                                    "message": "No inf checks were recorded prior to update."}),
+                                    scaler_calls=[["scale", "update"]])),
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 1, "type": "RuntimeError",
                                     "message": "unscale_() is being called after step()."}),
                                     scaler_calls=[["scale", "step"], ["scale", "step"]])),

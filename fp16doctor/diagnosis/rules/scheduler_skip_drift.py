@@ -22,7 +22,11 @@ class SchedulerSkipDrift(Rule):
     triggers = ("warmup_skips.py",)
     fires_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8)),)
     quiet_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8),
-                                    config={"overrides": {"hold_scheduler_on_skip": True}}),)
+                                    config={"overrides": {"hold_scheduler_on_skip": True}}),
+                # the AMP step raised at step 0: it ended the probe, nothing was skipped and the scheduler never stepped
+                lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(exception={
+                    "step": 0, "type": "RuntimeError", "message": "mat1 and mat2 must have the same dtype"})),
+                                    lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8)))
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp = ev.amp
