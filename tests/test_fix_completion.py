@@ -167,3 +167,34 @@ def test_an_in_place_op_that_overflows_its_own_tensor_is_seen_by_its_values_befo
 
     found = _traced_culprit(step)
     assert found["operator"] == "aten::mul_" and found["input_ranges"][0] == (300.0, 300.0)
+
+
+@pytest.mark.parametrize("case", ["nan buffer overwritten", "scaled in place, then cast", "parameter copied"])
+def test_in_place_writes_are_judged_by_what_they_read(case):
+    """copy_ overwrites without reading (garbage in its destination is no input); mul_ read its values before
+    the op; a parameter copied into an fp16 buffer is the parameter fp16 cannot hold."""
+    from fp16doctor.measure.localise import NonFiniteTracer, _Context
+
+    weight = torch.nn.Parameter(torch.full((4,), 2e5))
+
+    def step():
+        if case == "nan buffer overwritten":
+            torch.full((4,), float("nan"), dtype=torch.float16).copy_(torch.full((4,), 1e5))
+        elif case == "scaled in place, then cast":
+            y = torch.full((4,), 0.5)
+            y.mul_(1e6)
+            y.half()
+        else:
+            torch.zeros(4, dtype=torch.float16).copy_(weight)
+
+    tracer = NonFiniteTracer(_Context(stack=["m"]), {id(weight): (weight, "w")})
+    with torch.no_grad(), tracer:
+        step()
+    found = tracer.found
+    assert found is not None
+    if case == "nan buffer overwritten":
+        assert found["operator"] == "aten::full"  # the fill that made 1e5, cast by the copy
+    elif case == "scaled in place, then cast":
+        assert found["operator"] == "aten::mul_" and found["input_ranges"][0] == (0.5, 0.5) and found["peak"] == 5e5
+    else:
+        assert found["parameter"] == "w" and found["peak"] == 2e5

@@ -102,6 +102,30 @@ def _described(inputs: list[torch.Tensor]) -> tuple[list[tuple[float, float]], l
     return ranges, [_spread(t, r) for t, r in zip(inputs, ranges)]
 
 
+OVERWRITES = {"aten::copy_", "aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_", "aten::bernoulli_",
+              "aten::random_", "aten::exponential_"}
+"""In-place ops that overwrite their first argument without reading it: its old values are no input."""
+
+
+def _first_bad_element(name: str, args: tuple, written: list[torch.Tensor]) -> int | None:
+    """For a foreach op over lists of tensors (one per parameter), the index of the first tensor it left
+    non-finite; None for any other op."""
+    if not name.startswith("aten::_foreach") or not args or not isinstance(args[0], (list, tuple)):
+        return None
+    return next((i for i, t in enumerate(written) if not _finite(t)), None)
+
+
+def _elements(args: tuple | list, index: int) -> list[torch.Tensor]:
+    """Element ``index`` of every list argument (the operands of that tensor's update), and tensor arguments."""
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, (list, tuple)) and len(a) > index and isinstance(a[index], torch.Tensor):
+            out += _floats(a[index])
+        elif isinstance(a, torch.Tensor):
+            out += _floats(a)
+    return out
+
+
 def _writes_first_argument(func: Any) -> bool:
     """Whether the op overwrites its first argument (``add_``, ``copy_``, ``_foreach_addcdiv_``): its schema
     marks that argument as written."""
@@ -210,38 +234,54 @@ class NonFiniteTracer(TorchDispatchMode):
         for t in outputs:
             if not _finite(t):
                 self._taint[id(t)] = (weakref.ref(t), source)
+                base = t._base  # a write into a view (buf[0].copy_(x)) taints the tensor it views too
+                if base is not None and id(base) not in self._taint:
+                    self._taint[id(base)] = (weakref.ref(base), source)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if self.confirmed is not None:
             return func(*args, **kwargs)
-        # An in-place op (the optimizer's foreach updates, copy_, relu_) overwrites its first argument, and the
-        # foreach ones return nothing: its values before the op are read first, what it wrote after.
-        written = _floats(args[0]) if args and _writes_first_argument(func) else []
-        before = _described(written) if written else ([], [])
-        out = func(*args, **kwargs)
         name = func._schema.name if hasattr(func, "_schema") else str(func)
+        # An in-place op (the optimizer's foreach updates, add_, relu_) overwrites its first argument, and the
+        # foreach ones return nothing: its values before the op are read first, what it wrote after. An op
+        # that overwrites without reading (copy_, fill_) has no "before" to read: garbage there is no input.
+        written = _floats(args[0]) if args and _writes_first_argument(func) else []
+        before = _described(written) if written and name not in OVERWRITES else ([], [])
+        out = func(*args, **kwargs)
         inputs = _floats(args) + _floats(kwargs)
         outputs = _floats(out) or written
         if not outputs:
             return out
-        bad = next((t for t in outputs if not _finite(t)), None)
-        if bad is None:
-            self._remember(func, name, inputs, outputs, args, kwargs)
-            return out
         overwritten = {id(t) for t in written}
         read = [t for t in inputs if id(t) not in overwritten]  # the inputs as they were: the rest, unchanged
-        sources = [s for s in (self._source_of(t) for t in [*written, *read]) if s is not None]
+        prior = written if before[0] else []  # the written tensors whose earlier values the op read
+        bad = next((t for t in outputs if not _finite(t)), None)
+        if bad is None:
+            read_ranges, read_spreads = _described(read)
+            self._remember(func, name, [*prior, *read], outputs, args, kwargs,
+                           (before[0] + read_ranges, before[1] + read_spreads))
+            return out
+        sources = [s for s in (self._source_of(t) for t in [*prior, *read]) if s is not None]
         if sources:
             self._mark(outputs, min(sources))  # an earlier candidate's values, carried on
             return out
         if name in UNINITIALISED or not inputs or _asks_for_nonfinite(args, kwargs):
             return out  # factories (uninitialised memory), or an infinity on purpose: masked_fill(mask, -inf)
+        index = _first_bad_element(name, args, written)
+        if index is not None:  # a foreach op over every parameter: the one tensor that went bad, and its operands
+            prior = [written[index]] if prior else []
+            before = ([before[0][index]], [before[1][index]]) if before[0] else ([], [])
+            read = _elements(args[1:], index) + _floats(kwargs)
         read_ranges, read_spreads = _described(read)
         ranges, spreads = before[0] + read_ranges, before[1] + read_spreads
         scalars = _scalars(args, kwargs)
-        origins = [self._carries_constant(t) for t in [*written, *read]]
+        origins = [self._carries_constant(t) for t in [*prior, *read]]
         operator, note, peak, parameter = name, "", None, None
+        if index is not None:
+            known = self.parameters.get(id(written[index]))
+            parameter = known[1] if known is not None and known[0] is written[index] else None
+            note = f"tensor {index} of its list" + (f", the parameter '{parameter}'" if parameter else "")
         if not all(math.isfinite(lo) and math.isfinite(hi) for lo, hi in ranges):
             # Infinite inputs (an attention mask's -inf) are legitimate until an op turns them into NaN:
             # inf - inf, 0 * inf, a softmax over a row that is -inf everywhere.
@@ -249,18 +289,18 @@ class NonFiniteTracer(TorchDispatchMode):
                 return out
             note = "NaN from infinite inputs (inf - inf, 0 * inf, or a softmax over a row that is -inf everywhere)"
         elif name in CASTS and read:
-            inputs = read  # copy_(dst, src): the source is what was cast
-            producer = self._made(inputs[0])
+            source = read[0]  # copy_(dst, src): the source is what was cast
+            producer = self._made(source)
             if producer is not None:
                 operator, ranges, scalars = producer.operator, producer.ranges, producer.scalars
                 spreads, origins = producer.spreads, producer.origins
-                peak = max(abs(v) for v in _range(inputs[0]))
+                peak = max(abs(v) for v in _range(source))
                 note = f"its result, max |x| = {peak:.4g}, overflowed when rounded to {str(bad.dtype).replace('torch.', '')}"
             else:
                 note = f"overflowed when cast to {str(bad.dtype).replace('torch.', '')}"
-                known = self.parameters.get(id(inputs[0]))
-                if known is not None and known[0] is inputs[0]:
-                    peak, parameter = max(abs(v) for v in ranges[0]), known[1]
+                known = self.parameters.get(id(source))
+                if known is not None and known[0] is source:
+                    peak, parameter = max(abs(v) for v in _range(source)), known[1]
                     note = (f"the parameter '{known[1]}' (max |x| = {peak:.4g}) overflowed when autocast cast it to "
                             f"{str(bad.dtype).replace('torch.', '')}: a weight fp16 cannot hold")
         phase = self._phase()
@@ -274,8 +314,9 @@ class NonFiniteTracer(TorchDispatchMode):
         return out
 
     def _remember(self, func: Any, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
-                  args: tuple, kwargs: dict) -> None:
-        """Who produced each tensor, to see through rounding casts; views pass their input's producer on."""
+                  args: tuple, kwargs: dict, described: tuple[list[tuple[float, float]], list[int]]) -> None:
+        """Who produced each tensor, to see through rounding casts; views pass their input's producer on.
+        ``described``: the inputs' ranges and spreads (an in-place op's first argument as it was before)."""
         if name in CASTS:
             return
         if (getattr(func, "is_view", False) or name in RESHAPES) and inputs:
@@ -284,11 +325,13 @@ class NonFiniteTracer(TorchDispatchMode):
                 for t in outputs:
                     self._producers[id(t)] = dataclasses.replace(known, tensor=weakref.ref(t))
             return
-        (ranges, spreads), scalars = _described(inputs), _scalars(args, kwargs)
+        (ranges, spreads), scalars = described, _scalars(args, kwargs)
         origins = [self._carries_constant(t) for t in inputs]
         carries = name in CONSTANT_MAKERS and (
             any(abs(v) >= FP16_MAX for v in scalars) or any(origins)
             or (name in LIFTS and any(max(abs(lo), abs(hi)) >= FP16_MAX for lo, hi in ranges)))
+        if carries:  # only where a value beyond fp16's range came out: clamp(min=-1e9) of scores carries none
+            carries = any(max(abs(v) for v in _range(t)) >= FP16_MAX for t in outputs if t.is_floating_point())
         for t in outputs:
             self._producers[id(t)] = _Made(weakref.ref(t), name, ranges, scalars, spreads, origins, carries)
 
