@@ -44,8 +44,8 @@ def module_abs_max(summary: ProbeSummary | None, module: str) -> float | None:
 
 
 def model_input_peak(summary: ProbeSummary | None) -> float | None:
-    """The largest magnitude among the floating inputs the model's forward was called with (its root module's
-    inputs) over the probe; None where not recorded."""
+    """The largest magnitude among the floating positional inputs the model's forward was called with (its root
+    module's inputs) over the probe; None where not recorded."""
     if summary is None or "forward" not in summary.tables or summary.tables["forward"].empty:
         return None
     rows = summary.tables["forward"]
@@ -53,7 +53,9 @@ def model_input_peak(summary: ProbeSummary | None) -> float | None:
         return None
     rows = rows[rows["module"] == ROOT]
     peak = float(rows["input_abs_max"].max()) if len(rows) else math.nan
-    return None if math.isnan(peak) else peak
+    # 0: no floating input was recorded (a model called with keyword arguments only, whose forward hook sees
+    # no positional ones): unknown, not small
+    return None if math.isnan(peak) or peak == 0.0 else peak
 
 
 def enclosing_fp32_safe(ev: Evidence, module: str) -> str:

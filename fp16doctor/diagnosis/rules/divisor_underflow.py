@@ -14,6 +14,8 @@ fp16) the divisor rounds to 0 the same way, with the FP32 run finite.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pandas as pd
 
 from ...measure.records import OUTSIDE_MODEL, ROOT, Localisation
@@ -48,7 +50,8 @@ def divisor_in_fp32_code(loc: Localisation) -> str:
     """The operator the doctor localised, rewritten so that its divisor is fp32 when the epsilon is added: the
     snippet names the operator the measurement saw, not a norm the module may not be."""
     line = DIVISOR_IN_FP32.get(loc.operator, "y = (x.float() / (d.float() + eps)).to(x.dtype)")
-    return (f"# in '{loc.module}'.forward, at its {loc.operator.split('::')[-1]}: the divisor in fp32, where an\n"
+    owner = "the model's forward" if loc.module == ROOT else f"'{loc.module}'.forward"
+    return (f"# in {owner}, at its {loc.operator.split('::')[-1]}: the divisor in fp32, where an\n"
             f"# epsilon such as 1e-8 is not 0 (in fp16 it is):\n{line}")
 
 
@@ -59,6 +62,8 @@ def _reaches_zero(loc: Localisation) -> str:
 
 
 def _where(loc: Localisation) -> str:
+    if loc.module == ROOT:
+        return loc.place
     return f"the backward of module '{loc.module}'" if loc.phase == "backward" else f"module '{loc.module}'"
 
 
@@ -82,6 +87,9 @@ class DivisorUnderflow(Rule):
             "forward", "norm", "aten::div", [(-26.0, 24.8), (0.0, 0.74)], "nan (float16)")),
         lambda: fx.evidence(fp32=_fp32_forward("norm", 3.0), localisation=fx.localisation(
             "forward", "norm", "aten::rsqrt", [(0.0, 2.5)], "+inf (float16)")),
+        # x / (x.norm() + 1e-8) in the model's own forward: a code fix, no module to keep in fp32
+        lambda: fx.evidence(fp32=_fp32_forward("<root>", 1.0), localisation=fx.localisation(
+            "forward", "<root>", "aten::div", [(-2.0, 2.0), (0.0, 3.0)], "nan (float16)")),
         # ArcFace: clamp(cos, -1 + 1e-7, 1 - 1e-7) is 1.0 in fp16; acos's backward takes rsqrt(1 - cos^2) = rsqrt(0)
         lambda: fx.evidence(fp32=_fp32_forward("head", 1.0), localisation=fx.localisation(
             "backward", "head", "aten::rsqrt", [(0.0, 1.0)], "+inf (float32)")),
@@ -101,6 +109,9 @@ class DivisorUnderflow(Rule):
             "forward", "norm", "aten::mm", [(0.0, 0.74)], "+inf (float16)")),
         # in the loss: loss-in-half's
         lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>", "aten::log", [(0.0, 1.0)])),
+        # a custom Function's hand-written backward: backward-overflow names it (custom_fwd/custom_bwd)
+        lambda: fx.evidence(fp32=_fp32_forward("norm", 3.0), localisation=dataclasses.replace(fx.localisation(
+            "backward", "norm", "aten::reciprocal", [(0.0, 2.0)], "+inf (float16)"), custom_function="InvSquare")),
     )
     names_cases = (lambda: (fx.repair("fp32-modules", ["norm"], forward_overflow=True),
                             fx.evidence(fp32=_fp32_forward("norm", 40.9), localisation=fx.localisation(
@@ -112,6 +123,7 @@ class DivisorUnderflow(Rule):
         if loc is None or not fp32_finite(ev) or not self._divides_by_zero(ev, loc):
             return []
         keep = enclosing_fp32_safe(ev, loc.module or "")
+        in_root = loc.module == ROOT  # the model's own forward code: no module to keep in fp32 short of all of it
         low, high = loc.input_ranges[DIVISOR_INPUT[loc.operator]]
         peak = module_abs_max(ev.fp32, loc.module or "")
         return [self.finding(
@@ -121,12 +133,13 @@ class DivisorUnderflow(Rule):
              "operator_input_ranges": loc.input_ranges, "divisor_range": [low, high], "output": loc.output,
              "fp32_abs_max": peak, "keep_in_fp32": keep, "deterministic": ev.localisation_deterministic},
             Fix(
-                f"Run '{keep}' in fp32 (autocast off inside it), or use an epsilon fp16 holds: fp16's smallest subnormal "
+                ("Compute the division in fp32" if in_root else f"Run '{keep}' in fp32 (autocast off inside it)")
+                + ", or use an epsilon fp16 holds: fp16's smallest subnormal "
                 "is 6e-8, so an eps of 1e-8 is 0 in fp16 (1e-5 is usual), or add it after casting up to fp32."
                 + (BACKWARD_BOUND if loc.phase == "backward" else ""),
-                code=(fp32_wrapper_code(keep) if loc.phase == "backward" else
+                code=(divisor_in_fp32_code(loc) if in_root else fp32_wrapper_code(keep) if loc.phase == "backward" else
                       divisor_in_fp32_code(loc) + "\n\n# or keep the module in fp32:\n" + fp32_wrapper_code(keep)),
-                config_patch={"overrides": {"fp32_modules": [keep]}},
+                config_patch={} if in_root else {"overrides": {"fp32_modules": [keep]}},
             ),
             confidence=1.0 if ev.localisation_deterministic else 0.6,
         )]
@@ -135,9 +148,11 @@ class DivisorUnderflow(Rule):
     def _divides_by_zero(ev: Evidence, loc: Localisation) -> bool:
         """The localised forward operator divides by a finite range that reaches 0, and nothing overflowed."""
         index = DIVISOR_INPUT.get(loc.operator)
-        if (loc.phase not in ("forward", "backward") or not loc.module or loc.module in (OUTSIDE_MODEL, ROOT)
+        if (loc.phase not in ("forward", "backward") or not loc.module or loc.module == OUTSIDE_MODEL
                 or index is None or index >= len(loc.input_ranges)):
             return False
+        if loc.phase == "backward" and (loc.custom_function or loc.module == ROOT):
+            return False  # a custom Function's hand-written backward: backward-overflow's custom_fwd/custom_bwd fix
         low, high = loc.input_ranges[index]
         peak = module_abs_max(ev.fp32, loc.module)
         # a non-negative divisor whose smallest value is 0 (a negative one, or a log's negative argument, is NaN in

@@ -27,7 +27,12 @@ class ExtremeData(Rule):
     verifiable = False
     triggers = ("raw_sensor_features.py",)
     fires_on = (lambda: fx.evidence(data=[fx.field(abs_max=5e4, extreme=300)], amp=fx.probe(record=fx.records(skipped=[0, 1])),
-                                    localisation=fx.localisation("forward", "0", "aten::addmm", [(-5e4, 5e4)])),)
+                                    localisation=fx.localisation("forward", "0", "aten::addmm", [(-5e4, 5e4)])),
+                # model(**batch): the forward hook sees no positional input, 0 recorded: unknown, not small
+                lambda: fx.evidence(data=[fx.field(abs_max=5e4, extreme=300)], amp=fx.probe(record=fx.records(skipped=[0, 1])),
+                                    fp32=fx.probe("fp32", tables={"forward": pd.DataFrame([
+                                        {"module": "<root>", "abs_max": 3.0, "input_abs_max": 0.0}])}),
+                                    localisation=fx.localisation("forward", "0", "aten::addmm", [(-5e4, 5e4)])))
     quiet_on = (lambda: fx.evidence(data=[fx.field(abs_max=8.0)], localisation=fx.localisation("forward", "0", "aten::addmm", [(-8.0, 8.0)])),
                 # a regression target of 3.2e5 the model never sees; its own forward un-normalises to that scale
                 lambda: fx.evidence(data=[fx.field(abs_max=3.2e5, extreme=300)], amp=fx.probe(record=fx.records(skipped=[0, 1])),

@@ -19,6 +19,8 @@ tell the user to enable the scaler they run.
 
 from __future__ import annotations
 
+import math
+
 from ...measure.thresholds import UNDERFLOW_ALARM
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix, Repair
@@ -128,4 +130,6 @@ def _scale_used(ev: Evidence) -> float:
     amp = ev.amp
     if amp is None or not amp.scaler_called or amp.records.empty:
         return 1.0
-    return float(amp.records["loss_scale"].median())
+    scales = amp.records["loss_scale"].astype(float)
+    scales = scales[scales.map(math.isfinite)]
+    return float(scales.median()) if len(scales) else ev.config.scaler.init_scale

@@ -341,8 +341,8 @@ def _scheduler_steps(ctx: StageContext) -> int:
     past them is never used (OneCycleLR past its ``total_steps`` is garbage, not a jump)."""
     steps = ctx.evidence.steps
     fp32 = ctx.evidence.fp32
-    if fp32 is not None and "micro_step" in fp32.records and len(fp32.records):
-        steps = min(steps, int((~fp32.records["micro_step"].astype(bool)).sum()))
+    if fp32 is not None and "micro_step" in fp32.records:
+        steps -= int(fp32.records["micro_step"].astype(bool).sum())  # an FP32 run that ended early ends no schedule
     return max(steps, 1)
 
 
