@@ -198,3 +198,12 @@ def test_in_place_writes_are_judged_by_what_they_read(case):
         assert found["operator"] == "aten::mul_" and found["input_ranges"][0] == (0.5, 0.5) and found["peak"] == 5e5
     else:
         assert found["parameter"] == "w" and found["peak"] == 2e5
+
+
+def test_a_scale_overflow_whose_window_ends_far_below_the_default_points_at_a_summed_loss():
+    from fp16doctor.diagnosis.rules.scale_overflow import ScaleOverflow
+
+    rule = ScaleOverflow()
+    summed = rule.check(rule.fires_on[1]())[0]  # the window ends at 14.6
+    assert "reduction='sum'" in summed.fix.summary and "14.6" in summed.fix.summary
+    assert "reduction" not in rule.check(rule.fires_on[0]())[0].fix.summary  # the default window: no such hint

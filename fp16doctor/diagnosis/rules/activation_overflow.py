@@ -78,8 +78,9 @@ class ActivationOverflow(Rule):
              "operator_input_ranges": loc.input_ranges, "output": loc.output, "overflowing_value": loc.peak,
              "deterministic": ev.localisation_deterministic, "note": loc.note},
             Fix(f"Compute that arithmetic ({loc.operator.split('::')[-1]}) in fp32: cast up before it and keep the "
-                "result fp32 (a model whose outputs pass 65504 cannot return them in fp16), or rescale it (predict "
-                "standardised values and un-normalise outside the model), or train in bf16.",
+                "result fp32 (a model whose outputs pass 65504 cannot return them in fp16), or bound what grows: a "
+                "learnable scale or temperature is clamped (CLIP clamps logit_scale.exp() to 100), outputs in "
+                "raw units are un-normalised outside the model; or train in bf16.",
                 code=ROOT_FP32_CODE),
             confidence=1.0 if ev.localisation_deterministic else 0.6,
         )

@@ -35,6 +35,8 @@ class ScaleOverflow(Rule):
         return repair.kind == "scaler-scale" and ev.config.scaler.enabled and new is not None and new < ev.config.scaler.init_scale
     triggers = ("scale_too_high.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(10)))),
+                # mse_loss(reduction='sum') over 256x3x32x32: FP32's gradients overflow fp16 above a scale of 14.6
+                lambda: fx.evidence(window=fx.window(2.6e-4, 14.6), amp=fx.probe(record=fx.records(skipped=range(10)))),
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_grads=range(10), nonfinite_loss=range(1, 10)),
                                                  scaler_called=False, scaler_enabled=False)))
     quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 1]))),
@@ -83,7 +85,8 @@ class ScaleOverflow(Rule):
              "scale_last": float(rec["loss_scale"].iloc[-1]), "scaler_enabled": amp.scaler_enabled,
              "max_safe_scale": ev.window.high if ev.window is not None else None, "recommended": patch["scaler"]},
             Fix(
-                f"Use dynamic loss scaling from init_scale {patch['scaler']['init_scale']:.0f} with backoff 0.5.",
+                f"Use dynamic loss scaling from init_scale {patch['scaler']['init_scale']:.0f} with backoff 0.5."
+                + _summed_loss_hint(ev),
                 code=f"scaler = torch.amp.GradScaler('cuda', init_scale={patch['scaler']['init_scale']:.0f}, backoff_factor=0.5)",
                 config_patch=patch,
             ),
@@ -115,3 +118,20 @@ class ScaleOverflow(Rule):
         if ev.window is None or not scaler.enabled or scaler.init_scale <= ev.window.high:
             return 0
         return math.ceil(math.log(scaler.init_scale / ev.window.high) / math.log(1 / scaler.backoff_factor))
+
+
+SUMMED_LOSS_SCALE = 256.0
+"""A largest safe scale below this (FP32's gradients within a factor of 256 of fp16's 65504 at scale 1) is far
+from the 2^16 GradScaler starts at: gradients that large usually come from a loss summed over the batch."""
+
+
+def _summed_loss_hint(ev: Evidence) -> str:
+    """Where the sweep measured that even small scales overflow, what usually makes gradients that large: a loss
+    summed (``reduction='sum'``) over batch x elements grows with both, and a scale fitted to it holds only at
+    this batch size."""
+    window = ev.window
+    if window is None or not math.isfinite(window.high) or window.high >= SUMMED_LOSS_SCALE:
+        return ""
+    return (f" The gradients overflow above a scale of {window.high:.3g} (measured on FP32's): gradients that large "
+            "usually come from a loss summed over the batch and its elements (reduction='sum'); divide it by the "
+            "batch size or use reduction='mean', and the default scale fits again at any batch size.")
