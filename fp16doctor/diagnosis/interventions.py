@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
+from ..measure.records import ROOT
 from ..measure.symptoms import Symptom, skip_runs
 from ..measure.thresholds import EXTREME_INPUT
 from ..tensors import FP16_MAX
@@ -255,7 +256,7 @@ class InterventionSearch:
     def _modules(self, module: str | None) -> Iterator[Candidate]:
         """The localised module, every module of its class, its parent (and its class); after a partial repair,
         the module the fault moved to is added to the set."""
-        if not module or module == OUTSIDE_MODEL or module == "<root>":
+        if not module or module in (OUTSIDE_MODEL, ROOT):
             return
         types = module_types(self.ev)
         chain = [module]
@@ -284,7 +285,7 @@ class InterventionSearch:
             if last is None or last.moved_to is None:
                 return
             moved = last.moved_to
-            if moved.phase not in ("forward", "backward") or not moved.module or moved.module in (OUTSIDE_MODEL, "<root>") \
+            if moved.phase not in ("forward", "backward") or not moved.module or moved.module in (OUTSIDE_MODEL, ROOT) \
                     or moved.module in modules:
                 return
             modules = modules + [moved.module]

@@ -258,9 +258,7 @@ class NonFiniteTracer(TorchDispatchMode):
         prior = written if before[0] else []  # the written tensors whose earlier values the op read
         bad = next((t for t in outputs if not _finite(t)), None)
         if bad is None:
-            read_ranges, read_spreads = _described(read)
-            self._remember(func, name, [*prior, *read], outputs, args, kwargs,
-                           (before[0] + read_ranges, before[1] + read_spreads))
+            self._remember(func, name, prior, read, outputs, args, kwargs, before)
             return out
         sources = [s for s in (self._source_of(t) for t in [*prior, *read]) if s is not None]
         if sources:
@@ -313,19 +311,23 @@ class NonFiniteTracer(TorchDispatchMode):
             self.confirmed = len(self.candidates) - 1  # no module output to wait for
         return out
 
-    def _remember(self, func: Any, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
-                  args: tuple, kwargs: dict, described: tuple[list[tuple[float, float]], list[int]]) -> None:
+    def _remember(self, func: Any, name: str, prior: list[torch.Tensor], read: list[torch.Tensor],
+                  outputs: list[torch.Tensor], args: tuple, kwargs: dict,
+                  before: tuple[list[tuple[float, float]], list[int]]) -> None:
         """Who produced each tensor, to see through rounding casts; views pass their input's producer on.
-        ``described``: the inputs' ranges and spreads (an in-place op's first argument as it was before)."""
+        ``prior``: an in-place op's first argument, ``before`` its ranges and spreads as they were; ``read``: the
+        other inputs, described here, only where a record is kept (not for casts and views: the tracer's hot path)."""
         if name in CASTS:
             return
+        inputs = [*prior, *read]
         if (getattr(func, "is_view", False) or name in RESHAPES) and inputs:
             known = self._made(inputs[0])
             if known is not None:
                 for t in outputs:
                     self._producers[id(t)] = dataclasses.replace(known, tensor=weakref.ref(t))
             return
-        (ranges, spreads), scalars = described, _scalars(args, kwargs)
+        read_ranges, read_spreads = _described(read)
+        ranges, spreads, scalars = before[0] + read_ranges, before[1] + read_spreads, _scalars(args, kwargs)
         origins = [self._carries_constant(t) for t in inputs]
         carries = name in CONSTANT_MAKERS and (
             any(abs(v) >= FP16_MAX for v in scalars) or any(origins)

@@ -35,23 +35,25 @@ def fp32_losses(ev: Evidence, min_steps: int) -> list[float] | None:
 def module_abs_max(summary: ProbeSummary | None, module: str) -> float | None:
     """Largest forward output magnitude of ``module`` over the probe (None if not recorded, or non-finite at every
     step: a non-finite output's ``abs_max`` is NaN, not measured)."""
+    rows = _forward_rows(summary, module, "abs_max")
+    peak = float(rows["abs_max"].max()) if rows is not None and len(rows) else math.nan  # pandas' max skips NaN
+    return None if math.isnan(peak) else peak
+
+
+def _forward_rows(summary: ProbeSummary | None, module: str, column: str) -> pd.DataFrame | None:
+    """The probe's forward-table rows of ``module``, or None where the table or its ``column`` was not recorded."""
     if summary is None or "forward" not in summary.tables or summary.tables["forward"].empty:
         return None
     rows = summary.tables["forward"]
-    rows = rows[rows["module"] == module]
-    peak = float(rows["abs_max"].max()) if len(rows) else math.nan  # pandas' max skips NaN
-    return None if math.isnan(peak) else peak
+    return rows[rows["module"] == module] if column in rows else None
 
 
 def model_input_peak(summary: ProbeSummary | None) -> float | None:
     """The largest magnitude among the floating positional inputs the model's forward was called with (its root
     module's inputs) over the probe; None where not recorded."""
-    if summary is None or "forward" not in summary.tables or summary.tables["forward"].empty:
+    rows = _forward_rows(summary, ROOT, "input_abs_max")
+    if rows is None:
         return None
-    rows = summary.tables["forward"]
-    if "input_abs_max" not in rows:
-        return None
-    rows = rows[rows["module"] == ROOT]
     peak = float(rows["input_abs_max"].max()) if len(rows) else math.nan
     # 0: no floating input was recorded (a model called with keyword arguments only, whose forward hook sees
     # no positional ones): unknown, not small
@@ -145,7 +147,7 @@ def _precision_column(ev: Evidence, column: str) -> dict[str, Any]:
     amp = ev.amp
     if amp is None or amp.precision is None or amp.precision.empty or column not in amp.precision:
         return {}
-    return {("" if m == "<root>" else str(m)): value for m, value in zip(amp.precision["module"], amp.precision[column])}
+    return {("" if m == ROOT else str(m)): value for m, value in zip(amp.precision["module"], amp.precision[column])}
 
 
 def module_types(ev: Evidence) -> dict[str, str]:

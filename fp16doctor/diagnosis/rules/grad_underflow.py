@@ -76,7 +76,8 @@ class GradUnderflow(Rule):
         patch = scale_patch(ev)
         configured = ev.config.scaler.init_scale if ev.config.scaler.enabled else None
         window = ev.window
-        if configured is not None and window is not None and window.feasible and _scale_used(ev) >= window.low:
+        used = _scale_used(ev)
+        if configured is not None and window is not None and window.feasible and used >= window.low:
             # The scale the step ran at already keeps 99.9% of the FP32 gradients' mass: zeros in AMP's gradients
             # are not scaling's to cure (a forward that made them, e.g. a division by an overflowed sum), and
             # telling the user to enable the scaler they run would be wrong.
@@ -96,7 +97,6 @@ class GradUnderflow(Rule):
         if uncalled:  # a GradScaler is configured, but the step never scales its loss
             summary = ("Your step never calls scaler.scale(loss), so it runs at a loss scale of 1 whatever the config "
                        "says: scale the loss, then unscale and step through the scaler. " + summary.replace("Enable", "Use", 1))
-        used = _scale_used(ev)
         if not uncalled and configured is not None and window is not None and window.feasible and used < configured:
             summary = (f"The step ran at a loss scale of {used:g}: GradScaler backed off from {configured:g} after "
                        f"overflows, below the {window.low:.3g} that keeps 99.9% of the gradient mass. Remove what "

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ...engine.instruments import module_names
+from ...measure.records import ROOT
 from ...measure.symptoms import loss_floor, relative_deviation
 from ...measure.thresholds import BF16_FACTOR, GAP_TOLERANCE
 from ..model import GapSearch, GapTrial, ModuleGap, StageReport
@@ -82,7 +83,7 @@ def _rank_modules(ctx: StageContext, step: int) -> list[ModuleGap]:
     outputs: dict[str, dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]] = {}
     for mode in ("fp32", "amp"):
         probe = probe_at(ctx, mode, ctx.config, step, whole_batches=True)  # each module's output on the whole batch
-        names = {m: n for m, n in module_names(probe.model).items() if n != "<root>"}
+        names = {m: n for m, n in module_names(probe.model).items() if n != ROOT}
         captured: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
         def hook(module: torch.nn.Module, args: Any, output: Any, captured=captured, names=names) -> None:
