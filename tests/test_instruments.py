@@ -10,7 +10,8 @@ from fp16doctor.engine.instruments import (InstrumentOptions, Instruments, Sampl
                                            strided_sample)
 from fp16doctor.tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 from fp16doctor.measure.localise import OUTSIDE_MODEL, localise
-from fp16doctor.measure.numerics import capture_gradients, observed_underflow, predicted_underflow, scale_window
+from fp16doctor.measure.numerics import (GradientCapture, capture_gradients, largest_magnitude, observed_underflow,
+                                        predicted_underflow, scale_window)
 from fp16doctor.engine.probe import Workbench
 from fp16doctor.userfile.spec import load_training_file
 
@@ -471,7 +472,20 @@ def test_predicted_underflow_counts_only_gradients_that_carry_signal():
     assert window.worst_signal_underflow(flushing) > 0.5
 
 
-def test_count_nonfinite_holds_forward_outputs_for_exact_counts(training_file):
+def test_the_window_top_is_the_gradients_exact_largest_magnitude_not_its_samples():
+    """A capture keeps a strided sample of each gradient; a spike between the sampled elements is what overflows
+    fp16 at a high scale, so the window's top reads the whole tensor's largest magnitude."""
+    g = torch.full((10_000,), 1e-3)
+    g[4_321] = 500.0
+    sample = strided_sample(g, 2_500).clone()  # every 4th element: the spike is not among them
+    assert float(sample.max()) < 1.0
+    sampled_only = scale_window(GradientCapture({"param:w": sample}, scale=1.0))
+    exact = scale_window(GradientCapture({"param:w": sample}, scale=1.0, abs_max={"param:w": largest_magnitude(g)}))
+    assert exact.high == pytest.approx(FP16_MAX / 500.0)
+    assert sampled_only.high > 1000 * exact.high  # the sample alone would allow scales that overflow the spike
+
+
+def test_count_nonfinite_counts_forward_outputs_exactly(training_file):
     """The train command's report of a bad step counts NaN and inf exactly; the probes only flag them."""
     bench = bench_for(training_file, OVERFLOW)
     _, instruments, _ = instrumented_run(bench, options=InstrumentOptions(sample=0, count_nonfinite=True))
@@ -480,14 +494,16 @@ def test_count_nonfinite_holds_forward_outputs_for_exact_counts(training_file):
     assert row["abs_max"] == 0.0  # every element is inf: no finite magnitude
 
 
-def test_forward_outputs_are_freed_before_the_step_ends():
+@pytest.mark.parametrize("count_nonfinite", [False, True])
+def test_forward_outputs_are_freed_before_the_step_ends(count_nonfinite):
     """The instruments hold no forward output: one autograd no longer needs is freed during the step, as it
-    would be without them (holding them all kept a step's activations alive, issue #17)."""
+    would be without them (holding them all kept a step's activations alive, issue #17), also where they count
+    non-finite values exactly."""
     import weakref
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    instruments = Instruments(model, optimizer, EXACT)
+    instruments = Instruments(model, optimizer, InstrumentOptions(sample=0, count_nonfinite=count_nonfinite))
     seen: list[weakref.ref] = []
     model[2].register_forward_hook(lambda module, args, out: seen.append(weakref.ref(out)))
     instruments.begin_step(0, 1.0)
@@ -495,6 +511,32 @@ def test_forward_outputs_are_freed_before_the_step_ends():
     assert seen and seen[0]() is None
     instruments.end_step()
     assert instruments.frames()["forward"].set_index("module").loc["2", "abs_max"] > 0
+
+
+def test_count_nonfinite_counts_each_kind_and_the_largest_finite_magnitude():
+    """A partly overflowing output: its NaN, +inf and -inf counted exactly, its largest finite magnitude kept, over
+    the micro-batches of a step as over a whole one (counts add up, the magnitude is the larger)."""
+
+    class Blowup(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.tensor([1.0, math.inf, -math.inf, math.nan, 1.0])
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 5), Blowup())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instruments = Instruments(model, optimizer, InstrumentOptions(sample=0, count_nonfinite=True))
+    instruments.begin_step(0, 1.0)
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(5))
+        model[0].bias.zero_()
+    model(torch.full((2, 5), 3.0))
+    instruments.end_micro_batch()
+    model(torch.full((1, 5), -7.0))
+    instruments.end_step()
+    rows = instruments.frames()["forward"]
+    blowup = rows[rows["module"] == "1"]
+    assert list(blowup["nan"]) == [2, 1]
+    assert list(blowup["posinf"]) == [2, 1] and list(blowup["neginf"]) == [2, 1]  # -7 * -inf, -7 * inf
+    assert list(blowup["abs_max"]) == [3.0, 7.0]
 
 
 def test_a_freed_outputs_id_on_a_new_tensor_is_measured_afresh():

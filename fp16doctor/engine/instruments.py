@@ -12,8 +12,10 @@ Cheap enough to run inside every probe:
   their last use, which cost memory and, in fresh pages, time (issue #17).
   Their rows flag which kinds the range shows (1 for present; every reader
   asks only whether a module made any) and leave the largest finite magnitude
-  of a non-finite output unmeasured (NaN). ``count_nonfinite`` holds forward
-  outputs for exact counts, where a report of one bad step shows them;
+  of a non-finite output unmeasured (NaN). ``count_nonfinite`` counts them
+  exactly instead (a host sync per module call, and four reductions of an
+  output that is not finite; no output held), where a report of one bad step
+  shows them;
 * the shares of elements beyond the fp16 range or below its subnormal and
   normal thresholds are measured exactly on tensors up to ``sample`` (16384)
   elements and on an evenly strided subsample of ``sample`` elements beyond
@@ -38,7 +40,7 @@ import itertools
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, cast
+from typing import Any, Iterable, Sequence, cast
 
 import pandas as pd
 import torch
@@ -379,10 +381,14 @@ class InstrumentOptions:
     module's overflow is its exact range, the plot reads the ranges), so its probes leave them off
     (``probe.DEFAULT_INSTRUMENTS``); parameter-gradient shares are measured either way."""
     count_nonfinite: bool = False
-    """Hold each step's forward outputs until its transfer and count their NaN, +inf and -inf exactly (and the
-    largest finite magnitude) where the range shows any: for a report of one bad step (``train``'s
-    ``nonfinite_step_N.json``). Off, a non-finite output's row flags the kinds present (0/1) and its
-    ``abs_max`` is NaN, and a step's outputs are freed as soon as autograd is done with them."""
+    """Count each forward output's NaN, +inf and -inf exactly, and measure its largest finite magnitude: for a
+    report of one bad step (``train``'s ``nonfinite_step_N.json``) and the LR-peak pause, where the overflowing
+    module's finite magnitude is evidence. Each module call's exact range is read at once (a host sync per call:
+    for a few steps, not a probe's every step), and only a call whose outputs are not all finite pays four
+    reductions of them, queued for the step's one transfer. No output is held: holding them until the transfer
+    kept every activation of the step alive past its last use, and reducing every output made as many
+    temporaries (either way the LR-peak pause stood 20 MB above the AMP probe on a small transformer, issue #17).
+    Off, a non-finite output's row flags the kinds present (0/1) and its ``abs_max`` is NaN."""
 
 
 @dataclass
@@ -400,8 +406,9 @@ class _ModuleRow:
     """Its measured outputs' ranges."""
     samples: list[tuple[SampleCounter, int, int]]
     """Its outputs' samples: (counter, index in it, sample length)."""
-    tensors: list[torch.Tensor]
-    """Kept for exact counts on bad steps: forward outputs with ``count_nonfinite`` only."""
+    counted: list[int]
+    """Its outputs' exact non-finite counts and finite magnitudes (indices into ``_Pending.counted``): forward
+    outputs with ``count_nonfinite`` only."""
 
 
 def _lookup(table: dict[int, tuple[weakref.ref, int]], t: torch.Tensor) -> int | None:
@@ -428,6 +435,8 @@ class _Pending:
     seen: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
     """Output id -> (the output, the index of its row): a container handing on its child's output reuses its
     numbers."""
+    counted: list[torch.Tensor] = field(default_factory=list)
+    """:func:`nonfinite_stats` of the outputs ``count_nonfinite`` measures, 4 values each."""
     block_rows: list[tuple[str, str, int, str, int]] = field(default_factory=list)  # (kind, name, order, dtype, numel)
     blocks: list[torch.Tensor] = field(default_factory=list)
     block_tensors: list[list[torch.Tensor]] = field(default_factory=list)
@@ -450,6 +459,16 @@ class _Pending:
         self.block_rows.extend(rows)
         self.blocks.append(block.reshape(-1))
         self.block_tensors.extend(tensors)
+
+    def count(self, t: torch.Tensor) -> int:
+        """The index of ``t``'s :func:`nonfinite_stats`, queued now."""
+        self.counted.append(nonfinite_stats(t))
+        return len(self.counted) - 1
+
+    def finite(self, ranges: list[int]) -> bool:
+        """Whether these ranges hold only finite values: read now (a host sync)."""
+        ends = [end for i in ranges for end in self.ranges[i]]
+        return not ends or bool(torch.isfinite(torch.stack([e.to(torch.float64) for e in ends])).all())
 
     def empty(self) -> bool:
         return not self.rows and not self.blocks
@@ -571,11 +590,15 @@ class Instruments:
             if len({t.device for t in ends}) > 1:
                 ends = [t.to("cpu") for t in ends]
             pieces.append(torch.stack(ends))  # stack promotes mixed dtypes (fp16, bf16, fp32: exactly) to one
+        if pending.counted:
+            pieces.append(torch.stack(pending.counted))
         pieces += [counts for _, counts, _ in taken if counts is not None]
         pieces += pending.blocks
         values = _transfer(pieces)
         offset = 2 * len(pending.ranges)
         ranges = [(values[2 * i], values[2 * i + 1]) for i in range(len(pending.ranges))]
+        counted = [values[offset + 4 * i:offset + 4 * i + 4] for i in range(len(pending.counted))]
+        offset += 4 * len(pending.counted)
         counts: dict[int, tuple[list[float], list[int]]] = {}
         for counter, block, padded in taken:
             if block is not None:
@@ -587,7 +610,7 @@ class Instruments:
             low, high = combined_range([ranges[i] for i in row.inputs])
             out_low, out_high = combined_range([ranges[i] for i in row.outputs])
             self._emit(row.kind, row.name, row.order, row.dtype, row.numel, [low, high, out_low, out_high, *histogram],
-                       row.tensors)
+                       counted=[counted[i] for i in row.counted])
         for (kind, name, order, dtype, numel), tensors in zip(pending.block_rows, pending.block_tensors):
             self._emit(kind, name, order, dtype, numel, values[offset:offset + VECTOR], tensors)
             offset += VECTOR
@@ -619,7 +642,7 @@ class Instruments:
         if self.options.forward:
             with torch.no_grad():
                 inputs = [pending.range_of(t) for t in _floating_leaves(args) if t.numel()]
-                row = self._queue("forward", name, order, dtype, outputs, inputs, hold=self.options.count_nonfinite)
+                row = self._queue("forward", name, order, dtype, outputs, inputs, count=self.options.count_nonfinite)
             for t, index in zip([t for t in outputs if t.numel()], row.outputs):
                 pending.known[id(t)] = (weakref.ref(t), index)
             for t in outputs:
@@ -633,7 +656,7 @@ class Instruments:
         def hook(grad: torch.Tensor) -> None:
             if self._active and grad is not None:
                 with torch.no_grad():
-                    self._queue("activation_grad", name, order, _dtype_name(grad.dtype), [grad], [], hold=False)
+                    self._queue("activation_grad", name, order, _dtype_name(grad.dtype), [grad], [], count=False)
         return hook
 
     def _queue_alias(self, name: str, order: int, dtype: str, output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
@@ -641,25 +664,26 @@ class Instruments:
         with torch.no_grad():
             own_inputs = [self._pending.range_of(t) for t in inputs if t.numel()] if inputs else source.inputs
         self._pending.rows.append(_ModuleRow("forward", name, order, dtype, source.numel, own_inputs, source.outputs,
-                                             source.samples, source.tensors))
+                                             source.samples, source.counted))
 
     def _queue(self, kind: str, name: str, order: int, dtype: str, outputs: list[torch.Tensor], inputs: list[int],
-               hold: bool) -> _ModuleRow:
+               count: bool) -> _ModuleRow:
         """Queue one module call's row: its outputs' exact ranges (one ``aminmax`` each) and their samples (one
-        copy each into the device's :class:`SampleCounter`). ``hold``: keep ``outputs`` until the step's
-        transfer, for exact counts should they be non-finite (``count_nonfinite``). Otherwise nothing is held:
+        copy each into the device's :class:`SampleCounter`). ``count``: where they are not all finite, also their
+        exact non-finite counts and largest finite magnitudes (:func:`nonfinite_stats`, ``count_nonfinite``);
+        otherwise the row says which kinds of non-finite values the exact range saw. Nothing is held either way:
         autograd frees each output and gradient as soon as it is done with it (holding a step's activation
-        gradients kept a second copy of them alive, holding its forward outputs kept every one past its last
-        use: issue #17), and the row says which kinds of non-finite values the exact range saw instead of
-        counting them. Call it under ``torch.no_grad()``."""
+        gradients kept a second copy of them alive, holding its forward outputs kept every one past its last use:
+        issue #17). Call it under ``torch.no_grad()``."""
         pending = self._pending
         sized = [t for t in outputs if t.numel()]
         samples = []
         for t in sized if self.options.module_shares else ():
             sample, counter = strided_sample(t, self.options.sample), self._counter(t.device)
             samples.append((counter, counter.add(sample), sample.numel()))
-        row = _ModuleRow(kind, name, order, dtype, sum(t.numel() for t in outputs), inputs,
-                         [pending.range_of(t) for t in sized], samples, outputs if hold else [])
+        ranges = [pending.range_of(t) for t in sized]
+        counted = [pending.count(t) for t in sized] if count and not pending.finite(ranges) else []
+        row = _ModuleRow(kind, name, order, dtype, sum(t.numel() for t in outputs), inputs, ranges, samples, counted)
         pending.rows.append(row)
         return row
 
@@ -757,16 +781,18 @@ class Instruments:
 
     # --- turning vectors into rows ------------------------------------------------------------------
     def _emit(self, kind: str, name: str, order: int, dtype: str, numel: int, v: list[float],
-              tensors: list[torch.Tensor]) -> None:
+              tensors: Sequence[torch.Tensor] = (), counted: Sequence[list[float]] = ()) -> None:
+        """One table row from its transferred values: ``tensors``, a parameter's gradient for exact counts should it
+        be non-finite; ``counted``, a module row's outputs' :func:`nonfinite_stats` (``count_nonfinite``)."""
         base = {"step": self._step, "module" if kind in ("forward", "activation_grad") else "param": name, "dtype": dtype}
         if kind in ("forward", "activation_grad"):
             finite = all(math.isfinite(x) for x in (v[OUT_MIN], v[OUT_MAX]))
             nan = pos = neg = 0
             abs_max = max(abs(v[OUT_MIN]), abs(v[OUT_MAX]))
-            if not finite and tensors:
-                nan, pos, neg = exact_counts(tensors)
-                abs_max = _finite_abs_max(tensors)
-            elif not finite:  # not held (without count_nonfinite): what the exact range shows, 1 for present
+            if not finite and counted:
+                nan, pos, neg = (int(sum(c[k] for c in counted)) for k in range(3))
+                abs_max = max(c[3] for c in counted)
+            elif not finite:  # not counted (without count_nonfinite): what the exact range shows, 1 for present
                 nan, pos, neg, abs_max = kinds_in_range(v[OUT_MIN], v[OUT_MAX]) + (math.nan,)
             row = {**base, "order": order, "numel": numel, "abs_max": abs_max, "nan": nan, "posinf": pos, "neginf": neg,
                    **(_shares(v) if self.options.module_shares else UNMEASURED_SHARES)}
@@ -837,9 +863,13 @@ def kinds_in_range(low: float, high: float) -> tuple[int, int, int]:
     return 0, int(high == math.inf), int(low == -math.inf)
 
 
-def _finite_abs_max(tensors: list[torch.Tensor]) -> float:
-    values = [t.detach().float().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().max().item() for t in tensors if t.numel()]
-    return max(values, default=0.0)
+def nonfinite_stats(t: torch.Tensor) -> torch.Tensor:
+    """``[NaN count, +inf count, -inf count, largest finite |x| (0 for none)]`` of a non-empty tensor, as a float64
+    vector left on its device (the step's transfer takes it): exact counts up to 2^53 elements."""
+    t = t.detach()
+    finite_abs = torch.where(torch.isfinite(t), t.abs(), 0).amax()
+    return torch.stack([torch.isnan(t).sum().double(), (t == math.inf).sum().double(),
+                        (t == -math.inf).sum().double(), finite_abs.double()])
 
 
 LIBRARY_PACKAGES = ("torch", "transformers", "timm", "torchvision")
