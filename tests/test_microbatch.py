@@ -308,6 +308,9 @@ def test_a_micro_batched_capture_samples_what_the_whole_batch_would(training_fil
     for key, tensor in whole.tensors.items():
         assert split.tensors[key].shape == tensor.shape, key
         torch.testing.assert_close(split.tensors[key], tensor, rtol=1e-4, atol=1e-6 * float(tensor.abs().max()))
+        # the exact largest magnitude, over the micro-batches' gradients as over the whole one
+        torch.testing.assert_close(split.abs_max[key], whole.abs_max[key], rtol=1e-4, atol=0.0)
+        assert float(whole.abs_max[key]) >= float(tensor.abs().max())
 
 
 def test_a_micro_batched_capture_leaves_out_what_it_cannot_place(training_file):
