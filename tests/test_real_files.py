@@ -274,6 +274,31 @@ def test_a_vae_with_sigmoid_and_binary_cross_entropy_is_told_to_use_the_logits()
     assert "binary_cross_entropy_with_logits" in top["fix"]["code"] and "sigmoid" in top["fix"]["summary"]
 
 
+def test_a_focal_loss_on_fp16_probabilities_breaks_in_the_losss_backward_and_is_loss_in_half():
+    """softmax(dtype=float32).to(logits.dtype): a noisy label's p_t rounds to fp16's smallest subnormal and the
+    backward of log(p_t) divides by it, outside the model; every step skips. The loss is named (not a 0.15% precision
+    gap whose fp32 head happened to compute the loss in fp32), and computing it in fp32 repairs the training."""
+    code, report, _ = diagnose_json("focal_loss_fp16_probs.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "loss-in-half" and top["verification"]["repaired"] is True, top["title"]
+    assert top["evidence"]["phase"] == "backward" and "in its backward" in top["title"]
+    assert "precision-gap" not in [f["cause"] for f in report["findings"] if f["severity"] == "error"]
+
+
+def test_a_gap_no_small_module_set_closes_is_left_to_the_search_which_keeps_the_whole_class():
+    """A hand-written LayerNorm squares a residual stream of a few hundred: (d * d) passes 65504 in every norm and
+    the output collapses. No small set closes the 45% gap, so the finding proposes nothing and explains nothing:
+    the search runs and keeps every module of the class in fp32, verified (it used to stop at 'try bf16')."""
+    code, report, _ = diagnose_json("hand_layernorm_square.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["found_by"] == "intervention" and top["verification"]["repaired"] is True, top["title"]
+    assert sorted(top["fix"]["config_patch"]["overrides"]["fp32_modules"]) == [
+        "blocks.0.norm", "blocks.1.norm", "blocks.2.norm", "norm"]
+    assert {s["name"]: s["status"] for s in report["stages"]}["intervention search"] == "ran"
+
+
 def test_a_one_pass_variance_that_cancels_below_zero_is_precision_not_overflow():
     """A hand-written GroupNorm computes E[x^2] - E[x]^2 on raw intensities (~100): fp16 rounds both terms and the
     variance goes negative under a square root. Nothing passes 65504: keeping the norm in fp32 repairs it, and it

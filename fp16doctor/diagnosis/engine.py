@@ -164,13 +164,15 @@ def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], Non
     with ctx.progress.planned(evidence.steps + skips if skips else 0):  # the AMP run aligned on the steps taken, if a drift needs it
         evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
                                               evidence.gap.gap if evidence.gap else None)
-    findings, hidden = evaluate_rules(evidence)
+    findings, suppressors = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
-    verify_findings(findings, evidence, verifier, hidden)
+    verify_findings(findings, evidence, verifier, hidden_by(suppressors))
     release_memory(ctx.bench.device)
-    # A root cause hides its symptoms' findings, unless trying a hidden finding's fix repaired the training.
-    findings = [f for f in findings if f.cause not in hidden or repair_rank(f) == 0]
     demote_unrepairing(findings)
+    # A root cause hides its symptoms' findings, unless its own fix, tried, changed nothing (a cause is what an
+    # intervention repairs), or trying a hidden finding's fix repaired the training.
+    hidden = hidden_by(suppressors, standing={f.cause for f in findings if not f.demoted})
+    findings = [f for f in findings if f.cause not in hidden or repair_rank(f) == 0]
     unexplained = explain_symptoms(findings, evidence)
     search, search_unfit, searched = None, None, time.perf_counter()
     if unexplained:
@@ -303,14 +305,16 @@ def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Symptom]:
     intervention search's targets; what it cannot repair becomes the ``unexplained`` error).
 
     A warning whose rule explains a measured symptom becomes an error: the
-    verdict follows the symptoms, the rules only say why.
+    verdict follows the symptoms, the rules only say why. A finding with no fix to
+    propose (``needs_search``) or whose fix, tried, changed nothing (``demoted``)
+    explains nothing: its symptoms go to the intervention search.
     """
     from .rules import rules_by_code
 
     explains = {code: rule.explains for code, rule in rules_by_code().items()}
     unexplained = []
     for symptom in ev.symptoms:
-        candidates = [f for f in findings if symptom.code in explains.get(f.cause, ()) and not f.demoted]
+        candidates = [f for f in findings if symptom.code in explains.get(f.cause, ()) and not (f.demoted or f.needs_search)]
         errors = [f for f in candidates if f.severity == "error"]
         if not errors:
             warnings_ = sorted((f for f in candidates if f.severity == "warning"), key=lambda f: (f.order, -f.confidence))
@@ -332,7 +336,7 @@ def adopt_repair(findings: list[Finding], repair: Repair, ev: Evidence, unexplai
     from .rules import name_repair
 
     finding = name_repair(repair, ev)
-    for other in [f for f in findings if f.cause == finding.cause and (f.demoted or f.severity != "error")]:
+    for other in [f for f in findings if f.cause == finding.cause and (f.demoted or f.needs_search or f.severity != "error")]:
         finding.evidence = {**other.evidence, **finding.evidence}
         findings.remove(other)
     finding.evidence["symptoms"] = [s.code for s in unexplained if s.code in repair.symptoms]
@@ -389,8 +393,9 @@ def unexplained_finding(symptoms: list[Symptom], ev: Evidence, search: SearchRes
     )
 
 
-def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], set[str]]:
-    """Every rule's findings, and the causes that a root cause found as an error marks as its symptoms.
+def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], dict[str, tuple[str, ...]]]:
+    """Every rule's findings, and for each root cause found as an error the causes it marks as its symptoms
+    (:func:`hidden_by`).
 
     A warning that explains a measured symptom counts as the error it will become (a static fact such as
     half weights is reported as a warning until a symptom stands on it).
@@ -406,8 +411,14 @@ def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], set[str]]:
         findings.extend(found)
         if any(f.severity == "error" or (f.severity == "warning" and measured & set(rule.explains)) for f in found):
             suppressors[rule.code] = rule.suppresses
-    hidden = {code for root, codes in suppressors.items() for code in codes if code != root}
-    return findings, hidden
+    return findings, suppressors
+
+
+def hidden_by(suppressors: dict[str, tuple[str, ...]], standing: set[str] | None = None) -> set[str]:
+    """The causes the root causes hide (``standing``: only those roots, e.g. the ones whose fix was not tried in
+    vain)."""
+    return {code for root, codes in suppressors.items() if standing is None or root in standing
+            for code in codes if code != root}
 
 
 def rank(findings: list[Finding]) -> list[Finding]:

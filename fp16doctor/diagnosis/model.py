@@ -110,6 +110,10 @@ class Finding:
     """What trying the fix measured (:mod:`.verify`): tried, symptoms before/after, share removed."""
     demoted: bool = False
     """An error whose fix, tried, changed nothing: now a warning, and it explains no symptom."""
+    needs_search: bool = False
+    """The rule recognised the pattern but has no change to propose (no small set of modules in fp32 closes a
+    precision gap): a warning that explains no symptom, so the intervention search looks for the repair, and the
+    cause it names takes this finding's evidence (:func:`fp16doctor.diagnosis.engine.adopt_repair`)."""
     found_by: str = "rule"
     """``rule``: a rule matched the evidence; ``intervention``: the intervention search tried the doctor's
     interventions and this cause is named from the one that repaired the training (:mod:`.interventions`)."""

@@ -1,8 +1,10 @@
 """The loss (softmax, log, exp) computed in half precision.
 
 Evidence: the first non-finite operator ran in the loss, outside the model,
-on half-precision tensors (or the loss came out in half, or CUDA autocast
-refused binary_cross_entropy), while fp32 is finite. In a capsule of a watched
+on half-precision tensors, in its forward or in its backward before the
+gradient reached the model (a focal loss's 1 / p_t of a probability fp16
+rounded to its smallest subnormal), or the loss came out in half, or CUDA
+autocast refused binary_cross_entropy, while fp32 is finite. In a capsule of a watched
 script, whose loss code the replay does not hold: the watch saw a finite loss
 whose gradient w.r.t. the model's outputs held inf/NaN (made in the loss's
 backward), and the model itself replays finite in FP32 and under AMP.
@@ -13,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from .. import fixtures as fx
+from ...measure.records import OUTSIDE_MODEL, Localisation
+from ...measure.symptoms import excess_skips, first_nonfinite, skip_profile
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite
@@ -49,8 +53,19 @@ class LossInHalf(Rule):
     triggers = ("loss_in_half.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]), loss_dtypes=["float16"]),
                                     localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float16)")),
+                # a focal loss on fp16 probabilities: its backward divides by p_t, which fp16 rounded to 6e-8
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(16))),
+                                    localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div",
+                                                                 [(5.96e-08, 0.64)], output="-inf (float16)")),
                 lambda: fx.evidence(recorded_loss_finding="the loss is finite but its gradient w.r.t. the model's outputs is not"))
-    quiet_on = (lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float32)")),)
+    quiet_on = (lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float32)")),
+                # the scaler's calibration: the loss's backward overflows at 65536 and the skips stop, no symptom
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0])),
+                                    localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div_",
+                                                                 [(0.0, 65536.0)], output="+inf (float16)")),
+                # a backward that overflows inside the model: the model's, not the loss's
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(16))),
+                                    localisation=fx.localisation("backward", "head", "aten::mm", output="+inf (float16)")))
     suppresses = ("activation-overflow", "scale-overflow", "precision-gap", "scheduler-skip-drift")
 
     nothing_to_try = ("the loss code is not in what the doctor runs (a capsule replays the model, driven by the recorded "
@@ -64,10 +79,12 @@ class LossInHalf(Rule):
             return [self._recorded(ev)]  # the model replays finite: what failed is the loss (else the model's own
             # fault is for the other rules, and the note still says what the loss gradient held)
         evidence: dict[str, Any] = {"loss_dtypes": amp.loss_dtypes}
-        if loc is not None and loc.phase == "loss" and any(d in loc.output for d in LOW_DTYPES):
-            evidence.update({"operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
+        if loc is not None and in_the_loss(loc) and any(d in loc.output for d in LOW_DTYPES) and (
+                loc.phase == "loss" or range_fault_measured(amp.records)):
+            evidence.update({"operator": loc.operator, "step": loc.step, "batch": loc.batch_index, "phase": loc.phase,
                              "operator_input_ranges": loc.input_ranges, "output": loc.output})
-            title = f"The loss overflows in half precision: {loc.operator} outside the model at step {loc.step} -> {loc.output}"
+            title = (f"The loss overflows in half precision: {loc.operator} outside the model"
+                     f"{'' if loc.phase == 'loss' else ', in its backward,'} at step {loc.step} -> {loc.output}")
         elif amp.exception and BCE_REFUSAL in (amp.exception.message or ""):
             evidence["exception"] = amp.exception
             title = "binary_cross_entropy on half-precision probabilities: CUDA autocast refuses it"
@@ -101,7 +118,8 @@ class LossInHalf(Rule):
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
-        where = f": {loc.operator} in the loss at step {loc.step} -> {loc.output}" if loc is not None and loc.phase == "loss" else ""
+        where = (f": {loc.operator} in the loss{'' if loc.phase == 'loss' else ' (backward)'} at step {loc.step} -> "
+                 f"{loc.output}" if loc is not None and in_the_loss(loc) else "")
         return f"The loss breaks on half-precision values{where}; computing the loss in fp32 repairs the training"
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
@@ -129,3 +147,16 @@ class LossInHalf(Rule):
                     "F.softplus instead of log(1 + exp(z)); exp overflows fp16 past 11.09.",
                     "loss = torch.logsumexp(logits.float(), dim=-1).mean()")
         return OUTSIDE_AUTOCAST_FIX
+
+
+def in_the_loss(loc: Localisation) -> bool:
+    """The traced culprit ran in the loss computation: its forward, or its backward before the gradient reached the
+    model's output (the tracer names no module there)."""
+    return loc.phase == "loss" or (loc.phase == "backward" and loc.module == OUTSIDE_MODEL)
+
+
+def range_fault_measured(records: Any) -> bool:
+    """AMP's run turned non-finite, or skipped beyond the scale's calibration (the verdict's definitions): a loss's
+    backward that overflows is a fault only then, as a GradScaler's calibration skips start there too (the first
+    gradient times 65536)."""
+    return first_nonfinite(records) is not None or excess_skips(skip_profile(records))

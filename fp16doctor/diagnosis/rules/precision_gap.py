@@ -30,7 +30,9 @@ class PrecisionGap(Rule):
                    lambda: (fx.repair("fp32-modules", ["enc.norm"], symptoms=("nonfinite",)), fx.evidence(
                        localisation=fx.localisation("forward", "enc.norm", "aten::sqrt", [(-16.0, 16.0)], "nan (float16)"))))
     triggers = ("fast_variance_norm.py",)
-    fires_on = (lambda: fx.evidence(gap=fx.gap(0.5, closing_set=["norm"], closed_gap=1e-4)),)
+    fires_on = (lambda: fx.evidence(gap=fx.gap(0.5, closing_set=["norm"], closed_gap=1e-4)),
+                # no small set closes it: a warning that leaves the symptom to the intervention search
+                lambda: fx.evidence(gap=fx.gap(0.45)))
     quiet_on = (lambda: fx.evidence(gap=fx.gap(5e-4)),
                 lambda: fx.evidence(gap=fx.gap(1e7, gap_without_loss_scaling=1e-5, scale_leak=True)))
 
@@ -49,14 +51,17 @@ class PrecisionGap(Rule):
                 code=f"# in {closing[0]}.forward:\nwith torch.autocast('cuda', enabled=False):\n    x = x.float()\n    ...   # the precision-sensitive computation",
                 config_patch={"overrides": {"fp32_modules": closing}},
             )
-        else:
-            fix = Fix("No small set of modules kept in fp32 closes the gap: try bf16, or compute the loss in fp32.",
+        else:  # nothing to propose: the search tries wider sets (every module of the top one's class), the loss, bf16
+            fix = Fix("No small set of modules kept in fp32 closes the gap: the intervention search tries wider changes "
+                      "(every module of the class the top-ranked module belongs to, the loss in fp32, bf16).",
                       config_patch={})
-        return [self.finding(
+        found = self.finding(
             f"AMP deviates {gap.gap:.2%} from fp32 on the same weights and batch (step {gap.worst_step})"
-            + (f"; {', '.join(closing)} in fp32 closes it" if closing else ""),
-            evidence, fix, severity=severity,
-        )]
+            + (f"; {', '.join(closing)} in fp32 closes it" if closing else "; no small set of modules in fp32 closes it"),
+            evidence, fix, severity=severity if closing else "warning",
+        )
+        found.needs_search = not closing
+        return [found]
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it with nothing out of fp16's range: precision, not range (the rules
