@@ -311,6 +311,18 @@ def test_a_one_pass_variance_that_cancels_below_zero_is_precision_not_overflow()
     assert "activation-overflow" not in [f["cause"] for f in report["findings"]]
 
 
+def test_a_divisor_whose_squares_flushed_is_made_from_fp32_values_not_cast_up_afterwards():
+    """f / sqrt((f * f).sum()) on dark pixels: f * f flushes to 0 in fp16 where f does not, so x / 0 = inf. Casting
+    the finished divisor up (or adding an epsilon to it) would divide by the epsilon; the fix casts the input up
+    before the squares (a user trial applied the old snippet literally and the loss overflowed)."""
+    code, report, _ = diagnose_json("dense_cosine_lowlight.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "divisor-underflow" and top["evidence"]["module"] == "<root>", top["title"]
+    assert "x32 = x.float()" in top["fix"]["code"] and "d.float() + eps" not in top["fix"]["code"]
+    assert "before the squares" in top["fix"]["summary"]
+
+
 def test_an_arcface_clamp_fp16_rounds_to_one_is_a_divisor_reaching_zero_in_backward():
     """clamp(cos, -1 + 1e-7, 1 - 1e-7) is 1.0 in fp16, and acos's backward divides by sqrt(1 - cos^2) = 0."""
     code, report, _ = diagnose_json("arcface_imprint.py")

@@ -46,13 +46,46 @@ BACKWARD_BOUND = (" In backward the divisor is a derivative's: a value fp16 roun
                   "(1 - 1e-3) or compute that part in fp32.")
 
 
+FLUSHED_DIVISOR_CODE = ("x32 = x.float()   # before the squares, sums or products that make d\n"
+                        "d = ...           # from x32, e.g. torch.linalg.vector_norm(x32, dim=-1, keepdim=True)\n"
+                        "y = (x32 / (d + eps)).to(x.dtype)")
+"""A divisor made from fp32 values: where it flushed to 0 before the division, casting it up comes too late."""
+DIVIDES = ("aten::div", "aten::div_", "aten::true_divide")
+
+
 def divisor_in_fp32_code(loc: Localisation) -> str:
-    """The operator the doctor localised, rewritten so that its divisor is fp32 when the epsilon is added: the
-    snippet names the operator the measurement saw, not a norm the module may not be."""
-    line = DIVISOR_IN_FP32.get(loc.operator, "y = (x.float() / (d.float() + eps)).to(x.dtype)")
+    """The operator the doctor localised, rewritten so that its divisor is fp32 when the epsilon is added (or, where
+    it flushed to 0 before the division, made from fp32 values): the snippet names the operator the measurement
+    saw, not a norm the module may not be."""
     owner = "the model's forward" if loc.module == ROOT else f"'{loc.module}'.forward"
+    if flushed_before_division(loc):
+        return (f"# in {owner}, at its {loc.operator.split('::')[-1]}: the divisor made from fp32 values.\n"
+                "# Squares of values under 2.4e-4 are 0 in fp16, and a divisor that\n"
+                f"# already flushed to 0 stays 0 when cast up:\n{FLUSHED_DIVISOR_CODE}")
+    line = DIVISOR_IN_FP32.get(loc.operator, "y = (x.float() / (d.float() + eps)).to(x.dtype)")
     return (f"# in {owner}, at its {loc.operator.split('::')[-1]}: the divisor in fp32, where an\n"
             f"# epsilon such as 1e-8 is not 0 (in fp16 it is):\n{line}")
+
+
+def flushed_before_division(loc: Localisation) -> bool:
+    """A division made +-inf: values that are not 0 over a divisor that is (0/0 alone is NaN). The divisor flushed to
+    0 before the division, from squares or products of small values fp16 cannot hold, where the values it divides
+    did not: an epsilon added afterwards, or a cast up, cannot bring it back. (A zero padding row gives 0/0.)"""
+    return loc.operator in DIVIDES and "inf" in loc.output
+
+
+def _fix_summary(loc: Localisation, keep: str, in_root: bool) -> str:
+    """What to change: the module in fp32, and the divisor's own fix (an epsilon fp16 holds, or a divisor made
+    from fp32 values where it flushed before the division)."""
+    where = "Compute the division in fp32" if in_root else f"Run '{keep}' in fp32 (autocast off inside it)"
+    if flushed_before_division(loc):
+        return (where + ", making the divisor from fp32 values: it is 0 where the values it divides are not, so it "
+                "flushed to 0 before the division (squares or products of values fp16 cannot hold: a square of "
+                "anything under 2.4e-4 is 0 in fp16). Cast the input up before the squares and sums that make it "
+                "(torch.linalg.vector_norm and F.normalize run in fp32 under autocast); casting the finished divisor "
+                "up, or adding an epsilon to it, cannot bring back what flushed.")
+    return (where + ", or use an epsilon fp16 holds: fp16's smallest subnormal is 6e-8, so an eps of 1e-8 is 0 in "
+            "fp16 (1e-5 is usual), or add it after casting up to fp32." + (BACKWARD_BOUND if loc.phase == "backward" else ""))
 
 
 def _reaches_zero(loc: Localisation) -> str:
@@ -90,6 +123,10 @@ class DivisorUnderflow(Rule):
         # x / (x.norm() + 1e-8) in the model's own forward: a code fix, no module to keep in fp32
         lambda: fx.evidence(fp32=_fp32_forward("<root>", 1.0), localisation=fx.localisation(
             "forward", "<root>", "aten::div", [(-2.0, 2.0), (0.0, 3.0)], "nan (float16)")),
+        # f / sqrt((f * f).sum()) on dark pixels: the squares flushed, the values did not (x/0 = inf): the fix makes
+        # the divisor from fp32 values (casting it up afterwards brings nothing back)
+        lambda: fx.evidence(fp32=_fp32_forward("<root>", 0.67), localisation=fx.localisation(
+            "forward", "<root>", "aten::div", [(-0.067, 0.071), (0.0, 0.167)], "nan/+inf/-inf (float32)")),
         # ArcFace: clamp(cos, -1 + 1e-7, 1 - 1e-7) is 1.0 in fp16; acos's backward takes rsqrt(1 - cos^2) = rsqrt(0)
         lambda: fx.evidence(fp32=_fp32_forward("head", 1.0), localisation=fx.localisation(
             "backward", "head", "aten::rsqrt", [(0.0, 1.0)], "+inf (float32)")),
@@ -133,10 +170,7 @@ class DivisorUnderflow(Rule):
              "operator_input_ranges": loc.input_ranges, "divisor_range": [low, high], "output": loc.output,
              "fp32_abs_max": peak, "keep_in_fp32": keep, "deterministic": ev.localisation_deterministic},
             Fix(
-                ("Compute the division in fp32" if in_root else f"Run '{keep}' in fp32 (autocast off inside it)")
-                + ", or use an epsilon fp16 holds: fp16's smallest subnormal "
-                "is 6e-8, so an eps of 1e-8 is 0 in fp16 (1e-5 is usual), or add it after casting up to fp32."
-                + (BACKWARD_BOUND if loc.phase == "backward" else ""),
+                _fix_summary(loc, keep, in_root),
                 code=(divisor_in_fp32_code(loc) if in_root else fp32_wrapper_code(keep) if loc.phase == "backward" else
                       divisor_in_fp32_code(loc) + "\n\n# or keep the module in fp32:\n" + fp32_wrapper_code(keep)),
                 config_patch={} if in_root else {"overrides": {"fp32_modules": [keep]}},
