@@ -297,6 +297,20 @@ def test_a_gap_no_small_module_set_closes_is_left_to_the_search_which_keeps_the_
     assert sorted(top["fix"]["config_patch"]["overrides"]["fp32_modules"]) == [
         "blocks.0.norm", "blocks.1.norm", "blocks.2.norm", "norm"]
     assert {s["name"]: s["status"] for s in report["stages"]}["intervention search"] == "ran"
+    # the gap is range, hidden: the norm's square passed 65504 and d / sqrt(inf) = 0 made the output finite
+    assert "aten::mul" in top["title"] and "overflow no module output shows" in top["title"]
+
+
+def test_a_linear_attention_normaliser_that_overflows_silently_is_named_with_its_operator():
+    """fast-transformers' linear attention at 2048 tokens: the normaliser's einsum passes 65504 and 1 / inf = 0
+    hides it, so the run stays finite and only a 1.6% gap shows. The attention blocks in fp32 close it, and the
+    finding names the operator that overflowed instead of calling it rounding."""
+    code, report, _ = diagnose_json("linear_attention_normaliser.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "precision-gap" and "overflow no module output shows" in top["title"], top["title"]
+    absorbed = top["evidence"]["absorbed_overflow"]
+    assert absorbed["module"].startswith("blocks.") and absorbed["module"].endswith(".attn") and absorbed["peak"] > 65504
 
 
 def test_a_one_pass_variance_that_cancels_below_zero_is_precision_not_overflow():

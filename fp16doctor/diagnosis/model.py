@@ -309,6 +309,10 @@ class GapSearch:
     closed_gap: float | None = None
     tried: list[GapTrial] | None = None
     """The module sets tried, in order; None when no search ran."""
+    absorbed_overflow: Localisation | None = None
+    """The first forward operator of AMP's step at ``worst_step`` that made a result past fp16's range which no
+    module output shows (an infinity divided away: ``x / inf = 0``): the gap is then range, not rounding. None when
+    the traced step made none (or no search ran)."""
 
     @property
     def exceeded(self) -> bool:
@@ -329,6 +333,8 @@ class GapSearch:
         if self.tried is not None:
             out.update({"closing_set": self.closing_set, "closed_gap": self.closed_gap,
                         "tried": [t.to_json() for t in self.tried]})
+        if self.absorbed_overflow is not None:
+            out["absorbed_overflow"] = self.absorbed_overflow.to_json()
         return out
 
 

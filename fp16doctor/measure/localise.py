@@ -377,8 +377,13 @@ def _autograd_node() -> dict[str, str | None]:
     return {"autograd_node": node.name(), "custom_function": function.__name__ if function is not None else None}
 
 
-def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) -> Localisation | None:
-    """Take ``probe``'s next step (on ``batch`` if given) with the tracer on; the first non-finite op, or None."""
+def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None, absorbed: bool = False) -> Localisation | None:
+    """Take ``probe``'s next step (on ``batch`` if given) with the tracer on; the first non-finite op, or None.
+
+    ``absorbed``: instead, the first operator of the forward pass that made a result past fp16's range whose
+    non-finite values no module's output shows (an infinity divided away, ``x / inf = 0``: a linear attention's
+    normaliser, a hand-written variance of large values), or None. Such an overflow leaves the run finite and shows
+    only as a gap to FP32."""
     context = _Context()
     names = module_names(probe.model)
 
@@ -419,6 +424,8 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
     if bad_field is not None:  # the values came in with the data: no operator made them
         for h in handles:
             h.remove()
+        if absorbed:
+            return None
         name, tensor = bad_field
         return Localisation(step=step, batch_index=batch_index, mode=probe.mode, phase="data", module=None,
                             operator=f"<batch field '{name}'>", input_ranges=[], output=_describe_bad(tensor),
@@ -429,6 +436,10 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None) 
     finally:
         for h in handles:
             h.remove()
+    if absorbed:
+        made = (Localisation(step=step, batch_index=batch_index, mode=probe.mode, **found)
+                for index, found in enumerate(tracer.candidates) if found["phase"] == "forward" and index != tracer.confirmed)
+        return next((loc for loc in made if loc.made_past_range), None)
     if tracer.found is None:
         return None
     return Localisation(step=step, batch_index=batch_index, mode=probe.mode, **tracer.found)

@@ -14,6 +14,10 @@ from typing import Any
 
 import pandas as pd
 
+INFINITE_AT_ZERO = frozenset({"aten::div", "aten::div_", "aten::true_divide", "aten::reciprocal", "aten::rsqrt",
+                              "aten::log", "aten::log2", "aten::log10", "aten::addcdiv", "aten::xlogy", "aten::pow"})
+"""Operators that make an infinity from a finite argument that reached 0 (x / 0, log 0, 0 ** -1): not a result past
+fp16's range."""
 OUTSIDE_MODEL = "<loss: outside the model>"
 ROOT = "<root>"
 """The model's own forward code, outside its submodules (what the instruments name the root module)."""
@@ -84,6 +88,21 @@ class Localisation:
         if "inf" in self.output or (self.peak is not None and self.peak >= FP16_MAX_VALUE):
             return True
         return any(not (abs(lo) < FP16_MAX_VALUE and abs(hi) < FP16_MAX_VALUE) for lo, hi in self.input_ranges)
+
+    @property
+    def made_past_range(self) -> bool:
+        """Whether the culprit's result itself left fp16's range: a result past 65504 was seen, an input already lay
+        beyond it, or it made an infinity by anything but dividing by (or taking the log of) a value that reached 0,
+        whose infinity tells of its argument's size, not its result's."""
+        if self.peak is not None and self.peak >= FP16_MAX_VALUE:
+            return True
+        if any(not (abs(lo) < FP16_MAX_VALUE and abs(hi) < FP16_MAX_VALUE) for lo, hi in self.input_ranges):
+            return True
+        return "inf" in self.output and self.operator.split(".")[0] not in INFINITE_AT_ZERO
+
+    def inside(self, modules: list[str]) -> bool:
+        """The culprit ran in one of ``modules`` or in a module inside one of them."""
+        return any(self.module == m or (self.module or "").startswith(m + ".") for m in modules)
 
     def describe(self) -> str:
         where = self.place

@@ -211,7 +211,7 @@ def role_members(path: str, types: dict[str, str]) -> Role | None:
 def localised_inside(ev: Evidence, modules: list[str]) -> bool:
     """The localised fault is in one of ``modules`` or in a module inside one of them."""
     loc = ev.localisation
-    return loc is not None and any(loc.module == m or (loc.module or "").startswith(m + ".") for m in modules)
+    return loc is not None and loc.inside(modules)
 
 
 def quoted(modules: list[str]) -> str:

@@ -4,6 +4,10 @@ Evidence: the loss of both precisions from the same weights and batch at
 several points of the FP32 trajectory, the modules ranked by the error their
 output adds in AMP, and the smallest set whose fp32 fallback closes the gap.
 
+Where AMP's step at the worst state made a result past fp16's range inside the closing modules that no module
+output shows (an infinity divided away: a linear attention's normaliser, a hand-written variance of large values,
+``x / inf = 0``), the finding says so: the gap is range, hidden, not rounding; the fix is the same.
+
 Also named by intervention: modules kept in fp32 repair a NaN that the traced culprit made inside them from
 finite inputs within fp16's range (nothing overflowed): rounding drove a value out of its operator's domain, a
 variance computed as E[x^2] - E[x]^2 that cancels below 0 under a square root (issue 16: a module in fp32
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 from ...measure.thresholds import GAP_ERROR, GAP_TOLERANCE
 from .. import fixtures as fx
+from ...measure.records import Localisation
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import localised_inside, quoted
@@ -31,6 +36,10 @@ class PrecisionGap(Rule):
                        localisation=fx.localisation("forward", "enc.norm", "aten::sqrt", [(-16.0, 16.0)], "nan (float16)"))))
     triggers = ("fast_variance_norm.py",)
     fires_on = (lambda: fx.evidence(gap=fx.gap(0.5, closing_set=["norm"], closed_gap=1e-4)),
+                # a linear attention's normaliser passes 65504 and 1 / inf = 0 hides it: the finding names the operator
+                lambda: fx.evidence(gap=fx.gap(0.016, closing_set=["blocks.0.attn"], closed_gap=1e-4,
+                                               absorbed_overflow=fx.localisation("forward", "blocks.0.attn.denominator",
+                                                                                 "aten::bmm", [(0.0, 3.0)]))),
                 # no small set closes it: a warning that leaves the symptom to the intervention search
                 lambda: fx.evidence(gap=fx.gap(0.45)))
     quiet_on = (lambda: fx.evidence(gap=fx.gap(5e-4)),
@@ -45,6 +54,9 @@ class PrecisionGap(Rule):
         evidence = {"gap": gap.gap, "step": gap.worst_step, "tolerance": gap.tolerance,
                     "same_state_rel_dev": gap.same_state_rel_dev, "ranked_modules": (gap.ranked_modules or [])[:5],
                     "closing_set": closing, "closed_gap": gap.closed_gap}
+        absorbed = absorbed_in(ev, closing or [r.module for r in (gap.ranked_modules or [])[:1]])
+        if absorbed is not None:
+            evidence["absorbed_overflow"] = absorbed.to_json()
         if closing:
             fix = Fix(
                 f"Keep {', '.join(closing)} in fp32 (autocast off inside): that closes the gap to {gap.closed_gap or 0.0:.3%}.",
@@ -57,7 +69,8 @@ class PrecisionGap(Rule):
                       config_patch={})
         found = self.finding(
             f"AMP deviates {gap.gap:.2%} from fp32 on the same weights and batch (step {gap.worst_step})"
-            + (f"; {', '.join(closing)} in fp32 closes it" if closing else "; no small set of modules in fp32 closes it"),
+            + (f"; {', '.join(closing)} in fp32 closes it" if closing else "; no small set of modules in fp32 closes it")
+            + (absorbed_sentence(absorbed) if absorbed is not None else ""),
             evidence, fix, severity=severity if closing else "warning",
         )
         found.needs_search = not closing
@@ -73,6 +86,9 @@ class PrecisionGap(Rule):
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
+        absorbed = absorbed_in(ev, repair.modules)
+        if absorbed is not None and not set(repair.symptoms) & {"nonfinite", "skips", "amp-exception"}:
+            return f"{self.code}: {repair.description} repairs the training" + absorbed_sentence(absorbed)
         if loc is None or not _rounded_out_of_domain(ev, repair):
             return super().repair_title(repair, ev)
         ranges = ", ".join(f"[{lo:.3g}, {hi:.3g}]" for lo, hi in loc.input_ranges)
@@ -100,3 +116,17 @@ def _rounded_out_of_domain(ev: Evidence, repair: Repair) -> bool:
     loc = ev.localisation
     return (loc is not None and loc.phase in ("forward", "backward") and localised_inside(ev, repair.modules)
             and not loc.overflowed)
+
+
+def absorbed_in(ev: Evidence, modules: list[str]) -> Localisation | None:
+    """The overflow AMP's step made inside ``modules`` that no module output shows (the precision-gap stage's trace),
+    if any."""
+    absorbed = ev.gap.absorbed_overflow if ev.gap is not None else None
+    return absorbed if absorbed is not None and absorbed.inside(modules) else None
+
+
+def absorbed_sentence(loc: Localisation) -> str:
+    """What the absorbed overflow was, as the finding's title ends."""
+    size = f" (result max |x| = {loc.peak:.4g})" if loc.peak is not None else ""
+    return (f"; the gap is an overflow no module output shows: {loc.operator} in {loc.place} made {loc.output}{size} "
+            f"at step {loc.step}, and what follows divides it away (x / inf = 0): range, not rounding")

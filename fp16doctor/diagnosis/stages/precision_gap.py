@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ...engine.instruments import module_names
+from ...measure.localise import trace_step
 from ...measure.records import ROOT
 from ...measure.symptoms import loss_floor, relative_deviation
 from ...measure.thresholds import BF16_FACTOR, GAP_TOLERANCE
@@ -48,8 +49,9 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
                            f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step}): "
                            "no module to search for", details=info.to_json())
     leak_check = cfg.scaler.enabled and cfg.dtype == "float16"
-    # at most: the pair without loss scaling, the pair that ranks the modules, a pair per module set tried
-    with ctx.progress.planned((2 if leak_check else 0) + 2 + 2 * search_limit(ctx)):
+    # at most: the pair without loss scaling, the pair that ranks the modules, the traced AMP step, a pair per
+    # module set tried
+    with ctx.progress.planned((2 if leak_check else 0) + 3 + 2 * search_limit(ctx)):
         return _search(ctx, info, leak_check)
 
 
@@ -71,11 +73,26 @@ def _search(ctx: StageContext, info: GapSearch, leak_check: bool) -> StageReport
                                "scaling off: the loss scale leaks into the loss (not a precision gap)", details=info.to_json())
     ranked = _rank_modules(ctx, worst_step)
     info.ranked_modules = ranked[:8]
+    info.absorbed_overflow = absorbed_overflow(ctx, worst_step)
     _search_fp32_set(ctx, info, [r.module for r in ranked])
     closed = info.closing_set
     summary = f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}); "
     summary += f"keeping {closed} in fp32 closes it ({info.closed_gap:.3%})" if closed else "no fp32 module set tried closes it"
+    if info.absorbed_overflow is not None:
+        summary += f"; an overflow no module output shows: {info.absorbed_overflow.describe()}"
     return StageReport("precision-gap search", "ran", summary, details=info.to_json())
+
+
+def absorbed_overflow(ctx: StageContext, step: int) -> Any:
+    """AMP's step at ``step`` from the FP32 state, traced: the first forward operator that made a result past fp16's
+    range which no module output shows (:func:`~fp16doctor.measure.localise.trace_step`'s ``absorbed``). A linear
+    attention's normaliser or a hand-written variance that passes 65504 becomes inf, and ``x / inf = 0`` hides it:
+    the run stays finite and only the gap shows. None when the step made none."""
+    probe = probe_at(ctx, "amp", ctx.config, step, whole_batches=True)
+    try:
+        return trace_step(probe, absorbed=True)
+    finally:
+        probe.close()
 
 
 def _rank_modules(ctx: StageContext, step: int) -> list[ModuleGap]:
