@@ -141,7 +141,10 @@ class LossInHalf(Rule):
                     "least cast the logits to fp32 first. An epsilon added to a half probability must be one fp16 holds "
                     "(>= 6.1e-5 near 0; near 1 there is no room below 4.9e-4).",
                     "logits = model(x)                     # under autocast\n"
-                    "loss = F.binary_cross_entropy_with_logits(logits.float(), y)   # not -(y*log(p) + (1-y)*log(1-p))")
+                    "# binary: not -(y*log(p) + (1-y)*log(1-p))\n"
+                    "loss = F.binary_cross_entropy_with_logits(logits.float(), y)\n"
+                    "# multi-class, or an entropy: not torch.log(softmax(logits)) or log(p + eps)\n"
+                    "logp = F.log_softmax(logits.float(), dim=-1)   # then F.nll_loss(logp, y), -(logp.exp() * logp).sum(-1)")
         if op in ("exp", "expm1", "pow"):
             return ("Compute the loss in fp32 and in a stable form: torch.logsumexp instead of log(sum(exp(z))), "
                     "F.softplus instead of log(1 + exp(z)); exp overflows fp16 past 11.09.",
