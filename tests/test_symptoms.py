@@ -161,3 +161,18 @@ def test_every_rule_explains_only_symptoms_the_doctor_measures():
     assert Symptom(SymptomCode.SKIPS, "x").code == "skips" and type(Symptom("skips", "x").code) is str
     with pytest.raises(ValueError):
         Symptom("skip", "a typo is refused, not a symptom no rule explains")
+
+
+def test_an_absorbed_overflow_is_a_result_past_range_not_an_infinity_at_zero():
+    """The precision-gap stage keeps a forward operator's infinity that no module output shows only where the result
+    itself left fp16's range: a product past 65504 (seen, or an infinity from a product), not log(0) or x / 0, whose
+    infinity is its argument's (T5's relative-position buckets take log(0) on purpose)."""
+    from fp16doctor.diagnosis import fixtures as fx
+
+    rounded = fx.localisation("forward", "attn", "aten::_to_copy", [(0.1, 3.0)], "+inf (float16)")
+    rounded.peak = 9.15e4  # the emulated product's fp32 result, rounded to fp16
+    assert rounded.made_past_range
+    assert fx.localisation("forward", "norm", "aten::mul", [(-559.0, 688.5)], "+inf (float16)").made_past_range
+    assert not fx.localisation("forward", "bias", "aten::log", [(0.0, 31.0)], "-inf (float32)").made_past_range
+    assert not fx.localisation("forward", "norm", "aten::div", [(-1.0, 1.0), (0.0, 2.0)], "nan/+inf (float16)").made_past_range
+    assert rounded.inside(["attn"]) and not rounded.inside(["att"]) and rounded.inside(["attn", "ffn"])

@@ -85,7 +85,12 @@ class Localisation:
         """Whether the culprit left a range: it made an infinity, a result past fp16's 65504 was seen, or an input
         already lay beyond it. A NaN made from finite inputs inside fp16's range (the square root of a variance
         that cancellation drove below 0) is rounding's, not range's."""
-        if "inf" in self.output or (self.peak is not None and self.peak >= FP16_MAX_VALUE):
+        return "inf" in self.output or self._past_range_seen
+
+    @property
+    def _past_range_seen(self) -> bool:
+        """A result past 65504 was seen, or an input already lay beyond it."""
+        if self.peak is not None and self.peak >= FP16_MAX_VALUE:
             return True
         return any(not (abs(lo) < FP16_MAX_VALUE and abs(hi) < FP16_MAX_VALUE) for lo, hi in self.input_ranges)
 
@@ -94,11 +99,7 @@ class Localisation:
         """Whether the culprit's result itself left fp16's range: a result past 65504 was seen, an input already lay
         beyond it, or it made an infinity by anything but dividing by (or taking the log of) a value that reached 0,
         whose infinity tells of its argument's size, not its result's."""
-        if self.peak is not None and self.peak >= FP16_MAX_VALUE:
-            return True
-        if any(not (abs(lo) < FP16_MAX_VALUE and abs(hi) < FP16_MAX_VALUE) for lo, hi in self.input_ranges):
-            return True
-        return "inf" in self.output and self.operator.split(".")[0] not in INFINITE_AT_ZERO
+        return self._past_range_seen or ("inf" in self.output and self.operator.split(".")[0] not in INFINITE_AT_ZERO)
 
     def inside(self, modules: list[str]) -> bool:
         """The culprit ran in one of ``modules`` or in a module inside one of them."""

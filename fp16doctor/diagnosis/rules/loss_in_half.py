@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import fixtures as fx
 from ...measure.records import OUTSIDE_MODEL, Localisation
 from ...measure.symptoms import excess_skips, first_nonfinite, skip_profile
+from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite

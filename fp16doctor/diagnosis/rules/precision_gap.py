@@ -16,9 +16,9 @@ repairs, no overflow: precision-gap).
 
 from __future__ import annotations
 
+from ...measure.records import Localisation
 from ...measure.thresholds import GAP_ERROR, GAP_TOLERANCE
 from .. import fixtures as fx
-from ...measure.records import Localisation
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import localised_inside, quoted
