@@ -70,11 +70,14 @@ def test_module_names_read_as_names_not_counts():
     assert "in module '6' (forward) at step 0" in fx.localisation("forward", "6").describe()
 
 
-@pytest.mark.parametrize("operator, expected", [("aten::rsqrt", "torch.rsqrt(v.float() + eps)"),
-                                                ("aten::log", "torch.log(p.float() + eps)"),
-                                                ("aten::div", "x.float() / (d.float() + eps)")])
-def test_the_divisor_snippet_rewrites_the_operator_that_was_localised(operator, expected):
-    code = divisor_in_fp32_code(fx.localisation("forward", "mixer", operator, [(0.0, 1.0)]))
+@pytest.mark.parametrize("operator, output, expected", [
+    ("aten::rsqrt", "+inf (float16)", "torch.rsqrt(v.float() + eps)"),
+    ("aten::log", "-inf (float16)", "torch.log(p.float() + eps)"),
+    ("aten::div", "nan (float16)", "x.float() / (d.float() + eps)"),  # 0/0: a zero row and an epsilon fp16 lost
+    ("aten::div", "nan/+inf (float16)", "x32 = x.float()"),  # x/0 = inf: the divisor flushed before the division
+])
+def test_the_divisor_snippet_rewrites_the_operator_that_was_localised(operator, output, expected):
+    code = divisor_in_fp32_code(fx.localisation("forward", "mixer", operator, [(0.0, 1.0)], output))
     assert expected in code and "'mixer'" in code and "self.weight" not in code
     compile(code, "<fix>", "exec")  # the snippet is Python
 
