@@ -65,10 +65,12 @@ def autocast_forward(model: torch.nn.Module, autocast: Callable[[], Any]) -> Non
 
 
 class LossInFp32(NeutraliseHalfCasts):
-    """Outside the model's forward: half casts neutralised and autocast off, so the loss runs in fp32.
+    """Outside the model's modules: half casts neutralised and autocast off, so the loss runs in fp32.
 
-    The model's output is cast to fp32 by :meth:`attach`'s forward hook; inside the
-    forward the user's code runs untouched.
+    "Inside the model" is inside any of its modules' forwards, not only the root's: a GAN's step calls
+    ``model.generator`` and ``model.discriminator`` directly, and with only the root hooked its whole step
+    would run in fp32 (AMP switched off, not the loss moved to fp32: a repair that proves nothing). A module's
+    output is cast to fp32 where it leaves the outermost forward; inside, the user's code runs untouched.
     """
 
     def __init__(self, device_type: str) -> None:
@@ -81,10 +83,13 @@ class LossInFp32(NeutraliseHalfCasts):
             self.depth += 1
 
         def leave(module: Any, args: Any, output: Any) -> Any:
-            self.depth -= 1
-            return _to_fp32(output)
+            self.depth -= 1  # always_call: also when the forward raised, so the depth never stays raised
+            return _to_fp32(output) if self.depth == 0 and output is not None else None
 
-        return [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+        handles: list[Any] = []
+        for module in model.modules():
+            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+        return handles
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if self.depth > 0:
