@@ -2,8 +2,10 @@
 
 Evidence: the first non-finite operator ran in the loss, outside the model,
 on half-precision tensors, in its forward or in its backward before the
-gradient reached the model (a focal loss's 1 / p_t of a probability fp16
-rounded to its smallest subnormal), or the loss came out in half, or CUDA
+gradient reached the model, there with a result past 65504 even divided by
+the loss scale (a focal loss's 1 / p_t of a probability fp16 rounded to its
+smallest subnormal: no scale carries it, where the scaler's calibration
+overflows only by its scale), or the loss came out in half, or CUDA
 autocast refused binary_cross_entropy, while fp32 is finite. In a capsule of a watched
 script, whose loss code the replay does not hold: the watch saw a finite loss
 whose gradient w.r.t. the model's outputs held inf/NaN (made in the loss's
@@ -12,9 +14,11 @@ backward), and the model itself replays finite in FP32 and under AMP.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ...measure.records import OUTSIDE_MODEL, Localisation
+from ...tensors import FP16_MAX
 from ...measure.symptoms import excess_skips, first_nonfinite, skip_profile
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix, Repair
@@ -53,16 +57,23 @@ class LossInHalf(Rule):
     triggers = ("loss_in_half.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]), loss_dtypes=["float16"]),
                                     localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float16)")),
-                # a focal loss on fp16 probabilities: its backward divides by p_t, which fp16 rounded to 6e-8
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(16))),
+                # a focal loss on fp16 probabilities: its backward divides by p_t, which fp16 rounded to 6e-8; at
+                # scale 2 its result reached 5.2e5, past 65504 even unscaled
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(16), scales=[2.0] * 16)),
                                     localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div",
-                                                                 [(5.96e-08, 0.64)], output="-inf (float16)")),
+                                                                 [(5.96e-08, 0.64)], output="-inf (float16)", peak=5.2e5)),
                 lambda: fx.evidence(recorded_loss_finding="the loss is finite but its gradient w.r.t. the model's outputs is not"))
     quiet_on = (lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float32)")),
                 # the scaler's calibration: the loss's backward overflows at 65536 and the skips stop, no symptom
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0])),
                                     localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div_",
                                                                  [(0.0, 65536.0)], output="+inf (float16)")),
+                # the calibration overflow at 2^24 in a run a stray plain optimizer step made non-finite: unscaled,
+                # its result is 0.009; the loss is not what broke
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(10), nonfinite_loss=range(10),
+                                                                   scales=[2.0 ** 24] * 10)),
+                                    localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div_",
+                                                                 [(8.6e6, 9.4e6)], output="+inf (float16)", peak=1.47e5)),
                 # a backward that overflows inside the model: the model's, not the loss's
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(16))),
                                     localisation=fx.localisation("backward", "head", "aten::mm", output="+inf (float16)")))
@@ -80,7 +91,7 @@ class LossInHalf(Rule):
             # fault is for the other rules, and the note still says what the loss gradient held)
         evidence: dict[str, Any] = {"loss_dtypes": amp.loss_dtypes}
         if loc is not None and in_the_loss(loc) and any(d in loc.output for d in LOW_DTYPES) and (
-                loc.phase == "loss" or range_fault_measured(amp.records)):
+                loc.phase == "loss" or loss_backward_fault(amp.records, loc)):
             evidence.update({"operator": loc.operator, "step": loc.step, "batch": loc.batch_index, "phase": loc.phase,
                              "operator_input_ranges": loc.input_ranges, "output": loc.output})
             title = (f"The loss overflows in half precision: {loc.operator} outside the model"
@@ -158,8 +169,21 @@ def in_the_loss(loc: Localisation) -> bool:
     return loc.phase == "loss" or (loc.phase == "backward" and loc.module == OUTSIDE_MODEL)
 
 
-def range_fault_measured(records: Any) -> bool:
-    """AMP's run turned non-finite, or skipped beyond the scale's calibration (the verdict's definitions): a loss's
-    backward that overflows is a fault only then, as a GradScaler's calibration skips start there too (the first
-    gradient times 65536)."""
-    return first_nonfinite(records) is not None or excess_skips(skip_profile(records))
+def loss_backward_fault(records: Any, loc: Localisation) -> bool:
+    """A loss's backward that overflowed is the loss's fault only where no loss scale carries it, measured: its
+    result, divided by the scale the traced step ran at, still overflows fp16 (a focal loss's 1 / p_t of a
+    probability rounded to 6e-8), and the run shows it (non-finite, or skips beyond the scale's calibration). A
+    result that only the scale pushed past 65504 is the scaler's calibration (its first gradients times 2^16 or
+    2^24), whatever else turned the run non-finite (a stray plain optimizer step). Without a measured peak, the
+    run's symptoms alone decide."""
+    if not (first_nonfinite(records) is not None or excess_skips(skip_profile(records))):
+        return False
+    scale = scale_at(records, loc.step)
+    return loc.peak is None or scale is None or loc.peak / scale >= FP16_MAX
+
+
+def scale_at(records: Any, step: int) -> float | None:
+    """The loss scale the probe's ``step`` ran at, where it is a positive number."""
+    scales = records.loc[records["step"] == step, "loss_scale"].astype(float)
+    scale = float(scales.iloc[-1]) if len(scales) else math.nan
+    return scale if math.isfinite(scale) and scale > 0 else None
