@@ -134,3 +134,17 @@ def test_a_fix_snippet_is_fitted_to_the_terminal_with_its_comments_still_comment
     assert lines[4] == code.splitlines()[2]  # a string is never split
     compile(fitted, "<fix>", "exec")
     assert fitted_code(code, 200) == code  # what fits is left alone
+
+
+@pytest.mark.parametrize("output", ["terminal", "markdown", "html"])
+def test_evidence_keys_that_hold_nothing_are_not_printed_as_empty_rows(output):
+    finding = Finding("precision-gap", "error", "AMP trails FP32", {"keep_in_fp32": "layers.0.ffn", "rule_remark": "",
+                                                                     "overflowing_value": None, "symptoms_removed": []},
+                      Fix("Keep it in fp32."), rank=1)
+    diagnosis = Diagnosis(findings=[finding], stages=[], evidence=fx.evidence())
+    buffer = io.StringIO()
+    render_diagnosis(diagnosis, Console(file=buffer, width=160, color_system=None), "train.py")
+    text = {"terminal": buffer.getvalue(), "markdown": markdown(diagnosis, "train.py"),
+            "html": html.unescape(re.sub(r"<[^>]+>", " ", diagnosis_html(diagnosis, "train.py")))}[output]
+    assert "keep_in_fp32" in text and "symptoms_removed" in text  # an empty list says something: nothing removed
+    assert "rule_remark" not in text and "overflowing_value" not in text

@@ -97,3 +97,11 @@ def test_the_verification_and_corrected_records_keep_their_documented_json_keys(
     assert payload["healthy_after"] is False and "amp_records" not in payload and "_amp_records" not in payload
     assert set(payload) == {"config_patch", "from_findings", "symptoms_before", "symptoms_after", "healthy_after",
                             "summary", "needs_data_changes"}
+
+
+def test_a_verified_run_that_diverged_states_both_losses_not_a_share_in_the_billions():
+    from fp16doctor.diagnosis.verify import final_loss_phrase
+
+    assert final_loss_phrase(0.503, 0.5, 0.006) == "final loss within 0.6% of FP32"
+    diverged = final_loss_phrase(3.8e10, 0.5, 7.6e10)
+    assert "%" not in diverged and "3.8e+10" in diverged and "0.5" in diverged

@@ -99,9 +99,17 @@ class Outcome:
         aligned = self.aligned_amp is not None
         tails = tail_losses(self.aligned_amp if aligned else self.amp, self.fp32)
         if bad is None and tails is not None:
-            parts.append(f"final loss within {relative_deviation(tails[0], tails[1], loss_floor(self.fp32)):.1%} of FP32"
+            parts.append(final_loss_phrase(tails[0], tails[1], relative_deviation(tails[0], tails[1], loss_floor(self.fp32)))
                          + (" (aligned on the steps taken)" if aligned else ""))
         return ", ".join(parts)
+
+
+def final_loss_phrase(amp_loss: float, fp32_loss: float, deviation: float) -> str:
+    """How far the final losses lie apart: a share up to 100%, the two losses past it (a run that diverged is
+    not "within 76214962437.2% of FP32")."""
+    if deviation <= 1.0:
+        return f"final loss within {deviation:.1%} of FP32"
+    return f"final loss {amp_loss:.4g} against FP32's {fp32_loss:.4g} (apart by more than FP32's own)"
 
 
 def apply_batches(batches: list[Any], edit: Callable[[Any], Any]) -> list[Any]:

@@ -13,6 +13,8 @@ import re
 import textwrap
 from typing import Any
 
+from ..files import jsonable
+
 
 UNMEASURED = "not measured"
 """What a share that has no number (NaN: nothing to measure it on) reads as."""
@@ -83,6 +85,12 @@ def humanize(value: Any) -> Any:
             return value
         return float(f"{value:.3g}")
     return value
+
+
+def shown_evidence(evidence: dict[str, Any]) -> dict[str, Any]:
+    """A finding's evidence as the reports print it: rounded for reading (:func:`humanize`), without the keys
+    that hold nothing (None, an empty string: a note the rule had nothing for). ``--json`` keeps them all."""
+    return {k: v for k, v in humanize(jsonable(evidence)).items() if v is not None and v != ""}
 
 
 def _unmeasured_share(key: Any, value: Any) -> bool:

@@ -15,7 +15,7 @@ import yaml
 
 from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
-from .formatting import exact_numbers, healthy_headline, human, humanize
+from .formatting import exact_numbers, healthy_headline, human, shown_evidence
 from .patches import contradicted_settings, reference_to_corrected
 from .markdown import corrected_text
 from .plots import Figure, comparison_figures, diagnosis_figures
@@ -85,7 +85,7 @@ def verification_html(v: Verification | None) -> str:
 def finding_html(finding: Finding, contested: list[str] | None = None, diagnosis: Diagnosis | None = None) -> str:
     """One finding; ``contested``: the settings of its patch another finding's contradicts (see :mod:`.patches`)."""
     evidence = [[key, yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
-                 if not isinstance(value, str) else value] for key, value in humanize(jsonable(finding.evidence)).items()]
+                 if not isinstance(value, str) else value] for key, value in shown_evidence(finding.evidence).items()]
     parts = [f'<article class="{finding.severity}" id="finding-{finding.rank}">',
              f'<h3><span class="sev">{_e(finding.severity)}</span> {finding.rank}. <code>{_e(finding.cause)}</code>{" (found by intervention)" if finding.found_by == "intervention" else ""}</h3>',
              f"<p>{_e(finding.title)}</p>", _table(evidence), f"<p><b>Fix:</b> {_e(finding.fix.summary)}</p>"]

@@ -14,7 +14,7 @@ from rich.table import Table
 from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
 from ..measure.compare import Comparison
-from .formatting import exact_numbers, fitted_code, healthy_headline, human, humanize
+from .formatting import exact_numbers, fitted_code, healthy_headline, human, shown_evidence
 from .patches import contradicted_settings, reference_to_corrected
 
 VERDICT_STYLE = {"healthy": "bold green", "drift": "bold yellow", "unstable": "bold red", "diverged": "bold red"}
@@ -181,7 +181,7 @@ def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis,
     evidence = Table.grid(padding=(0, 2))
     evidence.add_column(style="dim")
     evidence.add_column(overflow="fold")
-    for key, value in humanize(jsonable(finding.evidence)).items():
+    for key, value in shown_evidence(finding.evidence).items():
         text = value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
         evidence.add_row(key, escape(text.removesuffix("\n...")))
     parts: list = [f"[bold]{escape(finding.title)}[/]", "", "[underline]Evidence[/]", evidence, "", f"[underline]Fix[/] {escape(finding.fix.summary)}"]

@@ -49,7 +49,7 @@ def stage_scale(ctx: StageContext) -> StageReport:
     amp = ev.amp
     skips = len(amp.skip_steps) if amp is not None else 0
     needs_sweep = skips > 0 or worst_observed > UNDERFLOW_ALARM or worst_predicted > UNDERFLOW_ALARM or not cfg.scaler.enabled
-    summary = (f"window [{window.low:.3g}, {window.high:.3g}] (recommended {window.recommended():.0f}"
+    summary = (f"window [{window.low:.3g}, {window.high:.3g}] from FP32's gradients (centre {window.recommended():.0f}"
                + ("" if window.feasible else "; infeasible: no scale keeps the small gradients without overflowing the large")
                + "); "
                f"at the configured scale {configured:.0f}: predicted underflow {worst_predicted:.1%}, "
@@ -68,7 +68,8 @@ def stage_scale(ctx: StageContext) -> StageReport:
                            details={"window": [window.low, window.high], "schedule_event": event})
     ev.sweep = sweep = _sweep(ctx, capture, window)
     ev.recommended_scaler = _recommend(ctx, sweep, window)
-    summary += f"; swept {len(sweep)} settings; recommended {ev.recommended_scaler}"
+    summary += (f"; swept {len(sweep)} settings, measured best: "
+                + ", ".join(f"{k}={v:g}" for k, v in ev.recommended_scaler.items()))
     return StageReport("loss-scale sweep", "ran", summary, details={"window": [window.low, window.high], "window_recommended": window.recommended(), "sweep": sweep.to_dict("records"),
                                                              "recommended": ev.recommended_scaler})
 
