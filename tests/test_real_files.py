@@ -286,6 +286,17 @@ def test_a_focal_loss_on_fp16_probabilities_breaks_in_the_losss_backward_and_is_
     assert "precision-gap" not in [f["cause"] for f in report["findings"] if f["severity"] == "error"]
 
 
+def test_a_masked_mean_written_as_bmm_overflows_in_the_models_own_code_and_the_fix_weights_before_summing():
+    """bmm(mask, h) / lengths: a sum over 2048 tokens fp16 cannot hold, in the model's own forward. The culprit is
+    the product, one of whose measured operands is all ones; the fix weights the mask first, not a generic cast."""
+    code, report, _ = diagnose_json("meanpool_bmm.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "activation-overflow" and top["evidence"]["operator"] == "aten::bmm", top["title"]
+    assert top["evidence"]["module"] == "<root>" and top["evidence"]["overflowing_value"] > 65504
+    assert "mask / mask.sum(1, keepdim=True)" in top["fix"]["code"] and "sums many values" in top["fix"]["summary"]
+
+
 def test_a_gap_no_small_module_set_closes_is_left_to_the_search_which_keeps_the_whole_class():
     """A hand-written LayerNorm squares a residual stream of a few hundred: (d * d) passes 65504 in every norm and
     the output collapses. No small set closes the 45% gap, so the finding proposes nothing and explains nothing:

@@ -35,7 +35,10 @@ class ActivationOverflow(Rule):
     triggers = ("bf16_pretrained_ffn.py",)
     fires_on = (lambda: fx.evidence(localisation=fx.localisation("forward", "block.ff")),
                 # the model's own forward un-normalises its output: z * 8e4 + 2.4e5 in fp16
-                lambda: fx.evidence(localisation=fx.localisation("forward", "<root>", "aten::mul", [(-2.0, 2.0)], scalars=[8e4])))
+                lambda: fx.evidence(localisation=fx.localisation("forward", "<root>", "aten::mul", [(-2.0, 2.0)], scalars=[8e4])),
+                # a masked mean pooling written as bmm(mask, h): the sum over 2048 tokens passes 65504 in fp16
+                lambda: fx.evidence(localisation=fx.localisation("forward", "<root>", "aten::bmm", [(1.0, 1.0), (-163.0, 186.0)],
+                                                                 "+inf/-inf (float16)", peak=9.56e4)))
     quiet_on = (lambda: fx.evidence(), lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>")),
                 # a one-pass variance E[x^2] - E[x]^2 rounded below 0, then sqrt: NaN inside fp16's range
                 lambda: fx.evidence(localisation=fx.localisation("forward", "norm", "aten::sqrt", [(-16.0, 16.0)], "nan (float16)")))
@@ -72,16 +75,23 @@ class ActivationOverflow(Rule):
         """The overflow is in the model's own forward, outside every submodule: no module can be kept in fp32 short
         of the whole model (AMP off), so the fix is the arithmetic there, in fp32."""
         size = f": its result reaches {loc.peak:.3g} (fp16 holds 65504)" if loc.peak is not None else ""
+        summing = sums_by_product(loc)
+        fix = (Fix(f"The product ({loc.operator.split('::')[-1]}) sums many values: one of its operands holds only values "
+                   "in [0, 1] (a mask, weights), so fp16 accumulates a sum it cannot hold. Weight before summing (a "
+                   "masked mean as (mask / mask.sum(1, keepdim=True)) @ h adds averages, not values), or run the "
+                   "product on fp32 values and keep its result fp32; or train in bf16.", code=SUM_BY_PRODUCT_CODE)
+               if summing else
+               Fix(f"Compute that arithmetic ({loc.operator.split('::')[-1]}) in fp32: cast up before it and keep the "
+                   "result fp32 (a model whose outputs pass 65504 cannot return them in fp16), or bound what grows: a "
+                   "learnable scale or temperature is clamped (CLIP clamps logit_scale.exp() to 100), outputs in "
+                   "raw units are un-normalised outside the model; or train in bf16.",
+                   code=ROOT_FP32_CODE))
         return self.finding(
             f"Activations overflow fp16 in {loc.place} ({loc.operator} at step {loc.step}){size}",
             {"module": loc.module, "operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
              "operator_input_ranges": loc.input_ranges, "output": loc.output, "overflowing_value": loc.peak,
              "deterministic": ev.localisation_deterministic, "note": loc.note},
-            Fix(f"Compute that arithmetic ({loc.operator.split('::')[-1]}) in fp32: cast up before it and keep the "
-                "result fp32 (a model whose outputs pass 65504 cannot return them in fp16), or bound what grows: a "
-                "learnable scale or temperature is clamped (CLIP clamps logit_scale.exp() to 100), outputs in "
-                "raw units are un-normalised outside the model; or train in bf16.",
-                code=ROOT_FP32_CODE),
+            fix,
             confidence=1.0 if ev.localisation_deterministic else 0.6,
         )
 
@@ -118,6 +128,21 @@ class ActivationOverflow(Rule):
         return (f"Run {keep} in fp32 (autocast off inside {'each' if several else 'it'}), or rescale what overflows, or train in bf16.",
                 fp32_wrapper_code(f"each of {keep}" if several else repair.modules[0]))
 
+
+PRODUCTS = ("mm", "bmm", "matmul", "baddbmm", "addmm", "addbmm", "einsum", "linear")
+"""Operators that sum over a dimension of their operands' products."""
+
+
+def sums_by_product(loc: Localisation) -> bool:
+    """The overflowing operator is a matrix product one of whose operands held only values in [0, 1], measured
+    (a 0/1 mask, averaging weights): a sum written as a product, that grows with the length it sums over."""
+    op = loc.operator.split("::")[-1].split(".")[0]
+    return op in PRODUCTS and any(0.0 <= low and high <= 1.0 for low, high in loc.input_ranges)
+
+
+SUM_BY_PRODUCT_CODE = ("# a masked sum as a product grows with the length: weight first, so it sums averages\n"
+                       "weights = mask / mask.sum(1, keepdim=True)\n"
+                       "pooled = torch.bmm(weights.unsqueeze(1).to(h.dtype), h).squeeze(1)   # not bmm(mask, h) / lengths")
 
 ROOT_FP32_CODE = ("# in the model's own forward, where it overflows: cast up first, keep fp32\n"
                   "y = z.float() * scale + shift   # in fp16, z * scale passes 65504")
