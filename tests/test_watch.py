@@ -333,6 +333,36 @@ def test_a_capsule_whose_loss_gradient_is_non_finite_is_diagnosed_as_the_loss_no
     assert json.loads(direct.stdout)["findings"][0]["cause"] == "loss-in-half", direct.stderr[-2000:]
 
 
+def test_a_capsule_whose_loss_is_inf_from_a_log_of_zero_in_some_rows_is_diagnosed_as_the_loss(tmp_path):
+    """-log(p + 1e-8) with p of fp16: a target whose probability rounds to 0 makes the loss itself inf (a user's
+    script: the capsule said healthy, the watch's 'the loss is inf' unexplained). The other rows' gradients stay
+    finite, so the watch records the fact; the replayed model is finite under AMP, so the loss is named."""
+    import json
+
+    from conftest import run_cli
+    from fp16doctor.live.capsule import loss_gradient_finding
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    x, y = torch.randn(16, 8), torch.tensor([0, 1] * 8)
+
+    def hand_nll(sharp: float) -> torch.Tensor:
+        logits = model(x) + torch.tensor([30.0, 0.0, 0.0]) * (sharp > 1)  # class 1's probability: exp(-30), 0 in fp16
+        probs = torch.softmax(logits, -1).half()
+        return -torch.log(probs.gather(1, y[:, None]) + 1e-8).mean()
+
+    alarm = watched_amp_steps(tmp_path, torch.optim.SGD(model.parameters(), lr=1e-2), [lambda: hand_nll(1.0), lambda: hand_nll(40.0)])
+    manifest = json.loads((alarm.capsule / "manifest.json").read_text())
+    assert manifest["loss_finding"] and "the loss is inf" in manifest["loss_finding"]
+    proc = run_cli("diagnose", "--capsule", alarm.capsule, "--json")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    top = json.loads(proc.stdout)["findings"][0]
+    assert top["cause"] == "loss-in-half" and top["evidence"]["recorded"] == manifest["loss_finding"], top["title"]
+    # a non-finite loss whose whole gradient is non-finite says nothing about where: the outputs may have been
+    assert loss_gradient_finding(math.inf, [[torch.full((2, 3), math.nan)]]) is None
+    assert loss_gradient_finding(math.inf, [[torch.tensor([[math.nan], [1.0]])]]) is not None
+
+
 def test_a_capsule_whose_outputs_went_non_finite_is_diagnosed_from_the_data_not_as_fp32(tmp_path):
     """Raw inputs (~1e5) overflow fp16 in the first Linear: the loss is NaN and so is its whole gradient w.r.t. the
     outputs. The replay used that gradient as recorded: the FP32 replay turned NaN and the diagnosis said

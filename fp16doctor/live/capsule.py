@@ -76,14 +76,24 @@ def _row_numbers(batch: Any) -> dict[str, torch.Tensor]:
 def loss_gradient_finding(loss: float | None, output_grads: list[list[torch.Tensor | None]] | None) -> str | None:
     """What the recorded output gradients say about the loss computation, which the replay cannot run.
 
-    A finite loss whose gradient w.r.t. the model's outputs is non-finite: the non-finite values are made
-    in the loss computation (its backward), outside the model."""
-    if output_grads is None or loss is None or not math.isfinite(loss):
+    A finite loss whose gradient w.r.t. the model's outputs is non-finite: the non-finite values are made in the
+    loss computation (its backward), outside the model. A non-finite loss whose gradient still has finite entries
+    (a log(0) in some rows): the rows the model's outputs made finite gradients for point at the loss too, which
+    the diagnosis decides by replaying the model (finite under AMP: the loss made it). A loss whose whole gradient
+    is non-finite says nothing: the model's outputs themselves may have been (an overflowing first layer)."""
+    if output_grads is None or loss is None:
         return None
-    if all(g is None or bool(torch.isfinite(g).all()) for grads in output_grads for g in grads):
+    grads = [g for grads in output_grads for g in grads if g is not None]
+    if all(bool(torch.isfinite(g).all()) for g in grads):
         return None
-    return ("the loss is finite but its gradient w.r.t. the model's outputs is not: the non-finite values "
-            "arise in the loss computation (its backward), outside the model")
+    if math.isfinite(loss):
+        return ("the loss is finite but its gradient w.r.t. the model's outputs is not: the non-finite values "
+                "arise in the loss computation (its backward), outside the model")
+    if not any(bool(torch.isfinite(g).any()) for g in grads):
+        return None
+    return (f"the loss is {loss} while its gradient w.r.t. the model's outputs keeps finite entries: where the model "
+            "replays finite, the loss computation, outside the model, made the non-finite values (as a log of a "
+            "probability fp16 rounded to 0 does in the rows it meets)")
 
 
 def write_manifest(folder: Path, step: int, replay: str, loss_finding: str | None = None) -> None:

@@ -9,7 +9,8 @@ overflows only by its scale), or the loss came out in half, or CUDA
 autocast refused binary_cross_entropy, while fp32 is finite. In a capsule of a watched
 script, whose loss code the replay does not hold: the watch saw a finite loss
 whose gradient w.r.t. the model's outputs held inf/NaN (made in the loss's
-backward), and the model itself replays finite in FP32 and under AMP.
+backward), or a non-finite loss whose gradient kept finite entries, and the
+model itself replays finite in FP32 and under AMP.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ class LossInHalf(Rule):
     def _recorded(self, ev: Evidence) -> Finding:
         """A capsule's loss gradient, non-finite as the watch recorded it, from a loss the replay cannot run."""
         return self.finding(
-            "The loss computation, outside the model, makes the gradient non-finite: the watch saw a finite loss whose "
-            "gradient w.r.t. the model's outputs held inf/NaN; the model itself replays finite under AMP",
+            "The loss computation, outside the model, makes the step non-finite: the watch recorded inf/NaN in the "
+            "loss or its gradient w.r.t. the model's outputs, and the model itself replays finite under AMP",
             {"recorded": ev.recorded_loss_finding},
             Fix("Compute the loss from the model's outputs in fp32 and in a stable form: F.cross_entropy or F.log_softmax "
                 "instead of log(softmax(z) + eps) (an eps of 1e-8 is 0 in fp16), torch.logsumexp instead of "
