@@ -132,3 +132,34 @@ def test_two_threads_share_the_patches_and_the_last_one_out_restores_them(bench)
                     "main_autocast": True}
     assert b_checked.is_set() and nothing_patched()
     probe.close()
+
+
+def test_loss_in_fp32_leaves_autocast_on_inside_every_submodule_a_step_calls_directly():
+    """A GAN's step calls model.generator and model.discriminator, never model(): with only the root hooked the
+    override ran the whole step in fp32 (AMP off, not the loss moved), and its 'repair' proved nothing. Inside any
+    module the user's code runs under autocast; outside, the loss runs in fp32; a forward that raises leaves no
+    module 'entered'."""
+    from fp16doctor.precision.overrides import LossInFp32
+
+    gan = torch.nn.Module()
+    gan.generator = torch.nn.Linear(4, 4)
+    gan.discriminator = torch.nn.Sequential(torch.nn.Linear(4, 1))
+    inner: list[torch.dtype] = []
+    gan.discriminator[0].register_forward_hook(lambda module, args, out: inner.append(out.dtype))
+    mode = LossInFp32("cpu")
+    handles = mode.attach(gan)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), mode:
+            fake = gan.generator(torch.randn(2, 4))
+            loss_product = torch.mm(fake, torch.ones(4, 4))  # outside every module: the loss's arithmetic
+            score = gan.discriminator(fake)
+            assert mode.depth == 0
+            with pytest.raises(RuntimeError):
+                gan.generator(torch.randn(2, 3))  # the user's forward raises (a shape mismatch)
+        assert inner == [torch.bfloat16]  # inside a module called directly, autocast ran its product low
+        assert fake.dtype == score.dtype == torch.float32  # cast up where they leave the model
+        assert loss_product.dtype == torch.float32
+        assert mode.depth == 0
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -19,8 +19,8 @@ import math
 from typing import Any
 
 from ...measure.records import OUTSIDE_MODEL, Localisation
-from ...tensors import FP16_MAX
 from ...measure.symptoms import excess_skips, first_nonfinite, skip_profile
+from ...tensors import FP16_MAX
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
