@@ -160,10 +160,10 @@ def capsule_training_file(capsule: Path | None, training_file: Path | None) -> t
         return training_file, None, None
     if training_file is not None:
         raise DoctorError("give a training file or --capsule, not both.")
-    from .live.capsule import check_capsule, replay_note
+    from .live.capsule import check_capsule, recorded_loss_evidence, replay_note
 
     manifest = check_capsule(capsule)
-    return capsule / "train_capsule.py", replay_note(manifest), manifest.get("loss_finding")
+    return capsule / "train_capsule.py", replay_note(manifest), recorded_loss_evidence(manifest)
 
 
 def figures_folder(report: Path) -> Path:

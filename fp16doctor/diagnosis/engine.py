@@ -61,7 +61,7 @@ class DiagnoseOptions:
     """Bytes the diagnosis may hold (--max-memory; None: one probe in memory, every kept state on disk, see :mod:`.memory`)."""
     recorded_loss_finding: str | None = None
     """A capsule's: what its watch recorded about the loss computation the replay cannot run (a finite loss whose
-    gradient w.r.t. the model's outputs was non-finite, a non-finite loss whose gradient kept finite entries).
+    gradient w.r.t. the model's outputs was non-finite, a non-finite loss).
     Evidence the rules read (``loss-in-half``)."""
     plots: bool = False
     """The report's plots will be drawn (``--report``, ``--html``): the AMP probe also records the activation

@@ -354,7 +354,7 @@ class Evidence:
     with their signatures (:attr:`fp16doctor.userfile.spec.TrainingSpec.near_misses`): ignored by the loader."""
     recorded_loss_finding: str | None = None
     """A capsule's: its watch saw a finite loss whose gradient w.r.t. the model's outputs was non-finite, or a
-    non-finite loss whose gradient kept finite entries, made in the loss computation that the capsule does not
+    non-finite loss, made in the loss computation that the capsule does not
     hold (its replay counts those entries as 0)."""
     data: list[FieldScan] = field(default_factory=list)
     fp32: ProbeSummary | None = None

@@ -76,30 +76,37 @@ def _row_numbers(batch: Any) -> dict[str, torch.Tensor]:
 def loss_gradient_finding(loss: float | None, output_grads: list[list[torch.Tensor | None]] | None) -> str | None:
     """What the recorded output gradients say about the loss computation, which the replay cannot run.
 
-    A finite loss whose gradient w.r.t. the model's outputs is non-finite: the non-finite values are made in the
-    loss computation (its backward), outside the model. A non-finite loss whose gradient still has finite entries
-    (a log(0) in some rows): the rows the model's outputs made finite gradients for point at the loss too, which
-    the diagnosis decides by replaying the model (finite under AMP: the loss made it). A loss whose whole gradient
-    is non-finite says nothing: the model's outputs themselves may have been (an overflowing first layer)."""
-    if output_grads is None or loss is None:
+    A finite loss whose gradient w.r.t. the model's outputs is non-finite: the non-finite values are made
+    in the loss computation (its backward), outside the model."""
+    if output_grads is None or loss is None or not math.isfinite(loss):
         return None
-    grads = [g for grads in output_grads for g in grads if g is not None]
-    if all(bool(torch.isfinite(g).all()) for g in grads):
+    if all(g is None or bool(torch.isfinite(g).all()) for grads in output_grads for g in grads):
         return None
-    if math.isfinite(loss):
-        return ("the loss is finite but its gradient w.r.t. the model's outputs is not: the non-finite values "
-                "arise in the loss computation (its backward), outside the model")
-    if not any(bool(torch.isfinite(g).any()) for g in grads):
-        return None
-    return (f"the loss is {loss} while its gradient w.r.t. the model's outputs keeps finite entries: where the model "
-            "replays finite, the loss computation, outside the model, made the non-finite values (as a log of a "
-            "probability fp16 rounded to 0 does in the rows it meets)")
+    return ("the loss is finite but its gradient w.r.t. the model's outputs is not: the non-finite values "
+            "arise in the loss computation (its backward), outside the model")
 
 
-def write_manifest(folder: Path, step: int, replay: str, loss_finding: str | None = None) -> None:
-    """What a reader checks first: the format, the files, which replay the capsule supports. Written last."""
+def recorded_loss_evidence(manifest: dict[str, Any]) -> str | None:
+    """What the capsule's watch recorded about the loss computation, which the replay does not run: its
+    ``loss_finding`` (a finite loss with a non-finite gradient w.r.t. the outputs), else a non-finite loss. Which
+    of the model or the loss made that one, the diagnosis decides by replaying the model (finite under AMP: the
+    loss); from the gradients alone it cannot be told apart from a NaN row of data."""
+    if manifest.get("loss_finding"):
+        return str(manifest["loss_finding"])
+    text = manifest.get("loss")
+    if text is None or math.isfinite(loss := float(text)):
+        return None
+    return (f"the watch recorded a loss of {loss} at optimizer step {manifest.get('step')}: where the model replays "
+            "finite on the same weights and batch, the loss computation, outside the model, made it")
+
+
+def write_manifest(folder: Path, step: int, replay: str, loss_finding: str | None = None,
+                   loss: float | None = None) -> None:
+    """What a reader checks first: the format, the files, which replay the capsule supports, the loss the step
+    had (as text: "inf" and "nan" are not JSON numbers; None where no loss was seen). Written last."""
     manifest = {"format": CAPSULE_FORMAT, "fp16doctor": __version__, "step": step, "replay": replay,
-                "files": list(CAPSULE_FILES), "loss_finding": loss_finding}
+                "files": list(CAPSULE_FILES), "loss_finding": loss_finding,
+                "loss": None if loss is None else repr(float(loss))}
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2))
 
 

@@ -269,7 +269,7 @@ class Watch:
         replay = "output-grads" if output_grads is not None else self.framework
         atomic_write_text(folder / "config.json", json.dumps(config, indent=2))
         atomic_write_text(folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay))
-        write_manifest(folder, numbers.step, replay, loss_gradient_finding(numbers.loss, output_grads))
+        write_manifest(folder, numbers.step, replay, loss_gradient_finding(numbers.loss, output_grads), numbers.loss)
         return folder
 
 

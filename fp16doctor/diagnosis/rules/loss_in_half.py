@@ -9,8 +9,8 @@ overflows only by its scale), or the loss came out in half, or CUDA
 autocast refused binary_cross_entropy, while fp32 is finite. In a capsule of a watched
 script, whose loss code the replay does not hold: the watch saw a finite loss
 whose gradient w.r.t. the model's outputs held inf/NaN (made in the loss's
-backward), or a non-finite loss whose gradient kept finite entries, and the
-model itself replays finite in FP32 and under AMP.
+backward), or a non-finite loss, and the model itself replays finite in FP32
+and under AMP on the same weights and batch.
 """
 
 from __future__ import annotations
