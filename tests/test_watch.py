@@ -358,7 +358,8 @@ def test_a_capsule_whose_loss_is_inf_from_a_log_of_zero_in_some_rows_is_diagnose
     assert proc.returncode == 1, proc.stderr[-2000:]
     top = json.loads(proc.stdout)["findings"][0]
     assert top["cause"] == "loss-in-half" and "loss of inf" in top["evidence"]["recorded"], top["title"]
-    assert recorded_loss_evidence({"step": 3, "loss": "2.5", "loss_finding": None}) is None
+    assert recorded_loss_evidence({"step": 3, "loss": "2.5", "loss_finding": None, "replay": "output-grads"}) is None
+    assert recorded_loss_evidence({"step": 3, "loss": "inf", "loss_finding": None, "replay": "hf"}) is None  # replayed
     assert recorded_loss_evidence({"step": 3}) is None  # a capsule from before the loss was kept
 
 

@@ -90,12 +90,13 @@ def recorded_loss_evidence(manifest: dict[str, Any]) -> str | None:
     """What the capsule's watch recorded about the loss computation, which the replay does not run: its
     ``loss_finding`` (a finite loss with a non-finite gradient w.r.t. the outputs), else a non-finite loss. Which
     of the model or the loss made that one, the diagnosis decides by replaying the model (finite under AMP: the
-    loss); from the gradients alone it cannot be told apart from a NaN row of data."""
+    loss); from the gradients alone it cannot be told apart from a NaN row of data. Only for a replay driven by
+    the recorded output gradients, which leaves the loss code out."""
     if manifest.get("loss_finding"):
         return str(manifest["loss_finding"])
     text = manifest.get("loss")
-    if text is None or math.isfinite(loss := float(text)):
-        return None
+    if manifest.get("replay") != "output-grads" or text is None or math.isfinite(loss := float(text)):
+        return None  # a trainer's capsule replays its loss too: there the replay itself shows what the loss did
     return (f"the watch recorded a loss of {loss} at optimizer step {manifest.get('step')}: where the model replays "
             "finite on the same weights and batch, the loss computation, outside the model, made it")
 
