@@ -36,3 +36,14 @@ def norms(tensors: list[torch.Tensor], ord: float = 2.0) -> list[torch.Tensor]:
         return []
     wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     return list(torch._foreach_norm(tensors, ord, dtype=wide))
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"float16"`` for ``torch.float16`` (cached: every hook call names its dtype)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name

@@ -134,6 +134,11 @@ def test_two_threads_share_the_patches_and_the_last_one_out_restores_them(bench)
     probe.close()
 
 
+class _GramLoss(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ x.T).mean()
+
+
 def test_loss_in_fp32_leaves_autocast_on_inside_every_submodule_a_step_calls_directly():
     """A GAN's step calls model.generator and model.discriminator, never model(): with only the root hooked the
     override ran the whole step in fp32 (AMP off, not the loss moved), and its 'repair' proved nothing. Inside any
@@ -144,6 +149,8 @@ def test_loss_in_fp32_leaves_autocast_on_inside_every_submodule_a_step_calls_dir
     gan = torch.nn.Module()
     gan.generator = torch.nn.Linear(4, 4)
     gan.discriminator = torch.nn.Sequential(torch.nn.Linear(4, 1))
+    gan.criterion = _GramLoss()  # a loss kept on the model: no parameters, the loss's side
+    gan.scripted = torch.jit.script(torch.nn.Linear(4, 4))  # refuses hooks: attaching must not fail on it
     inner: list[torch.dtype] = []
     gan.discriminator[0].register_forward_hook(lambda module, args, out: inner.append(out.dtype))
     mode = LossInFp32("cpu")
@@ -154,6 +161,7 @@ def test_loss_in_fp32_leaves_autocast_on_inside_every_submodule_a_step_calls_dir
             loss_product = torch.mm(fake, torch.ones(4, 4))  # outside every module: the loss's arithmetic
             score = gan.discriminator(fake)
             assert mode.depth == 0
+            assert gan.criterion(fake).dtype == torch.float32  # its product ran as the loss's: autocast off
             with pytest.raises(RuntimeError):
                 gan.generator(torch.randn(2, 3))  # the user's forward raises (a shape mismatch)
         assert inner == [torch.bfloat16]  # inside a module called directly, autocast ran its product low

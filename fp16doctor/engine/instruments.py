@@ -45,8 +45,9 @@ from typing import Any, Iterable, Sequence, cast
 import pandas as pd
 import torch
 
-from ..tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL, grad_values, norms
+from ..tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL, dtype_name, grad_values, norms
 from ..userfile.batches import iter_tensors
+from ..userfile.modules import module_names, unwrapped
 
 # Layout of one stat vector (a row of the per-step stack): input range, output range, then the sampled
 # histogram over |x|: zero, (0, 2^-24), [2^-24, 2^-14), normal, > 65504. The element count is known on the
@@ -64,41 +65,10 @@ def _edges(device: torch.device) -> torch.Tensor:
     return _EDGES[device]
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    """``"float16"`` for ``torch.float16`` (cached: every hook call names its dtype)."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
 
 
 def _floating_leaves(value: Any) -> list[torch.Tensor]:
     return [t for _, t in iter_tensors(value) if t.is_floating_point()]
-
-
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside a (Distributed)DataParallel wrapper: its names are the ones the user knows."""
-    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    return model.module if isinstance(model, parallel) else model
-
-
-def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
-    """Every module of the user's model that takes Python hooks, by its path (the root: ``<root>``). A parallel
-    wrapper is left out; so is a TorchScript module and what it contains (it refuses hooks: its inside is
-    seen only as its output)."""
-    names: dict[torch.nn.Module, str] = {}
-    scripted: list[str] = []
-    for name, module in unwrapped(model).named_modules():
-        if any(name == s or name.startswith(s + ".") for s in scripted):
-            continue
-        if isinstance(module, torch.jit.ScriptModule):
-            scripted.append(name)
-            continue
-        names[module] = name or "<root>"
-    return names
 
 
 def strided_sample(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -631,7 +601,7 @@ class Instruments:
             return
         order = self._order
         self._order += 1
-        dtype = _dtype_name(leaves[0].dtype)
+        dtype = dtype_name(leaves[0].dtype)
         self.compute_dtypes[name] = dtype
         pending = self._pending
         outputs = [t for t in leaves if pending.row_of(t) is None]
@@ -656,7 +626,7 @@ class Instruments:
         def hook(grad: torch.Tensor) -> None:
             if self._active and grad is not None:
                 with torch.no_grad():
-                    self._queue("activation_grad", name, order, _dtype_name(grad.dtype), [grad], [], count=False)
+                    self._queue("activation_grad", name, order, dtype_name(grad.dtype), [grad], [], count=False)
         return hook
 
     def _queue_alias(self, name: str, order: int, dtype: str, output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
@@ -756,7 +726,7 @@ class Instruments:
             else:
                 amax = layout.maxima(flat).double()  # max |g| / divide_by: the same, as division is monotonic
             block = torch.cat([l2[:, None], histogram, amax[:, None], per_param[:, 4:]], 1)
-        rows = [("param_grad", name, -1, _dtype_name(g.dtype), g.numel()) for name, g in named]
+        rows = [("param_grad", name, -1, dtype_name(g.dtype), g.numel()) for name, g in named]
         self._pending.add_block(rows, block, [[g] for g in grads])
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -776,7 +746,7 @@ class Instruments:
             squares = [moved.double().square_(), before.double().square_()]
             sums = layout.sums([layout.chunk_sums(lost), layout.chunk_sums(wanted), *map(layout.chunk_sums, squares)])
             block = torch.nn.functional.pad(torch.cat([sums[:, :2], sums[:, 2:].sqrt()], 1), (0, VECTOR - 4))
-        rows = [("update", self.param_names[p], -1, _dtype_name(p.dtype), p.numel()) for p in params]
+        rows = [("update", self.param_names[p], -1, dtype_name(p.dtype), p.numel()) for p in params]
         self._pending.add_block(rows, block, [[] for _ in params])
 
     # --- turning vectors into rows ------------------------------------------------------------------
@@ -895,7 +865,7 @@ def precision_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Ite
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         buffers = [b for b in module.buffers(recurse=False) if b.is_floating_point()]
-        state_dtypes = sorted({str(v.dtype).replace("torch.", "") for p in params for v in state.get(p, {}).values()
+        state_dtypes = sorted({dtype_name(v.dtype) for p in params for v in state.get(p, {}).values()
                                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0})
         trained = [p for p in params if p.requires_grad and id(p) in held]
         rows.append({
@@ -913,4 +883,4 @@ def precision_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Ite
 
 def _dtype_names(tensors: list[torch.Tensor]) -> str | None:
     """The tensors' dtypes as a sorted comma-joined string (``"float16,float32"``), None for no tensors."""
-    return ",".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors})) or None
+    return ",".join(sorted({dtype_name(t.dtype) for t in tensors})) or None

@@ -39,6 +39,7 @@ from torch.amp.grad_scaler import GradScaler, OptState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..engine.ddp import half_precision_comm_hooks
+from ..tensors import dtype_name
 from ..userfile.batches import iter_tensors
 from .watch import Alarm, Watch, WatchOptions
 
@@ -419,7 +420,7 @@ def autocast_dtype() -> str | None:
     """The dtype of the autocast region the current code runs in (``float16``/``bfloat16``), None outside one."""
     for device_type in ("cuda", "cpu"):
         if torch.is_autocast_enabled(device_type):
-            return str(torch.get_autocast_dtype(device_type)).replace("torch.", "")
+            return dtype_name(torch.get_autocast_dtype(device_type))
     return None
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..tensors import FP16_MAX, FP16_MIN_SUBNORMAL
+from ..tensors import FP16_MAX, FP16_MIN_SUBNORMAL, dtype_name
 from ..userfile.batches import iter_tensors
 from .thresholds import EXTREME_INPUT, IGNORE_INDEX
 
@@ -70,7 +70,7 @@ def scan_batches(batches: list[Any]) -> list[FieldScan]:
             continue
         seen.add(id(batch))
         for name, tensor in iter_tensors(batch):
-            scan = fields.setdefault(name, FieldScan(name, str(tensor.dtype).replace("torch.", ""), tensor.is_floating_point()))
+            scan = fields.setdefault(name, FieldScan(name, dtype_name(tensor.dtype), tensor.is_floating_point()))
             _scan_tensor(scan, tensor.detach(), index)
     return list(fields.values())
 

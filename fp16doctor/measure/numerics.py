@@ -16,7 +16,8 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from ..engine.instruments import module_names, strided_sample
+from ..engine.instruments import strided_sample
+from ..userfile.modules import module_names
 from ..engine.probe import Probe, Workbench
 from ..engine.rng import seed_everything
 from ..tensors import FP16_MAX, FP16_MIN_SUBNORMAL, grad_values

@@ -19,6 +19,7 @@ import torch.nn.utils.clip_grad as clip_grad_module
 
 from ..errors import ConfigError
 from ..userfile.batches import map_tensors
+from ..userfile.modules import module_names
 from .fp32_mode import NeutraliseHalfCasts
 from .recording import RecordingGradScaler, global_grad_norm
 
@@ -69,33 +70,50 @@ class LossInFp32(NeutraliseHalfCasts):
 
     "Inside the model" is inside any of its modules' forwards, not only the root's: a GAN's step calls
     ``model.generator`` and ``model.discriminator`` directly, and with only the root hooked its whole step
-    would run in fp32 (AMP switched off, not the loss moved to fp32: a repair that proves nothing). A module's
-    output is cast to fp32 where it leaves the outermost forward; inside, the user's code runs untouched.
+    would run in fp32 (AMP switched off, not the loss moved to fp32: a repair that proves nothing). A module
+    without parameters entered from outside (a criterion kept on the model, ``model.loss_fn``) is the loss's,
+    not the model's. A module's output is cast to fp32 where it leaves the outermost forward; inside, the
+    user's code runs untouched.
     """
 
     def __init__(self, device_type: str) -> None:
         super().__init__()
         self.device_type = device_type
-        self.depth = 0
+        self.entered: list[torch.nn.Module] = []
+        """The model's modules whose forward is running, outermost first."""
+
+    @property
+    def depth(self) -> int:
+        return len(self.entered)
 
     def attach(self, model: torch.nn.Module) -> list[Any]:
-        def enter(module: Any, args: Any) -> None:
-            self.depth += 1
+        def enter(module: torch.nn.Module, args: Any) -> None:
+            if self.entered or _has_parameters(module):
+                self.entered.append(module)
 
-        def leave(module: Any, args: Any, output: Any) -> Any:
-            self.depth -= 1  # always_call: also when the forward raised, so the depth never stays raised
-            return _to_fp32(output) if self.depth == 0 and output is not None else None
+        def leave(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            # always_call: also when the forward raised; only a module whose own enter ran leaves (a user's
+            # pre-hook that raised before it never entered)
+            if not self.entered or self.entered[-1] is not module:
+                return None
+            self.entered.pop()
+            return _to_fp32(output) if not self.entered and output is not None else None
 
         handles: list[Any] = []
-        for module in model.modules():
-            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+        for module in module_names(model):  # no TorchScript module: it refuses hooks
+            handles.append(module.register_forward_pre_hook(enter, prepend=True))
+            handles.append(module.register_forward_hook(leave, always_call=True))
         return handles
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if self.depth > 0:
+        if self.entered:
             return func(*args, **(kwargs or {}))
         with torch.autocast(self.device_type, enabled=False):
             return super().__torch_function__(func, types_, args, kwargs)
+
+
+def _has_parameters(module: torch.nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..tensors import grad_values
+from ..tensors import dtype_name, grad_values
 
 
 @dataclass
@@ -90,7 +90,7 @@ class RecordingGradScaler(torch.amp.GradScaler):
             self.trace.scaled = True
             self.trace.scale_used = float(self.get_scale())
         if isinstance(outputs, torch.Tensor):
-            self.trace.loss_dtype = str(outputs.dtype).replace("torch.", "")
+            self.trace.loss_dtype = dtype_name(outputs.dtype)
         return super().scale(outputs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer, _implicit: bool = False) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ...engine.instruments import module_names
+from ...userfile.modules import module_names
 from ...measure.localise import trace_step
 from ...measure.records import ROOT
 from ...measure.symptoms import loss_floor, relative_deviation

@@ -1,0 +1,31 @@
+"""The user's model as the doctor walks it: the modules that take Python hooks, by the names the user knows.
+
+Shared by everything that hooks the model (the instruments, the localisation's tracer, the runtime overrides),
+so that each sees the same modules: a parallel wrapper's inside, no TorchScript module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside a (Distributed)DataParallel wrapper: its names are the ones the user knows."""
+    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    return model.module if isinstance(model, parallel) else model
+
+
+def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
+    """Every module of the user's model that takes Python hooks, by its path (the root: ``<root>``). A parallel
+    wrapper is left out; so is a TorchScript module and what it contains (it refuses hooks: its inside is
+    seen only as its output)."""
+    names: dict[torch.nn.Module, str] = {}
+    scripted: list[str] = []
+    for name, module in unwrapped(model).named_modules():
+        if any(name == s or name.startswith(s + ".") for s in scripted):
+            continue
+        if isinstance(module, torch.jit.ScriptModule):
+            scripted.append(name)
+            continue
+        names[module] = name or "<root>"
+    return names
