@@ -97,8 +97,9 @@ def localisation(phase: str = "forward", module: str | None = "layer", operator:
                  input_ranges: list[tuple[float, float]] | None = None, output: str = "+inf (float16)", step: int = 0,
                  scalars: list[float] | None = None, input_spreads: list[int] | None = None,
                  input_constants: list[bool | None] | None = None, parameter: str | None = None,
-                 peak: float | None = None) -> Localisation:
+                 peak: float | None = None, loss_scale: float | None = None) -> Localisation:
     return Localisation(step=step, batch_index=step, phase=phase, module=module, operator=operator, peak=peak,
+                        loss_scale=loss_scale,
                         input_ranges=input_ranges or [(-300.0, 300.0)], output=output, scalars=scalars or [],
                         input_spreads=input_spreads or [], input_constants=input_constants or [], parameter=parameter)
 

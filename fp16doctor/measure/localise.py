@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..engine.instruments import module_names
+from ..userfile.modules import module_names
 from ..engine.kept import StateKeeper
 from ..engine.probe import Probe, ProbeSnapshot, Workbench
 from ..tensors import FP16_MAX
@@ -442,7 +442,15 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None, 
         return next((loc for loc in made if loc.made_past_range), None)
     if tracer.found is None:
         return None
-    return Localisation(step=step, batch_index=batch_index, mode=probe.mode, **tracer.found)
+    return Localisation(step=step, batch_index=batch_index, mode=probe.mode, loss_scale=backward_scale(probe),
+                        **tracer.found)
+
+
+def backward_scale(probe: Probe) -> float:
+    """The loss scale the step just taken ran its backward with: 1 where it never called ``scaler.scale`` (a
+    plain ``loss.backward()``, whatever the config's scaler says)."""
+    trace = probe.scaler.trace
+    return float(trace.scale_used) if trace is not None and trace.scaled else 1.0
 
 
 def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: bool = False,

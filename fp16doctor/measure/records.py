@@ -60,6 +60,10 @@ class Localisation:
     """In backward: the autograd node that ran the culprit op (``MulBackward0``, or a custom Function's)."""
     custom_function: str | None = None
     """In backward: the ``torch.autograd.Function`` subclass whose hand-written ``backward`` made it, if any."""
+    loss_scale: float | None = None
+    """The loss scale the traced step's backward ran with (1 where the step never called ``scaler.scale``): a
+    backward value divided by it is what fp16 would have had to hold unscaled. None where no step was traced
+    from the start (an absorbed overflow's forward)."""
     replayed: list[tuple[float, float]] = field(default_factory=list, repr=False)
     """(loss, loss scale) of each step the replay took before the traced one: compared with the original
     run's, they tell whether the fault reproduces deterministically."""

@@ -3,7 +3,7 @@
 Evidence: the first non-finite operator ran in the loss, outside the model,
 on half-precision tensors, in its forward or in its backward before the
 gradient reached the model, there with a result past 65504 even divided by
-the loss scale (a focal loss's 1 / p_t of a probability fp16 rounded to its
+the loss scale its backward ran with (a focal loss's 1 / p_t of a probability fp16 rounded to its
 smallest subnormal: no scale carries it, where the scaler's calibration
 overflows only by its scale), or the loss came out in half, or CUDA
 autocast refused binary_cross_entropy, while fp32 is finite. In a capsule of a watched
@@ -62,7 +62,13 @@ class LossInHalf(Rule):
                 # scale 2 its result reached 5.2e5, past 65504 even unscaled
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(16), scales=[2.0] * 16)),
                                     localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div",
-                                                                 [(5.96e-08, 0.64)], output="-inf (float16)", peak=5.2e5)),
+                                                                 [(5.96e-08, 0.64)], output="-inf (float16)", peak=5.2e5,
+                                                                 loss_scale=2.0)),
+                # the same loss in a step that never calls scaler.scale: the configured 65536 is not what it ran at
+                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(16)), scaler_called=False),
+                                    localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div",
+                                                                 [(5.96e-08, 0.64)], output="-inf (float16)", peak=1e5,
+                                                                 loss_scale=1.0)),
                 lambda: fx.evidence(recorded_loss_finding="the loss is finite but its gradient w.r.t. the model's outputs is not"))
     quiet_on = (lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float32)")),
                 # the scaler's calibration: the loss's backward overflows at 65536 and the skips stop, no symptom
@@ -74,7 +80,8 @@ class LossInHalf(Rule):
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(10), nonfinite_loss=range(10),
                                                                    scales=[2.0 ** 24] * 10)),
                                     localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div_",
-                                                                 [(8.6e6, 9.4e6)], output="+inf (float16)", peak=1.47e5)),
+                                                                 [(8.6e6, 9.4e6)], output="+inf (float16)", peak=1.47e5,
+                                                                 loss_scale=2.0 ** 24)),
                 # a backward that overflows inside the model: the model's, not the loss's
                 lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(16))),
                                     localisation=fx.localisation("backward", "head", "aten::mm", output="+inf (float16)")))
@@ -171,20 +178,16 @@ def in_the_loss(loc: Localisation) -> bool:
 
 
 def loss_backward_fault(records: Any, loc: Localisation) -> bool:
-    """A loss's backward that overflowed is the loss's fault only where no loss scale carries it, measured: its
-    result, divided by the scale the traced step ran at, still overflows fp16 (a focal loss's 1 / p_t of a
+    """A loss's backward that overflowed is the loss's fault only where the scaler did not push it there,
+    measured: its result divided by the scale the traced step's backward ran with (1 for a plain
+    ``loss.backward()``) still overflows fp16, so even unscaled fp16 cannot hold it (a focal loss's 1 / p_t of a
     probability rounded to 6e-8), and the run shows it (non-finite, or skips beyond the scale's calibration). A
     result that only the scale pushed past 65504 is the scaler's calibration (its first gradients times 2^16 or
-    2^24), whatever else turned the run non-finite (a stray plain optimizer step). Without a measured peak, the
-    run's symptoms alone decide."""
+    2^24), whatever else turned the run non-finite (a stray plain optimizer step). Without a measured peak or
+    scale, the run's symptoms alone decide."""
     if not (first_nonfinite(records) is not None or excess_skips(skip_profile(records))):
         return False
-    scale = scale_at(records, loc.step)
-    return loc.peak is None or scale is None or loc.peak / scale >= FP16_MAX
-
-
-def scale_at(records: Any, step: int) -> float | None:
-    """The loss scale the probe's ``step`` ran at, where it is a positive number."""
-    scales = records.loc[records["step"] == step, "loss_scale"].astype(float)
-    scale = float(scales.iloc[-1]) if len(scales) else math.nan
-    return scale if math.isfinite(scale) and scale > 0 else None
+    peak, scale = loc.peak, loc.loss_scale
+    if peak is None or not math.isfinite(peak) or scale is None or not scale > 0:
+        return True
+    return peak / scale >= FP16_MAX
