@@ -354,12 +354,18 @@ def test_a_capsule_whose_loss_is_inf_from_a_log_of_zero_in_some_rows_is_diagnose
     alarm = watched_amp_steps(tmp_path, torch.optim.SGD(model.parameters(), lr=1e-2), [lambda: hand_nll(1.0), lambda: hand_nll(40.0)])
     manifest = json.loads((alarm.capsule / "manifest.json").read_text())
     assert manifest["loss"] == "inf" and not manifest["loss_finding"]  # the loss itself: no finding about its gradient
+    assert manifest["loss_dtypes"] == ["float16"]
     proc = run_cli("diagnose", "--capsule", alarm.capsule, "--json")
     assert proc.returncode == 1, proc.stderr[-2000:]
     top = json.loads(proc.stdout)["findings"][0]
     assert top["cause"] == "loss-in-half" and "loss of inf" in top["evidence"]["recorded"], top["title"]
-    assert recorded_loss_evidence({"step": 3, "loss": "2.5", "loss_finding": None, "replay": "output-grads"}) is None
-    assert recorded_loss_evidence({"step": 3, "loss": "inf", "loss_finding": None, "replay": "hf"}) is None  # replayed
+    inf_loss = {"step": 3, "loss": "inf", "loss_finding": None, "replay": "output-grads", "loss_dtypes": ["float32"],
+                "output_dtypes": ["float16"]}
+    assert "from float16 outputs" in recorded_loss_evidence(inf_loss)
+    assert recorded_loss_evidence({**inf_loss, "loss": "2.5"}) is None
+    assert recorded_loss_evidence({**inf_loss, "replay": "hf"}) is None  # a trainer's capsule replays its loss
+    # no half precision in or out of the loss (a 0/0 over an all-padding batch): no evidence about precision
+    assert recorded_loss_evidence({**inf_loss, "output_dtypes": ["float32"]}) is None
     assert recorded_loss_evidence({"step": 3}) is None  # a capsule from before the loss was kept
 
 

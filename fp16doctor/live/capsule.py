@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,28 +87,52 @@ def loss_gradient_finding(loss: float | None, output_grads: list[list[torch.Tens
             "arise in the loss computation (its backward), outside the model")
 
 
+@dataclass(frozen=True)
+class LossRecord:
+    """What the watch saw of the step's loss, kept in the manifest: the evidence about the loss computation a
+    replay from output gradients does not run."""
+
+    value: float | None
+    """The step's loss (summed over micro-batches); None where the watch saw none."""
+    dtypes: list[str] = field(default_factory=list)
+    """The dtypes the loss tensors came out in."""
+    output_dtypes: list[str] = field(default_factory=list)
+    """The dtypes of the model's outputs the loss was computed from (those of their recorded gradients)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's fields; the value as text: "inf" and "nan" are not JSON numbers."""
+        return {"loss": None if self.value is None else repr(float(self.value)), "loss_dtypes": self.dtypes,
+                "output_dtypes": self.output_dtypes}
+
+
 def recorded_loss_evidence(manifest: dict[str, Any]) -> str | None:
     """What the capsule's watch recorded about the loss computation, which the replay does not run: its
-    ``loss_finding`` (a finite loss with a non-finite gradient w.r.t. the outputs), else a non-finite loss. Which
-    of the model or the loss made that one, the diagnosis decides by replaying the model (finite under AMP: the
-    loss); from the gradients alone it cannot be told apart from a NaN row of data. Only for a replay driven by
-    the recorded output gradients, which leaves the loss code out."""
+    ``loss_finding`` (a finite loss with a non-finite gradient w.r.t. the outputs), else a non-finite loss
+    computed in half precision or from half-precision outputs. Which of the model or the loss made that one,
+    the diagnosis decides by replaying the model (finite under AMP: the loss); from the gradients alone it
+    cannot be told apart from a NaN row of data. A non-finite loss with no half precision in or out of it is no
+    evidence about precision (a 0/0 over an all-padding batch): nothing is recorded. Only for a replay driven
+    by the recorded output gradients, which leaves the loss code out."""
     if manifest.get("loss_finding"):
         return str(manifest["loss_finding"])
     text = manifest.get("loss")
     if manifest.get("replay") != "output-grads" or text is None or math.isfinite(loss := float(text)):
         return None  # a trainer's capsule replays its loss too: there the replay itself shows what the loss did
-    return (f"the watch recorded a loss of {loss} at optimizer step {manifest.get('step')}: where the model replays "
-            "finite on the same weights and batch, the loss computation, outside the model, made it")
+    dtypes, outputs = manifest.get("loss_dtypes") or [], manifest.get("output_dtypes") or []
+    if not {"float16", "bfloat16"} & {*dtypes, *outputs}:
+        return None
+    return (f"the watch recorded a loss of {loss} at optimizer step {manifest.get('step')} (computed in "
+            f"{'/'.join(dtypes) or 'an unknown dtype'} from {'/'.join(outputs) or 'unknown'} outputs): where the model "
+            "replays finite on the same weights and batch, the loss computation, outside the model, made it; the "
+            "loss itself in fp32 is not measured (the capsule holds no loss code)")
 
 
 def write_manifest(folder: Path, step: int, replay: str, loss_finding: str | None = None,
-                   loss: float | None = None) -> None:
-    """What a reader checks first: the format, the files, which replay the capsule supports, the loss the step
-    had (as text: "inf" and "nan" are not JSON numbers; None where no loss was seen). Written last."""
+                   loss: LossRecord | None = None) -> None:
+    """What a reader checks first: the format, the files, which replay the capsule supports, what the watch saw
+    of the step's loss. Written last."""
     manifest = {"format": CAPSULE_FORMAT, "fp16doctor": __version__, "step": step, "replay": replay,
-                "files": list(CAPSULE_FILES), "loss_finding": loss_finding,
-                "loss": None if loss is None else repr(float(loss))}
+                "files": list(CAPSULE_FILES), "loss_finding": loss_finding, **(loss or LossRecord(None)).to_json()}
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2))
 
 

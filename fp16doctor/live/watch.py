@@ -33,11 +33,11 @@ import torch
 from ..config import CALIBRATION_SKIPS
 from ..engine.rng import callers_rng_kept, rng_state
 from ..files import atomic_torch_save, atomic_write_text
-from ..tensors import grad_values, norms
+from ..tensors import dtype_name, grad_values, norms
 from ..userfile.batches import map_tensors
-from .capsule import (CAPSULE_FORMAT, capsule_config, capsule_folder, capsule_training_file, constructor_settings,
-                      cpu_copy, detached_module, import_roots, loss_gradient_finding, replay_inputs,
-                      write_manifest)
+from .capsule import (CAPSULE_FORMAT, LossRecord, capsule_config, capsule_folder, capsule_training_file,
+                      constructor_settings, cpu_copy, detached_module, import_roots, loss_gradient_finding,
+                      replay_inputs, write_manifest)
 
 ALARMS = ("nonfinite", "skip-streak", "scale-collapse", "loss-spike", "rank-disagreement")
 
@@ -113,6 +113,7 @@ class Watch:
         self.alarm: Alarm | None = None
         self._batches: list[Any] = []
         self._losses: list[torch.Tensor] = []
+        self._loss_dtypes: set[str] = set()
         self.output_grads: list[tuple[list[torch.Tensor | None], bool]] = []
         self.rank: int | None = None
         """The process's rank under torchrun (capsule names carry it); None: a single process."""
@@ -135,8 +136,9 @@ class Watch:
         self._batches.append(batch)
 
     def record_loss(self, loss: torch.Tensor | float) -> None:
-        """A micro-batch's loss (a device tensor: no synchronisation here)."""
+        """A micro-batch's loss (a device tensor: no synchronisation here), and the dtype it was computed in."""
         self._losses.append(loss.detach().float().reshape(()) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
+        self._loss_dtypes.add(dtype_name(loss.dtype) if isinstance(loss, torch.Tensor) else "float")
 
     # --- the check -------------------------------------------------------------------------------------
     def before_optimizer_step(self, step: int, optimizer: torch.optim.Optimizer, scaler: Any = None,
@@ -168,7 +170,7 @@ class Watch:
 
     def forget_step(self) -> None:
         """Drop the references to this step's batches, losses and output gradients."""
-        self._batches, self._losses, self.output_grads = [], [], []
+        self._batches, self._losses, self.output_grads, self._loss_dtypes = [], [], [], set()
 
     def record_output_grads(self, grads: list[torch.Tensor | None], scaled: bool) -> None:
         """The gradient of the loss w.r.t. a micro-batch's model outputs (references); ``scaled``: of the scaled loss.
@@ -269,7 +271,9 @@ class Watch:
         replay = "output-grads" if output_grads is not None else self.framework
         atomic_write_text(folder / "config.json", json.dumps(config, indent=2))
         atomic_write_text(folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay))
-        write_manifest(folder, numbers.step, replay, loss_gradient_finding(numbers.loss, output_grads), numbers.loss)
+        output_dtypes = {dtype_name(g.dtype) for grads, _ in self.output_grads for g in grads if g is not None}
+        write_manifest(folder, numbers.step, replay, loss_gradient_finding(numbers.loss, output_grads),
+                       LossRecord(numbers.loss, sorted(self._loss_dtypes), sorted(output_dtypes)))
         return folder
 
 
