@@ -297,6 +297,20 @@ def test_a_masked_mean_written_as_bmm_overflows_in_the_models_own_code_and_the_f
     assert "mask / mask.sum(1, keepdim=True)" in top["fix"]["code"] and "sums many values" in top["fix"]["summary"]
 
 
+@pytest.mark.parametrize("operator, ranges, summing", [
+    ("aten::bmm", [(1.0, 1.0), (-163.0, 186.0)], True),          # bmm(mask, h): all ones
+    ("aten::addmm", [(0.0, 0.0), (-163.0, 186.0), (-3.0, 3.0)], False),  # F.linear's zero bias is added, no factor
+    ("aten::addmm", [(-1.0, 1.0), (0.0, 1.0), (-3.0, 3.0)], True),
+    ("aten::mm", [(0.0, 0.0), (-3.0, 3.0)], False),              # an all-zero factor sums nothing
+    ("aten::mul", [(0.0, 1.0), (-3.0, 3.0)], False),             # no product over a dimension
+])
+def test_only_a_matrix_products_factor_in_0_1_makes_it_a_sum(operator, ranges, summing):
+    from fp16doctor.diagnosis import fixtures as fx
+    from fp16doctor.diagnosis.rules.activation_overflow import sums_by_product
+
+    assert sums_by_product(fx.localisation("forward", "<root>", operator, ranges)) is summing
+
+
 def test_a_gap_no_small_module_set_closes_is_left_to_the_search_which_keeps_the_whole_class():
     """A hand-written LayerNorm squares a residual stream of a few hundred: (d * d) passes 65504 in every norm and
     the output collapses. No small set closes the 45% gap, so the finding proposes nothing and explains nothing:

@@ -105,3 +105,10 @@ def test_a_verified_run_that_diverged_states_both_losses_not_a_share_in_the_bill
     assert final_loss_phrase(0.503, 0.5, 0.006) == "final loss within 0.6% of FP32"
     diverged = final_loss_phrase(3.8e10, 0.5, 7.6e10)
     assert "%" not in diverged and "3.8e+10" in diverged and "0.5" in diverged
+    from fp16doctor.diagnosis import fixtures as fx
+    from fp16doctor.diagnosis.verify import Outcome
+
+    outcome = Outcome(amp=fx.records(steps=8, losses=[0.7, 0.9, 3.0, 40.0, 9e3, 2e6, 4e8, 3.8e10]),
+                      fp32=fx.records(steps=8, losses=[0.7, 0.65, 0.6, 0.57, 0.55, 0.53, 0.51, 0.5]), symptoms=[])
+    summary = outcome.summary()
+    assert "AMP finite" in summary and "final loss" in summary and "against FP32's" in summary and "%" not in summary

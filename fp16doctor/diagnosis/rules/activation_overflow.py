@@ -4,7 +4,10 @@ Evidence: the first non-finite AMP operator in the forward pass, its module
 and input ranges, and the same module's output magnitude in fp32. The fix
 keeps the smallest enclosing module whose fp32 output fits fp16 in fp32; where the
 overflow is in the model's own forward code, outside every submodule, the fix is
-that arithmetic in fp32 (keeping the root in fp32 is AMP off). A NaN the culprit
+that arithmetic in fp32 (keeping the root in fp32 is AMP off), and where that
+arithmetic is a matrix product with a factor measured in [0, 1] (a masked
+mean as bmm(mask, h)), a sum that grows with its length, weighted before
+summing. A NaN the culprit
 made from finite inputs inside fp16's range (a variance that cancellation drove
 below 0, under a square root) is no overflow: rounding's, not this rule's.
 """
@@ -129,15 +132,19 @@ class ActivationOverflow(Rule):
                 fp32_wrapper_code(f"each of {keep}" if several else repair.modules[0]))
 
 
-PRODUCTS = ("mm", "bmm", "matmul", "baddbmm", "addmm", "addbmm", "einsum", "linear")
-"""Operators that sum over a dimension of their operands' products."""
+PRODUCT_FACTORS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1, "addbmm": 1}
+"""The aten matrix products (what ``@``, ``matmul``, ``einsum`` and ``linear`` dispatch to), by where their
+factors start: the ``add*`` forms take the term they add first."""
 
 
 def sums_by_product(loc: Localisation) -> bool:
-    """The overflowing operator is a matrix product one of whose operands held only values in [0, 1], measured
-    (a 0/1 mask, averaging weights): a sum written as a product, that grows with the length it sums over."""
-    op = loc.operator.split("::")[-1].split(".")[0]
-    return op in PRODUCTS and any(0.0 <= low and high <= 1.0 for low, high in loc.input_ranges)
+    """The overflowing operator is a matrix product one of whose factors held only values in [0, 1], not all
+    zero, measured (a 0/1 mask, averaging weights): a sum written as a product, that grows with the length it
+    sums over. The term an ``addmm`` adds (a bias, zero at initialisation) is no factor."""
+    first = PRODUCT_FACTORS.get(loc.operator.split("::")[-1].split(".")[0])
+    if first is None:
+        return False
+    return any(0.0 <= low and 0.0 < high <= 1.0 for low, high in loc.input_ranges[first:first + 2])
 
 
 SUM_BY_PRODUCT_CODE = ("# a masked sum as a product grows with the length: weight first, so it sums averages\n"

@@ -68,8 +68,9 @@ def stage_scale(ctx: StageContext) -> StageReport:
                            details={"window": [window.low, window.high], "schedule_event": event})
     ev.sweep = sweep = _sweep(ctx, capture, window)
     ev.recommended_scaler = _recommend(ctx, sweep, window)
-    summary += (f"; swept {len(sweep)} settings, measured best: "
-                + ", ".join(f"{k}={v:g}" for k, v in ev.recommended_scaler.items()))
+    stable = bool((sweep["verdict"] != "diverged").any())
+    summary += (f"; swept {len(sweep)} settings, " + ("measured best: " if stable else "none stable; the window's centre: ")
+                + ", ".join(f"{k}={v:.0f}" if v >= 1 else f"{k}={v:.3g}" for k, v in ev.recommended_scaler.items()))
     return StageReport("loss-scale sweep", "ran", summary, details={"window": [window.low, window.high], "window_recommended": window.recommended(), "sweep": sweep.to_dict("records"),
                                                              "recommended": ev.recommended_scaler})
 
