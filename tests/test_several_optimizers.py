@@ -3,7 +3,8 @@
 The files under tests/training_files are written the way people write them: a GAN following PyTorch's AMP
 recipe for several optimizers (healthy), the same GAN with a stray plain step (scaler-misuse), a distillation
 with a frozen fp16 teacher (healthy: the teacher is not the training's weights), a Lightning-style module that
-builds its optimizer on the first step, and a script whose optimizer lives in a module-level global.
+builds its optimizer on the first step, a script whose optimizer lives in a module-level global, and an
+accumulating step whose clip raises on a non-finite norm (scaler-misuse).
 """
 
 from __future__ import annotations
@@ -131,3 +132,16 @@ def test_snapshot_and_restore_cover_every_optimizer_also_one_found_while_steppin
         probe.close()
         assert len(probe.optimizers.all()) >= 2 and before
         assert first == again, name
+
+
+def test_a_clip_that_raises_on_the_steps_the_scaler_skips_is_scaler_misuse_not_unexplained():
+    """clip_grad_norm_(..., error_if_nonfinite=True) under a GradScaler: the calibration's first overflow raises. The
+    intervention search found a lower initial scale 'repairs' it and no rule named the cause (user-style trial);
+    the cause is the raise itself, and the fix is the default error_if_nonfinite=False, not a scale."""
+    code, report = diagnose("clip_raises_on_skip.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "scaler-misuse" and top["severity"] == "error", [(f["cause"], f["title"]) for f in report["findings"]]
+    assert "error_if_nonfinite=False" in top["fix"]["summary"] and "unexplained" not in {f["cause"] for f in report["findings"]}
+    assert top["evidence"]["exception"]["type"] == "RuntimeError"
+

@@ -12,7 +12,10 @@ loss scale (the precision-gap stage's same-state loss closes with scaling off):
 the step returns `scaler.scale(loss)`, or computes from gradients of a scaled
 loss (a gradient penalty) without unscaling them; a plain `optimizer.step()` on
 an optimizer that `scaler.step()` also steps in the same iteration (it steps
-twice, and applies inf gradients on an overflow step). Several optimizers, each
+twice, and applies inf gradients on an overflow step); a clip that raises on a
+non-finite norm (``clip_grad_norm_(..., error_if_nonfinite=True)``) where FP32
+runs finite: it turns every step the scaler exists to skip into a crash, the
+calibration's first ones and, later, each growth past the range. Several optimizers, each
 stepped with `scaler.step()`, then one `scaler.update()`, is PyTorch's recipe
 and healthy. PyTorch's "CUDA Automatic Mixed
 Precision examples" give the recipe for each loop shape (mixed-precision-notes.md).
@@ -24,6 +27,7 @@ from ...precision.recording import double_steps
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
 from . import Rule
+from ._helpers import fp32_finite
 
 REFUSALS = {
     "has already been called on this optimizer since the last update": "unscale_ called twice before update()",
@@ -35,6 +39,14 @@ REFUSALS = {
                                                       "parameters has a gradient",
     "is being called after step()": "step() without update(): the next iteration's step() finds the last one never closed",
 }
+CLIP_RAISES = "is non-finite, so it cannot be clipped"
+"""Part of PyTorch's message when ``clip_grad_norm_(..., error_if_nonfinite=True)`` meets an inf/NaN norm."""
+CLIP_RECIPE = """scaler.scale(loss).backward()
+scaler.unscale_(optimizer)
+# error_if_nonfinite=False (the default): an inf/NaN norm is a step the scaler skips, not an error
+torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+scaler.step(optimizer)    # skips the step when the unscaled gradients hold inf/NaN
+scaler.update()           # and lowers the scale"""
 RECIPE = """# gradient accumulation: scale every micro-batch, unscale/clip/step/update once
 scaler.scale(loss / accumulate).backward()
 if (micro + 1) % accumulate == 0:
@@ -79,10 +91,22 @@ class ScalerMisuse(Rule):
                                     "message": "unscale_() is being called after step()."}),
                                     scaler_calls=[["scale", "step"], ["scale", "step"]])),
                 lambda: fx.evidence(amp=fx.probe(), gap=fx.gap(1e7, gap_without_loss_scaling=1e-5, scale_leak=True)),
+                # clip_grad_norm_(..., error_if_nonfinite=True) on the calibration's first overflow, FP32 finite
+                lambda: fx.evidence(fp32=fx.probe("fp32"), amp=fx.probe(record=fx.records(exception={
+                    "step": 0, "type": "RuntimeError", "message": "The total norm of order 2.0 for gradients from "
+                    "`parameters` is non-finite, so it cannot be clipped."}),
+                    scaler_calls=[["scale", "unscale_"]])),
                 lambda: fx.evidence(amp=fx.probe(
                     scaler_calls=[["scale", "step", "scale", "step", "update"]] * 4,
                     optimizer_calls=[["scale", "step(D)", "D.step()", "scale", "step(G)", "update"]] * 4)))
     quiet_on = (lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "unscale_", "step", "update"]] * 10)),
+                # the same raise where FP32's own gradients are non-finite too: not the scaler's to skip
+                lambda: fx.evidence(fp32=fx.probe("fp32", record=fx.records(exception={
+                    "step": 0, "type": "RuntimeError", "message": "The total norm of order 2.0 for gradients from "
+                    "`parameters` is non-finite, so it cannot be clipped."})),
+                    amp=fx.probe(record=fx.records(exception={
+                    "step": 0, "type": "RuntimeError", "message": "The total norm of order 2.0 for gradients from "
+                    "`parameters` is non-finite, so it cannot be clipped."}), scaler_calls=[["scale", "unscale_"]])),
                 lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale"], ["scale"], ["scale"], ["scale", "unscale_", "step", "update"]])),
                 lambda: fx.evidence(amp=fx.probe(
                     scaler_calls=[["scale", "step", "scale", "step", "update"]] * 4,
@@ -97,6 +121,10 @@ class ScalerMisuse(Rule):
         exc = amp.exception
         if exc is not None:
             problems += [what for text, what in REFUSALS.items() if text in (exc.message or "")]
+        clip_raised = exc is not None and CLIP_RAISES in (exc.message or "") and fp32_finite(ev)
+        if clip_raised:
+            problems.append(f"the gradient clip raised on a non-finite norm at step {exc.step} "
+                            "(error_if_nonfinite=True), where GradScaler would have skipped the step; FP32 ran finite")
         calls = amp.scaler_calls
         for step, sequence in enumerate(calls):
             if "update" in sequence and "step" not in sequence and "scale" in sequence:
@@ -132,6 +160,16 @@ class ScalerMisuse(Rule):
             )]
         first = exc.step if exc is not None else 0
         window = calls[max(0, first - 3):first + 1]
+        if clip_raised and len(problems) == 1:
+            return [self.finding(
+                f"GradScaler misuse: {problems[0]}",
+                {"problems": problems, "scaler_calls_per_iteration": window, "exception": exc},
+                Fix("Clip with error_if_nonfinite=False (the default): under a GradScaler an inf/NaN gradient norm is "
+                    "expected while the scale settles and after each growth, and scaler.step() skips that step and "
+                    "lowers the scale. Raising turns each of those skips into a crash (a lower initial scale only "
+                    "postpones it to the first growth past the range). To catch real divergence, watch for "
+                    "consecutive skips instead.", code=CLIP_RECIPE),
+            )]
         if doubled and len(problems) == 1:
             first = next(iter(doubled))
             return [self.finding(
