@@ -122,7 +122,7 @@ class ScalerMisuse(Rule):
         if exc is not None:
             problems += [what for text, what in REFUSALS.items() if text in (exc.message or "")]
         clip_raised = exc is not None and CLIP_RAISES in (exc.message or "") and fp32_finite(ev)
-        if clip_raised:
+        if exc is not None and clip_raised:
             problems.append(f"the gradient clip raised on a non-finite norm at step {exc.step} "
                             "(error_if_nonfinite=True), where GradScaler would have skipped the step; FP32 ran finite")
         calls = amp.scaler_calls
