@@ -41,6 +41,9 @@ REFUSALS = {
 }
 CLIP_RAISES = "is non-finite, so it cannot be clipped"
 """Part of PyTorch's message when ``clip_grad_norm_(..., error_if_nonfinite=True)`` meets an inf/NaN norm."""
+CLIP_EXCEPTION = {"step": 0, "type": "RuntimeError", "message": "The total norm of order 2.0 for gradients from "
+                  "`parameters` is non-finite, so it cannot be clipped."}
+"""PyTorch's exception in the rule's own cases: the clip met the calibration's first overflow."""
 CLIP_RECIPE = """scaler.scale(loss).backward()
 scaler.unscale_(optimizer)
 # error_if_nonfinite=False (the default): an inf/NaN norm is a step the scaler skips, not an error
@@ -92,21 +95,15 @@ class ScalerMisuse(Rule):
                                     scaler_calls=[["scale", "step"], ["scale", "step"]])),
                 lambda: fx.evidence(amp=fx.probe(), gap=fx.gap(1e7, gap_without_loss_scaling=1e-5, scale_leak=True)),
                 # clip_grad_norm_(..., error_if_nonfinite=True) on the calibration's first overflow, FP32 finite
-                lambda: fx.evidence(fp32=fx.probe("fp32"), amp=fx.probe(record=fx.records(exception={
-                    "step": 0, "type": "RuntimeError", "message": "The total norm of order 2.0 for gradients from "
-                    "`parameters` is non-finite, so it cannot be clipped."}),
+                lambda: fx.evidence(fp32=fx.probe("fp32"), amp=fx.probe(record=fx.records(exception=CLIP_EXCEPTION),
                     scaler_calls=[["scale", "unscale_"]])),
                 lambda: fx.evidence(amp=fx.probe(
                     scaler_calls=[["scale", "step", "scale", "step", "update"]] * 4,
                     optimizer_calls=[["scale", "step(D)", "D.step()", "scale", "step(G)", "update"]] * 4)))
     quiet_on = (lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "unscale_", "step", "update"]] * 10)),
                 # the same raise where FP32's own gradients are non-finite too: not the scaler's to skip
-                lambda: fx.evidence(fp32=fx.probe("fp32", record=fx.records(exception={
-                    "step": 0, "type": "RuntimeError", "message": "The total norm of order 2.0 for gradients from "
-                    "`parameters` is non-finite, so it cannot be clipped."})),
-                    amp=fx.probe(record=fx.records(exception={
-                    "step": 0, "type": "RuntimeError", "message": "The total norm of order 2.0 for gradients from "
-                    "`parameters` is non-finite, so it cannot be clipped."}), scaler_calls=[["scale", "unscale_"]])),
+                lambda: fx.evidence(fp32=fx.probe("fp32", record=fx.records(exception=CLIP_EXCEPTION)),
+                    amp=fx.probe(record=fx.records(exception=CLIP_EXCEPTION), scaler_calls=[["scale", "unscale_"]])),
                 lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale"], ["scale"], ["scale"], ["scale", "unscale_", "step", "update"]])),
                 lambda: fx.evidence(amp=fx.probe(
                     scaler_calls=[["scale", "step", "scale", "step", "update"]] * 4,
