@@ -5,8 +5,8 @@ style loss over a 4096-token vocabulary.
 """
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 VOCAB, LENGTH, WIDTH, HEADS, LAYERS, BATCH = 4096, 128, 256, 4, 4, 16
 CONFIG = {"steps": 8, "lr": 1e-4}

@@ -55,12 +55,14 @@ def main(paths: list[str]) -> None:
         spec = load_training_file(path)
         config = build_config(spec.config, {"device": "cpu"})
         base = probes_seconds(spec, config)
-        full = timed(lambda: diagnose(spec, config))
-        ci = timed(lambda: diagnose(spec, config, DiagnoseOptions(ci=True)))
+        full = timed(lambda spec=spec, config=config: diagnose(spec, config))
+        ci = timed(lambda spec=spec, config=config: diagnose(spec, config, DiagnoseOptions(ci=True)))
         ratios.append(full / base)
         print(f"{path.name:28} {base:9.2f} {full:11.2f} {full / base:6.1f} {ci:7.1f}", flush=True)
-    print(f"median diagnose / (FP32 + AMP probes) = {sorted(ratios)[len(ratios) // 2]:.1f}, "
-          f"worst {max(ratios):.1f} (target < 4)")
+    print(
+        f"median diagnose / (FP32 + AMP probes) = {sorted(ratios)[len(ratios) // 2]:.1f}, "
+        f"worst {max(ratios):.1f} (target < 4)"
+    )
 
 
 if __name__ == "__main__":

@@ -113,13 +113,13 @@ def optimizer(params):
     return torch.optim.Adam(params, lr=1e-4)
 {scheduler}'''
 
-FAULT_SCHEDULER = '''
+FAULT_SCHEDULER = """
 
 def scheduler(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 if step < {jump} else {factor})
-'''
+"""
 
-PLAIN_TRAINING = '''
+PLAIN_TRAINING = """
 import contextlib, importlib.util, sys, torch
 torch.set_num_threads(2)
 policy = contextlib.nullcontext()
@@ -144,7 +144,7 @@ for step, batch in zip(range(user.CONFIG["steps"]), user.data()):
     scaler.update()
     if sched is not None:
         sched.step()
-'''
+"""
 
 
 @dataclass
@@ -166,15 +166,23 @@ class Measured:
 def mlp_case(width: int, depth: int, faulty: bool, steps: int = 8, batch: int = 16) -> Case:
     params = 64 * width + depth * width * width + 10 * width
     scheduler = FAULT_SCHEDULER.format(jump=steps // 2, factor=1000.0) if faulty else ""
-    source = MLP_TEMPLATE.format(params=params, fault="fault: LR jump" if faulty else "healthy", steps=steps,
-                                 width=width, depth=depth, batch=batch, scheduler=scheduler)
+    source = MLP_TEMPLATE.format(
+        params=params,
+        fault="fault: LR jump" if faulty else "healthy",
+        steps=steps,
+        width=width,
+        depth=depth,
+        batch=batch,
+        scheduler=scheduler,
+    )
     return Case("mlp", f"{params / 1e6:.0f}M params", faulty, source)
 
 
 def transformer_case(length: int, faulty: bool, steps: int = 8, batch: int = 16) -> Case:
     scheduler = FAULT_SCHEDULER.format(jump=steps // 2, factor=3000.0) if faulty else ""
-    source = TRANSFORMER_TEMPLATE.format(length=length, fault="fault: LR jump" if faulty else "healthy", steps=steps,
-                                         batch=batch, scheduler=scheduler)
+    source = TRANSFORMER_TEMPLATE.format(
+        length=length, fault="fault: LR jump" if faulty else "healthy", steps=steps, batch=batch, scheduler=scheduler
+    )
     return Case("transformer", f"seq {length}", faulty, source)
 
 
@@ -216,11 +224,15 @@ def main() -> None:
     python = sys.executable
     starts = [measured([python, "-c", "import torch"]) for _ in range(3)]
     baseline, start_seconds = min(m.peak_mb for m in starts), min(m.seconds for m in starts)
-    print(f"baseline: an interpreter with torch imported peaks at {baseline:.0f} MB and starts in {start_seconds:.1f} s "
-          "(both subtracted below)")
-    header = (f"{'model':12} {'size':13} {'fault':7} {'gpu-lists MB':>12} {'cpu-lists MB':>12} {'diag MB':>8} "
-              f"{'mem x':>6} {'mem x cpu-lists':>15} {'gpu-lists s':>11} {'cpu-lists s':>11} {'diag s':>7} "
-              f"{'probes s':>8} {'time x':>7}")
+    print(
+        f"baseline: an interpreter with torch imported peaks at {baseline:.0f} MB and starts in {start_seconds:.1f} s "
+        "(both subtracted below)"
+    )
+    header = (
+        f"{'model':12} {'size':13} {'fault':7} {'gpu-lists MB':>12} {'cpu-lists MB':>12} {'diag MB':>8} "
+        f"{'mem x':>6} {'mem x cpu-lists':>15} {'gpu-lists s':>11} {'cpu-lists s':>11} {'diag s':>7} "
+        f"{'probes s':>8} {'time x':>7}"
+    )
     print(header)
     worst_memory, worst_cpu_lists_memory, worst_time = 0.0, 0.0, 0.0
     with tempfile.TemporaryDirectory(prefix="diagnose-scale-") as folder:
@@ -229,28 +241,49 @@ def main() -> None:
             path.write_text(case.source)
             gpu_lists = measured([python, "-c", PLAIN_TRAINING, str(path), "cuda-policy"])
             cpu_lists = measured([python, "-c", PLAIN_TRAINING, str(path)])
-            diagnosis = measured([python, "-m", "fp16doctor", "diagnose", str(path), "--json", "--device", "cpu",
-                                  *args.diagnose_args.split()])
+            diagnosis = measured(
+                [
+                    python,
+                    "-m",
+                    "fp16doctor",
+                    "diagnose",
+                    str(path),
+                    "--json",
+                    "--device",
+                    "cpu",
+                    *args.diagnose_args.split(),
+                ]
+            )
             train_mb, cpu_lists_mb, diag_mb = (m.peak_mb - baseline for m in (gpu_lists, cpu_lists, diagnosis))
             memory_ratio, cpu_lists_ratio = diag_mb / max(train_mb, 1.0), diag_mb / max(cpu_lists_mb, 1.0)
             train_s, cpu_lists_s, diag_s = (m.seconds - start_seconds for m in (gpu_lists, cpu_lists, diagnosis))
             probes_s = probe_seconds(diagnosis.output)
             time_ratio = diag_s / max(probes_s, 1e-3)  # the whole command against its own FP32 and AMP probes
-            worst_memory, worst_cpu_lists_memory = max(worst_memory, memory_ratio), max(worst_cpu_lists_memory, cpu_lists_ratio)
+            worst_memory, worst_cpu_lists_memory = (
+                max(worst_memory, memory_ratio),
+                max(worst_cpu_lists_memory, cpu_lists_ratio),
+            )
             worst_time = max(worst_time, time_ratio)
-            print(f"{case.family:12} {case.size:13} {'LR jump' if case.faulty else 'none':7} {train_mb:12.0f} "
-                  f"{cpu_lists_mb:12.0f} {diag_mb:8.0f} {memory_ratio:6.2f} {cpu_lists_ratio:15.2f} {train_s:11.1f} "
-                  f"{cpu_lists_s:11.1f} {diag_s:7.1f} {probes_s:8.1f} {time_ratio:7.1f}", flush=True)
+            print(
+                f"{case.family:12} {case.size:13} {'LR jump' if case.faulty else 'none':7} {train_mb:12.0f} "
+                f"{cpu_lists_mb:12.0f} {diag_mb:8.0f} {memory_ratio:6.2f} {cpu_lists_ratio:15.2f} {train_s:11.1f} "
+                f"{cpu_lists_s:11.1f} {diag_s:7.1f} {probes_s:8.1f} {time_ratio:7.1f}",
+                flush=True,
+            )
 
     def verdict(value: float, met: bool) -> str:
         return f"{value:.2f} ({'met' if met else 'NOT met'})"
 
-    print(f"worst memory ratio against the training as its GPU computes it (CUDA's autocast lists) "
-          f"{verdict(worst_memory, worst_memory <= MEMORY_TARGET)} (target <= {MEMORY_TARGET}); "
-          f"worst time ratio against one FP32 plus one AMP probe {verdict(worst_time, worst_time < TIME_TARGET)} "
-          f"(target < {TIME_TARGET:.0f})")
-    print(f"for information, against the same loop under CPU autocast's own lists (fp16 softmax, layer norms and sums: "
-          f"less activation memory than any GPU run of the file): worst {worst_cpu_lists_memory:.2f}")
+    print(
+        f"worst memory ratio against the training as its GPU computes it (CUDA's autocast lists) "
+        f"{verdict(worst_memory, worst_memory <= MEMORY_TARGET)} (target <= {MEMORY_TARGET}); "
+        f"worst time ratio against one FP32 plus one AMP probe {verdict(worst_time, worst_time < TIME_TARGET)} "
+        f"(target < {TIME_TARGET:.0f})"
+    )
+    print(
+        f"for information, against the same loop under CPU autocast's own lists (fp16 softmax, layer norms and sums: "
+        f"less activation memory than any GPU run of the file): worst {worst_cpu_lists_memory:.2f}"
+    )
 
 
 if __name__ == "__main__":

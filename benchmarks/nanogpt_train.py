@@ -102,8 +102,8 @@ def main() -> None:
 
     def get_batch():
         ix = torch.randint(len(data) - args.block_size - 1, (args.batch_size,))
-        x = torch.stack([data[i:i + args.block_size] for i in ix])
-        y = torch.stack([data[i + 1:i + 1 + args.block_size] for i in ix])
+        x = torch.stack([data[i : i + args.block_size] for i in ix])
+        y = torch.stack([data[i + 1 : i + 1 + args.block_size] for i in ix])
         return x.to(args.device), y.to(args.device)
 
     model = GPT(args.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd).to(args.device)
@@ -114,7 +114,7 @@ def main() -> None:
     X, Y = get_batch()
     t0 = time.perf_counter()
     for it in range(args.iters):
-        for micro_step in range(args.grad_accum):
+        for _micro_step in range(args.grad_accum):
             with ctx:
                 logits = model(X)
                 loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), Y.view(-1)) / args.grad_accum

@@ -173,7 +173,9 @@ def iqr(values: list[float]) -> float:
     return q3 - q1
 
 
-def run_block(plain: Variant, others: list[Variant], batches: list[Any], rounds: int, first: int) -> dict[str, list[float]]:
+def run_block(
+    plain: Variant, others: list[Variant], batches: list[Any], rounds: int, first: int
+) -> dict[str, list[float]]:
     """``rounds`` rounds ``P X1 P X2 ... P``, each on one batch; each X's time over the mean of its neighbours."""
     ratios: dict[str, list[float]] = {v.name: [] for v in others}
     for r in range(first, first + rounds):
@@ -229,13 +231,19 @@ def dispatch_table(plain: Variant, others: list[Variant], batch: Any) -> list[st
     for variant in [plain, *others]:
         counts = base if variant is plain else [count_step(variant, batch, 0) for _ in range(2)]
         c = counts[0]
-        same = all((k.total, k.scalar_syncs, k.device_to_host) == (c.total, c.scalar_syncs, c.device_to_host) for k in counts)
-        lines.append(f"  {variant.name:13s} {c.total:9d} {c.total - base[0].total:+7d} {c.scalar_syncs:6d} "
-                     f"{c.scalar_syncs - base[0].scalar_syncs:+6d} {c.device_to_host:4d} {c.device_to_host - base[0].device_to_host:+6d}"
-                     + ("" if same else f"  (a second step differed: {counts[1].total} ops, {counts[1].scalar_syncs} syncs)"))
+        same = all(
+            (k.total, k.scalar_syncs, k.device_to_host) == (c.total, c.scalar_syncs, c.device_to_host) for k in counts
+        )
+        lines.append(
+            f"  {variant.name:13s} {c.total:9d} {c.total - base[0].total:+7d} {c.scalar_syncs:6d} "
+            f"{c.scalar_syncs - base[0].scalar_syncs:+6d} {c.device_to_host:4d} {c.device_to_host - base[0].device_to_host:+6d}"
+            + ("" if same else f"  (a second step differed: {counts[1].total} ops, {counts[1].scalar_syncs} syncs)")
+        )
     extra = count_step(others[0], batch, 0).ops - base[0].ops
-    lines.append("  the instruments' extra operators, most frequent: "
-                 + ", ".join(f"{name} {n}" for name, n in extra.most_common(8)))
+    lines.append(
+        "  the instruments' extra operators, most frequent: "
+        + ", ".join(f"{name} {n}" for name, n in extra.most_common(8))
+    )
     return lines
 
 
@@ -244,14 +252,25 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=8, help="rounds per block (each: one paired ratio per variant)")
     parser.add_argument("--min-blocks", type=int, default=3, help="blocks before the spread is judged")
     parser.add_argument("--max-blocks", type=int, default=5, help="the cap on repeats")
-    parser.add_argument("--also", nargs="*", default=[], choices=["every", "naive", "fp32"],
-                        help="measure these variants too, the same way (each adds a step per round)")
-    parser.add_argument("--spread", type=float, default=0.02, help="stop when the IQR of the block medians is under this")
+    parser.add_argument(
+        "--also",
+        nargs="*",
+        default=[],
+        choices=["every", "naive", "fp32"],
+        help="measure these variants too, the same way (each adds a step per round)",
+    )
+    parser.add_argument(
+        "--spread", type=float, default=0.02, help="stop when the IQR of the block medians is under this"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--clock", default=None, choices=sorted(CLOCKS),
-                        help="cpu: process CPU time (robust on a shared machine; the default on CPU); "
-                             "wall: elapsed time (the default on CUDA, where the host waits for the device)")
+    parser.add_argument(
+        "--clock",
+        default=None,
+        choices=sorted(CLOCKS),
+        help="cpu: process CPU time (robust on a shared machine; the default on CPU); "
+        "wall: elapsed time (the default on CUDA, where the host waits for the device)",
+    )
     args = parser.parse_args()
     global CLOCK
     args.clock = args.clock or ("wall" if args.device.startswith("cuda") else "cpu")
@@ -277,13 +296,18 @@ def main() -> None:
         others.append(Variant("fp32", bench.probe("fp32", instruments=None), contextlib.nullcontext))
     batches = bench.batches
     run_block(plain, others, batches, WARMUP_ROUNDS, 0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {bench.device.type}, {args.clock} clock; "
-          f"after {WARMUP_ROUNDS} warm-up rounds:", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {bench.device.type}, {args.clock} clock; "
+        f"after {WARMUP_ROUNDS} warm-up rounds:",
+        flush=True,
+    )
     # counted first: deterministic, and printed even if a slow machine stops the timing early
     print("\n".join(dispatch_table(plain, [v for v in others if v.probe is probe], batches[0])))
     if bench.device.type == "cpu":
-        print("  (on CPU every tensor is in host memory: D2H copies count on CUDA, where the instruments' one stacked"
-              " transfer per step is one)")
+        print(
+            "  (on CPU every tensor is in host memory: D2H copies count on CUDA, where the instruments' one stacked"
+            " transfer per step is one)"
+        )
     samples = measure_blocks(plain, others, batches, args)
     for line in summary(samples, others, args):
         print(line)
@@ -296,8 +320,11 @@ def measure_blocks(plain: Variant, others: list[Variant], batches: list[Any], ar
     while len(samples.blocks.get("instrumented", [])) < args.max_blocks:
         block = len(samples.blocks.get("instrumented", []))
         samples.add_block(run_block(plain, others, batches, args.pairs, WARMUP_ROUNDS + block * args.pairs))
-        print(f"  block {block + 1}: median paired ratio " + ", ".join(
-            f"{name} {statistics.median(values[-1]):.3f}" for name, values in samples.blocks.items()), flush=True)
+        print(
+            f"  block {block + 1}: median paired ratio "
+            + ", ".join(f"{name} {statistics.median(values[-1]):.3f}" for name, values in samples.blocks.items()),
+            flush=True,
+        )
         if block + 1 >= args.min_blocks and iqr(samples.block_medians("instrumented")) < args.spread:
             break
     return samples
@@ -315,12 +342,17 @@ def summary(samples: Samples, others: list[Variant], args: argparse.Namespace) -
         verdict = ""
         if variant.name in TARGET:
             verdict = f"  (target <= {TARGET[variant.name]}: {'met' if shown <= TARGET[variant.name] else 'NOT met'})"
-        lines.append(f"{label:28s} = {shown:.3f}  IQR of paired ratios {iqr(pooled):.3f}, of block medians "
-                     f"{iqr(medians):.3f}{verdict}")
+        lines.append(
+            f"{label:28s} = {shown:.3f}  IQR of paired ratios {iqr(pooled):.3f}, of block medians "
+            f"{iqr(medians):.3f}{verdict}"
+        )
     converged = iqr(samples.block_medians("instrumented")) < args.spread
-    lines.append(f"spread of the instrumented estimate {'under' if converged else 'NOT under'} {args.spread:.0%}"
-                 + ("" if converged else f" after the cap of {args.max_blocks} blocks"))
+    lines.append(
+        f"spread of the instrumented estimate {'under' if converged else 'NOT under'} {args.spread:.0%}"
+        + ("" if converged else f" after the cap of {args.max_blocks} blocks")
+    )
     return lines
+
 
 if __name__ == "__main__":
     main()

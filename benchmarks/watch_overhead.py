@@ -97,8 +97,12 @@ class HookSwitch:
     """The forward hooks ``owner`` registered on a model's modules, taken off and put back between steps."""
 
     def __init__(self, model: torch.nn.Module, owner_type: type):
-        self.hooks = [(m, key, hook) for m in model.modules() for key, hook in m._forward_hooks.items()
-                      if isinstance(getattr(hook, "__self__", None), owner_type)]
+        self.hooks = [
+            (m, key, hook)
+            for m in model.modules()
+            for key, hook in m._forward_hooks.items()
+            if isinstance(getattr(hook, "__self__", None), owner_type)
+        ]
 
     def set(self, on: bool) -> None:
         for module, key, hook in self.hooks:
@@ -218,18 +222,40 @@ def hf_step_times(args: argparse.Namespace) -> tuple[Clock, list[str]]:
             self.clock.stop()
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                        intermediate_size=512, max_position_embeddings=64)
+    config = BertConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=512,
+        max_position_embeddings=64,
+    )
     g = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(1, 1000, (64,), generator=g), "labels": torch.tensor(i % 2)} for i in range(16 * steps)]
+    rows = [
+        {"input_ids": torch.randint(1, 1000, (64,), generator=g), "labels": torch.tensor(i % 2)}
+        for i in range(16 * steps)
+    ]
     clock = StepClock()
     with tempfile.TemporaryDirectory() as out:
-        train_args = TrainingArguments(output_dir=out, per_device_train_batch_size=16, max_steps=steps, use_cpu=True,
-                                       fp16=True, report_to=[], save_strategy="no", disable_tqdm=True,
-                                       logging_steps=10_000, debug="underflow_overflow")
+        train_args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=16,
+            max_steps=steps,
+            use_cpu=True,
+            fp16=True,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            logging_steps=10_000,
+            debug="underflow_overflow",
+        )
         with contextlib.redirect_stdout(io.StringIO()):
-            Trainer(model=BertForSequenceClassification(config), args=train_args, train_dataset=rows,
-                    callbacks=[Switch(), clock]).train()  # the switch before the clock: switching is not timed
+            Trainer(
+                model=BertForSequenceClassification(config),
+                args=train_args,
+                train_dataset=rows,
+                callbacks=[Switch(), clock],
+            ).train()  # the switch before the clock: switching is not timed
     return clock.clock, settings
 
 
@@ -307,15 +333,26 @@ def lightning_step_times(args: argparse.Namespace) -> tuple[Clock, list[str]]:
     module, clock = Classifier(), StepClock()
     DebugUnderflowOverflow(module)
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(accelerator="cpu", plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
-                            max_steps=steps, callbacks=[Switch(module), clock], default_root_dir=root, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+            max_steps=steps,
+            callbacks=[Switch(module), clock],
+            default_root_dir=root,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(module, DataLoader(TensorDataset(ids, labels), batch_size=8))
     return clock.clock, settings
 
 
 WORKLOADS: dict[str, Callable[[argparse.Namespace], tuple[Clock, list[str]]]] = {
-    "script": script_step_times, "hf": hf_step_times, "lightning": lightning_step_times}
+    "script": script_step_times,
+    "hf": hf_step_times,
+    "lightning": lightning_step_times,
+}
 
 
 # --- measuring --------------------------------------------------------------------------------------------------
@@ -332,8 +369,14 @@ def paired_ratios(times: list[float], settings: list[str]) -> tuple[dict[str, li
 class HostReads(TorchFunctionMode):
     """Counts the Python-level reads of a tensor's value: on a GPU each is a device-to-host synchronisation."""
 
-    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
-             torch.Tensor.__int__, torch.Tensor.__index__}
+    READS = {
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.__bool__,
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+        torch.Tensor.__index__,
+    }
 
     def __init__(self) -> None:
         super().__init__()
@@ -361,30 +404,51 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20, help="(plain, watched, plain, debug) cycles per workload")
     parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out")
     parser.add_argument("--only", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default; one by default: "
-                        "threads that wait for a busy neighbour's core spin and blur the CPU time)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (0: torch's default; one by default: "
+        "threads that wait for a busy neighbour's core spin and blur the CPU time)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, fp16 with a GradScaler; per workload one "
-          f"run: {args.warmup} warm-up steps, then {args.rounds} x (plain, watched, plain, debug), plain", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, fp16 with a GradScaler; per workload one "
+        f"run: {args.warmup} warm-up steps, then {args.rounds} x (plain, watched, plain, debug), plain",
+        flush=True,
+    )
     if "script" in args.only:
         (plain_ops, plain_reads), (watched_ops, watched_reads) = script_counts(False), script_counts(True)
-        print(f"script, per optimizer step: {plain_ops:.0f} aten ops plain, {watched_ops - plain_ops:+.0f} watched; "
-              f"{plain_reads:.0f} host reads plain, {watched_reads - plain_reads:+.0f} watched", flush=True)
+        print(
+            f"script, per optimizer step: {plain_ops:.0f} aten ops plain, {watched_ops - plain_ops:+.0f} watched; "
+            f"{plain_reads:.0f} host reads plain, {watched_reads - plain_reads:+.0f} watched",
+            flush=True,
+        )
     for workload in args.only:
         clock, settings = WORKLOADS[workload](args)
         if len(clock.cpu) != len(settings):
             raise SystemExit(f"{workload}: {len(clock.cpu)} step times for {len(settings)} steps")
         (cpu, plain_cpu), (wall, plain_wall) = paired_ratios(clock.cpu, settings), paired_ratios(clock.wall, settings)
-        print(f"{workload:9s} plain step: CPU {statistics.median(plain_cpu) * 1e3:.1f} ms, wall {statistics.median(plain_wall) * 1e3:.1f} ms "
-              f"(IQR {iqr(plain_wall) * 1e3:.1f} ms)", flush=True)
-        for setting, label in (("watched", "fp16doctor watch" if workload == "script" else "FP16DoctorCallback"),
-                               ("debug", "DebugUnderflowOverflow")):
+        print(
+            f"{workload:9s} plain step: CPU {statistics.median(plain_cpu) * 1e3:.1f} ms, wall {statistics.median(plain_wall) * 1e3:.1f} ms "
+            f"(IQR {iqr(plain_wall) * 1e3:.1f} ms)",
+            flush=True,
+        )
+        for setting, label in (
+            ("watched", "fp16doctor watch" if workload == "script" else "FP16DoctorCallback"),
+            ("debug", "DebugUnderflowOverflow"),
+        ):
             ratio = statistics.median(cpu[setting])
-            verdict = f"  (target <= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'})" if setting == "watched" else ""
-            print(f"  {label + ' / plain':32s} CPU {ratio:.3f} IQR {iqr(cpu[setting]):.3f}, wall {statistics.median(wall[setting]):.3f} "
-                  f"IQR {iqr(wall[setting]):.3f}, {len(cpu[setting])} pairs{verdict}", flush=True)
+            verdict = (
+                f"  (target <= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'})" if setting == "watched" else ""
+            )
+            print(
+                f"  {label + ' / plain':32s} CPU {ratio:.3f} IQR {iqr(cpu[setting]):.3f}, wall {statistics.median(wall[setting]):.3f} "
+                f"IQR {iqr(wall[setting]):.3f}, {len(cpu[setting])} pairs{verdict}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

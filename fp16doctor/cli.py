@@ -11,8 +11,9 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Optional, TextIO
+from typing import Annotated, Any, TextIO
 
 import typer
 import typer.core
@@ -20,6 +21,7 @@ from rich.console import Console
 
 from . import __version__
 from .errors import EXIT_FINDINGS, EXIT_OK, DoctorError
+
 
 class FlagsWithoutPlaceholder(typer.core.TyperGroup):
     """The command group, with help that shows on/off flags as flags: typer's help prints a ``<bool>`` type
@@ -57,28 +59,60 @@ err = Console(stderr=True)
 
 EXIT_INTERNAL = 3
 
-TrainingFile = Annotated[Path, typer.Argument(help="The training file: defines model() and data(); see the README.", show_default=False)]
-ConfigFile = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config; overrides the file's CONFIG dict.")]
-Steps = Annotated[Optional[int], typer.Option("--steps", help="Training steps: per probe, or of the run for train (config key: steps).")]
-Seed = Annotated[Optional[int], typer.Option("--seed", help="Seed (config key: seed).")]
-Device = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda (config key: device).")]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float16 | bfloat16 (config key: dtype).")]
+TrainingFile = Annotated[
+    Path, typer.Argument(help="The training file: defines model() and data(); see the README.", show_default=False)
+]
+ConfigFile = Annotated[
+    Path | None, typer.Option("--config", "-c", help="YAML config; overrides the file's CONFIG dict.")
+]
+Steps = Annotated[
+    int | None, typer.Option("--steps", help="Training steps: per probe, or of the run for train (config key: steps).")
+]
+Seed = Annotated[int | None, typer.Option("--seed", help="Seed (config key: seed).")]
+Device = Annotated[str | None, typer.Option("--device", help="auto | cpu | cuda (config key: device).")]
+Dtype = Annotated[str | None, typer.Option("--dtype", help="float16 | bfloat16 (config key: dtype).")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object to stdout and nothing else.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")]
-RunDir = Annotated[Optional[Path], typer.Option("--run-dir", help="Where the run keeps metrics.csv, checkpoints/ and summary.json (default: runs/<training file name>).")]
+RunDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--run-dir",
+        help="Where the run keeps metrics.csv, checkpoints/ and summary.json (default: runs/<training file name>).",
+    ),
+]
 CheckpointEvery = Annotated[int, typer.Option("--checkpoint-every", min=1, help="K: a checkpoint every K steps.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in the run directory.")]
-OnNonfinite = Annotated[str, typer.Option("--on-nonfinite", help="skip (like the GradScaler; stop after --max-nonfinite in a row) or stop.")]
-MaxNonfinite = Annotated[int, typer.Option("--max-nonfinite", min=1, help="Consecutive non-finite steps after which a skipping run stops.")]
-Nproc = Annotated[int, typer.Option("--nproc", min=1, help="Processes (torchrun + DistributedDataParallel; gloo on CPU, nccl on CUDA).")]
-HtmlFile = Annotated[Optional[Path], typer.Option("--html", help="Write a self-contained HTML report with plots (inline SVG, no network).")]
+OnNonfinite = Annotated[
+    str, typer.Option("--on-nonfinite", help="skip (like the GradScaler; stop after --max-nonfinite in a row) or stop.")
+]
+MaxNonfinite = Annotated[
+    int, typer.Option("--max-nonfinite", min=1, help="Consecutive non-finite steps after which a skipping run stops.")
+]
+Nproc = Annotated[
+    int,
+    typer.Option("--nproc", min=1, help="Processes (torchrun + DistributedDataParallel; gloo on CPU, nccl on CUDA)."),
+]
+HtmlFile = Annotated[
+    Path | None, typer.Option("--html", help="Write a self-contained HTML report with plots (inline SVG, no network).")
+]
 Wide = Annotated[bool, typer.Option("--wide", help="Every column at full precision, however wide the terminal.")]
-MaxMemory = Annotated[Optional[str], typer.Option(
-    "--max-memory", metavar="SIZE", show_default=False,
-    help="Memory the diagnosis may hold: 2GB, 512MiB, or 0.5 for half the machine's. States kept for later "
-         "stages stay in memory up to it and go to a temporary folder past it (default: one probe in memory, "
-         "every kept state in the folder).")]
-Force = Annotated[bool, typer.Option("--force", help="Overwrite output files that already exist (otherwise: ask, or refuse without a terminal).")]
+MaxMemory = Annotated[
+    str | None,
+    typer.Option(
+        "--max-memory",
+        metavar="SIZE",
+        show_default=False,
+        help="Memory the diagnosis may hold: 2GB, 512MiB, or 0.5 for half the machine's. States kept for later "
+        "stages stay in memory up to it and go to a temporary folder past it (default: one probe in memory, "
+        "every kept state in the folder).",
+    ),
+]
+Force = Annotated[
+    bool,
+    typer.Option(
+        "--force", help="Overwrite output files that already exist (otherwise: ask, or refuse without a terminal)."
+    ),
+]
 
 
 def cli_layer(**values: Any) -> dict[str, Any]:
@@ -102,10 +136,10 @@ def guarded(debug: bool, job: Callable[[], int], json_errors: bool = False) -> N
             err.print(f"  {exc.hint}", highlight=False)
         if json_errors:
             print_json_error(exc.message, exc.hint, exc.location, exc.exit_code)
-        raise typer.Exit(exc.exit_code)
+        raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     except Exception as exc:  # noqa: BLE001 - a bug of ours: say so plainly
         if debug:
             traceback.print_exc()
@@ -113,7 +147,7 @@ def guarded(debug: bool, job: Callable[[], int], json_errors: bool = False) -> N
         err.print("  This is a bug in fp16doctor; run again with --debug for the traceback and report it.")
         if json_errors:
             print_json_error(f"internal error: {type(exc).__name__}: {exc}", None, None, EXIT_INTERNAL)
-        raise typer.Exit(EXIT_INTERNAL)
+        raise typer.Exit(EXIT_INTERNAL) from None
     raise typer.Exit(code)
 
 
@@ -142,7 +176,9 @@ def check_writable(path: Path, force: bool) -> None:
         return
     if sys.stdin.isatty() and typer.confirm(f"{path} exists. Overwrite it?", default=False, err=True):
         return
-    raise DoctorError(f"'{path}' already exists; not overwriting it.", hint="Choose another path, or pass --force to overwrite.")
+    raise DoctorError(
+        f"'{path}' already exists; not overwriting it.", hint="Choose another path, or pass --force to overwrite."
+    )
 
 
 def capsule_training_file(capsule: Path | None, training_file: Path | None) -> tuple[Path, str | None, str | None]:
@@ -151,12 +187,18 @@ def capsule_training_file(capsule: Path | None, training_file: Path | None) -> t
     loss computation the replay does not run (evidence for the diagnosis)."""
     from .errors import DoctorError
 
-    if capsule is None and training_file is not None and training_file.name == "train_capsule.py" \
-            and (training_file.parent / "manifest.json").is_file():
+    if (
+        capsule is None
+        and training_file is not None
+        and training_file.name == "train_capsule.py"
+        and (training_file.parent / "manifest.json").is_file()
+    ):
         capsule, training_file = training_file.parent, None  # a capsule's own file: diagnosed as the capsule
     if capsule is None:
         if training_file is None:
-            raise DoctorError("no training file given.", hint="fp16doctor diagnose model.py, or --capsule DIR for a watch's capsule.")
+            raise DoctorError(
+                "no training file given.", hint="fp16doctor diagnose model.py, or --capsule DIR for a watch's capsule."
+            )
         return training_file, None, None
     if training_file is not None:
         raise DoctorError("give a training file or --capsule, not both.")
@@ -233,7 +275,9 @@ def main(version: Annotated[bool, typer.Option("--version", help="Print the vers
 @app.command()
 def compare(
     training_file: TrainingFile,
-    fp32: Annotated[bool, typer.Option("--fp32", help="Run the FP32 baseline (always run: it is the reference).")] = False,
+    fp32: Annotated[
+        bool, typer.Option("--fp32", help="Run the FP32 baseline (always run: it is the reference).")
+    ] = False,
     amp: Annotated[bool, typer.Option("--amp", help="Run AMP as configured (dtype, scaler).")] = False,
     bf16: Annotated[bool, typer.Option("--bf16", help="Run AMP in bfloat16 without a scaler.")] = False,
     steps: Steps = None,
@@ -241,10 +285,17 @@ def compare(
     seed: Seed = None,
     device: Device = None,
     dtype: Dtype = None,
-    tol: Annotated[float, typer.Option("--tol", help="Healthy when every loss is within this relative deviation of fp32 (x8 for bf16).")] = 1e-3,
-    divergence_tol: Annotated[float, typer.Option("--divergence-tol", help="Report the first step past this deviation (x8 for bf16).")] = 1e-2,
+    tol: Annotated[
+        float,
+        typer.Option("--tol", help="Healthy when every loss is within this relative deviation of fp32 (x8 for bf16)."),
+    ] = 1e-3,
+    divergence_tol: Annotated[
+        float, typer.Option("--divergence-tol", help="Report the first step past this deviation (x8 for bf16).")
+    ] = 1e-2,
     json_: Json = False,
-    csv: Annotated[Optional[Path], typer.Option("--csv", help="Write every mode's per-step record to this CSV file.")] = None,
+    csv: Annotated[
+        Path | None, typer.Option("--csv", help="Write every mode's per-step record to this CSV file.")
+    ] = None,
     html: HtmlFile = None,
     wide: Wide = False,
     force: Force = False,
@@ -267,8 +318,13 @@ def compare(
         spec, cfg = load(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
         with err.status("preparing: drawing batches, building the model") as status:
             bench = Workbench(spec, cfg)
-            result = run_compare(bench, modes, tolerance=tol, divergence=divergence_tol,
-                                 on_mode=lambda m: status.update(f"running the {m} probe ({cfg.steps} steps)"))
+            result = run_compare(
+                bench,
+                modes,
+                tolerance=tol,
+                divergence=divergence_tol,
+                on_mode=lambda m: status.update(f"running the {m} probe ({cfg.steps} steps)"),
+            )
         show_notes(spec)
         if csv is not None:
             write_csv(csv, {m: t.records for m, t in result.trajectories.items()})
@@ -291,22 +347,45 @@ def compare(
 
 @app.command()
 def diagnose(
-    training_file: Annotated[Optional[Path], typer.Argument(help="The training file: defines model() and data(); see the README.", show_default=False)] = None,
-    capsule: Annotated[Optional[Path], typer.Option("--capsule", help="Diagnose a replay capsule written by fp16doctor's watch (a folder with train_capsule.py).")] = None,
+    training_file: Annotated[
+        Path | None,
+        typer.Argument(help="The training file: defines model() and data(); see the README.", show_default=False),
+    ] = None,
+    capsule: Annotated[
+        Path | None,
+        typer.Option(
+            "--capsule",
+            help="Diagnose a replay capsule written by fp16doctor's watch (a folder with train_capsule.py).",
+        ),
+    ] = None,
     config: ConfigFile = None,
     steps: Steps = None,
     seed: Seed = None,
     device: Device = None,
     dtype: Dtype = None,
     json_: Json = False,
-    report: Annotated[Optional[Path], typer.Option("--report", help="Write a Markdown report of the diagnosis.")] = None,
-    fix_config: Annotated[Optional[Path], typer.Option("--fix-config", help="Write your config with every fix's config patch applied (YAML).")] = None,
-    ci: Annotated[bool, typer.Option("--ci", help="CI smoke check: fewer steps, only the stages the evidence calls for.")] = False,
-    junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report (one test case per cause).")] = None,
+    report: Annotated[Path | None, typer.Option("--report", help="Write a Markdown report of the diagnosis.")] = None,
+    fix_config: Annotated[
+        Path | None,
+        typer.Option("--fix-config", help="Write your config with every fix's config patch applied (YAML)."),
+    ] = None,
+    ci: Annotated[
+        bool, typer.Option("--ci", help="CI smoke check: fewer steps, only the stages the evidence calls for.")
+    ] = False,
+    junit: Annotated[
+        Path | None, typer.Option("--junit", help="Write a JUnit XML report (one test case per cause).")
+    ] = None,
     html: HtmlFile = None,
-    scan_batches: Annotated[Optional[int], typer.Option("--scan-batches", help="Scan this many batches in the data scan (default: those the probes use).")] = None,
-    train_: Annotated[bool, typer.Option("--train", help="Then run the corrected training (see `train`); the exit code is the run's.")] = False,
-    train_steps: Annotated[Optional[int], typer.Option("--train-steps", help="Steps of the corrected run (default: the config's steps).")] = None,
+    scan_batches: Annotated[
+        int | None,
+        typer.Option("--scan-batches", help="Scan this many batches in the data scan (default: those the probes use)."),
+    ] = None,
+    train_: Annotated[
+        bool, typer.Option("--train", help="Then run the corrected training (see `train`); the exit code is the run's.")
+    ] = False,
+    train_steps: Annotated[
+        int | None, typer.Option("--train-steps", help="Steps of the corrected run (default: the config's steps).")
+    ] = None,
     run_dir: RunDir = None,
     checkpoint_every: CheckpointEvery = 50,
     on_nonfinite: OnNonfinite = "skip",
@@ -341,14 +420,26 @@ def diagnose(
         for path in (report, fix_config, junit, html, figures_folder(report) if report is not None else None):
             if path is not None:
                 check_writable(path, force)
-        spec, cfg, layers = load_layers(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
+        spec, cfg, layers = load_layers(
+            training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype)
+        )
         if replay is not None:
             spec.note(replay)
         with DiagnosisProgress(err, stage_names()) as progress:
-            result = run_diagnose(spec, cfg, DiagnoseOptions(ci=ci, scan_batches=scan_batches, max_memory=memory_limit,
-                                                             own_process=True, recorded_loss_finding=recorded_loss_finding,
-                                                             plots=report is not None or html is not None),
-                                  on_stage=progress.stage, on_probe_step=progress.probe_step)
+            result = run_diagnose(
+                spec,
+                cfg,
+                DiagnoseOptions(
+                    ci=ci,
+                    scan_batches=scan_batches,
+                    max_memory=memory_limit,
+                    own_process=True,
+                    recorded_loss_finding=recorded_loss_finding,
+                    plots=report is not None or html is not None,
+                ),
+                on_stage=progress.stage,
+                on_probe_step=progress.probe_step,
+            )
         show_notes(spec)
         name = str(training_file)
         if report is not None:
@@ -370,7 +461,12 @@ def diagnose(
             print_json(result.to_json())
         else:
             render_diagnosis(result, out, name)
-            for label, path in (("report", report), ("HTML report", html), ("corrected config", fix_config), ("JUnit report", junit)):
+            for label, path in (
+                ("report", report),
+                ("HTML report", html),
+                ("corrected config", fix_config),
+                ("JUnit report", junit),
+            ):
                 if path is not None:
                     out.print(f"[dim]{label} written to {path}[/]")
         if not train_:
@@ -381,7 +477,9 @@ def diagnose(
         if train_steps is not None:
             corrected["steps"] = train_steps
         options = train_options(training_file, run_dir, checkpoint_every, False, on_nonfinite, max_nonfinite, force)
-        return run_training(spec, build_config(corrected, cli_layer(device=device)), options, nproc, training_file, quiet=json_)
+        return run_training(
+            spec, build_config(corrected, cli_layer(device=device)), options, nproc, training_file, quiet=json_
+        )
 
     with stdout_for_json_only(json_):
         guarded(debug, job, json_errors=json_)
@@ -432,13 +530,20 @@ class DiagnosisProgress:
         self.progress: Any = None
         self.task: Any = None
 
-    def __enter__(self) -> "DiagnosisProgress":
+    def __enter__(self) -> DiagnosisProgress:
         if not self.console.is_terminal:
             return self
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-        columns = [TextColumn("[bold]diagnose"), TextColumn("{task.fields[stage]}"), BarColumn(),
-                   TextColumn("{task.fields[step]}"), TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn()]
+        columns = [
+            TextColumn("[bold]diagnose"),
+            TextColumn("{task.fields[stage]}"),
+            BarColumn(),
+            TextColumn("{task.fields[step]}"),
+            TimeElapsedColumn(),
+            TextColumn("left"),
+            TimeRemainingColumn(),
+        ]
         # stdout is not redirected: what the training file prints stays on stdout (or, with --json, stderr)
         self.progress = Progress(*columns, console=self.console, transient=True, redirect_stdout=False)
         self.progress.start()
@@ -470,8 +575,15 @@ class DiagnosisProgress:
         self.progress.update(self.task, completed=max(current, completed), refresh=True, **fields)
 
 
-def train_options(training_file: Path, run_dir: Path | None, checkpoint_every: int, resume: bool,
-                  on_nonfinite: str, max_nonfinite: int, force: bool):
+def train_options(
+    training_file: Path,
+    run_dir: Path | None,
+    checkpoint_every: int,
+    resume: bool,
+    on_nonfinite: str,
+    max_nonfinite: int,
+    force: bool,
+):
     """Validate the run options; never start a fresh run over an earlier one without asking."""
     import shutil
 
@@ -483,12 +595,22 @@ def train_options(training_file: Path, run_dir: Path | None, checkpoint_every: i
     directory = run_dir or Path("runs") / training_file.stem
     earlier = checkpoint_paths(directory) + [p for p in (directory / "metrics.csv",) if p.exists()]
     if earlier and not resume:
-        if not force and not (sys.stdin.isatty() and typer.confirm(f"{directory} holds an earlier run. Start over and replace it?", default=False, err=True)):
-            raise DoctorError(f"'{directory}' holds an earlier run (checkpoints, metrics).",
-                              hint="Pass --resume to continue it, --run-dir for a new one, or --force to replace it.")
+        if not force and not (
+            sys.stdin.isatty()
+            and typer.confirm(f"{directory} holds an earlier run. Start over and replace it?", default=False, err=True)
+        ):
+            raise DoctorError(
+                f"'{directory}' holds an earlier run (checkpoints, metrics).",
+                hint="Pass --resume to continue it, --run-dir for a new one, or --force to replace it.",
+            )
         shutil.rmtree(directory / "checkpoints", ignore_errors=True)
-    return TrainOptions(run_dir=directory, checkpoint_every=checkpoint_every, resume=resume,
-                        on_nonfinite=on_nonfinite, max_nonfinite=max_nonfinite)
+    return TrainOptions(
+        run_dir=directory,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        on_nonfinite=on_nonfinite,
+        max_nonfinite=max_nonfinite,
+    )
 
 
 def run_training(spec: Any, cfg: Any, options: Any, nproc: int, training_file: Path, quiet: bool = False) -> int:
@@ -516,7 +638,13 @@ def train_here(trainer: Any) -> Any:
         TimeElapsedColumn,
     )
 
-    columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"), TimeElapsedColumn()]
+    columns = [
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+    ]
     with Progress(*columns, console=err, transient=False) as progress:
         task = progress.add_task("train", total=trainer.config.steps, completed=0, stats="")
         state: dict[str, Any] = {"skipped": 0, "t0": None, "n": 0}
@@ -528,8 +656,11 @@ def train_here(trainer: Any) -> Any:
             state["n"] += 1
             state["skipped"] += int(row["skipped"])
             rate = state["n"] / max(time.perf_counter() - state["t0"], 1e-9)
-            progress.update(task, completed=row["step"] + 1,
-                            stats=f"loss {row['loss']:.4g}  scale {row['loss_scale']:.0f}  skipped {state['skipped']}  {rate:.1f} it/s")
+            progress.update(
+                task,
+                completed=row["step"] + 1,
+                stats=f"loss {row['loss']:.4g}  scale {row['loss_scale']:.0f}  skipped {state['skipped']}  {rate:.1f} it/s",
+            )
 
         return trainer.run(on_step)
 
@@ -546,28 +677,63 @@ def train_distributed(spec: Any, cfg: Any, options: Any, nproc: int, training_fi
 
     options.run_dir.mkdir(parents=True, exist_ok=True)
     launch = options.run_dir / "launch.json"
-    payload = {"training_file": str(Path(training_file).resolve()), "config": cfg.to_dict(),
-               "options": {**asdict(options), "run_dir": str(options.run_dir.resolve())}}
+    payload = {
+        "training_file": str(Path(training_file).resolve()),
+        "config": cfg.to_dict(),
+        "options": {**asdict(options), "run_dir": str(options.run_dir.resolve())},
+    }
     atomic_write_text(launch, json.dumps(payload, indent=2))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "fp16doctor.run.worker", str(launch)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "fp16doctor.run.worker",
+        str(launch),
+    ]
     proc = subprocess.run(command)
     summary = options.run_dir / "summary.json"
     if proc.returncode == 2 or not summary.exists():
-        raise DoctorError(f"the {nproc}-process run failed (torchrun exit code {proc.returncode}).",
-                          hint="Its processes' messages are above; try --nproc 1 to see the problem in one process.")
+        raise DoctorError(
+            f"the {nproc}-process run failed (torchrun exit code {proc.returncode}).",
+            hint="Its processes' messages are above; try --nproc 1 to see the problem in one process.",
+        )
     data = json.loads(summary.read_text())
     return TrainResult(**data)
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 def watch(
-    command: Annotated[Optional[list[str]], typer.Argument(help="SCRIPT [ARGS...] (with -m: MODULE [ARGS...]), as you would give them to python.", show_default=False)] = None,
+    command: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="SCRIPT [ARGS...] (with -m: MODULE [ARGS...]), as you would give them to python.", show_default=False
+        ),
+    ] = None,
     module: Annotated[bool, typer.Option("-m", help="Run a module, as python -m MODULE does.")] = False,
-    capsule_dir: Annotated[Path, typer.Option("--capsule-dir", help="Where a replay capsule is written on an alarm.")] = Path("fp16doctor_capsules"),
-    skip_streak: Annotated[int, typer.Option("--skip-streak", min=1, help="Optimizer steps skipped in a row that raise an alarm (a fresh GradScaler settling from its initial scale may skip up to 10 first).")] = 5,
-    spike_factor: Annotated[float, typer.Option("--spike-factor", min=1.0, help="A loss above this multiple of the recent median is a spike.")] = 10.0,
-    keep_going: Annotated[bool, typer.Option("--keep-going", help="Go on after an alarm (the capsule is still written; the exit code is still 1).")] = False,
+    capsule_dir: Annotated[
+        Path, typer.Option("--capsule-dir", help="Where a replay capsule is written on an alarm.")
+    ] = Path("fp16doctor_capsules"),
+    skip_streak: Annotated[
+        int,
+        typer.Option(
+            "--skip-streak",
+            min=1,
+            help="Optimizer steps skipped in a row that raise an alarm (a fresh GradScaler settling from its initial scale may skip up to 10 first).",
+        ),
+    ] = 5,
+    spike_factor: Annotated[
+        float,
+        typer.Option("--spike-factor", min=1.0, help="A loss above this multiple of the recent median is a spike."),
+    ] = 10.0,
+    keep_going: Annotated[
+        bool,
+        typer.Option(
+            "--keep-going", help="Go on after an alarm (the capsule is still written; the exit code is still 1)."
+        ),
+    ] = False,
     debug: Debug = False,
 ) -> None:
     """Run an unmodified training script as python would, watching every optimizer step.
@@ -581,13 +747,16 @@ def watch(
         from .live.script import Target, check_target
 
         if not words:
-            raise DoctorError("no script given.", hint="fp16doctor watch train.py ARGS, or fp16doctor watch -m package.train ARGS.")
+            raise DoctorError(
+                "no script given.", hint="fp16doctor watch train.py ARGS, or fp16doctor watch -m package.train ARGS."
+            )
         target = Target(words[0], tuple(words[1:]), module=module)
         check_target(target)
         from .live.watch import WatchOptions
 
-        options = WatchOptions(capsule_dir=capsule_dir, stop_on_alarm=not keep_going, skip_streak=skip_streak,
-                               spike_factor=spike_factor)
+        options = WatchOptions(
+            capsule_dir=capsule_dir, stop_on_alarm=not keep_going, skip_streak=skip_streak, spike_factor=spike_factor
+        )
         return watch_target(target, options)
 
     guarded(debug, job)
@@ -605,8 +774,9 @@ def watch_target(target: Any, options: Any) -> int:
         print(f"fp16doctor: warning: {text}.", file=sys.stderr, flush=True)
 
     torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1  # capsules then carry the rank in their name
-    observer = TrainingObserver(options, on_alarm=tell, on_note=note,
-                                rank=int(os.environ.get("RANK", "0")) if torchrun else None)
+    observer = TrainingObserver(
+        options, on_alarm=tell, on_note=note, rank=int(os.environ.get("RANK", "0")) if torchrun else None
+    )
     code = EXIT_OK
     try:
         with observer:

@@ -13,9 +13,10 @@ import difflib
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -39,8 +40,12 @@ class ScalerConfig:
 
     enabled: bool = field(default=True, metadata=_doc("Use dynamic loss scaling (fp16 only; bf16 never needs it)."))
     init_scale: float = field(default=65536.0, metadata=_doc("Initial loss scale; 2^16 is PyTorch's default."))
-    growth_factor: float = field(default=2.0, metadata=_doc("Factor the scale grows by after growth_interval clean steps."))
-    backoff_factor: float = field(default=0.5, metadata=_doc("Factor the scale shrinks by on a step with inf/NaN gradients."))
+    growth_factor: float = field(
+        default=2.0, metadata=_doc("Factor the scale grows by after growth_interval clean steps.")
+    )
+    backoff_factor: float = field(
+        default=0.5, metadata=_doc("Factor the scale shrinks by on a step with inf/NaN gradients.")
+    )
     growth_interval: int = field(default=2000, metadata=_doc("Clean steps between two growths of the scale."))
 
     def validate(self) -> None:
@@ -58,12 +63,32 @@ class OverridesConfig:
     fix can be tried at once; the finding's code snippet shows the permanent edit.
     """
 
-    fp32_modules: list[str] = field(default_factory=list, metadata=_doc("Module paths (as in named_modules()) run with autocast off, in fp32."))
-    fp32_weights: bool = field(default=False, metadata=_doc("fp32 master weights: parameters, buffers and optimizer state stay fp32 (the file's half casts are neutralised) and the forward runs under autocast."))
-    loss_in_fp32: bool = field(default=False, metadata=_doc("Compute the loss function in fp32: autocast off and half casts neutralised inside loss()."))
-    hold_scheduler_on_skip: bool = field(default=False, metadata=_doc("Do not step the LR scheduler on steps the GradScaler skipped."))
-    unscale_before_clip: bool = field(default=False, metadata=_doc("Unscale gradients before any clip_grad_norm_/clip_grad_value_ call in the training step."))
-    max_lr: float | None = field(default=None, metadata=_doc("Cap every parameter group's learning rate at this value after each scheduler step (lowers a schedule's peak)."))
+    fp32_modules: list[str] = field(
+        default_factory=list, metadata=_doc("Module paths (as in named_modules()) run with autocast off, in fp32.")
+    )
+    fp32_weights: bool = field(
+        default=False,
+        metadata=_doc(
+            "fp32 master weights: parameters, buffers and optimizer state stay fp32 (the file's half casts are neutralised) and the forward runs under autocast."
+        ),
+    )
+    loss_in_fp32: bool = field(
+        default=False,
+        metadata=_doc("Compute the loss function in fp32: autocast off and half casts neutralised inside loss()."),
+    )
+    hold_scheduler_on_skip: bool = field(
+        default=False, metadata=_doc("Do not step the LR scheduler on steps the GradScaler skipped.")
+    )
+    unscale_before_clip: bool = field(
+        default=False,
+        metadata=_doc("Unscale gradients before any clip_grad_norm_/clip_grad_value_ call in the training step."),
+    )
+    max_lr: float | None = field(
+        default=None,
+        metadata=_doc(
+            "Cap every parameter group's learning rate at this value after each scheduler step (lowers a schedule's peak)."
+        ),
+    )
 
 
 @dataclass
@@ -74,10 +99,18 @@ class DoctorConfig:
     seed: int = field(default=0, metadata=_doc("Seed for model initialisation and every probe."))
     device: str = field(default="auto", metadata=_doc("auto (cuda when available), cpu or cuda."))
     dtype: str = field(default="float16", metadata=_doc("The low precision the user trains with: float16 or bfloat16."))
-    lr: float = field(default=1e-3, metadata=_doc("Learning rate of the default optimizer (AdamW); ignored when the file defines optimizer()."))
-    max_grad_norm: float | None = field(default=None, metadata=_doc("Clip the global gradient norm to this (after unscale_) in the default loop; null: no clipping."))
+    lr: float = field(
+        default=1e-3,
+        metadata=_doc("Learning rate of the default optimizer (AdamW); ignored when the file defines optimizer()."),
+    )
+    max_grad_norm: float | None = field(
+        default=None,
+        metadata=_doc("Clip the global gradient norm to this (after unscale_) in the default loop; null: no clipping."),
+    )
     scaler: ScalerConfig = field(default_factory=ScalerConfig, metadata=_doc("GradScaler settings."))
-    overrides: OverridesConfig = field(default_factory=OverridesConfig, metadata=_doc("Runtime fixes applied by the doctor's loop."))
+    overrides: OverridesConfig = field(
+        default_factory=OverridesConfig, metadata=_doc("Runtime fixes applied by the doctor's loop.")
+    )
 
     def validate(self) -> None:
         _require(self.steps >= 1, "steps", "an integer >= 1")
@@ -140,7 +173,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     if not isinstance(data, Mapping):
-        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {type(data).__name__}.")
+        raise ConfigError(
+            f"config key '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {type(data).__name__}."
+        )
     known = {f.name: f for f in fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
@@ -181,7 +216,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise ConfigError(f"config file '{path}' is not valid YAML: {getattr(exc, 'problem', exc)}.", location=where) from exc
+        raise ConfigError(
+            f"config file '{path}' is not valid YAML: {getattr(exc, 'problem', exc)}.", location=where
+        ) from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -219,8 +256,22 @@ def explain() -> list[tuple[str, Any, str]]:
     return rows
 
 
-MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-                "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
+MEMORY_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 2**10,
+    "kib": 2**10,
+    "m": 2**20,
+    "mib": 2**20,
+    "g": 2**30,
+    "gib": 2**30,
+    "t": 2**40,
+    "tib": 2**40,
+}
 """Decimal units (``GB``) and binary ones (``GiB``, and the bare letter, as ``free -g`` counts)."""
 
 
@@ -240,16 +291,22 @@ def parse_memory_size(text: str, flag: str = "--max-memory") -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in MEMORY_UNITS:
-        raise ConfigError(f"{flag} must be a size or a share of the machine's memory, got {text!r}.",
-                          hint=f"For example {flag} 2GB, {flag} 512MiB or {flag} 0.5 (half of this machine's memory).")
+        raise ConfigError(
+            f"{flag} must be a size or a share of the machine's memory, got {text!r}.",
+            hint=f"For example {flag} 2GB, {flag} 512MiB or {flag} 0.5 (half of this machine's memory).",
+        )
     number = float(match.group(1))
     if not unit and 0 < number <= 1:
         try:
             return int(number * machine_memory())
         except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name on this system
-            raise ConfigError(f"{flag} {text!r}: this system does not say how much memory it has.",
-                              hint=f"Give a size instead, e.g. {flag} 8GB.") from None
+            raise ConfigError(
+                f"{flag} {text!r}: this system does not say how much memory it has.",
+                hint=f"Give a size instead, e.g. {flag} 8GB.",
+            ) from None
     if number <= 0 or (not unit and number < 1024):
-        raise ConfigError(f"{flag} {text!r} is not a usable size: give a unit, or a share between 0 and 1.",
-                          hint=f"For example {flag} 2GB or {flag} 0.5.")
+        raise ConfigError(
+            f"{flag} {text!r} is not a usable size: give a unit, or a share between 0 and 1.",
+            hint=f"For example {flag} 2GB or {flag} 0.5.",
+        )
     return int(number * MEMORY_UNITS[unit])

@@ -26,8 +26,10 @@ def one_line(exc: BaseException) -> str:
 
 def smaller_run_hint(command: str) -> str:
     """What to do when a probe the command stands on runs out of memory."""
-    return (f"{command} with smaller batches or a smaller model (the same numerics show at a smaller scale), "
-            "or on a device with more memory.")
+    return (
+        f"{command} with smaller batches or a smaller model (the same numerics show at a smaller scale), "
+        "or on a device with more memory."
+    )
 
 
 class DoctorError(Exception):

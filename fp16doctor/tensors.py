@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import torch
 
-OUT_OF_MEMORY = (
-    getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
+OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
 """Running out of memory, on the device or the host: the diagnosis's own limit, never evidence about the
 training (a probe re-raises it instead of recording it as the user's exception)."""
-
 
 
 FP16_MAX = 65504.0

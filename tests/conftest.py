@@ -31,11 +31,16 @@ def training_file(tmp_path):
     return write
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: int = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``python -m fp16doctor`` in a fresh process, as a user would, capturing stdout and stderr apart."""
     return subprocess.run(
         [sys.executable, "-m", "fp16doctor", *map(str, args)],
-        capture_output=True, text=True, cwd=cwd or ROOT, timeout=timeout,
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        timeout=timeout,
         env={**os.environ, "COLUMNS": "160", **(env or {})},
     )
 
@@ -53,7 +58,7 @@ def data():
 """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def diagnosed(sample: str, patch: str = "{}", ci: bool = False):
     """(the user's config layers, the diagnosis) of a sample model, cached for the whole session."""
     from fp16doctor.config import build_config

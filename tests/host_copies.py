@@ -15,8 +15,19 @@ from torch.overrides import TorchFunctionMode
 
 PACKAGE = str(Path(__file__).resolve().parents[1] / "fp16doctor")
 TORCH = str(Path(torch.__file__).resolve().parent)
-COPIES = {torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.to, torch.Tensor.clone, torch.clone, torch.Tensor.copy_,
-          torch.Tensor.numpy, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__deepcopy__, torch.Tensor.__reduce_ex__}
+COPIES = {
+    torch.Tensor.cpu,
+    torch.Tensor.cuda,
+    torch.Tensor.to,
+    torch.Tensor.clone,
+    torch.clone,
+    torch.Tensor.copy_,
+    torch.Tensor.numpy,
+    torch.Tensor.tolist,
+    torch.Tensor.item,
+    torch.Tensor.__deepcopy__,
+    torch.Tensor.__reduce_ex__,
+}
 
 
 class HostCopies(TorchFunctionMode):
@@ -34,8 +45,13 @@ class HostCopies(TorchFunctionMode):
                 self.watched[t.data_ptr()] = t
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if (func in COPIES and args and isinstance(args[0], torch.Tensor) and args[0].data_ptr() in self.watched
-                and _called_from_fp16doctor()):
+        if (
+            func in COPIES
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].data_ptr() in self.watched
+            and _called_from_fp16doctor()
+        ):
             self.count += 1
         return func(*args, **(kwargs or {}))
 

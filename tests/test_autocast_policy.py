@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp16doctor.precision.autocast_policy import CUDA_FP32, CUDA_LOWER, CUDA_PROMOTE, cuda_policy, cuda_policy_on_cpu, overridden_ops
+from fp16doctor.precision.autocast_policy import (
+    CUDA_FP32,
+    CUDA_LOWER,
+    CUDA_PROMOTE,
+    cuda_policy,
+    cuda_policy_on_cpu,
+    overridden_ops,
+)
 
 LOW = [torch.float16, torch.bfloat16]
 
@@ -106,7 +113,7 @@ def test_emulated_gemm_matches_native_fp16_within_rounding():
     a, b = torch.randn(64, 256), torch.randn(256, 32)
     with cuda_policy_on_cpu(), torch.autocast("cpu", dtype=torch.float16):
         emulated = a @ b
-    exact = (a.half().double() @ b.half().double())
+    exact = a.half().double() @ b.half().double()
     native = (a.half() @ b.half()).double()
     # emulation: fp32 accumulation then one rounding -> within one fp16 rounding of the exact
     # product, plus the fp32 summation error bound (n * 2^-24 * sum |a||b|)
@@ -151,7 +158,9 @@ def test_every_cuda_autocast_registration_has_a_policy():
     overridden = overridden_ops()
     assert overridden["aten::softmax.int"] == "fp32" and overridden["aten::linear"] == "lower"
     cpu_only = set(torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")) - cuda
-    assert any(overridden[name] == "passthrough" for name in cpu_only if name in overridden)  # CPU-only ops fall through
+    assert any(
+        overridden[name] == "passthrough" for name in cpu_only if name in overridden
+    )  # CPU-only ops fall through
 
 
 def test_a_users_cuda_autocast_block_acts_on_cpu_autocast_in_a_probe():
@@ -178,7 +187,9 @@ def test_a_users_cuda_autocast_block_acts_on_cpu_autocast_in_a_probe():
 def _emulated_step(model, x, outer_hooks=False):
     """Forward under the emulated policy (optionally inside a user's own saved-tensor hooks), backward; the
     gradients."""
-    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if outer_hooks else contextlib.nullcontext()
+    hooks = (
+        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if outer_hooks else contextlib.nullcontext()
+    )
     model.zero_grad(set_to_none=True)
     with cuda_policy_on_cpu(), torch.autocast("cpu", dtype=torch.float16), hooks:
         out = model(x)
@@ -208,8 +219,11 @@ def test_emulated_products_keep_their_inputs_in_half_precision_for_the_backward(
     out = forward()  # and nothing else holds the fp32 copies while the graph stands
     gc.collect()
     own = {id(x), *(id(p) for p in model.parameters())}
-    fp32_alive = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and id(o) not in own
-                  and o.dtype == torch.float32 and o.numel() >= 256 * 64]
+    fp32_alive = [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, torch.Tensor) and id(o) not in own and o.dtype == torch.float32 and o.numel() >= 256 * 64
+    ]
     assert out.requires_grad and not fp32_alive
 
 
@@ -228,7 +242,7 @@ def test_an_inplace_change_of_a_kept_half_input_is_refused_as_autograd_would():
     with cuda_policy_on_cpu(), torch.autocast("cpu", dtype=torch.float16):
         h = x.half() * 1  # a half activation the product saves as it is
         out = lin(h)
-        h.mul_(2)         # changed after the product: its backward would read other values
+        h.mul_(2)  # changed after the product: its backward would read other values
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.float().sum().backward()
 

@@ -4,11 +4,11 @@ import json
 
 import pandas as pd
 import pytest
-
 from conftest import MLP_FILE, SAMPLES, run_cli
-from fp16doctor.measure.compare import compare
+
 from fp16doctor.config import build_config
 from fp16doctor.engine.probe import Workbench
+from fp16doctor.measure.compare import compare
 from fp16doctor.userfile.spec import load_training_file
 
 HEALTHY = ["mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"]
@@ -77,12 +77,15 @@ def test_bf16_tolerance_is_eight_times_fp16():
 
 
 def test_fp32_that_diverges_is_reported(training_file):
-    source = MLP_FILE + "\nimport torch\ndef loss(model, batch):\n    return torch.log(model(batch[0]).relu().mean() * 0)\n"
+    source = (
+        MLP_FILE + "\nimport torch\ndef loss(model, batch):\n    return torch.log(model(batch[0]).relu().mean() * 0)\n"
+    )
     result = compare(bench_for(training_file(source), steps=3), ["amp"])
     assert result.verdict == "diverged" and result.first_nonfinite_step["fp32"] == 0
 
 
 # ---- the command line, as a user runs it ------------------------------------------------------
+
 
 def test_cli_healthy_json_and_exit_zero(tmp_path):
     csv = tmp_path / "records.csv"
@@ -117,13 +120,32 @@ def test_cli_diverged_json_is_valid_json_without_nan():
         (None, "does not exist"),
         ("def model(:\n", "syntax error"),
         ("import torch\ndef data():\n    return [torch.zeros(2)]\n", "model()"),
-        ("import torch\ndef model():\n    return 'net'\ndef data():\n    return [torch.zeros(2)]\n", "not a torch.nn.Module"),
+        (
+            "import torch\ndef model():\n    return 'net'\ndef data():\n    return [torch.zeros(2)]\n",
+            "not a torch.nn.Module",
+        ),
         ("import torch\ndef model():\n    return torch.nn.Linear(2, 2)\ndef data():\n    return []\n", "no batches"),
-        ("import torch\ndef model():\n    return torch.nn.Linear(2, 2)\ndef data():\n    return ['a']\n", "not a supported batch"),
-        (MLP_FILE + "\nimport torch.nn.functional as F\ndef loss(m, b):\n    return F.cross_entropy(m(b[0]), b[1], reduction='none')\n", "scalar"),
+        (
+            "import torch\ndef model():\n    return torch.nn.Linear(2, 2)\ndef data():\n    return ['a']\n",
+            "not a supported batch",
+        ),
+        (
+            MLP_FILE
+            + "\nimport torch.nn.functional as F\ndef loss(m, b):\n    return F.cross_entropy(m(b[0]), b[1], reduction='none')\n",
+            "scalar",
+        ),
         ("CONFIG = {'stepz': 3}\n" + MLP_FILE, "Did you mean 'steps'"),
     ],
-    ids=["missing-file", "syntax", "no-model", "not-module", "empty-data", "bad-batch", "non-scalar-loss", "bad-config"],
+    ids=[
+        "missing-file",
+        "syntax",
+        "no-model",
+        "not-module",
+        "empty-data",
+        "bad-batch",
+        "non-scalar-loss",
+        "bad-config",
+    ],
 )
 def test_cli_bad_input_is_one_message_and_exit_two(tmp_path, source, needle):
     path = tmp_path / "broken_training.py"
@@ -153,7 +175,9 @@ def test_every_mode_reads_the_gradient_norm_before_the_clip(tmp_path):
     """A train_step that clips at 0.01: AMP recorded its norm at unscale_ (before the clip) and FP32/bf16 at the
     optimizer step (after it), so FP32's column read 0.01 at every step beside AMP's raw norm (user check)."""
     path = tmp_path / "clipped.py"
-    path.write_text(MLP_FILE + '''
+    path.write_text(
+        MLP_FILE
+        + """
 
 def train_step(model, batch, optimizer, scaler, autocast):
     x, y = batch
@@ -166,7 +190,8 @@ def train_step(model, batch, optimizer, scaler, autocast):
     scaler.step(optimizer)
     scaler.update()
     return loss.detach()
-''')
+"""
+    )
     proc = run_cli("compare", path, "--fp32", "--amp", "--bf16", "--json", "--steps", "4")
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = json.loads(proc.stdout)["steps"]

@@ -9,11 +9,19 @@ def test_defaults_match_the_documented_contract():
     assert (config.steps, config.seed, config.device, config.dtype, config.lr) == (50, 0, "auto", "float16", 1e-3)
     assert config.max_grad_norm is None
     s = config.scaler
-    assert (s.enabled, s.init_scale, s.growth_factor, s.backoff_factor, s.growth_interval) == (True, 65536.0, 2.0, 0.5, 2000)
+    assert (s.enabled, s.init_scale, s.growth_factor, s.backoff_factor, s.growth_interval) == (
+        True,
+        65536.0,
+        2.0,
+        0.5,
+        2000,
+    )
 
 
 def test_layers_override_in_order_and_merge_nested_keys():
-    config = build_config({"steps": 5, "scaler": {"init_scale": 1024}}, {"steps": 7}, {"scaler": {"growth_interval": 10}})
+    config = build_config(
+        {"steps": 5, "scaler": {"init_scale": 1024}}, {"steps": 7}, {"scaler": {"growth_interval": 10}}
+    )
     assert config.steps == 7
     assert config.scaler.init_scale == 1024 and config.scaler.growth_interval == 10
 

@@ -5,8 +5,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import yaml
-
 from conftest import SAMPLES, run_cli
+
 from fp16doctor.config import build_config
 from fp16doctor.diagnosis.rules import all_rules
 
@@ -35,7 +35,9 @@ def test_healthy_sample_exits_zero_and_says_so():
 
 def test_report_fix_config_and_junit(tmp_path):
     report, fixed, junit = tmp_path / "r.md", tmp_path / "fixed.yaml", tmp_path / "j.xml"
-    proc = run_cli("diagnose", SAMPLES / "clip_before_unscale.py", "--report", report, "--fix-config", fixed, "--junit", junit)
+    proc = run_cli(
+        "diagnose", SAMPLES / "clip_before_unscale.py", "--report", report, "--fix-config", fixed, "--junit", junit
+    )
     assert proc.returncode == 1, proc.stderr
     text = report.read_text()
     assert "clip-before-unscale" in text and "## Stages" in text and "```python" in text
@@ -43,7 +45,9 @@ def test_report_fix_config_and_junit(tmp_path):
     assert config["overrides"]["unscale_before_clip"] is True and config["steps"] == 20  # the user's CONFIG kept
     build_config(config)  # a valid config
     suite = ET.parse(junit).getroot().find("testsuite")
-    assert suite.get("failures") == "1" and int(suite.get("tests")) == len(all_rules()) + 1  # every cause and `unexplained`
+    assert (
+        suite.get("failures") == "1" and int(suite.get("tests")) == len(all_rules()) + 1
+    )  # every cause and `unexplained`
     failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None]
     assert failed == ["clip-before-unscale"]
     # the corrected config, given back, gives a healthy diagnosis
@@ -74,10 +78,12 @@ def test_ci_fast_path_with_junit(tmp_path):
 def test_an_optimizer_written_for_the_model_is_told_what_it_receives(tmp_path):
     # A common slip: optimizer(model) where the contract passes model.parameters() (as torch.optim takes them).
     path = tmp_path / "opt.py"
-    path.write_text("import torch\n"
-                    "def model():\n    return torch.nn.Linear(4, 3)\n"
-                    "def data():\n    return [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(2)]\n"
-                    "def optimizer(model):\n    return torch.optim.AdamW(model.parameters(), lr=1e-3)\n")
+    path.write_text(
+        "import torch\n"
+        "def model():\n    return torch.nn.Linear(4, 3)\n"
+        "def data():\n    return [(torch.randn(8, 4), torch.randint(0, 3, (8,))) for _ in range(2)]\n"
+        "def optimizer(model):\n    return torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+    )
     proc = run_cli("diagnose", path, "--ci", "--steps", "2")
     message = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "optimizer() raised AttributeError" in message, proc.stderr[-2000:]
@@ -121,11 +127,15 @@ def test_a_train_step_may_return_the_loss_inside_an_output(tmp_path, returned):
 
 def test_a_loss_function_may_return_the_loss_with_its_metrics(tmp_path):
     path = tmp_path / "metrics.py"
-    path.write_text(STEP_RETURNING.split("def train_step")[0] + (
-        "def loss(model, batch):\n"
-        "    logits = model(batch[0])\n"
-        "    value = torch.nn.functional.cross_entropy(logits, batch[1])\n"
-        "    return value, {'accuracy': (logits.argmax(-1) == batch[1]).float().mean()}\n"))
+    path.write_text(
+        STEP_RETURNING.split("def train_step")[0]
+        + (
+            "def loss(model, batch):\n"
+            "    logits = model(batch[0])\n"
+            "    value = torch.nn.functional.cross_entropy(logits, batch[1])\n"
+            "    return value, {'accuracy': (logits.argmax(-1) == batch[1]).float().mean()}\n"
+        )
+    )
     proc = run_cli("diagnose", path, "--ci", "--json", "--steps", "4")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["verdict"] == "healthy"
@@ -185,20 +195,34 @@ def test_a_data_file_not_found_says_where_relative_paths_start(tmp_path):
         "def model():\n    return torch.nn.Linear(2, 2)\n"
         "def data():\n"
         "    rows = [[float(v) for v in line.split(',')] for line in open('points.csv')]\n"
-        "    yield torch.tensor(rows), torch.zeros(len(rows), dtype=torch.long)\n")
+        "    yield torch.tensor(rows), torch.zeros(len(rows), dtype=torch.long)\n"
+    )
     elsewhere = run_cli("diagnose", folder / "reads.py", "--ci", "--steps", "2", cwd=tmp_path)
     message = " ".join(elsewhere.stderr.split())
-    assert elsewhere.returncode == 2 and f"current directory ({tmp_path})" in message and "Path(__file__).parent" in message
+    assert (
+        elsewhere.returncode == 2
+        and f"current directory ({tmp_path})" in message
+        and "Path(__file__).parent" in message
+    )
     at_home = run_cli("diagnose", "reads.py", "--ci", "--steps", "2", cwd=folder)
     assert at_home.returncode == 0, at_home.stderr[-2000:]
 
 
-@pytest.mark.parametrize("forward, batch, said", [
-    ("def forward(self, batch):\n        return self.l(batch['x'])",
-     "{'x': torch.randn(8, 4), 'y': torch.randint(0, 2, (8,))}", "model(**batch).loss"),
-    ("def forward(self, x):\n        y = self.l(x)\n        return y, y.abs().mean()",
-     "torch.randn(8, 4), torch.randint(0, 2, (8,))", "returned a tuple, not logits"),
-])
+@pytest.mark.parametrize(
+    "forward, batch, said",
+    [
+        (
+            "def forward(self, batch):\n        return self.l(batch['x'])",
+            "{'x': torch.randn(8, 4), 'y': torch.randint(0, 2, (8,))}",
+            "model(**batch).loss",
+        ),
+        (
+            "def forward(self, x):\n        y = self.l(x)\n        return y, y.abs().mean()",
+            "torch.randn(8, 4), torch.randint(0, 2, (8,))",
+            "returned a tuple, not logits",
+        ),
+    ],
+)
 def test_a_model_the_default_loss_cannot_use_is_bad_input_asking_for_a_loss(tmp_path, forward, batch, said):
     """The default loss is model(**batch).loss for a dict and cross_entropy(model(x), y) for a pair: a model
     that fits neither is a contract mismatch, said plainly (exit 2), not a TypeError 'in FP32 too'
@@ -210,7 +234,8 @@ def test_a_model_the_default_loss_cannot_use_is_bad_input_asking_for_a_loss(tmp_
         "    def __init__(self):\n        super().__init__(); self.l = torch.nn.Linear(4, 2)\n"
         f"    {forward}\n"
         "def model():\n    return Net()\n"
-        f"def data():\n    yield {batch}\n")
+        f"def data():\n    yield {batch}\n"
+    )
     proc = run_cli("diagnose", path, "--ci", "--steps", "2")
     message = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and said in message and "Define loss(model, batch)" in message
@@ -275,8 +300,9 @@ def test_scan_batches_reaches_beyond_the_probes_batches():
     assert short_evidence["batches"] == [3] and full_evidence["batches"] == [3, 11]
 
 
-@pytest.mark.parametrize("command, flag", [((), "--version"), (("diagnose",), "--json"), (("train",), "--resume"),
-                                           (("compare",), "--wide")])
+@pytest.mark.parametrize(
+    "command, flag", [((), "--version"), (("diagnose",), "--json"), (("train",), "--resume"), (("compare",), "--wide")]
+)
 def test_help_shows_flags_without_a_value_placeholder(command, flag):
     """A flag takes no value: typer's `<bool>` after it reads as if it did."""
     proc = run_cli(*command, "--help")

@@ -11,9 +11,9 @@ import select
 import subprocess
 import sys
 
+from conftest import ROOT, SAMPLES, run_cli
 from rich.console import Console
 
-from conftest import ROOT, SAMPLES, run_cli
 from fp16doctor.cli import DiagnosisProgress
 from fp16doctor.diagnosis.engine import stage_names
 
@@ -27,12 +27,21 @@ def run_with_terminal_stderr(*args: str, timeout: float = 300) -> tuple[str, str
     """``python -m fp16doctor ARGS`` with stderr on a pseudo-terminal and stdout on a file, as in a shell
     that pipes the JSON on: (stdout, what the terminal received, exit code)."""
     master, slave = pty.openpty()
-    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")
+    }
     env.update(TERM="xterm-256color", COLUMNS="160")
-    with open(os.devnull) as stdin, subprocess.Popen(
-        [sys.executable, "-m", "fp16doctor", *args], cwd=ROOT, env=env, stdin=stdin,
-        stdout=subprocess.PIPE, stderr=slave,
-    ) as proc:
+    with (
+        open(os.devnull) as stdin,
+        subprocess.Popen(
+            [sys.executable, "-m", "fp16doctor", *args],
+            cwd=ROOT,
+            env=env,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=slave,
+        ) as proc,
+    ):
         os.close(slave)
         terminal = bytearray()
         stdout = bytearray()
@@ -109,8 +118,16 @@ FAULTY = "warmup_peak.py"
 """A faulty sample whose diagnosis steps probes in nearly every stage: the baselines, the localisation's
 replay, the loss-scale capture, the pause at the LR peak, the same-state comparisons, bf16, the verification."""
 
-STEPPING_STAGES = {"fp32 baseline", "amp as configured", "localisation", "loss-scale sweep", "LR schedule peak",
-                   "precision-gap search", "bf16 check", "verifying fixes"}
+STEPPING_STAGES = {
+    "fp32 baseline",
+    "amp as configured",
+    "localisation",
+    "loss-scale sweep",
+    "LR schedule peak",
+    "precision-gap search",
+    "bf16 check",
+    "verifying fixes",
+}
 
 
 def recorded_diagnosis(sample: str) -> tuple[dict[str, list[tuple[str, int, int]]], object]:
@@ -129,8 +146,13 @@ def recorded_diagnosis(sample: str) -> tuple[dict[str, list[tuple[str, int, int]
         stage[0] = name
         reports[name]  # a stage that steps nothing shows as an empty list
 
-    result = diagnose(spec, build_config(spec.config, {"device": "cpu"}), DiagnoseOptions(ci=True), on_stage=on_stage,
-                      on_probe_step=lambda mode, step, steps: reports[stage[0]].append((mode, step, steps)))
+    result = diagnose(
+        spec,
+        build_config(spec.config, {"device": "cpu"}),
+        DiagnoseOptions(ci=True),
+        on_stage=on_stage,
+        on_probe_step=lambda mode, step, steps: reports[stage[0]].append((mode, step, steps)),
+    )
     return dict(reports), result
 
 

@@ -18,8 +18,14 @@ from fp16doctor.measure.thresholds import CONSTANT_SPREAD
 
 def tried(after: list[str], skipped: list[int]) -> Verification:
     """A fix tried on a 20-step probe that skipped ``skipped`` and left ``after``."""
-    return Verification(tried="the fix", symptoms_before=["nonfinite", "skips"], symptoms_after=after,
-                        removed_share=0.5, repaired=not after, amp_records=fx.records(steps=20, skipped=skipped))
+    return Verification(
+        tried="the fix",
+        symptoms_before=["nonfinite", "skips"],
+        symptoms_after=after,
+        removed_share=0.5,
+        repaired=not after,
+        amp_records=fx.records(steps=20, skipped=skipped),
+    )
 
 
 def evidence(low: float = 0.01, high: float = 2000.0, **config):
@@ -40,19 +46,25 @@ def test_a_fix_that_leaves_only_a_settling_scale_is_completed_with_the_windows_s
     assert also == f"an initial loss scale of {scale:g}" and also in intervention.description
 
 
-@pytest.mark.parametrize("case", [
-    "fault left",          # the fix did not remove the non-finite loss: no scale completes it
-    "repaired",            # nothing to complete
-    "no skips",            # a drift without a skipped step is not a settling scale's
-    "scale already low",   # the window's scale is not below the configured one
-    "scaler off",          # no GradScaler to set
-    "fix sets a scale",    # the fix's own scale stands
-    "data fix",            # a fix that changes the batches: the window was measured on the original ones
-    "skips alone",         # the fix removed no fault of its own: skips before, skips after
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "fault left",  # the fix did not remove the non-finite loss: no scale completes it
+        "repaired",  # nothing to complete
+        "no skips",  # a drift without a skipped step is not a settling scale's
+        "scale already low",  # the window's scale is not below the configured one
+        "scaler off",  # no GradScaler to set
+        "fix sets a scale",  # the fix's own scale stands
+        "data fix",  # a fix that changes the batches: the window was measured on the original ones
+        "skips alone",  # the fix removed no fault of its own: skips before, skips after
+    ],
+)
 def test_a_fix_is_not_completed_where_the_scale_is_not_what_is_left(case):
-    v = {"fault left": tried(["nonfinite", "skips"], [0, 1]), "repaired": tried([], []),
-         "no skips": tried(["trajectory-drift"], [])}.get(case, tried(["skips"], list(range(6))))
+    v = {
+        "fault left": tried(["nonfinite", "skips"], [0, 1]),
+        "repaired": tried([], []),
+        "no skips": tried(["trajectory-drift"], []),
+    }.get(case, tried(["skips"], list(range(6))))
     if case == "skips alone":
         v.symptoms_before = ["skips"]
     ev = evidence(low=1e5, high=1e6) if case == "scale already low" else evidence()
@@ -70,24 +82,30 @@ def test_module_names_read_as_names_not_counts():
     assert "in module '6' (forward) at step 0" in fx.localisation("forward", "6").describe()
 
 
-@pytest.mark.parametrize("operator, output, expected", [
-    ("aten::rsqrt", "+inf (float16)", "torch.rsqrt(v.float() + eps)"),
-    ("aten::log", "-inf (float16)", "torch.log(p.float() + eps)"),
-    ("aten::div", "nan (float16)", "x.float() / (d.float() + eps)"),  # 0/0: a zero row and an epsilon fp16 lost
-    ("aten::div", "nan/+inf (float16)", "x32 = x.float()"),  # x/0 = inf: the divisor flushed before the division
-])
+@pytest.mark.parametrize(
+    "operator, output, expected",
+    [
+        ("aten::rsqrt", "+inf (float16)", "torch.rsqrt(v.float() + eps)"),
+        ("aten::log", "-inf (float16)", "torch.log(p.float() + eps)"),
+        ("aten::div", "nan (float16)", "x.float() / (d.float() + eps)"),  # 0/0: a zero row and an epsilon fp16 lost
+        ("aten::div", "nan/+inf (float16)", "x32 = x.float()"),  # x/0 = inf: the divisor flushed before the division
+    ],
+)
 def test_the_divisor_snippet_rewrites_the_operator_that_was_localised(operator, output, expected):
     code = divisor_in_fp32_code(fx.localisation("forward", "mixer", operator, [(0.0, 1.0)], output))
     assert expected in code and "'mixer'" in code and "self.weight" not in code
     compile(code, "<fix>", "exec")  # the snippet is Python
 
 
-@pytest.mark.parametrize("values, constant", [
-    (torch.randn(1000) * 130 - 1e9, True),                              # -1e9 plus scores: fp32 rounds them away
-    (torch.randn(1000) + torch.finfo(torch.float32).min, True),         # an additive finfo(float32).min mask
-    (torch.tensor([0.0, -1e9, -2e9]), True),                            # two masks' fills added
-    (torch.exp(torch.linspace(-20, 20, 1000)), False),                  # an exp that grew past 65504
-])
+@pytest.mark.parametrize(
+    "values, constant",
+    [
+        (torch.randn(1000) * 130 - 1e9, True),  # -1e9 plus scores: fp32 rounds them away
+        (torch.randn(1000) + torch.finfo(torch.float32).min, True),  # an additive finfo(float32).min mask
+        (torch.tensor([0.0, -1e9, -2e9]), True),  # two masks' fills added
+        (torch.exp(torch.linspace(-20, 20, 1000)), False),  # an exp that grew past 65504
+    ],
+)
 def test_a_constant_beyond_fp16_is_told_from_an_activation_by_its_distinct_values(values, constant):
     spread = _spread(values, _range(values))
     assert 0 < spread and (spread <= CONSTANT_SPREAD) is constant
@@ -122,9 +140,17 @@ def test_an_exp_on_a_cosine_attentions_diagonal_is_an_activation_though_it_is_on
     found = _traced_culprit(step)
     assert found["operator"] == "aten::mul" and found["input_spreads"][0] <= CONSTANT_SPREAD
     assert found["input_constants"] == [False]
-    loc = fx.localisation("forward", "attn", found["operator"], found["input_ranges"], found["output"],
-                          input_spreads=found["input_spreads"], input_constants=found["input_constants"])
+    loc = fx.localisation(
+        "forward",
+        "attn",
+        found["operator"],
+        found["input_ranges"],
+        found["output"],
+        input_spreads=found["input_spreads"],
+        input_constants=found["input_constants"],
+    )
     from fp16doctor.diagnosis.rules.constant_out_of_range import _constant_met
+
     assert _constant_met(loc) is None
 
 
@@ -139,9 +165,17 @@ def test_a_mask_made_in_the_step_from_a_python_number_carries_its_constant():
 
     found = _traced_culprit(step)
     assert found["operator"] == "aten::add" and found["input_constants"] == [False, True]
-    loc = fx.localisation("forward", "attn", found["operator"], found["input_ranges"], found["output"],
-                          input_spreads=found["input_spreads"], input_constants=found["input_constants"])
+    loc = fx.localisation(
+        "forward",
+        "attn",
+        found["operator"],
+        found["input_ranges"],
+        found["output"],
+        input_spreads=found["input_spreads"],
+        input_constants=found["input_constants"],
+    )
     from fp16doctor.diagnosis.rules.constant_out_of_range import _constant_met
+
     assert _constant_met(loc) == pytest.approx(3.4028e38, rel=1e-3)
 
 

@@ -8,9 +8,9 @@ import io
 import re
 
 import pytest
+from conftest import SAMPLES, run_cli
 from rich.console import Console
 
-from conftest import SAMPLES, run_cli
 from fp16doctor.diagnosis import fixtures as fx
 from fp16doctor.diagnosis.model import CorrectedConfig, Diagnosis, Finding, Fix, Verification
 from fp16doctor.output.formatting import healthy_headline, human, humanize
@@ -19,9 +19,22 @@ from fp16doctor.output.markdown import markdown
 from fp16doctor.output.terminal import render_diagnosis
 
 
-@pytest.mark.parametrize("value, text", [(2048.0, "2048"), (65536.0, "65536"), (1024.0, "1024"), (8192.0, "8192"),
-                                         (2.0**-14, "2^-14"), (2.0**-24, "2^-24"), (2.0**40, "2^40"), (0.0625, "0.0625"),
-                                         (65504.0, "65504"), (1234.5, "1.23e+03"), (0.1234567, "0.123")])
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (2048.0, "2048"),
+        (65536.0, "65536"),
+        (1024.0, "1024"),
+        (8192.0, "8192"),
+        (2.0**-14, "2^-14"),
+        (2.0**-24, "2^-24"),
+        (2.0**40, "2^40"),
+        (0.0625, "0.0625"),
+        (65504.0, "65504"),
+        (1234.5, "1.23e+03"),
+        (0.1234567, "0.123"),
+    ],
+)
 def test_powers_of_two_print_exactly_and_other_numbers_to_three_digits(value, text):
     assert human(value) == text
     shown = humanize({"value": value})["value"]
@@ -30,26 +43,55 @@ def test_powers_of_two_print_exactly_and_other_numbers_to_three_digits(value, te
 
 def test_a_share_that_could_not_be_measured_says_so():
     assert human(float("nan"), percent=True) == "not measured"
-    assert humanize({"lost_update_share": float("nan"), "loss": float("nan")}) == {"lost_update_share": "not measured", "loss": "nan"}
+    assert humanize({"lost_update_share": float("nan"), "loss": float("nan")}) == {
+        "lost_update_share": "not measured",
+        "loss": "nan",
+    }
 
 
 def contradicting_diagnosis() -> Diagnosis:
     """Two error findings patching growth_interval with opposite values; the corrected config measured both."""
+
     def verified(patch):
-        return Verification(tried="the config patch", config_patch=patch, symptoms_before=["skips"], symptoms_after=[],
-                            removed_share=1.0, repaired=True, summary="no symptom left")
+        return Verification(
+            tried="the config patch",
+            config_patch=patch,
+            symptoms_before=["skips"],
+            symptoms_after=[],
+            removed_share=1.0,
+            repaired=True,
+            summary="no symptom left",
+        )
 
     growth = {"scaler": {"init_scale": 2048.0, "growth_interval": 2000}}
     peak = {"scaler": {"growth_interval": 10}, "overrides": {"max_lr": 0.001}}
     findings = [
-        Finding("scale-growth", "error", "The scale grows too fast", {"loss_scale": 2048.0, "lost_update_share": float("nan")},
-                Fix("Raise growth_interval.", config_patch=growth), rank=1, verification=verified(growth)),
-        Finding("lr-schedule-peak", "error", "Training breaks at the peak", {"pause_step": 9, "loss_scale": 8192.0},
-                Fix("Cap the learning rate.", config_patch=peak), rank=2, verification=verified(peak)),
+        Finding(
+            "scale-growth",
+            "error",
+            "The scale grows too fast",
+            {"loss_scale": 2048.0, "lost_update_share": float("nan")},
+            Fix("Raise growth_interval.", config_patch=growth),
+            rank=1,
+            verification=verified(growth),
+        ),
+        Finding(
+            "lr-schedule-peak",
+            "error",
+            "Training breaks at the peak",
+            {"pause_step": 9, "loss_scale": 8192.0},
+            Fix("Cap the learning rate.", config_patch=peak),
+            rank=2,
+            verification=verified(peak),
+        ),
     ]
-    corrected = CorrectedConfig(config_patch={"scaler": {"init_scale": 2048.0, "growth_interval": 10}, "overrides": {"max_lr": 0.001}},
-                                from_findings=["scale-growth", "lr-schedule-peak"], symptoms_before=["skips"], symptoms_after=[],
-                                summary="no symptom left")
+    corrected = CorrectedConfig(
+        config_patch={"scaler": {"init_scale": 2048.0, "growth_interval": 10}, "overrides": {"max_lr": 0.001}},
+        from_findings=["scale-growth", "lr-schedule-peak"],
+        symptoms_before=["skips"],
+        symptoms_after=[],
+        summary="no symptom left",
+    )
     return Diagnosis(findings=findings, stages=[], evidence=fx.evidence(), corrected=corrected)
 
 
@@ -100,11 +142,32 @@ def test_a_finding_title_never_reads_nan_percent():
 
 def test_an_exception_no_finding_explains_is_reported_by_every_output():
     """A probe's exception with no finding for it: the JSON keeps its documented shape, every renderer names it."""
-    evidence = fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 2, "type": "RuntimeError", "message": "boom",
-                                                                      "location": "train.py:7", "module": "head"})))
+    evidence = fx.evidence(
+        amp=fx.probe(
+            record=fx.records(
+                exception={
+                    "step": 2,
+                    "type": "RuntimeError",
+                    "message": "boom",
+                    "location": "train.py:7",
+                    "module": "head",
+                }
+            )
+        )
+    )
     diagnosis = Diagnosis(findings=[], stages=[], evidence=evidence)
-    assert diagnosis.to_json()["unexplained"] == [{"probe": "amp", "exception": {
-        "step": 2, "type": "RuntimeError", "message": "boom", "location": "train.py:7", "module": "head"}}]
+    assert diagnosis.to_json()["unexplained"] == [
+        {
+            "probe": "amp",
+            "exception": {
+                "step": 2,
+                "type": "RuntimeError",
+                "message": "boom",
+                "location": "train.py:7",
+                "module": "head",
+            },
+        }
+    ]
     assert diagnosis.verdict == "unhealthy"
     buffer = io.StringIO()
     render_diagnosis(diagnosis, Console(file=buffer, width=160, color_system=None), "train.py")
@@ -122,10 +185,12 @@ def test_the_healthy_headline_sends_the_reader_to_warnings_and_keeps_notes_as_no
 def test_a_fix_snippet_is_fitted_to_the_terminal_with_its_comments_still_comments():
     from fp16doctor.output.formatting import fitted_code
 
-    code = ("optimizer = torch.optim.AdamW(model.parameters(), lr=lr)   # fp32 params -> fp32 state; no .half()\n"
-            "    # several optimizers (PyTorch's AMP recipe): every optimizer steps once, through the scaler\n"
-            "s = 'a string  # with a hash that is not a comment, long enough to pass the width'\n"
-            "scaler.update()")
+    code = (
+        "optimizer = torch.optim.AdamW(model.parameters(), lr=lr)   # fp32 params -> fp32 state; no .half()\n"
+        "    # several optimizers (PyTorch's AMP recipe): every optimizer steps once, through the scaler\n"
+        "s = 'a string  # with a hash that is not a comment, long enough to pass the width'\n"
+        "scaler.update()"
+    )
     fitted = fitted_code(code, 60)
     lines = fitted.splitlines()
     assert lines[0] == "# fp32 params -> fp32 state; no .half()"  # the trailing comment above its code
@@ -138,13 +203,21 @@ def test_a_fix_snippet_is_fitted_to_the_terminal_with_its_comments_still_comment
 
 @pytest.mark.parametrize("output", ["terminal", "markdown", "html"])
 def test_evidence_keys_that_hold_nothing_are_not_printed_as_empty_rows(output):
-    finding = Finding("precision-gap", "error", "AMP trails FP32", {"keep_in_fp32": "layers.0.ffn", "rule_remark": "",
-                                                                     "overflowing_value": None, "symptoms_removed": []},
-                      Fix("Keep it in fp32."), rank=1)
+    finding = Finding(
+        "precision-gap",
+        "error",
+        "AMP trails FP32",
+        {"keep_in_fp32": "layers.0.ffn", "rule_remark": "", "overflowing_value": None, "symptoms_removed": []},
+        Fix("Keep it in fp32."),
+        rank=1,
+    )
     diagnosis = Diagnosis(findings=[finding], stages=[], evidence=fx.evidence())
     buffer = io.StringIO()
     render_diagnosis(diagnosis, Console(file=buffer, width=160, color_system=None), "train.py")
-    text = {"terminal": buffer.getvalue(), "markdown": markdown(diagnosis, "train.py"),
-            "html": html.unescape(re.sub(r"<[^>]+>", " ", diagnosis_html(diagnosis, "train.py")))}[output]
+    text = {
+        "terminal": buffer.getvalue(),
+        "markdown": markdown(diagnosis, "train.py"),
+        "html": html.unescape(re.sub(r"<[^>]+>", " ", diagnosis_html(diagnosis, "train.py"))),
+    }[output]
     assert "keep_in_fp32" in text and "symptoms_removed" in text  # an empty list says something: nothing removed
     assert "rule_remark" not in text and "overflowing_value" not in text

@@ -7,14 +7,14 @@ Marked ``cuda``: skipped without a GPU (CI is CPU-only). Run on a GPU machine wi
 from __future__ import annotations
 
 import pytest
-
 from conftest import SAMPLES, diagnosed
+
 from fp16doctor.config import build_config
 from fp16doctor.diagnosis import DiagnoseOptions, diagnose, fixed_config
-from fp16doctor.engine.probe import Workbench
 from fp16doctor.diagnosis.rules import all_rules
-from fp16doctor.userfile.spec import load_training_file
+from fp16doctor.engine.probe import Workbench
 from fp16doctor.run.train import Trainer, TrainOptions
+from fp16doctor.userfile.spec import load_training_file
 
 pytestmark = pytest.mark.cuda
 
@@ -28,7 +28,9 @@ def test_native_cuda_autocast_probe(mode, dtype):
     assert frame["loss"].notna().all() and probe.device.type == "cuda"
     assert probe.instruments.compute_dtypes["head"] == dtype  # a linear layer under CUDA autocast
     cpu = Workbench(spec, build_config(spec.config, {"device": "cpu", "steps": 6})).probe(mode).run()
-    assert abs(frame["loss"].iloc[0] - cpu["loss"].iloc[0]) / cpu["loss"].iloc[0] < (1e-2 if dtype == "float16" else 5e-2)
+    assert abs(frame["loss"].iloc[0] - cpu["loss"].iloc[0]) / cpu["loss"].iloc[0] < (
+        1e-2 if dtype == "float16" else 5e-2
+    )
 
 
 def test_corrected_run_on_one_gpu(tmp_path):

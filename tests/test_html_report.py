@@ -9,12 +9,13 @@ import sys
 from html.parser import HTMLParser
 
 import pytest
-
 from conftest import ROOT, SAMPLES, run_cli
 
 SIZE_BUDGET = 2_000_000
 """Bytes: a report must stay attachable to a CI artifact or an issue."""
-EXTERNAL = re.compile(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//|url\(\s*["']?\s*(?:https?:)?//|<script|<link|@import""", re.I)
+EXTERNAL = re.compile(
+    r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//|url\(\s*["']?\s*(?:https?:)?//|<script|<link|@import""", re.I
+)
 
 
 class Page(HTMLParser):
@@ -63,7 +64,9 @@ def test_diagnose_html_has_every_plot_that_applies_and_agrees_with_the_json(tmp_
     report, text = json.loads(proc.stdout), path.read_text()
     check_self_contained(text)
     page = parse(text)
-    assert {"plot-loss", "plot-scale", "plot-activations", "plot-underflow", "plot-gradnorm", "plot-lr"} <= set(page.figures)
+    assert {"plot-loss", "plot-scale", "plot-activations", "plot-underflow", "plot-gradnorm", "plot-lr"} <= set(
+        page.figures
+    )
     amp = next(s for s in report["stages"] if s["name"] == "amp as configured")
     assert int(page.figures["plot-scale"]["data-skipped-marked"]) == len(amp["details"]["skipped_steps"]) > 0
     lr = next(s for s in report["stages"] if s["name"] == "LR schedule peak")
@@ -116,13 +119,17 @@ def test_compare_fits_the_terminal_without_cutting_numbers(columns):
     lines = proc.stdout.splitlines()
     assert all(len(line) <= columns for line in lines)
     assert "…" not in proc.stdout and "left out to fit" in proc.stdout
-    wide = run_cli("compare", SAMPLES / "mlp.py", "--steps", "6", "--amp", "--bf16", "--wide", env={"COLUMNS": str(columns)})
+    wide = run_cli(
+        "compare", SAMPLES / "mlp.py", "--steps", "6", "--amp", "--bf16", "--wide", env={"COLUMNS": str(columns)}
+    )
     assert "left out" not in wide.stdout
 
 
 def test_the_cli_imports_matplotlib_only_to_write_a_report():
     code = "import sys, fp16doctor.cli, fp16doctor.diagnosis, fp16doctor.measure.compare; print('matplotlib' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout.strip() == "False"
+    )
 
 
 def test_opt_in_browser_screenshots(tmp_path):
@@ -137,8 +144,19 @@ def test_opt_in_browser_screenshots(tmp_path):
     assert run_cli("diagnose", SAMPLES / "warmup_peak.py", "--ci", "--html", path).returncode == 1
     for width in (1280, 390):
         shot = tmp_path / f"shot{width}.png"
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--window-size={width},2400",
-                        f"--screenshot={shot}", path.as_uri()], capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                f"--window-size={width},2400",
+                f"--screenshot={shot}",
+                path.as_uri(),
+            ],
+            capture_output=True,
+            timeout=120,
+        )
         assert shot.is_file() and shot.stat().st_size > 10_000
 
 
@@ -149,8 +167,18 @@ def test_a_layer_finite_at_no_step_stays_in_the_activation_plot_with_its_own_mar
 
     from fp16doctor.output.plots import activation_ranges
 
-    forward = pd.DataFrame([{"module": "ok", "abs_max": 3.0}, {"module": "ok", "abs_max": math.nan},  # one bad step
-                            {"module": "broken", "abs_max": math.nan}, {"module": "broken", "abs_max": math.nan}])
+    forward = pd.DataFrame(
+        [
+            {"module": "ok", "abs_max": 3.0},
+            {"module": "ok", "abs_max": math.nan},  # one bad step
+            {"module": "broken", "abs_max": math.nan},
+            {"module": "broken", "abs_max": math.nan},
+        ]
+    )
     backward = pd.DataFrame([{"module": "ok", "abs_max": 1e-3}, {"module": "blown", "abs_max": math.inf}])
     figure = activation_ranges(forward, backward)
-    assert figure.data == {"layers": 3, "over_fp16_max": 2, "never_finite": 2}  # "broken" and "blown" drawn, past the edge
+    assert figure.data == {
+        "layers": 3,
+        "over_fp16_max": 2,
+        "never_finite": 2,
+    }  # "broken" and "blown" drawn, past the edge

@@ -6,13 +6,25 @@ import pytest
 import torch
 
 from fp16doctor.config import build_config
-from fp16doctor.engine.instruments import (InstrumentOptions, Instruments, SampleCounter, histogram_of, precision_map,
-                                           strided_sample)
-from fp16doctor.tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
-from fp16doctor.measure.localise import OUTSIDE_MODEL, localise
-from fp16doctor.measure.numerics import (GradientCapture, capture_gradients, largest_magnitude, observed_underflow,
-                                        predicted_underflow, scale_window)
+from fp16doctor.engine.instruments import (
+    InstrumentOptions,
+    Instruments,
+    SampleCounter,
+    histogram_of,
+    precision_map,
+    strided_sample,
+)
 from fp16doctor.engine.probe import Workbench
+from fp16doctor.measure.localise import OUTSIDE_MODEL, localise
+from fp16doctor.measure.numerics import (
+    GradientCapture,
+    capture_gradients,
+    largest_magnitude,
+    observed_underflow,
+    predicted_underflow,
+    scale_window,
+)
+from fp16doctor.tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 from fp16doctor.userfile.spec import load_training_file
 
 EXACT = InstrumentOptions(sample=0)
@@ -96,7 +108,10 @@ def test_underflowing_deep_stack_predicted_and_observed(training_file):
     bench = bench_for(training_file, UNDERFLOW)
     capture = capture_gradients(bench.probe("fp32"))
     predicted = predicted_underflow(capture, scale=1.0).set_index(["kind", "name"])
-    first, last = predicted.loc[("param", "0.weight"), "predicted_underflow"], predicted.loc[("param", "22.weight"), "predicted_underflow"]
+    first, last = (
+        predicted.loc[("param", "0.weight"), "predicted_underflow"],
+        predicted.loc[("param", "22.weight"), "predicted_underflow"],
+    )
     assert first > 0.5 and last == 0.0  # early layers flush to zero without loss scaling
     assert predicted_underflow(capture, scale=2.0**24).loc[:, "predicted_underflow"].max() < 0.01
     observed = observed_underflow(bench).set_index(["kind", "name"])
@@ -294,7 +309,9 @@ def edge_values(dtype, n=3000, seed=0):
     """Values on and around every histogram edge, zeros of both signs, infinities and NaN, shuffled, as ``dtype``."""
     g = torch.Generator().manual_seed(seed)
     edges = [2.0**-149, 2.0**-24, 2.0**-14, 65504.0, 65504.0078125]
-    special = [0.0, -0.0, math.inf, -math.inf, math.nan] + [e * f for e in edges for f in (0.5, 1 - 2**-20, 1.0, 1 + 2**-20, 2.0)]
+    special = [0.0, -0.0, math.inf, -math.inf, math.nan] + [
+        e * f for e in edges for f in (0.5, 1 - 2**-20, 1.0, 1 + 2**-20, 2.0)
+    ]
     body = torch.randn(n, generator=g, dtype=torch.float64) * torch.logspace(-50, 6, n, dtype=torch.float64)
     values = torch.cat([torch.tensor(special, dtype=torch.float64), -torch.tensor(special, dtype=torch.float64), body])
     return values[torch.randperm(values.numel(), generator=g)].to(dtype)
@@ -357,7 +374,9 @@ def test_param_gradient_shares_at_the_scale_match_direct_computation():
         nonzero = int((g > 0).sum())
         assert rows.loc[name, "zero_share"] == pytest.approx(1 - nonzero / g.numel())
         assert rows.loc[name, "underflow_at_scale"] == pytest.approx(int(flushed.sum()) / max(nonzero, 1))
-        assert rows.loc[name, "underflow_mass_at_scale"] == pytest.approx(float(g.double()[flushed].sum() / g.double().sum()))
+        assert rows.loc[name, "underflow_mass_at_scale"] == pytest.approx(
+            float(g.double()[flushed].sum() / g.double().sum())
+        )
         assert rows.loc[name, "grad_abs_max"] == float(g.max())
     assert rows.loc["0.weight", "underflow_at_scale"] > 0  # the test reaches the flushed bucket
 
@@ -431,8 +450,16 @@ def test_strided_sample_of_a_non_contiguous_tensor_takes_the_flattened_order():
     without copying the whole tensor first."""
     from fp16doctor.engine.instruments import strided_sample
 
-    cases = [((16, 128, 256), 16384), ((16, 128, 256), 1000), ((16, 128, 6), 1000), ((16, 128, 6), 100),
-             ((4, 64, 6), 4), ((3, 5, 7), 0), ((3, 5, 7), 20000), ((40, 2, 8), 10)]
+    cases = [
+        ((16, 128, 256), 16384),
+        ((16, 128, 256), 1000),
+        ((16, 128, 6), 1000),
+        ((16, 128, 6), 100),
+        ((4, 64, 6), 4),
+        ((3, 5, 7), 0),
+        ((3, 5, 7), 20000),
+        ((40, 2, 8), 10),
+    ]
     for shape, size in cases:
         t = torch.arange(math.prod(shape), dtype=torch.float32).view(shape).transpose(0, 1)
         assert not t.is_contiguous()
@@ -461,9 +488,14 @@ def test_predicted_underflow_counts_only_gradients_that_carry_signal():
     from fp16doctor.measure.numerics import GradientCapture, scale_window
 
     g = torch.Generator().manual_seed(0)
-    capture = GradientCapture({"param:w1": torch.randn(1000, generator=g) * 1e-8,
-                               "param:w2": torch.randn(1000, generator=g) * 1e-7,
-                               "param:bias_k": torch.randn(1000, generator=g) * 1e-19}, scale=1.0)
+    capture = GradientCapture(
+        {
+            "param:w1": torch.randn(1000, generator=g) * 1e-8,
+            "param:w2": torch.randn(1000, generator=g) * 1e-7,
+            "param:bias_k": torch.randn(1000, generator=g) * 1e-19,
+        },
+        scale=1.0,
+    )
     window = scale_window(capture)
     predicted = predicted_underflow(capture, 65536.0)
     assert predicted.set_index("name").loc["bias_k", "predicted_underflow_mass"] == 1.0  # the noise flushes whole
@@ -560,8 +592,9 @@ def test_a_freed_outputs_id_on_a_new_tensor_is_measured_afresh():
 
 
 def test_an_id_table_entry_of_a_freed_tensor_is_not_found():
-    from fp16doctor.engine.instruments import _lookup
     import weakref
+
+    from fp16doctor.engine.instruments import _lookup
 
     t = torch.ones(2)
     table = {id(t): (weakref.ref(t), 7)}
@@ -593,7 +626,9 @@ def test_the_diagnosis_option_sets_take_forward_ranges_and_updates_and_the_plots
     from fp16doctor.engine.probe import DEFAULT_INSTRUMENTS, PLOT_INSTRUMENTS
 
     assert DEFAULT_INSTRUMENTS.forward and DEFAULT_INSTRUMENTS.updates
-    assert not (DEFAULT_INSTRUMENTS.activation_grads or DEFAULT_INSTRUMENTS.param_grads or DEFAULT_INSTRUMENTS.module_shares)
+    assert not (
+        DEFAULT_INSTRUMENTS.activation_grads or DEFAULT_INSTRUMENTS.param_grads or DEFAULT_INSTRUMENTS.module_shares
+    )
     assert PLOT_INSTRUMENTS.activation_grads and PLOT_INSTRUMENTS.param_grads and PLOT_INSTRUMENTS.forward
 
 
@@ -629,8 +664,14 @@ def test_a_module_non_finite_at_every_fp32_step_has_no_measured_peak():
     from fp16doctor.diagnosis import fixtures as fx
     from fp16doctor.diagnosis.rules._helpers import module_abs_max
 
-    forward = pd.DataFrame([{"module": "mask", "abs_max": math.nan}, {"module": "mask", "abs_max": math.nan},
-                            {"module": "head", "abs_max": math.nan}, {"module": "head", "abs_max": 12.0}])
+    forward = pd.DataFrame(
+        [
+            {"module": "mask", "abs_max": math.nan},
+            {"module": "mask", "abs_max": math.nan},
+            {"module": "head", "abs_max": math.nan},
+            {"module": "head", "abs_max": 12.0},
+        ]
+    )
     summary = fx.probe("fp32", tables={"forward": forward})
     assert module_abs_max(summary, "mask") is None
     assert module_abs_max(summary, "head") == 12.0

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, run_cli
 
 sys.path.insert(0, str(ROOT / "tests" / "integrations"))
@@ -22,18 +21,25 @@ FAULT_STEP = 5
 
 def fit_lightning(tmp_path: Path, extra_callbacks=(), **faults):
     from lightning.pytorch.plugins.precision import MixedPrecision
+    from lit_faults import BATCH, Classifier, Pairs
     from torch.utils.data import DataLoader
 
     from fp16doctor.integrations.lightning import FP16DoctorCallback
-    from lit_faults import BATCH, Classifier, Pairs
 
     L.seed_everything(0, verbose=False)  # the same weights, so the same capsule, in every run
     callback = FP16DoctorCallback(capsule_dir=tmp_path / "capsules")
     # Lightning turns precision="16-mixed" into bf16 on the CPU: a MixedPrecision plugin with a GradScaler we
     # construct keeps fp16 autocast and real loss scaling there.
-    trainer = L.Trainer(accelerator="cpu", plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
-                        max_steps=16, callbacks=[*extra_callbacks, callback], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+        max_steps=16,
+        callbacks=[*extra_callbacks, callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     loader = DataLoader(Pairs(nan_at=faults.get("nan_at")), batch_size=BATCH, shuffle=False)
     trainer.fit(Classifier(overflow_at=faults.get("overflow_at")), loader)
     return trainer, callback
@@ -109,9 +115,21 @@ def train_hf(tmp_path: Path, nan_at=None, model=None):
     from fp16doctor.integrations.hf import FP16DoctorCallback
 
     callback = FP16DoctorCallback(capsule_dir=tmp_path / "capsules")
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, gradient_accumulation_steps=2,
-                             max_steps=8, learning_rate=1e-3, bf16=True, use_cpu=True, report_to=[], logging_steps=50,
-                             save_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_steps=8,
+        learning_rate=1e-3,
+        bf16=True,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=50,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
     class InOrder(Trainer):  # the fault must land at a known step: no shuffling
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
@@ -162,9 +180,11 @@ def test_the_callbacks_hold_batches_as_references_and_copy_them_only_for_a_capsu
 
 
 def test_a_missing_framework_is_one_clear_import_error():
-    code = ("import sys; sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None; "
-            "sys.modules['pytorch_lightning'] = None\n"
-            "try:\n    import fp16doctor.integrations.lightning\nexcept ImportError as e:\n    print(e)")
+    code = (
+        "import sys; sys.modules['lightning'] = None; sys.modules['lightning.pytorch'] = None; "
+        "sys.modules['pytorch_lightning'] = None\n"
+        "try:\n    import fp16doctor.integrations.lightning\nexcept ImportError as e:\n    print(e)"
+    )
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout
@@ -184,8 +204,16 @@ def test_hf_trainer_fp16_on_gpu_reads_the_accelerators_scaler(tmp_path):
     from fp16doctor.integrations.hf import FP16DoctorCallback
 
     callback = FP16DoctorCallback(capsule_dir=tmp_path / "capsules")
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=6, fp16=True,
-                             max_grad_norm=0.0, report_to=[], save_strategy="no", disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        max_steps=6,
+        fp16=True,
+        max_grad_norm=0.0,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     Trainer(model=TinyTagger(), args=args, train_dataset=Rows(), callbacks=[callback]).train()
     assert callback.watch.alarm is None and len(callback.watch.history) == 6
     assert all(h.loss_scale > 1 for h in callback.watch.history)
@@ -213,7 +241,9 @@ def test_hf_script_with_its_model_class_in_main_writes_a_capsule_under_output_di
 def test_hf_trainer_computing_the_loss_itself_is_healthy(tmp_path):
     """A custom compute_loss pops the labels and computes the loss; the model's output has none."""
     proc = run_script(HF_SCRIPT, "--output-dir", tmp_path / "out", "--own-loss", cwd=tmp_path)
-    assert proc.returncode == 0 and "global step 8" in proc.stdout and "fp16doctor:" not in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "global step 8" in proc.stdout and "fp16doctor:" not in proc.stdout, proc.stderr[
+        -3000:
+    ]
     assert not (tmp_path / "out" / "fp16doctor_capsules").exists()
 
 
@@ -223,27 +253,48 @@ def test_a_tiny_bert_with_label_smoothing_reads_the_trainers_loss(tmp_path):
     from fp16doctor.integrations.hf import FP16DoctorCallback
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                        max_position_embeddings=32, num_labels=2)
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": torch.randint(0, 64, (12,), generator=g), "labels": torch.tensor(i % 2)} for i in range(64)]
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=6, bf16=True,
-                             use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, label_smoothing_factor=0.1)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        max_steps=6,
+        bf16=True,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        label_smoothing_factor=0.1,
+    )
     callback = FP16DoctorCallback()
     Trainer(model=BertForSequenceClassification(config), args=args, train_dataset=rows, callbacks=[callback]).train()
     history = callback.watch.history
-    assert callback.watch.alarm is None and len(history) == 6 and not (tmp_path / "out" / "fp16doctor_capsules").exists()
+    assert (
+        callback.watch.alarm is None and len(history) == 6 and not (tmp_path / "out" / "fp16doctor_capsules").exists()
+    )
     assert all(h.loss is not None and 0.3 < h.loss < 1.5 for h in history)  # the smoothed loss the Trainer optimised
 
 
 def test_lightning_script_with_its_module_in_main_writes_a_capsule_under_default_root_dir_that_rebuilds(tmp_path):
-    proc = run_script(ROOT / "tests" / "scripts" / "lightning_script.py", "--root", tmp_path / "root", "--nan-at", "4",
-                      cwd=tmp_path)
+    proc = run_script(
+        ROOT / "tests" / "scripts" / "lightning_script.py", "--root", tmp_path / "root", "--nan-at", "4", cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     capsule = tmp_path / "root" / "fp16doctor_capsules" / "step_00000004"
     assert f"Capsule: {capsule}." in proc.stdout and "global step 5" in proc.stdout
     state = torch.load(capsule / "capsule.pt", weights_only=True)
-    assert state["history"][-1]["skipped"] and state["history"][-1]["loss_scale"] == 65536.0  # the scaler's own decision
+    assert (
+        state["history"][-1]["skipped"] and state["history"][-1]["loss_scale"] == 65536.0
+    )  # the scaler's own decision
     report = diagnose_capsule(capsule)  # another process: the LightningModule of __main__ is stored by value
     top = report["findings"][0]  # first: dropping the NaN row repairs the replay (AdamW moments and all)
     assert top["cause"] == "nonfinite-data" and top["evidence"]["nan"] == 1 and top["evidence"]["field"] == "0"
@@ -263,10 +314,21 @@ def test_a_trainer_script_under_fp16doctor_watch_gets_one_check_and_one_capsule(
 def test_a_lightning_script_under_fp16doctor_watch_holds_the_forward_lightning_runs_before_zero_grad(tmp_path):
     """Lightning's closure runs the training step, then zero_grad, then the backward: the forward stays the step's
     micro-batch (once dropped at zero_grad, the capsule had no batch), and the capsule replays to the NaN row."""
-    proc = run_cli("watch", "--capsule-dir", "caps", ROOT / "tests" / "scripts" / "lightning_script.py", "--root", "root",
-                   "--nan-at", "4", cwd=tmp_path)
+    proc = run_cli(
+        "watch",
+        "--capsule-dir",
+        "caps",
+        ROOT / "tests" / "scripts" / "lightning_script.py",
+        "--root",
+        "root",
+        "--nan-at",
+        "4",
+        cwd=tmp_path,
+    )
     pointers = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("fp16doctor:")]
-    assert proc.returncode == 1 and len(pointers) == 1 and "optimizer step 4: the loss is nan" in pointers[0], proc.stderr[-3000:]
+    assert proc.returncode == 1 and len(pointers) == 1 and "optimizer step 4: the loss is nan" in pointers[0], (
+        proc.stderr[-3000:]
+    )
     state = torch.load(tmp_path / "caps" / "step_00000004" / "capsule.pt", weights_only=True)
     assert len(state["batches"]) == 1 and torch.isnan(state["batches"][0]["args"][0]).sum() == 1
     top = diagnose_capsule(tmp_path / "caps" / "step_00000004")["findings"][0]

@@ -12,7 +12,6 @@ import json
 
 import pytest
 import yaml
-
 from conftest import ROOT, run_cli
 
 FILES = ROOT / "tests" / "training_files"
@@ -34,7 +33,9 @@ def test_a_custom_functions_backward_overflow_is_named_by_keeping_its_module_in_
     assert (top["cause"], top["severity"], top["found_by"]) == ("backward-overflow", "error", "intervention")
     assert top["fix"]["config_patch"] == {"overrides": {"fp32_modules": ["norm"]}}
     assert top["verification"]["repaired"] and top["verification"]["tried"] == "keeping 'norm' (RMSNorm) in fp32"
-    assert top["evidence"]["localisation"]["phase"] == "backward" and top["evidence"]["localisation"]["module"] == "norm"
+    assert (
+        top["evidence"]["localisation"]["phase"] == "backward" and top["evidence"]["localisation"]["module"] == "norm"
+    )
     assert "custom_fwd" in top["fix"]["summary"] and "RMSNormFunction" in top["fix"]["summary"]
     assert "unexplained" not in [f["cause"] for f in report["findings"]]
     assert all(s["explained_by"] for s in report["symptoms"])
@@ -61,7 +62,9 @@ def test_a_repeated_block_is_kept_in_fp32_as_a_class_when_one_block_alone_moves_
     assert top["fix"]["config_patch"]["overrides"]["fp32_modules"] == [f"blocks.{i}" for i in range(5)]
     trials = search_stage(report)["details"]["trials"]
     assert trials[0]["intervention"] == "keeping 'blocks.3' (Block) in fp32" and not trials[0]["repaired"]
-    assert "still fails" in trials[0]["screen"] and "blocks.4" in trials[0]["screen"]  # the fault moved to the next block
+    assert (
+        "still fails" in trials[0]["screen"] and "blocks.4" in trials[0]["screen"]
+    )  # the fault moved to the next block
     assert trials[-1]["repaired"] and len(trials) <= 3  # --ci tries at most three interventions
 
 
@@ -70,7 +73,9 @@ def test_an_overflowing_library_module_is_kept_in_fp32_where_it_sits_in_each_blo
     Linear of the model (user trial: 5 Linears, and a fix that told the user to edit nn.Linear)."""
     report = diagnose("t5_ffn_wo_overflow.py")
     top = report["findings"][0]
-    assert (top["cause"], top["found_by"]) == ("activation-overflow", "intervention"), [(f["cause"], f["title"]) for f in report["findings"]]
+    assert (top["cause"], top["found_by"]) == ("activation-overflow", "intervention"), [
+        (f["cause"], f["title"]) for f in report["findings"]
+    ]
     assert top["fix"]["config_patch"]["overrides"]["fp32_modules"] == ["layers.0.ffn.wo", "layers.1.ffn.wo"]
     assert "every FFN's wo" in top["title"] or "every FFN's wo" in top["evidence"]["intervention"]
     assert "class Linear" not in top["fix"]["code"] and top["verification"]["repaired"]
@@ -114,12 +119,28 @@ def test_no_search_runs_where_every_symptom_is_explained(name):
 def test_the_modules_in_a_library_modules_place_are_found_through_containers():
     from fp16doctor.diagnosis.rules._helpers import class_members, role_members
 
-    types = {"": "Net", "blocks": "ModuleList", "blocks.0": "Block", "blocks.1": "Block",
-             "blocks.0.mlp": "Sequential", "blocks.1.mlp": "Sequential", "blocks.0.mlp.2": "Linear",
-             "blocks.1.mlp.2": "Linear", "head": "Sequential", "head.2": "Linear", "blocks.0.attn": "Attn",
-             "blocks.1.attn": "Attn", "blocks.0.attn.wo": "Linear", "blocks.1.attn.wo": "Linear"}
+    types = {
+        "": "Net",
+        "blocks": "ModuleList",
+        "blocks.0": "Block",
+        "blocks.1": "Block",
+        "blocks.0.mlp": "Sequential",
+        "blocks.1.mlp": "Sequential",
+        "blocks.0.mlp.2": "Linear",
+        "blocks.1.mlp.2": "Linear",
+        "head": "Sequential",
+        "head.2": "Linear",
+        "blocks.0.attn": "Attn",
+        "blocks.1.attn": "Attn",
+        "blocks.0.attn.wo": "Linear",
+        "blocks.1.attn.wo": "Linear",
+    }
     role = role_members("blocks.0.mlp.2", types)  # through the Sequential: in its place in every Block
-    assert role is not None and role.members == ["blocks.0.mlp.2", "blocks.1.mlp.2"] and (role.owner, role.place) == ("Block", "mlp.2")
+    assert (
+        role is not None
+        and role.members == ["blocks.0.mlp.2", "blocks.1.mlp.2"]
+        and (role.owner, role.place) == ("Block", "mlp.2")
+    )
     assert role.description() == "every Block's mlp.2 (blocks.0.mlp.2, blocks.1.mlp.2)"
     wo = role_members("blocks.1.attn.wo", types)
     assert wo is not None and wo.members == ["blocks.0.attn.wo", "blocks.1.attn.wo"] and wo.owner == "Attn"

@@ -83,12 +83,15 @@ def test_imports_follow_the_layering():
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
 
 
-@pytest.mark.parametrize(("importer", "target", "expected"), [
-    ("fp16doctor.live.watch", "fp16doctor.diagnosis.engine", False),
-    ("fp16doctor.measure.compare", "fp16doctor.output.terminal", False),
-    ("fp16doctor.engine.probe", "fp16doctor.measure.localise", False),
-    ("fp16doctor.output.terminal", "fp16doctor.diagnosis.model", True),
-])
+@pytest.mark.parametrize(
+    ("importer", "target", "expected"),
+    [
+        ("fp16doctor.live.watch", "fp16doctor.diagnosis.engine", False),
+        ("fp16doctor.measure.compare", "fp16doctor.output.terminal", False),
+        ("fp16doctor.engine.probe", "fp16doctor.measure.localise", False),
+        ("fp16doctor.output.terminal", "fp16doctor.diagnosis.model", True),
+    ],
+)
 def test_the_table_refuses_what_it_should(importer, target, expected):
     """The check itself can fail: a live module importing the diagnosis is against the layering."""
     assert (layer_of(target) in ALLOWED[layer_of(importer)]) is expected
@@ -96,15 +99,23 @@ def test_the_table_refuses_what_it_should(importer, target, expected):
 
 def test_live_watch_loads_no_diagnosis_in_a_fresh_process():
     """Inside someone else's training only the watch is loaded: not the diagnosis, not the renderers."""
-    code = ("import sys, fp16doctor.watch, fp16doctor.live.watch; "
-            "print(sorted(m for m in sys.modules if m.startswith(('fp16doctor.diagnosis', 'fp16doctor.output'))))")
+    code = (
+        "import sys, fp16doctor.watch, fp16doctor.live.watch; "
+        "print(sorted(m for m in sys.modules if m.startswith(('fp16doctor.diagnosis', 'fp16doctor.output'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
 
 
-ENGINE_MODULES = ("fp16doctor.engine.probe", "fp16doctor.engine.instruments", "fp16doctor.diagnosis.stages",
-                  "fp16doctor.diagnosis.engine", "fp16doctor.diagnosis.interventions", "fp16doctor.measure.localise",
-                  "fp16doctor.measure.numerics")
+ENGINE_MODULES = (
+    "fp16doctor.engine.probe",
+    "fp16doctor.engine.instruments",
+    "fp16doctor.diagnosis.stages",
+    "fp16doctor.diagnosis.engine",
+    "fp16doctor.diagnosis.interventions",
+    "fp16doctor.measure.localise",
+    "fp16doctor.measure.numerics",
+)
 """What runs trainings: the probe and its instruments, the stages, the diagnosis engine and its search, the
 measurements that drive a probe. A rule and its hand-built cases read evidence types only."""
 

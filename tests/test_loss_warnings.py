@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 
 from conftest import ROOT, run_cli
+
 from fp16doctor.userfile.spec import load_training_file
 
 FILES = ROOT / "tests" / "training_files"
 USERS_FILE = FILES / "regression_loss_fn.py"
 """A regression model whose loss function is called ``loss_fn``, written as the user who reported it did."""
 
-REGRESSION = '''
+REGRESSION = """
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ def data():
     return out
 
 CONFIG = {"steps": 20}
-'''
+"""
 
 
 def test_the_loader_records_the_callables_it_ignored_under_a_near_miss_name():
@@ -45,14 +46,24 @@ def test_the_loader_records_the_callables_it_ignored_under_a_near_miss_name():
 def test_only_what_the_file_itself_defines_counts(training_file):
     imported_only = load_training_file(training_file(REGRESSION, "imported_only.py"))
     assert imported_only.near_misses == {}  # mse_loss is torch's
-    criterion = load_training_file(training_file(REGRESSION + "criterion = nn.MSELoss()\n"
-                                                 "def training_step(model, batch, optimizer, scaler, autocast):\n"
-                                                 "    pass\n", "criterion.py"))
+    criterion = load_training_file(
+        training_file(
+            REGRESSION + "criterion = nn.MSELoss()\n"
+            "def training_step(model, batch, optimizer, scaler, autocast):\n"
+            "    pass\n",
+            "criterion.py",
+        )
+    )
     assert set(criterion.near_misses["loss"]) == {"criterion"}
     assert set(criterion.near_misses["train_step"]) == {"training_step"}
-    proper = load_training_file(training_file(REGRESSION + "def loss(model, batch):\n    x, y = batch\n"
-                                              "    return F.mse_loss(model(x), y)\n"
-                                              "def loss_fn(model, batch):\n    return loss(model, batch)\n", "proper.py"))
+    proper = load_training_file(
+        training_file(
+            REGRESSION + "def loss(model, batch):\n    x, y = batch\n"
+            "    return F.mse_loss(model(x), y)\n"
+            "def loss_fn(model, batch):\n    return loss(model, batch)\n",
+            "proper.py",
+        )
+    )
     assert "loss" not in proper.near_misses  # a file with loss() is read as it is: nothing was ignored
 
 
@@ -66,7 +77,10 @@ def test_a_users_loss_fn_gets_both_warnings_and_the_exit_code_of_a_healthy_file(
     assert mismatch["severity"] == "warning"
     assert "loss_fn" in mismatch["title"] and "default loss" in mismatch["title"]
     assert mismatch["evidence"]["ignored"] == "loss_fn"
-    assert "Rename `loss_fn` to `loss`" in mismatch["fix"]["summary"] and "def loss(model, batch)" in mismatch["fix"]["code"]
+    assert (
+        "Rename `loss_fn` to `loss`" in mismatch["fix"]["summary"]
+        and "def loss(model, batch)" in mismatch["fix"]["code"]
+    )
     constant = by_cause["constant-loss"]
     assert constant["severity"] == "warning"
     assert constant["title"].startswith("The loss is 0.0 at every step") and "nothing is trained" in constant["title"]
@@ -84,8 +98,10 @@ def test_the_warnings_show_in_the_terminal_report():
 
 
 def test_a_file_with_a_proper_loss_gets_neither_warning(training_file):
-    path = training_file(REGRESSION + "def loss(model, batch):\n    x, y = batch\n    return F.mse_loss(model(x), y)\n",
-                         "regression_loss.py")
+    path = training_file(
+        REGRESSION + "def loss(model, batch):\n    x, y = batch\n    return F.mse_loss(model(x), y)\n",
+        "regression_loss.py",
+    )
     proc = run_cli("diagnose", path, "--ci", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     causes = {f["cause"] for f in json.loads(proc.stdout)["findings"]}
@@ -123,7 +139,9 @@ def test_a_loss_of_minus_zero_reads_as_zero(training_file):
 def test_a_training_that_diverges_in_fp32_gets_the_warning_and_a_converging_one_not(training_file):
     proper_loss = "def loss(model, batch):\n    x, y = batch\n    return F.mse_loss(model(x), y)\n"
     adam = "def optimizer(params):\n    return torch.optim.Adam(params, lr=3e-2, maximize={maximize})\n"
-    diverging = training_file(REGRESSION + proper_loss + adam.format(maximize=True), "gradient_ascent.py")  # a flag set wrong
+    diverging = training_file(
+        REGRESSION + proper_loss + adam.format(maximize=True), "gradient_ascent.py"
+    )  # a flag set wrong
     proc = run_cli("diagnose", diverging, "--ci", "--json")
     assert proc.returncode in (0, 1), proc.stderr[-2000:]  # growing gradients may overflow a scale too: that is AMP's
     report = json.loads(proc.stdout)

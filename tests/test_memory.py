@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import MLP_FILE, ROOT, SAMPLES, run_cli
+
 from fp16doctor.engine.kept import StateKeeper
 
 
@@ -110,8 +110,13 @@ print(json.dumps(census))
 
 def census(sample: str, max_memory: int = 0, stop_at: str | None = None) -> dict:
     """Run a diagnosis in a fresh process, counting the probes alive (weak references, no collection forced)."""
-    proc = subprocess.run([sys.executable, "-c", PROBE_CENSUS, str(SAMPLES / sample), str(max_memory), *([stop_at] if stop_at else [])],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE_CENSUS, str(SAMPLES / sample), str(max_memory), *([stop_at] if stop_at else [])],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -168,8 +173,15 @@ def test_max_memory_too_small_for_one_probe_says_what_one_probe_needs(training_f
 
 
 def test_the_cli_runs_with_every_state_on_disk_and_leaves_no_folder(tmp_path):
-    proc = run_cli("diagnose", SAMPLES / "warmup_peak.py", "--ci", "--json", "--max-memory",
-                   str(needed_bytes("warmup_peak.py")), env={"TMPDIR": str(tmp_path)})
+    proc = run_cli(
+        "diagnose",
+        SAMPLES / "warmup_peak.py",
+        "--ci",
+        "--json",
+        "--max-memory",
+        str(needed_bytes("warmup_peak.py")),
+        env={"TMPDIR": str(tmp_path)},
+    )
     assert proc.returncode == 1, proc.stderr
     assert json.loads(proc.stdout)["findings"][0]["cause"] == "lr-schedule-peak"
     assert not list(tmp_path.glob("fp16doctor-states-*"))
@@ -239,7 +251,10 @@ def test_compare_out_of_memory_is_one_clear_message(training_file):
     proc = run_cli("compare", training_file(HUNGRY_UNDER_AMP), "--fp32", "--amp", "--steps", "3")
     message = " ".join(proc.stderr.split())
     assert proc.returncode == 2 and "amp run ran out of memory" in message and "80.00 GiB" in message, (
-        proc.returncode, proc.stdout[-500:], message[-1500:])
+        proc.returncode,
+        proc.stdout[-500:],
+        message[-1500:],
+    )
     assert "Traceback" not in proc.stderr and "internal error" not in message
 
 
@@ -255,15 +270,19 @@ def test_a_fix_whose_trial_runs_out_of_memory_stays_untried_with_the_reason(monk
 
     from fp16doctor.diagnosis.verify import Intervention, Verifier
 
-    ctx = SimpleNamespace(evidence=SimpleNamespace(symptoms=[SimpleNamespace(code="nonfinite-loss")]),
-                          bench=SimpleNamespace(device=torch.device("cpu")))
+    ctx = SimpleNamespace(
+        evidence=SimpleNamespace(symptoms=[SimpleNamespace(code="nonfinite-loss")]),
+        bench=SimpleNamespace(device=torch.device("cpu")),
+    )
     verifier = Verifier(ctx)
 
     def out_of_memory(intervention):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
 
     monkeypatch.setattr(verifier, "run", out_of_memory)
-    verification = verifier.verify(Intervention("keep the head in fp32", config_patch={"fp32_modules": ["head"]}), "n/a")
+    verification = verifier.verify(
+        Intervention("keep the head in fp32", config_patch={"fp32_modules": ["head"]}), "n/a"
+    )
     assert verification.tried is None and not verification.repaired
     assert "did not fit in memory" in verification.reason and verification.symptoms_before == ["nonfinite-loss"]
 
@@ -319,8 +338,11 @@ print(fixed, rss() - before)
 def test_freed_model_sized_blocks_go_back_to_the_system_in_the_diagnosing_process():
     """glibc keeps freed blocks below its (self-raising) mmap threshold resident: a closed probe's memory
     stayed in the process beside the next probe's. The CLI's diagnosing commands fix the threshold."""
+
     def leftover(variant: str) -> tuple[str, float]:
-        out = subprocess.run([sys.executable, "-c", FREED_BLOCKS, variant], capture_output=True, text=True, check=True, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-c", FREED_BLOCKS, variant], capture_output=True, text=True, check=True, cwd=ROOT
+        )
         fixed, megabytes = out.stdout.split()
         return fixed, float(megabytes)
 
@@ -371,10 +393,16 @@ else:
 def test_a_diagnosed_models_weight_sized_blocks_get_their_own_mappings_while_no_activation_shares_the_size():
     """Each variant in a fresh process: glibc serves a block from free heap space of its size before it maps
     one, so a process that freed such blocks in its heap already would not show the threshold."""
+
     def mapped(variant: str) -> int:
         try:
-            out = subprocess.run([sys.executable, "-c", MAPPED_STATE_BLOCK, variant], capture_output=True, text=True,
-                                 check=True, cwd=ROOT)
+            out = subprocess.run(
+                [sys.executable, "-c", MAPPED_STATE_BLOCK, variant],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=ROOT,
+            )
         except subprocess.CalledProcessError as exc:
             if "mallinfo2" in exc.stderr:
                 pytest.skip("glibc before 2.33: no mallinfo2 to count mapped blocks with")

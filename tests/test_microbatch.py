@@ -11,8 +11,8 @@ import warnings
 import pandas as pd
 import pytest
 import torch
-
 from conftest import MLP_FILE, ROOT, run_cli
+
 from fp16doctor.config import build_config
 from fp16doctor.engine.instruments import InstrumentOptions
 from fp16doctor.engine.microbatch import ActivationBytes, MicroBatchPlan, micro_batch_count
@@ -68,16 +68,22 @@ def data():
     return [(torch.randn(BATCH, 16, generator=g), torch.randint(0, 4, (BATCH,), generator=g)) for _ in range(3)]
 """
 
-BATCHNORM_FILE = GATED_FILE.replace("self.inp = nn.Linear(16, WIDTH)",
-                                    "self.inp = nn.Sequential(nn.Linear(16, WIDTH), nn.BatchNorm1d(WIDTH))")
-CONTRASTIVE_FILE = GATED_FILE + """
+BATCHNORM_FILE = GATED_FILE.replace(
+    "self.inp = nn.Linear(16, WIDTH)", "self.inp = nn.Sequential(nn.Linear(16, WIDTH), nn.BatchNorm1d(WIDTH))"
+)
+CONTRASTIVE_FILE = (
+    GATED_FILE
+    + """
 
 def loss(model, batch):
     x, _ = batch
     z = F.normalize(model(x), dim=1)
     return F.cross_entropy(z @ z.T * 10, torch.arange(len(x)))  # every row against every other
 """
-TOKEN_MEAN_FILE = GATED_FILE + """
+)
+TOKEN_MEAN_FILE = (
+    GATED_FILE
+    + """
 
 def data():  # (x, y, weight): the first batch weighs every row alike, the later ones do not (padding)
     g = torch.Generator().manual_seed(0)
@@ -93,7 +99,10 @@ def loss(model, batch):
     per_row = F.cross_entropy(model(x), y, reduction="none")
     return (per_row * weight).sum() / weight.sum()  # normalised by a count over the whole batch
 """
-TRAIN_STEP_FILE = GATED_FILE + """
+)
+TRAIN_STEP_FILE = (
+    GATED_FILE
+    + """
 
 def train_step(model, batch, optimizer, scaler, autocast):
     optimizer.zero_grad(set_to_none=True)
@@ -104,6 +113,7 @@ def train_step(model, batch, optimizer, scaler, autocast):
     scaler.update()
     return loss
 """
+)
 
 
 def bench_for(path, micro_batching=True, **config):
@@ -199,10 +209,16 @@ def test_the_count_is_the_smallest_power_of_two_within_amp():
     assert micro_batch_count(per_row, amp_bytes=int(0.5e8), rows=100, model_bytes=1000) == 2
     assert micro_batch_count(per_row, amp_bytes=int(0.3e8), rows=100, model_bytes=1000) == 4
     assert micro_batch_count(per_row, amp_bytes=int(1e6), rows=100, model_bytes=1000) == 8  # at most 8
-    assert micro_batch_count(ActivationBytes(0.0, 4e6), amp_bytes=int(1e6), rows=2, model_bytes=1000) == 2  # at most the rows
-    assert micro_batch_count(ActivationBytes(0.0, 4e3), amp_bytes=int(1e3), rows=100, model_bytes=10) == 1  # under 1 MiB to save
+    assert (
+        micro_batch_count(ActivationBytes(0.0, 4e6), amp_bytes=int(1e6), rows=2, model_bytes=1000) == 2
+    )  # at most the rows
+    assert (
+        micro_batch_count(ActivationBytes(0.0, 4e3), amp_bytes=int(1e3), rows=100, model_bytes=10) == 1
+    )  # under 1 MiB to save
     assert micro_batch_count(per_row, amp_bytes=int(0.95e8), rows=100, model_bytes=1000) == 1  # within the margin
-    assert micro_batch_count(per_row, amp_bytes=int(0.5e8), rows=100, model_bytes=int(2e8)) == 1  # small next to the model
+    assert (
+        micro_batch_count(per_row, amp_bytes=int(0.5e8), rows=100, model_bytes=int(2e8)) == 1
+    )  # small next to the model
 
 
 def test_only_batches_of_rows_split():
@@ -221,7 +237,9 @@ def test_only_batches_of_rows_split():
 
 
 def test_a_file_whose_batches_cannot_split_is_not_planned(training_file):
-    source = MLP_FILE.replace("torch.randint(0, 3, (16,), generator=g))", "torch.randint(0, 3, (16,), generator=g), 16)")
+    source = MLP_FILE.replace(
+        "torch.randint(0, 3, (16,), generator=g))", "torch.randint(0, 3, (16,), generator=g), 16)"
+    )
     source += "\nimport torch.nn.functional as F\ndef loss(model, batch):\n    return F.cross_entropy(model(batch[0]), batch[1])\n"
     plan = bench_for(training_file(source)).micro_batch_plan("fp32")
     assert plan.count == 1 and "cannot be split" in plan.reason and plan.fp32_bytes is None
@@ -229,9 +247,11 @@ def test_a_file_whose_batches_cannot_split_is_not_planned(training_file):
 
 def test_localisation_traces_a_micro_batched_fp32_step(training_file):
     # The second batch overflows in the blow-up module, in the rows of its second micro-batch only.
-    source = GATED_FILE.replace("BLOWUP = None", "BLOWUP = True").replace(
-        "    return [(torch.randn", "    batches = [(torch.randn").replace(
-        "for _ in range(3)]\n", "for _ in range(3)]\n    batches[1][0][-1] = 300.0\n    return batches\n")
+    source = (
+        GATED_FILE.replace("BLOWUP = None", "BLOWUP = True")
+        .replace("    return [(torch.randn", "    batches = [(torch.randn")
+        .replace("for _ in range(3)]\n", "for _ in range(3)]\n    batches[1][0][-1] = 300.0\n    return batches\n")
+    )
     bench = bench_for(training_file(source))
     probe = bench.probe("fp32")
     assert probe.batch_plan.split
@@ -278,15 +298,23 @@ def test_a_loss_normalised_over_the_batch_is_refused_even_when_the_first_batch_h
     assert plan.needed and plan.count == 1 and "does not decompose" in plan.reason, plan
 
 
-TWICE_AND_TRANSPOSED = GATED_FILE.replace(
-    "        return self.head(self.blowup(h))",
-    "        h = self.blocks[0](h)  # a module called twice per forward\n"
-    "        return self.head(self.transposed(self.blowup(h)))").replace(
-    "        self.head = nn.Linear(WIDTH, 4)",
-    "        self.head = nn.Linear(WIDTH, 4)\n        self.transposed = Transposed()").replace(
-    "class Exp(nn.Module):", "class Transposed(nn.Module):\n    def forward(self, h):\n"
-    "        return (h.T * 1.0).T  # computed on a transposed copy: the output's rows are the batch's, its memory is not\n\n\n"
-    "class Exp(nn.Module):")
+TWICE_AND_TRANSPOSED = (
+    GATED_FILE.replace(
+        "        return self.head(self.blowup(h))",
+        "        h = self.blocks[0](h)  # a module called twice per forward\n"
+        "        return self.head(self.transposed(self.blowup(h)))",
+    )
+    .replace(
+        "        self.head = nn.Linear(WIDTH, 4)",
+        "        self.head = nn.Linear(WIDTH, 4)\n        self.transposed = Transposed()",
+    )
+    .replace(
+        "class Exp(nn.Module):",
+        "class Transposed(nn.Module):\n    def forward(self, h):\n"
+        "        return (h.T * 1.0).T  # computed on a transposed copy: the output's rows are the batch's, its memory is not\n\n\n"
+        "class Exp(nn.Module):",
+    )
+)
 
 
 @pytest.mark.parametrize("sample, batch, rows", [(1000, 512, [256, 256]), (0, 512, [256, 256]), (997, 511, [256, 255])])
@@ -326,11 +354,15 @@ def test_a_micro_batched_capture_leaves_out_what_it_cannot_place(training_file):
     assert "act:blocks.0" in whole.tensors and "act:blocks.0" not in split.tensors
     assert {"act:transposed", "act:blowup", "act:head"} <= set(split.tensors)
     for key in split.tensors:
-        torch.testing.assert_close(split.tensors[key], whole.tensors[key], rtol=1e-4, atol=1e-6 * float(whole.tensors[key].abs().max()))
+        torch.testing.assert_close(
+            split.tensors[key], whole.tensors[key], rtol=1e-4, atol=1e-6 * float(whole.tensors[key].abs().max())
+        )
 
 
 def test_observed_underflow_is_the_same_against_a_micro_batched_reference(training_file):
-    path = training_file(GATED_FILE.replace('CONFIG = {"steps": 3}', 'CONFIG = {"steps": 3, "scaler": {"enabled": False}}'))
+    path = training_file(
+        GATED_FILE.replace('CONFIG = {"steps": 3}', 'CONFIG = {"steps": 3, "scaler": {"enabled": False}}')
+    )
     split, whole = observed_underflow(bench_for(path)), observed_underflow(bench_for(path, micro_batching=False))
     assert len(split) == len(whole) > 0 and list(split.columns) == list(whole.columns)
     pd.testing.assert_frame_equal(split.drop(columns=["rms"]), whole.drop(columns=["rms"]), atol=1e-3, rtol=1e-3)

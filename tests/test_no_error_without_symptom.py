@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import ROOT, SAMPLES, run_cli
 
 FILES = ROOT / "tests" / "training_files"
@@ -18,7 +17,9 @@ SIBLING_MODULES = {"sibling_layers.py"}
 """Helper modules other training files import: not training files themselves."""
 BAD_INPUT = {"module_global_optimizer.py"}
 """Training files the doctor refuses as bad input (exit 2): they have no diagnosis to check."""
-EVERY_FILE = sorted(p for p in [*SAMPLES.glob("*.py"), *FILES.glob("*.py")] if p.name not in SIBLING_MODULES | BAD_INPUT)
+EVERY_FILE = sorted(
+    p for p in [*SAMPLES.glob("*.py"), *FILES.glob("*.py")] if p.name not in SIBLING_MODULES | BAD_INPUT
+)
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ import math
 import pandas as pd
 import pytest
 import torch
-
 from conftest import MLP_FILE, SAMPLES
+
 from fp16doctor.config import build_config
 from fp16doctor.engine.probe import RECORD_COLUMNS, Workbench
 from fp16doctor.userfile.spec import load_training_file
@@ -65,7 +65,9 @@ def test_half_parameters_surface_as_a_recorded_exception_with_location(training_
 
 
 def test_user_exception_mid_run_is_evidence(training_file):
-    source = MLP_FILE + """
+    source = (
+        MLP_FILE
+        + """
 calls = {"n": 0}
 import torch.nn.functional as F
 def loss(model, batch):
@@ -74,6 +76,7 @@ def loss(model, batch):
         raise KeyError("label column missing")
     return F.cross_entropy(model(batch[0]), batch[1])
 """
+    )
     path = training_file(source)
     frame = bench_for(path, steps=5).probe("fp32").run()
     assert len(frame) == 3
@@ -152,7 +155,10 @@ def test_a_snapshot_inside_an_accumulation_keeps_the_gradients(training_file, ke
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_skipped_steps_are_detected_from_the_scalers_found_inf(training_file, fused):
-    source = MLP_FILE + f"\nimport torch\ndef optimizer(params):\n    return torch.optim.Adam(params, lr=1e-3, fused={fused})\n"
+    source = (
+        MLP_FILE
+        + f"\nimport torch\ndef optimizer(params):\n    return torch.optim.Adam(params, lr=1e-3, fused={fused})\n"
+    )
     bench = bench_for(training_file(source), steps=4, scaler={"init_scale": 2.0**40})
     probe = bench.probe("amp")
     weights = [p.detach().clone() for p in probe.model.parameters()]
@@ -165,7 +171,9 @@ def test_skipped_steps_are_detected_from_the_scalers_found_inf(training_file, fu
 
 
 def test_custom_train_step_is_observed(training_file):
-    source = MLP_FILE + """
+    source = (
+        MLP_FILE
+        + """
 import torch.nn.functional as F
 def train_step(model, batch, optimizer, scaler, autocast):
     optimizer.zero_grad()
@@ -176,6 +184,7 @@ def train_step(model, batch, optimizer, scaler, autocast):
     scaler.update()
     return loss
 """
+    )
     frame = bench_for(training_file(source), steps=3).probe("amp").run()
     assert frame["optimizer_stepped"].all() and (frame["grad_norm"] > 0).all()
     assert (frame["loss_scale"] == 65536.0).all()

@@ -11,13 +11,24 @@ import json
 
 import pandas as pd
 import pytest
-
 from conftest import ROOT, run_cli
 
 FILES = ROOT / "tests" / "training_files"
-HEALTHY = ["own_optimizer.py", "hf_bert.py", "hf_checkpointing.py", "compiled.py", "dataloader_workers.py",
-           "uses_sibling.py", "grad_accumulation.py", "returns_item.py", "sparse_embeddings.py",
-           "hf_batch_encoding.py", "plateau_scheduler.py", "scripted_activation.py", "gradient_penalty.py"]
+HEALTHY = [
+    "own_optimizer.py",
+    "hf_bert.py",
+    "hf_checkpointing.py",
+    "compiled.py",
+    "dataloader_workers.py",
+    "uses_sibling.py",
+    "grad_accumulation.py",
+    "returns_item.py",
+    "sparse_embeddings.py",
+    "hf_batch_encoding.py",
+    "plateau_scheduler.py",
+    "scripted_activation.py",
+    "gradient_penalty.py",
+]
 
 
 def diagnose_json(name: str, *extra: str, env: dict | None = None) -> tuple[int, dict, str]:
@@ -70,7 +81,9 @@ def test_accumulation_micro_steps_are_not_skips_in_compare():
 
 
 def test_accumulation_micro_steps_are_not_skips_in_train(tmp_path):
-    proc = run_cli("train", FILES / "grad_accumulation.py", "--steps", "8", "--run-dir", tmp_path / "run", "--device", "cpu")
+    proc = run_cli(
+        "train", FILES / "grad_accumulation.py", "--steps", "8", "--run-dir", tmp_path / "run", "--device", "cpu"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = pd.read_csv(tmp_path / "run" / "metrics.csv")
     assert metrics["micro_step"].tolist() == [True, True, True, False] * 2  # the optimizer steps every 4th micro-batch
@@ -92,11 +105,14 @@ def test_checkpointed_recompute_sees_the_same_precision_policy_as_the_forward():
 
 def test_own_optimizer_and_scheduler_through_compare_and_train(tmp_path):
     assert compare_json("own_optimizer.py", "--steps", "8")["verdict"] == "healthy"
-    proc = run_cli("train", FILES / "own_optimizer.py", "--steps", "6", "--run-dir", tmp_path / "run", "--device", "cpu")
+    proc = run_cli(
+        "train", FILES / "own_optimizer.py", "--steps", "6", "--run-dir", tmp_path / "run", "--device", "cpu"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lrs = pd.read_csv(tmp_path / "run" / "metrics.csv")["lr"].tolist()
-    assert lrs[0] < lrs[1] < lrs[2] < lrs[3] and lrs[4] == pytest.approx(0.05) and lrs[5] < lrs[4]  # warm-up, then cosine
-
+    assert (
+        lrs[0] < lrs[1] < lrs[2] < lrs[3] and lrs[4] == pytest.approx(0.05) and lrs[5] < lrs[4]
+    )  # warm-up, then cosine
 
 
 def test_a_fault_whose_run_does_not_replay_the_same_is_reported_non_deterministic():
@@ -145,7 +161,11 @@ def test_nan_from_a_fully_masked_attention_row_is_localised_in_fp32():
     assert code == 1
     top = report["findings"][0]
     assert top["cause"] == "fp32-divergence"
-    assert (top["evidence"]["module"], top["evidence"]["operator"], top["evidence"]["step"]) == ("mha", "aten::_softmax", 2)
+    assert (top["evidence"]["module"], top["evidence"]["operator"], top["evidence"]["step"]) == (
+        "mha",
+        "aten::_softmax",
+        2,
+    )
     assert "every key masked" in top["fix"]["summary"]
 
 
@@ -188,7 +208,10 @@ def test_a_constant_in_every_block_is_named_and_fixed_in_every_block():
     top = report["findings"][0]
     assert top["cause"] == "constant-out-of-range", [(f["cause"], f["title"]) for f in report["findings"]]
     assert top["severity"] == "error" and top["verification"]["repaired"] is True
-    assert top["evidence"]["module"] == "blocks.0.attn" and top["evidence"]["same_code_in"] == ["blocks.0.attn", "blocks.1.attn"]
+    assert top["evidence"]["module"] == "blocks.0.attn" and top["evidence"]["same_code_in"] == [
+        "blocks.0.attn",
+        "blocks.1.attn",
+    ]
     assert top["fix"]["config_patch"] == {"overrides": {"fp32_modules": ["blocks.0.attn", "blocks.1.attn"]}}
     assert "activation-overflow" not in [f["cause"] for f in report["findings"]]
 
@@ -223,7 +246,10 @@ def test_t5_feed_forward_overflow_is_found_past_its_deliberate_log_of_zero():
     assert code == 1
     top = report["findings"][0]
     assert top["cause"] == "activation-overflow"
-    assert top["evidence"]["module"] == "encoder.block.1.layer.1.DenseReluDense.wo" and top["verification"]["repaired"] is True
+    assert (
+        top["evidence"]["module"] == "encoder.block.1.layer.1.DenseReluDense.wo"
+        and top["verification"]["repaired"] is True
+    )
 
 
 def test_an_exp_that_grows_past_1e8_is_an_activation_overflow_not_a_constant():
@@ -297,13 +323,16 @@ def test_a_masked_mean_written_as_bmm_overflows_in_the_models_own_code_and_the_f
     assert "mask / mask.sum(1, keepdim=True)" in top["fix"]["code"] and "sums many values" in top["fix"]["summary"]
 
 
-@pytest.mark.parametrize("operator, ranges, summing", [
-    ("aten::bmm", [(1.0, 1.0), (-163.0, 186.0)], True),          # bmm(mask, h): all ones
-    ("aten::addmm", [(0.0, 0.0), (-163.0, 186.0), (-3.0, 3.0)], False),  # F.linear's zero bias is added, no factor
-    ("aten::addmm", [(-1.0, 1.0), (0.0, 1.0), (-3.0, 3.0)], True),
-    ("aten::mm", [(0.0, 0.0), (-3.0, 3.0)], False),              # an all-zero factor sums nothing
-    ("aten::mul", [(0.0, 1.0), (-3.0, 3.0)], False),             # no product over a dimension
-])
+@pytest.mark.parametrize(
+    "operator, ranges, summing",
+    [
+        ("aten::bmm", [(1.0, 1.0), (-163.0, 186.0)], True),  # bmm(mask, h): all ones
+        ("aten::addmm", [(0.0, 0.0), (-163.0, 186.0), (-3.0, 3.0)], False),  # F.linear's zero bias is added, no factor
+        ("aten::addmm", [(-1.0, 1.0), (0.0, 1.0), (-3.0, 3.0)], True),
+        ("aten::mm", [(0.0, 0.0), (-3.0, 3.0)], False),  # an all-zero factor sums nothing
+        ("aten::mul", [(0.0, 1.0), (-3.0, 3.0)], False),  # no product over a dimension
+    ],
+)
 def test_only_a_matrix_products_factor_in_0_1_makes_it_a_sum(operator, ranges, summing):
     from fp16doctor.diagnosis import fixtures as fx
     from fp16doctor.diagnosis.rules.activation_overflow import sums_by_product
@@ -320,7 +349,11 @@ def test_a_gap_no_small_module_set_closes_is_left_to_the_search_which_keeps_the_
     top = report["findings"][0]
     assert top["found_by"] == "intervention" and top["verification"]["repaired"] is True, top["title"]
     assert sorted(top["fix"]["config_patch"]["overrides"]["fp32_modules"]) == [
-        "blocks.0.norm", "blocks.1.norm", "blocks.2.norm", "norm"]
+        "blocks.0.norm",
+        "blocks.1.norm",
+        "blocks.2.norm",
+        "norm",
+    ]
     assert {s["name"]: s["status"] for s in report["stages"]}["intervention search"] == "ran"
     # the gap is range, hidden: the norm's square passed 65504 and d / sqrt(inf) = 0 made the output finite
     assert "aten::mul" in top["title"] and "overflow no module output shows" in top["title"]
@@ -335,7 +368,9 @@ def test_a_linear_attention_normaliser_that_overflows_silently_is_named_with_its
     top = report["findings"][0]
     assert top["cause"] == "precision-gap" and "overflow no module output shows" in top["title"], top["title"]
     absorbed = top["evidence"]["absorbed_overflow"]
-    assert absorbed["module"].startswith("blocks.") and absorbed["module"].endswith(".attn") and absorbed["peak"] > 65504
+    assert (
+        absorbed["module"].startswith("blocks.") and absorbed["module"].endswith(".attn") and absorbed["peak"] > 65504
+    )
 
 
 def test_a_one_pass_variance_that_cancels_below_zero_is_precision_not_overflow():

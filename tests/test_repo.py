@@ -21,9 +21,9 @@ def test_torch_is_pinned_in_every_install_command():
 
 
 def test_the_readme_training_file_example_runs(tmp_path):
-    from fp16doctor.measure.compare import compare
     from fp16doctor.config import build_config
     from fp16doctor.engine.probe import Workbench
+    from fp16doctor.measure.compare import compare
     from fp16doctor.userfile.spec import load_training_file
 
     readme = (ROOT / "README.md").read_text()

@@ -10,17 +10,36 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import SAMPLES, diagnosed
+
 from fp16doctor.diagnosis import fixed_config
 from fp16doctor.diagnosis.rules import all_rules
 
 CONTRACT_CODES = {
-    "nonfinite-data", "extreme-data", "fp32-divergence", "loss-in-half", "activation-overflow", "grad-underflow",
-    "scale-overflow", "scale-growth", "half-weights", "half-batchnorm", "half-optimizer-state",
-    "clip-before-unscale", "lr-schedule-peak", "scheduler-skip-drift", "precision-gap", "bf16-advice",
-    "constant-out-of-range", "empty-targets", "scaler-misuse", "backward-overflow", "loss-name-mismatch",
-    "constant-loss", "fp32-loss-rises", "divisor-underflow",
+    "nonfinite-data",
+    "extreme-data",
+    "fp32-divergence",
+    "loss-in-half",
+    "activation-overflow",
+    "grad-underflow",
+    "scale-overflow",
+    "scale-growth",
+    "half-weights",
+    "half-batchnorm",
+    "half-optimizer-state",
+    "clip-before-unscale",
+    "lr-schedule-peak",
+    "scheduler-skip-drift",
+    "precision-gap",
+    "bf16-advice",
+    "constant-out-of-range",
+    "empty-targets",
+    "scaler-misuse",
+    "backward-overflow",
+    "loss-name-mismatch",
+    "constant-loss",
+    "fp32-loss-rises",
+    "divisor-underflow",
 }
 RULES = all_rules()
 HEALTHY = ["mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"]
@@ -63,7 +82,9 @@ def test_sample_gets_its_top_cause(code, sample):
 def test_healthy_samples_have_no_error_finding(sample):
     _, result = diagnosed(sample)
     assert result.healthy, [(f.cause, f.title) for f in result.findings]
-    assert result.evidence.symptoms == [], [s.description for s in result.evidence.symptoms]  # measured, not only ruled out
+    assert result.evidence.symptoms == [], [
+        s.description for s in result.evidence.symptoms
+    ]  # measured, not only ruled out
 
 
 VERIFIABLE = [(r.code, s) for r in RULES if r.verifiable for s in r.triggers]
@@ -83,7 +104,9 @@ def test_a_root_cause_hides_its_symptoms():
     causes = [f.cause for f in result.findings]
     assert causes == ["nonfinite-data"]  # not fp32-divergence, not scale-overflow
     evidence = result.findings[0].evidence
-    assert evidence["first"]["batch"] == 3 and evidence["first"]["position"] == [5, 7] and evidence["batches"] == [3, 11]
+    assert (
+        evidence["first"]["batch"] == 3 and evidence["first"]["position"] == [5, 7] and evidence["batches"] == [3, 11]
+    )
 
 
 def test_user_exception_in_a_probe_is_evidence():
@@ -111,19 +134,36 @@ def test_ranking_is_severity_then_repair_then_size_then_root_cause_then_causal_o
     from fp16doctor.diagnosis.model import Finding, Fix, Verification
 
     def finding(cause, order, severity="error", removed=None, size=None):
-        verification = None if removed is None else Verification(
-            tried="x", symptoms_before=["nonfinite"], symptoms_after=[], removed_share=removed, repaired=removed == 1.0,
-            size=size)
-        return Finding(cause=cause, severity=severity, title=cause, evidence={}, fix=Fix("x"), order=order, verification=verification)
+        verification = (
+            None
+            if removed is None
+            else Verification(
+                tried="x",
+                symptoms_before=["nonfinite"],
+                symptoms_after=[],
+                removed_share=removed,
+                repaired=removed == 1.0,
+                size=size,
+            )
+        )
+        return Finding(
+            cause=cause,
+            severity=severity,
+            title=cause,
+            evidence={},
+            fix=Fix("x"),
+            order=order,
+            verification=verification,
+        )
 
     expected = [
         finding("lr-schedule-peak", 80, removed=1.0, size=1),  # repaired, the smallest change, a root cause
-        finding("scale-overflow", 70, removed=1.0, size=1),    # same, but lr-schedule-peak names it as its symptom
-        finding("precision-gap", 90, removed=1.0, size=2),     # repaired, a larger change
+        finding("scale-overflow", 70, removed=1.0, size=1),  # same, but lr-schedule-peak names it as its symptom
+        finding("precision-gap", 90, removed=1.0, size=2),  # repaired, a larger change
         finding("clip-before-unscale", 65, removed=0.5, size=1),  # removed some symptoms only
-        finding("extreme-data", 20),                           # nothing tried: causal order decides
+        finding("extreme-data", 20),  # nothing tried: causal order decides
         finding("half-batchnorm", 41),
-        finding("scale-growth", 72, severity="warning"),       # severity before everything
+        finding("scale-growth", 72, severity="warning"),  # severity before everything
         finding("bf16-advice", 100, severity="info"),
     ]
     ranked = rank(list(reversed(expected)))
@@ -136,7 +176,9 @@ def test_localisation_names_module_and_operator():
     finding = result.findings[0]
     assert finding.evidence["module"] == "block.ff.wo" and finding.evidence["operator"] == "aten::mm"
     assert finding.evidence["deterministic"] is True
-    assert finding.fix.config_patch == {"overrides": {"fp32_modules": ["block"]}}  # the block whose fp32 output fits fp16
+    assert finding.fix.config_patch == {
+        "overrides": {"fp32_modules": ["block"]}
+    }  # the block whose fp32 output fits fp16
 
 
 def test_loss_scale_recommendation_lies_in_the_derived_window():

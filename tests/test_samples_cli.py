@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import SAMPLES, run_cli
+
 from fp16doctor.diagnosis.rules import all_rules
 
 RULES = all_rules()

@@ -49,9 +49,14 @@ def data():
 
 
 def nothing_patched() -> bool:
-    return (autocast_mode.autocast.__init__ is ORIGINAL_AUTOCAST_INIT and not _AUTOCAST_CONSTRUCTOR.active
-            and not _INSTALLATION.active and torch.nn.utils.clip_grad_norm_ is ORIGINAL_CLIP
-            and clip_grad_module.clip_grad_norm_ is ORIGINAL_CLIP and _CLIP_PATCH.patched_modules == 0)
+    return (
+        autocast_mode.autocast.__init__ is ORIGINAL_AUTOCAST_INIT
+        and not _AUTOCAST_CONSTRUCTOR.active
+        and not _INSTALLATION.active
+        and torch.nn.utils.clip_grad_norm_ is ORIGINAL_CLIP
+        and clip_grad_module.clip_grad_norm_ is ORIGINAL_CLIP
+        and _CLIP_PATCH.patched_modules == 0
+    )
 
 
 @pytest.fixture
@@ -91,7 +96,7 @@ def test_the_session_is_reentrant_and_restored_when_an_exception_leaves_it():
             with session():
                 assert session.active and _INSTALLATION.active and _AUTOCAST_CONSTRUCTOR.active
             assert _INSTALLATION.active  # the inner exit left the outer session whole
-            1 / 0
+            raise ZeroDivisionError("a user's error inside the session")
     assert not session.active and nothing_patched()
 
 
@@ -117,7 +122,9 @@ def test_two_threads_share_the_patches_and_the_last_one_out_restores_them(bench)
             seen["b_kernels"] = _INSTALLATION.active
             seen["b_clip_patched"] = torch.nn.utils.clip_grad_norm_ is not ORIGINAL_CLIP
             with torch.autocast("cuda"):  # rewritten to CPU fp16 autocast in B's session
-                seen["b_cuda_block"] = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+                seen["b_cuda_block"] = (
+                    torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+                )
             b_checked.set()
 
     threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
@@ -128,8 +135,13 @@ def test_two_threads_share_the_patches_and_the_last_one_out_restores_them(bench)
         seen["main_autocast"] = torch.is_autocast_enabled("cpu")
     for t in threads:
         t.join(timeout=60)
-    assert seen == {"a_autocast": False, "b_kernels": True, "b_clip_patched": True, "b_cuda_block": True,
-                    "main_autocast": True}
+    assert seen == {
+        "a_autocast": False,
+        "b_kernels": True,
+        "b_clip_patched": True,
+        "b_cuda_block": True,
+        "main_autocast": True,
+    }
     assert b_checked.is_set() and nothing_patched()
     probe.close()
 

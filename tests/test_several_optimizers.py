@@ -13,7 +13,6 @@ import json
 
 import pandas as pd
 import torch
-
 from conftest import ROOT, run_cli
 
 FILES = ROOT / "tests" / "training_files"
@@ -97,8 +96,18 @@ def test_several_optimizers_without_train_step_is_bad_input(training_file):
 
 def test_train_and_compare_run_a_training_with_optimizers_of_its_own(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli("train", FILES / "gan_two_optimizers.py", "--steps", "12", "--checkpoint-every", "6",
-                   "--run-dir", run_dir, "--device", "cpu")
+    proc = run_cli(
+        "train",
+        FILES / "gan_two_optimizers.py",
+        "--steps",
+        "12",
+        "--checkpoint-every",
+        "6",
+        "--run-dir",
+        run_dir,
+        "--device",
+        "cpu",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = pd.read_csv(run_dir / "metrics.csv")
     assert len(metrics) == 12 and metrics["lr"].iloc[-1] == metrics["lr"].iloc[0] / 2  # both StepLR schedules stepped
@@ -141,7 +150,10 @@ def test_a_clip_that_raises_on_the_steps_the_scaler_skips_is_scaler_misuse_not_u
     code, report = diagnose("clip_raises_on_skip.py")
     assert code == 1
     top = report["findings"][0]
-    assert top["cause"] == "scaler-misuse" and top["severity"] == "error", [(f["cause"], f["title"]) for f in report["findings"]]
-    assert "error_if_nonfinite=False" in top["fix"]["summary"] and "unexplained" not in {f["cause"] for f in report["findings"]}
+    assert top["cause"] == "scaler-misuse" and top["severity"] == "error", [
+        (f["cause"], f["title"]) for f in report["findings"]
+    ]
+    assert "error_if_nonfinite=False" in top["fix"]["summary"] and "unexplained" not in {
+        f["cause"] for f in report["findings"]
+    }
     assert top["evidence"]["exception"]["type"] == "RuntimeError"
-

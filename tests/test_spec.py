@@ -5,11 +5,11 @@ import sys
 
 import pytest
 import torch
-
 from conftest import MLP_FILE
+
 from fp16doctor.config import build_config
-from fp16doctor.errors import BatchError, TrainingFileError
 from fp16doctor.engine.probe import Workbench
+from fp16doctor.errors import BatchError, TrainingFileError
 from fp16doctor.userfile.spec import build_model, draw_batches, load_training_file
 
 
@@ -33,7 +33,9 @@ def test_loading_keeps_the_files_imports_and_registers_it_by_name(training_file,
 
 def test_classes_defined_in_the_file_pickle(training_file):
     """DataLoader workers and torch.save of whole objects pickle the file's classes by module name."""
-    spec = load_training_file(training_file(MLP_FILE + "\nclass Pairs:\n    def __init__(self, n):\n        self.n = n\n"))
+    spec = load_training_file(
+        training_file(MLP_FILE + "\nclass Pairs:\n    def __init__(self, n):\n        self.n = n\n")
+    )
     copy = pickle.loads(pickle.dumps(spec.module.Pairs(3)))
     assert type(copy) is spec.module.Pairs and copy.n == 3
 
@@ -41,7 +43,11 @@ def test_classes_defined_in_the_file_pickle(training_file):
 def test_a_file_named_like_another_module_does_not_shadow_it(training_file):
     path = training_file(MLP_FILE, name="json.py")
     spec = load_training_file(path)
-    assert spec.module.__name__ != "json" and sys.modules["json"].__name__ == "json" and hasattr(sys.modules["json"], "dumps")
+    assert (
+        spec.module.__name__ != "json"
+        and sys.modules["json"].__name__ == "json"
+        and hasattr(sys.modules["json"], "dumps")
+    )
 
 
 def test_a_broken_file_is_not_left_registered(training_file):
@@ -69,7 +75,9 @@ def test_error_at_import_points_at_the_users_line(training_file):
     assert "ZeroDivisionError" in info.value.message and info.value.location.endswith(":2")
 
 
-@pytest.mark.parametrize("source,missing", [("def data():\n    return []\n", "model()"), ("def model():\n    pass\n", "data()")])
+@pytest.mark.parametrize(
+    "source,missing", [("def data():\n    return []\n", "model()"), ("def model():\n    pass\n", "data()")]
+)
 def test_missing_required_function(training_file, source, missing):
     with pytest.raises(TrainingFileError, match=missing.replace("(", r"\(").replace(")", r"\)")):
         load_training_file(training_file(source))
@@ -89,7 +97,11 @@ def test_empty_data(training_file):
 
 @pytest.mark.parametrize("batch", ["'text'", "3", "[1, 2]"])
 def test_unsupported_batch_type(training_file, batch):
-    spec = load_training_file(training_file(f"import torch\ndef model():\n    return torch.nn.Linear(2, 2)\ndef data():\n    return [{batch}]\n"))
+    spec = load_training_file(
+        training_file(
+            f"import torch\ndef model():\n    return torch.nn.Linear(2, 2)\ndef data():\n    return [{batch}]\n"
+        )
+    )
     with pytest.raises(BatchError):
         draw_batches(spec, 1)
 
@@ -101,7 +113,10 @@ def test_short_data_is_cycled_and_copied(training_file):
 
 
 def test_non_scalar_loss_is_bad_input(training_file):
-    source = MLP_FILE + "\nimport torch.nn.functional as F\ndef loss(model, batch):\n    return F.cross_entropy(model(batch[0]), batch[1], reduction='none')\n"
+    source = (
+        MLP_FILE
+        + "\nimport torch.nn.functional as F\ndef loss(model, batch):\n    return F.cross_entropy(model(batch[0]), batch[1], reduction='none')\n"
+    )
     spec = load_training_file(training_file(source))
     bench = Workbench(spec, build_config({"steps": 2, "device": "cpu"}))
     with pytest.raises(TrainingFileError, match="scalar"):
@@ -109,7 +124,9 @@ def test_non_scalar_loss_is_bad_input(training_file):
 
 
 def test_batch_without_default_loss_asks_for_loss(training_file):
-    source = "import torch\ndef model():\n    return torch.nn.Linear(4, 2)\ndef data():\n    return [torch.randn(3, 4)]\n"
+    source = (
+        "import torch\ndef model():\n    return torch.nn.Linear(4, 2)\ndef data():\n    return [torch.randn(3, 4)]\n"
+    )
     bench = Workbench(load_training_file(training_file(source)), build_config({"steps": 1, "device": "cpu"}))
     with pytest.raises(BatchError, match="loss"):
         bench.probe("fp32").run()

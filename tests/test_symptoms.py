@@ -21,12 +21,24 @@ def records(losses, skipped=None, micro=None, nonfinite_grads=None):
     grads = nonfinite_grads or [False] * n
     rows = []
     for i, loss in enumerate(losses):
-        rows.append({
-            "step": i, "batch_index": i, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "loss_scale": 65536.0,
-            "skipped": skipped[i], "optimizer_stepped": not skipped[i] and not micro[i], "micro_step": micro[i],
-            "nonfinite_loss": not math.isfinite(loss), "nonfinite_grads": grads[i] or skipped[i],
-            "exception_type": None, "exception": None, "exception_location": None,
-        })
+        rows.append(
+            {
+                "step": i,
+                "batch_index": i,
+                "loss": loss,
+                "grad_norm": 1.0,
+                "lr": 1e-3,
+                "loss_scale": 65536.0,
+                "skipped": skipped[i],
+                "optimizer_stepped": not skipped[i] and not micro[i],
+                "micro_step": micro[i],
+                "nonfinite_loss": not math.isfinite(loss),
+                "nonfinite_grads": grads[i] or skipped[i],
+                "exception_type": None,
+                "exception": None,
+                "exception_location": None,
+            }
+        )
     return pd.DataFrame(rows, columns=RECORD_COLUMNS)
 
 
@@ -136,9 +148,10 @@ def test_a_settling_scales_lag_is_measured_aligned_before_it_is_called_drift():
     """3 settling skips in a 10-step run: batch for batch the AMP curve ends 3 updates behind FP32's (more than
     the drift threshold); on an AMP run aligned on the steps taken it agrees, so no drift is reported."""
     from conftest import ROOT
+
     from fp16doctor.diagnosis import DiagnoseOptions, diagnose
-    from fp16doctor.userfile.spec import load_training_file
     from fp16doctor.measure.symptoms import probe_symptoms
+    from fp16doctor.userfile.spec import load_training_file
 
     spec = load_training_file(ROOT / "tests" / "training_files" / "gpu_style_fp32_block.py")
     result = diagnose(spec, build_config(spec.config, {"device": "cpu"}), DiagnoseOptions(ci=True))
@@ -174,5 +187,7 @@ def test_an_absorbed_overflow_is_a_result_past_range_not_an_infinity_at_zero():
     assert rounded.made_past_range
     assert fx.localisation("forward", "norm", "aten::mul", [(-559.0, 688.5)], "+inf (float16)").made_past_range
     assert not fx.localisation("forward", "bias", "aten::log", [(0.0, 31.0)], "-inf (float32)").made_past_range
-    assert not fx.localisation("forward", "norm", "aten::div", [(-1.0, 1.0), (0.0, 2.0)], "nan/+inf (float16)").made_past_range
+    assert not fx.localisation(
+        "forward", "norm", "aten::div", [(-1.0, 1.0), (0.0, 2.0)], "nan/+inf (float16)"
+    ).made_past_range
     assert rounded.inside(["attn"]) and not rounded.inside(["att"]) and rounded.inside(["attn", "ffn"])

@@ -13,13 +13,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-
 from conftest import ROOT, SAMPLES, diagnosed, run_cli
+
 from fp16doctor.config import build_config
 from fp16doctor.diagnosis import fixed_config
 from fp16doctor.diagnosis.rules import all_rules
-from fp16doctor.userfile.spec import load_training_file
 from fp16doctor.run.train import Trainer, TrainOptions, checkpoint_paths
+from fp16doctor.userfile.spec import load_training_file
 
 
 def trainer_for(path, run_dir, steps, every=5, resume=False, **config):
@@ -58,7 +58,9 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
 
 def test_first_nonfinite_step_is_diagnosed_next_to_the_run(tmp_path):
     result = trainer_for(SAMPLES / "nan_in_data.py", tmp_path, steps=12, scaler={"init_scale": 1024.0}).run()
-    assert result.ok and result.nonfinite == 2 and result.skipped == 2  # batches 3 and 11: skipped like the scaler would, then on
+    assert (
+        result.ok and result.nonfinite == 2 and result.skipped == 2
+    )  # batches 3 and 11: skipped like the scaler would, then on
     report = json.loads((tmp_path / "nonfinite_step_3.json").read_text())
     assert report["localisation"]["phase"] == "data" and report["localisation"]["step"] == 3
     assert report["localisation"]["operator"] == "<batch field '0'>" and "nan" in report["localisation"]["output"]
@@ -78,7 +80,10 @@ def test_stop_policy_and_consecutive_limit(tmp_path):
     assert result.steps == result.first_nonfinite["step"] + 1  # stopped on the first non-finite step
 
 
-FIXABLE = sorted({s for r in all_rules() if r.verifiable for s in r.triggers} | {"mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"})
+FIXABLE = sorted(
+    {s for r in all_rules() if r.verifiable for s in r.triggers}
+    | {"mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"}
+)
 
 
 @pytest.mark.parametrize("sample", FIXABLE)
@@ -119,9 +124,24 @@ def loss(model, batch):
 
 def start_training(path: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "fp16doctor", "train", str(path), "--run-dir", str(run_dir), "--device", "cpu",
-         "--checkpoint-every", "5", *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "fp16doctor",
+            "train",
+            str(path),
+            "--run-dir",
+            str(run_dir),
+            "--device",
+            "cpu",
+            "--checkpoint-every",
+            "5",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -202,7 +222,9 @@ def test_diagnose_train_and_train_with_the_fixed_config(tmp_path):
 
 
 def test_diagnose_train_exits_one_when_the_run_stops(tmp_path):
-    proc = run_cli("diagnose", SAMPLES / "log_of_zero.py", "--train", "--max-nonfinite", "3", "--run-dir", tmp_path / "a")
+    proc = run_cli(
+        "diagnose", SAMPLES / "log_of_zero.py", "--train", "--max-nonfinite", "3", "--run-dir", tmp_path / "a"
+    )
     assert proc.returncode == 1 and "stopped" in proc.stdout
 
 
@@ -277,7 +299,8 @@ def test_fp16_gradient_compression_is_reported(tmp_path):
 
 def test_a_user_exception_mid_run_stops_with_its_location(tmp_path):
     path = tmp_path / "breaks.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
         import torch.nn.functional as F
@@ -291,7 +314,8 @@ def test_a_user_exception_mid_run_stops_with_its_location(tmp_path):
             if calls["n"] == 3:
                 raise RuntimeError("the label file is gone")
             return F.cross_entropy(model(batch[0]), batch[1])
-    """))
+    """)
+    )
     proc = run_cli("train", path, "--steps", "6", "--run-dir", tmp_path / "run")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "the label file is gone" in proc.stdout and "breaks.py:13" in proc.stdout
@@ -301,8 +325,11 @@ def test_a_user_exception_mid_run_stops_with_its_location(tmp_path):
 @pytest.mark.slow
 def test_two_process_resume_reproduces_the_uninterrupted_run(tmp_path):
     path = tmp_path / "micro.py"
-    path.write_text(DDP_FILE.replace("{micro}", "True").replace("{extra}", "").replace(
-        "nn.Linear(12, 32), nn.Tanh()", "nn.Linear(12, 32), nn.Dropout(0.2), nn.Tanh()"))  # every rank's RNG matters
+    path.write_text(
+        DDP_FILE.replace("{micro}", "True")
+        .replace("{extra}", "")
+        .replace("nn.Linear(12, 32), nn.Tanh()", "nn.Linear(12, 32), nn.Dropout(0.2), nn.Tanh()")
+    )  # every rank's RNG matters
     common = ("--nproc", "2", "--device", "cpu")
     assert run_cli("train", path, *common, "--run-dir", tmp_path / "full").returncode == 0
     assert run_cli("train", path, *common, "--run-dir", tmp_path / "part", "--steps", "3").returncode == 0
@@ -317,7 +344,8 @@ def test_under_ddp_the_first_nonfinite_step_names_the_users_module(tmp_path):
     """The replay of a bad step under DistributedDataParallel names modules as the user's model does
     ('1.proj'), not with the wrapper's 'module.' prefix."""
     path = tmp_path / "overflows.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
         CONFIG = {"steps": 3}
@@ -334,7 +362,8 @@ def test_under_ddp_the_first_nonfinite_step_names_the_users_module(tmp_path):
         def data():
             g = torch.Generator().manual_seed(0)
             return [(torch.rand(4, 8, generator=g) + 1, torch.randint(0, 2, (4,), generator=g)) for _ in range(6)]
-    """))
+    """)
+    )
     proc = run_cli("train", path, "--nproc", "2", "--run-dir", tmp_path / "run", "--device", "cpu")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     localisation = summary["first_nonfinite"]["localisation"]

@@ -12,7 +12,6 @@ import json
 
 import pandas as pd
 import pytest
-
 from conftest import ROOT, SAMPLES, run_cli
 
 FILES = ROOT / "tests" / "training_files"

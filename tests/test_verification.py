@@ -6,8 +6,8 @@ import json
 
 import torch
 import yaml
-
 from conftest import ROOT, SAMPLES, run_cli
+
 from fp16doctor.diagnosis.engine import demote_unrepairing, rank
 from fp16doctor.diagnosis.model import Finding, Fix, Verification
 from fp16doctor.measure.numerics import GradientCapture, scale_window
@@ -16,17 +16,35 @@ FILES = ROOT / "tests" / "training_files"
 
 
 def finding(cause, order, verification=None, severity="error"):
-    return Finding(cause=cause, severity=severity, title=cause, evidence={}, fix=Fix("x"), order=order, verification=verification)
+    return Finding(
+        cause=cause, severity=severity, title=cause, evidence={}, fix=Fix("x"), order=order, verification=verification
+    )
 
 
 def verified(repaired, removed, size=1):
-    return Verification(tried="something", symptoms_before=["nonfinite"], symptoms_after=[] if repaired else ["nonfinite"],
-                        removed_share=removed, repaired=repaired, size=size)
+    return Verification(
+        tried="something",
+        symptoms_before=["nonfinite"],
+        symptoms_after=[] if repaired else ["nonfinite"],
+        removed_share=removed,
+        repaired=repaired,
+        size=size,
+    )
 
 
 def test_a_repairing_fix_outranks_an_earlier_cause_whose_fix_does_not():
-    vague = finding("fp32-divergence", 30, Verification(tried=None, reason="nothing", symptoms_before=["nonfinite"],
-                                                        symptoms_after=None, removed_share=None, repaired=False))
+    vague = finding(
+        "fp32-divergence",
+        30,
+        Verification(
+            tried=None,
+            reason="nothing",
+            symptoms_before=["nonfinite"],
+            symptoms_after=None,
+            removed_share=None,
+            repaired=False,
+        ),
+    )
     precise = finding("lr-schedule-peak", 80, verified(True, 1.0))
     assert [f.cause for f in rank([vague, precise])] == ["lr-schedule-peak", "fp32-divergence"]
 
@@ -38,7 +56,10 @@ def test_among_repairing_fixes_the_smaller_change_ranks_first():
 
 
 def test_a_fix_that_removes_nothing_is_demoted_to_a_warning_that_says_so():
-    useless, useful = finding("grad-underflow", 71, verified(False, 0.0)), finding("precision-gap", 90, verified(True, 1.0))
+    useless, useful = (
+        finding("grad-underflow", 71, verified(False, 0.0)),
+        finding("precision-gap", 90, verified(True, 1.0)),
+    )
     demote_unrepairing([useless, useful])
     assert useless.severity == "warning" and useless.demoted and "did not change the outcome" in useless.title
     assert useful.severity == "error"
@@ -60,7 +81,9 @@ def test_fp32_divergence_at_a_schedule_jump_gets_the_precise_cause():
     assert "fp32-nonfinite" in top["verification"]["symptoms_before"] and top["verification"]["symptoms_after"] == []
     vague = report["findings"][causes.index("fp32-divergence")]
     assert vague["verification"]["tried"] is None and vague["verification"]["reason"]
-    assert report["corrected"]["healthy_after"] is True and report["corrected"]["config_patch"] == {"overrides": {"max_lr": 0.001}}
+    assert report["corrected"]["healthy_after"] is True and report["corrected"]["config_patch"] == {
+        "overrides": {"max_lr": 0.001}
+    }
 
 
 def test_fix_config_header_carries_the_measured_before_and_after(tmp_path):
@@ -83,20 +106,61 @@ def test_the_verification_and_corrected_records_keep_their_documented_json_keys(
 
     from fp16doctor.diagnosis.model import CorrectedConfig
 
-    untried = Verification(tried=None, reason="no intervention", symptoms_before=["skips"], symptoms_after=None,
-                           removed_share=None, repaired=False)
-    tried = Verification(tried="a lower scale", config_patch={"scaler": {"init_scale": 1024.0}}, symptoms_before=["skips"],
-                         symptoms_after=[], removed_share=1.0, repaired=True, size=1, summary="AMP finite",
-                         amp_records=pd.DataFrame({"loss": [1.0]}))
-    assert list(untried.to_json()) == ["tried", "reason", "symptoms_before", "symptoms_after", "removed_share", "repaired"]
-    assert list(tried.to_json()) == ["tried", "config_patch", "symptoms_before", "symptoms_after", "removed_share",
-                                     "repaired", "summary"]
-    corrected = CorrectedConfig(config_patch=tried.config_patch, from_findings=["scale-overflow"], symptoms_before=["skips"],
-                                symptoms_after=["skips"], summary="AMP finite", amp_records=tried.amp_records)
+    untried = Verification(
+        tried=None,
+        reason="no intervention",
+        symptoms_before=["skips"],
+        symptoms_after=None,
+        removed_share=None,
+        repaired=False,
+    )
+    tried = Verification(
+        tried="a lower scale",
+        config_patch={"scaler": {"init_scale": 1024.0}},
+        symptoms_before=["skips"],
+        symptoms_after=[],
+        removed_share=1.0,
+        repaired=True,
+        size=1,
+        summary="AMP finite",
+        amp_records=pd.DataFrame({"loss": [1.0]}),
+    )
+    assert list(untried.to_json()) == [
+        "tried",
+        "reason",
+        "symptoms_before",
+        "symptoms_after",
+        "removed_share",
+        "repaired",
+    ]
+    assert list(tried.to_json()) == [
+        "tried",
+        "config_patch",
+        "symptoms_before",
+        "symptoms_after",
+        "removed_share",
+        "repaired",
+        "summary",
+    ]
+    corrected = CorrectedConfig(
+        config_patch=tried.config_patch,
+        from_findings=["scale-overflow"],
+        symptoms_before=["skips"],
+        symptoms_after=["skips"],
+        summary="AMP finite",
+        amp_records=tried.amp_records,
+    )
     payload = json.loads(json.dumps(corrected.to_json()))  # plain JSON: no frame leaks in
     assert payload["healthy_after"] is False and "amp_records" not in payload and "_amp_records" not in payload
-    assert set(payload) == {"config_patch", "from_findings", "symptoms_before", "symptoms_after", "healthy_after",
-                            "summary", "needs_data_changes"}
+    assert set(payload) == {
+        "config_patch",
+        "from_findings",
+        "symptoms_before",
+        "symptoms_after",
+        "healthy_after",
+        "summary",
+        "needs_data_changes",
+    }
 
 
 def test_a_verified_run_that_diverged_states_both_losses_not_a_share_in_the_billions():
@@ -108,7 +172,10 @@ def test_a_verified_run_that_diverged_states_both_losses_not_a_share_in_the_bill
     from fp16doctor.diagnosis import fixtures as fx
     from fp16doctor.diagnosis.verify import Outcome
 
-    outcome = Outcome(amp=fx.records(steps=8, losses=[0.7, 0.9, 3.0, 40.0, 9e3, 2e6, 4e8, 3.8e10]),
-                      fp32=fx.records(steps=8, losses=[0.7, 0.65, 0.6, 0.57, 0.55, 0.53, 0.51, 0.5]), symptoms=[])
+    outcome = Outcome(
+        amp=fx.records(steps=8, losses=[0.7, 0.9, 3.0, 40.0, 9e3, 2e6, 4e8, 3.8e10]),
+        fp32=fx.records(steps=8, losses=[0.7, 0.65, 0.6, 0.57, 0.55, 0.53, 0.51, 0.5]),
+        symptoms=[],
+    )
     summary = outcome.summary()
     assert "AMP finite" in summary and "final loss" in summary and "against FP32's" in summary and "%" not in summary

@@ -7,12 +7,21 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fp16doctor.live.watch import Watch, WatchOptions
 from fp16doctor.config import CALIBRATION_SKIPS
+from fp16doctor.live.watch import Watch, WatchOptions
 
 
-def loop(tmp_path, steps=12, init_scale=2.0**16, spike_at=None, nan_at=None, optimizer_class=torch.optim.SGD,
-         loss_factor=lambda step: 1.0, first_step=0, **options):
+def loop(
+    tmp_path,
+    steps=12,
+    init_scale=2.0**16,
+    spike_at=None,
+    nan_at=None,
+    optimizer_class=torch.optim.SGD,
+    loss_factor=lambda step: 1.0,
+    first_step=0,
+    **options,
+):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
     optimizer = optimizer_class(model.parameters(), lr=1e-2)
@@ -47,7 +56,11 @@ def test_a_healthy_loop_raises_nothing_and_reads_unscaled_norms(tmp_path):
 
 def test_nan_loss_alarms_at_its_step_with_a_loadable_capsule(tmp_path):
     watch, alarm = loop(tmp_path, nan_at=7)
-    assert alarm.kind == "nonfinite" and alarm.step == 7 and "Diagnose it: fp16doctor diagnose --capsule" in alarm.pointer()
+    assert (
+        alarm.kind == "nonfinite"
+        and alarm.step == 7
+        and "Diagnose it: fp16doctor diagnose --capsule" in alarm.pointer()
+    )
     state = torch.load(alarm.capsule / "capsule.pt", weights_only=True)
     assert state["step"] == 7 and torch.isnan(state["batches"][0][0]).any() and state["scaler"]["scale"] > 1
     assert (alarm.capsule / "train_capsule.py").is_file() and (alarm.capsule / "config.json").is_file()
@@ -87,8 +100,14 @@ def test_a_default_scale_settling_is_no_alarm_but_a_streak_after_applied_steps_i
     loss-spike alarm, which would see the jump first, is off)."""
     factor = lambda step: 300.0 if step < 10 else 1e7  # noqa: E731
     scaled_down = lambda params, lr: torch.optim.SGD(params, lr=lr / 300)  # noqa: E731  the same updates
-    watch, alarm = loop(tmp_path, steps=20, loss_factor=factor, skip_streak=5, optimizer_class=scaled_down,
-                        alarms=("nonfinite", "skip-streak", "scale-collapse"))
+    watch, alarm = loop(
+        tmp_path,
+        steps=20,
+        loss_factor=factor,
+        skip_streak=5,
+        optimizer_class=scaled_down,
+        alarms=("nonfinite", "skip-streak", "scale-collapse"),
+    )
     leading = next(i for i, h in enumerate(watch.history) if not h.skipped)
     assert 5 <= leading <= CALIBRATION_SKIPS  # longer than the streak: the settling is what is tested
     assert not any(h.skipped for h in watch.history[leading:10])
@@ -153,9 +172,18 @@ def test_the_observer_holds_large_output_gradients_only_once_a_skip_armed_it_and
             held.extend(c.grads[0] is not None for c in self._calls)
             super().check(optimizer, scaler, found_inf)
 
-    patched = lambda: (torch.Tensor.backward, torch.amp.GradScaler.step, torch.amp.GradScaler.update,  # noqa: E731
-                       torch.amp.GradScaler.scale, torch.optim.Optimizer.__init__, torch.optim.Optimizer.zero_grad,
-                       torch.nn.Module.zero_grad, torch.nn.modules.module._global_forward_hooks.copy())
+    def patched():
+        return (
+            torch.Tensor.backward,
+            torch.amp.GradScaler.step,
+            torch.amp.GradScaler.update,
+            torch.amp.GradScaler.scale,
+            torch.optim.Optimizer.__init__,
+            torch.optim.Optimizer.zero_grad,
+            torch.nn.Module.zero_grad,
+            torch.nn.modules.module._global_forward_hooks.copy(),
+        )
+
     originals = patched()
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 3)
@@ -270,8 +298,13 @@ def test_only_gradients_holding_an_inf_or_nan_are_non_finite_layers_not_those_wh
     whose norm passes fp16's range) is looked at again and stays finite."""
     from fp16doctor.live.watch import nonfinite_layers
 
-    grads = [torch.full((4,), 1e20), torch.full((8,), 6e4, dtype=torch.float16), torch.tensor([1.0, float("inf")]),
-             torch.tensor([float("nan"), 0.0]), torch.ones(3)]
+    grads = [
+        torch.full((4,), 1e20),
+        torch.full((8,), 6e4, dtype=torch.float16),
+        torch.tensor([1.0, float("inf")]),
+        torch.tensor([float("nan"), 0.0]),
+        torch.ones(3),
+    ]
     names = ["huge", "half", "inf", "nan", "fine"]
     norms = [float(n) for n in torch._foreach_norm(grads, 2, dtype=torch.float32)]
     assert not math.isfinite(norms[0]) and math.isfinite(norms[1])
@@ -317,7 +350,9 @@ def test_a_capsule_whose_loss_gradient_is_non_finite_is_diagnosed_as_the_loss_no
         return F.nll_loss(torch.log(torch.softmax(logits, -1) + 1e-8), y)
 
     # a first, healthy step is applied; then sharp logits
-    alarm = watched_amp_steps(tmp_path, torch.optim.SGD(model.parameters(), lr=1e-2), [lambda: sharp_nll(1.0), lambda: sharp_nll(40.0)])
+    alarm = watched_amp_steps(
+        tmp_path, torch.optim.SGD(model.parameters(), lr=1e-2), [lambda: sharp_nll(1.0), lambda: sharp_nll(40.0)]
+    )
     manifest = json.loads((alarm.capsule / "manifest.json").read_text())
     assert manifest["loss_finding"] and manifest["replay"] == "output-grads"
     proc = run_cli("diagnose", "--capsule", alarm.capsule, "--json")
@@ -340,6 +375,7 @@ def test_a_capsule_whose_loss_is_inf_from_a_log_of_zero_in_some_rows_is_diagnose
     import json
 
     from conftest import run_cli
+
     from fp16doctor.live.capsule import recorded_loss_evidence
 
     torch.manual_seed(0)
@@ -351,7 +387,9 @@ def test_a_capsule_whose_loss_is_inf_from_a_log_of_zero_in_some_rows_is_diagnose
         probs = torch.softmax(logits, -1).half()
         return -torch.log(probs.gather(1, y[:, None]) + 1e-8).mean()
 
-    alarm = watched_amp_steps(tmp_path, torch.optim.SGD(model.parameters(), lr=1e-2), [lambda: hand_nll(1.0), lambda: hand_nll(40.0)])
+    alarm = watched_amp_steps(
+        tmp_path, torch.optim.SGD(model.parameters(), lr=1e-2), [lambda: hand_nll(1.0), lambda: hand_nll(40.0)]
+    )
     manifest = json.loads((alarm.capsule / "manifest.json").read_text())
     assert manifest["loss"] == "inf" and not manifest["loss_finding"]  # the loss itself: no finding about its gradient
     assert manifest["loss_dtypes"] == ["float16"]
@@ -359,8 +397,14 @@ def test_a_capsule_whose_loss_is_inf_from_a_log_of_zero_in_some_rows_is_diagnose
     assert proc.returncode == 1, proc.stderr[-2000:]
     top = json.loads(proc.stdout)["findings"][0]
     assert top["cause"] == "loss-in-half" and "loss of inf" in top["evidence"]["recorded"], top["title"]
-    inf_loss = {"step": 3, "loss": "inf", "loss_finding": None, "replay": "output-grads", "loss_dtypes": ["float32"],
-                "output_dtypes": ["float16"]}
+    inf_loss = {
+        "step": 3,
+        "loss": "inf",
+        "loss_finding": None,
+        "replay": "output-grads",
+        "loss_dtypes": ["float32"],
+        "output_dtypes": ["float16"],
+    }
     assert "from float16 outputs" in recorded_loss_evidence(inf_loss)
     assert recorded_loss_evidence({**inf_loss, "loss": "2.5"}) is None
     assert recorded_loss_evidence({**inf_loss, "replay": "hf"}) is None  # a trainer's capsule replays its loss
@@ -387,7 +431,9 @@ def test_a_capsule_whose_outputs_went_non_finite_is_diagnosed_from_the_data_not_
         return F.mse_loss(model(x * 2e4 + 1e5 if raw else x).float(), y)
 
     # a first, healthy step; then a shard in raw units
-    alarm = watched_amp_steps(tmp_path, torch.optim.Adam(model.parameters(), lr=1e-3), [lambda: regression(False), lambda: regression(True)])
+    alarm = watched_amp_steps(
+        tmp_path, torch.optim.Adam(model.parameters(), lr=1e-3), [lambda: regression(False), lambda: regression(True)]
+    )
     manifest = json.loads((alarm.capsule / "manifest.json").read_text())
     assert not manifest["loss_finding"] and manifest["replay"] == "output-grads"  # the loss itself is NaN
     proc = run_cli("diagnose", "--capsule", alarm.capsule, "--json", "--device", "cpu")
@@ -409,8 +455,15 @@ def test_a_script_that_loads_its_scaler_state_is_settled_under_the_observer(tmp_
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     with TrainingObserver(WatchOptions(capsule_dir=tmp_path, skip_streak=4, stop_on_alarm=False)) as observer:
         scaler = torch.amp.GradScaler("cpu")
-        scaler.load_state_dict({"scale": 2.0**60, "growth_factor": 2.0, "backoff_factor": 0.5,
-                                "growth_interval": 2000, "_growth_tracker": 7})  # a checkpoint's scaler
+        scaler.load_state_dict(
+            {
+                "scale": 2.0**60,
+                "growth_factor": 2.0,
+                "backoff_factor": 0.5,
+                "growth_interval": 2000,
+                "_growth_tracker": 7,
+            }
+        )  # a checkpoint's scaler
         for _ in range(6):
             optimizer.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16):
@@ -420,4 +473,3 @@ def test_a_script_that_loads_its_scaler_state_is_settled_under_the_observer(tmp_
             scaler.update()
     assert [a.kind for a in observer.alarms] == ["skip-streak"] and observer.alarms[0].step == 3
     assert "initial scale" not in observer.alarms[0].message
-

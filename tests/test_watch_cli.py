@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import torch
-
 from conftest import ROOT, run_cli
 
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -44,24 +43,35 @@ def test_a_nan_batch_stops_the_run_and_its_capsule_names_the_data_in_another_pro
     assert "step 5 loss" in proc.stdout and "step 6" not in proc.stdout  # stopped before step 6's weights moved
     pointer = [line for line in proc.stderr.splitlines() if line.startswith("fp16doctor:")]
     capsule = tmp_path / "caps" / "step_00000006"
-    assert pointer == [f"fp16doctor: nonfinite at optimizer step 6: the loss is nan. Capsule: {capsule}. "
-                       f"Diagnose it: fp16doctor diagnose --capsule {capsule}"]
+    assert pointer == [
+        f"fp16doctor: nonfinite at optimizer step 6: the loss is nan. Capsule: {capsule}. "
+        f"Diagnose it: fp16doctor diagnose --capsule {capsule}"
+    ]
     state = torch.load(capsule / "capsule.pt", weights_only=True)
     assert torch.isnan(state["batches"][0]["args"][0]).sum() == 1 and state["output_grads"][0][0] is not None
     assert state["scaler"]["scale"] == 65536.0 and state["history"][-1]["skipped"]
 
-    shutil.move(str(capsule), tmp_path / "moved")  # another folder, another process: the script's class rebuilds by value
+    shutil.move(
+        str(capsule), tmp_path / "moved"
+    )  # another folder, another process: the script's class rebuilds by value
     diagnosis = run_cli("diagnose", "--ci", "--json", "--capsule", tmp_path / "moved", cwd=ROOT)
     assert diagnosis.returncode == 1, diagnosis.stderr[-3000:]
     top = json.loads(diagnosis.stdout)["findings"][0]
     assert top["cause"] == "nonfinite-data" and top["evidence"]["nan"] == 1
     notes = json.loads(diagnosis.stdout)["notes"]
-    assert any(n.startswith("single-step replay of optimizer step 6") and "loss computation itself is not replayed" in n
-               for n in notes) and "single-step replay" in diagnosis.stderr
+    assert (
+        any(
+            n.startswith("single-step replay of optimizer step 6") and "loss computation itself is not replayed" in n
+            for n in notes
+        )
+        and "single-step replay" in diagnosis.stderr
+    )
 
 
 def test_keep_going_finishes_the_run_and_still_exits_1(tmp_path):
-    proc = run_cli("watch", "--keep-going", "--capsule-dir", "caps", HAND_LOOP, "--steps", "8", "--nan-at", "3", cwd=tmp_path)
+    proc = run_cli(
+        "watch", "--keep-going", "--capsule-dir", "caps", HAND_LOOP, "--steps", "8", "--nan-at", "3", cwd=tmp_path
+    )
     assert proc.returncode == 1 and "step 7 loss" in proc.stdout
     assert [p.name for p in (tmp_path / "caps").iterdir()] == ["step_00000003"]
 
@@ -119,10 +129,29 @@ def test_diagnose_given_a_plain_script_points_at_watch(tmp_path):
 
 
 def torchrun_watch(tmp_path, *args):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "fp16doctor", "watch", "--capsule-dir", "caps", SCRIPTS / "ddp_loop.py", *args]
-    proc = subprocess.run(list(map(str, command)), capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "fp16doctor",
+        "watch",
+        "--capsule-dir",
+        "caps",
+        SCRIPTS / "ddp_loop.py",
+        *args,
+    ]
+    proc = subprocess.run(
+        list(map(str, command)),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("fp16doctor:")]
     return proc, lines, sorted(p.name for p in (tmp_path / "caps").iterdir()) if (tmp_path / "caps").exists() else []
 
@@ -141,10 +170,17 @@ def test_torchrun_ranks_that_disagree_on_the_scale_are_an_alarm(tmp_path):
     proc, lines, capsules = torchrun_watch(tmp_path, "--skew-scale-rank", "1", "--fp16-compress")
     assert proc.returncode != 0 and capsules == ["rank0_step_00000000"], proc.stderr[-3000:]
     # Two ranks write to one stderr: their lines can interleave mid-line, so each message is counted in the text.
-    assert proc.stderr.count("fp16doctor: warning: DDP gradients are all-reduced in half precision (fp16_compress_hook): remove "
-                             "the compression hook to reduce them in fp32 (cause ddp-half-allreduce).") == 2  # every rank says so
-    assert ("fp16doctor: rank-disagreement at optimizer step 0: the ranks disagree (rank 0: scale 65536, "
-            "stepped, rank 1: scale 4096, stepped)") in proc.stderr
+    assert (
+        proc.stderr.count(
+            "fp16doctor: warning: DDP gradients are all-reduced in half precision (fp16_compress_hook): remove "
+            "the compression hook to reduce them in fp32 (cause ddp-half-allreduce)."
+        )
+        == 2
+    )  # every rank says so
+    assert (
+        "fp16doctor: rank-disagreement at optimizer step 0: the ranks disagree (rank 0: scale 65536, "
+        "stepped, rank 1: scale 4096, stepped)"
+    ) in proc.stderr
 
 
 GAN_LOOP = SCRIPTS / "gan_loop.py"
@@ -156,14 +192,18 @@ def test_a_gan_whose_discriminator_joins_later_is_watched_at_every_step_of_both_
     its two forwards of that step (not the detached generator forward, not the generator loss's D(fake))."""
     plain = run_python(GAN_LOOP, "--steps", "8", cwd=tmp_path)
     watched = run_cli("watch", GAN_LOOP, "--steps", "8", cwd=tmp_path)
-    assert watched.returncode == 0 and watched.stdout == plain.stdout and "loss_d" in plain.stdout, watched.stderr[-2000:]
+    assert watched.returncode == 0 and watched.stdout == plain.stdout and "loss_d" in plain.stdout, watched.stderr[
+        -2000:
+    ]
     assert not any(tmp_path.iterdir())
 
     proc = run_cli("watch", "--capsule-dir", "caps", GAN_LOOP, "--nan-at", "5", cwd=tmp_path)
     assert proc.returncode == 1 and "step 4 loss_g" in proc.stdout and "step 5" not in proc.stdout, proc.stderr[-2000:]
     capsule = tmp_path / "caps" / "step_00000002"  # the discriminator's third step (it began at step 3)
-    assert (f"fp16doctor: nonfinite at optimizer step 2 of Adam (Discriminator): the loss is nan. Capsule: caps/step_00000002."
-            in proc.stderr)
+    assert (
+        "fp16doctor: nonfinite at optimizer step 2 of Adam (Discriminator): the loss is nan. Capsule: caps/step_00000002."
+        in proc.stderr
+    )
     state = torch.load(capsule / "capsule.pt", weights_only=True)
     assert torch.load(capsule / "model.pt", weights_only=False).__class__.__name__ == "Discriminator"
     assert len(state["batches"]) == 2 and [torch.isnan(b["args"][0]).sum().item() for b in state["batches"]] == [1, 0]

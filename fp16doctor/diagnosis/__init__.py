@@ -15,13 +15,31 @@ if TYPE_CHECKING:
     from .model import Diagnosis, Evidence, Finding, Fix, StageReport
 
 _HOMES = {
-    "DiagnoseOptions": ".engine", "diagnose": ".engine", "fixed_config": ".engine", "merge_patch": ".engine",
+    "DiagnoseOptions": ".engine",
+    "diagnose": ".engine",
+    "fixed_config": ".engine",
+    "merge_patch": ".engine",
     "rank": ".engine",
-    "Diagnosis": ".model", "Evidence": ".model", "Finding": ".model", "Fix": ".model", "StageReport": ".model",
+    "Diagnosis": ".model",
+    "Evidence": ".model",
+    "Finding": ".model",
+    "Fix": ".model",
+    "StageReport": ".model",
 }
 """Each public name and the module that defines it."""
 
-__all__ = ["DiagnoseOptions", "Diagnosis", "Evidence", "Finding", "Fix", "StageReport", "diagnose", "fixed_config", "merge_patch", "rank"]
+__all__ = [
+    "DiagnoseOptions",
+    "Diagnosis",
+    "Evidence",
+    "Finding",
+    "Fix",
+    "StageReport",
+    "diagnose",
+    "fixed_config",
+    "merge_patch",
+    "rank",
+]
 
 
 def __getattr__(name: str) -> Any:

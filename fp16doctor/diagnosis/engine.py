@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..config import DoctorConfig, build_config, merge
 from ..engine.kept import StateBlockMapping, StateKeeper, release_memory
@@ -96,15 +97,30 @@ def diagnose(
     plan = memory_plan(bench, options.max_memory)
     # Before the first probe: its weights, gradients and moments get their own mappings (the CLI's process only).
     mapping = StateBlockMapping(bench.parameter_shapes) if options.own_process else None
-    with mapping or contextlib.nullcontext(), StateKeeper(plan.kept_budget) as keeper, bench.reference_kept_in(keeper.kept()):  # the folder goes, however the run ends
-        ctx = StageContext(bench=bench, config=config, evidence=Evidence(
-                               config=config, device=bench.device.type, steps=config.steps,
-                               has_scheduler=spec.scheduler is not None, has_train_step=spec.train_step is not None,
-                               uses_default_loss=spec.loss is None and spec.train_step is None,
-                               near_misses={name: dict(found) for name, found in spec.near_misses.items()},
-                               recorded_loss_finding=options.recorded_loss_finding),
-                           ci=options.ci, plots=options.plots,
-                           states=keeper.kept(), fault_snapshots=keeper.kept(), amp_snapshots=keeper.kept())
+    with (
+        mapping or contextlib.nullcontext(),
+        StateKeeper(plan.kept_budget) as keeper,
+        bench.reference_kept_in(keeper.kept()),
+    ):  # the folder goes, however the run ends
+        ctx = StageContext(
+            bench=bench,
+            config=config,
+            evidence=Evidence(
+                config=config,
+                device=bench.device.type,
+                steps=config.steps,
+                has_scheduler=spec.scheduler is not None,
+                has_train_step=spec.train_step is not None,
+                uses_default_loss=spec.loss is None and spec.train_step is None,
+                near_misses={name: dict(found) for name, found in spec.near_misses.items()},
+                recorded_loss_finding=options.recorded_loss_finding,
+            ),
+            ci=options.ci,
+            plots=options.plots,
+            states=keeper.kept(),
+            fault_snapshots=keeper.kept(),
+            amp_snapshots=keeper.kept(),
+        )
         return _triage(ctx, spec, on_stage, mapping)
 
 
@@ -132,17 +148,25 @@ def run_stage(stage: Stage, ctx: StageContext) -> StageReport:
     except OUT_OF_MEMORY as exc:
         reason = one_line(exc)
         if stage.name in ESSENTIAL_STAGES:
-            raise MemoryLimitError(f"the {stage.name} probe ran out of memory ({reason}); the diagnosis needs it.",
-                                   hint=smaller_run_hint("Diagnose")) from exc
-        report = StageReport(stage.name, "skipped", f"did not fit in memory ({reason}); the diagnosis goes on without it")
+            raise MemoryLimitError(
+                f"the {stage.name} probe ran out of memory ({reason}); the diagnosis needs it.",
+                hint=smaller_run_hint("Diagnose"),
+            ) from exc
+        report = StageReport(
+            stage.name, "skipped", f"did not fit in memory ({reason}); the diagnosis goes on without it"
+        )
     finally:
         release_memory(ctx.bench.device)
     report.seconds = time.perf_counter() - start
     return report
 
 
-def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], None] | None,
-            mapping: StateBlockMapping | None = None) -> Diagnosis:
+def _triage(
+    ctx: StageContext,
+    spec: TrainingSpec,
+    on_stage: Callable[[str], None] | None,
+    mapping: StateBlockMapping | None = None,
+) -> Diagnosis:
     """Every stage, then the rules, the fixes' verification and (for what no rule explains) the search.
     ``mapping``: the allocator setting the first probes' activation sizes may put back (CLI runs only)."""
     config, evidence = ctx.config, ctx.evidence
@@ -162,9 +186,12 @@ def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], Non
     announce(VERIFYING)  # measuring the symptoms may replay AMP aligned on the steps taken: the verification's work
     start = time.perf_counter()
     skips = len(evidence.amp.skip_steps) if evidence.amp is not None else 0
-    with ctx.progress.planned(evidence.steps + skips if skips else 0):  # the AMP run aligned on the steps taken, if a drift needs it
-        evidence.symptoms = measured_symptoms(ctx, config, evidence.amp, evidence.fp32,
-                                              evidence.gap.gap if evidence.gap else None)
+    with ctx.progress.planned(
+        evidence.steps + skips if skips else 0
+    ):  # the AMP run aligned on the steps taken, if a drift needs it
+        evidence.symptoms = measured_symptoms(
+            ctx, config, evidence.amp, evidence.fp32, evidence.gap.gap if evidence.gap else None
+        )
     findings, suppressors = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
     verify_findings(findings, evidence, verifier, hidden_by(suppressors))
@@ -186,17 +213,30 @@ def _triage(ctx: StageContext, spec: TrainingSpec, on_stage: Callable[[str], Non
             release_memory(ctx.bench.device)
         if search is not None and search.repair is not None:
             unexplained = adopt_repair(findings, search.repair, evidence, unexplained)
-    search_stage = search_report(search, len(evidence.symptoms)) if search_unfit is None else StageReport(
-        "intervention search", "skipped", f"did not fit in memory ({search_unfit}); the diagnosis goes on without it")
+    search_stage = (
+        search_report(search, len(evidence.symptoms))
+        if search_unfit is None
+        else StageReport(
+            "intervention search",
+            "skipped",
+            f"did not fit in memory ({search_unfit}); the diagnosis goes on without it",
+        )
+    )
     search_stage.seconds = time.perf_counter() - searched
     if unexplained:
         findings.append(unexplained_finding(unexplained, evidence, search))
     findings = rank(findings)
     corrected = verify_corrected(findings, evidence, verifier)
     ran = corrected is not None or any(f.verification is not None and f.verification.tried for f in findings)
-    stages.append(StageReport("fix verification", "ran" if ran else "skipped",  # an untried record is no run
-                              _verification_sentence(findings, corrected), seconds=time.perf_counter() - start - search_stage.seconds,
-                              details={"corrected": corrected}))
+    stages.append(
+        StageReport(
+            "fix verification",
+            "ran" if ran else "skipped",  # an untried record is no run
+            _verification_sentence(findings, corrected),
+            seconds=time.perf_counter() - start - search_stage.seconds,
+            details={"corrected": corrected},
+        )
+    )
     stages.append(search_stage)
     return Diagnosis(findings=findings, stages=stages, evidence=evidence, notes=list(spec.notes), corrected=corrected)
 
@@ -211,8 +251,11 @@ def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier, h
 
     rules = rules_by_code()
     measured = {s.code for s in ev.symptoms}
-    candidates = [f for f in findings if f.severity == "error"
-                  or (f.severity == "warning" and measured & set(rules[f.cause].explains))]
+    candidates = [
+        f
+        for f in findings
+        if f.severity == "error" or (f.severity == "warning" and measured & set(rules[f.cause].explains))
+    ]
     interventions = {id(f): rules[f.cause].intervention(f, ev) for f in candidates}
     with verifier.ctx.progress.planned(sum(verifier.planned_steps(i) for i in interventions.values())):
         for group in ([f for f in candidates if f.cause not in hidden], [f for f in candidates if f.cause in hidden]):
@@ -227,7 +270,9 @@ def complete_with_scale(finding: Finding, intervention: Any, ev: Evidence, verif
     """A fix that removed the fault but left a loss scale settling from far too high is tried once more with the
     sweep's recommended scale (:func:`~.verify.with_recommended_scale`); where that repairs the training, the
     finding's fix and its verification are the completed ones, and the fix says what was added."""
-    completion = with_recommended_scale(intervention, finding.verification, ev, verifier.ctx.config) if intervention else None
+    completion = (
+        with_recommended_scale(intervention, finding.verification, ev, verifier.ctx.config) if intervention else None
+    )
     if completion is None:
         return
     completed, also = completion
@@ -237,8 +282,10 @@ def complete_with_scale(finding: Finding, intervention: Any, ev: Evidence, verif
         finding.verification = verification
         finding.fix.config_patch = dict(completed.config_patch)
         finding.title += f" (together with {also})"
-        finding.fix.summary += (f" Together with {also}: with the fix alone, GradScaler still halves its scale step "
-                                "after skipped step down to what the repaired gradients need (measured).")
+        finding.fix.summary += (
+            f" Together with {also}: with the fix alone, GradScaler still halves its scale step "
+            "after skipped step down to what the repaired gradients need (measured)."
+        )
 
 
 def demote_unrepairing(findings: list[Finding]) -> None:
@@ -259,8 +306,11 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
     usable = [f for f in findings if f.severity == "error" and f.fix.config_patch and repair_rank(f) != 3]
     if usable and usable[0] is findings[0] and repair_rank(usable[0]) == 0:
         usable = usable[:1]
-    data = [f.cause for f in findings if f.severity == "error" and f.verification and f.verification.tried
-            and not f.fix.config_patch]
+    data = [
+        f.cause
+        for f in findings
+        if f.severity == "error" and f.verification and f.verification.tried and not f.fix.config_patch
+    ]
     if not usable:
         return None
     patch: dict[str, Any] = {}
@@ -276,19 +326,34 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
             release_memory(verifier.ctx.bench.device)
             return None
         after, summary, records = [s.code for s in outcome.symptoms], outcome.summary(), outcome.amp
-    return CorrectedConfig(config_patch=patch, from_findings=[f.cause for f in usable],
-                           symptoms_before=[s.code for s in ev.symptoms], symptoms_after=after, summary=summary,
-                           needs_data_changes=data, amp_records=records)
+    return CorrectedConfig(
+        config_patch=patch,
+        from_findings=[f.cause for f in usable],
+        symptoms_before=[s.code for s in ev.symptoms],
+        symptoms_after=after,
+        summary=summary,
+        needs_data_changes=data,
+        amp_records=records,
+    )
 
 
 def _verification_sentence(findings: list[Finding], corrected: CorrectedConfig | None) -> str:
-    tried: list[tuple[str, Verification]] = [(f.cause, f.verification) for f in findings
-                                             if f.verification is not None and f.verification.tried]
+    tried: list[tuple[str, Verification]] = [
+        (f.cause, f.verification) for f in findings if f.verification is not None and f.verification.tried
+    ]
     if not tried and corrected is None:
         return "no fix to try"
-    parts = [f"{cause}: " + ("repaired" if v.repaired else
-                             f"removed {v.removed_share:.0%} of the symptoms{_appeared(v)}" if v.removed_share is not None
-                             else "no measured symptom to remove") for cause, v in tried]
+    parts = [
+        f"{cause}: "
+        + (
+            "repaired"
+            if v.repaired
+            else f"removed {v.removed_share:.0%} of the symptoms{_appeared(v)}"
+            if v.removed_share is not None
+            else "no measured symptom to remove"
+        )
+        for cause, v in tried
+    ]
     if corrected is not None:
         parts.append("corrected config: " + corrected.summary)
     return "; ".join(parts)
@@ -315,10 +380,14 @@ def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Symptom]:
     explains = {code: rule.explains for code, rule in rules_by_code().items()}
     unexplained = []
     for symptom in ev.symptoms:
-        candidates = [f for f in findings if symptom.code in explains.get(f.cause, ()) and not (f.demoted or f.needs_search)]
+        candidates = [
+            f for f in findings if symptom.code in explains.get(f.cause, ()) and not (f.demoted or f.needs_search)
+        ]
         errors = [f for f in candidates if f.severity == "error"]
         if not errors:
-            warnings_ = sorted((f for f in candidates if f.severity == "warning"), key=lambda f: (f.order, -f.confidence))
+            warnings_ = sorted(
+                (f for f in candidates if f.severity == "warning"), key=lambda f: (f.order, -f.confidence)
+            )
             if warnings_:
                 warnings_[0].severity = "error"
                 errors = warnings_[:1]
@@ -337,7 +406,9 @@ def adopt_repair(findings: list[Finding], repair: Repair, ev: Evidence, unexplai
     from .rules import name_repair
 
     finding = name_repair(repair, ev)
-    for other in [f for f in findings if f.cause == finding.cause and (f.demoted or f.needs_search or f.severity != "error")]:
+    for other in [
+        f for f in findings if f.cause == finding.cause and (f.demoted or f.needs_search or f.severity != "error")
+    ]:
         finding.evidence = {**other.evidence, **finding.evidence}
         findings.remove(other)
     finding.evidence["symptoms"] = [s.code for s in unexplained if s.code in repair.symptoms]
@@ -350,14 +421,27 @@ def adopt_repair(findings: list[Finding], repair: Repair, ev: Evidence, unexplai
 def search_report(search: SearchResult | None, symptoms: int = 0) -> StageReport:
     """The intervention search as a stage of the report: what was tried, and what repaired."""
     if search is None:
-        return StageReport("intervention search", "skipped", "every measured symptom is explained by a rule's finding"
-                           if symptoms else "no measured symptom to repair")
-    tried = "; ".join(f"{t.candidate.intervention.description}: " + ("repaired" if t.repaired else
-                      t.screen if t.passed_screen is False else f"symptoms left {t.symptoms_after}") for t in search.trials)
-    head = (f"repaired by {search.repair.description}" if search.repair is not None
-            else "no intervention repaired the training")
-    return StageReport("intervention search", "ran", f"{head} ({len(search.trials)} tried: {tried or 'none'})",
-                       details={"trials": [t.to_json() for t in search.trials], "fault_is_intrinsic": search.fault_is_intrinsic})
+        return StageReport(
+            "intervention search",
+            "skipped",
+            "every measured symptom is explained by a rule's finding" if symptoms else "no measured symptom to repair",
+        )
+    tried = "; ".join(
+        f"{t.candidate.intervention.description}: "
+        + ("repaired" if t.repaired else t.screen if t.passed_screen is False else f"symptoms left {t.symptoms_after}")
+        for t in search.trials
+    )
+    head = (
+        f"repaired by {search.repair.description}"
+        if search.repair is not None
+        else "no intervention repaired the training"
+    )
+    return StageReport(
+        "intervention search",
+        "ran",
+        f"{head} ({len(search.trials)} tried: {tried or 'none'})",
+        details={"trials": [t.to_json() for t in search.trials], "fault_is_intrinsic": search.fault_is_intrinsic},
+    )
 
 
 def unexplained_finding(symptoms: list[Symptom], ev: Evidence, search: SearchResult | None = None) -> Finding:
@@ -365,32 +449,54 @@ def unexplained_finding(symptoms: list[Symptom], ev: Evidence, search: SearchRes
     evidence: dict[str, Any] = {"symptoms": [s.to_json() for s in symptoms]}
     loc = ev.localisation
     if loc is not None:
-        evidence["localisation"] = {"module": loc.module, "operator": loc.operator, "phase": loc.phase,
-                                    "step": loc.step, "batch": loc.batch_index}
+        evidence["localisation"] = {
+            "module": loc.module,
+            "operator": loc.operator,
+            "phase": loc.phase,
+            "step": loc.step,
+            "batch": loc.batch_index,
+        }
     where = f"; it starts in {loc.place} at {loc.operator}, step {loc.step}, batch {loc.batch_index}" if loc else ""
     if ev.amp is not None and ev.amp.exception is not None:
         evidence["exception"] = ev.amp.exception
         where += f"; AMP raised {ev.amp.exception.type} at {ev.amp.exception.location}"
     inspect = ["re-run `fp16doctor compare FILE --fp32 --amp --steps N` to see where the curves part"]
     if loc is not None:
-        inspect.insert(0, f"print the inputs and output of {loc.operator} in {loc.place} at step {loc.step} (batch {loc.batch_index}) under AMP and FP32")
+        inspect.insert(
+            0,
+            f"print the inputs and output of {loc.operator} in {loc.place} at step {loc.step} (batch {loc.batch_index}) under AMP and FP32",
+        )
     if search is not None and search.trials:
         evidence["interventions_tried"] = [t.to_json() for t in search.trials]
-        inspect.insert(0, "no intervention the doctor can apply removed it (tried: " + "; ".join(
-            f"{t.candidate.intervention.description} -> " + (t.screen if t.passed_screen is False else
-                                                           f"symptoms left: {', '.join(t.symptoms_after or []) or 'none'}")
-            for t in search.trials) + ")")
+        inspect.insert(
+            0,
+            "no intervention the doctor can apply removed it (tried: "
+            + "; ".join(
+                f"{t.candidate.intervention.description} -> "
+                + (
+                    t.screen
+                    if t.passed_screen is False
+                    else f"symptoms left: {', '.join(t.symptoms_after or []) or 'none'}"
+                )
+                for t in search.trials
+            )
+            + ")",
+        )
     codes = {s.code for s in symptoms}
     if "skips" in codes or "nonfinite" in codes:
         inspect.append("try a lower scaler.init_scale and bf16 to tell range from precision trouble")
     if codes & {"same-state-gap", "trajectory-drift", "lost-updates"}:
         inspect.append("keep the suspect modules in fp32 (overrides.fp32_modules) one at a time")
     return Finding(
-        cause=UNEXPLAINED, severity="error",
-        title="Measured under AMP, explained by no rule or intervention: " + "; ".join(s.description for s in symptoms) + where,
+        cause=UNEXPLAINED,
+        severity="error",
+        title="Measured under AMP, explained by no rule or intervention: "
+        + "; ".join(s.description for s in symptoms)
+        + where,
         evidence=evidence,
         fix=Fix("No rule recognises this pattern. Inspect next: " + "; ".join(inspect) + "."),
-        confidence=0.5, order=UNEXPLAINED_ORDER,
+        confidence=0.5,
+        order=UNEXPLAINED_ORDER,
     )
 
 
@@ -418,8 +524,13 @@ def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], dict[str, tuple[s
 def hidden_by(suppressors: dict[str, tuple[str, ...]], standing: set[str] | None = None) -> set[str]:
     """The causes the root causes hide (``standing``: only those roots, e.g. the ones whose fix was not tried in
     vain)."""
-    return {code for root, codes in suppressors.items() if standing is None or root in standing
-            for code in codes if code != root}
+    return {
+        code
+        for root, codes in suppressors.items()
+        if standing is None or root in standing
+        for code in codes
+        if code != root
+    }
 
 
 def rank(findings: list[Finding]) -> list[Finding]:
@@ -429,13 +540,24 @@ def rank(findings: list[Finding]) -> list[Finding]:
     from .rules import rules_by_code
 
     rules = rules_by_code()
-    symptoms_of_others = {code for f in findings if f.severity == "error" for code in rules[f.cause].suppresses if code != f.cause}
+    symptoms_of_others = {
+        code for f in findings if f.severity == "error" for code in rules[f.cause].suppresses if code != f.cause
+    }
 
     def size(f: Finding) -> float:
         return f.verification.size if f.verification is not None else math.inf
 
-    ordered = sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), repair_rank(f), size(f),
-                                              f.cause in symptoms_of_others, f.order, -f.confidence))
+    ordered = sorted(
+        findings,
+        key=lambda f: (
+            SEVERITIES.index(f.severity),
+            repair_rank(f),
+            size(f),
+            f.cause in symptoms_of_others,
+            f.order,
+            -f.confidence,
+        ),
+    )
     for index, finding in enumerate(ordered, 1):
         finding.rank = index
     return ordered

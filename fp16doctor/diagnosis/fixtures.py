@@ -12,7 +12,8 @@ steps whose loss falls smoothly, fp32 parameters, nothing localised.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import pandas as pd
 
@@ -22,8 +23,17 @@ from ..measure.datascan import FieldScan
 from ..measure.records import Localisation, ScaleWindow
 from .model import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
 
-PRECISION_COLUMNS = ["module", "type", "compute_dtype", "param_dtypes", "buffer_dtypes", "optimizer_state_dtypes",
-                     "trained_param_dtypes", "frozen", "library"]
+PRECISION_COLUMNS = [
+    "module",
+    "type",
+    "compute_dtype",
+    "param_dtypes",
+    "buffer_dtypes",
+    "optimizer_state_dtypes",
+    "trained_param_dtypes",
+    "frozen",
+    "library",
+]
 
 
 def records(
@@ -42,23 +52,44 @@ def records(
     rows = []
     for i in range(steps):
         raised = exception is not None and i == exc["step"]
-        rows.append({
-            "step": i, "batch_index": i, "loss": math.nan if i in bad_loss or raised else (losses[i] if losses else 2.0 - 0.05 * i),
-            "grad_norm": math.inf if i in bad_grads or i in skipped else 1.0, "lr": 1e-3,
-            "loss_scale": scales[i] if scales else 65536.0, "skipped": i in skipped or raised,
-            "optimizer_stepped": i not in skipped and not raised, "micro_step": False,
-            "nonfinite_loss": i in bad_loss or raised, "nonfinite_grads": i in bad_grads or i in skipped or raised,
-            "exception_type": exc["type"] if raised else None, "exception": exc["message"] if raised else None,
-            "exception_location": exc.get("location", "train.py:1") if raised else None,
-            "exception_module": exc.get("module") if raised else None,
-        })
+        rows.append(
+            {
+                "step": i,
+                "batch_index": i,
+                "loss": math.nan if i in bad_loss or raised else (losses[i] if losses else 2.0 - 0.05 * i),
+                "grad_norm": math.inf if i in bad_grads or i in skipped else 1.0,
+                "lr": 1e-3,
+                "loss_scale": scales[i] if scales else 65536.0,
+                "skipped": i in skipped or raised,
+                "optimizer_stepped": i not in skipped and not raised,
+                "micro_step": False,
+                "nonfinite_loss": i in bad_loss or raised,
+                "nonfinite_grads": i in bad_grads or i in skipped or raised,
+                "exception_type": exc["type"] if raised else None,
+                "exception": exc["message"] if raised else None,
+                "exception_location": exc.get("location", "train.py:1") if raised else None,
+                "exception_module": exc.get("module") if raised else None,
+            }
+        )
         if raised:
             break
     return pd.DataFrame(rows, columns=RECORD_COLUMNS)
 
 
-LIBRARY_TYPES = {"Linear", "Conv2d", "LayerNorm", "BatchNorm1d", "BatchNorm2d", "Embedding", "MultiheadAttention",
-                 "ReLU", "GELU", "Dropout", "Sequential", "ModuleList"}
+LIBRARY_TYPES = {
+    "Linear",
+    "Conv2d",
+    "LayerNorm",
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "Embedding",
+    "MultiheadAttention",
+    "ReLU",
+    "GELU",
+    "Dropout",
+    "Sequential",
+    "ModuleList",
+}
 """torch.nn classes the fixtures use: their precision rows say ``library`` as the instruments' would."""
 
 
@@ -66,49 +97,111 @@ def precision(*rows: tuple[Any, ...]) -> pd.DataFrame:
     """(module, type, param dtypes, buffer dtypes, optimizer-state dtypes[, frozen]) per module; a module's
     parameters are trained unless ``frozen`` is true."""
     table = rows or (("0", "Linear", "float32", None, "float32"),)
-    return pd.DataFrame([{"module": m, "type": t, "compute_dtype": None, "param_dtypes": p, "buffer_dtypes": b,
-                          "optimizer_state_dtypes": o, "trained_param_dtypes": None if frozen else p,
-                          "frozen": bool(frozen and p), "library": t in LIBRARY_TYPES}
-                         for m, t, p, b, o, *rest in table for frozen in [rest[0] if rest else False]],
-                        columns=PRECISION_COLUMNS)
+    return pd.DataFrame(
+        [
+            {
+                "module": m,
+                "type": t,
+                "compute_dtype": None,
+                "param_dtypes": p,
+                "buffer_dtypes": b,
+                "optimizer_state_dtypes": o,
+                "trained_param_dtypes": None if frozen else p,
+                "frozen": bool(frozen and p),
+                "library": t in LIBRARY_TYPES,
+            }
+            for m, t, p, b, o, *rest in table
+            for frozen in [rest[0] if rest else False]
+        ],
+        columns=PRECISION_COLUMNS,
+    )
 
 
 def probe(mode: str = "amp", record: pd.DataFrame | None = None, **fields: Any) -> ProbeSummary:
     """A probe summary; ``fields`` set any other :class:`ProbeSummary` field."""
-    values: dict[str, Any] = {"tables": {}, "precision": precision(), "clip_calls": [], "loss_dtypes": ["float32"],
-                              "first_nonfinite_forward": None, "scaler_enabled": mode == "amp"}
+    values: dict[str, Any] = {
+        "tables": {},
+        "precision": precision(),
+        "clip_calls": [],
+        "loss_dtypes": ["float32"],
+        "first_nonfinite_forward": None,
+        "scaler_enabled": mode == "amp",
+    }
     values.update(fields)
     return ProbeSummary(mode=mode, records=record if record is not None else records(), **values)
 
 
-def evidence(amp: ProbeSummary | None = None, fp32: ProbeSummary | None = None, config: dict[str, Any] | None = None,
-             **fields: Any) -> Evidence:
+def evidence(
+    amp: ProbeSummary | None = None,
+    fp32: ProbeSummary | None = None,
+    config: dict[str, Any] | None = None,
+    **fields: Any,
+) -> Evidence:
     """Evidence of a healthy ten-step diagnosis, with ``amp``/``fp32``/``fields`` replacing what a case measures."""
     amp = amp or probe("amp")
-    ev = Evidence(config=build_config(config or {}), device="cpu", steps=len(amp.records),
-                  has_scheduler=fields.pop("has_scheduler", False), has_train_step=fields.pop("has_train_step", False),
-                  fp32=fp32 or probe("fp32"), amp=amp)
+    ev = Evidence(
+        config=build_config(config or {}),
+        device="cpu",
+        steps=len(amp.records),
+        has_scheduler=fields.pop("has_scheduler", False),
+        has_train_step=fields.pop("has_train_step", False),
+        fp32=fp32 or probe("fp32"),
+        amp=amp,
+    )
     for name, value in fields.items():
         setattr(ev, name, value)
     return ev
 
 
-def localisation(phase: str = "forward", module: str | None = "layer", operator: str = "aten::mm",
-                 input_ranges: list[tuple[float, float]] | None = None, output: str = "+inf (float16)", step: int = 0,
-                 scalars: list[float] | None = None, input_spreads: list[int] | None = None,
-                 input_constants: list[bool | None] | None = None, parameter: str | None = None,
-                 peak: float | None = None, loss_scale: float | None = None) -> Localisation:
-    return Localisation(step=step, batch_index=step, phase=phase, module=module, operator=operator, peak=peak,
-                        loss_scale=loss_scale,
-                        input_ranges=input_ranges or [(-300.0, 300.0)], output=output, scalars=scalars or [],
-                        input_spreads=input_spreads or [], input_constants=input_constants or [], parameter=parameter)
+def localisation(
+    phase: str = "forward",
+    module: str | None = "layer",
+    operator: str = "aten::mm",
+    input_ranges: list[tuple[float, float]] | None = None,
+    output: str = "+inf (float16)",
+    step: int = 0,
+    scalars: list[float] | None = None,
+    input_spreads: list[int] | None = None,
+    input_constants: list[bool | None] | None = None,
+    parameter: str | None = None,
+    peak: float | None = None,
+    loss_scale: float | None = None,
+) -> Localisation:
+    return Localisation(
+        step=step,
+        batch_index=step,
+        phase=phase,
+        module=module,
+        operator=operator,
+        peak=peak,
+        loss_scale=loss_scale,
+        input_ranges=input_ranges or [(-300.0, 300.0)],
+        output=output,
+        scalars=scalars or [],
+        input_spreads=input_spreads or [],
+        input_constants=input_constants or [],
+        parameter=parameter,
+    )
 
 
-def repair(kind: str, modules: list[str] | None = None, config_patch: dict[str, Any] | None = None,
-           forward_overflow: bool = False, symptoms: tuple[str, ...] = ("nonfinite",), **fields: Any) -> Repair:
+def repair(
+    kind: str,
+    modules: list[str] | None = None,
+    config_patch: dict[str, Any] | None = None,
+    forward_overflow: bool = False,
+    symptoms: tuple[str, ...] = ("nonfinite",),
+    **fields: Any,
+) -> Repair:
     """An intervention the search found to repair the training, as the rules read it to name the cause."""
-    return Repair(kind=kind, description=f"the {kind} intervention", config_patch=config_patch or {},
-                  modules=modules or [], symptoms=list(symptoms), forward_overflow=forward_overflow, **fields)
+    return Repair(
+        kind=kind,
+        description=f"the {kind} intervention",
+        config_patch=config_patch or {},
+        modules=modules or [],
+        symptoms=list(symptoms),
+        forward_overflow=forward_overflow,
+        **fields,
+    )
 
 
 def field(name: str = "0", floating: bool = True, **values: Any) -> FieldScan:
@@ -125,15 +218,40 @@ def window(low: float, high: float) -> ScaleWindow:
 
 def underflow(*rows: tuple[str, float, float, bool]) -> pd.DataFrame:
     """(tensor name, element share, mass share, negligible) per parameter gradient."""
-    return pd.DataFrame([{"kind": "param", "name": n, "scale": 1.0, "observed_underflow": e, "observed_underflow_mass": m,
-                          "rms": 1e-6, "negligible": neg} for n, e, m, neg in rows])
+    return pd.DataFrame(
+        [
+            {
+                "kind": "param",
+                "name": n,
+                "scale": 1.0,
+                "observed_underflow": e,
+                "observed_underflow_mass": m,
+                "rms": 1e-6,
+                "negligible": neg,
+            }
+            for n, e, m, neg in rows
+        ]
+    )
 
 
-def lr_peak(lrs: list[float], peak_step: int, jump_step: int | None = None, jump_ratio: float = 1.0,
-            pause: LrPause | None = None) -> LrPeak:
+def lr_peak(
+    lrs: list[float],
+    peak_step: int,
+    jump_step: int | None = None,
+    jump_ratio: float = 1.0,
+    pause: LrPause | None = None,
+) -> LrPeak:
     """The LR-peak stage's record: a schedule with its peak and jump, and the pause when one was taken."""
-    return LrPeak(LrSchedule(lrs=lrs, peak_step=peak_step, peak_lr=lrs[peak_step], jump_step=peak_step if jump_step is None else jump_step,
-                             jump_ratio=jump_ratio), pause)
+    return LrPeak(
+        LrSchedule(
+            lrs=lrs,
+            peak_step=peak_step,
+            peak_lr=lrs[peak_step],
+            jump_step=peak_step if jump_step is None else jump_step,
+            jump_ratio=jump_ratio,
+        ),
+        pause,
+    )
 
 
 def gap(value: float, tolerance: float = 1e-3, step: int = 0, **found: Any) -> GapSearch:

@@ -27,8 +27,9 @@ localisation as its evidence.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
 from ..measure.records import ROOT
@@ -40,8 +41,19 @@ from .rules._helpers import class_members, library_modules, module_types, role_m
 from .stages import StageContext, same_state_gap
 from .verify import Intervention, Verifier, drop_rows, recommended_init_scale, standardise, with_recommended_scale
 
-KINDS = ("fp32-modules", "loss-fp32", "fp32-weights", "scaler-scale", "scaler-growth", "lr-cap", "hold-scheduler",
-         "unscale-before-clip", "drop-nonfinite-rows", "standardise", "bf16")
+KINDS = (
+    "fp32-modules",
+    "loss-fp32",
+    "fp32-weights",
+    "scaler-scale",
+    "scaler-growth",
+    "lr-cap",
+    "hold-scheduler",
+    "unscale-before-clip",
+    "drop-nonfinite-rows",
+    "standardise",
+    "bf16",
+)
 """Every kind of intervention the search tries (a :class:`Repair`'s ``kind``)."""
 
 RANGE_SYMPTOMS = {"nonfinite", "amp-exception", "skips"}
@@ -84,8 +96,13 @@ class Trial:
     """The full probe's verification record (when the candidate passed its screen)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"intervention": self.candidate.intervention.description, "kind": self.candidate.kind,
-                "screen": self.screen, "symptoms_after": self.symptoms_after, "repaired": self.repaired}
+        return {
+            "intervention": self.candidate.intervention.description,
+            "kind": self.candidate.kind,
+            "screen": self.screen,
+            "symptoms_after": self.symptoms_after,
+            "repaired": self.repaired,
+        }
 
 
 @dataclass
@@ -127,8 +144,13 @@ class InterventionSearch:
 
     def _search(self) -> SearchResult:
         loc = self.ev.localisation
-        if (self.codes & RANGE_SYMPTOMS and "fp32-nonfinite" not in self.codes and loc is not None
-                and loc.phase != "data" and self.ev.localisation_deterministic):
+        if (
+            self.codes & RANGE_SYMPTOMS
+            and "fp32-nonfinite" not in self.codes
+            and loc is not None
+            and loc.phase != "data"
+            and self.ev.localisation_deterministic
+        ):
             # Does the fault happen at a loss scale of 1 too? Then candidates are screened there (a scaled
             # backward at 65536 overflows in healthy trainings too); if not, the scale is part of the fault.
             self.intrinsic = self._screen_fault({"scaler": {"enabled": False}}) is not None
@@ -164,8 +186,15 @@ class InterventionSearch:
         if completion is None:
             return None
         intervention, also = completion
-        return Candidate(c.kind, intervention, modules=list(c.modules), scope=c.scope, module_class=c.module_class,
-                         screen="none", also=also)
+        return Candidate(
+            c.kind,
+            intervention,
+            modules=list(c.modules),
+            scope=c.scope,
+            module_class=c.module_class,
+            screen="none",
+            also=also,
+        )
 
     def _try(self, candidate: Candidate) -> Trial:
         trial = Trial(candidate)
@@ -173,10 +202,15 @@ class InterventionSearch:
             moved = self._screen_fault(candidate.intervention.config_patch)
             trial.passed_screen = moved is None
             trial.moved_to = moved
-            trial.screen = ("the failing step stays finite" if moved is None else
-                            f"the failing step still fails: {moved.operator} in {moved.place}")
+            trial.screen = (
+                "the failing step stays finite"
+                if moved is None
+                else f"the failing step still fails: {moved.operator} in {moved.place}"
+            )
         elif candidate.screen == "gap" and self.ev.gap:
-            gap = same_state_gap(self.ctx, self.ctx.with_config(candidate.intervention.config_patch), self.ev.gap.worst_step)
+            gap = same_state_gap(
+                self.ctx, self.ctx.with_config(candidate.intervention.config_patch), self.ev.gap.worst_step
+            )
             trial.passed_screen = gap <= self.ev.gap.tolerance
             trial.screen = f"same-state deviation {gap:.3%} (tolerance {self.ev.gap.tolerance:.3%})"
         if trial.passed_screen is False:
@@ -184,7 +218,9 @@ class InterventionSearch:
         verification = self.verifier.verify(candidate.intervention, "")
         trial.symptoms_after = list(verification.symptoms_after or [])
         before = {s.code for s in self.ev.symptoms}
-        trial.repaired = not (self.codes & set(trial.symptoms_after)) and set(trial.symptoms_after) <= before - self.codes
+        trial.repaired = (
+            not (self.codes & set(trial.symptoms_after)) and set(trial.symptoms_after) <= before - self.codes
+        )
         trial.verification = verification
         return trial
 
@@ -215,10 +251,18 @@ class InterventionSearch:
 
     def _repair(self, trial: Trial) -> Repair:
         c = trial.candidate
-        return Repair(kind=c.kind, description=c.intervention.description, config_patch=dict(c.intervention.config_patch),
-                      modules=list(c.modules), scope=c.scope, module_class=c.module_class,
-                      symptoms=sorted(self.codes), forward_overflow=self._forward_overflow(c.modules),
-                      verification=trial.verification, also=c.also)
+        return Repair(
+            kind=c.kind,
+            description=c.intervention.description,
+            config_patch=dict(c.intervention.config_patch),
+            modules=list(c.modules),
+            scope=c.scope,
+            module_class=c.module_class,
+            symptoms=sorted(self.codes),
+            forward_overflow=self._forward_overflow(c.modules),
+            verification=trial.verification,
+            also=c.also,
+        )
 
     # --- candidates, most local first ---------------------------------------------------------------
     def _candidates(self) -> Iterator[Candidate]:
@@ -285,18 +329,30 @@ class InterventionSearch:
             if last is None or last.moved_to is None:
                 return
             moved = last.moved_to
-            if moved.phase not in ("forward", "backward") or not moved.module or moved.module in (OUTSIDE_MODEL, ROOT) \
-                    or moved.module in modules:
+            if (
+                moved.phase not in ("forward", "backward")
+                or not moved.module
+                or moved.module in (OUTSIDE_MODEL, ROOT)
+                or moved.module in modules
+            ):
                 return
             modules = modules + [moved.module]
             yield self._fp32_modules(modules, "relocalised")
 
-    def _fp32_modules(self, modules: list[str], scope: str, module_class: str | None = None, what: str | None = None) -> Candidate:
+    def _fp32_modules(
+        self, modules: list[str], scope: str, module_class: str | None = None, what: str | None = None
+    ) -> Candidate:
         types = module_types(self.ev)
         named = ", ".join(f"'{m}' ({types[m]})" if m in types else f"'{m}'" for m in modules)  # '1' (Mish), not "1"
         what = what or (f"every {module_class} ({', '.join(modules)})" if module_class else named)
-        return Candidate("fp32-modules", Intervention(f"keeping {what} in fp32", {"overrides": {"fp32_modules": modules}}),
-                         modules=modules, scope=scope, module_class=module_class, screen=self._screen_kind())
+        return Candidate(
+            "fp32-modules",
+            Intervention(f"keeping {what} in fp32", {"overrides": {"fp32_modules": modules}}),
+            modules=modules,
+            scope=scope,
+            module_class=module_class,
+            screen=self._screen_kind(),
+        )
 
     def _gap_set(self) -> Iterator[Candidate]:
         gap = self.ev.gap
@@ -321,14 +377,19 @@ class InterventionSearch:
         return "gap" if "same-state-gap" in self.codes else "none"
 
     def _loss_fp32(self) -> Candidate:
-        return Candidate("loss-fp32", Intervention("computing the loss in fp32", {"overrides": {"loss_in_fp32": True}}),
-                         screen=self._screen_kind())
+        return Candidate(
+            "loss-fp32",
+            Intervention("computing the loss in fp32", {"overrides": {"loss_in_fp32": True}}),
+            screen=self._screen_kind(),
+        )
 
     def _fp32_weights(self) -> Iterator[Candidate]:
         if stores_half_training_state(self.ev):
-            yield Candidate("fp32-weights", Intervention("fp32 master weights and optimizer state",
-                                                         {"overrides": {"fp32_weights": True}}),
-                            screen="range" if self.codes & RANGE_SYMPTOMS else "none")
+            yield Candidate(
+                "fp32-weights",
+                Intervention("fp32 master weights and optimizer state", {"overrides": {"fp32_weights": True}}),
+                screen="range" if self.codes & RANGE_SYMPTOMS else "none",
+            )
 
     def _scaler(self) -> Iterator[Candidate]:
         cfg = self.ctx.config
@@ -336,15 +397,27 @@ class InterventionSearch:
             return
         recommended = recommended_init_scale(self.ev)
         if not cfg.scaler.enabled:
-            yield Candidate("scaler-scale", Intervention(f"dynamic loss scaling from {recommended or 65536:g}",
-                                                         {"scaler": {"enabled": True, "init_scale": float(recommended or 65536)}}))
+            yield Candidate(
+                "scaler-scale",
+                Intervention(
+                    f"dynamic loss scaling from {recommended or 65536:g}",
+                    {"scaler": {"enabled": True, "init_scale": float(recommended or 65536)}},
+                ),
+            )
         elif recommended and not math.isclose(recommended, cfg.scaler.init_scale):
-            yield Candidate("scaler-scale", Intervention(f"an initial loss scale of {recommended:g}",
-                                                         {"scaler": {"init_scale": float(recommended)}}))
+            yield Candidate(
+                "scaler-scale",
+                Intervention(
+                    f"an initial loss scale of {recommended:g}", {"scaler": {"init_scale": float(recommended)}}
+                ),
+            )
         amp = self.ev.amp
         if amp is not None and cfg.scaler.enabled and len(skip_runs(amp.skip_steps)) >= 2:
             interval = int(cfg.scaler.growth_interval * 10)
-            yield Candidate("scaler-growth", Intervention(f"a growth interval of {interval}", {"scaler": {"growth_interval": interval}}))
+            yield Candidate(
+                "scaler-growth",
+                Intervention(f"a growth interval of {interval}", {"scaler": {"growth_interval": interval}}),
+            )
 
     def _schedule(self) -> Iterator[Candidate]:
         info = self.ctx.schedule if self.ev.has_scheduler else None
@@ -353,12 +426,19 @@ class InterventionSearch:
         event = self.ctx.schedule_event_before(self._trouble_step())
         if event is not None:
             cap = info["lrs"][event - 1]
-            yield Candidate("lr-cap", Intervention(f"the learning rate capped at {cap:.3g} (before step {event}'s jump)",
-                                                   {"overrides": {"max_lr": cap}}))
+            yield Candidate(
+                "lr-cap",
+                Intervention(
+                    f"the learning rate capped at {cap:.3g} (before step {event}'s jump)",
+                    {"overrides": {"max_lr": cap}},
+                ),
+            )
         amp = self.ev.amp
         if amp is not None and amp.skip_steps:
-            yield Candidate("hold-scheduler", Intervention("the scheduler held on skipped steps",
-                                                           {"overrides": {"hold_scheduler_on_skip": True}}))
+            yield Candidate(
+                "hold-scheduler",
+                Intervention("the scheduler held on skipped steps", {"overrides": {"hold_scheduler_on_skip": True}}),
+            )
 
     def _trouble_step(self) -> int | None:
         for summary in (self.ev.fp32, self.ev.amp):
@@ -371,21 +451,33 @@ class InterventionSearch:
     def _clipping(self) -> Iterator[Candidate]:
         amp = self.ev.amp
         if amp is not None and any(c.get("scaled") for c in amp.clip_calls):
-            yield Candidate("unscale-before-clip", Intervention("unscaling the gradients before clipping",
-                                                                {"overrides": {"unscale_before_clip": True}}),
-                            screen="range" if self.codes & RANGE_SYMPTOMS else "none")
+            yield Candidate(
+                "unscale-before-clip",
+                Intervention("unscaling the gradients before clipping", {"overrides": {"unscale_before_clip": True}}),
+                screen="range" if self.codes & RANGE_SYMPTOMS else "none",
+            )
 
     def _data(self) -> Iterator[Candidate]:
         for scan in self.ev.data:
             if scan.nonfinite:
-                yield Candidate("drop-nonfinite-rows", Intervention(f"the batches without the rows where '{scan.field}' is non-finite",
-                                                                    batches=drop_rows(scan.field)))
+                yield Candidate(
+                    "drop-nonfinite-rows",
+                    Intervention(
+                        f"the batches without the rows where '{scan.field}' is non-finite",
+                        batches=drop_rows(scan.field),
+                    ),
+                )
             elif scan.floating and scan.abs_max >= EXTREME_INPUT:
-                yield Candidate("standardise", Intervention(f"'{scan.field}' standardised", batches=standardise(scan.field)))
+                yield Candidate(
+                    "standardise", Intervention(f"'{scan.field}' standardised", batches=standardise(scan.field))
+                )
 
     def _bf16(self) -> Candidate:
-        return Candidate("bf16", Intervention("bfloat16 instead of float16", {"dtype": "bfloat16", "scaler": {"enabled": False}}),
-                         screen="range")
+        return Candidate(
+            "bf16",
+            Intervention("bfloat16 instead of float16", {"dtype": "bfloat16", "scaler": {"enabled": False}}),
+            screen="range",
+        )
 
     def _forward_overflow(self, modules: list[str]) -> bool:
         """Whether the AMP run's forward outputs of ``modules`` (or of modules inside them) left fp16's range."""
@@ -404,4 +496,3 @@ class InterventionSearch:
         if "inputs_finite" in rows:
             made &= rows["inputs_finite"].astype(bool)  # made here, not carried in
         return bool(made.any() or (rows["abs_max"] > FP16_MAX).any())  # an fp32 output beyond fp16's range
-

@@ -45,7 +45,8 @@ def memory_plan(bench: Workbench, max_memory: int | None = None) -> MemoryPlan:
             f"--max-memory {size_text(max_memory)} is too small for this model: one probe needs about {size_text(needed)} "
             f"(its weights, gradients and optimizer state, {size_text(probe_bytes)}, and the reference weights every probe "
             f"starts from, {size_text(model_bytes)}), before activations.",
-            hint=f"Give at least that, e.g. --max-memory {size_text(2 * needed)}, or leave the flag out (one probe in memory, kept states on disk).")
+            hint=f"Give at least that, e.g. --max-memory {size_text(2 * needed)}, or leave the flag out (one probe in memory, kept states on disk).",
+        )
     return MemoryPlan(model_bytes, probe_bytes, max_memory - needed)
 
 

@@ -59,11 +59,23 @@ class Verification:
     def to_json(self) -> dict[str, Any]:
         """The documented shape: an untried record has ``reason`` and no ``config_patch``/``summary``."""
         if self.tried is None:
-            return {"tried": None, "reason": self.reason, "symptoms_before": self.symptoms_before,
-                    "symptoms_after": self.symptoms_after, "removed_share": self.removed_share, "repaired": self.repaired}
-        return {"tried": self.tried, "config_patch": self.config_patch, "symptoms_before": self.symptoms_before,
-                "symptoms_after": self.symptoms_after, "removed_share": self.removed_share, "repaired": self.repaired,
-                "summary": self.summary}
+            return {
+                "tried": None,
+                "reason": self.reason,
+                "symptoms_before": self.symptoms_before,
+                "symptoms_after": self.symptoms_after,
+                "removed_share": self.removed_share,
+                "repaired": self.repaired,
+            }
+        return {
+            "tried": self.tried,
+            "config_patch": self.config_patch,
+            "symptoms_before": self.symptoms_before,
+            "symptoms_after": self.symptoms_after,
+            "removed_share": self.removed_share,
+            "repaired": self.repaired,
+            "summary": self.summary,
+        }
 
 
 @dataclass
@@ -87,9 +99,15 @@ class CorrectedConfig:
         return not self.symptoms_after
 
     def to_json(self) -> dict[str, Any]:
-        return {"config_patch": self.config_patch, "from_findings": self.from_findings,
-                "symptoms_before": self.symptoms_before, "symptoms_after": self.symptoms_after,
-                "healthy_after": self.healthy_after, "summary": self.summary, "needs_data_changes": self.needs_data_changes}
+        return {
+            "config_patch": self.config_patch,
+            "from_findings": self.from_findings,
+            "symptoms_before": self.symptoms_before,
+            "symptoms_after": self.symptoms_after,
+            "healthy_after": self.healthy_after,
+            "summary": self.summary,
+            "needs_data_changes": self.needs_data_changes,
+        }
 
 
 @dataclass
@@ -120,8 +138,14 @@ class Finding:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "rank": self.rank, "cause": self.cause, "severity": self.severity, "found_by": self.found_by, "title": self.title,
-            "evidence": jsonable(self.evidence), "fix": self.fix.to_json(), "confidence": round(self.confidence, 3),
+            "rank": self.rank,
+            "cause": self.cause,
+            "severity": self.severity,
+            "found_by": self.found_by,
+            "title": self.title,
+            "evidence": jsonable(self.evidence),
+            "fix": self.fix.to_json(),
+            "confidence": round(self.confidence, 3),
             "verification": jsonable(self.verification.to_json()) if self.verification else None,
         }
 
@@ -168,8 +192,13 @@ class StageReport:
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "summary": self.summary,
-                "seconds": round(self.seconds, 2), "details": jsonable(self.details)}
+        return {
+            "name": self.name,
+            "status": self.status,
+            "summary": self.summary,
+            "seconds": round(self.seconds, 2),
+            "details": jsonable(self.details),
+        }
 
 
 @dataclass
@@ -272,8 +301,12 @@ class ModuleGap:
     input_error: float
 
     def to_json(self) -> dict[str, Any]:
-        return {"module": self.module, "added_error": self.added_error, "output_error": self.output_error,
-                "input_error": self.input_error}
+        return {
+            "module": self.module,
+            "added_error": self.added_error,
+            "output_error": self.output_error,
+            "input_error": self.input_error,
+        }
 
 
 @dataclass
@@ -322,8 +355,12 @@ class GapSearch:
     def to_json(self) -> dict[str, Any]:
         """The stage's documented details: the measured gap, then what each later part of the stage found (a part
         that did not run leaves its keys out)."""
-        out: dict[str, Any] = {"same_state_rel_dev": self.same_state_rel_dev, "worst_step": self.worst_step,
-                               "gap": self.gap, "tolerance": self.tolerance}
+        out: dict[str, Any] = {
+            "same_state_rel_dev": self.same_state_rel_dev,
+            "worst_step": self.worst_step,
+            "gap": self.gap,
+            "tolerance": self.tolerance,
+        }
         if self.gap_without_loss_scaling is not None:
             out["gap_without_loss_scaling"] = self.gap_without_loss_scaling
         if self.scale_leak:
@@ -331,8 +368,13 @@ class GapSearch:
         if self.ranked_modules is not None:
             out["ranked_modules"] = [m.to_json() for m in self.ranked_modules]
         if self.tried is not None:
-            out.update({"closing_set": self.closing_set, "closed_gap": self.closed_gap,
-                        "tried": [t.to_json() for t in self.tried]})
+            out.update(
+                {
+                    "closing_set": self.closing_set,
+                    "closed_gap": self.closed_gap,
+                    "tried": [t.to_json() for t in self.tried],
+                }
+            )
         if self.absorbed_overflow is not None:
             out["absorbed_overflow"] = self.absorbed_overflow.to_json()
         return out
@@ -405,8 +447,11 @@ class Diagnosis:
     @property
     def unexplained(self) -> list[UnexplainedException]:
         """Exceptions the training raised in a probe that no finding accounts for (never "healthy")."""
-        explained = {json_key(f.evidence.get("exception")) for f in self.findings
-                     if f.evidence.get("exception") and (f.cause != "unexplained" or f.found_by == "intervention")}
+        explained = {
+            json_key(f.evidence.get("exception"))
+            for f in self.findings
+            if f.evidence.get("exception") and (f.cause != "unexplained" or f.found_by == "intervention")
+        }
         out = []
         for summary in (self.evidence.fp32, self.evidence.amp):
             if summary is not None and summary.exception is not None and json_key(summary.exception) not in explained:
@@ -427,8 +472,10 @@ class Diagnosis:
             "findings": [f.to_json() for f in self.findings],
             "stages": [s.to_json() for s in self.stages],
             "unexplained": jsonable(self.unexplained),
-            "symptoms": [jsonable(dict(s.to_json(), explained_by=self.evidence.explained.get(s.code, [])))
-                         for s in self.evidence.symptoms],
+            "symptoms": [
+                jsonable(dict(s.to_json(), explained_by=self.evidence.explained.get(s.code, [])))
+                for s in self.evidence.symptoms
+            ],
             "notes": self.notes,
             "corrected": jsonable(self.corrected.to_json()) if self.corrected is not None else None,
         }

@@ -12,8 +12,9 @@ The ranking then prefers the finding whose intervention removes the symptom.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -94,13 +95,17 @@ class Outcome:
         if not profile["settled"] and profile["attempted"]:
             parts.append(f"all {profile['attempted']} steps skipped: the scale never settled")
         else:
-            parts.append(f"{profile['after_settling']} skip(s) after calibration"
-                         + (f" ({profile['leading']} while the scale settled)" if profile["leading"] else ""))
+            parts.append(
+                f"{profile['after_settling']} skip(s) after calibration"
+                + (f" ({profile['leading']} while the scale settled)" if profile["leading"] else "")
+            )
         aligned = self.aligned_amp is not None
         tails = tail_losses(self.aligned_amp if aligned else self.amp, self.fp32)
         if bad is None and tails is not None:
-            parts.append(final_loss_phrase(tails[0], tails[1], relative_deviation(tails[0], tails[1], loss_floor(self.fp32)))
-                         + (" (aligned on the steps taken)" if aligned else ""))
+            parts.append(
+                final_loss_phrase(tails[0], tails[1], relative_deviation(tails[0], tails[1], loss_floor(self.fp32)))
+                + (" (aligned on the steps taken)" if aligned else "")
+            )
         return ", ".join(parts)
 
 
@@ -182,7 +187,11 @@ class Verifier:
         return Outcome(amp=amp.records, fp32=fp32.records, symptoms=symptoms, aligned_amp=aligned)
 
     def _measures_gap(self) -> bool:
-        return self.measure_gap is not None and bool(self.ev.gap) and any(s.code == "same-state-gap" for s in self.ev.symptoms)
+        return (
+            self.measure_gap is not None
+            and bool(self.ev.gap)
+            and any(s.code == "same-state-gap" for s in self.ev.symptoms)
+        )
 
     def planned_steps(self, intervention: Intervention | None) -> int:
         """The probe steps :meth:`run` takes for ``intervention`` (its progress estimate): the AMP probe, the
@@ -196,24 +205,40 @@ class Verifier:
         """The ``verification`` record of one finding: what was tried, symptoms before and after, the share removed."""
         before = [s.code for s in self.ev.symptoms]
         if intervention is None:
-            return Verification(tried=None, reason=nothing_to_try, symptoms_before=before, symptoms_after=None,
-                                removed_share=None, repaired=False)
+            return Verification(
+                tried=None,
+                reason=nothing_to_try,
+                symptoms_before=before,
+                symptoms_after=None,
+                removed_share=None,
+                repaired=False,
+            )
         try:
             outcome = self.run(intervention)
         except OUT_OF_MEMORY as exc:  # the diagnosis's limit: the fix stays untried, the finding stands
             from ..engine.kept import release_memory  # here: importing a rule must not load the engine
 
             release_memory(self.ctx.bench.device)
-            return Verification(tried=None, reason=f"trying it did not fit in memory ({type(exc).__name__})",
-                                symptoms_before=before, symptoms_after=None, removed_share=None, repaired=False)
+            return Verification(
+                tried=None,
+                reason=f"trying it did not fit in memory ({type(exc).__name__})",
+                symptoms_before=before,
+                symptoms_after=None,
+                removed_share=None,
+                repaired=False,
+            )
         after = [s.code for s in outcome.symptoms]
         removed = [c for c in before if c not in after]
         return Verification(
-            tried=intervention.description, config_patch=intervention.config_patch,
-            symptoms_before=before, symptoms_after=after,
+            tried=intervention.description,
+            config_patch=intervention.config_patch,
+            symptoms_before=before,
+            symptoms_after=after,
             removed_share=len(removed) / len(before) if before else None,
-            repaired=bool(before) and not after, size=intervention.size(self.ctx.config.to_dict()),
-            summary=outcome.summary(), amp_records=outcome.amp,
+            repaired=bool(before) and not after,
+            size=intervention.size(self.ctx.config.to_dict()),
+            summary=outcome.summary(),
+            amp_records=outcome.amp,
         )
 
 
@@ -223,25 +248,41 @@ SETTLING_SYMPTOMS = frozenset({"skips", "trajectory-drift"})
 
 def recommended_init_scale(ev: Evidence) -> float | None:
     """The initial loss scale the sweep measured best (else the scale window's), None without either."""
-    scale = (ev.recommended_scaler or {}).get("init_scale") or (ev.window.recommended() if ev.window is not None else None)
+    scale = (ev.recommended_scaler or {}).get("init_scale") or (
+        ev.window.recommended() if ev.window is not None else None
+    )
     return float(scale) if scale else None
 
 
-def with_recommended_scale(intervention: Intervention, tried: Verification | None, ev: Evidence,
-                           config: DoctorConfig) -> tuple[Intervention, str] | None:
+def with_recommended_scale(
+    intervention: Intervention, tried: Verification | None, ev: Evidence, config: DoctorConfig
+) -> tuple[Intervention, str] | None:
     """``intervention`` again with the sweep's recommended initial loss scale, and that change in words, when,
     tried, it removed the fault but left only a settling scale's symptoms (GradScaler halving from 65536, step
     after skipped step, down to what the repaired gradients need: an unnormalised loss of 9000 needs 8), and the
     sweep measured a lower scale. Keeping more of the model in fp32 would remove those skips too; the scale is the
     smaller change, and it is measured like every fix. None where that does not apply: the fix removed no fault of
     its own (skips alone before it), or it changes the data (a scale measured on the original batches)."""
-    if (tried is None or not tried.tried or tried.repaired or not tried.symptoms_after or tried.amp_records is None
-            or intervention.batches is not None or not set(tried.symptoms_before or []) - SETTLING_SYMPTOMS):
+    if (
+        tried is None
+        or not tried.tried
+        or tried.repaired
+        or not tried.symptoms_after
+        or tried.amp_records is None
+        or intervention.batches is not None
+        or not set(tried.symptoms_before or []) - SETTLING_SYMPTOMS
+    ):
         return None
     scaler = intervention.config_patch.get("scaler", {})
-    if (not set(tried.symptoms_after) <= SETTLING_SYMPTOMS or not skip_profile(tried.amp_records)["skipped"]
-            or config.dtype != "float16" or not config.scaler.enabled or intervention.config_patch.get("dtype")
-            or "init_scale" in scaler or scaler.get("enabled") is False):
+    if (
+        not set(tried.symptoms_after) <= SETTLING_SYMPTOMS
+        or not skip_profile(tried.amp_records)["skipped"]
+        or config.dtype != "float16"
+        or not config.scaler.enabled
+        or intervention.config_patch.get("dtype")
+        or "init_scale" in scaler
+        or scaler.get("enabled") is False
+    ):
         return None
     recommended = recommended_init_scale(ev)
     if recommended is None or recommended >= config.scaler.init_scale:

@@ -39,8 +39,9 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence, cast
+from typing import Any, cast
 
 import pandas as pd
 import torch
@@ -61,10 +62,10 @@ def _edges(device: torch.device) -> torch.Tensor:
     if device not in _EDGES:
         smallest_positive = 2.0**-149  # fp32's smallest subnormal: every non-zero |x| is >= it
         just_above_max = FP16_MAX * (1 + 2.0**-23)
-        _EDGES[device] = torch.tensor([smallest_positive, FP16_MIN_SUBNORMAL, FP16_MIN_NORMAL, just_above_max], device=device)
+        _EDGES[device] = torch.tensor(
+            [smallest_positive, FP16_MIN_SUBNORMAL, FP16_MIN_NORMAL, just_above_max], device=device
+        )
     return _EDGES[device]
-
-
 
 
 def _floating_leaves(value: Any) -> list[torch.Tensor]:
@@ -103,8 +104,12 @@ def _bits_of(value: float) -> int:
     return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
 
 
-EDGE_BITS = (_bits_of(2.0**-149), _bits_of(FP16_MIN_SUBNORMAL), _bits_of(FP16_MIN_NORMAL),
-             _bits_of(FP16_MAX * (1 + 2.0**-23)))
+EDGE_BITS = (
+    _bits_of(2.0**-149),
+    _bits_of(FP16_MIN_SUBNORMAL),
+    _bits_of(FP16_MIN_NORMAL),
+    _bits_of(FP16_MAX * (1 + 2.0**-23)),
+)
 """The histogram's edges (:func:`_edges`) as fp32 bit patterns. The bits of a non-negative fp32 number, read as an
 int32, order as the numbers do (NaN's above +inf, where ``bucketize`` puts it too): counting ``|x|`` at or above
 an edge is an integer comparison, which a subtraction and a sign shift make in place."""
@@ -164,7 +169,7 @@ class SampleCounter:
         if self.buffer is None or self.used + slot > self.buffer.numel():
             self._grow(self.used + slot)
         assert self.buffer is not None
-        self.buffer[self.used:self.used + n].copy_(sample if sample.dim() == 1 else sample.reshape(-1))
+        self.buffer[self.used : self.used + n].copy_(sample if sample.dim() == 1 else sample.reshape(-1))
         self.used += slot
         self.chunks.append(slot // CHUNK)
         self.padded.append(slot)
@@ -174,7 +179,7 @@ class SampleCounter:
         size = min(self.capacity, max(needed, 2 * (self.buffer.numel() if self.buffer is not None else 0), 16 * CHUNK))
         buffer = torch.zeros(size, dtype=torch.float32, device=self.device)
         if self.buffer is not None and self.used:
-            buffer[:self.used].copy_(self.buffer[:self.used])
+            buffer[: self.used].copy_(self.buffer[: self.used])
         self.buffer, self.scratch = buffer, torch.empty(size, dtype=torch.int32, device=self.device)
 
     def flush(self) -> None:
@@ -193,7 +198,9 @@ class SampleCounter:
             below.append(scratch.view(-1, CHUNK).sum(1, dtype=torch.int32))
         per_chunk = torch.stack(below, 1)
         ids = self._chunk_ids(tuple(self.chunks))
-        self.blocks.append(torch.zeros(len(self.chunks), 4, dtype=torch.int32, device=self.device).index_add_(0, ids, per_chunk))
+        self.blocks.append(
+            torch.zeros(len(self.chunks), 4, dtype=torch.int32, device=self.device).index_add_(0, ids, per_chunk)
+        )
         self.buffer[:used].zero_()
         self.used = 0
         self.chunks = []
@@ -203,14 +210,15 @@ class SampleCounter:
         if chunks not in self._ids:
             if len(self._ids) >= 4 * SEGMENT_CACHE_SIZE:
                 self._ids.clear()
-            self._ids[chunks] = torch.repeat_interleave(torch.arange(len(chunks), device=self.device),
-                                                        torch.tensor(chunks, device=self.device))
+            self._ids[chunks] = torch.repeat_interleave(
+                torch.arange(len(chunks), device=self.device), torch.tensor(chunks, device=self.device)
+            )
         return self._ids[chunks]
 
     def reset(self) -> None:
         """Drop what a step left unfinished (it raised before its rows were taken)."""
         if self.buffer is not None and self.used:
-            self.buffer[:self.used].zero_()
+            self.buffer[: self.used].zero_()
         self.used, self.chunks, self.blocks, self.padded = 0, [], [], []
 
     def take(self) -> tuple[torch.Tensor | None, list[int]]:
@@ -263,7 +271,9 @@ class _Layout:
         chunks = [max(1, -(-n // CHUNK)) for n in lengths]
         self.offsets = [CHUNK * c for c in itertools.accumulate([0, *chunks[:-1]])]
         self.total = CHUNK * sum(chunks)
-        self.ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(chunks, device=device))
+        self.ids = torch.repeat_interleave(
+            torch.arange(len(lengths), device=device), torch.tensor(chunks, device=device)
+        )
         self.lengths = torch.tensor(lengths, dtype=torch.float64, device=device)[:, None]
         self.padded = torch.tensor([CHUNK * c for c in chunks], dtype=torch.float64, device=device)[:, None]
         self.device = device
@@ -279,7 +289,7 @@ class _Layout:
         key = (purpose, dtype)
         if key not in self._buffers:
             buffer = torch.zeros(self.total, dtype=dtype, device=self.device)
-            self._buffers[key] = buffer, [buffer[o:o + n] for o, n in zip(self.offsets, self.piece_lengths)]
+            self._buffers[key] = buffer, [buffer[o : o + n] for o, n in zip(self.offsets, self.piece_lengths)]
         buffer, slots = self._buffers[key]
         torch._foreach_copy_(slots, [piece if piece.dim() == 1 else piece.reshape(-1) for piece in pieces])
         return buffer
@@ -291,13 +301,17 @@ class _Layout:
     def sums(self, columns: list[torch.Tensor]) -> torch.Tensor:
         """Per piece (``n x len(columns)``, fp64): the sums of per-chunk columns."""
         stacked = torch.stack(columns, 1)
-        return torch.zeros(len(self.offsets), len(columns), dtype=torch.float64, device=self.device).index_add_(0, self.ids, stacked)
+        return torch.zeros(len(self.offsets), len(columns), dtype=torch.float64, device=self.device).index_add_(
+            0, self.ids, stacked
+        )
 
     def maxima(self, values: torch.Tensor) -> torch.Tensor:
         """Per piece: the largest of a packed buffer's non-negative values (NaN propagates; the padding's zeros
         change no maximum of values >= 0)."""
         chunk_max = values.view(-1, CHUNK).amax(1)
-        return torch.zeros(len(self.offsets), dtype=values.dtype, device=self.device).scatter_reduce_(0, self.ids, chunk_max, "amax")
+        return torch.zeros(len(self.offsets), dtype=values.dtype, device=self.device).scatter_reduce_(
+            0, self.ids, chunk_max, "amax"
+        )
 
 
 def _layout(lengths: tuple[int, ...], device: torch.device, cache: dict[Any, _Layout]) -> _Layout:
@@ -423,8 +437,9 @@ class _Pending:
         """The index of the row that measured ``t`` this step, if one did."""
         return _lookup(self.seen, t)
 
-    def add_block(self, rows: list[tuple[str, str, int, str, int]], block: torch.Tensor,
-                  tensors: list[list[torch.Tensor]]) -> None:
+    def add_block(
+        self, rows: list[tuple[str, str, int, str, int]], block: torch.Tensor, tensors: list[list[torch.Tensor]]
+    ) -> None:
         """Queue ``len(rows)`` rows at once (``block``: ``len(rows) x VECTOR``)."""
         self.block_rows.extend(rows)
         self.blocks.append(block.reshape(-1))
@@ -455,8 +470,12 @@ def _transfer(pieces: list[torch.Tensor]) -> list[float]:
 class Instruments:
     """Hooks on a model and its optimizer that fill per-step statistics tables."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
-                 options: InstrumentOptions | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+        options: InstrumentOptions | None = None,
+    ):
         self.model = model
         self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         self.optimizer = self.optimizers[0]
@@ -567,22 +586,30 @@ class Instruments:
         values = _transfer(pieces)
         offset = 2 * len(pending.ranges)
         ranges = [(values[2 * i], values[2 * i + 1]) for i in range(len(pending.ranges))]
-        counted = [values[offset + 4 * i:offset + 4 * i + 4] for i in range(len(pending.counted))]
+        counted = [values[offset + 4 * i : offset + 4 * i + 4] for i in range(len(pending.counted))]
         offset += 4 * len(pending.counted)
         counts: dict[int, tuple[list[float], list[int]]] = {}
         for counter, block, padded in taken:
             if block is not None:
-                counts[id(counter)] = (values[offset:offset + 4 * len(padded)], padded)
+                counts[id(counter)] = (values[offset : offset + 4 * len(padded)], padded)
                 offset += 4 * len(padded)
         for row in pending.rows:
-            histogram = histogram_of([(length, counts[id(c)][1][i], counts[id(c)][0][4 * i:4 * i + 4])
-                                      for c, i, length in row.samples])
+            histogram = histogram_of(
+                [(length, counts[id(c)][1][i], counts[id(c)][0][4 * i : 4 * i + 4]) for c, i, length in row.samples]
+            )
             low, high = combined_range([ranges[i] for i in row.inputs])
             out_low, out_high = combined_range([ranges[i] for i in row.outputs])
-            self._emit(row.kind, row.name, row.order, row.dtype, row.numel, [low, high, out_low, out_high, *histogram],
-                       counted=[counted[i] for i in row.counted])
+            self._emit(
+                row.kind,
+                row.name,
+                row.order,
+                row.dtype,
+                row.numel,
+                [low, high, out_low, out_high, *histogram],
+                counted=[counted[i] for i in row.counted],
+            )
         for (kind, name, order, dtype, numel), tensors in zip(pending.block_rows, pending.block_tensors):
-            self._emit(kind, name, order, dtype, numel, values[offset:offset + VECTOR], tensors)
+            self._emit(kind, name, order, dtype, numel, values[offset : offset + VECTOR], tensors)
             offset += VECTOR
         return True
 
@@ -627,17 +654,22 @@ class Instruments:
             if self._active and grad is not None:
                 with torch.no_grad():
                     self._queue("activation_grad", name, order, dtype_name(grad.dtype), [grad], [], count=False)
+
         return hook
 
     def _queue_alias(self, name: str, order: int, dtype: str, output: torch.Tensor, inputs: list[torch.Tensor]) -> None:
         source = self._pending.rows[cast(int, self._pending.row_of(output))]  # a child measured it
         with torch.no_grad():
             own_inputs = [self._pending.range_of(t) for t in inputs if t.numel()] if inputs else source.inputs
-        self._pending.rows.append(_ModuleRow("forward", name, order, dtype, source.numel, own_inputs, source.outputs,
-                                             source.samples, source.counted))
+        self._pending.rows.append(
+            _ModuleRow(
+                "forward", name, order, dtype, source.numel, own_inputs, source.outputs, source.samples, source.counted
+            )
+        )
 
-    def _queue(self, kind: str, name: str, order: int, dtype: str, outputs: list[torch.Tensor], inputs: list[int],
-               count: bool) -> _ModuleRow:
+    def _queue(
+        self, kind: str, name: str, order: int, dtype: str, outputs: list[torch.Tensor], inputs: list[int], count: bool
+    ) -> _ModuleRow:
         """Queue one module call's row: its outputs' exact ranges (one ``aminmax`` each) and their samples (one
         copy each into the device's :class:`SampleCounter`). ``count``: where they are not all finite, also their
         exact non-finite counts and largest finite magnitudes (:func:`nonfinite_stats`, ``count_nonfinite``);
@@ -720,7 +752,9 @@ class Instruments:
             flushed = layout.chunk_sums(flat * in_bucket_1)
             per_param = layout.sums([*below, flushed, layout.chunk_sums(flat)])
             at_least = per_param[:, :4] + layout.padded
-            histogram = torch.cat([layout.lengths - at_least[:, :1], at_least[:, :3] - at_least[:, 1:], at_least[:, 3:]], 1)
+            histogram = torch.cat(
+                [layout.lengths - at_least[:, :1], at_least[:, :3] - at_least[:, 1:], at_least[:, 3:]], 1
+            )
             if any(g.dtype == torch.float64 for g in grads):
                 amax = torch.stack(norms(samples, math.inf)).double() / divide_by  # max |g|, exactly in fp64
             else:
@@ -750,11 +784,24 @@ class Instruments:
         self._pending.add_block(rows, block, [[] for _ in params])
 
     # --- turning vectors into rows ------------------------------------------------------------------
-    def _emit(self, kind: str, name: str, order: int, dtype: str, numel: int, v: list[float],
-              tensors: Sequence[torch.Tensor] = (), counted: Sequence[list[float]] = ()) -> None:
+    def _emit(
+        self,
+        kind: str,
+        name: str,
+        order: int,
+        dtype: str,
+        numel: int,
+        v: list[float],
+        tensors: Sequence[torch.Tensor] = (),
+        counted: Sequence[list[float]] = (),
+    ) -> None:
         """One table row from its transferred values: ``tensors``, a parameter's gradient for exact counts should it
         be non-finite; ``counted``, a module row's outputs' :func:`nonfinite_stats` (``count_nonfinite``)."""
-        base = {"step": self._step, "module" if kind in ("forward", "activation_grad") else "param": name, "dtype": dtype}
+        base = {
+            "step": self._step,
+            "module" if kind in ("forward", "activation_grad") else "param": name,
+            "dtype": dtype,
+        }
         if kind in ("forward", "activation_grad"):
             finite = all(math.isfinite(x) for x in (v[OUT_MIN], v[OUT_MAX]))
             nan = pos = neg = 0
@@ -764,8 +811,16 @@ class Instruments:
                 abs_max = max(c[3] for c in counted)
             elif not finite:  # not counted (without count_nonfinite): what the exact range shows, 1 for present
                 nan, pos, neg, abs_max = kinds_in_range(v[OUT_MIN], v[OUT_MAX]) + (math.nan,)
-            row = {**base, "order": order, "numel": numel, "abs_max": abs_max, "nan": nan, "posinf": pos, "neginf": neg,
-                   **(_shares(v) if self.options.module_shares else UNMEASURED_SHARES)}
+            row = {
+                **base,
+                "order": order,
+                "numel": numel,
+                "abs_max": abs_max,
+                "nan": nan,
+                "posinf": pos,
+                "neginf": neg,
+                **(_shares(v) if self.options.module_shares else UNMEASURED_SHARES),
+            }
             if kind == "forward":
                 row["inputs_finite"] = math.isfinite(v[IN_MIN]) and math.isfinite(v[IN_MAX])
                 row["input_abs_max"] = max(abs(v[IN_MIN]), abs(v[IN_MAX])) if row["inputs_finite"] else math.inf
@@ -780,18 +835,29 @@ class Instruments:
             nan = pos = neg = 0
             if not math.isfinite(norm):
                 nan, pos, neg = exact_counts(tensors)
-            self.param_rows.append({
-                **base, "grad_norm": norm, "nan": nan, "posinf": pos, "neginf": neg,
-                "zero_share": 1.0 - nonzero / max(sample_n, 1.0),
-                "underflow_at_scale": under / max(nonzero, 1.0), "grad_abs_max": amax, "loss_scale": self._scale,
-                "underflow_mass_at_scale": v[7] / v[8] if v[8] > 0 else 0.0,
-            })
+            self.param_rows.append(
+                {
+                    **base,
+                    "grad_norm": norm,
+                    "nan": nan,
+                    "posinf": pos,
+                    "neginf": neg,
+                    "zero_share": 1.0 - nonzero / max(sample_n, 1.0),
+                    "underflow_at_scale": under / max(nonzero, 1.0),
+                    "grad_abs_max": amax,
+                    "loss_scale": self._scale,
+                    "underflow_mass_at_scale": v[7] / v[8] if v[8] > 0 else 0.0,
+                }
+            )
         else:
             lost, wanted, delta, weight = v[:4]
-            self.update_rows.append({
-                **base, "lost_update_share": lost / wanted if wanted else 0.0,
-                "update_to_weight": delta / weight if weight else (math.inf if delta else 0.0),
-            })
+            self.update_rows.append(
+                {
+                    **base,
+                    "lost_update_share": lost / wanted if wanted else 0.0,
+                    "update_to_weight": delta / weight if weight else (math.inf if delta else 0.0),
+                }
+            )
 
     # --- results ----------------------------------------------------------------------------------
     def frames(self) -> dict[str, pd.DataFrame]:
@@ -812,17 +878,25 @@ class Instruments:
         return min((r for r in bad if r["step"] == first_step), key=lambda r: r["order"])
 
 
-UNMEASURED_SHARES = {"over_fp16_max": math.nan, "below_fp16_subnormal": math.nan, "below_fp16_normal": math.nan,
-                     "zero_share": math.nan}
+UNMEASURED_SHARES = {
+    "over_fp16_max": math.nan,
+    "below_fp16_subnormal": math.nan,
+    "below_fp16_normal": math.nan,
+    "zero_share": math.nan,
+}
 """A module row's shares where ``module_shares`` is off."""
 
 
 def _shares(v: list[float]) -> dict[str, float]:
     """A module row's shares from its stat vector's sampled histogram."""
-    sample_n = max(sum(v[ZERO:OVER + 1]), 1.0)
+    sample_n = max(sum(v[ZERO : OVER + 1]), 1.0)
     nonzero = max(sample_n - v[ZERO], 1.0)
-    return {"over_fp16_max": v[OVER] / sample_n, "below_fp16_subnormal": v[SUB24] / nonzero,
-            "below_fp16_normal": (v[SUB24] + v[SUB14]) / nonzero, "zero_share": v[ZERO] / sample_n}
+    return {
+        "over_fp16_max": v[OVER] / sample_n,
+        "below_fp16_subnormal": v[SUB24] / nonzero,
+        "below_fp16_normal": (v[SUB24] + v[SUB14]) / nonzero,
+        "zero_share": v[ZERO] / sample_n,
+    }
 
 
 def kinds_in_range(low: float, high: float) -> tuple[int, int, int]:
@@ -838,8 +912,14 @@ def nonfinite_stats(t: torch.Tensor) -> torch.Tensor:
     vector left on its device (the step's transfer takes it): exact counts up to 2^53 elements."""
     t = t.detach()
     finite_abs = torch.where(torch.isfinite(t), t.abs(), 0).amax()
-    return torch.stack([torch.isnan(t).sum().double(), (t == math.inf).sum().double(),
-                        (t == -math.inf).sum().double(), finite_abs.double()])
+    return torch.stack(
+        [
+            torch.isnan(t).sum().double(),
+            (t == math.inf).sum().double(),
+            (t == -math.inf).sum().double(),
+            finite_abs.double(),
+        ]
+    )
 
 
 LIBRARY_PACKAGES = ("torch", "transformers", "timm", "torchvision")
@@ -847,8 +927,11 @@ LIBRARY_PACKAGES = ("torch", "transformers", "timm", "torchvision")
 module sits in the user's model, not its class (the precision table's ``library`` column)."""
 
 
-def precision_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None,
-                  compute_dtypes: dict[str, str] | None = None) -> pd.DataFrame:
+def precision_map(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None,
+    compute_dtypes: dict[str, str] | None = None,
+) -> pd.DataFrame:
     """For every module: the dtype its computation ran in, and the dtypes of its parameters, buffers and optimizer state.
 
     ``library``: the module's class comes from a library (:data:`LIBRARY_PACKAGES`), not the user's code.
@@ -858,26 +941,37 @@ def precision_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Ite
     frozen encoder, an embedding table) is stored in half precision without being trained in it.
     """
     compute_dtypes = compute_dtypes or {}
-    optimizers = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    optimizers = (
+        [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    )
     state = {p: s for opt in optimizers for p, s in opt.state.items()}
     held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
     rows = []
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
         buffers = [b for b in module.buffers(recurse=False) if b.is_floating_point()]
-        state_dtypes = sorted({dtype_name(v.dtype) for p in params for v in state.get(p, {}).values()
-                               if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0})
+        state_dtypes = sorted(
+            {
+                dtype_name(v.dtype)
+                for p in params
+                for v in state.get(p, {}).values()
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() > 0
+            }
+        )
         trained = [p for p in params if p.requires_grad and id(p) in held]
-        rows.append({
-            "module": name or "<root>", "type": type(module).__name__,
-            "library": type(module).__module__.split(".")[0] in LIBRARY_PACKAGES,
-            "compute_dtype": compute_dtypes.get(name or "<root>"),
-            "param_dtypes": _dtype_names(params),
-            "buffer_dtypes": _dtype_names(buffers),
-            "optimizer_state_dtypes": ",".join(state_dtypes) or None,
-            "trained_param_dtypes": _dtype_names(trained),
-            "frozen": bool(params) and not trained,
-        })
+        rows.append(
+            {
+                "module": name or "<root>",
+                "type": type(module).__name__,
+                "library": type(module).__module__.split(".")[0] in LIBRARY_PACKAGES,
+                "compute_dtype": compute_dtypes.get(name or "<root>"),
+                "param_dtypes": _dtype_names(params),
+                "buffer_dtypes": _dtype_names(buffers),
+                "optimizer_state_dtypes": ",".join(state_dtypes) or None,
+                "trained_param_dtypes": _dtype_names(trained),
+                "frozen": bool(params) and not trained,
+            }
+        )
     return pd.DataFrame(rows)
 
 

@@ -42,7 +42,9 @@ def host_copy_of(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(host_copy_of(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: host_copy_of(getattr(value, f.name)) for f in dataclasses.fields(value)})
+        return dataclasses.replace(
+            value, **{f.name: host_copy_of(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        )
     return copy.deepcopy(value)
 
 
@@ -74,7 +76,7 @@ class StateKeeper:
         """How many states went to disk (the report and the tests read it)."""
         self._folder: Path | None = None
 
-    def __enter__(self) -> "StateKeeper":
+    def __enter__(self) -> StateKeeper:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -85,7 +87,7 @@ class StateKeeper:
         """The temporary folder of the spilled states (None until the first spill, and after :meth:`close`)."""
         return self._folder
 
-    def kept(self) -> "KeptStates[Any]":
+    def kept(self) -> KeptStates[Any]:
         """A new mapping of states kept under this budget."""
         return KeptStates(self)
 
@@ -244,7 +246,7 @@ class StateBlockMapping:
     def lowered(self) -> bool:
         return self.threshold < MMAP_THRESHOLD
 
-    def __enter__(self) -> "StateBlockMapping":
+    def __enter__(self) -> StateBlockMapping:
         if self.lowered and not return_large_blocks_on_free(self.threshold):
             self.threshold = MMAP_THRESHOLD  # no glibc: nothing was changed
         return self
@@ -273,7 +275,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return cast("Callable[[int], int] | None", _libc_function("malloc_trim"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _libc_function(name: str) -> Callable[..., int] | None:
     """The C library's function ``name`` (loaded once), or None where the library or the function is missing."""
     try:

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -133,8 +134,14 @@ class MicroBatchPlan:
         return None
 
     def to_json(self) -> dict[str, Any]:
-        return {"count": self.count, "reason": self.reason, "detail": self.detail, "fp32_activation_bytes": self.fp32_bytes,
-                "amp_activation_bytes": self.amp_bytes, "needed": self.needed}
+        return {
+            "count": self.count,
+            "reason": self.reason,
+            "detail": self.detail,
+            "fp32_activation_bytes": self.fp32_bytes,
+            "amp_activation_bytes": self.amp_bytes,
+            "needed": self.needed,
+        }
 
 
 UNSPLIT = MicroBatchPlan(reason="not planned")
@@ -147,8 +154,9 @@ normalised by a count over the batch (tokens that are not padding) can pass on o
 hold equal counts."""
 
 
-def plan_micro_batches(batch: Any, model_bytes: int, owns_loop: bool,
-                       probe: Callable[[str], LossProbe], others: Sequence[Any] = ()) -> MicroBatchPlan:
+def plan_micro_batches(
+    batch: Any, model_bytes: int, owns_loop: bool, probe: Callable[[str], LossProbe], others: Sequence[Any] = ()
+) -> MicroBatchPlan:
     """The plan for FP32 probes whose first batch is ``batch`` (see the module docstring); ``probe(mode)``
     builds a throw-away probe of that mode; ``others``: further batches the decomposition is checked on (those
     that split like the first). Whatever planning does, every random generator continues as the caller left
@@ -167,11 +175,24 @@ def plan_micro_batches(batch: Any, model_bytes: int, owns_loop: bool,
             fp32 = fp32_line.at(rows)
             count = micro_batch_count(fp32_line, amp, rows, model_bytes)
             if count == 1:
-                return MicroBatchPlan(reason="the fp32 activations are not much above AMP's next to the model",
-                                      fp32_bytes=fp32, amp_bytes=amp)
+                return MicroBatchPlan(
+                    reason="the fp32 activations are not much above AMP's next to the model",
+                    fp32_bytes=fp32,
+                    amp_bytes=amp,
+                )
             checked = [batch] + [b for b in others if batch_rows(b)[0] == rows]
-            refusal = _on_probe(probe, "fp32", lambda fp32_probe: next(
-                (why for why in (decomposition_refusal(fp32_probe, b, rows, count) for b in checked) if why is not None), None))
+            refusal = _on_probe(
+                probe,
+                "fp32",
+                lambda fp32_probe: next(
+                    (
+                        why
+                        for why in (decomposition_refusal(fp32_probe, b, rows, count) for b in checked)
+                        if why is not None
+                    ),
+                    None,
+                ),
+            )
         except Exception as exc:  # noqa: BLE001 - the probes meet the same failure and report it as the file's
             return MicroBatchPlan(reason=f"the measurement failed: {type(exc).__name__}: {first_line(exc)}")
     if refusal is not None:
@@ -190,14 +211,17 @@ class ActivationBytes:
         return round(self.fixed + self.per_row * rows)
 
     @classmethod
-    def of(cls, probe: LossProbe, batch: Any, rows: int) -> "ActivationBytes":
+    def of(cls, probe: LossProbe, batch: Any, rows: int) -> ActivationBytes:
         """Measured with ``probe``'s forward and loss on the batch's first rows: ``rows / MEASURED_SHARE`` of
         them and half as many (at least 2 and 1; a batch of 2 or 3 rows is measured on 2 and 1)."""
         large = min(rows, max(2, rows // MEASURED_SHARE))
         small = large // 2
         model = probe.model
         exclude = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        measured = [saved_activation_bytes(functools.partial(probe.loss_of, first_rows(batch, n)), exclude) for n in (small, large)]
+        measured = [
+            saved_activation_bytes(functools.partial(probe.loss_of, first_rows(batch, n)), exclude)
+            for n in (small, large)
+        ]
         per_row = max(0.0, (measured[1] - measured[0]) / (large - small))
         return cls(max(0.0, measured[1] - per_row * large), per_row)
 
@@ -271,24 +295,45 @@ def decomposition_refusal(probe: LossProbe, batch: Any, rows: int, count: int) -
         try:
             loss, grads = _loss_and_grads(probe, piece, params)
         except Exception as exc:  # noqa: BLE001 - e.g. BatchNorm refusing a single row: not decomposable either
-            return f"the loss does not decompose over rows ({guess})", f"on {n} row(s) it raised {type(exc).__name__}: {first_line(exc)}"
+            return (
+                f"the loss does not decompose over rows ({guess})",
+                f"on {n} row(s) it raised {type(exc).__name__}: {first_line(exc)}",
+            )
         share = n / size
         split_loss += share * loss
-        split_grads = [g if g is None else (g * share if s is None else s + g * share) for s, g in zip(split_grads, grads)]
-    if not math.isclose(whole_loss, split_loss, rel_tol=LOSS_RTOL, abs_tol=1e-8) and not (math.isnan(whole_loss) and math.isnan(split_loss)):
-        return f"the loss does not decompose over rows ({guess})", f"loss {whole_loss:.7g} on {size} rows, {split_loss:.7g} from its halves"
+        split_grads = [
+            g if g is None else (g * share if s is None else s + g * share) for s, g in zip(split_grads, grads)
+        ]
+    if not math.isclose(whole_loss, split_loss, rel_tol=LOSS_RTOL, abs_tol=1e-8) and not (
+        math.isnan(whole_loss) and math.isnan(split_loss)
+    ):
+        return (
+            f"the loss does not decompose over rows ({guess})",
+            f"loss {whole_loss:.7g} on {size} rows, {split_loss:.7g} from its halves",
+        )
     norm = math.sqrt(sum(float(g.double().square().sum()) for g in whole_grads if g is not None))
     for param_index, (whole, split) in enumerate(zip(whole_grads, split_grads)):
         if (whole is None) != (split is None):
-            return f"the loss does not decompose over rows ({guess})", f"parameter {param_index} has a gradient only one way"
-        if whole is not None and split is not None and not torch.allclose(split, whole, rtol=GRAD_RTOL, atol=GRAD_ATOL * norm):
+            return (
+                f"the loss does not decompose over rows ({guess})",
+                f"parameter {param_index} has a gradient only one way",
+            )
+        if (
+            whole is not None
+            and split is not None
+            and not torch.allclose(split, whole, rtol=GRAD_RTOL, atol=GRAD_ATOL * norm)
+        ):
             worst = float((split - whole).abs().max())
-            return (f"the loss does not decompose over rows ({guess})",
-                    f"parameter {param_index}'s gradient differs by up to {worst:.3g} (gradient norm {norm:.3g})")
+            return (
+                f"the loss does not decompose over rows ({guess})",
+                f"parameter {param_index}'s gradient differs by up to {worst:.3g} (gradient norm {norm:.3g})",
+            )
     return None
 
 
-def _loss_and_grads(probe: LossProbe, batch: Any, params: Sequence[torch.Tensor]) -> tuple[float, list[torch.Tensor | None]]:
+def _loss_and_grads(
+    probe: LossProbe, batch: Any, params: Sequence[torch.Tensor]
+) -> tuple[float, list[torch.Tensor | None]]:
     loss = probe.loss_of(batch)
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     return float(loss.detach().float()), [g.detach() if g is not None else None for g in grads]

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import copy
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..errors import TrainingFileError
 
-FOREIGN_HINT = ("Create the optimizer from the model each probe builds: define optimizer(params) or optimizers(model), "
-                "or keep an optimizer made inside train_step on the model (`model._opt = ...`), not in a module-level global.")
+FOREIGN_HINT = (
+    "Create the optimizer from the model each probe builds: define optimizer(params) or optimizers(model), "
+    "or keep an optimizer made inside train_step on the model (`model._opt = ...`), not in a module-level global."
+)
 
 
 def named_optimizers(value: Any, source: str) -> dict[str, torch.optim.Optimizer]:
@@ -38,12 +40,16 @@ def named_optimizers(value: Any, source: str) -> dict[str, torch.optim.Optimizer
     elif isinstance(value, (tuple, list)):
         items = [(f"optimizers[{index}]", item) for index, item in enumerate(value)]
     else:
-        raise TrainingFileError(f"{source} returned {type(value).__name__}, not a torch.optim.Optimizer "
-                                "(nor a tuple, list or dict of them).")
+        raise TrainingFileError(
+            f"{source} returned {type(value).__name__}, not a torch.optim.Optimizer "
+            "(nor a tuple, list or dict of them)."
+        )
     wrong = [f"{name} ({type(item).__name__})" for name, item in items if not isinstance(item, torch.optim.Optimizer)]
     if not items or wrong:
-        raise TrainingFileError(f"{source} returned " + (f"non-optimizers: {', '.join(wrong)}." if wrong else "no optimizer."),
-                                hint="Return torch.optim.Optimizer objects: one, or a tuple, list or dict of them.")
+        raise TrainingFileError(
+            f"{source} returned " + (f"non-optimizers: {', '.join(wrong)}." if wrong else "no optimizer."),
+            hint="Return torch.optim.Optimizer objects: one, or a tuple, list or dict of them.",
+        )
     return dict(items)
 
 
@@ -65,8 +71,13 @@ class ProbeOptimizers:
     is the training file, whose line a refused optimizer's message names.
     """
 
-    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], model: torch.nn.Module,
-                 on_found: Callable[[str, torch.optim.Optimizer], None] | None = None, user_file: Path | None = None):
+    def __init__(
+        self,
+        optimizers: dict[str, torch.optim.Optimizer],
+        model: torch.nn.Module,
+        on_found: Callable[[str, torch.optim.Optimizer], None] | None = None,
+        user_file: Path | None = None,
+    ):
         self.by_name = dict(optimizers)
         self.model = model
         self.on_found = on_found
@@ -87,7 +98,7 @@ class ProbeOptimizers:
         return next((name for name, opt in self.by_name.items() if opt is optimizer), None)
 
     # --- finding the optimizers a training creates itself -------------------------------------------
-    def __enter__(self) -> "ProbeOptimizers":
+    def __enter__(self) -> ProbeOptimizers:
         """For one step, see every optimizer step in the process (PyTorch's global step hook): entered only
         around the probe's own step, so other probes' optimizers are never mistaken for this one's."""
         self._hook = register_optimizer_step_pre_hook(self._any_step)
@@ -109,8 +120,13 @@ class ProbeOptimizers:
                 f"the training steps a {type(optimizer).__name__} whose parameters are not this probe's model's "
                 f"({len(foreign)} of its {len(params)} parameter tensors belong to no module of the model() it was "
                 "given): an optimizer kept from an earlier call (a module-level global?) would train a model that is "
-                "gone, so the doctor refuses to step it.", hint=FOREIGN_HINT, location=self._user_line())
-        name = f"found: {type(optimizer).__name__}" + (f" #{len(self.initial_states) + 1}" if self.initial_states else "")
+                "gone, so the doctor refuses to step it.",
+                hint=FOREIGN_HINT,
+                location=self._user_line(),
+            )
+        name = f"found: {type(optimizer).__name__}" + (
+            f" #{len(self.initial_states) + 1}" if self.initial_states else ""
+        )
         self.by_name[name] = optimizer
         self.initial_states[name] = copy.deepcopy(optimizer.state_dict())
         if self.on_found is not None:
@@ -127,7 +143,10 @@ class ProbeOptimizers:
     # --- snapshot / restore ---------------------------------------------------------------------
     def state(self, copy_state: bool = True) -> dict[str, dict[str, Any]]:
         """Every optimizer's state dict, by name; ``copy_state=False``: the live tensors, to be saved at once."""
-        return {name: copy.deepcopy(opt.state_dict()) if copy_state else opt.state_dict() for name, opt in self.by_name.items()}
+        return {
+            name: copy.deepcopy(opt.state_dict()) if copy_state else opt.state_dict()
+            for name, opt in self.by_name.items()
+        }
 
     def load(self, states: dict[str, dict[str, Any]], owned: bool = False) -> None:
         """Every optimizer back to ``states``; one found after they were taken goes back to how it was found.

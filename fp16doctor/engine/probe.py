@@ -23,10 +23,10 @@ import numbers
 import os
 import traceback
 import warnings
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import MutableMapping
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pandas as pd
 import torch
@@ -41,8 +41,6 @@ from ..precision.overrides import (
     autocast_forward,
     keep_modules_in_fp32,
 )
-from ..precision.session import PrecisionSession
-from ..tensors import OUT_OF_MEMORY
 from ..precision.recording import (
     OptimizerWatch,
     RecordingGradScaler,
@@ -50,6 +48,8 @@ from ..precision.recording import (
     finish_trace,
     step_outcome,
 )
+from ..precision.session import PrecisionSession
+from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import to_device
 from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
 from ..userfile.spec import TrainingSpec, build_model, draw_batches, user_frame
@@ -81,7 +81,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise DoctorError("config asks for device 'cuda' but no CUDA device is available.", hint="Use device: auto or cpu.")
+        raise DoctorError(
+            "config asks for device 'cuda' but no CUDA device is available.", hint="Use device: auto or cpu."
+        )
     return torch.device(name)
 
 
@@ -94,7 +96,7 @@ class ModeSettings:
     scaler_enabled: bool
 
     @classmethod
-    def of(cls, mode: str, config: DoctorConfig) -> "ModeSettings":
+    def of(cls, mode: str, config: DoctorConfig) -> ModeSettings:
         if mode not in MODES:
             raise DoctorError(f"unknown probe mode '{mode}'.", hint=f"Use one of {', '.join(MODES)}.")
         if mode == "fp32":
@@ -125,8 +127,9 @@ class ProbeSnapshot:
 class Workbench:
     """The shared ground of all probes of one command: spec, config, batches, initial weights."""
 
-    def __init__(self, spec: TrainingSpec, config: DoctorConfig, batch_count: int | None = None,
-                 micro_batching: bool = False):
+    def __init__(
+        self, spec: TrainingSpec, config: DoctorConfig, batch_count: int | None = None, micro_batching: bool = False
+    ):
         """``micro_batching``: FP32 probes may split their batches into micro-batches to stay within the AMP
         training's activation memory (:mod:`.microbatch`; the diagnosis's memory target). Planning runs the
         file's loss a few extra times on part of the first batch, so only a caller that needs it asks."""
@@ -151,7 +154,10 @@ class Workbench:
             model = build_model(self.spec)
         self.parameter_shapes = [tuple(p.shape) for p in model.parameters()]
         """The shapes of ``model().parameters()`` in order (for dry runs of the user's optimizer and scheduler)."""
-        return {k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone() for k, v in model.state_dict().items()}
+        return {
+            k: v.detach().float().clone() if v.is_floating_point() else v.detach().clone()
+            for k, v in model.state_dict().items()
+        }
 
     @property
     def initial_state(self) -> dict[str, torch.Tensor]:
@@ -178,7 +184,7 @@ class Workbench:
             self._initial_state, self._kept_reference = kept[REFERENCE_KEY], None
             del kept[REFERENCE_KEY]
 
-    def probe(self, mode: str, config: DoctorConfig | None = None, **options: Any) -> "Probe":
+    def probe(self, mode: str, config: DoctorConfig | None = None, **options: Any) -> Probe:
         """A fresh probe of ``mode`` (instruments attached unless ``instruments=None``)."""
         return Probe(self, mode, config or self.config, **options)
 
@@ -196,20 +202,24 @@ class Workbench:
             return UNSPLIT
         if self._micro_batch_plan is None:
             self._micro_batch_plan = plan_micro_batches(
-                self.batches[0], self.model_bytes, self.spec.train_step is not None,
-                lambda planned: self.probe(planned, instruments=None, batch_plan=UNSPLIT), others=self._spread_batches())
+                self.batches[0],
+                self.model_bytes,
+                self.spec.train_step is not None,
+                lambda planned: self.probe(planned, instruments=None, batch_plan=UNSPLIT),
+                others=self._spread_batches(),
+            )
             release_memory(self.device)  # the planning probes' freed blocks go back before the first probe allocates
         return self._micro_batch_plan
 
 
 CALLED_WITH = {
     "optimizer": "fp16doctor calls optimizer(params) with model.parameters(), as torch.optim's constructors take them "
-                 "(not the model): e.g. `def optimizer(params): return torch.optim.AdamW(params, lr=3e-4)`. "
-                 "To build parameter groups from the model, define optimizers(model) instead.",
+    "(not the model): e.g. `def optimizer(params): return torch.optim.AdamW(params, lr=3e-4)`. "
+    "To build parameter groups from the model, define optimizers(model) instead.",
     "optimizers": "fp16doctor calls optimizers(model) with the model and steps what it returns: one optimizer, or a "
-                  "tuple/list/dict of them (then the file's train_step() steps them).",
+    "tuple/list/dict of them (then the file's train_step() steps them).",
     "scheduler": "fp16doctor calls scheduler(optimizer) with the optimizer optimizer(params) returned (or what "
-                 "optimizers(model) returned: one optimizer, or the same tuple/list/dict).",
+    "optimizers(model) returned: one optimizer, or the same tuple/list/dict).",
 }
 """What a user function of the contract is called with: the hint when calling it raises (a wrong signature is
 the likeliest reason)."""
@@ -219,8 +229,13 @@ class Probe:
     """Live training objects for one mode; ``run`` steps them and returns the record."""
 
     def __init__(
-        self, bench: Workbench, mode: str, config: DoctorConfig, align_on_taken_steps: bool = False,
-        instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS, hold_scheduler_on_retry: bool = True,
+        self,
+        bench: Workbench,
+        mode: str,
+        config: DoctorConfig,
+        align_on_taken_steps: bool = False,
+        instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS,
+        hold_scheduler_on_retry: bool = True,
         batch_plan: MicroBatchPlan | None = None,
     ):
         """``align_on_taken_steps``: a skipped step retries the same batch with the same RNG, the scheduler
@@ -247,25 +262,37 @@ class Probe:
         watches a step's tensors a micro-batch at a time (:func:`~fp16doctor.measure.numerics.capture_gradients`)."""
         self._session = PrecisionSession.for_mode(mode, self.device.type)
         """Entered by the probe itself around its construction and every step (see :meth:`_precision`)."""
-        with self._precision(), (NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext()):
+        with self._precision(), NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext():
             self.model = self._build_model()
             self.optimizer_arg = self._build_optimizers()
             """What ``train_step`` and ``scheduler()`` receive: one optimizer, or the file's tuple/list/dict of them."""
-            self.optimizers = ProbeOptimizers(named_optimizers(self.optimizer_arg, self._optimizer_source()), self.model,
-                                              on_found=self._found_optimizer, user_file=self.spec.path)
+            self.optimizers = ProbeOptimizers(
+                named_optimizers(self.optimizer_arg, self._optimizer_source()),
+                self.model,
+                on_found=self._found_optimizer,
+                user_file=self.spec.path,
+            )
             self.optimizer = self.optimizers.primary
             """The first optimizer (its learning rate is the record's ``lr``)."""
-            self.scheduler = self._call_user("scheduler", self.spec.scheduler, self.optimizer_arg) if self.spec.scheduler else None
+            self.scheduler = (
+                self._call_user("scheduler", self.spec.scheduler, self.optimizer_arg) if self.spec.scheduler else None
+            )
             self.schedulers = flat_schedulers(self.scheduler)
         cfg = config.scaler
         self.scaler = RecordingGradScaler(
-            self.device.type, init_scale=cfg.init_scale, growth_factor=cfg.growth_factor,
-            backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval, enabled=self.settings.scaler_enabled,
+            self.device.type,
+            init_scale=cfg.init_scale,
+            growth_factor=cfg.growth_factor,
+            backoff_factor=cfg.backoff_factor,
+            growth_interval=cfg.growth_interval,
+            enabled=self.settings.scaler_enabled,
         )
         self.scaler.names = {id(opt): name for name, opt in self.optimizers.by_name.items()}
         self._watch = OptimizerWatch(self.optimizers.all(), self.scaler)
-        self._session.observe_clipping(ClipObserver(self.scaler, tuple(self.optimizers.all()), config.overrides.unscale_before_clip),
-                                       self.spec.module)
+        self._session.observe_clipping(
+            ClipObserver(self.scaler, tuple(self.optimizers.all()), config.overrides.unscale_before_clip),
+            self.spec.module,
+        )
         self.autocast = autocast_factory(self.device.type, self.settings.low_dtype)
         self._step_modes = self._runtime_fixes()
         if instruments is not None:
@@ -299,7 +326,9 @@ class Probe:
         missing = set(state) ^ set(reference)
         if missing:
             raise TrainingFileError(
-                "model() builds a different model on each call (state keys differ: " + ", ".join(sorted(missing)[:5]) + ").",
+                "model() builds a different model on each call (state keys differ: "
+                + ", ".join(sorted(missing)[:5])
+                + ").",
                 hint="model() must build the same architecture every time it is called.",
             )
         with torch.no_grad():
@@ -317,13 +346,16 @@ class Probe:
                     "optimizers(model) returned several optimizers but the file defines no train_step(): only your "
                     "step knows which loss each optimizer follows and in which order they step.",
                     hint="Define train_step(model, batch, optimizer, scaler, autocast); it receives the same "
-                         "tuple/list/dict as `optimizer` (PyTorch's recipe: scaler.step() each, then one scaler.update()).")
+                    "tuple/list/dict as `optimizer` (PyTorch's recipe: scaler.step() each, then one scaler.update()).",
+                )
             return built
         if self.spec.optimizer is None:
             return torch.optim.AdamW(self.model.parameters(), lr=self.config.lr)
         optimizer = self._call_user("optimizer", self.spec.optimizer, self.model.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TrainingFileError(f"optimizer(params) returned {type(optimizer).__name__}, not a torch.optim.Optimizer.")
+            raise TrainingFileError(
+                f"optimizer(params) returned {type(optimizer).__name__}, not a torch.optim.Optimizer."
+            )
         return optimizer
 
     def _optimizer_source(self) -> str:
@@ -342,8 +374,11 @@ class Probe:
         except (DoctorError, *OUT_OF_MEMORY):
             raise
         except Exception as exc:  # noqa: BLE001
-            raise TrainingFileError(f"{name}() raised {type(exc).__name__}: {exc}", location=self.spec.user_location(exc),
-                                    hint=CALLED_WITH.get(name, "")) from exc
+            raise TrainingFileError(
+                f"{name}() raised {type(exc).__name__}: {exc}",
+                location=self.spec.user_location(exc),
+                hint=CALLED_WITH.get(name, ""),
+            ) from exc
 
     # --- contexts -----------------------------------------------------------------------------
     def _precision(self) -> contextlib.AbstractContextManager[None]:
@@ -368,10 +403,25 @@ class Probe:
             if self.spec.train_step is not None:
                 return self.spec.train_step(self.model, batch, self.optimizer_arg, self.scaler, self.autocast)
             if self.batch_plan.split:
-                return micro_batched_step(self.model, self.batch_plan.pieces(batch), self.optimizer, self.scaler,
-                                          self.autocast, self._loss_fn(), self.config.max_grad_norm,
-                                          after_backward=self._micro_batch_done)
-            return canonical_step(self.model, batch, self.optimizer, self.scaler, self.autocast, self._loss_fn(), self.config.max_grad_norm)
+                return micro_batched_step(
+                    self.model,
+                    self.batch_plan.pieces(batch),
+                    self.optimizer,
+                    self.scaler,
+                    self.autocast,
+                    self._loss_fn(),
+                    self.config.max_grad_norm,
+                    after_backward=self._micro_batch_done,
+                )
+            return canonical_step(
+                self.model,
+                batch,
+                self.optimizer,
+                self.scaler,
+                self.autocast,
+                self._loss_fn(),
+                self.config.max_grad_norm,
+            )
 
     def next_micro_batch_rows(self) -> list[int] | None:
         """The rows of each micro-batch the next :meth:`step` (on the workbench's batch at the data cursor) cuts
@@ -443,9 +493,18 @@ class Probe:
         outcome = step_outcome(trace, nonfinite_grads=not math.isfinite(grad_norm))
         skipped = outcome == "skipped"
         record = StepRecord(
-            step=self.iteration, batch_index=batch_index, loss=loss_value, grad_norm=grad_norm, lr=lr,
-            loss_scale=scale, skipped=skipped, optimizer_stepped=outcome == "stepped", micro_step=outcome == "accumulated",
-            nonfinite_loss=not math.isfinite(loss_value), nonfinite_grads=not math.isfinite(grad_norm), trace=trace,
+            step=self.iteration,
+            batch_index=batch_index,
+            loss=loss_value,
+            grad_norm=grad_norm,
+            lr=lr,
+            loss_scale=scale,
+            skipped=skipped,
+            optimizer_stepped=outcome == "stepped",
+            micro_step=outcome == "accumulated",
+            nonfinite_loss=not math.isfinite(loss_value),
+            nonfinite_grads=not math.isfinite(grad_norm),
+            trace=trace,
         )
         self._advance(skipped, optimizer_step=outcome != "accumulated", loss=loss_value)
         if skipped and rng_before is not None:
@@ -490,9 +549,12 @@ class Probe:
                 return float(loss)
         if not isinstance(loss, torch.Tensor):
             where = "train_step()" if self.spec.train_step else "loss()"
-            hint = ("Return the loss: a scalar tensor or a number (an output with a `loss` field, or a tuple with the "
-                    "loss first, works too)." if self.spec.train_step else
-                    "Return the scalar loss tensor (or an output with a `loss` field, or a tuple with the loss first).")
+            hint = (
+                "Return the loss: a scalar tensor or a number (an output with a `loss` field, or a tuple with the "
+                "loss first, works too)."
+                if self.spec.train_step
+                else "Return the scalar loss tensor (or an output with a `loss` field, or a tuple with the loss first)."
+            )
             raise TrainingFileError(f"{where} returned {returned}, not a loss.", hint=hint)
         if loss.numel() != 1:
             where = "train_step()" if self.spec.train_step else ("loss()" if self.spec.loss else "the default loss")
@@ -502,18 +564,37 @@ class Probe:
             )
         return 0.0 if check_only else float(loss.detach().float().item())
 
-    def _exception_record(self, exc: Exception, batch_index: int, lr: float, scale: float, trace: StepTrace) -> StepRecord:
+    def _exception_record(
+        self, exc: Exception, batch_index: int, lr: float, scale: float, trace: StepTrace
+    ) -> StepRecord:
         location = user_frame(exc, self.spec.path) or _outside_torch_frame(exc)
         self.iteration += 1
         return StepRecord(
-            step=self.iteration - 1, batch_index=batch_index, loss=float("nan"), grad_norm=float("nan"), lr=lr,
-            loss_scale=scale, skipped=True, optimizer_stepped=trace.optimizer_stepped, micro_step=False, nonfinite_loss=True,
-            nonfinite_grads=True, exception_type=type(exc).__name__, exception=first_line(exc),
-            exception_location=location, exception_module=raising_module(exc, self.model), trace=trace,
+            step=self.iteration - 1,
+            batch_index=batch_index,
+            loss=float("nan"),
+            grad_norm=float("nan"),
+            lr=lr,
+            loss_scale=scale,
+            skipped=True,
+            optimizer_stepped=trace.optimizer_stepped,
+            micro_step=False,
+            nonfinite_loss=True,
+            nonfinite_grads=True,
+            exception_type=type(exc).__name__,
+            exception=first_line(exc),
+            exception_location=location,
+            exception_module=raising_module(exc, self.model),
+            trace=trace,
         )
 
-    def run(self, steps: int | None = None, max_iterations: int | None = None, stop_on_nonfinite_loss: bool = False,
-            before_step: Callable[["Probe"], None] | None = None) -> pd.DataFrame:
+    def run(
+        self,
+        steps: int | None = None,
+        max_iterations: int | None = None,
+        stop_on_nonfinite_loss: bool = False,
+        before_step: Callable[[Probe], None] | None = None,
+    ) -> pd.DataFrame:
         """Take ``steps`` steps (with alignment: until that many optimizer steps were taken, at most ``max_iterations``).
 
         ``stop_on_nonfinite_loss`` ends the run at the first inf/NaN loss: retrying a batch whose
@@ -541,7 +622,7 @@ class Probe:
         """How many steps the scaler skipped, per optimizer (each optimizer's step is skipped on its own gradients)."""
         counts = {name: 0 for name in self.optimizers.by_name}
         for record in self.records:
-            for name in (record.trace.skipped_optimizers if record.trace else []):
+            for name in record.trace.skipped_optimizers if record.trace else []:
                 counts[name] = counts.get(name, 0) + 1
         return counts
 
@@ -555,14 +636,24 @@ class Probe:
         caller that saves them at once (a kept state spilled to disk needs no copy in memory first)."""
         rng = rng_state()
         accumulating = bool(self.records) and self.records[-1].micro_step
-        grads = {n: p.grad.detach().clone() if copy_state else p.grad for n, p in self.model.named_parameters()
-                 if p.grad is not None} if accumulating else None
+        grads = (
+            {
+                n: p.grad.detach().clone() if copy_state else p.grad
+                for n, p in self.model.named_parameters()
+                if p.grad is not None
+            }
+            if accumulating
+            else None
+        )
         return ProbeSnapshot(
             model=copy.deepcopy(self.model.state_dict()) if copy_state else self.model.state_dict(),
             optimizer=self.optimizers.state(copy_state),
             scheduler=[copy.deepcopy(s.state_dict()) for s in self.schedulers] if self.schedulers else None,
             scaler=copy.deepcopy(self.scaler.state_dict()),
-            rng=rng, iteration=self.iteration, cursor=self.cursor, grads=grads,
+            rng=rng,
+            iteration=self.iteration,
+            cursor=self.cursor,
+            grads=grads,
         )
 
     def restore(self, snap: ProbeSnapshot, owned: bool = False) -> None:
@@ -584,7 +675,7 @@ class Probe:
         self.records = [r for r in self.records if r.step < snap.iteration]
         self.failed = None
 
-    def restore_kept(self, kept: "MutableMapping[int, ProbeSnapshot]", step: int) -> None:
+    def restore_kept(self, kept: MutableMapping[int, ProbeSnapshot], step: int) -> None:
         """Back to the snapshot kept at ``step`` (a :class:`~.kept.KeptStates` on disk or in memory). The
         probe's gradients and optimizer state are freed before the snapshot is read back, so the restore
         holds the probe's weights and one snapshot, not the probe's whole state beside it."""
@@ -666,12 +757,18 @@ def _outside_torch_frame(exc: BaseException) -> str | None:
     FP32 probe's mode and AMP's autocast policy gave two places, and the AMP one went unexplained)."""
     torch_dir = str(Path(torch.__file__).resolve().parent) + os.sep
     precision = str(Path(__file__).resolve().parent.parent / "precision") + os.sep
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not str(Path(f.filename).resolve()).startswith((torch_dir, precision))]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not str(Path(f.filename).resolve()).startswith((torch_dir, precision))
+    ]
     if not frames:
         return None
     last = frames[-1]
-    if last.name == "default_loss" and Path(last.filename).resolve() == Path(default_loss.__code__.co_filename).resolve():
+    if (
+        last.name == "default_loss"
+        and Path(last.filename).resolve() == Path(default_loss.__code__.co_filename).resolve()
+    ):
         what = "cross_entropy(model(x), y)" if "cross_entropy" in (last.line or "") else "model(**batch).loss"
         return f"fp16doctor's default loss {what}"
     return f"{last.filename}:{last.lineno}"

@@ -13,7 +13,7 @@ to that step: the display never shows "step 7 of 6", only an estimate that grew.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 ProbeStepHook = Callable[[str, int, int], None]
 """Told ``(probe mode, step about to run, the steps planned)`` before each probe step, the steps counted

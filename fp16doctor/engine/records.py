@@ -14,8 +14,21 @@ if TYPE_CHECKING:  # the trace is the probe's, attached at run time; reading a r
     from ..precision.recording import StepTrace
 
 RECORD_COLUMNS = [
-    "step", "batch_index", "loss", "grad_norm", "lr", "loss_scale", "skipped", "optimizer_stepped", "micro_step",
-    "nonfinite_loss", "nonfinite_grads", "exception_type", "exception", "exception_location", "exception_module",
+    "step",
+    "batch_index",
+    "loss",
+    "grad_norm",
+    "lr",
+    "loss_scale",
+    "skipped",
+    "optimizer_stepped",
+    "micro_step",
+    "nonfinite_loss",
+    "nonfinite_grads",
+    "exception_type",
+    "exception",
+    "exception_location",
+    "exception_module",
 ]
 """``skipped``: an optimizer step was attempted and did not happen (the scaler found inf/NaN);
 ``micro_step``: no optimizer step was attempted (gradient accumulation); ``optimizer_stepped``: the weights moved."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import random
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np  # a pandas dependency, always present
 import torch
@@ -25,7 +26,8 @@ def rng_state() -> dict[str, Any]:
     """The state of every generator (CUDA's too where present)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
-        "torch": torch.get_rng_state(), "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
         "numpy": [kind, torch.from_numpy(np.asarray(keys).astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
     }
     if torch.cuda.is_available():

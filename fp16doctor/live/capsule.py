@@ -53,18 +53,25 @@ def capsule_folder(base: Path, step: int, rank: int | None) -> Path:
     return folder
 
 
-def replay_inputs(batches: list[Any], output_grads: list[tuple[list[torch.Tensor | None], bool]], scale: float
-                  ) -> tuple[list[Any], list[list[torch.Tensor | None]] | None]:
+def replay_inputs(
+    batches: list[Any], output_grads: list[tuple[list[torch.Tensor | None], bool]], scale: float
+) -> tuple[list[Any], list[list[torch.Tensor | None]] | None]:
     """Host copies of the step's batches and, when every micro-batch has them, its unscaled output gradients.
 
     With output gradients each batch gains a ``replay_index`` naming its gradients, which stay out of the
     batch itself (the data scan looks at what the model received, not at gradients), and ``replay_rows``
     numbering its rows (see :data:`REPLAY_ROWS`)."""
     copies = [map_tensors(b, cpu_copy) for b in batches]
-    if not copies or len(output_grads) != len(copies) or not all(any(g is not None for g in gs) for gs, _ in output_grads):
+    if (
+        not copies
+        or len(output_grads) != len(copies)
+        or not all(any(g is not None for g in gs) for gs, _ in output_grads)
+    ):
         return copies, None
-    grads = [[None if g is None else (g.detach().float() / (scale if scaled else 1.0)).cpu() for g in gs]
-             for gs, scaled in output_grads]
+    grads = [
+        [None if g is None else (g.detach().float() / (scale if scaled else 1.0)).cpu() for g in gs]
+        for gs, scaled in output_grads
+    ]
     return [{**b, REPLAY_INDEX: torch.tensor(i), **_row_numbers(b)} for i, b in enumerate(copies)], grads
 
 
@@ -83,8 +90,10 @@ def loss_gradient_finding(loss: float | None, output_grads: list[list[torch.Tens
         return None
     if all(g is None or bool(torch.isfinite(g).all()) for grads in output_grads for g in grads):
         return None
-    return ("the loss is finite but its gradient w.r.t. the model's outputs is not: the non-finite values "
-            "arise in the loss computation (its backward), outside the model")
+    return (
+        "the loss is finite but its gradient w.r.t. the model's outputs is not: the non-finite values "
+        "arise in the loss computation (its backward), outside the model"
+    )
 
 
 @dataclass(frozen=True)
@@ -101,8 +110,11 @@ class LossRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's fields; the value as text: "inf" and "nan" are not JSON numbers."""
-        return {"loss": None if self.value is None else repr(float(self.value)), "loss_dtypes": self.dtypes,
-                "output_dtypes": self.output_dtypes}
+        return {
+            "loss": None if self.value is None else repr(float(self.value)),
+            "loss_dtypes": self.dtypes,
+            "output_dtypes": self.output_dtypes,
+        }
 
 
 def recorded_loss_evidence(manifest: dict[str, Any]) -> str | None:
@@ -121,30 +133,46 @@ def recorded_loss_evidence(manifest: dict[str, Any]) -> str | None:
     dtypes, outputs = manifest.get("loss_dtypes") or [], manifest.get("output_dtypes") or []
     if not {"float16", "bfloat16"} & {*dtypes, *outputs}:
         return None
-    return (f"the watch recorded a loss of {loss} at optimizer step {manifest.get('step')} (computed in "
-            f"{'/'.join(dtypes) or 'an unknown dtype'} from {'/'.join(outputs) or 'unknown'} outputs): where the model "
-            "replays finite on the same weights and batch, the loss computation, outside the model, made it; the "
-            "loss itself in fp32 is not measured (the capsule holds no loss code)")
+    return (
+        f"the watch recorded a loss of {loss} at optimizer step {manifest.get('step')} (computed in "
+        f"{'/'.join(dtypes) or 'an unknown dtype'} from {'/'.join(outputs) or 'unknown'} outputs): where the model "
+        "replays finite on the same weights and batch, the loss computation, outside the model, made it; the "
+        "loss itself in fp32 is not measured (the capsule holds no loss code)"
+    )
 
 
-def write_manifest(folder: Path, step: int, replay: str, loss_finding: str | None = None,
-                   loss: LossRecord | None = None) -> None:
+def write_manifest(
+    folder: Path, step: int, replay: str, loss_finding: str | None = None, loss: LossRecord | None = None
+) -> None:
     """What a reader checks first: the format, the files, which replay the capsule supports, what the watch saw
     of the step's loss. Written last."""
-    manifest = {"format": CAPSULE_FORMAT, "fp16doctor": __version__, "step": step, "replay": replay,
-                "files": list(CAPSULE_FILES), "loss_finding": loss_finding, **(loss or LossRecord(None)).to_json()}
+    manifest = {
+        "format": CAPSULE_FORMAT,
+        "fp16doctor": __version__,
+        "step": step,
+        "replay": replay,
+        "files": list(CAPSULE_FILES),
+        "loss_finding": loss_finding,
+        **(loss or LossRecord(None)).to_json(),
+    }
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2))
 
 
 def check_capsule(folder: Path) -> dict[str, Any]:
     """The capsule's manifest, or :class:`TrainingFileError` naming what is missing or which format it is."""
     if not folder.is_dir():
-        raise TrainingFileError(f"capsule folder '{folder}' does not exist.", hint="Pass the folder the watch printed after 'Capsule:'.")
+        raise TrainingFileError(
+            f"capsule folder '{folder}' does not exist.", hint="Pass the folder the watch printed after 'Capsule:'."
+        )
     hint = "Pass the folder the watch printed after 'Capsule:'; a capsule is complete once manifest.json is written."
     if not (folder / MANIFEST).is_file():
         if not (folder / "train_capsule.py").is_file():
-            raise TrainingFileError(f"'{folder}' is not a replay capsule (no {MANIFEST}, no train_capsule.py in it).", hint=hint)
-        raise TrainingFileError(f"capsule '{folder}' is incomplete or from an older fp16doctor: {MANIFEST} is missing.", hint=hint)
+            raise TrainingFileError(
+                f"'{folder}' is not a replay capsule (no {MANIFEST}, no train_capsule.py in it).", hint=hint
+            )
+        raise TrainingFileError(
+            f"capsule '{folder}' is incomplete or from an older fp16doctor: {MANIFEST} is missing.", hint=hint
+        )
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError) as exc:
@@ -153,7 +181,8 @@ def check_capsule(folder: Path) -> dict[str, Any]:
         raise TrainingFileError(
             f"capsule '{folder}' has format {manifest.get('format')} (fp16doctor {manifest.get('fp16doctor', '?')}); "
             f"this fp16doctor ({__version__}) reads format {CAPSULE_FORMAT}.",
-            hint="Diagnose it with the fp16doctor version that wrote it, or let the watch write a new capsule.")
+            hint="Diagnose it with the fp16doctor version that wrote it, or let the watch write a new capsule.",
+        )
     missing = [name for name in CAPSULE_FILES if not (folder / name).is_file()]
     if missing:
         raise TrainingFileError(f"capsule '{folder}' is incomplete: {', '.join(missing)} missing.", hint=hint)
@@ -164,16 +193,22 @@ def replay_note(manifest: dict[str, Any]) -> str:
     """What a capsule diagnosis replays, and what it cannot verify."""
     step = manifest.get("step")
     if manifest.get("loss_finding"):
-        return (f"optimizer step {step}: {manifest['loss_finding']}; the replay drives the model's backward with "
-                "that gradient's finite entries (its inf/NaN entries as 0)" + REPEATED)
+        return (
+            f"optimizer step {step}: {manifest['loss_finding']}; the replay drives the model's backward with "
+            "that gradient's finite entries (its inf/NaN entries as 0)" + REPEATED
+        )
     if manifest.get("replay") == "output-grads":
-        return (f"single-step replay of optimizer step {step}: the model's forward and backward and the optimizer step "
-                "replay exactly, driven by the recorded gradient of the loss w.r.t. the model's outputs; the loss "
-                "computation itself is not replayed (a non-finite gradient arriving from it is a finding about the loss, "
-                "outside the model: its inf/NaN entries count as 0, and an output whose gradient has no finite entry "
-                "is driven by its mean's), nor are the steps before or after" + REPEATED)
-    return (f"single-step replay of optimizer step {step} with the {manifest.get('replay')} loss; "
-            "the steps before and after it are not replayed" + REPEATED)
+        return (
+            f"single-step replay of optimizer step {step}: the model's forward and backward and the optimizer step "
+            "replay exactly, driven by the recorded gradient of the loss w.r.t. the model's outputs; the loss "
+            "computation itself is not replayed (a non-finite gradient arriving from it is a finding about the loss, "
+            "outside the model: its inf/NaN entries count as 0, and an output whose gradient has no finite entry "
+            "is driven by its mean's), nor are the steps before or after" + REPEATED
+        )
+    return (
+        f"single-step replay of optimizer step {step} with the {manifest.get('replay')} loss; "
+        "the steps before and after it are not replayed" + REPEATED
+    )
 
 
 REPEATED = "; the probes take that batch again for a few steps from the recorded state, so that the scaler can back off"
@@ -188,8 +223,11 @@ def constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         accepted = set(inspect.signature(type(optimizer).__init__).parameters)
     except (TypeError, ValueError):
         accepted = set(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items()
-            if k in accepted and isinstance(v, (bool, int, float, str, tuple, type(None)))}
+    return {
+        k: v
+        for k, v in optimizer.defaults.items()
+        if k in accepted and isinstance(v, (bool, int, float, str, tuple, type(None)))
+    }
 
 
 def import_roots(model: torch.nn.Module) -> list[str]:
@@ -245,9 +283,13 @@ def capsule_config(numbers: Any, scaler: Any, batches: int, dtype: str) -> dict[
     enabled = scaler is not None and scaler.is_enabled()
     config: dict[str, Any] = {"steps": max(4, batches), "device": "cpu", "dtype": dtype}
     if enabled:
-        config["scaler"] = {"enabled": True, "init_scale": float(numbers.loss_scale),
-                            "growth_factor": float(scaler.get_growth_factor()), "backoff_factor": float(scaler.get_backoff_factor()),
-                            "growth_interval": int(scaler.get_growth_interval())}
+        config["scaler"] = {
+            "enabled": True,
+            "init_scale": float(numbers.loss_scale),
+            "growth_factor": float(scaler.get_growth_factor()),
+            "backoff_factor": float(scaler.get_backoff_factor()),
+            "growth_interval": int(scaler.get_growth_interval()),
+        }
     return config
 
 

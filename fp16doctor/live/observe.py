@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import GradScaler, OptState
@@ -48,7 +49,7 @@ OUTPUT_GRAD_LIMIT = 1 << 24
 (an LM's logits, batch x sequence x vocabulary, are too large to hold on every step)."""
 
 _PATCH_LOCK = threading.Lock()
-_active: "TrainingObserver | None" = None
+_active: TrainingObserver | None = None
 
 
 class WatchStopped(BaseException):
@@ -81,9 +82,15 @@ class ModelCall:
 class TrainingObserver:
     """Observes every optimizer step of the training run inside its ``with`` block."""
 
-    def __init__(self, options: WatchOptions | None = None, on_alarm: Callable[[Alarm], None] | None = None,
-                 dtype: str | None = None, rank: int | None = None, observe_steps: bool = True,
-                 on_note: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        options: WatchOptions | None = None,
+        on_alarm: Callable[[Alarm], None] | None = None,
+        dtype: str | None = None,
+        rank: int | None = None,
+        observe_steps: bool = True,
+        on_note: Callable[[str], None] | None = None,
+    ):
         self.options = options or WatchOptions()
         self.on_note = on_note or (lambda text: None)
         self.observe_steps = observe_steps
@@ -118,7 +125,7 @@ class TrainingObserver:
         ``init_scale`` to the loaded scale, so the scale alone cannot tell)."""
 
     # --- install / restore ------------------------------------------------------------------------
-    def __enter__(self) -> "TrainingObserver":
+    def __enter__(self) -> TrainingObserver:
         """Patch and hook. Entered again after an exit it keeps the models and optimizers it found, so it is at once
         in the state of a long watch (``benchmarks/watch_overhead.py`` switches it on and off between steps)."""
         global _active
@@ -137,8 +144,12 @@ class TrainingObserver:
             for cls in _scaler_classes():
                 if "update" in vars(cls):
                     self._patch(cls, "update", _observed_update(vars(cls)["update"]))
-            self._patch(torch.optim.Optimizer, "__init__", _observed_optimizer_init(vars(torch.optim.Optimizer)["__init__"]))
-            self._patch(torch.optim.Optimizer, "zero_grad", _observed_zero_grad(vars(torch.optim.Optimizer)["zero_grad"]))
+            self._patch(
+                torch.optim.Optimizer, "__init__", _observed_optimizer_init(vars(torch.optim.Optimizer)["__init__"])
+            )
+            self._patch(
+                torch.optim.Optimizer, "zero_grad", _observed_zero_grad(vars(torch.optim.Optimizer)["zero_grad"])
+            )
             self._patch(torch.nn.Module, "zero_grad", _observed_zero_grad(vars(torch.nn.Module)["zero_grad"]))
             self._handles = [register_optimizer_step_pre_hook(self._optimizer_pre_step)]
             self._handles += [m.register_forward_hook(self._model_forward, with_kwargs=True) for m in self._models]
@@ -185,9 +196,12 @@ class TrainingObserver:
         """Global module hooks on (looking for the outermost modules the training runs) or off (every model found)."""
         if on and not self._module_hooks:
             self._depth = 0
-            self._module_hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._global_pre_forward),
-                                  torch.nn.modules.module.register_module_forward_hook(self._global_forward, with_kwargs=True,
-                                                                                       always_call=True)]
+            self._module_hooks = [
+                torch.nn.modules.module.register_module_forward_pre_hook(self._global_pre_forward),
+                torch.nn.modules.module.register_module_forward_hook(
+                    self._global_forward, with_kwargs=True, always_call=True
+                ),
+            ]
         elif not on:
             for handle in self._module_hooks:
                 handle.remove()
@@ -240,8 +254,11 @@ class TrainingObserver:
             models = [watch.model]
         else:  # not stepped yet: the held forwards' models whose parameters it clears
             cleared = {id(p) for group in owner.param_groups for p in group["params"]}
-            models = list({id(c.module): c.module for c in self._calls
-                           if any(id(p) in cleared for p in c.module.parameters())}.values())
+            models = list(
+                {
+                    id(c.module): c.module for c in self._calls if any(id(p) in cleared for p in c.module.parameters())
+                }.values()
+            )
         if models:
             self._calls = [c for c in self._calls if not (c.backward_done() and any(c.module is m for m in models))]
 
@@ -257,8 +274,9 @@ class TrainingObserver:
 
     def _settle_discovery(self) -> None:
         """The global module hooks go once every optimizer created has its model (they cost a call per module)."""
-        self._unmatched = [r for r in self._unmatched if (o := r()) is not None and id(o) not in self.watches
-                           and not self._covered(o)]
+        self._unmatched = [
+            r for r in self._unmatched if (o := r()) is not None and id(o) not in self.watches and not self._covered(o)
+        ]
         if not self._unmatched and self._models:
             self._discover(False)
 
@@ -281,11 +299,17 @@ class TrainingObserver:
         if not self._in_scaler_step:
             self.check(optimizer, None, None)
 
-    def check(self, optimizer: torch.optim.Optimizer, scaler: GradScaler | None, found_inf: torch.Tensor | None) -> None:
+    def check(
+        self, optimizer: torch.optim.Optimizer, scaler: GradScaler | None, found_inf: torch.Tensor | None
+    ) -> None:
         """Check one optimizer step (one host sync); on an alarm tell ``on_alarm`` and stop unless told to keep going."""
         watch = self._watch_for(optimizer)
         self._settle_discovery()
-        watch.label = f"{type(optimizer).__name__} ({type(watch.model).__name__})" if len(self.watches) + len(self._unmatched) > 1 else None
+        watch.label = (
+            f"{type(optimizer).__name__} ({type(watch.model).__name__})"
+            if len(self.watches) + len(self._unmatched) > 1
+            else None
+        )
         step = self._steps.get(id(optimizer), 0)
         self._steps[id(optimizer)] = step + 1
         calls = [c for c in self._calls if c.module is watch.model and not c.fed_no_loss()]
@@ -315,7 +339,9 @@ class TrainingObserver:
     def _watch_for(self, optimizer: torch.optim.Optimizer) -> Watch:
         key = id(optimizer)
         if key not in self.watches:
-            watch = Watch(self._model_of(optimizer), self.options, framework="script", dtype=self.dtype or self._autocast_dtype)
+            watch = Watch(
+                self._model_of(optimizer), self.options, framework="script", dtype=self.dtype or self._autocast_dtype
+            )
             watch.rank = self.rank
             self.watches[key] = watch
         return self.watches[key]
@@ -335,8 +361,10 @@ class TrainingObserver:
             self._adopt(model)
             half = half_precision_comm_hooks(outer)
             if half:
-                self.on_note(f"DDP gradients are all-reduced in half precision ({', '.join(half)}): "
-                             "remove the compression hook to reduce them in fp32 (cause ddp-half-allreduce)")
+                self.on_note(
+                    f"DDP gradients are all-reduced in half precision ({', '.join(half)}): "
+                    "remove the compression hook to reduce them in fp32 (cause ddp-half-allreduce)"
+                )
         return model
 
     # --- under torchrun ---------------------------------------------------------------------------------
@@ -352,11 +380,19 @@ class TrainingObserver:
         import torch.distributed as dist
 
         device = scaler._scale.device
-        flags = [f.to(device).reshape(()) for state in scaler._per_optimizer_states.values()
-                 for f in state["found_inf_per_device"].values()]
+        flags = [
+            f.to(device).reshape(())
+            for state in scaler._per_optimizer_states.values()
+            for f in state["found_inf_per_device"].values()
+        ]
         skipped = (torch.stack(flags).sum() > 0).float() if flags else torch.zeros((), device=device)
-        mine = torch.stack([scaler._scale.reshape(()).float(), skipped,
-                            torch.tensor(float(self._pending_stop is not None), device=device)])
+        mine = torch.stack(
+            [
+                scaler._scale.reshape(()).float(),
+                skipped,
+                torch.tensor(float(self._pending_stop is not None), device=device),
+            ]
+        )
         rows = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(rows, mine)
         table = torch.stack(rows).tolist()  # one transfer
@@ -373,7 +409,9 @@ class TrainingObserver:
 
     def _disagreement(self, table: list[list[float]], scaler: GradScaler) -> None:
         """Ranks disagree: the skipping ranks (rank 0 where only the scale differs) write a capsule."""
-        said = ", ".join(f"rank {r}: scale {row[0]:g}, {'skipped' if row[1] else 'stepped'}" for r, row in enumerate(table))
+        said = ", ".join(
+            f"rank {r}: scale {row[0]:g}, {'skipped' if row[1] else 'stepped'}" for r, row in enumerate(table)
+        )
         writers = [r for r, row in enumerate(table) if row[1]] if len({row[1] for row in table}) > 1 else [0]
         alarm = Alarm("rank-disagreement", self._step_of_last(), f"the ranks disagree ({said})")
         if self._last_step is not None and self.rank in writers and "rank-disagreement" in self.options.alarms:

@@ -38,11 +38,16 @@ def check_target(target: Target) -> None:
         try:
             found = importlib.util.find_spec(target.name)
         except (ImportError, ValueError) as exc:
-            raise ScriptError(f"Error while finding module specification for '{target.name}' ({type(exc).__name__}: {exc})",
-                              PYTHON_NO_MODULE) from exc
+            raise ScriptError(
+                f"Error while finding module specification for '{target.name}' ({type(exc).__name__}: {exc})",
+                PYTHON_NO_MODULE,
+            ) from exc
         if found is None:
-            raise ScriptError(f"No module named {target.name}", PYTHON_NO_MODULE,
-                              hint="fp16doctor watch -m takes a module importable from the current directory, as python -m does.")
+            raise ScriptError(
+                f"No module named {target.name}",
+                PYTHON_NO_MODULE,
+                hint="fp16doctor watch -m takes a module importable from the current directory, as python -m does.",
+            )
         return
     path = Path(target.name)
     if not path.exists():

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import torch
@@ -35,9 +36,20 @@ from ..engine.rng import callers_rng_kept, rng_state
 from ..files import atomic_torch_save, atomic_write_text
 from ..tensors import dtype_name, grad_values, norms
 from ..userfile.batches import map_tensors
-from .capsule import (CAPSULE_FORMAT, LossRecord, capsule_config, capsule_folder, capsule_training_file,
-                      constructor_settings, cpu_copy, detached_module, import_roots, loss_gradient_finding,
-                      replay_inputs, write_manifest)
+from .capsule import (
+    CAPSULE_FORMAT,
+    LossRecord,
+    capsule_config,
+    capsule_folder,
+    capsule_training_file,
+    constructor_settings,
+    cpu_copy,
+    detached_module,
+    import_roots,
+    loss_gradient_finding,
+    replay_inputs,
+    write_manifest,
+)
 
 ALARMS = ("nonfinite", "skip-streak", "scale-collapse", "loss-spike", "rank-disagreement")
 
@@ -94,7 +106,11 @@ class Alarm:
 
     def pointer(self) -> str:
         """The one line a user sees."""
-        where = f" Capsule: {self.capsule}. Diagnose it: fp16doctor diagnose --capsule {self.capsule}" if self.capsule else ""
+        where = (
+            f" Capsule: {self.capsule}. Diagnose it: fp16doctor diagnose --capsule {self.capsule}"
+            if self.capsule
+            else ""
+        )
         of = f" of {self.optimizer}" if self.optimizer else ""
         return f"fp16doctor: {self.kind} at optimizer step {self.step}{of}: {self.message}.{where}"
 
@@ -102,8 +118,13 @@ class Alarm:
 class Watch:
     """Attach to a model; feed it micro-batches and losses; call :meth:`before_optimizer_step` once per optimizer step."""
 
-    def __init__(self, model: torch.nn.Module, options: WatchOptions | None = None, framework: str = "torch",
-                 dtype: str | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        options: WatchOptions | None = None,
+        framework: str = "torch",
+        dtype: str | None = None,
+    ):
         self.model = model
         self.options = options or WatchOptions()
         self.framework = framework
@@ -137,12 +158,20 @@ class Watch:
 
     def record_loss(self, loss: torch.Tensor | float) -> None:
         """A micro-batch's loss (a device tensor: no synchronisation here), and the dtype it was computed in."""
-        self._losses.append(loss.detach().float().reshape(()) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
+        self._losses.append(
+            loss.detach().float().reshape(()) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        )
         self._loss_dtypes.add(dtype_name(loss.dtype) if isinstance(loss, torch.Tensor) else "float")
 
     # --- the check -------------------------------------------------------------------------------------
-    def before_optimizer_step(self, step: int, optimizer: torch.optim.Optimizer, scaler: Any = None,
-                              grads_scaled: bool = False, found_inf: torch.Tensor | None = None) -> Alarm | None:
+    def before_optimizer_step(
+        self,
+        step: int,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any = None,
+        grads_scaled: bool = False,
+        found_inf: torch.Tensor | None = None,
+    ) -> Alarm | None:
         """Measure this optimizer step (one host sync), decide on an alarm, write its capsule; then forget the step.
 
         ``found_inf`` is the scaler's own decision (its inf/NaN flags, summed over devices): the step is
@@ -152,12 +181,20 @@ class Watch:
         step would cost a healthy step more than the measurement itself)."""
         return self._check_step(step, optimizer, scaler, grads_scaled, found_inf)
 
-    def _check_step(self, step: int, optimizer: torch.optim.Optimizer, scaler: Any, grads_scaled: bool,
-                    found_inf: torch.Tensor | None) -> Alarm | None:
+    def _check_step(
+        self,
+        step: int,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any,
+        grads_scaled: bool,
+        found_inf: torch.Tensor | None,
+    ) -> Alarm | None:
         try:
             numbers = self._measure(step, optimizer, scaler, grads_scaled, found_inf)
             if not self.history:  # a fresh training's first step, at its scaler's own initial scale
-                self._calibrating = step == 0 and not self.scaler_resumed and at_initial_scale(scaler, numbers.loss_scale)
+                self._calibrating = (
+                    step == 0 and not self.scaler_resumed and at_initial_scale(scaler, numbers.loss_scale)
+                )
             self.history.append(numbers)
             kind, message = self._decide(numbers)
             if kind is not None and self.alarm is None:
@@ -178,18 +215,29 @@ class Watch:
         With them a capsule replays the step's forward and backward without the script's loss code."""
         self.output_grads.append((grads, scaled))
 
-    def _measure(self, step: int, optimizer: torch.optim.Optimizer, scaler: Any, grads_scaled: bool,
-                 found_inf: torch.Tensor | None = None) -> StepNumbers:
+    def _measure(
+        self,
+        step: int,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any,
+        grads_scaled: bool,
+        found_inf: torch.Tensor | None = None,
+    ) -> StepNumbers:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         device = params[0].grad.device if params else torch.device("cpu")
         scale_now = scale_tensor(scaler, device)
         grads = [g for g in map(grad_values, params) if g is not None]  # every one: params have a grad
         # one pass over the gradients: per-layer L2 norms, in fp32 or wider (a half gradient's norm may pass 65504)
         layer_l2 = torch.stack(norms(grads)) if grads else torch.zeros(0, device=device)
-        loss = torch.stack([l.to(device) for l in self._losses]).sum() if self._losses else torch.tensor(math.nan, device=device)
+        loss = (
+            torch.stack([part.to(device) for part in self._losses]).sum()
+            if self._losses
+            else torch.tensor(math.nan, device=device)
+        )
         flag = found_inf.to(device).float().sum() if found_inf is not None else torch.tensor(0.0, device=device)
-        values = torch.cat([loss.reshape(1), flag.reshape(1), layer_l2.pow(2).sum().sqrt().reshape(1), scale_now.reshape(1),
-                            layer_l2]).tolist()  # the one transfer (the scale too: get_scale() would be a second sync)
+        values = torch.cat(
+            [loss.reshape(1), flag.reshape(1), layer_l2.pow(2).sum().sqrt().reshape(1), scale_now.reshape(1), layer_l2]
+        ).tolist()  # the one transfer (the scale too: get_scale() would be a second sync)
         loss_value = values[0] if self._losses else None
         scale = values[3]
         divide = scale if grads_scaled else 1.0
@@ -198,10 +246,17 @@ class Watch:
         bad = nonfinite_layers(grads, names, layer_norms)
         finite = [(v, n) for n, v in zip(names, layer_norms) if math.isfinite(v)]
         largest = max(finite, default=(0.0, None))
-        return StepNumbers(step=step, loss=loss_value, grad_norm=norm, loss_scale=scale,
-                           skipped=self._skipped(values[1], found_inf, bad, scaler),
-                           lr=float(optimizer.param_groups[0]["lr"]), nonfinite_layers=bad[:20],
-                           largest_layer=largest[1], largest_norm=largest[0])
+        return StepNumbers(
+            step=step,
+            loss=loss_value,
+            grad_norm=norm,
+            loss_scale=scale,
+            skipped=self._skipped(values[1], found_inf, bad, scaler),
+            lr=float(optimizer.param_groups[0]["lr"]),
+            nonfinite_layers=bad[:20],
+            largest_layer=largest[1],
+            largest_norm=largest[0],
+        )
 
     @staticmethod
     def _skipped(flag: float, found_inf: torch.Tensor | None, bad: list[str], scaler: Any) -> bool:
@@ -216,17 +271,34 @@ class Watch:
         self._calibrating = self._calibrating and n.skipped
         if "nonfinite" in wanted and n.loss is not None and not math.isfinite(n.loss):
             return "nonfinite", f"the loss is {n.loss}"
-        if "nonfinite" in wanted and n.nonfinite_layers and not n.skipped:  # no scaler caught them: they reach the weights
+        if (
+            "nonfinite" in wanted and n.nonfinite_layers and not n.skipped
+        ):  # no scaler caught them: they reach the weights
             return "nonfinite", f"non-finite gradients in {', '.join(n.nonfinite_layers[:3])}"
         if "skip-streak" in wanted and self._streak >= self._streak_limit():
-            settling = (f" from the scaler's initial scale {self.history[0].loss_scale:g} down to {n.loss_scale:g}, more than"
-                        f" calibrating it takes" if self._calibrating else "")
-            return "skip-streak", (f"{self._streak} optimizer steps skipped in a row{settling} (inf/NaN gradients in "
-                                   f"{', '.join(n.nonfinite_layers[:3])})")
+            settling = (
+                f" from the scaler's initial scale {self.history[0].loss_scale:g} down to {n.loss_scale:g}, more than"
+                f" calibrating it takes"
+                if self._calibrating
+                else ""
+            )
+            return "skip-streak", (
+                f"{self._streak} optimizer steps skipped in a row{settling} (inf/NaN gradients in "
+                f"{', '.join(n.nonfinite_layers[:3])})"
+            )
         if "scale-collapse" in wanted and n.skipped and n.loss_scale <= self.options.min_scale:
             return "scale-collapse", f"the loss scale fell to {n.loss_scale:g} and the gradients still overflow"
-        recent = [h.loss for h in self.history[-self.options.spike_window - 1:-1] if h.loss is not None and math.isfinite(h.loss)]
-        if "loss-spike" in wanted and len(recent) >= self.options.spike_window // 2 and n.loss is not None and math.isfinite(n.loss):
+        recent = [
+            h.loss
+            for h in self.history[-self.options.spike_window - 1 : -1]
+            if h.loss is not None and math.isfinite(h.loss)
+        ]
+        if (
+            "loss-spike" in wanted
+            and len(recent) >= self.options.spike_window // 2
+            and n.loss is not None
+            and math.isfinite(n.loss)
+        ):
             median = statistics.median(recent)
             if median > 0 and n.loss > self.options.spike_factor * median:
                 return "loss-spike", f"the loss {n.loss:.4g} is {n.loss / median:.1f}x the recent median {median:.4g}"
@@ -255,14 +327,26 @@ class Watch:
         enabled = scaler is not None and scaler.is_enabled()
         batches, output_grads = replay_inputs(self._batches, self.output_grads, numbers.loss_scale)
         state = {
-            "format": CAPSULE_FORMAT, "framework": self.framework, "step": numbers.step, "rank": self.rank,
+            "format": CAPSULE_FORMAT,
+            "framework": self.framework,
+            "step": numbers.step,
+            "rank": self.rank,
             "model": map_tensors(dict(self.model.state_dict()), cpu_copy),
-            "optimizer": map_tensors(inner.state_dict(), cpu_copy), "optimizer_class": f"{cls.__module__}.{cls.__qualname__}",
+            "optimizer": map_tensors(inner.state_dict(), cpu_copy),
+            "optimizer_class": f"{cls.__module__}.{cls.__qualname__}",
             "optimizer_defaults": constructor_settings(inner),
-            "scaler": scaler.state_dict() if enabled else None, "batches": batches, "output_grads": output_grads,
-            "rng": rng_state(), "loss": numbers.loss, "loss_scale": numbers.loss_scale,
-            "alarm": {"kind": self.alarm.kind if self.alarm else None, "message": self.alarm.message if self.alarm else ""},
-            "history": [asdict(h) for h in self.history[-50:]], "import_paths": import_roots(self.model),
+            "scaler": scaler.state_dict() if enabled else None,
+            "batches": batches,
+            "output_grads": output_grads,
+            "rng": rng_state(),
+            "loss": numbers.loss,
+            "loss_scale": numbers.loss_scale,
+            "alarm": {
+                "kind": self.alarm.kind if self.alarm else None,
+                "message": self.alarm.message if self.alarm else "",
+            },
+            "history": [asdict(h) for h in self.history[-50:]],
+            "import_paths": import_roots(self.model),
         }
         atomic_torch_save(folder / "capsule.pt", state)
         atomic_torch_save(folder / "model.pt", detached_module(self.model), pickle_module=cloudpickle)
@@ -272,8 +356,13 @@ class Watch:
         atomic_write_text(folder / "config.json", json.dumps(config, indent=2))
         atomic_write_text(folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay))
         output_dtypes = {dtype_name(g.dtype) for grads, _ in self.output_grads for g in grads if g is not None}
-        write_manifest(folder, numbers.step, replay, loss_gradient_finding(numbers.loss, output_grads),
-                       LossRecord(numbers.loss, sorted(self._loss_dtypes), sorted(output_dtypes)))
+        write_manifest(
+            folder,
+            numbers.step,
+            replay,
+            loss_gradient_finding(numbers.loss, output_grads),
+            LossRecord(numbers.loss, sorted(self._loss_dtypes), sorted(output_dtypes)),
+        )
         return folder
 
 

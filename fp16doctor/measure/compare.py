@@ -10,8 +10,9 @@ actually taken. The skips are reported, not hidden.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 
@@ -84,8 +85,10 @@ class Comparison:
                 if k < len(entries):
                     entry = entries[k]
                     row[mode] = {
-                        "loss": _num(entry["loss"]), "grad_norm": _num(entry["grad_norm"]),
-                        "loss_scale": entry["loss_scale"], "skipped_before": entry["skipped_before"],
+                        "loss": _num(entry["loss"]),
+                        "grad_norm": _num(entry["grad_norm"]),
+                        "loss_scale": entry["loss_scale"],
+                        "skipped_before": entry["skipped_before"],
                         "finite": entry["finite"],
                     }
                     if mode != "fp32":
@@ -103,7 +106,9 @@ class Comparison:
             "skipped_steps": {m: t.skipped for m, t in self.trajectories.items()},
             "skipped_by_optimizer": {m: t.skipped_by_optimizer for m, t in self.trajectories.items()},
             "exceptions": {m: t.exception.to_json() for m, t in self.trajectories.items() if t.exception},
-            "first_nonfinite_module": {m: t.first_nonfinite_module for m, t in self.trajectories.items() if t.first_nonfinite_module},
+            "first_nonfinite_module": {
+                m: t.first_nonfinite_module for m, t in self.trajectories.items() if t.first_nonfinite_module
+            },
             "symptoms": {m: [s.to_json() for s in t.symptoms] for m, t in self.trajectories.items() if m != "fp32"},
             "tolerance": self.tolerance,
             "divergence_tolerance": self.divergence,
@@ -125,8 +130,12 @@ def _align(mode: str, frame: pd.DataFrame) -> ModeTrajectory:
     exception: ExceptionInfo | None = None
     for row in frame.to_dict("records"):
         if row["exception_type"]:
-            exception = ExceptionInfo(step=len(aligned), type=row["exception_type"], message=row["exception"],
-                                      location=row["exception_location"])
+            exception = ExceptionInfo(
+                step=len(aligned),
+                type=row["exception_type"],
+                message=row["exception"],
+                location=row["exception_location"],
+            )
         finite = math.isfinite(row["loss"]) and not row["exception_type"]
         entry = {**row, "skipped_before": pending_skips, "finite": finite}
         if not row["skipped"] or row["exception_type"]:
@@ -173,8 +182,17 @@ def compare(
     reference_steps = trajectories["fp32"].aligned
     ref_nonfinite = next((k for k, e in enumerate(reference_steps) if not e["finite"]), None)
     result = Comparison(
-        modes=modes, steps=steps, trajectories=trajectories, rel_dev={}, max_rel_dev={}, max_rel_dev_step={},
-        first_divergent_step={}, first_nonfinite_step={"fp32": ref_nonfinite}, tolerance={}, divergence={}, verdict="healthy",
+        modes=modes,
+        steps=steps,
+        trajectories=trajectories,
+        rel_dev={},
+        max_rel_dev={},
+        max_rel_dev_step={},
+        first_divergent_step={},
+        first_nonfinite_step={"fp32": ref_nonfinite},
+        tolerance={},
+        divergence={},
+        verdict="healthy",
     )
     for mode in modes[1:]:
         factor = BF16_FACTOR if _is_bf16(mode, config) else 1.0
@@ -190,8 +208,14 @@ def compare(
     return result
 
 
-def run_aligned(bench: Workbench, mode: str, config: DoctorConfig, steps: int,
-                instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS, max_iterations: int | None = None) -> ModeTrajectory:
+def run_aligned(
+    bench: Workbench,
+    mode: str,
+    config: DoctorConfig,
+    steps: int,
+    instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS,
+    max_iterations: int | None = None,
+) -> ModeTrajectory:
     """One mode's probe run aligned on optimizer steps taken, with what its instruments saw (``None``: uninstrumented)."""
     probe = bench.probe(mode, config, align_on_taken_steps=True, instruments=instruments)
     try:
@@ -200,8 +224,9 @@ def run_aligned(bench: Workbench, mode: str, config: DoctorConfig, steps: int,
             with bench.progress.planned(max_iterations or steps):
                 records = probe.run(steps, max_iterations=max_iterations, stop_on_nonfinite_loss=True)
         except OUT_OF_MEMORY as exc:  # a comparison missing a precision would be no comparison
-            raise MemoryLimitError(f"the {mode} run ran out of memory ({one_line(exc)}).",
-                                   hint=smaller_run_hint("Compare")) from exc
+            raise MemoryLimitError(
+                f"the {mode} run ran out of memory ({one_line(exc)}).", hint=smaller_run_hint("Compare")
+            ) from exc
         trajectory = _align(mode, records)
         trajectory.skipped_by_optimizer = probe.skips_by_optimizer()
         if probe.instruments is not None:
@@ -248,4 +273,6 @@ def _score(result: Comparison, mode: str, reference: list[dict], ref_nonfinite: 
         result.first_divergent_step[mode] = past
         worst_dev = result.max_rel_dev[mode] or 0.0
         unstable = any(s.code in UNSTABLE_SYMPTOMS for s in result.trajectories[mode].symptoms)
-        result.verdict_by_mode[mode] = "unstable" if unstable else ("healthy" if worst_dev <= result.tolerance[mode] else "drift")
+        result.verdict_by_mode[mode] = (
+            "unstable" if unstable else ("healthy" if worst_dev <= result.tolerance[mode] else "drift")
+        )

@@ -27,23 +27,68 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..userfile.modules import module_names
 from ..engine.kept import StateKeeper
 from ..engine.probe import Probe, ProbeSnapshot, Workbench
 from ..tensors import FP16_MAX
+from ..userfile.modules import module_names
 from .records import OUTSIDE_MODEL, Localisation  # re-exported: the record types' old home
 
 CASTS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_to_dtype"}
-RESHAPES = {"aten::_unsafe_view", "aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::permute",
-            "aten::expand", "aten::squeeze", "aten::unsqueeze", "aten::alias", "aten::contiguous", "aten::clone"}
+RESHAPES = {
+    "aten::_unsafe_view",
+    "aten::view",
+    "aten::reshape",
+    "aten::t",
+    "aten::transpose",
+    "aten::permute",
+    "aten::expand",
+    "aten::squeeze",
+    "aten::unsqueeze",
+    "aten::alias",
+    "aten::contiguous",
+    "aten::clone",
+}
 """Ops that move values without computing: they pass their input's producer on."""
-CONSTANT_MAKERS = {"aten::full", "aten::full_like", "aten::new_full", "aten::fill_", "aten::fill", "aten::scalar_tensor",
-                   "aten::lift_fresh", "aten::lift_fresh_copy", "aten::masked_fill", "aten::masked_fill_", "aten::where",
-                   "aten::add", "aten::add_", "aten::sub", "aten::sub_", "aten::rsub", "aten::mul", "aten::mul_",
-                   "aten::div", "aten::div_", "aten::neg", "aten::clamp", "aten::clamp_min", "aten::clamp_max",
-                   "aten::maximum", "aten::minimum", "aten::cat", "aten::stack", "aten::tril", "aten::triu",
-                   "aten::repeat", "aten::index_select", "aten::gather", "aten::index", "aten::copy", "aten::roll",
-                   "aten::flip", "aten::expand_copy"}
+CONSTANT_MAKERS = {
+    "aten::full",
+    "aten::full_like",
+    "aten::new_full",
+    "aten::fill_",
+    "aten::fill",
+    "aten::scalar_tensor",
+    "aten::lift_fresh",
+    "aten::lift_fresh_copy",
+    "aten::masked_fill",
+    "aten::masked_fill_",
+    "aten::where",
+    "aten::add",
+    "aten::add_",
+    "aten::sub",
+    "aten::sub_",
+    "aten::rsub",
+    "aten::mul",
+    "aten::mul_",
+    "aten::div",
+    "aten::div_",
+    "aten::neg",
+    "aten::clamp",
+    "aten::clamp_min",
+    "aten::clamp_max",
+    "aten::maximum",
+    "aten::minimum",
+    "aten::cat",
+    "aten::stack",
+    "aten::tril",
+    "aten::triu",
+    "aten::repeat",
+    "aten::index_select",
+    "aten::gather",
+    "aten::index",
+    "aten::copy",
+    "aten::roll",
+    "aten::flip",
+    "aten::expand_copy",
+}
 """Ops whose output carries a constant beyond fp16's range when they were given one (a Python number or a tensor
 that carries one): fills, selections and arithmetic. Every other op computes: its output is an activation, however
 few distinct values it holds (``exp(1/tau)`` on a cosine attention's diagonal is one value, 4.9e8)."""
@@ -105,8 +150,16 @@ def _described(inputs: list[torch.Tensor]) -> tuple[list[tuple[float, float]], l
     return ranges, [_spread(t, r) for t, r in zip(inputs, ranges)]
 
 
-OVERWRITES = {"aten::copy_", "aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_", "aten::bernoulli_",
-              "aten::random_", "aten::exponential_"}
+OVERWRITES = {
+    "aten::copy_",
+    "aten::fill_",
+    "aten::zero_",
+    "aten::normal_",
+    "aten::uniform_",
+    "aten::bernoulli_",
+    "aten::random_",
+    "aten::exponential_",
+}
 """In-place ops that overwrite their first argument without reading it: its old values are no input."""
 
 
@@ -302,21 +355,43 @@ class NonFiniteTracer(TorchDispatchMode):
                 known = self.parameters.get(id(source))
                 if known is not None and known[0] is source:
                     peak, parameter = max(abs(v) for v in _range(source)), known[1]
-                    note = (f"the parameter '{known[1]}' (max |x| = {peak:.4g}) overflowed when autocast cast it to "
-                            f"{str(bad.dtype).replace('torch.', '')}: a weight fp16 cannot hold")
+                    note = (
+                        f"the parameter '{known[1]}' (max |x| = {peak:.4g}) overflowed when autocast cast it to "
+                        f"{str(bad.dtype).replace('torch.', '')}: a weight fp16 cannot hold"
+                    )
         phase = self._phase()
-        self.candidates.append({"phase": phase, "module": self._module(), "operator": operator, "input_ranges": ranges,
-                                "output": _describe_bad(bad), "note": note, "peak": peak, "scalars": scalars,
-                                "input_spreads": spreads, "input_constants": origins, "parameter": parameter,
-                                **(_autograd_node() if phase == "backward" else {})})
+        self.candidates.append(
+            {
+                "phase": phase,
+                "module": self._module(),
+                "operator": operator,
+                "input_ranges": ranges,
+                "output": _describe_bad(bad),
+                "note": note,
+                "peak": peak,
+                "scalars": scalars,
+                "input_spreads": spreads,
+                "input_constants": origins,
+                "parameter": parameter,
+                **(_autograd_node() if phase == "backward" else {}),
+            }
+        )
         self._mark(outputs, len(self.candidates) - 1)
         if phase != "forward":
             self.confirmed = len(self.candidates) - 1  # no module output to wait for
         return out
 
-    def _remember(self, func: Any, name: str, prior: list[torch.Tensor], read: list[torch.Tensor],
-                  outputs: list[torch.Tensor], args: tuple, kwargs: dict,
-                  before: tuple[list[tuple[float, float]], list[int]]) -> None:
+    def _remember(
+        self,
+        func: Any,
+        name: str,
+        prior: list[torch.Tensor],
+        read: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        args: tuple,
+        kwargs: dict,
+        before: tuple[list[tuple[float, float]], list[int]],
+    ) -> None:
         """Who produced each tensor, to see through rounding casts; views pass their input's producer on.
         ``prior``: an in-place op's first argument, ``before`` its ranges and spreads as they were; ``read``: the
         other inputs, described here, only where a record is kept (not for casts and views: the tracer's hot path)."""
@@ -333,8 +408,10 @@ class NonFiniteTracer(TorchDispatchMode):
         ranges, spreads, scalars = before[0] + read_ranges, before[1] + read_spreads, _scalars(args, kwargs)
         origins = [self._carries_constant(t) for t in inputs]
         carries = name in CONSTANT_MAKERS and (
-            any(abs(v) >= FP16_MAX for v in scalars) or any(origins)
-            or (name in LIFTS and any(max(abs(lo), abs(hi)) >= FP16_MAX for lo, hi in ranges)))
+            any(abs(v) >= FP16_MAX for v in scalars)
+            or any(origins)
+            or (name in LIFTS and any(max(abs(lo), abs(hi)) >= FP16_MAX for lo, hi in ranges))
+        )
         if carries:  # only where a value beyond fp16's range came out: clamp(min=-1e9) of scores carries none
             carries = any(max(abs(v) for v in _range(t)) >= FP16_MAX for t in outputs if t.is_floating_point())
         for t in outputs:
@@ -377,7 +454,9 @@ def _autograd_node() -> dict[str, str | None]:
     return {"autograd_node": node.name(), "custom_function": function.__name__ if function is not None else None}
 
 
-def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None, absorbed: bool = False) -> Localisation | None:
+def trace_step(
+    probe: Probe, batch: Any = None, batch_index: int | None = None, absorbed: bool = False
+) -> Localisation | None:
     """Take ``probe``'s next step (on ``batch`` if given) with the tracer on; the first non-finite op, or None.
 
     ``absorbed``: instead, the first operator of the forward pass that made a result past fp16's range whose
@@ -427,9 +506,17 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None, 
         if absorbed:
             return None
         name, tensor = bad_field
-        return Localisation(step=step, batch_index=batch_index, mode=probe.mode, phase="data", module=None,
-                            operator=f"<batch field '{name}'>", input_ranges=[], output=_describe_bad(tensor),
-                            note="the batch itself holds non-finite values")
+        return Localisation(
+            step=step,
+            batch_index=batch_index,
+            mode=probe.mode,
+            phase="data",
+            module=None,
+            operator=f"<batch field '{name}'>",
+            input_ranges=[],
+            output=_describe_bad(tensor),
+            note="the batch itself holds non-finite values",
+        )
     try:
         with tracer:
             probe.step(batch, batch_index)
@@ -437,13 +524,17 @@ def trace_step(probe: Probe, batch: Any = None, batch_index: int | None = None, 
         for h in handles:
             h.remove()
     if absorbed:
-        made = (Localisation(step=step, batch_index=batch_index, mode=probe.mode, **found)
-                for index, found in enumerate(tracer.candidates) if found["phase"] == "forward" and index != tracer.confirmed)
+        made = (
+            Localisation(step=step, batch_index=batch_index, mode=probe.mode, **found)
+            for index, found in enumerate(tracer.candidates)
+            if found["phase"] == "forward" and index != tracer.confirmed
+        )
         return next((loc for loc in made if loc.made_past_range), None)
     if tracer.found is None:
         return None
-    return Localisation(step=step, batch_index=batch_index, mode=probe.mode, loss_scale=backward_scale(probe),
-                        **tracer.found)
+    return Localisation(
+        step=step, batch_index=batch_index, mode=probe.mode, loss_scale=backward_scale(probe), **tracer.found
+    )
 
 
 def backward_scale(probe: Probe) -> float:
@@ -453,8 +544,14 @@ def backward_scale(probe: Probe) -> float:
     return float(trace.scale_used) if trace is not None and trace.scaled else 1.0
 
 
-def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: bool = False,
-             keep: MutableMapping[int, ProbeSnapshot] | None = None) -> Localisation | None:
+def localise(
+    bench: Workbench,
+    mode: str,
+    step: int,
+    config: Any = None,
+    align: bool = False,
+    keep: MutableMapping[int, ProbeSnapshot] | None = None,
+) -> Localisation | None:
     """Replay ``mode`` deterministically up to ``step`` and trace that step.
 
     When the weights are already non-finite as that step starts, or nothing in it turns finite values
@@ -462,7 +559,9 @@ def localise(bench: Workbench, mode: str, step: int, config: Any = None, align: 
     the weights leaves that step's loss and gradients finite, and shows only in the next forward.
     ``keep`` receives that snapshot (by the step it starts), for later work on the failing step.
     """
-    probe = bench.probe(mode, config, align_on_taken_steps=align, instruments=None)  # the tracer reads the step, not the instruments
+    probe = bench.probe(
+        mode, config, align_on_taken_steps=align, instruments=None
+    )  # the tracer reads the step, not the instruments
     try:
         with bench.progress.planned(localise_steps(step)):
             return _replay_and_trace(probe, step, keep)

@@ -10,17 +10,18 @@ happens in the backward pass between layers).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 import torch
 
 from ..engine.instruments import strided_sample
-from ..userfile.modules import module_names
 from ..engine.probe import Probe, Workbench
 from ..engine.rng import seed_everything
 from ..tensors import FP16_MAX, FP16_MIN_SUBNORMAL, grad_values
+from ..userfile.modules import module_names
 from .records import ScaleWindow  # re-exported: the record types' old home
 from .thresholds import KEEP_MASS, NEGLIGIBLE_RMS
 
@@ -50,8 +51,12 @@ class GradientCapture:
     held one), scaled as its sample: a strided sample misses the spike that overflows fp16."""
 
 
-def capture_gradients(probe: Probe, sample: int = CAPTURE_SAMPLE, restore: bool = False,
-                      consume: Callable[[str, torch.Tensor, tuple[int, ...]], None] | None = None) -> GradientCapture:
+def capture_gradients(
+    probe: Probe,
+    sample: int = CAPTURE_SAMPLE,
+    restore: bool = False,
+    consume: Callable[[str, torch.Tensor, tuple[int, ...]], None] | None = None,
+) -> GradientCapture:
     """Take one step of ``probe`` keeping (a strided sample of) its gradients.
 
     Works for any training file, ``train_step`` included: parameter gradients
@@ -178,9 +183,14 @@ class _WholeBatchSamples:
     def watch(self, key: str, output: torch.Tensor) -> None:
         """``output`` is ``key``'s on the running micro-batch: sample its gradient when backward reaches it."""
         piece = self.piece
-        aligned = (0 <= piece < len(self.rows) and (key, piece) not in self.watched and output.dim() > 0
-                   and self.rows[piece] > 1 and output.shape[0] == self.rows[piece]
-                   and self.row_shapes.setdefault(key, tuple(output.shape[1:])) == tuple(output.shape[1:]))
+        aligned = (
+            0 <= piece < len(self.rows)
+            and (key, piece) not in self.watched
+            and output.dim() > 0
+            and self.rows[piece] > 1
+            and output.shape[0] == self.rows[piece]
+            and self.row_shapes.setdefault(key, tuple(output.shape[1:])) == tuple(output.shape[1:])
+        )
         if not aligned:
             self.unaligned.add(key)
             return
@@ -200,9 +210,15 @@ class _WholeBatchSamples:
         magnitude (the largest of its micro-batches')."""
         if self.piece != len(self.rows):  # the step failed before its last micro-batch's backward
             return {}
-        return {key: (torch.cat([parts[j] for j in range(len(self.rows))]), (sum(self.rows), *self.row_shapes[key]),
-                      torch.stack(self.maxima[key]).amax())
-                for key, parts in self.parts.items() if key not in self.unaligned and len(parts) == len(self.rows)}
+        return {
+            key: (
+                torch.cat([parts[j] for j in range(len(self.rows))]),
+                (sum(self.rows), *self.row_shapes[key]),
+                torch.stack(self.maxima[key]).amax(),
+            )
+            for key, parts in self.parts.items()
+            if key not in self.unaligned and len(parts) == len(self.rows)
+        }
 
 
 def predicted_underflow(capture: GradientCapture, scale: float) -> pd.DataFrame:
@@ -216,7 +232,9 @@ def predicted_underflow(capture: GradientCapture, scale: float) -> pd.DataFrame:
         share = float(flushed.double().mean()) if nonzero.numel() else 0.0
         mass = float(nonzero[flushed].sum() / nonzero.sum()) if nonzero.numel() else 0.0
         kind, name = key.split(":", 1)
-        rows.append({"kind": kind, "name": name, "scale": scale, "predicted_underflow": share, "predicted_underflow_mass": mass})
+        rows.append(
+            {"kind": kind, "name": name, "scale": scale, "predicted_underflow": share, "predicted_underflow_mass": mass}
+        )
     return pd.DataFrame(rows)
 
 
@@ -243,11 +261,17 @@ def scale_window(capture: GradientCapture, keep: float = KEEP) -> ScaleWindow:
         exact = float(capture.abs_max[key]) if key in capture.abs_max else math.nan
         largest = exact if math.isfinite(exact) and exact > 0 else float(ordered[-1])
         kind, name = key.split(":", 1)
-        rows.append({
-            "kind": kind, "name": name, "quantile_small": small, "abs_max": largest,
-            "min_scale": FP16_MIN_SUBNORMAL / small, "max_scale": FP16_MAX / largest,
-            "rms": float(a.double().pow(2).mean().sqrt()),
-        })
+        rows.append(
+            {
+                "kind": kind,
+                "name": name,
+                "quantile_small": small,
+                "abs_max": largest,
+                "min_scale": FP16_MIN_SUBNORMAL / small,
+                "max_scale": FP16_MAX / largest,
+                "rms": float(a.double().pow(2).mean().sqrt()),
+            }
+        )
     frame = pd.DataFrame(rows)
     if frame.empty:
         return ScaleWindow(frame, 1.0, 2.0**24)
@@ -263,7 +287,8 @@ def _underflow_row(key: str, g32: torch.Tensor, g16: torch.Tensor) -> dict[str, 
     kind, name = key.split(":", 1)
     magnitude = g32.abs().double()
     return {
-        "kind": kind, "name": name,
+        "kind": kind,
+        "name": name,
         "observed_underflow": float(lost.sum()) / max(int(wanted.sum()), 1),
         # The share of the gradient's L1 mass that flushed: entries far below the rest (a
         # sharp softmax's tails, a key bias's exact-zero gradient in rounding noise) carry none.
@@ -272,8 +297,9 @@ def _underflow_row(key: str, g32: torch.Tensor, g16: torch.Tensor) -> dict[str, 
     }
 
 
-def observed_underflow(bench: Workbench, state_from: Probe | None = None, config: Any = None,
-                       reference: GradientCapture | None = None) -> pd.DataFrame:
+def observed_underflow(
+    bench: Workbench, state_from: Probe | None = None, config: Any = None, reference: GradientCapture | None = None
+) -> pd.DataFrame:
     """Per tensor: the share of gradients non-zero in FP32 but zero in AMP (of the elements, and of their L1 mass).
 
     Both probes take the same step from the same state (``state_from``'s weights
@@ -283,7 +309,9 @@ def observed_underflow(bench: Workbench, state_from: Probe | None = None, config
     snap = state_from.snapshot() if state_from is not None else None
 
     def probe_from_state(mode: str) -> Probe:
-        probe = bench.probe(mode, config, instruments=None)  # FP32 micro-batched if planned: its capture samples the whole batch's gradients
+        probe = bench.probe(
+            mode, config, instruments=None
+        )  # FP32 micro-batched if planned: its capture samples the whole batch's gradients
         if snap is not None:
             probe.model.load_state_dict(snap.model)
             probe.iteration, probe.cursor = snap.iteration, snap.cursor
@@ -301,19 +329,26 @@ def observed_underflow(bench: Workbench, state_from: Probe | None = None, config
         compared: dict[str, dict[str, Any]] = {}
         fp32_capture = reference
 
-        def compare(key: str, g16: torch.Tensor, shape: tuple[int, ...]) -> None:  # as AMP's step takes each sample: none is kept
+        def compare(
+            key: str, g16: torch.Tensor, shape: tuple[int, ...]
+        ) -> None:  # as AMP's step takes each sample: none is kept
             g32 = fp32_capture.tensors.get(key)
             if g32 is not None and g16.shape == g32.shape and fp32_capture.shapes.get(key, shape) == shape:
                 compared[key] = _underflow_row(key, g32, g16)
+
         try:
             if state_from is not None and state_from.scaler.is_enabled() and amp.scaler.is_enabled():
                 amp.scaler.load_state_dict(state_from.scaler.state_dict())
             low = capture_gradients(amp, consume=compare)
         finally:
             amp.close()
-    del amp, snap
-    rows = [{"kind": row["kind"], "name": row["name"], "scale": low.scale, **row} for key in reference.tensors
-            if (row := compared.get(key)) is not None]
+    del amp
+    snap = None  # the closure's cell keeps it otherwise: the snapshot's memory goes back now
+    rows = [
+        {"kind": row["kind"], "name": row["name"], "scale": low.scale, **row}
+        for key in reference.tensors
+        if (row := compared.get(key)) is not None
+    ]
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame

@@ -14,8 +14,21 @@ from typing import Any
 
 import pandas as pd
 
-INFINITE_AT_ZERO = frozenset({"aten::div", "aten::div_", "aten::true_divide", "aten::reciprocal", "aten::rsqrt",
-                              "aten::log", "aten::log2", "aten::log10", "aten::addcdiv", "aten::xlogy", "aten::pow"})
+INFINITE_AT_ZERO = frozenset(
+    {
+        "aten::div",
+        "aten::div_",
+        "aten::true_divide",
+        "aten::reciprocal",
+        "aten::rsqrt",
+        "aten::log",
+        "aten::log2",
+        "aten::log10",
+        "aten::addcdiv",
+        "aten::xlogy",
+        "aten::pow",
+    }
+)
 """Operators that make an infinity from a finite argument that reached 0 (x / 0, log 0, 0 ** -1): not a result past
 fp16's range."""
 OUTSIDE_MODEL = "<loss: outside the model>"
@@ -81,7 +94,9 @@ class Localisation:
         if self.module == OUTSIDE_MODEL:
             return "the loss computation, outside the model" + ("" if self.phase == "loss" else f" ({self.phase})")
         if self.module == ROOT:
-            return "the model's own forward code, outside its submodules" + ("" if self.phase == "forward" else f" ({self.phase})")
+            return "the model's own forward code, outside its submodules" + (
+                "" if self.phase == "forward" else f" ({self.phase})"
+            )
         return f"module '{self.module}' ({self.phase})"
 
     @property
@@ -112,7 +127,10 @@ class Localisation:
     def describe(self) -> str:
         where = self.place
         ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
-        return f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}" + (f"; {self.note}" if self.note else "")
+        return (
+            f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}"
+            + (f"; {self.note}" if self.note else "")
+        )
 
 
 @dataclass
@@ -137,7 +155,12 @@ class ScaleWindow:
             return 0.0
         frame = self.per_tensor
         if frame is not None and len(frame) and "negligible" in frame:
-            noise = set(zip(frame.loc[frame["negligible"].astype(bool), "kind"], frame.loc[frame["negligible"].astype(bool), "name"]))
+            noise = set(
+                zip(
+                    frame.loc[frame["negligible"].astype(bool), "kind"],
+                    frame.loc[frame["negligible"].astype(bool), "name"],
+                )
+            )
             predicted = predicted[[(k, n) not in noise for k, n in zip(predicted["kind"], predicted["name"])]]
         return float(predicted["predicted_underflow_mass"].max()) if len(predicted) else 0.0
 

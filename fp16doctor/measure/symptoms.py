@@ -51,6 +51,7 @@ from .thresholds import (
     RECURRING_SKIPS,
 )
 
+
 class SymptomCode(StrEnum):
     """Every symptom the doctor measures (the table in the README). String-valued: the codes in the JSON, in
     each rule's ``explains`` and in the findings' evidence are these values."""
@@ -103,8 +104,13 @@ def exception_of(records: pd.DataFrame) -> ExceptionInfo | None:
         return None
     row = bad.iloc[0]
     module = row.get("exception_module")
-    return ExceptionInfo(step=int(row["step"]), type=row["exception_type"], message=row["exception"],
-                         location=row["exception_location"], module=module if isinstance(module, str) else None)
+    return ExceptionInfo(
+        step=int(row["step"]),
+        type=row["exception_type"],
+        message=row["exception"],
+        location=row["exception_location"],
+        module=module if isinstance(module, str) else None,
+    )
 
 
 def unhandled_nonfinite(records: pd.DataFrame) -> pd.Series:
@@ -140,9 +146,15 @@ def skip_profile(records: pd.DataFrame) -> dict[str, Any]:
     steps = [int(s) for s, bad in zip(tried["step"], skipped) if bad]
     leading = next((i for i, bad in enumerate(skipped) if not bad), len(skipped))
     after = skipped[leading:]
-    return {"attempted": len(skipped), "skipped": len(steps), "skipped_steps": steps, "leading": leading,
-            "after_settling": sum(after), "after_share": sum(after) / len(after) if after else 0.0,
-            "settled": leading < len(skipped)}
+    return {
+        "attempted": len(skipped),
+        "skipped": len(steps),
+        "skipped_steps": steps,
+        "leading": leading,
+        "after_settling": sum(after),
+        "after_share": sum(after) / len(after) if after else 0.0,
+        "settled": leading < len(skipped),
+    }
 
 
 def excess_skips(profile: dict[str, Any]) -> bool:
@@ -177,7 +189,7 @@ def loss_by_update(records: pd.DataFrame) -> dict[int, float]:
 
 def _tail_means(ours: dict[int, float], theirs: dict[int, float]) -> tuple[float, float] | None:
     common = sorted(set(ours) & set(theirs))
-    window = common[-max(1, len(common) // 4):] if common else []
+    window = common[-max(1, len(common) // 4) :] if common else []
     pairs = [(ours[k], theirs[k]) for k in window if math.isfinite(ours[k]) and math.isfinite(theirs[k])]
     if not pairs:
         return None
@@ -193,8 +205,14 @@ def tail_losses(mode: pd.DataFrame, fp32: pd.DataFrame) -> tuple[float, float] |
     lag in at most one, so the smaller deviation is the measured one.
     """
     floor = loss_floor(fp32)
-    candidates = [t for t in (_tail_means(loss_by_batch(mode), loss_by_batch(fp32)),
-                              _tail_means(loss_by_update(mode), loss_by_update(fp32))) if t is not None]
+    candidates = [
+        t
+        for t in (
+            _tail_means(loss_by_batch(mode), loss_by_batch(fp32)),
+            _tail_means(loss_by_update(mode), loss_by_update(fp32)),
+        )
+        if t is not None
+    ]
     if not candidates:
         return None
     return min(candidates, key=lambda t: relative_deviation(t[0], t[1], floor))
@@ -222,8 +240,14 @@ def baseline_symptoms(fp32: pd.DataFrame | None) -> list[Symptom]:
         return []
     step = min(s for s in (bad, exception.step if exception else None) if s is not None)
     what = f"raises {exception.type}" if exception is not None and step == exception.step else "turns non-finite"
-    return [Symptom(SymptomCode.FP32_NONFINITE, f"the FP32 baseline itself {what} at step {step}",
-                    {"first_failing_step": step, "exception": exception.to_json() if exception else None}, step)]
+    return [
+        Symptom(
+            SymptomCode.FP32_NONFINITE,
+            f"the FP32 baseline itself {what} at step {step}",
+            {"first_failing_step": step, "exception": exception.to_json() if exception else None},
+            step,
+        )
+    ]
 
 
 def probe_symptoms(amp: Any, fp32: Any, same_state_gap: float | None = None, bf16: bool = False) -> list[Symptom]:
@@ -231,8 +255,13 @@ def probe_symptoms(amp: Any, fp32: Any, same_state_gap: float | None = None, bf1
     failure first, then :func:`measure`. What diagnose's verdict and every fix's verification are measured with."""
     fp32_records = fp32.records if fp32 is not None else None
     return baseline_symptoms(fp32_records) + measure(
-        amp.records, fp32_records, amp.tables.get("updates"), fp32.tables.get("updates") if fp32 is not None else None,
-        same_state_gap=same_state_gap, bf16=bf16)
+        amp.records,
+        fp32_records,
+        amp.tables.get("updates"),
+        fp32.tables.get("updates") if fp32 is not None else None,
+        same_state_gap=same_state_gap,
+        bf16=bf16,
+    )
 
 
 def measure(
@@ -248,40 +277,79 @@ def measure(
     fp32_failed = fp32 is not None and (exception_of(fp32) is not None or first_nonfinite(fp32) is not None)
     exception = exception_of(mode)
     if exception is not None and (fp32 is None or exception_of(fp32) is None):
-        found.append(Symptom(SymptomCode.AMP_EXCEPTION, f"the training raises {exception.type} under AMP, not in FP32",
-                             {"exception": exception.to_json()}, exception.step))
+        found.append(
+            Symptom(
+                SymptomCode.AMP_EXCEPTION,
+                f"the training raises {exception.type} under AMP, not in FP32",
+                {"exception": exception.to_json()},
+                exception.step,
+            )
+        )
     bad = first_nonfinite(mode)
     if bad is not None and not fp32_failed:
         row = mode.loc[mode["step"] == bad].iloc[0]
         what = "loss" if bool(row["nonfinite_loss"]) else "gradients"
         turn = "turns" if what == "loss" else "turn"
         count = int(unhandled_nonfinite(mode).sum())
-        found.append(Symptom(SymptomCode.NONFINITE, f"the AMP {what} {turn} non-finite from step {bad} while FP32 stays finite",
-                             {"first_nonfinite_step": bad, "first_nonfinite": what, "nonfinite_steps": count,
-                              "batch": int(row["batch_index"])}, bad))
+        found.append(
+            Symptom(
+                SymptomCode.NONFINITE,
+                f"the AMP {what} {turn} non-finite from step {bad} while FP32 stays finite",
+                {
+                    "first_nonfinite_step": bad,
+                    "first_nonfinite": what,
+                    "nonfinite_steps": count,
+                    "batch": int(row["batch_index"]),
+                },
+                bad,
+            )
+        )
     profile = skip_profile(mode)
     if excess_skips(profile):
-        found.append(Symptom(SymptomCode.SKIPS, f"the GradScaler skipped {profile['skipped']} of {profile['attempted']} optimizer steps "
-                             f"({profile['leading']} before the first step taken, {profile['after_settling']} after it)",
-                             {k: profile[k] for k in ("attempted", "skipped", "leading", "after_settling", "after_share")}
-                             | {"skipped_steps": profile["skipped_steps"][:30]},
-                             profile["skipped_steps"][0]))
+        found.append(
+            Symptom(
+                SymptomCode.SKIPS,
+                f"the GradScaler skipped {profile['skipped']} of {profile['attempted']} optimizer steps "
+                f"({profile['leading']} before the first step taken, {profile['after_settling']} after it)",
+                {k: profile[k] for k in ("attempted", "skipped", "leading", "after_settling", "after_share")}
+                | {"skipped_steps": profile["skipped_steps"][:30]},
+                profile["skipped_steps"][0],
+            )
+        )
     lost, lost_fp32 = lost_update_share(mode_updates), lost_update_share(fp32_updates) or 0.0
     if lost is not None and lost - lost_fp32 > LOST_UPDATE_EXCESS:
-        found.append(Symptom(SymptomCode.LOST_UPDATES, f"{lost:.0%} of parameter updates are rounded away (FP32: {lost_fp32:.0%})",
-                             {"lost_update_share": lost, "fp32_lost_update_share": lost_fp32}))
+        found.append(
+            Symptom(
+                SymptomCode.LOST_UPDATES,
+                f"{lost:.0%} of parameter updates are rounded away (FP32: {lost_fp32:.0%})",
+                {"lost_update_share": lost, "fp32_lost_update_share": lost_fp32},
+            )
+        )
     factor = BF16_FACTOR if bf16 else 1.0
     if same_state_gap is not None and same_state_gap > GAP_ERROR * factor:
-        found.append(Symptom(SymptomCode.SAME_STATE_GAP, f"on the same weights and batch the AMP loss is {same_state_gap:.2%} off FP32's",
-                             {"same_state_rel_dev": same_state_gap, "tolerance": GAP_ERROR * factor}))
+        found.append(
+            Symptom(
+                SymptomCode.SAME_STATE_GAP,
+                f"on the same weights and batch the AMP loss is {same_state_gap:.2%} off FP32's",
+                {"same_state_rel_dev": same_state_gap, "tolerance": GAP_ERROR * factor},
+            )
+        )
     if fp32 is not None and not fp32_failed and bad is None and exception is None:
         tails = tail_losses(mode, fp32)
         if tails is not None:
             ours, theirs = tails
             drift = relative_deviation(ours, theirs, loss_floor(fp32))
             if drift > DRIFT_ERROR * factor:
-                found.append(Symptom(SymptomCode.TRAJECTORY_DRIFT, f"the AMP loss curve ends {drift:.1%} away from FP32's "
-                                     f"({ours:.4g} against {theirs:.4g})",
-                                     {"amp_tail_loss": ours, "fp32_tail_loss": theirs, "rel_dev": drift,
-                                      "tolerance": DRIFT_ERROR * factor}))
+                found.append(
+                    Symptom(
+                        SymptomCode.TRAJECTORY_DRIFT,
+                        f"the AMP loss curve ends {drift:.1%} away from FP32's ({ours:.4g} against {theirs:.4g})",
+                        {
+                            "amp_tail_loss": ours,
+                            "fp32_tail_loss": theirs,
+                            "rel_dev": drift,
+                            "tolerance": DRIFT_ERROR * factor,
+                        },
+                    )
+                )
     return found

@@ -15,7 +15,6 @@ from typing import Any
 
 from ..files import jsonable
 
-
 UNMEASURED = "not measured"
 """What a share that has no number (NaN: nothing to measure it on) reads as."""
 EXACT_EXPONENTS = range(-4, 31)
@@ -119,8 +118,7 @@ def healthy_headline(severities: list[str]) -> str:
     first, instead of reading as a clean bill of health with notes attached."""
     warnings = severities.count("warning")
     if warnings:
-        return (f"shows no measured mixed-precision failure, but {warnings} warning(s) below say what to look at "
-                "first")
+        return f"shows no measured mixed-precision failure, but {warnings} warning(s) below say what to look at first"
     notes = len(severities)
     return "trains in mixed precision like its FP32 twin" + (f" ({notes} note(s) below)" if notes else "")
 
@@ -155,5 +153,11 @@ def fitted_code(code: str, width: int) -> str:
 def _wrapped_comment(line: str, width: int) -> list[str]:
     indent = line[: len(line) - len(line.lstrip())]
     text = line.lstrip()[1:].strip()
-    return textwrap.wrap(text, width=max(width, 20), initial_indent=indent + "# ", subsequent_indent=indent + "# ",
-                         break_long_words=False, break_on_hyphens=False) or [line]
+    return textwrap.wrap(
+        text,
+        width=max(width, 20),
+        initial_indent=indent + "# ",
+        subsequent_indent=indent + "# ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    ) or [line]

@@ -16,8 +16,8 @@ import yaml
 from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
 from .formatting import exact_numbers, healthy_headline, human, shown_evidence
-from .patches import contradicted_settings, reference_to_corrected
 from .markdown import corrected_text
+from .patches import contradicted_settings, reference_to_corrected
 from .plots import Figure, comparison_figures, diagnosis_figures
 
 STYLE = """
@@ -52,10 +52,15 @@ def _e(text: Any) -> str:
 
 
 def figure_html(figure: Figure) -> str:
-    data = " ".join(f'data-{k.replace("_", "-")}="{_e(" ".join(map(str, v)) if isinstance(v, list) else v)}"'
-                    for k, v in figure.data.items() if not isinstance(v, dict))
-    return (f'<figure id="{figure.id}" {data}>{figure.svg}'
-            f"<figcaption><b>{_e(figure.title)}</b>{_e(figure.caption)}</figcaption></figure>")
+    data = " ".join(
+        f'data-{k.replace("_", "-")}="{_e(" ".join(map(str, v)) if isinstance(v, list) else v)}"'
+        for k, v in figure.data.items()
+        if not isinstance(v, dict)
+    )
+    return (
+        f'<figure id="{figure.id}" {data}>{figure.svg}'
+        f"<figcaption><b>{_e(figure.title)}</b>{_e(figure.caption)}</figcaption></figure>"
+    )
 
 
 def highlighted(code: str, lexer: str = "python") -> str:
@@ -84,18 +89,31 @@ def verification_html(v: Verification | None) -> str:
 
 def finding_html(finding: Finding, contested: list[str] | None = None, diagnosis: Diagnosis | None = None) -> str:
     """One finding; ``contested``: the settings of its patch another finding's contradicts (see :mod:`.patches`)."""
-    evidence = [[key, yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
-                 if not isinstance(value, str) else value] for key, value in shown_evidence(finding.evidence).items()]
-    parts = [f'<article class="{finding.severity}" id="finding-{finding.rank}">',
-             f'<h3><span class="sev">{_e(finding.severity)}</span> {finding.rank}. <code>{_e(finding.cause)}</code>{" (found by intervention)" if finding.found_by == "intervention" else ""}</h3>',
-             f"<p>{_e(finding.title)}</p>", _table(evidence), f"<p><b>Fix:</b> {_e(finding.fix.summary)}</p>"]
+    evidence = [
+        [
+            key,
+            yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+            if not isinstance(value, str)
+            else value,
+        ]
+        for key, value in shown_evidence(finding.evidence).items()
+    ]
+    parts = [
+        f'<article class="{finding.severity}" id="finding-{finding.rank}">',
+        f'<h3><span class="sev">{_e(finding.severity)}</span> {finding.rank}. <code>{_e(finding.cause)}</code>{" (found by intervention)" if finding.found_by == "intervention" else ""}</h3>',
+        f"<p>{_e(finding.title)}</p>",
+        _table(evidence),
+        f"<p><b>Fix:</b> {_e(finding.fix.summary)}</p>",
+    ]
     if finding.fix.code:
         parts.append(highlighted(finding.fix.code))
     if contested and diagnosis is not None:
         parts.append(f"<p>{_e(reference_to_corrected(finding, contested, diagnosis))}</p>")
     elif finding.fix.config_patch:
         parts.append("<p>Config patch (try it now with <code>--config</code>):</p>")
-        parts.append(highlighted(yaml.safe_dump(exact_numbers(finding.fix.config_patch), sort_keys=False).rstrip(), "yaml"))
+        parts.append(
+            highlighted(yaml.safe_dump(exact_numbers(finding.fix.config_patch), sort_keys=False).rstrip(), "yaml")
+        )
     parts.append(verification_html(finding.verification))
     parts.append("</article>")
     return "".join(parts)
@@ -103,12 +121,14 @@ def finding_html(finding: Finding, contested: list[str] | None = None, diagnosis
 
 def _page(title: str, header: str, figures: list[Figure], body: list[str]) -> str:
     plots = "".join(figure_html(f) for f in figures)
-    return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{_e(title)}</title><style>{STYLE}</style></head><body>"
-            f"<header>{header}</header><h2>Plots</h2><section class=\"plots\">{plots}</section>{''.join(body)}"
-            "<footer><p class=\"meta\">Written by fp16doctor. Self-contained: nothing in this file is fetched from anywhere.</p>"
-            "</footer></body></html>\n")
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(title)}</title><style>{STYLE}</style></head><body>"
+        f'<header>{header}</header><h2>Plots</h2><section class="plots">{plots}</section>{"".join(body)}'
+        '<footer><p class="meta">Written by fp16doctor. Self-contained: nothing in this file is fetched from anywhere.</p>'
+        "</footer></body></html>\n"
+    )
 
 
 def diagnosis_html(diagnosis: Diagnosis, training_file: str) -> str:
@@ -116,39 +136,72 @@ def diagnosis_html(diagnosis: Diagnosis, training_file: str) -> str:
     ev = diagnosis.evidence
     errors = [f for f in diagnosis.findings if f.severity == "error"]
     verdict = diagnosis.verdict
-    line = f"{verdict}: " + (f"{len(errors)} error finding(s); top cause {errors[0].cause}" if errors
-                             else "the training " + healthy_headline([f.severity for f in diagnosis.findings]))
-    header = (f"<h1>fp16doctor diagnosis</h1><p class=\"verdict {verdict}\">{_e(line)}</p>"
-              f"<p class=\"meta\"><code>{_e(training_file)}</code> · device {_e(ev.device)} · {ev.steps} steps per probe · "
-              f"dtype {_e(ev.config.dtype)}</p>" + "".join(f'<p class="meta">note: {_e(n)}</p>' for n in diagnosis.notes))
+    line = f"{verdict}: " + (
+        f"{len(errors)} error finding(s); top cause {errors[0].cause}"
+        if errors
+        else "the training " + healthy_headline([f.severity for f in diagnosis.findings])
+    )
+    header = (
+        f'<h1>fp16doctor diagnosis</h1><p class="verdict {verdict}">{_e(line)}</p>'
+        f'<p class="meta"><code>{_e(training_file)}</code> · device {_e(ev.device)} · {ev.steps} steps per probe · '
+        f"dtype {_e(ev.config.dtype)}</p>" + "".join(f'<p class="meta">note: {_e(n)}</p>' for n in diagnosis.notes)
+    )
     body = ["<h2>Findings</h2>"]
     contested = contradicted_settings(diagnosis)
-    body += [finding_html(f, contested.get(f.rank), diagnosis) for f in diagnosis.findings] or ["<p>No findings: AMP behaves like its FP32 twin.</p>"]
+    body += [finding_html(f, contested.get(f.rank), diagnosis) for f in diagnosis.findings] or [
+        "<p>No findings: AMP behaves like its FP32 twin.</p>"
+    ]
     if diagnosis.evidence.symptoms:
         body.append("<h2>Measured symptoms</h2>")
-        body.append(_table([[s.code, s.description, ", ".join(diagnosis.evidence.explained.get(s.code, [])) or "unexplained"]
-                            for s in diagnosis.evidence.symptoms], ["symptom", "measured", "explained by"]))
+        body.append(
+            _table(
+                [
+                    [s.code, s.description, ", ".join(diagnosis.evidence.explained.get(s.code, [])) or "unexplained"]
+                    for s in diagnosis.evidence.symptoms
+                ],
+                ["symptom", "measured", "explained by"],
+            )
+        )
     if diagnosis.corrected is not None:
         c = diagnosis.corrected
         body.append("<h2>Corrected config</h2>")
         body.append(f"<p>{_e(corrected_text(c))}</p>")
-        body.append(highlighted(yaml.safe_dump(exact_numbers(jsonable(c.config_patch)), sort_keys=False).rstrip(), "yaml"))
+        body.append(
+            highlighted(yaml.safe_dump(exact_numbers(jsonable(c.config_patch)), sort_keys=False).rstrip(), "yaml")
+        )
     body.append("<h2>Triage stages</h2>")
-    body.append(_table([[s.name, s.status, f"{s.seconds:.2f} s", s.summary] for s in diagnosis.stages],
-                       ["stage", "status", "time", "what it found"]))
+    body.append(
+        _table(
+            [[s.name, s.status, f"{s.seconds:.2f} s", s.summary] for s in diagnosis.stages],
+            ["stage", "status", "time", "what it found"],
+        )
+    )
     return _page(f"fp16doctor: {training_file}", header, diagnosis_figures(diagnosis), body)
 
 
 def comparison_html(result: Any, training_file: str) -> str:
     """A ``compare`` run as one self-contained HTML page."""
-    header = (f"<h1>fp16doctor compare</h1><p class=\"verdict {result.verdict}\">{_e(result.verdict)}</p>"
-              f"<p class=\"meta\"><code>{_e(training_file)}</code> · modes {_e(', '.join(result.modes))} · {result.steps} steps</p>")
+    header = (
+        f'<h1>fp16doctor compare</h1><p class="verdict {result.verdict}">{_e(result.verdict)}</p>'
+        f'<p class="meta"><code>{_e(training_file)}</code> · modes {_e(", ".join(result.modes))} · {result.steps} steps</p>'
+    )
     rows = []
     for mode in result.modes[1:]:
         t = result.trajectories[mode]
-        rows.append([mode, result.verdict_by_mode[mode], human(result.max_rel_dev.get(mode), percent=True),
-                     result.first_divergent_step.get(mode), t.skipped, "; ".join(s.description for s in t.symptoms) or "none"])
-    body = ["<h2>Per mode</h2>", _table(rows, ["mode", "verdict", "worst deviation", "first step past tolerance", "skipped", "symptoms"])]
+        rows.append(
+            [
+                mode,
+                result.verdict_by_mode[mode],
+                human(result.max_rel_dev.get(mode), percent=True),
+                result.first_divergent_step.get(mode),
+                t.skipped,
+                "; ".join(s.description for s in t.symptoms) or "none",
+            ]
+        )
+    body = [
+        "<h2>Per mode</h2>",
+        _table(rows, ["mode", "verdict", "worst deviation", "first step past tolerance", "skipped", "symptoms"]),
+    ]
     return _page(f"fp16doctor compare: {training_file}", header, comparison_figures(result), body)
 
 

@@ -26,16 +26,21 @@ def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, 
         for figure, link in figures:
             lines += [f"![{figure.title}]({link})", "", f"*{figure.title}*: {figure.caption}", ""]
     errors = [f for f in diagnosis.findings if f.severity == "error"]
-    lines.append(f"{len(errors)} error finding(s), {len(diagnosis.findings) - len(errors)} other(s). "
-                 f"Device: {diagnosis.evidence.device}; {diagnosis.evidence.steps} steps per probe.")
+    lines.append(
+        f"{len(errors)} error finding(s), {len(diagnosis.findings) - len(errors)} other(s). "
+        f"Device: {diagnosis.evidence.device}; {diagnosis.evidence.steps} steps per probe."
+    )
     lines += ["", "## Stages", "", "| stage | status | what it found |", "|---|---|---|"]
     for stage in diagnosis.stages:
         lines.append(f"| {stage.name} | {stage.status} | {stage.summary.replace('|', '/')} |")
     lines += ["", "## Findings", ""]
     for item in diagnosis.unexplained:
         exc = item.exception
-        lines += [f"**The {item.probe} probe raised {exc.type} at step {exc.step}**: {exc.message} "
-                  f"(`{exc.location}`); no rule explains it: fix the training code there.", ""]
+        lines += [
+            f"**The {item.probe} probe raised {exc.type} at step {exc.step}**: {exc.message} "
+            f"(`{exc.location}`); no rule explains it: fix the training code there.",
+            "",
+        ]
     if not diagnosis.findings and not diagnosis.unexplained:
         lines.append("No findings: AMP behaves like its FP32 twin.")
     contested = contradicted_settings(diagnosis)
@@ -49,15 +54,25 @@ def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, 
         if f.rank in contested:
             lines += [reference_to_corrected(f, contested[f.rank], diagnosis), ""]
         elif f.fix.config_patch:
-            lines += ["Config patch (try it now with `--config`, see `--fix-config`):", "", "```yaml",
-                      yaml.safe_dump(exact_numbers(f.fix.config_patch), sort_keys=False).rstrip(), "```", ""]
+            lines += [
+                "Config patch (try it now with `--config`, see `--fix-config`):",
+                "",
+                "```yaml",
+                yaml.safe_dump(exact_numbers(f.fix.config_patch), sort_keys=False).rstrip(),
+                "```",
+                "",
+            ]
         if f.verification:
             lines += [verification_text(f.verification), ""]
     if diagnosis.corrected is not None:
         lines += ["## Corrected config", "", corrected_text(diagnosis.corrected), ""]
         if contested:  # the findings point here instead of printing patches that contradict each other
-            lines += ["```yaml", yaml.safe_dump(exact_numbers(jsonable(diagnosis.corrected.config_patch)), sort_keys=False).rstrip(),
-                      "```", ""]
+            lines += [
+                "```yaml",
+                yaml.safe_dump(exact_numbers(jsonable(diagnosis.corrected.config_patch)), sort_keys=False).rstrip(),
+                "```",
+                "",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -73,8 +88,10 @@ def corrected_text(c: CorrectedConfig) -> str:
     """The corrected config's measured before and after, as one sentence."""
     before = ", ".join(c.symptoms_before) or "none"
     after = ", ".join(c.symptoms_after) or "none"
-    text = (f"Measured with the corrected config ({', '.join(c.from_findings)}): symptoms before: {before}; "
-            f"after: {after} ({c.summary}).")
+    text = (
+        f"Measured with the corrected config ({', '.join(c.from_findings)}): symptoms before: {before}; "
+        f"after: {after} ({c.summary})."
+    )
     if c.needs_data_changes:
         text += f" Data changes still needed: {', '.join(c.needs_data_changes)}."
     return text
@@ -82,12 +99,21 @@ def corrected_text(c: CorrectedConfig) -> str:
 
 def fixed_config_yaml(config: dict[str, Any], diagnosis: Diagnosis, training_file: str) -> str:
     """The corrected config as YAML, with a header naming the findings it applies and what it measured."""
-    applied = ([f for f in diagnosis.findings if f.cause in diagnosis.corrected.from_findings] if diagnosis.corrected
-               else [f for f in diagnosis.findings if f.fix.config_patch and f.severity != "info"])
-    header = [f"# fp16doctor: corrected config for {training_file}",
-              "# Applies the config patches of these findings (the code snippets in the report make them permanent):"]
-    header += [f"#   {f.rank}. {f.cause}: {f.title}" for f in applied] or ["#   (none: no config setting repairs this training)"]
-    code_fixes = [f for f in diagnosis.findings if f.severity == "error" and not f.fix.config_patch and f not in applied]
+    applied = (
+        [f for f in diagnosis.findings if f.cause in diagnosis.corrected.from_findings]
+        if diagnosis.corrected
+        else [f for f in diagnosis.findings if f.fix.config_patch and f.severity != "info"]
+    )
+    header = [
+        f"# fp16doctor: corrected config for {training_file}",
+        "# Applies the config patches of these findings (the code snippets in the report make them permanent):",
+    ]
+    header += [f"#   {f.rank}. {f.cause}: {f.title}" for f in applied] or [
+        "#   (none: no config setting repairs this training)"
+    ]
+    code_fixes = [
+        f for f in diagnosis.findings if f.severity == "error" and not f.fix.config_patch and f not in applied
+    ]
     if code_fixes:
         header.append("# Still needed, in the training file or the data (no config setting does it):")
         header += [f"#   {f.rank}. {f.cause}: {f.fix.summary}" for f in code_fixes]
@@ -103,9 +129,15 @@ def junit_xml(diagnosis: Diagnosis, training_file: str, rule_codes: list[str]) -
     for f in diagnosis.findings:
         by_cause.setdefault(f.cause, []).append(f)
     seconds = sum(s.seconds for s in diagnosis.stages)
-    suite = ET.Element("testsuite", name=f"fp16doctor:{training_file}", tests=str(len(rule_codes)),
-                       failures=str(sum(1 for c in rule_codes if any(f.severity == "error" for f in by_cause.get(c, [])))),
-                       errors="0", skipped="0", time=f"{seconds:.2f}")
+    suite = ET.Element(
+        "testsuite",
+        name=f"fp16doctor:{training_file}",
+        tests=str(len(rule_codes)),
+        failures=str(sum(1 for c in rule_codes if any(f.severity == "error" for f in by_cause.get(c, [])))),
+        errors="0",
+        skipped="0",
+        time=f"{seconds:.2f}",
+    )
     for code in rule_codes:
         case = ET.SubElement(suite, "testcase", classname=f"fp16doctor.{training_file}", name=code, time="0")
         findings = by_cause.get(code, [])

@@ -33,7 +33,11 @@ def contradicted_settings(diagnosis: Diagnosis) -> dict[int, list[str]]:
     if diagnosis.corrected is None:
         return {}
     corrected = settings(diagnosis.corrected.config_patch)
-    patched = [(f.rank, settings(f.fix.config_patch)) for f in diagnosis.findings if f.severity == "error" and f.fix.config_patch]
+    patched = [
+        (f.rank, settings(f.fix.config_patch))
+        for f in diagnosis.findings
+        if f.severity == "error" and f.fix.config_patch
+    ]
     values: dict[str, set[str]] = {}
     for _, flat in patched:
         for name, value in flat.items():
@@ -49,5 +53,7 @@ def reference_to_corrected(finding: Finding, contested: list[str], diagnosis: Di
     chosen = settings(corrected.config_patch) if corrected is not None else {}
     values = ", ".join(f"{name}: {exact_numbers(chosen[name])}" for name in contested)
     fixes = ", ".join(corrected.from_findings) if corrected is not None else ""
-    return (f"Config patch: another finding proposes a different {', '.join(contested)}; use the corrected config "
-            f"instead ({values}; measured with the fixes of {fixes}).")
+    return (
+        f"Config patch: another finding proposes a different {', '.join(contested)}; use the corrected config "
+        f"instead ({values}; measured with the fixes of {fixes})."
+    )

@@ -36,7 +36,7 @@ class Figure:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pyplot() -> Any:
     """pyplot, configured once: no display, text as paths (no fonts to fetch), stable SVG ids."""
     import matplotlib
@@ -44,8 +44,16 @@ def _pyplot() -> Any:
     matplotlib.use("Agg")  # no display: render to files only
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"svg.fonttype": "path", "font.size": 9, "axes.grid": True, "grid.alpha": 0.3,
-                         "figure.dpi": 100, "svg.hashsalt": "fp16doctor"})
+    plt.rcParams.update(
+        {
+            "svg.fonttype": "path",
+            "font.size": 9,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "figure.dpi": 100,
+            "svg.hashsalt": "fp16doctor",
+        }
+    )
     return plt
 
 
@@ -56,7 +64,7 @@ def _svg(fig: Any) -> str:
     fig.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None})
     plt.close(fig)
     text = buffer.getvalue()
-    text = text[text.index("<svg"):]
+    text = text[text.index("<svg") :]
     return re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
 
 
@@ -86,14 +94,27 @@ def loss_curves(curves: dict[str, pd.DataFrame], x_label: str = "step") -> Figur
         bad = [s for s, v in zip(steps, losses) if not math.isfinite(v)]
         marked += len(bad)
         if bad:
-            ax.plot(bad, [1.0] * len(bad), "x", color=COLOURS.get(name, "red"), transform=ax.get_xaxis_transform(),
-                    label=f"{name}: non-finite", markersize=7)
+            ax.plot(
+                bad,
+                [1.0] * len(bad),
+                "x",
+                color=COLOURS.get(name, "red"),
+                transform=ax.get_xaxis_transform(),
+                label=f"{name}: non-finite",
+                markersize=7,
+            )
     _log_if_wide(ax, [float(v) for records in curves.values() for v in records["loss"]])
     ax.set_xlabel(x_label)
     ax.set_ylabel("loss")
     ax.legend(loc="best", fontsize=8)
-    return Figure("plot-loss", "Loss per step", "The curves should lie on top of each other; a gap that grows, or crosses "
-                  "(x) at the top, is AMP leaving its FP32 twin.", _svg(fig), {"nonfinite_marked": marked, "runs": list(curves)})
+    return Figure(
+        "plot-loss",
+        "Loss per step",
+        "The curves should lie on top of each other; a gap that grows, or crosses "
+        "(x) at the top, is AMP leaving its FP32 twin.",
+        _svg(fig),
+        {"nonfinite_marked": marked, "runs": list(curves)},
+    )
 
 
 def loss_scale(records: pd.DataFrame, window: tuple[float, float] | None = None) -> Figure:
@@ -111,9 +132,14 @@ def loss_scale(records: pd.DataFrame, window: tuple[float, float] | None = None)
     ax.set_xlabel("step")
     ax.set_ylabel("loss scale")
     ax.legend(loc="best", fontsize=8)
-    return Figure("plot-scale", "Loss scale and skipped steps", "A healthy scale settles inside the green window after a "
-                  "few skips and stays; skips that keep coming mean the scale grows past it.", _svg(fig),
-                  {"skipped_marked": len(skipped)})
+    return Figure(
+        "plot-scale",
+        "Loss scale and skipped steps",
+        "A healthy scale settles inside the green window after a "
+        "few skips and stays; skips that keep coming mean the scale grows past it.",
+        _svg(fig),
+        {"skipped_marked": len(skipped)},
+    )
 
 
 NONFINITE_AT = 4 * FP16_MAX
@@ -134,11 +160,15 @@ def activation_ranges(forward: pd.DataFrame | None, backward: pd.DataFrame | Non
     fwd, bwd = _per_module_max(forward), _per_module_max(backward)
     modules = list(dict.fromkeys(list(fwd.index) + list(bwd.index)))
     if len(modules) > MAX_ROWS:  # keep the layers nearest an edge of fp16's range
+
         def distance(m: str) -> float:
             values = [v for v in (fwd.get(m), bwd.get(m)) if v is not None and v > 0]
             if math.inf in values:  # never finite: the layer the plot is for
                 return 0.0
-            return min((min(abs(math.log10(v / FP16_MAX)), abs(math.log10(v / FP16_MIN_SUBNORMAL))) for v in values), default=math.inf)
+            return min(
+                (min(abs(math.log10(v / FP16_MAX)), abs(math.log10(v / FP16_MIN_SUBNORMAL))) for v in values),
+                default=math.inf,
+            )
 
         modules = sorted(modules, key=distance)[:MAX_ROWS]
     fig, ax = _new(6.4, max(2.4, 0.22 * len(modules) + 1.0))
@@ -152,10 +182,19 @@ def activation_ranges(forward: pd.DataFrame | None, backward: pd.DataFrame | Non
         ax.scatter(finite_points(bwd), rows, marker="s", color=COLOURS["amp"], label="backward |g·S| max", zorder=3)
     never_finite = [(m, row) for values in (fwd, bwd) for row, m in enumerate(modules) if values.get(m) == math.inf]
     if never_finite:
-        ax.scatter([NONFINITE_AT] * len(never_finite), [row for _, row in never_finite], marker="x", color="black",
-                   label="non-finite at every step", zorder=4)
-    for value, label, style in ((FP16_MAX, "fp16 max 65504", "-"), (FP16_MIN_NORMAL, "smallest normal", "--"),
-                                (FP16_MIN_SUBNORMAL, "smallest subnormal", ":")):
+        ax.scatter(
+            [NONFINITE_AT] * len(never_finite),
+            [row for _, row in never_finite],
+            marker="x",
+            color="black",
+            label="non-finite at every step",
+            zorder=4,
+        )
+    for value, label, style in (
+        (FP16_MAX, "fp16 max 65504", "-"),
+        (FP16_MIN_NORMAL, "smallest normal", "--"),
+        (FP16_MIN_SUBNORMAL, "smallest subnormal", ":"),
+    ):
         ax.axvline(value, color="black", linestyle=style, linewidth=1, label=label)
     ax.set_xscale("log")
     ax.set_yticks(rows)
@@ -163,11 +202,18 @@ def activation_ranges(forward: pd.DataFrame | None, backward: pd.DataFrame | Non
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize=7)
     over = sum(1 for m in modules if fwd.get(m, 0.0) > FP16_MAX or bwd.get(m, 0.0) > FP16_MAX)
-    caption = ("Layers whose points reach the solid line overflow fp16; "
-               + ("backward points left of the dotted line flush to zero; " if len(bwd) else "")
-               + "a cross past the line: no finite value at any step.")
-    return Figure("plot-activations", "Activation ranges per layer", caption,
-                  _svg(fig), {"layers": len(modules), "over_fp16_max": over, "never_finite": len({m for m, _ in never_finite})})
+    caption = (
+        "Layers whose points reach the solid line overflow fp16; "
+        + ("backward points left of the dotted line flush to zero; " if len(bwd) else "")
+        + "a cross past the line: no finite value at any step."
+    )
+    return Figure(
+        "plot-activations",
+        "Activation ranges per layer",
+        caption,
+        _svg(fig),
+        {"layers": len(modules), "over_fp16_max": over, "never_finite": len({m for m, _ in never_finite})},
+    )
 
 
 def underflow_heatmap(param_grads: pd.DataFrame | None) -> Figure | None:
@@ -179,16 +225,27 @@ def underflow_heatmap(param_grads: pd.DataFrame | None) -> Figure | None:
     if len(grid) > MAX_ROWS:
         grid = grid.loc[grid.max(axis=1).sort_values(ascending=False).index[:MAX_ROWS]]
     fig, ax = _new(6.4, max(2.4, 0.2 * len(grid) + 1.2))
-    image = ax.imshow(grid.to_numpy(), aspect="auto", cmap="magma_r", vmin=0.0, vmax=max(0.05, float(grid.to_numpy().max())),
-                      interpolation="nearest")
+    image = ax.imshow(
+        grid.to_numpy(),
+        aspect="auto",
+        cmap="magma_r",
+        vmin=0.0,
+        vmax=max(0.05, float(grid.to_numpy().max())),
+        interpolation="nearest",
+    )
     ax.set_yticks(range(len(grid)))
     ax.set_yticklabels(grid.index, fontsize=7)
     ax.set_xlabel("step")
     ax.grid(False)
     fig.colorbar(image, ax=ax, label="gradient mass flushed")
-    return Figure("plot-underflow", "Gradient underflow per layer and step", "Dark cells are layers whose gradients flush to "
-                  "zero in fp16 at that step's scale: over 5% calls for a higher scale.", _svg(fig),
-                  {"layers": len(grid), "worst": float(grid.to_numpy().max()) if grid.size else 0.0})
+    return Figure(
+        "plot-underflow",
+        "Gradient underflow per layer and step",
+        "Dark cells are layers whose gradients flush to "
+        "zero in fp16 at that step's scale: over 5% calls for a higher scale.",
+        _svg(fig),
+        {"layers": len(grid), "worst": float(grid.to_numpy().max()) if grid.size else 0.0},
+    )
 
 
 def module_gap(ranked: list[ModuleGap]) -> Figure | None:
@@ -201,8 +258,13 @@ def module_gap(ranked: list[ModuleGap]) -> Figure | None:
     ax.set_xscale("log")
     ax.invert_yaxis()
     ax.set_xlabel("relative error added (AMP vs FP32)")
-    return Figure("plot-gap", "Which modules add the precision gap", "The top bars are the modules to keep in fp32 first.",
-                  _svg(fig), {"modules": len(rows)})
+    return Figure(
+        "plot-gap",
+        "Which modules add the precision gap",
+        "The top bars are the modules to keep in fp32 first.",
+        _svg(fig),
+        {"modules": len(rows)},
+    )
 
 
 def grad_norms(curves: dict[str, pd.DataFrame]) -> Figure:
@@ -210,14 +272,24 @@ def grad_norms(curves: dict[str, pd.DataFrame]) -> Figure:
     fig, ax = _new()
     for name, records in curves.items():
         values = [float(v) for v in records["grad_norm"]]
-        ax.plot(records["step"].tolist(), [v if math.isfinite(v) and v > 0 else math.nan for v in values],
-                label=name, color=COLOURS.get(name), linewidth=1.2)
+        ax.plot(
+            records["step"].tolist(),
+            [v if math.isfinite(v) and v > 0 else math.nan for v in values],
+            label=name,
+            color=COLOURS.get(name),
+            linewidth=1.2,
+        )
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("gradient norm")
     ax.legend(loc="best", fontsize=8)
-    return Figure("plot-gradnorm", "Gradient norm per step", "AMP should track FP32; gaps are overflowing steps (inf) or "
-                  "gradients lost to underflow (too low).", _svg(fig), {"runs": list(curves)})
+    return Figure(
+        "plot-gradnorm",
+        "Gradient norm per step",
+        "AMP should track FP32; gaps are overflowing steps (inf) or gradients lost to underflow (too low).",
+        _svg(fig),
+        {"runs": list(curves)},
+    )
 
 
 def lr_schedule(lrs: list[float], pause: int | None) -> Figure:
@@ -230,14 +302,23 @@ def lr_schedule(lrs: list[float], pause: int | None) -> Figure:
     _log_if_wide(ax, lrs)
     ax.set_xlabel("step")
     ax.set_ylabel("learning rate")
-    return Figure("plot-lr", "Learning-rate schedule", "Trouble that starts right at a peak or jump of this curve is the "
-                  "schedule's (see the pause in the stages).", _svg(fig), {"pause_step": pause})
+    return Figure(
+        "plot-lr",
+        "Learning-rate schedule",
+        "Trouble that starts right at a peak or jump of this curve is the schedule's (see the pause in the stages).",
+        _svg(fig),
+        {"pause_step": pause},
+    )
 
 
 def diagnosis_figures(diagnosis: Any) -> list[Figure]:
     """Every figure that applies to a diagnosis, in the report's order."""
     ev = diagnosis.evidence
-    curves = {name: summary.records for name, summary in (("fp32", ev.fp32), ("amp", ev.amp), ("bf16", ev.bf16)) if summary is not None}
+    curves = {
+        name: summary.records
+        for name, summary in (("fp32", ev.fp32), ("amp", ev.amp), ("bf16", ev.bf16))
+        if summary is not None
+    }
     corrected = diagnosis.corrected.amp_records if diagnosis.corrected is not None else None
     if corrected is not None:
         curves["corrected"] = corrected
@@ -247,7 +328,10 @@ def diagnosis_figures(diagnosis: Any) -> list[Figure]:
     tables = ev.amp.tables if ev.amp is not None else {}
     if tables.get("forward") is not None and not tables["forward"].empty:
         figures.append(activation_ranges(tables.get("forward"), tables.get("activation_grads")))
-    optional = [underflow_heatmap(tables.get("param_grads")), module_gap((ev.gap.ranked_modules or []) if ev.gap is not None else [])]
+    optional = [
+        underflow_heatmap(tables.get("param_grads")),
+        module_gap((ev.gap.ranked_modules or []) if ev.gap is not None else []),
+    ]
     figures += [f for f in optional if f is not None]
     figures.append(grad_norms({k: v for k, v in curves.items() if k in ("fp32", "amp", "corrected")}))
     if ev.lr_peak is not None and ev.lr_peak.schedule.lrs:

@@ -46,7 +46,7 @@ def _step_columns(result: Comparison, width: int, wide: bool) -> list[tuple[str,
         return [c for _, c in wanted]
     budget = max(width - 8, COLUMN_WIDTH)  # the step column and the table's margins
     chosen: set[tuple[str, str, str]] = set()
-    for priority, column in sorted(wanted, key=lambda pc: pc[0]):
+    for _priority, column in sorted(wanted, key=lambda pc: pc[0]):
         if (len(chosen) + 1) * COLUMN_WIDTH > budget:
             break
         chosen.add(column)
@@ -61,13 +61,18 @@ def render_comparison(result: Comparison, console: Console, wide: bool = False) 
     for mode in result.modes[1:]:
         verdict = result.verdict_by_mode[mode]
         summary.add_row(
-            mode, f"[{VERDICT_STYLE[verdict]}]{verdict}[/]", human(result.max_rel_dev.get(mode), percent=True),
-            human(result.max_rel_dev_step.get(mode)), human(result.first_divergent_step.get(mode)),
+            mode,
+            f"[{VERDICT_STYLE[verdict]}]{verdict}[/]",
+            human(result.max_rel_dev.get(mode), percent=True),
+            human(result.max_rel_dev_step.get(mode)),
+            human(result.first_divergent_step.get(mode)),
             str(result.trajectories[mode].skipped),
         )
     console.print(summary)
-    tolerances = ", ".join(f"{m} {human(result.tolerance[m], percent=True)} / {human(result.divergence[m], percent=True)}"
-                           for m in result.modes[1:])
+    tolerances = ", ".join(
+        f"{m} {human(result.tolerance[m], percent=True)} / {human(result.divergence[m], percent=True)}"
+        for m in result.modes[1:]
+    )
     console.print(f"[dim]tolerance / divergence tolerance: {tolerances}[/]")
 
     digits = 6 if wide else 3
@@ -88,7 +93,11 @@ def render_comparison(result: Comparison, console: Console, wide: bool = False) 
             else:
                 devs = result.rel_dev.get(mode, [])
                 dev = devs[k] if k < len(devs) else None
-                style = "" if dev is None or dev <= result.tolerance[mode] else ("yellow" if dev <= result.divergence[mode] else "red")
+                style = (
+                    ""
+                    if dev is None or dev <= result.tolerance[mode]
+                    else ("yellow" if dev <= result.divergence[mode] else "red")
+                )
                 text = human(dev, 2, percent=True)
                 cells.append(f"[{style}]{text}[/]" if style else text)
         table.add_row(*cells)
@@ -103,10 +112,14 @@ def render_comparison(result: Comparison, console: Console, wide: bool = False) 
     for mode, trajectory in result.trajectories.items():
         if trajectory.exception:
             exc = trajectory.exception
-            console.print(f"[red]{mode}: {exc.type} at step {exc.step}: {escape(exc.message or '')}[/] ({escape(exc.location or 'no location')})")
+            console.print(
+                f"[red]{mode}: {exc.type} at step {exc.step}: {escape(exc.message or '')}[/] ({escape(exc.location or 'no location')})"
+            )
         skips = trajectory.skipped
         if mode != "fp32" and skips and result.verdict_by_mode.get(mode) not in ("diverged", "unstable"):
-            console.print(f"[dim]{mode}: {skips} step(s) skipped by the GradScaler (scale settling); trajectories aligned on steps taken.[/]")
+            console.print(
+                f"[dim]{mode}: {skips} step(s) skipped by the GradScaler (scale settling); trajectories aligned on steps taken.[/]"
+            )
     console.print(_verdict_line(result))
 
 
@@ -119,10 +132,15 @@ def _verdict_line(result: Comparison) -> str:
         if verdict == "diverged":
             step = result.first_nonfinite_step.get(mode)
             module = result.trajectories[mode].first_nonfinite_module
-            parts.append(f"{mode}: first non-finite step {step}" + (f" (in module '{module}')" if module else "")
-                         + (" (the fp32 baseline itself)" if mode == "fp32" else ""))
+            parts.append(
+                f"{mode}: first non-finite step {step}"
+                + (f" (in module '{module}')" if module else "")
+                + (" (the fp32 baseline itself)" if mode == "fp32" else "")
+            )
         elif verdict == "drift":
-            parts.append(f"{mode}: largest deviation {human(result.max_rel_dev[mode], percent=True)} at step {result.max_rel_dev_step[mode]}")
+            parts.append(
+                f"{mode}: largest deviation {human(result.max_rel_dev[mode], percent=True)} at step {result.max_rel_dev_step[mode]}"
+            )
         elif verdict == "unstable":
             parts.append(f"{mode}: " + "; ".join(s.description for s in result.trajectories[mode].symptoms))
     return f"[{style}]{result.verdict}[/]: " + "; ".join(parts)
@@ -135,13 +153,19 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
     """Summary line, the stages, then the ranked findings with evidence and fix snippets."""
     errors = [f for f in diagnosis.findings if f.severity == "error"]
     if not errors and diagnosis.unexplained:
-        console.print("[bold red]unhealthy[/]: the training raised an exception under AMP that no rule explains (below).")
+        console.print(
+            "[bold red]unhealthy[/]: the training raised an exception under AMP that no rule explains (below)."
+        )
     elif diagnosis.healthy:
         style = "bold yellow" if any(f.severity == "warning" for f in diagnosis.findings) else "bold green"
-        console.print(f"[{style}]healthy[/]: {escape(training_file)} "
-                      f"{healthy_headline([f.severity for f in diagnosis.findings])}.")
+        console.print(
+            f"[{style}]healthy[/]: {escape(training_file)} "
+            f"{healthy_headline([f.severity for f in diagnosis.findings])}."
+        )
     else:
-        console.print(f"[bold red]unhealthy[/]: {len(errors)} error finding(s) in {escape(training_file)}; top cause: [bold]{errors[0].cause}[/]")
+        console.print(
+            f"[bold red]unhealthy[/]: {len(errors)} error finding(s) in {escape(training_file)}; top cause: [bold]{errors[0].cause}[/]"
+        )
     stages = Table(title="Triage", title_justify="left", show_lines=False)
     for column in ("stage", "status", "what it found"):
         stages.add_column(column, overflow="fold")
@@ -155,15 +179,21 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
     if diagnosis.corrected is not None:
         c = diagnosis.corrected
         style = "green" if c.healthy_after else "yellow"
-        console.print(f"[{style}]corrected config[/] ({', '.join(c.from_findings)}): {escape(c.summary)}"
-                      + ("" if c.healthy_after else f"; symptoms left: {', '.join(c.symptoms_after)}")
-                      + (f"; also needs data changes: {', '.join(c.needs_data_changes)}" if c.needs_data_changes else ""))
+        console.print(
+            f"[{style}]corrected config[/] ({', '.join(c.from_findings)}): {escape(c.summary)}"
+            + ("" if c.healthy_after else f"; symptoms left: {', '.join(c.symptoms_after)}")
+            + (f"; also needs data changes: {', '.join(c.needs_data_changes)}" if c.needs_data_changes else "")
+        )
         if contested:  # the findings point here instead of printing patches that contradict each other
-            console.print(_highlighted(yaml.safe_dump(exact_numbers(jsonable(c.config_patch)), sort_keys=False).rstrip(), "yaml"))
+            console.print(
+                _highlighted(yaml.safe_dump(exact_numbers(jsonable(c.config_patch)), sort_keys=False).rstrip(), "yaml")
+            )
     for item in diagnosis.unexplained:
         exc = item.exception
-        console.print(f"[bold red]the {item.probe} probe raised {exc.type} at step {exc.step}[/]: {escape(str(exc.message))} "
-                      f"({escape(str(exc.location))}); no rule explains it: fix the training code there.")
+        console.print(
+            f"[bold red]the {item.probe} probe raised {exc.type} at step {exc.step}[/]: {escape(str(exc.message))} "
+            f"({escape(str(exc.location))}); no rule explains it: fix the training code there."
+        )
 
 
 def _highlighted(code: str, language: str) -> Any:
@@ -184,19 +214,33 @@ def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis,
     for key, value in shown_evidence(finding.evidence).items():
         text = value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
         evidence.add_row(key, escape(text.removesuffix("\n...")))
-    parts: list = [f"[bold]{escape(finding.title)}[/]", "", "[underline]Evidence[/]", evidence, "", f"[underline]Fix[/] {escape(finding.fix.summary)}"]
+    parts: list = [
+        f"[bold]{escape(finding.title)}[/]",
+        "",
+        "[underline]Evidence[/]",
+        evidence,
+        "",
+        f"[underline]Fix[/] {escape(finding.fix.summary)}",
+    ]
     if finding.fix.code:
         parts.append(_highlighted(fitted_code(finding.fix.code, width - PANEL_MARGIN), "python"))
     if contested:
         parts.append(f"[dim]{escape(reference_to_corrected(finding, contested, diagnosis))}[/]")
     elif finding.fix.config_patch:
-        parts += ["[dim]config patch:[/]", _highlighted(yaml.safe_dump(exact_numbers(finding.fix.config_patch), sort_keys=False).rstrip(), "yaml")]
+        parts += [
+            "[dim]config patch:[/]",
+            _highlighted(yaml.safe_dump(exact_numbers(finding.fix.config_patch), sort_keys=False).rstrip(), "yaml"),
+        ]
     if finding.verification:
         parts.append(verification_line(finding.verification))
     style = SEVERITY_STYLE[finding.severity]
     found = " (found by intervention)" if finding.found_by == "intervention" else ""
-    return Panel(Group(*parts), title=f"[{style}]{finding.rank}. {finding.severity}: {finding.cause}{found}[/]", title_align="left",
-                 border_style=style.split()[-1])
+    return Panel(
+        Group(*parts),
+        title=f"[{style}]{finding.rank}. {finding.severity}: {finding.cause}{found}[/]",
+        title_align="left",
+        border_style=style.split()[-1],
+    )
 
 
 PANEL_MARGIN = 4
@@ -213,9 +257,14 @@ def verification_line(v: Verification) -> str:
 
 def render_training(result: Any, run_dir: Any, console: Console) -> None:
     """The run's final summary."""
-    style = {"completed": "bold green", "stopped": "bold red", "failed": "bold red", "interrupted": "bold yellow"}[result.status]
-    table = Table(title=f"Training run: [{style}]{result.status}[/]" + (f" ({escape(result.reason)})" if result.reason else ""),
-                  title_justify="left", show_header=False)
+    style = {"completed": "bold green", "stopped": "bold red", "failed": "bold red", "interrupted": "bold yellow"}[
+        result.status
+    ]
+    table = Table(
+        title=f"Training run: [{style}]{result.status}[/]" + (f" ({escape(result.reason)})" if result.reason else ""),
+        title_justify="left",
+        show_header=False,
+    )
     table.add_column(style="dim")
     table.add_column(overflow="fold")
     table.add_row("steps", f"{result.first_step} -> {result.steps}")
@@ -223,10 +272,15 @@ def render_training(result: Any, run_dir: Any, console: Console) -> None:
     table.add_row("skipped steps", str(result.skipped))
     table.add_row("non-finite steps", str(result.nonfinite))
     if result.first_nonfinite:
-        table.add_row("first non-finite", escape(f"step {result.first_nonfinite['step']}: {result.first_nonfinite.get('explanation', '')}"))
+        table.add_row(
+            "first non-finite",
+            escape(f"step {result.first_nonfinite['step']}: {result.first_nonfinite.get('explanation', '')}"),
+        )
     table.add_row("last checkpoint", escape(str(result.last_checkpoint)))
     table.add_row("run directory", escape(str(run_dir)) + "  (metrics.csv, checkpoints/, summary.json)")
     table.add_row("time", f"{result.seconds:.1f} s")
     console.print(table)
     for finding in result.findings:
-        console.print(f"[yellow]{finding['severity']}: {finding['cause']}[/]: {escape(finding['title'])}. {escape(finding['fix'])}")
+        console.print(
+            f"[yellow]{finding['severity']}: {finding['cause']}[/]: {escape(finding['title'])}. {escape(finding['fix'])}"
+        )

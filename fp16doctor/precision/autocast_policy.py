@@ -29,7 +29,8 @@ import contextlib
 import functools
 import threading
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
@@ -40,13 +41,16 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Op base names by CUDA policy (autocast_mode.h: AT_FORALL_LOWER_PRECISION_FP,
 # AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE,
 # AT_FORALL_PROMOTE, plus the banned binary_cross_entropy).
-CUDA_LOWER = frozenset("""
+CUDA_LOWER = frozenset(
+    """
 _convolution convolution conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d
 prelu addmm addmv addr matmul einsum mm mv linalg_vecdot linear addbmm baddbmm bmm chain_matmul
 linalg_multi_dot _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
 _scaled_dot_product_flash_attention scaled_dot_product_attention cudnn_convolution cudnn_convolution_transpose
-""".split())
-CUDA_FP32 = frozenset("""
+""".split()
+)
+CUDA_FP32 = frozenset(
+    """
 acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow softplus layer_norm
 native_layer_norm group_norm rms_norm frobenius_norm nuclear_norm cosine_similarity poisson_nll_loss
 cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss
@@ -55,8 +59,11 @@ binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp upsample_near
 upsample_nearest2d _upsample_nearest_exact2d upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d
 upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa
 prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum norm
-""".split())
-CUDA_PROMOTE = frozenset("addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split())
+""".split()
+)
+CUDA_PROMOTE = frozenset(
+    "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split()
+)
 CUDA_BANNED = frozenset({"binary_cross_entropy"})
 
 BCE_BANNED_MESSAGE = (
@@ -148,8 +155,9 @@ class RoundedInputs:
             return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         if getattr(outer[0], SEES_LOW_PRECISION_SAVES, False):
             outer_pack, outer_unpack = outer
-            return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer_pack),
-                                                            lambda saved: _unpack(saved, outer_unpack))
+            return torch.autograd.graph.saved_tensors_hooks(
+                lambda t: self._pack(t, outer_pack), lambda saved: _unpack(saved, outer_unpack)
+            )
         return contextlib.nullcontext()
 
     def _pack(self, t: torch.Tensor, outer: Callable[[torch.Tensor], Any] | None = None) -> Any:
@@ -191,7 +199,8 @@ def _unpack(saved: Any, outer: Callable[[Any], torch.Tensor] | None = None) -> t
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by an inplace operation: "
             f"[{saved.source.dtype} {list(saved.source.shape)}] is at version {saved.source._version}; expected "
-            f"version {saved.version} instead.")
+            f"version {saved.version} instead."
+        )
     low = outer(saved.kept) if outer is not None else saved.kept
     return low.float().as_strided(saved.size, saved.stride, saved.offset)
 
@@ -346,7 +355,9 @@ class _AutocastConstructor:
         original = autocast_mode.autocast.__init__
         constructor = self
 
-        def init(self: Any, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None) -> None:
+        def init(
+            self: Any, device_type: str, dtype: Any = None, enabled: bool = True, cache_enabled: Any = None
+        ) -> None:
             for rewrite in reversed(constructor._rewrites()):  # innermost first, as nested blocks would apply them
                 device_type, dtype, enabled = rewrite(device_type, dtype, enabled)
             original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)

@@ -15,7 +15,8 @@ own ``torch.autocast`` blocks would not be a baseline. While
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -38,7 +39,11 @@ def _fp32_arg(value: Any) -> Any:
         return torch.float32
     if isinstance(value, str) and value in _LOW_TENSOR_TYPES:
         return _LOW_TENSOR_TYPES[value]
-    if isinstance(value, type) and getattr(value, "__module__", "").startswith("torch") and value.__name__ in ("HalfTensor", "BFloat16Tensor"):
+    if (
+        isinstance(value, type)
+        and getattr(value, "__module__", "").startswith("torch")
+        and value.__name__ in ("HalfTensor", "BFloat16Tensor")
+    ):
         return torch.FloatTensor
     return value
 

@@ -11,8 +11,9 @@ import contextlib
 import functools
 import threading
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.utils.clip_grad as clip_grad_module
@@ -132,7 +133,9 @@ class ClipObserver:
         if still_scaled and self.unscale_first:
             for optimizer in self.optimizers:
                 self.scaler.unscale_(optimizer, _implicit=True)  # the doctor's fix, not a call of the loop's
-        trace.clip_calls.append({"function": name, "scaled": still_scaled and not self.unscale_first, "scale": trace.scale_used})
+        trace.clip_calls.append(
+            {"function": name, "scaled": still_scaled and not self.unscale_first, "scale": trace.scale_used}
+        )
         if not trace.scaled and not trace.unscaled:
             # No scaler records the norm at unscale_ (FP32, bf16): record it here, before the clip, where AMP's
             # canonical loop records it (unscale_, then clip), over the parameters clipped so far this iteration
@@ -147,7 +150,10 @@ class ClipObserver:
         return original(*args, **kwargs)
 
 
-_CLIP_FUNCTIONS: dict[str, Callable[..., Any]] = {"clip_grad_norm_": clip_grad_module.clip_grad_norm_, "clip_grad_value_": clip_grad_module.clip_grad_value_}
+_CLIP_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "clip_grad_norm_": clip_grad_module.clip_grad_norm_,
+    "clip_grad_value_": clip_grad_module.clip_grad_value_,
+}
 
 
 class _ClipPatch:

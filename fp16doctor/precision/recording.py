@@ -10,8 +10,9 @@ unscaled gradient norm, and the order of scale / unscale / clip calls.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -108,7 +109,11 @@ class RecordingGradScaler(torch.amp.GradScaler):
         self.trace.step_called = True
         self.trace.scaler_calls.append("step")
         self.trace.calls.append(f"step({self.name_of(optimizer)})")
-        if self.is_enabled() and self._scale is not None and self._per_optimizer_states[id(optimizer)]["stage"].name != "UNSCALED":
+        if (
+            self.is_enabled()
+            and self._scale is not None
+            and self._per_optimizer_states[id(optimizer)]["stage"].name != "UNSCALED"
+        ):
             # What step() does first anyway (fused optimizers accept it too); done here so the
             # unscaled norm is recorded even on the steps the scaler skips. (Per optimizer: with several, one
             # unscaled does not unscale the next. A second step() before update() gets GradScaler's refusal.)
@@ -165,8 +170,12 @@ class OptimizerWatch:
 def double_steps(calls: list[str]) -> list[str]:
     """The optimizers an iteration stepped both through ``scaler.step()`` and with a plain ``optimizer.step()``:
     they step twice, and the plain step applies inf/NaN gradients on an overflow step."""
-    through_scaler = {c[len("step("):-1] for c in calls if c.startswith("step(")}
-    return [name for name in dict.fromkeys(c[:-len(".step()")] for c in calls if c.endswith(".step()")) if name in through_scaler]
+    through_scaler = {c[len("step(") : -1] for c in calls if c.startswith("step(")}
+    return [
+        name
+        for name in dict.fromkeys(c[: -len(".step()")] for c in calls if c.endswith(".step()"))
+        if name in through_scaler
+    ]
 
 
 def step_outcome(trace: StepTrace, nonfinite_grads: bool = False) -> str:

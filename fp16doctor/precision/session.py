@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from .autocast_policy import Rewrite, cuda_policy_on_cpu, cuda_to_cpu, rewritten_autocast
 from .fp32_mode import NeutraliseHalfCasts, disable_autocast
@@ -41,7 +41,7 @@ class PrecisionSession:
     _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
     @classmethod
-    def for_mode(cls, mode: str, device_type: str) -> "PrecisionSession":
+    def for_mode(cls, mode: str, device_type: str) -> PrecisionSession:
         """The session of a probe mode: FP32 guards for ``fp32``; CUDA's policy for low precision on CPU."""
         if mode == "fp32":
             return cls(autocast_rewrite=disable_autocast, neutralise_half_casts=True)

@@ -26,9 +26,10 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -39,8 +40,8 @@ from ..engine.probe import Probe, Workbench
 from ..engine.rng import rng_state, set_rng_state
 from ..errors import DoctorError, TrainingFileError, one_line
 from ..files import atomic_torch_save, atomic_write_text, jsonable
-from ..tensors import OUT_OF_MEMORY
 from ..measure.localise import trace_step
+from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import check_batch
 from ..userfile.spec import TrainingSpec
 
@@ -77,7 +78,7 @@ class Distributed:
         return self.rank == 0
 
     @classmethod
-    def from_env(cls) -> "Distributed":
+    def from_env(cls) -> Distributed:
         return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
 
 
@@ -120,7 +121,7 @@ class BatchStream:
             except StopIteration:
                 self._iterator = None
                 if attempt:
-                    raise TrainingFileError("data() yielded no batches.")
+                    raise TrainingFileError("data() yielded no batches.") from None
         raise AssertionError("unreachable")
 
     def next(self) -> Any:
@@ -141,7 +142,9 @@ def checkpoint_paths(run_dir: Path) -> list[Path]:
 class Trainer:
     """One process's training run (rank ``dist.rank`` of ``dist.world``)."""
 
-    def __init__(self, spec: TrainingSpec, config: DoctorConfig, options: TrainOptions, dist: Distributed | None = None):
+    def __init__(
+        self, spec: TrainingSpec, config: DoctorConfig, options: TrainOptions, dist: Distributed | None = None
+    ):
         self.spec, self.config, self.options = spec, config, options
         self.dist = dist or Distributed()
         self.run_dir = Path(options.run_dir)
@@ -180,19 +183,31 @@ class Trainer:
     def _rank_report(self, result: TrainResult) -> None:
         """Each rank's fingerprint: parameters, scale and skips must agree on every rank."""
         params = torch.cat([p.detach().double().reshape(-1) for p in self.inner_model.parameters()])
-        report = {"rank": self.dist.rank, "param_sum": float(params.sum()), "param_abs_sum": float(params.abs().sum()),
-                  "loss_scale": float(self.probe.scaler.get_scale()) if self.probe.scaler.is_enabled() else 1.0,
-                  "skipped": result.skipped, "steps": result.steps}
-        atomic_write_text(self.run_dir / "ranks" / f"rank{self.dist.rank}.json", json.dumps(jsonable(report), allow_nan=False))
+        report = {
+            "rank": self.dist.rank,
+            "param_sum": float(params.sum()),
+            "param_abs_sum": float(params.abs().sum()),
+            "loss_scale": float(self.probe.scaler.get_scale()) if self.probe.scaler.is_enabled() else 1.0,
+            "skipped": result.skipped,
+            "steps": result.steps,
+        }
+        atomic_write_text(
+            self.run_dir / "ranks" / f"rank{self.dist.rank}.json", json.dumps(jsonable(report), allow_nan=False)
+        )
 
     def comm_hook_findings(self) -> list[dict[str, Any]]:
         """An fp16/bf16 gradient-compression hook on DDP: gradients then travel in half precision."""
         half = half_precision_comm_hooks(self.probe.model)
         if not half:
             return []
-        return [{"cause": "ddp-half-allreduce", "severity": "warning",
-                 "title": f"DDP gradients are all-reduced in half precision ({', '.join(half)})",
-                 "fix": "Remove the compression hook (gradients should be reduced in fp32), or accept the lost precision knowingly."}]
+        return [
+            {
+                "cause": "ddp-half-allreduce",
+                "severity": "warning",
+                "title": f"DDP gradients are all-reduced in half precision ({', '.join(half)})",
+                "fix": "Remove the compression hook (gradients should be reduced in fp32), or accept the lost precision knowingly.",
+            }
+        ]
 
     # --- checkpoints -------------------------------------------------------------------------------
     def _checkpoint(self, step: int) -> str | None:
@@ -205,12 +220,16 @@ class Trainer:
             return None
         probe = self.probe
         state = {
-            "step": step, "data_position": self.stream.position, "world": self.dist.world,
-            "model": self.inner_model.state_dict(), "optimizer": probe.optimizer.state_dict(),
+            "step": step,
+            "data_position": self.stream.position,
+            "world": self.dist.world,
+            "model": self.inner_model.state_dict(),
+            "optimizer": probe.optimizer.state_dict(),
             "optimizers": probe.optimizers.state(),  # every optimizer by name (optimizers(model) gives several)
             "scheduler": probe.schedulers[0].state_dict() if probe.schedulers else None,
             "schedulers": [scheduler.state_dict() for scheduler in probe.schedulers],
-            "scaler": probe.scaler.state_dict(), "rng": rngs,
+            "scaler": probe.scaler.state_dict(),
+            "rng": rngs,
             "config": json.loads(json.dumps(self.config.to_dict())),
         }
         path = self.run_dir / "checkpoints" / f"step_{step:08d}.pt"
@@ -222,13 +241,20 @@ class Trainer:
     def _resume(self) -> int:
         paths = checkpoint_paths(self.run_dir)
         if not paths:
-            raise DoctorError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}.", hint="Run without --resume to start fresh.")
+            raise DoctorError(
+                f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}.",
+                hint="Run without --resume to start fresh.",
+            )
         state = torch.load(paths[-1], map_location=self.probe.device, weights_only=True)
         if state["world"] != self.dist.world:
-            raise DoctorError(f"the checkpoint was written by {state['world']} process(es), this run has {self.dist.world}.",
-                              hint="Resume with the same --nproc.")
+            raise DoctorError(
+                f"the checkpoint was written by {state['world']} process(es), this run has {self.dist.world}.",
+                hint="Resume with the same --nproc.",
+            )
         self.inner_model.load_state_dict(state["model"])
-        self.probe.optimizers.load(state.get("optimizers") or {self.probe.optimizers.name_of(self.probe.optimizer): state["optimizer"]})
+        self.probe.optimizers.load(
+            state.get("optimizers") or {self.probe.optimizers.name_of(self.probe.optimizer): state["optimizer"]}
+        )
         schedulers = state.get("schedulers") or ([state["scheduler"]] if state["scheduler"] is not None else [])
         for scheduler, scheduler_state in zip(self.probe.schedulers, schedulers):
             scheduler.load_state_dict(scheduler_state)
@@ -262,12 +288,23 @@ class Trainer:
                     result.status, result.reason = "failed", f"out of memory at step {step}: {one_line(exc)}"
                     break
                 if record.exception_type is not None:
-                    result.status, result.reason = "failed", f"{record.exception_type}: {record.exception} ({record.exception_location})"
+                    result.status, result.reason = (
+                        "failed",
+                        f"{record.exception_type}: {record.exception} ({record.exception_location})",
+                    )
                     break
                 nonfinite = self._agree(record.nonfinite_loss or record.nonfinite_grads)
-                row = {"step": step, "loss": self._global_mean(record.loss), "grad_norm": record.grad_norm, "lr": record.lr,
-                       "loss_scale": record.loss_scale, "skipped": record.skipped, "nonfinite": nonfinite,
-                       "seconds": time.perf_counter() - tick, "micro_step": record.micro_step}
+                row = {
+                    "step": step,
+                    "loss": self._global_mean(record.loss),
+                    "grad_norm": record.grad_norm,
+                    "lr": record.lr,
+                    "loss_scale": record.loss_scale,
+                    "skipped": record.skipped,
+                    "nonfinite": nonfinite,
+                    "seconds": time.perf_counter() - tick,
+                    "micro_step": record.micro_step,
+                }
                 self._write_metric(metrics, row)
                 result.steps = step + 1
                 result.skipped += int(record.skipped)
@@ -281,8 +318,11 @@ class Trainer:
                         result.first_nonfinite = self._diagnose_step(step, row)
                     if self.options.on_nonfinite == "stop" or in_a_row >= self.options.max_nonfinite:
                         result.status = "stopped"
-                        result.reason = (f"non-finite step {step}" if self.options.on_nonfinite == "stop"
-                                         else f"{in_a_row} non-finite steps in a row (up to step {step})")
+                        result.reason = (
+                            f"non-finite step {step}"
+                            if self.options.on_nonfinite == "stop"
+                            else f"{in_a_row} non-finite steps in a row (up to step {step})"
+                        )
                         break
                 else:
                     in_a_row = 0
@@ -301,14 +341,18 @@ class Trainer:
             metrics.close()
         if result.status == "completed" and start == 0 and attempted and not moved:
             result.status = "stopped"  # it reached its last step, but nothing was trained (a resumed run had trained)
-            result.reason = (f"every one of the {attempted} optimizer steps was skipped (non-finite gradients): the weights "
-                             "never moved")
+            result.reason = (
+                f"every one of the {attempted} optimizer steps was skipped (non-finite gradients): the weights "
+                "never moved"
+            )
         result.seconds = time.perf_counter() - began
         result.findings = self.comm_hook_findings()  # after the run: a train_step may register one on its first step
         if self.dist.world > 1:
             self._rank_report(result)
         if self.dist.main:
-            atomic_write_text(self.run_dir / "summary.json", json.dumps(jsonable(asdict(result)), indent=2, allow_nan=False))
+            atomic_write_text(
+                self.run_dir / "summary.json", json.dumps(jsonable(asdict(result)), indent=2, allow_nan=False)
+            )
         return result
 
     def _next_batch(self) -> Any:
@@ -398,6 +442,13 @@ class _InterruptFlag:
 
 
 def _markdown_step(report: dict[str, Any]) -> str:
-    lines = [f"# Non-finite step {report['step']}", "", report.get("explanation", ""), "", "```json",
-             json.dumps({k: v for k, v in report.items() if k != "explanation"}, indent=2, default=str), "```"]
+    lines = [
+        f"# Non-finite step {report['step']}",
+        "",
+        report.get("explanation", ""),
+        "",
+        "```json",
+        json.dumps({k: v for k, v in report.items() if k != "explanation"}, indent=2, default=str),
+        "```",
+    ]
     return "\n".join(lines) + "\n"

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import copy
 import functools
-
-from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -37,7 +36,9 @@ def map_named_tensors(batch: Any, fn: Callable[[str, torch.Tensor], torch.Tensor
     if isinstance(batch, torch.Tensor):
         return fn(prefix or "batch", batch)
     if isinstance(batch, Mapping):
-        return map_tensors_of(batch, {k: map_named_tensors(v, fn, f"{prefix}.{k}" if prefix else str(k)) for k, v in batch.items()})
+        return map_tensors_of(
+            batch, {k: map_named_tensors(v, fn, f"{prefix}.{k}" if prefix else str(k)) for k, v in batch.items()}
+        )
     if isinstance(batch, (list, tuple)):
         items = [map_named_tensors(v, fn, f"{prefix}.{i}" if prefix else str(i)) for i, v in enumerate(batch)]
         return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)

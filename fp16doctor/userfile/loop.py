@@ -8,8 +8,8 @@ a reason, stated beside it.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
-from typing import Any, Callable, cast
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,8 @@ def default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         return F.cross_entropy(_logits(model(inputs)), targets)
     raise BatchError(
         f"no default loss for a batch of type {type(batch).__name__}"
-        + (f" with {len(batch)} items" if isinstance(batch, (tuple, list)) else "") + ".",
+        + (f" with {len(batch)} items" if isinstance(batch, (tuple, list)) else "")
+        + ".",
         hint="Define loss(model, batch) in the training file (the default handles (x, y) pairs and Hugging Face style dicts).",
     )
 

@@ -24,9 +24,10 @@ import keyword
 import sys
 import traceback
 import types
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -36,14 +37,34 @@ MARKER = "__fp16doctor_training_file__"
 """Attribute set on a loaded training module: its resolved path (a reload under the same name is ours)."""
 
 REQUIRED = ("model", "data")
-COMPILED_NOTE = ("model() returns a torch.compile'd module: the doctor runs the module it wraps, uncompiled (eager), "
-                 "so that its instruments can see every submodule and aten operator; backend='eager' gives the same numerics.")
+COMPILED_NOTE = (
+    "model() returns a torch.compile'd module: the doctor runs the module it wraps, uncompiled (eager), "
+    "so that its instruments can see every submodule and aten operator; backend='eager' gives the same numerics."
+)
 OPTIONAL_CALLABLES = ("loss", "optimizer", "optimizers", "scheduler", "train_step")
 NEAR_MISSES = {
-    "loss": ("loss_fn", "lossfn", "loss_func", "loss_function", "loss_fct", "compute_loss", "get_loss", "calc_loss",
-             "calculate_loss", "criterion"),
-    "train_step": ("training_step", "train_one_step", "trainstep", "train_step_fn", "train_batch", "train_on_batch",
-                   "step_fn", "step"),
+    "loss": (
+        "loss_fn",
+        "lossfn",
+        "loss_func",
+        "loss_function",
+        "loss_fct",
+        "compute_loss",
+        "get_loss",
+        "calc_loss",
+        "calculate_loss",
+        "criterion",
+    ),
+    "train_step": (
+        "training_step",
+        "train_one_step",
+        "trainstep",
+        "train_step_fn",
+        "train_batch",
+        "train_on_batch",
+        "step_fn",
+        "step",
+    ),
 }
 """Names people give the contract's optional functions that the loader does not read. A file that lacks the
 contract's name but defines one of these (or, for the loss, any function with "loss" in its name) ran with
@@ -115,7 +136,8 @@ def load_training_file(path: str | Path) -> TrainingSpec:
         if len(missing) == len(REQUIRED):  # a plain training script, not a training file
             hint += f" To watch the script as it is, run: fp16doctor watch {path} ARGS"
         raise TrainingFileError(
-            f"training file '{path}' does not define {' and '.join(n + '()' for n in missing)}.", hint=hint)
+            f"training file '{path}' does not define {' and '.join(n + '()' for n in missing)}.", hint=hint
+        )
     optional: dict[str, Any] = {}
     for name in OPTIONAL_CALLABLES:
         value = getattr(module, name, None)
@@ -130,8 +152,15 @@ def load_training_file(path: str | Path) -> TrainingSpec:
     config = getattr(module, "CONFIG", None) or {}
     if not isinstance(config, dict):
         raise TrainingFileError(f"CONFIG in '{path}' must be a dict, got {type(config).__name__}.")
-    return TrainingSpec(path=path, module=module, model=module.model, data=module.data, config=config,
-                        near_misses=near_misses(path, module, [n for n in NEAR_MISSES if optional[n] is None]), **optional)
+    return TrainingSpec(
+        path=path,
+        module=module,
+        model=module.model,
+        data=module.data,
+        config=config,
+        near_misses=near_misses(path, module, [n for n in NEAR_MISSES if optional[n] is None]),
+        **optional,
+    )
 
 
 def near_misses(path: Path, module: types.ModuleType, absent: list[str]) -> dict[str, dict[str, str]]:
@@ -154,8 +183,11 @@ def near_misses(path: Path, module: types.ModuleType, absent: list[str]) -> dict
             defined.extend(t.id for t in targets if isinstance(t, ast.Name))
     found: dict[str, dict[str, str]] = {}
     for name in absent:
-        matches = {n: _signature(getattr(module, n)) for n in dict.fromkeys(defined)
-                   if n != name and _looks_like(n, name) and callable(getattr(module, n, None))}
+        matches = {
+            n: _signature(getattr(module, n))
+            for n in dict.fromkeys(defined)
+            if n != name and _looks_like(n, name) and callable(getattr(module, n, None))
+        }
         if matches:
             found[name] = matches
     return found
@@ -183,7 +215,12 @@ def module_name_for(path: Path) -> str:
     """
     stem = path.stem
     private = f"_fp16doctor_training_{abs(hash(str(path.resolve()))):x}"
-    if not stem.isidentifier() or keyword.iskeyword(stem) or stem in sys.builtin_module_names or stem in sys.stdlib_module_names:
+    if (
+        not stem.isidentifier()
+        or keyword.iskeyword(stem)
+        or stem in sys.builtin_module_names
+        or stem in sys.stdlib_module_names
+    ):
         return private
     loaded = sys.modules.get(stem)
     if loaded is not None:
@@ -220,7 +257,7 @@ def _import_as_module(path: Path) -> types.ModuleType:
             f"importing the training file called sys.exit({exc.code!r}).",
             location=user_frame(exc, path),
             hint="The file's top level runs on import, with no command-line arguments: keep argument parsing "
-                 "with required arguments, and the training loop, under `if __name__ == \"__main__\":`.",
+            'with required arguments, and the training loop, under `if __name__ == "__main__":`.',
         ) from exc
     except SyntaxError as exc:
         sys.modules.pop(module_name, None)  # only the broken file itself: never what it imported
@@ -234,7 +271,9 @@ def _import_as_module(path: Path) -> types.ModuleType:
         raise TrainingFileError(
             f"importing the training file raised {type(exc).__name__}: {exc}",
             location=user_frame(exc, path),
-            hint=missing_file_hint(exc, "The file's top level must run without error (python your_file.py should work)."),
+            hint=missing_file_hint(
+                exc, "The file's top level must run without error (python your_file.py should work)."
+            ),
         ) from exc
     finally:
         sys.argv = argv
@@ -258,9 +297,11 @@ def uncompiled(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
 def missing_file_hint(exc: BaseException, hint: str) -> str:
     """``hint``, and for a file the user's code could not find, where relative paths start from."""
     if isinstance(exc, FileNotFoundError):
-        return (f"Relative paths start from the current directory ({Path.cwd()}), as under `python your_file.py` run "
-                "from here: run fp16doctor from the folder you train from, or build paths from "
-                "`Path(__file__).parent`. " + hint)
+        return (
+            f"Relative paths start from the current directory ({Path.cwd()}), as under `python your_file.py` run "
+            "from here: run fp16doctor from the folder you train from, or build paths from "
+            "`Path(__file__).parent`. " + hint
+        )
     return hint
 
 
@@ -270,7 +311,8 @@ def build_model(spec: TrainingSpec) -> torch.nn.Module:
         model = spec.model()
     except Exception as exc:  # noqa: BLE001
         raise TrainingFileError(
-            f"model() raised {type(exc).__name__}: {exc}", location=spec.user_location(exc),
+            f"model() raised {type(exc).__name__}: {exc}",
+            location=spec.user_location(exc),
             hint=missing_file_hint(exc, "model() must build and return the torch.nn.Module to train."),
         ) from exc
     if not isinstance(model, torch.nn.Module):
@@ -294,8 +336,11 @@ def draw_batches(spec: TrainingSpec, count: int) -> list[Any]:
         first = list(itertools.islice(iter(source), count))
     except Exception as exc:  # noqa: BLE001
         raise TrainingFileError(
-            f"data() raised {type(exc).__name__}: {exc}", location=spec.user_location(exc),
-            hint=missing_file_hint(exc, "data() must return an iterable of batches (a list, a generator or a DataLoader)."),
+            f"data() raised {type(exc).__name__}: {exc}",
+            location=spec.user_location(exc),
+            hint=missing_file_hint(
+                exc, "data() must return an iterable of batches (a list, a generator or a DataLoader)."
+            ),
         ) from exc
     if not first:
         raise TrainingFileError(

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from ..model import Evidence, Finding, Fix, Repair
 
@@ -65,7 +66,9 @@ class Rule:
 
         if not finding.fix.config_patch:
             return None
-        return Intervention("the config patch " + _flat(finding.fix.config_patch), config_patch=finding.fix.config_patch)
+        return Intervention(
+            "the config patch " + _flat(finding.fix.config_patch), config_patch=finding.fix.config_patch
+        )
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Whether ``repair`` (an intervention that removed the symptoms) is this cause: by default, its kind."""
@@ -80,15 +83,22 @@ class Rule:
         if "amp-exception" in repair.symptoms and ev.amp is not None and ev.amp.exception:
             evidence["exception"] = ev.amp.exception  # this finding accounts for it: no longer "unexplained"
         if loc is not None:
-            evidence["localisation"] = {"module": loc.module, "operator": loc.operator, "phase": loc.phase,
-                                        "step": loc.step, "batch": loc.batch_index, "output": loc.output}
+            evidence["localisation"] = {
+                "module": loc.module,
+                "operator": loc.operator,
+                "phase": loc.phase,
+                "step": loc.step,
+                "batch": loc.batch_index,
+                "output": loc.output,
+            }
         summary, code = self.repair_fix(repair, ev)
         title = self.repair_title(repair, ev)
         if repair.also:  # the rule names the cause; the measured repair also needed this
             title += f" (together with {repair.also})"
             summary += f" Together with {repair.also} (config patch below): without it the loss scale still calibrates too slowly."
-        finding = self.finding(title, evidence,
-                               Fix(summary, code=code, config_patch=dict(repair.config_patch)), severity="error")
+        finding = self.finding(
+            title, evidence, Fix(summary, code=code, config_patch=dict(repair.config_patch)), severity="error"
+        )
         finding.found_by = "intervention"
         finding.verification = repair.verification
         return finding
@@ -104,9 +114,18 @@ class Rule:
         """The fix sentence and code for a repair this rule names (rules with a better formulation override it)."""
         return f"Make the change that was measured to repair the training: {repair.description}.", ""
 
-    def finding(self, title: str, evidence: dict[str, Any], fix: Fix, confidence: float = 1.0, severity: str | None = None) -> Finding:
-        return Finding(cause=self.code, severity=severity or self.severity, title=title, evidence=evidence,
-                       fix=fix, confidence=confidence, order=self.order)
+    def finding(
+        self, title: str, evidence: dict[str, Any], fix: Fix, confidence: float = 1.0, severity: str | None = None
+    ) -> Finding:
+        return Finding(
+            cause=self.code,
+            severity=severity or self.severity,
+            title=title,
+            evidence=evidence,
+            fix=fix,
+            confidence=confidence,
+            order=self.order,
+        )
 
     @classmethod
     def doc(cls) -> str:
@@ -151,19 +170,29 @@ class _Unexplained(Rule):
         return f"No rule names this cause: {measured}{where}; {repair.description} repairs the training"
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
-        summary = (f"Make the change that was measured to repair the training, {repair.description}, permanent in your "
-                   "code (the config patch applies it in the doctor's loop now).")
+        summary = (
+            f"Make the change that was measured to repair the training, {repair.description}, permanent in your "
+            "code (the config patch applies it in the doctor's loop now)."
+        )
         exc = ev.amp.exception if ev.amp is not None else None
         if exc is not None and repair.kind == "fp32-modules" and any(m in (exc.message or "") for m in DTYPE_MISMATCH):
-            return (summary + " The exception is a dtype mismatch under AMP: code that runs outside autocast (a region "
-                    "with autocast disabled, a hand-written kernel) receives the fp16 tensors autocast made. Cast its "
-                    "inputs up where that code starts, which is what keeping the module in fp32 does.",
-                    "with torch.autocast('cuda', enabled=False):\n    out = self.proj(h.float())   # h is fp16 under autocast")
+            return (
+                summary + " The exception is a dtype mismatch under AMP: code that runs outside autocast (a region "
+                "with autocast disabled, a hand-written kernel) receives the fp16 tensors autocast made. Cast its "
+                "inputs up where that code starts, which is what keeping the module in fp32 does.",
+                "with torch.autocast('cuda', enabled=False):\n    out = self.proj(h.float())   # h is fp16 under autocast",
+            )
         return summary, ""
 
 
-DTYPE_MISMATCH = ("must have the same dtype", "expected scalar type", "Half and Float", "Float and Half",
-                  "expected both vectors to have same dtype", "should be the same")
+DTYPE_MISMATCH = (
+    "must have the same dtype",
+    "expected scalar type",
+    "Half and Float",
+    "Float and Half",
+    "expected both vectors to have same dtype",
+    "should be the same",
+)
 """Parts of PyTorch's messages for an operator given tensors of two dtypes (a matmul of fp16 and fp32)."""
 
 

@@ -108,8 +108,15 @@ def scale_patch(ev: Evidence) -> dict[str, Any]:
     rec = ev.recommended_scaler or {}
     init = rec.get("init_scale") or (ev.window.recommended() if ev.window is not None else 2.0**16)
     interval = rec.get("growth_interval") or max(ev.config.scaler.growth_interval, 2000)
-    return {"scaler": {"enabled": True, "init_scale": float(init), "growth_factor": 2.0, "backoff_factor": 0.5,
-                       "growth_interval": int(interval)}}
+    return {
+        "scaler": {
+            "enabled": True,
+            "init_scale": float(init),
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": int(interval),
+        }
+    }
 
 
 def fp32_wrapper_code(target: str, per_class: bool = False, library: bool = False) -> str:
@@ -117,29 +124,36 @@ def fp32_wrapper_code(target: str, per_class: bool = False, library: bool = Fals
     tensors are cast up: a boolean mask or integer ids passed along stay what they are. A library's class
     (``library``: ``nn.Linear``) is not the user's to edit: its modules are wrapped where they sit. Lines fit a
     terminal's 80 columns inside the report's box."""
-    up = ("def up(a):  # floating tensors to fp32; masks, ids, the rest as they are\n"
-          "    return a.float() if torch.is_tensor(a) and a.is_floating_point() else a\n\n")
-    cast = ("            args = [up(a) for a in args]\n"
-            "            kwargs = {k: up(v) for k, v in kwargs.items()}\n")
+    up = (
+        "def up(a):  # floating tensors to fp32; masks, ids, the rest as they are\n"
+        "    return a.float() if torch.is_tensor(a) and a.is_floating_point() else a\n\n"
+    )
+    cast = "            args = [up(a) for a in args]\n            kwargs = {k: up(v) for k, v in kwargs.items()}\n"
     if per_class and library:
-        return (fp32_wrapper_code(f"every {target}") + "\n\n"
-                "for parent in list(model.modules()):\n"
-                "    for name, child in parent.named_children():\n"
-                f"        if type(child).__name__ == '{target}':\n"
-                "            setattr(parent, name, Fp32Block(child))")
+        return (
+            fp32_wrapper_code(f"every {target}") + "\n\n"
+            "for parent in list(model.modules()):\n"
+            "    for name, child in parent.named_children():\n"
+            f"        if type(child).__name__ == '{target}':\n"
+            "            setattr(parent, name, Fp32Block(child))"
+        )
     if per_class:
-        return (up + f"class {target}(nn.Module):\n"
-                "    def forward(self, *args, **kwargs):  # old forward: _forward\n"
-                "        with torch.autocast('cuda', enabled=False):  # fp32 inside\n"
-                + cast +
-                "            return self._forward(*args, **kwargs)")
-    where = target if " " in target else f"model.{target}"  # a module's path, or words ("every Linear")
-    return (up + f"class Fp32Block(torch.nn.Module):  # wrap {where}\n"
-            "    def __init__(self, inner):\n        super().__init__(); self.inner = inner\n"
-            "    def forward(self, *args, **kwargs):\n"
+        return (
+            up + f"class {target}(nn.Module):\n"
+            "    def forward(self, *args, **kwargs):  # old forward: _forward\n"
             "        with torch.autocast('cuda', enabled=False):  # fp32 inside\n"
-            + cast +
-            "            return self.inner(*args, **kwargs)")
+            + cast
+            + "            return self._forward(*args, **kwargs)"
+        )
+    where = target if " " in target else f"model.{target}"  # a module's path, or words ("every Linear")
+    return (
+        up + f"class Fp32Block(torch.nn.Module):  # wrap {where}\n"
+        "    def __init__(self, inner):\n        super().__init__(); self.inner = inner\n"
+        "    def forward(self, *args, **kwargs):\n"
+        "        with torch.autocast('cuda', enabled=False):  # fp32 inside\n"
+        + cast
+        + "            return self.inner(*args, **kwargs)"
+    )
 
 
 def _precision_column(ev: Evidence, column: str) -> dict[str, Any]:
@@ -202,8 +216,11 @@ def role_members(path: str, types: dict[str, str]) -> Role | None:
         if types[owner] in CONTAINERS:
             continue
         place = ".".join(parts[depth:])
-        members = [f"{p}.{place}" for p, t in types.items()
-                   if p and t == types[owner] and types.get(f"{p}.{place}") == types.get(path)]
+        members = [
+            f"{p}.{place}"
+            for p, t in types.items()
+            if p and t == types[owner] and types.get(f"{p}.{place}") == types.get(path)
+        ]
         return Role(members, types[owner], place) if len(members) > 1 else None
     return None
 

@@ -26,8 +26,10 @@ class BackwardOverflow(Rule):
     repairs = ("fp32-modules", "bf16")
     triggers = ()
     names_cases = (
-        lambda: (fx.repair("fp32-modules", ["norm"], symptoms=("skips",)),
-                 fx.evidence(localisation=fx.localisation("backward", "norm", "aten::mul"))),
+        lambda: (
+            fx.repair("fp32-modules", ["norm"], symptoms=("skips",)),
+            fx.evidence(localisation=fx.localisation("backward", "norm", "aten::mul")),
+        ),
         lambda: (fx.repair("bf16", symptoms=("skips",)), fx.evidence(localisation=fx.localisation("backward", "norm"))),
     )
     suppresses = ("scale-overflow", "scheduler-skip-drift")
@@ -41,34 +43,48 @@ class BackwardOverflow(Rule):
         loc = ev.localisation
         if loc is None or loc.phase != "backward":
             return False
-        return repair.kind == "bf16" or (repair.kind == "fp32-modules" and localised_inside(ev, repair.modules) and not repair.forward_overflow)
+        return repair.kind == "bf16" or (
+            repair.kind == "fp32-modules" and localised_inside(ev, repair.modules) and not repair.forward_overflow
+        )
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
         assert loc is not None
         inside = f" in {loc.custom_function}.backward" if loc.custom_function else ""
-        fixed = "bf16" if repair.kind == "bf16" else "keeping " + (
-            f"every {repair.module_class}" if repair.module_class else quoted(repair.modules)) + " in fp32"
-        return (f"The backward pass overflows fp16 in module '{loc.module}'{inside} ({loc.operator} at step {loc.step} -> {loc.output}) "
-                f"while its forward stays in range; {fixed} repairs the training")
+        fixed = (
+            "bf16"
+            if repair.kind == "bf16"
+            else "keeping "
+            + (f"every {repair.module_class}" if repair.module_class else quoted(repair.modules))
+            + " in fp32"
+        )
+        return (
+            f"The backward pass overflows fp16 in module '{loc.module}'{inside} ({loc.operator} at step {loc.step} -> {loc.output}) "
+            f"while its forward stays in range; {fixed} repairs the training"
+        )
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
         loc = ev.localisation
         function = loc.custom_function if loc is not None else None
         if function:
-            return (f"{function} is a custom autograd Function: its backward runs outside autocast on the half tensors "
-                    "its forward saved. Decorate its forward with torch.amp.custom_fwd(device_type='cuda', "
-                    "cast_inputs=torch.float32) and its backward with torch.amp.custom_bwd(device_type='cuda'), so both "
-                    "run in fp32 (PyTorch's AMP examples, custom autograd Functions).",
-                    f"class {function}(torch.autograd.Function):\n"
-                    "    @staticmethod\n"
-                    "    @torch.amp.custom_fwd(device_type='cuda', cast_inputs=torch.float32)\n"
-                    "    def forward(ctx, x, *args): ...\n\n"
-                    "    @staticmethod\n"
-                    "    @torch.amp.custom_bwd(device_type='cuda')\n"
-                    "    def backward(ctx, grad): ...")
+            return (
+                f"{function} is a custom autograd Function: its backward runs outside autocast on the half tensors "
+                "its forward saved. Decorate its forward with torch.amp.custom_fwd(device_type='cuda', "
+                "cast_inputs=torch.float32) and its backward with torch.amp.custom_bwd(device_type='cuda'), so both "
+                "run in fp32 (PyTorch's AMP examples, custom autograd Functions).",
+                f"class {function}(torch.autograd.Function):\n"
+                "    @staticmethod\n"
+                "    @torch.amp.custom_fwd(device_type='cuda', cast_inputs=torch.float32)\n"
+                "    def forward(ctx, x, *args): ...\n\n"
+                "    @staticmethod\n"
+                "    @torch.amp.custom_bwd(device_type='cuda')\n"
+                "    def backward(ctx, grad): ...",
+            )
         if repair.kind == "bf16":
             return ("Train in bfloat16 (fp32's range: its backward cannot overflow), or keep the module in fp32.", "")
         keep = f"every {repair.module_class}" if repair.module_class else quoted(repair.modules) or "the module"
-        return (f"Keep {keep} in fp32 (autocast off inside its forward, inputs cast up), so its backward runs on fp32 "
-                "tensors; or train in bf16.", "")
+        return (
+            f"Keep {keep} in fp32 (autocast off inside its forward, inputs cast up), so its backward runs on fp32 "
+            "tensors; or train in bf16.",
+            "",
+        )

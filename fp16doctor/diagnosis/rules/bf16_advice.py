@@ -23,11 +23,18 @@ class Bf16Advice(Rule):
         if ev.bf16 is None or not ev.bf16.finite or not ev.bf16_supported:
             return []
         amp = ev.amp
-        return [self.finding(
-            "bf16 has fp32's range: a bf16 probe of this training stays finite",
-            {"fp16_first_nonfinite": amp.first_nonfinite_loss if amp else None, "fp16_skipped": len(amp.skip_steps) if amp else 0,
-             "bf16_final_loss": float(ev.bf16.records["loss"].iloc[-1])},
-            Fix("Train in bfloat16 (no loss scaling needed), at the cost of precision (about 2-3 significant digits).",
-                code="with torch.autocast('cuda', dtype=torch.bfloat16):\n    loss = loss_fn(model(x), y)\nloss.backward()",
-                config_patch={"dtype": "bfloat16", "scaler": {"enabled": False}}),
-        )]
+        return [
+            self.finding(
+                "bf16 has fp32's range: a bf16 probe of this training stays finite",
+                {
+                    "fp16_first_nonfinite": amp.first_nonfinite_loss if amp else None,
+                    "fp16_skipped": len(amp.skip_steps) if amp else 0,
+                    "bf16_final_loss": float(ev.bf16.records["loss"].iloc[-1]),
+                },
+                Fix(
+                    "Train in bfloat16 (no loss scaling needed), at the cost of precision (about 2-3 significant digits).",
+                    code="with torch.autocast('cuda', dtype=torch.bfloat16):\n    loss = loss_fn(model(x), y)\nloss.backward()",
+                    config_patch={"dtype": "bfloat16", "scaler": {"enabled": False}},
+                ),
+            )
+        ]

@@ -20,13 +20,23 @@ class ClipBeforeUnscale(Rule):
     severity = "warning"
     """A fact about the code: the engine makes it an error when a symptom it explains is measured."""
     order = 65
-    explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
+    explains = ("trajectory-drift", "lost-updates", "same-state-gap")
     repairs = ("unscale-before-clip",)
     names_cases = (lambda: (fx.repair("unscale-before-clip", symptoms=("trajectory-drift",)), fx.evidence()),)
     triggers = ("clip_before_unscale.py",)
-    fires_on = (lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": True, "scale": 65536.0, "step": 0}])),
-                lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_value_", "scaled": True, "scale": 65536.0, "step": 0}])))
-    quiet_on = (lambda: fx.evidence(amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": False, "scale": 65536.0, "step": 0}])),)
+    fires_on = (
+        lambda: fx.evidence(
+            amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": True, "scale": 65536.0, "step": 0}])
+        ),
+        lambda: fx.evidence(
+            amp=fx.probe(clip_calls=[{"function": "clip_grad_value_", "scaled": True, "scale": 65536.0, "step": 0}])
+        ),
+    )
+    quiet_on = (
+        lambda: fx.evidence(
+            amp=fx.probe(clip_calls=[{"function": "clip_grad_norm_", "scaled": False, "scale": 65536.0, "step": 0}])
+        ),
+    )
 
     def check(self, ev: Evidence) -> list[Finding]:
         if ev.amp is None:
@@ -35,22 +45,29 @@ class ClipBeforeUnscale(Rule):
         if not scaled:
             return []
         first = scaled[0]
-        return [self.finding(
-            f"{first['function']} runs on scaled gradients (scale {first['scale']:.0f}) in {len(scaled)} step(s): "
-            "the threshold is off by the scale, which can make the training crawl",
-            {"calls": len(scaled), "first_step": first["step"], "function": first["function"], "scale": first["scale"]},
-            Fix(
-                "Call scaler.unscale_(optimizer) before clipping, so the threshold applies to the true gradients.",
-                code=(
-                    "scaler.scale(loss).backward()\n"
-                    "scaler.unscale_(optimizer)          # first unscale...\n"
-                    + _clip_line(first["function"]) +
-                    "scaler.step(optimizer)\n"
-                    "scaler.update()"
+        return [
+            self.finding(
+                f"{first['function']} runs on scaled gradients (scale {first['scale']:.0f}) in {len(scaled)} step(s): "
+                "the threshold is off by the scale, which can make the training crawl",
+                {
+                    "calls": len(scaled),
+                    "first_step": first["step"],
+                    "function": first["function"],
+                    "scale": first["scale"],
+                },
+                Fix(
+                    "Call scaler.unscale_(optimizer) before clipping, so the threshold applies to the true gradients.",
+                    code=(
+                        "scaler.scale(loss).backward()\n"
+                        "scaler.unscale_(optimizer)          # first unscale...\n"
+                        + _clip_line(first["function"])
+                        + "scaler.step(optimizer)\n"
+                        "scaler.update()"
+                    ),
+                    config_patch={"overrides": {"unscale_before_clip": True}},
                 ),
-                config_patch={"overrides": {"unscale_before_clip": True}},
-            ),
-        )]
+            )
+        ]
 
 
 def _clip_line(function: str) -> str:

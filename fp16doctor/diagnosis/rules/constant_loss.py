@@ -11,7 +11,6 @@ training that trains nothing says little.
 
 from __future__ import annotations
 
-
 from .. import fixtures as fx
 from ..model import Evidence, Finding, Fix
 from . import Rule
@@ -27,12 +26,16 @@ class ConstantLoss(Rule):
     """Measured, but no mixed-precision fault: the warning asks whether the loss is the one meant."""
     order = 6
     verifiable = False
-    fires_on = (lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[0.0] * 10)), uses_default_loss=True),
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[0.6931471824645996] * 10))))
-    quiet_on = (lambda: fx.evidence(),  # a falling loss
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[0.0] * 9 + [1e-30]))),  # not to the last bit
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=2, losses=[0.0, 0.0]))),  # too short to tell
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(nonfinite_loss=range(10)))))  # NaN throughout: another cause
+    fires_on = (
+        lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[0.0] * 10)), uses_default_loss=True),
+        lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[0.6931471824645996] * 10))),
+    )
+    quiet_on = (
+        lambda: fx.evidence(),  # a falling loss
+        lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[0.0] * 9 + [1e-30]))),  # not to the last bit
+        lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=2, losses=[0.0, 0.0]))),  # too short to tell
+        lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(nonfinite_loss=range(10)))),
+    )  # NaN throughout: another cause
 
     nothing_to_try = "the fix is the loss in the training file; no precision setting changes a constant loss"
 
@@ -41,19 +44,31 @@ class ConstantLoss(Rule):
         if losses is None or any(v != losses[0] for v in losses):
             return []
         value = losses[0]
-        evidence = {"probe": "fp32", "steps": len(losses), "loss": value, "losses": losses[:10],
-                    "default_loss": ev.uses_default_loss}
-        summary = ("Check that the loss depends on the model's output and the targets the way you meant, and that "
-                   "the parameters it depends on are trained; then diagnose again.")
+        evidence = {
+            "probe": "fp32",
+            "steps": len(losses),
+            "loss": value,
+            "losses": losses[:10],
+            "default_loss": ev.uses_default_loss,
+        }
+        summary = (
+            "Check that the loss depends on the model's output and the targets the way you meant, and that "
+            "the parameters it depends on are trained; then diagnose again."
+        )
         code = ""
         if ev.uses_default_loss:
-            summary = ("The doctor computed its default loss (no loss() or train_step() in the file): "
-                       "cross_entropy(model(x), y), which is 0 on a model with one output (a regression head). "
-                       "Define the loss you train with as loss(model, batch); then diagnose again.")
+            summary = (
+                "The doctor computed its default loss (no loss() or train_step() in the file): "
+                "cross_entropy(model(x), y), which is 0 on a model with one output (a regression head). "
+                "Define the loss you train with as loss(model, batch); then diagnose again."
+            )
             code = "def loss(model, batch):\n    x, y = batch\n    return torch.nn.functional.mse_loss(model(x), y)   # your loss"
         said = "0.0" if value == 0 else f"{value:.6g}"
-        return [self.finding(
-            f"The loss is {said} at every step ({len(losses)} FP32 steps, to the last bit): nothing is trained; "
-            "is the loss what you meant?",
-            evidence, Fix(summary, code=code),
-        )]
+        return [
+            self.finding(
+                f"The loss is {said} at every step ({len(losses)} FP32 steps, to the last bit): nothing is trained; "
+                "is the loss what you meant?",
+                evidence,
+                Fix(summary, code=code),
+            )
+        ]

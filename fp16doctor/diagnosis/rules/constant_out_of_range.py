@@ -20,17 +20,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...measure.records import Localisation
 from ...measure.thresholds import CONSTANT_MAGNITUDE, CONSTANT_SPREAD
 from .. import fixtures as fx
-from ...measure.records import Localisation
 from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import class_members, fp32_finite, library_modules, localised_inside, module_types, quoted, role_members
 
 OVERFLOW_MESSAGE = "without overflow"
 """The end of PyTorch's message when a Python scalar does not fit the tensor's dtype."""
-CAST_OR_FILL = ("aten::_to_copy", "aten::to", "aten::copy_", "aten::masked_fill", "aten::fill_", "aten::full",
-                "aten::where", "aten::add", "aten::sub", "aten::mul")
+CAST_OR_FILL = (
+    "aten::_to_copy",
+    "aten::to",
+    "aten::copy_",
+    "aten::masked_fill",
+    "aten::fill_",
+    "aten::full",
+    "aten::where",
+    "aten::add",
+    "aten::sub",
+    "aten::mul",
+)
 
 
 class ConstantOutOfRange(Rule):
@@ -39,36 +49,94 @@ class ConstantOutOfRange(Rule):
     explains = ("amp-exception", "nonfinite", "skips")
     triggers = ("mask_fill_constant.py",)
     fires_on = (
-        lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 0, "type": "RuntimeError", "module": "attn",
-                                                                     "message": "value cannot be converted to type c10::Half without overflow"}))),
-        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])),
-                            localisation=fx.localisation("forward", "attn", "aten::_to_copy", [(-3.4e38, 0.0)], "-inf (float16)")),
+        lambda: fx.evidence(
+            amp=fx.probe(
+                record=fx.records(
+                    exception={
+                        "step": 0,
+                        "type": "RuntimeError",
+                        "module": "attn",
+                        "message": "value cannot be converted to type c10::Half without overflow",
+                    }
+                )
+            )
+        ),
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(nonfinite_loss=[0])),
+            localisation=fx.localisation("forward", "attn", "aten::_to_copy", [(-3.4e38, 0.0)], "-inf (float16)"),
+        ),
         # scores plus an additive finfo(float32).min mask: one value beyond fp16's range
-        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
-            "forward", "attn", "aten::add", [(-8.0, 8.0), (-3.4e38, 0.0)], "-inf (float16)", input_spreads=[0, 1])),
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(nonfinite_loss=[0])),
+            localisation=fx.localisation(
+                "forward", "attn", "aten::add", [(-8.0, 8.0), (-3.4e38, 0.0)], "-inf (float16)", input_spreads=[0, 1]
+            ),
+        ),
         # the same mask made inside the step: (1 - mask) * finfo(float32).min carries the constant, whatever its spread
-        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
-            "forward", "attn", "aten::add", [(-8.0, 8.0), (-3.4e38, 0.0)], "-inf (float16)", input_spreads=[0, 9],
-            input_constants=[False, True])),
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(nonfinite_loss=[0])),
+            localisation=fx.localisation(
+                "forward",
+                "attn",
+                "aten::add",
+                [(-8.0, 8.0), (-3.4e38, 0.0)],
+                "-inf (float16)",
+                input_spreads=[0, 9],
+                input_constants=[False, True],
+            ),
+        ),
     )
     quiet_on = (
-        lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 0, "type": "RuntimeError", "message": "shape mismatch"}))),
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(exception={"step": 0, "type": "RuntimeError", "message": "shape mismatch"}))
+        ),
         lambda: fx.evidence(localisation=fx.localisation("forward", "attn", "aten::_to_copy", [(-7e4, 7e4)])),
         # a hand-written softmax's exp(scores) times a causal mask: past 1e8, but many distinct values (an activation)
-        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
-            "forward", "attn", "aten::mul", [(6.2e-8, 4.9e8)], "+inf (float16)", input_spreads=[64])),
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(nonfinite_loss=[0])),
+            localisation=fx.localisation(
+                "forward", "attn", "aten::mul", [(6.2e-8, 4.9e8)], "+inf (float16)", input_spreads=[64]
+            ),
+        ),
         # cosine attention at head dim 64: only the diagonal's exp(1/tau) passes 65504, one value, but an exp made it
-        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
-            "forward", "attn", "aten::mul", [(0.1, 4.9e8)], "+inf (float16)", input_spreads=[1], input_constants=[False])),
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(nonfinite_loss=[0])),
+            localisation=fx.localisation(
+                "forward",
+                "attn",
+                "aten::mul",
+                [(0.1, 4.9e8)],
+                "+inf (float16)",
+                input_spreads=[1],
+                input_constants=[False],
+            ),
+        ),
         # a weight fp16 cannot hold, cast by autocast: a parameter, not a constant in the code
-        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0])), localisation=fx.localisation(
-            "forward", "head", "aten::_to_copy", [(-2e8, 2e8)], "+inf (float16)", input_spreads=[1], parameter="head.bias")),
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(nonfinite_loss=[0])),
+            localisation=fx.localisation(
+                "forward",
+                "head",
+                "aten::_to_copy",
+                [(-2e8, 2e8)],
+                "+inf (float16)",
+                input_spreads=[1],
+                parameter="head.bias",
+            ),
+        ),
     )
     suppresses = ("activation-overflow", "scale-overflow")
     repairs = ("fp32-modules",)
-    names_cases = (lambda: (fx.repair("fp32-modules", ["blocks.0.attn", "blocks.1.attn"], forward_overflow=True),
-                            fx.evidence(localisation=fx.localisation("forward", "blocks.0.attn", "aten::mul", [(0.0, 1.0)],
-                                                                     "-inf (float16)", scalars=[-3.4e38]))),)
+    names_cases = (
+        lambda: (
+            fx.repair("fp32-modules", ["blocks.0.attn", "blocks.1.attn"], forward_overflow=True),
+            fx.evidence(
+                localisation=fx.localisation(
+                    "forward", "blocks.0.attn", "aten::mul", [(0.0, 1.0)], "-inf (float16)", scalars=[-3.4e38]
+                )
+            ),
+        ),
+    )
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp = ev.amp
@@ -76,17 +144,40 @@ class ConstantOutOfRange(Rule):
             return []
         exc = amp.exception
         if exc is not None and OVERFLOW_MESSAGE in (exc.message or ""):
-            return [self._finding(ev, {"exception": exc, "operator": "a fill with a Python constant",
-                                       "dtype": "float16", "module": exc.module, "location": exc.location},
-                                  exc.module)]
+            return [
+                self._finding(
+                    ev,
+                    {
+                        "exception": exc,
+                        "operator": "a fill with a Python constant",
+                        "dtype": "float16",
+                        "module": exc.module,
+                        "location": exc.location,
+                    },
+                    exc.module,
+                )
+            ]
         loc = ev.localisation
         constant = _constant_met(loc)
         if loc is None or constant is None:
             return []
         module = loc.module if loc.module and not loc.module.startswith("<") else None
         literal = next((v for v in loc.scalars if abs(v) >= CONSTANT_MAGNITUDE), None)
-        return [self._finding(ev, {"operator": loc.operator, "constant_magnitude": constant, "constant": literal,
-                                   "output": loc.output, "module": loc.module, "step": loc.step, "batch": loc.batch_index}, module)]
+        return [
+            self._finding(
+                ev,
+                {
+                    "operator": loc.operator,
+                    "constant_magnitude": constant,
+                    "constant": literal,
+                    "output": loc.output,
+                    "module": loc.module,
+                    "step": loc.step,
+                    "batch": loc.batch_index,
+                },
+                module,
+            )
+        ]
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it, and the localised fault is a constant out of fp16's range met inside them."""
@@ -96,12 +187,17 @@ class ConstantOutOfRange(Rule):
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
         assert loc is not None
-        return (f"A constant beyond fp16's range (65504) meets an fp16 tensor in module '{loc.module}' ({loc.operator} at "
-                f"step {loc.step} -> {loc.output}); keeping {_kept(repair.modules, repair.module_class)} in fp32 repairs the training")
+        return (
+            f"A constant beyond fp16's range (65504) meets an fp16 tensor in module '{loc.module}' ({loc.operator} at "
+            f"step {loc.step} -> {loc.output}); keeping {_kept(repair.modules, repair.module_class)} in fp32 repairs the training"
+        )
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
-        return (f"Use the dtype's own limit instead of a literal, or a boolean mask (`torch.finfo(scores.dtype).min`); "
-                f"or keep {_kept(repair.modules, repair.module_class)} in fp32.", MASK_CODE)
+        return (
+            f"Use the dtype's own limit instead of a literal, or a boolean mask (`torch.finfo(scores.dtype).min`); "
+            f"or keep {_kept(repair.modules, repair.module_class)} in fp32.",
+            MASK_CODE,
+        )
 
     def _finding(self, ev: Evidence, evidence: dict[str, Any], module: str | None) -> Finding:
         where = f" in module '{module}'" if module else ""
@@ -124,9 +220,11 @@ class ConstantOutOfRange(Rule):
         )
 
 
-MASK_CODE = ("scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)\n"
-             "# not -1e9, nor torch.finfo(torch.float32).min: inf in fp16\n"
-             "# or: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)")
+MASK_CODE = (
+    "scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)\n"
+    "# not -1e9, nor torch.finfo(torch.float32).min: inf in fp16\n"
+    "# or: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)"
+)
 
 
 def _constant_met(loc: Localisation | None) -> float | None:

@@ -25,30 +25,46 @@ from ..model import Evidence, Finding, Fix, ProbeSummary, Repair
 from . import Rule
 from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, localised_inside, module_abs_max, quoted
 
-DIVISOR_INPUT = {"aten::div": 1, "aten::div_": 1, "aten::true_divide": 1, "aten::reciprocal": 0, "aten::rsqrt": 0,
-                 "aten::log": 0, "aten::log2": 0, "aten::log10": 0, "aten::addcdiv": 2}
+DIVISOR_INPUT = {
+    "aten::div": 1,
+    "aten::div_": 1,
+    "aten::true_divide": 1,
+    "aten::reciprocal": 0,
+    "aten::rsqrt": 0,
+    "aten::log": 0,
+    "aten::log2": 0,
+    "aten::log10": 0,
+    "aten::addcdiv": 2,
+}
 """Operators that are non-finite at 0, and which of their inputs is then the divisor (or the argument)."""
 
 
 DIVISOR_IN_FP32 = {
-    "aten::reciprocal": ("# fp32 until multiplied: 1 / eps passes 65504\n"
-                         "y = (x.float() * torch.reciprocal(d.float() + eps)).to(x.dtype)"),
-    "aten::rsqrt": ("# fp32 until multiplied: 1 / sqrt(eps) can pass 65504\n"
-                    "y = (x.float() * torch.rsqrt(v.float() + eps)).to(x.dtype)"),
+    "aten::reciprocal": (
+        "# fp32 until multiplied: 1 / eps passes 65504\ny = (x.float() * torch.reciprocal(d.float() + eps)).to(x.dtype)"
+    ),
+    "aten::rsqrt": (
+        "# fp32 until multiplied: 1 / sqrt(eps) can pass 65504\n"
+        "y = (x.float() * torch.rsqrt(v.float() + eps)).to(x.dtype)"
+    ),
     "aten::log": "y = torch.log(p.float() + eps).to(p.dtype)",
     "aten::log2": "y = torch.log2(p.float() + eps).to(p.dtype)",
     "aten::log10": "y = torch.log10(p.float() + eps).to(p.dtype)",
     "aten::addcdiv": "y = torch.addcdiv(x.float(), a.float(), d.float() + eps).to(x.dtype)",
 }
 """The localised operator with its divisor (or argument) computed in fp32; a division is the default."""
-BACKWARD_BOUND = (" In backward the divisor is a derivative's: a value fp16 rounds onto a bound makes it 0 (a clamp to "
-                  "1 - 1e-7 is 1.0 in fp16, so acos's or sqrt's derivative divides by 0): clamp to a bound fp16 holds "
-                  "(1 - 1e-3) or compute that part in fp32.")
+BACKWARD_BOUND = (
+    " In backward the divisor is a derivative's: a value fp16 rounds onto a bound makes it 0 (a clamp to "
+    "1 - 1e-7 is 1.0 in fp16, so acos's or sqrt's derivative divides by 0): clamp to a bound fp16 holds "
+    "(1 - 1e-3) or compute that part in fp32."
+)
 
 
-FLUSHED_DIVISOR_CODE = ("x32 = x.float()   # before the squares, sums or products that make d\n"
-                        "d = ...           # from x32, e.g. torch.linalg.vector_norm(x32, dim=-1, keepdim=True)\n"
-                        "y = (x32 / (d + eps)).to(x.dtype)")
+FLUSHED_DIVISOR_CODE = (
+    "x32 = x.float()   # before the squares, sums or products that make d\n"
+    "d = ...           # from x32, e.g. torch.linalg.vector_norm(x32, dim=-1, keepdim=True)\n"
+    "y = (x32 / (d + eps)).to(x.dtype)"
+)
 """A divisor made from fp32 values: where it flushed to 0 before the division, casting it up comes too late."""
 DIVIDES = ("aten::div", "aten::div_", "aten::true_divide")
 
@@ -59,12 +75,16 @@ def divisor_in_fp32_code(loc: Localisation) -> str:
     saw, not a norm the module may not be."""
     owner = "the model's forward" if loc.module == ROOT else f"'{loc.module}'.forward"
     if flushed_before_division(loc):
-        return (f"# in {owner}, at its {loc.operator.split('::')[-1]}: the divisor made from fp32 values.\n"
-                "# Squares of values under 2.4e-4 are 0 in fp16, and a divisor that\n"
-                f"# already flushed to 0 stays 0 when cast up:\n{FLUSHED_DIVISOR_CODE}")
+        return (
+            f"# in {owner}, at its {loc.operator.split('::')[-1]}: the divisor made from fp32 values.\n"
+            "# Squares of values under 2.4e-4 are 0 in fp16, and a divisor that\n"
+            f"# already flushed to 0 stays 0 when cast up:\n{FLUSHED_DIVISOR_CODE}"
+        )
     line = DIVISOR_IN_FP32.get(loc.operator, "y = (x.float() / (d.float() + eps)).to(x.dtype)")
-    return (f"# in {owner}, at its {loc.operator.split('::')[-1]}: the divisor in fp32, where an\n"
-            f"# epsilon such as 1e-8 is not 0 (in fp16 it is):\n{line}")
+    return (
+        f"# in {owner}, at its {loc.operator.split('::')[-1]}: the divisor in fp32, where an\n"
+        f"# epsilon such as 1e-8 is not 0 (in fp16 it is):\n{line}"
+    )
 
 
 def flushed_before_division(loc: Localisation) -> bool:
@@ -79,13 +99,18 @@ def _fix_summary(loc: Localisation, keep: str, in_root: bool) -> str:
     from fp32 values where it flushed before the division)."""
     where = "Compute the division in fp32" if in_root else f"Run '{keep}' in fp32 (autocast off inside it)"
     if flushed_before_division(loc):
-        return (where + ", making the divisor from fp32 values: it is 0 where the values it divides are not, so it "
-                "flushed to 0 before the division (squares or products of values fp16 cannot hold: a square of "
-                "anything under 2.4e-4 is 0 in fp16). Cast the input up before the squares and sums that make it "
-                "(torch.linalg.vector_norm and F.normalize run in fp32 under autocast); casting the finished divisor "
-                "up, or adding an epsilon to it, cannot bring back what flushed.")
-    return (where + ", or use an epsilon fp16 holds: fp16's smallest subnormal is 6e-8, so an eps of 1e-8 is 0 in "
-            "fp16 (1e-5 is usual), or add it after casting up to fp32." + (BACKWARD_BOUND if loc.phase == "backward" else ""))
+        return (
+            where + ", making the divisor from fp32 values: it is 0 where the values it divides are not, so it "
+            "flushed to 0 before the division (squares or products of values fp16 cannot hold: a square of "
+            "anything under 2.4e-4 is 0 in fp16). Cast the input up before the squares and sums that make it "
+            "(torch.linalg.vector_norm and F.normalize run in fp32 under autocast); casting the finished divisor "
+            "up, or adding an epsilon to it, cannot bring back what flushed."
+        )
+    return (
+        where + ", or use an epsilon fp16 holds: fp16's smallest subnormal is 6e-8, so an eps of 1e-8 is 0 in "
+        "fp16 (1e-5 is usual), or add it after casting up to fp32."
+        + (BACKWARD_BOUND if loc.phase == "backward" else "")
+    )
 
 
 def _reaches_zero(loc: Localisation) -> str:
@@ -116,43 +141,80 @@ class DivisorUnderflow(Rule):
     repairs = ("fp32-modules",)
     triggers = ("eps_underflow_norm.py",)
     fires_on = (
-        lambda: fx.evidence(fp32=_fp32_forward("norm", 40.9), localisation=fx.localisation(
-            "forward", "norm", "aten::div", [(-26.0, 24.8), (0.0, 0.74)], "nan (float16)")),
-        lambda: fx.evidence(fp32=_fp32_forward("norm", 3.0), localisation=fx.localisation(
-            "forward", "norm", "aten::rsqrt", [(0.0, 2.5)], "+inf (float16)")),
+        lambda: fx.evidence(
+            fp32=_fp32_forward("norm", 40.9),
+            localisation=fx.localisation("forward", "norm", "aten::div", [(-26.0, 24.8), (0.0, 0.74)], "nan (float16)"),
+        ),
+        lambda: fx.evidence(
+            fp32=_fp32_forward("norm", 3.0),
+            localisation=fx.localisation("forward", "norm", "aten::rsqrt", [(0.0, 2.5)], "+inf (float16)"),
+        ),
         # x / (x.norm() + 1e-8) in the model's own forward: a code fix, no module to keep in fp32
-        lambda: fx.evidence(fp32=_fp32_forward("<root>", 1.0), localisation=fx.localisation(
-            "forward", "<root>", "aten::div", [(-2.0, 2.0), (0.0, 3.0)], "nan (float16)")),
+        lambda: fx.evidence(
+            fp32=_fp32_forward("<root>", 1.0),
+            localisation=fx.localisation("forward", "<root>", "aten::div", [(-2.0, 2.0), (0.0, 3.0)], "nan (float16)"),
+        ),
         # f / sqrt((f * f).sum()) on dark pixels: the squares flushed, the values did not (x/0 = inf): the fix makes
         # the divisor from fp32 values (casting it up afterwards brings nothing back)
-        lambda: fx.evidence(fp32=_fp32_forward("<root>", 0.67), localisation=fx.localisation(
-            "forward", "<root>", "aten::div", [(-0.067, 0.071), (0.0, 0.167)], "nan/+inf/-inf (float32)")),
+        lambda: fx.evidence(
+            fp32=_fp32_forward("<root>", 0.67),
+            localisation=fx.localisation(
+                "forward", "<root>", "aten::div", [(-0.067, 0.071), (0.0, 0.167)], "nan/+inf/-inf (float32)"
+            ),
+        ),
         # ArcFace: clamp(cos, -1 + 1e-7, 1 - 1e-7) is 1.0 in fp16; acos's backward takes rsqrt(1 - cos^2) = rsqrt(0)
-        lambda: fx.evidence(fp32=_fp32_forward("head", 1.0), localisation=fx.localisation(
-            "backward", "head", "aten::rsqrt", [(0.0, 1.0)], "+inf (float32)")),
+        lambda: fx.evidence(
+            fp32=_fp32_forward("head", 1.0),
+            localisation=fx.localisation("backward", "head", "aten::rsqrt", [(0.0, 1.0)], "+inf (float32)"),
+        ),
     )
     quiet_on = (
         # a divisor that never reaches 0: the NaN comes from elsewhere
-        lambda: fx.evidence(fp32=_fp32_forward("norm", 40.9), localisation=fx.localisation(
-            "forward", "norm", "aten::div", [(-26.0, 24.8), (0.01, 0.74)], "nan (float16)")),
+        lambda: fx.evidence(
+            fp32=_fp32_forward("norm", 40.9),
+            localisation=fx.localisation(
+                "forward", "norm", "aten::div", [(-26.0, 24.8), (0.01, 0.74)], "nan (float16)"
+            ),
+        ),
         # the module's FP32 output passes 65504: an overflow, activation-overflow's
-        lambda: fx.evidence(fp32=_fp32_forward("norm", 1e6), localisation=fx.localisation(
-            "forward", "norm", "aten::div", [(-1e6, 1e6), (0.0, 0.74)], "+inf (float16)")),
+        lambda: fx.evidence(
+            fp32=_fp32_forward("norm", 1e6),
+            localisation=fx.localisation("forward", "norm", "aten::div", [(-1e6, 1e6), (0.0, 0.74)], "+inf (float16)"),
+        ),
         # a log of negative values: NaN in any precision
-        lambda: fx.evidence(fp32=_fp32_forward("norm", 3.0), localisation=fx.localisation(
-            "forward", "norm", "aten::log", [(-1.0, 2.0)], "nan (float16)")),
+        lambda: fx.evidence(
+            fp32=_fp32_forward("norm", 3.0),
+            localisation=fx.localisation("forward", "norm", "aten::log", [(-1.0, 2.0)], "nan (float16)"),
+        ),
         # not a dividing operator
-        lambda: fx.evidence(fp32=_fp32_forward("norm", 40.9), localisation=fx.localisation(
-            "forward", "norm", "aten::mm", [(0.0, 0.74)], "+inf (float16)")),
+        lambda: fx.evidence(
+            fp32=_fp32_forward("norm", 40.9),
+            localisation=fx.localisation("forward", "norm", "aten::mm", [(0.0, 0.74)], "+inf (float16)"),
+        ),
         # in the loss: loss-in-half's
-        lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>", "aten::log", [(0.0, 1.0)])),
+        lambda: fx.evidence(
+            localisation=fx.localisation("loss", "<loss: outside the model>", "aten::log", [(0.0, 1.0)])
+        ),
         # a custom Function's hand-written backward: backward-overflow names it (custom_fwd/custom_bwd)
-        lambda: fx.evidence(fp32=_fp32_forward("norm", 3.0), localisation=dataclasses.replace(fx.localisation(
-            "backward", "norm", "aten::reciprocal", [(0.0, 2.0)], "+inf (float16)"), custom_function="InvSquare")),
+        lambda: fx.evidence(
+            fp32=_fp32_forward("norm", 3.0),
+            localisation=dataclasses.replace(
+                fx.localisation("backward", "norm", "aten::reciprocal", [(0.0, 2.0)], "+inf (float16)"),
+                custom_function="InvSquare",
+            ),
+        ),
     )
-    names_cases = (lambda: (fx.repair("fp32-modules", ["norm"], forward_overflow=True),
-                            fx.evidence(fp32=_fp32_forward("norm", 40.9), localisation=fx.localisation(
-                                "forward", "norm", "aten::div", [(-26.0, 24.8), (0.0, 0.74)], "nan (float16)"))),)
+    names_cases = (
+        lambda: (
+            fx.repair("fp32-modules", ["norm"], forward_overflow=True),
+            fx.evidence(
+                fp32=_fp32_forward("norm", 40.9),
+                localisation=fx.localisation(
+                    "forward", "norm", "aten::div", [(-26.0, 24.8), (0.0, 0.74)], "nan (float16)"
+                ),
+            ),
+        ),
+    )
     suppresses = ("activation-overflow", "scale-overflow", "scheduler-skip-drift")
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -163,27 +225,48 @@ class DivisorUnderflow(Rule):
         in_root = loc.module == ROOT  # the model's own forward code: no module to keep in fp32 short of all of it
         low, high = loc.input_ranges[DIVISOR_INPUT[loc.operator]]
         peak = module_abs_max(ev.fp32, loc.module or "")
-        return [self.finding(
-            f"A divisor {_reaches_zero(loc)} in {_where(loc)} ({_operator(loc)} at step {loc.step}: its range "
-            f"[{low:.3g}, {high:.3g}] reaches 0 -> {loc.output}) while the module's fp32 output stays at {peak:.3g}",
-            {"module": loc.module, "operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
-             "operator_input_ranges": loc.input_ranges, "divisor_range": [low, high], "output": loc.output,
-             "fp32_abs_max": peak, "keep_in_fp32": keep, "deterministic": ev.localisation_deterministic},
-            Fix(
-                _fix_summary(loc, keep, in_root),
-                code=(divisor_in_fp32_code(loc) if in_root else fp32_wrapper_code(keep) if loc.phase == "backward" else
-                      divisor_in_fp32_code(loc) + "\n\n# or keep the module in fp32:\n" + fp32_wrapper_code(keep)),
-                config_patch={} if in_root else {"overrides": {"fp32_modules": [keep]}},
-            ),
-            confidence=1.0 if ev.localisation_deterministic else 0.6,
-        )]
+        return [
+            self.finding(
+                f"A divisor {_reaches_zero(loc)} in {_where(loc)} ({_operator(loc)} at step {loc.step}: its range "
+                f"[{low:.3g}, {high:.3g}] reaches 0 -> {loc.output}) while the module's fp32 output stays at {peak:.3g}",
+                {
+                    "module": loc.module,
+                    "operator": loc.operator,
+                    "step": loc.step,
+                    "batch": loc.batch_index,
+                    "operator_input_ranges": loc.input_ranges,
+                    "divisor_range": [low, high],
+                    "output": loc.output,
+                    "fp32_abs_max": peak,
+                    "keep_in_fp32": keep,
+                    "deterministic": ev.localisation_deterministic,
+                },
+                Fix(
+                    _fix_summary(loc, keep, in_root),
+                    code=(
+                        divisor_in_fp32_code(loc)
+                        if in_root
+                        else fp32_wrapper_code(keep)
+                        if loc.phase == "backward"
+                        else divisor_in_fp32_code(loc) + "\n\n# or keep the module in fp32:\n" + fp32_wrapper_code(keep)
+                    ),
+                    config_patch={} if in_root else {"overrides": {"fp32_modules": [keep]}},
+                ),
+                confidence=1.0 if ev.localisation_deterministic else 0.6,
+            )
+        ]
 
     @staticmethod
     def _divides_by_zero(ev: Evidence, loc: Localisation) -> bool:
         """The localised forward operator divides by a finite range that reaches 0, and nothing overflowed."""
         index = DIVISOR_INPUT.get(loc.operator)
-        if (loc.phase not in ("forward", "backward") or not loc.module or loc.module == OUTSIDE_MODEL
-                or index is None or index >= len(loc.input_ranges)):
+        if (
+            loc.phase not in ("forward", "backward")
+            or not loc.module
+            or loc.module == OUTSIDE_MODEL
+            or index is None
+            or index >= len(loc.input_ranges)
+        ):
             return False
         if loc.phase == "backward" and (loc.custom_function or loc.module == ROOT):
             return False  # a custom Function's hand-written backward: backward-overflow's custom_fwd/custom_bwd fix
@@ -196,15 +279,24 @@ class DivisorUnderflow(Rule):
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it, and the fault is a division by a divisor that reached 0 inside them."""
         loc = ev.localisation
-        return repair.kind == "fp32-modules" and localised_inside(ev, repair.modules) and loc is not None and self._divides_by_zero(ev, loc)
+        return (
+            repair.kind == "fp32-modules"
+            and localised_inside(ev, repair.modules)
+            and loc is not None
+            and self._divides_by_zero(ev, loc)
+        )
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
         assert loc is not None
-        return (f"A divisor {_reaches_zero(loc)} in {_where(loc)} ({_operator(loc)} at step {loc.step} -> "
-                f"{loc.output}); keeping {quoted(repair.modules)} in fp32 repairs the training")
+        return (
+            f"A divisor {_reaches_zero(loc)} in {_where(loc)} ({_operator(loc)} at step {loc.step} -> "
+            f"{loc.output}); keeping {quoted(repair.modules)} in fp32 repairs the training"
+        )
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
         keep = quoted(repair.modules)
-        return (f"Run {keep} in fp32 (autocast off inside it), or use an epsilon fp16 holds (1e-5; 1e-8 is 0 in fp16).",
-                fp32_wrapper_code(repair.modules[0]))
+        return (
+            f"Run {keep} in fp32 (autocast off inside it), or use an epsilon fp16 holds (1e-5; 1e-8 is 0 in fp16).",
+            fp32_wrapper_code(repair.modules[0]),
+        )

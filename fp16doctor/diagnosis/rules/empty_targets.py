@@ -25,12 +25,27 @@ class EmptyTargets(Rule):
     verifiable = False
     explains = ("fp32-nonfinite", "nonfinite", "skips", "trajectory-drift")
     triggers = ("empty_targets.py",)
-    fires_on = (lambda: fx.evidence(data=[fx.field("1", floating=False, ignored_only_batches=[2], valid_counts=[5, 5, 0])],
-                                    fp32=fx.probe("fp32", fx.records(nonfinite_loss=[2, 3]))),)
-    quiet_on = (lambda: fx.evidence(data=[fx.field("1", floating=False, ignored_only_batches=[2], valid_counts=[5, 5, 0])]),
-                lambda: fx.evidence(data=[fx.field("1", floating=False, valid_counts=[5, 5, 5])],
-                                    fp32=fx.probe("fp32", fx.records(nonfinite_loss=[2]))))
-    suppresses = ("fp32-divergence", "scale-overflow", "scale-growth", "lr-schedule-peak", "scheduler-skip-drift", "bf16-advice")
+    fires_on = (
+        lambda: fx.evidence(
+            data=[fx.field("1", floating=False, ignored_only_batches=[2], valid_counts=[5, 5, 0])],
+            fp32=fx.probe("fp32", fx.records(nonfinite_loss=[2, 3])),
+        ),
+    )
+    quiet_on = (
+        lambda: fx.evidence(data=[fx.field("1", floating=False, ignored_only_batches=[2], valid_counts=[5, 5, 0])]),
+        lambda: fx.evidence(
+            data=[fx.field("1", floating=False, valid_counts=[5, 5, 5])],
+            fp32=fx.probe("fp32", fx.records(nonfinite_loss=[2])),
+        ),
+    )
+    suppresses = (
+        "fp32-divergence",
+        "scale-overflow",
+        "scale-growth",
+        "lr-schedule-peak",
+        "scheduler-skip-drift",
+        "bf16-advice",
+    )
 
     def check(self, ev: Evidence) -> list[Finding]:
         fields = [f for f in ev.data if not f.floating and f.ignored_only_batches]
@@ -41,21 +56,31 @@ class EmptyTargets(Rule):
         if not any(b in batches for b in failing):
             return []
         field = fields[0]
-        return [self.finding(
-            f"Batch {sorted(batches)[0]} has no valid target in '{field.field}' (every value is -100): its mean loss is 0/0 = NaN",
-            {"field": field.field, "empty_batches": sorted(batches), "valid_targets_per_batch": field.valid_counts[:40],
-             "first_nonfinite_batch": min(failing)},
-            Fix(
-                "Skip batches without a valid target, or normalise the summed loss by max(n_valid, 1).",
-                code=("n_valid = (labels != -100).sum()\n"
-                      "if n_valid == 0:\n    continue                       # nothing to learn from this batch\n"
-                      "# or: loss = F.cross_entropy(logits, labels, reduction='sum') / n_valid.clamp_min(1)"),
-            ),
-        )]
+        return [
+            self.finding(
+                f"Batch {sorted(batches)[0]} has no valid target in '{field.field}' (every value is -100): its mean loss is 0/0 = NaN",
+                {
+                    "field": field.field,
+                    "empty_batches": sorted(batches),
+                    "valid_targets_per_batch": field.valid_counts[:40],
+                    "first_nonfinite_batch": min(failing),
+                },
+                Fix(
+                    "Skip batches without a valid target, or normalise the summed loss by max(n_valid, 1).",
+                    code=(
+                        "n_valid = (labels != -100).sum()\n"
+                        "if n_valid == 0:\n    continue                       # nothing to learn from this batch\n"
+                        "# or: loss = F.cross_entropy(logits, labels, reduction='sum') / n_valid.clamp_min(1)"
+                    ),
+                ),
+            )
+        ]
 
     def intervention(self, finding: Finding, ev: Evidence) -> Intervention:
         field = finding.evidence["field"]
-        return Intervention(f"the batches without those whose '{field}' has no valid target", batches=_skip_empty(field))
+        return Intervention(
+            f"the batches without those whose '{field}' has no valid target", batches=_skip_empty(field)
+        )
 
 
 def _failing_batch(summary: ProbeSummary | None) -> int | None:

@@ -21,25 +21,47 @@ from ._helpers import fp32_finite, model_input_peak
 class ExtremeData(Rule):
     code = "extreme-data"
     order = 20
-    explains = ('nonfinite', 'skips', 'amp-exception', 'trajectory-drift')
+    explains = ("nonfinite", "skips", "amp-exception", "trajectory-drift")
     repairs = ("standardise",)
     names_cases = (lambda: (fx.repair("standardise"), fx.evidence()),)
     verifiable = False
     triggers = ("raw_sensor_features.py",)
-    fires_on = (lambda: fx.evidence(data=[fx.field(abs_max=5e4, extreme=300)], amp=fx.probe(record=fx.records(skipped=[0, 1])),
-                                    localisation=fx.localisation("forward", "0", "aten::addmm", [(-5e4, 5e4)])),
-                # model(**batch): the forward hook sees no positional input, 0 recorded: unknown, not small
-                lambda: fx.evidence(data=[fx.field(abs_max=5e4, extreme=300)], amp=fx.probe(record=fx.records(skipped=[0, 1])),
-                                    fp32=fx.probe("fp32", tables={"forward": pd.DataFrame([
-                                        {"module": "<root>", "abs_max": 3.0, "input_abs_max": 0.0}])}),
-                                    localisation=fx.localisation("forward", "0", "aten::addmm", [(-5e4, 5e4)])))
-    quiet_on = (lambda: fx.evidence(data=[fx.field(abs_max=8.0)], localisation=fx.localisation("forward", "0", "aten::addmm", [(-8.0, 8.0)])),
-                # a regression target of 3.2e5 the model never sees; its own forward un-normalises to that scale
-                lambda: fx.evidence(data=[fx.field(abs_max=3.2e5, extreme=300)], amp=fx.probe(record=fx.records(skipped=[0, 1])),
-                                    fp32=fx.probe("fp32", tables={"forward": pd.DataFrame([
-                                        {"module": "<root>", "abs_max": 3.2e5, "input_abs_max": 4.1}])}),
-                                    localisation=fx.localisation("forward", "<root>", "aten::add", [(-6e4, 6e4)])))
-    suppresses = ("activation-overflow", "scale-overflow", "scheduler-skip-drift", "fp32-loss-rises")  # inputs that large make a large loss
+    fires_on = (
+        lambda: fx.evidence(
+            data=[fx.field(abs_max=5e4, extreme=300)],
+            amp=fx.probe(record=fx.records(skipped=[0, 1])),
+            localisation=fx.localisation("forward", "0", "aten::addmm", [(-5e4, 5e4)]),
+        ),
+        # model(**batch): the forward hook sees no positional input, 0 recorded: unknown, not small
+        lambda: fx.evidence(
+            data=[fx.field(abs_max=5e4, extreme=300)],
+            amp=fx.probe(record=fx.records(skipped=[0, 1])),
+            fp32=fx.probe(
+                "fp32", tables={"forward": pd.DataFrame([{"module": "<root>", "abs_max": 3.0, "input_abs_max": 0.0}])}
+            ),
+            localisation=fx.localisation("forward", "0", "aten::addmm", [(-5e4, 5e4)]),
+        ),
+    )
+    quiet_on = (
+        lambda: fx.evidence(
+            data=[fx.field(abs_max=8.0)], localisation=fx.localisation("forward", "0", "aten::addmm", [(-8.0, 8.0)])
+        ),
+        # a regression target of 3.2e5 the model never sees; its own forward un-normalises to that scale
+        lambda: fx.evidence(
+            data=[fx.field(abs_max=3.2e5, extreme=300)],
+            amp=fx.probe(record=fx.records(skipped=[0, 1])),
+            fp32=fx.probe(
+                "fp32", tables={"forward": pd.DataFrame([{"module": "<root>", "abs_max": 3.2e5, "input_abs_max": 4.1}])}
+            ),
+            localisation=fx.localisation("forward", "<root>", "aten::add", [(-6e4, 6e4)]),
+        ),
+    )
+    suppresses = (
+        "activation-overflow",
+        "scale-overflow",
+        "scheduler-skip-drift",
+        "fp32-loss-rises",
+    )  # inputs that large make a large loss
 
     def intervention(self, finding: Finding, ev: Evidence) -> Intervention:
         field = finding.evidence["field"]
@@ -57,18 +79,27 @@ class ExtremeData(Rule):
         if entering is not None and entering < EXTREME_INPUT:
             return []  # the model's own inputs are small: the extreme field is a target the loss reads
         field = max(extreme, key=lambda f: f.abs_max)
-        return [self.finding(
-            f"Raw inputs up to {field.abs_max:.3g} in '{field.field}' overflow fp16 in module '{loc.module}' ({loc.operator})",
-            {"field": field.field, "abs_max": field.abs_max, "extreme_share": field.extreme_share,
-             "module": loc.module, "operator": loc.operator, "step": loc.step, "batch": loc.batch_index,
-             "operator_input_ranges": loc.input_ranges},
-            Fix(
-                f"Standardise '{field.field}' (zero mean, unit variance per feature) before the model sees it.",
-                code=(
-                    "# compute once over the training set, then in data():\n"
-                    "mean, std = features.mean(0), features.std(0).clamp_min(1e-6)\n"
-                    "x = (x - mean) / std"
+        return [
+            self.finding(
+                f"Raw inputs up to {field.abs_max:.3g} in '{field.field}' overflow fp16 in module '{loc.module}' ({loc.operator})",
+                {
+                    "field": field.field,
+                    "abs_max": field.abs_max,
+                    "extreme_share": field.extreme_share,
+                    "module": loc.module,
+                    "operator": loc.operator,
+                    "step": loc.step,
+                    "batch": loc.batch_index,
+                    "operator_input_ranges": loc.input_ranges,
+                },
+                Fix(
+                    f"Standardise '{field.field}' (zero mean, unit variance per feature) before the model sees it.",
+                    code=(
+                        "# compute once over the training set, then in data():\n"
+                        "mean, std = features.mean(0), features.std(0).clamp_min(1e-6)\n"
+                        "x = (x - mean) / std"
+                    ),
                 ),
-            ),
-            confidence=0.9,
-        )]
+                confidence=0.9,
+            )
+        ]

@@ -17,17 +17,37 @@ from . import Rule
 class Fp32Divergence(Rule):
     code = "fp32-divergence"
     order = 30
-    explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'amp-exception', 'lost-updates', 'same-state-gap', 'trajectory-drift')
+    explains = (
+        "fp32-nonfinite",
+        "nonfinite",
+        "skips",
+        "amp-exception",
+        "lost-updates",
+        "same-state-gap",
+        "trajectory-drift",
+    )
     verifiable = False
     triggers = ("log_of_zero.py",)
     fires_on = (lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(nonfinite_loss=[3, 4]))),)
     quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[3]))),)
-    suppresses = ("scale-overflow", "scale-growth", "activation-overflow", "loss-in-half", "grad-underflow",
-                  "lr-schedule-peak", "precision-gap", "scheduler-skip-drift", "bf16-advice", "clip-before-unscale",
-                  "fp32-loss-rises")
+    suppresses = (
+        "scale-overflow",
+        "scale-growth",
+        "activation-overflow",
+        "loss-in-half",
+        "grad-underflow",
+        "lr-schedule-peak",
+        "precision-gap",
+        "scheduler-skip-drift",
+        "bf16-advice",
+        "clip-before-unscale",
+        "fp32-loss-rises",
+    )
 
-    nothing_to_try = ("FP32 fails too (it goes non-finite or raises): the fix is in the training code, the data or the "
-                      "learning rate, and no precision setting can make it")
+    nothing_to_try = (
+        "FP32 fails too (it goes non-finite or raises): the fix is in the training code, the data or the "
+        "learning rate, and no precision setting can make it"
+    )
 
     def check(self, ev: Evidence) -> list[Finding]:
         fp32 = ev.fp32
@@ -35,19 +55,32 @@ class Fp32Divergence(Rule):
             return []
         if fp32.exception is not None:
             exc = fp32.exception
-            return [self.finding(
-                f"The training raises {exc.type} in FP32 too, at step {exc.step}",
-                {"exception": exc},
-                Fix(f"Fix the training code at {exc.location}: {exc.type}: {exc.message}"),
-            )]
+            return [
+                self.finding(
+                    f"The training raises {exc.type} in FP32 too, at step {exc.step}",
+                    {"exception": exc},
+                    Fix(f"Fix the training code at {exc.location}: {exc.type}: {exc.message}"),
+                )
+            ]
         step = min(s for s in (fp32.first_nonfinite_loss, fp32.first_nonfinite_grads) if s is not None)
         loc = ev.fp32_localisation
         where = f" at {loc.operator} in {loc.place}" if loc else ""
-        evidence: dict[str, Any] = {"step": step, "loss_first_nonfinite": fp32.first_nonfinite_loss,
-                    "grads_first_nonfinite": fp32.first_nonfinite_grads}
+        evidence: dict[str, Any] = {
+            "step": step,
+            "loss_first_nonfinite": fp32.first_nonfinite_loss,
+            "grads_first_nonfinite": fp32.first_nonfinite_grads,
+        }
         if loc:
-            evidence.update({"module": loc.module, "operator": loc.operator, "phase": loc.phase,
-                             "batch": loc.batch_index, "operator_input_ranges": loc.input_ranges, "output": loc.output})
+            evidence.update(
+                {
+                    "module": loc.module,
+                    "operator": loc.operator,
+                    "phase": loc.phase,
+                    "batch": loc.batch_index,
+                    "operator_input_ranges": loc.input_ranges,
+                    "output": loc.output,
+                }
+            )
         code = ""
         summary = f"Fix the model or learning rate{where}, then diagnose again; mixed-precision settings cannot help."
         if loc and loc.operator in ("aten::log", "aten::log2", "aten::log10"):
@@ -55,12 +88,16 @@ class Fp32Divergence(Rule):
         elif loc and loc.operator in ("aten::div", "aten::reciprocal", "aten::rsqrt"):
             code = "y = x / (d + 1e-12)   # guard the denominator"
         elif loc and "infinite inputs" in loc.note and "softmax" in loc.operator:
-            summary = (f"A softmax{where} met a row that is -inf everywhere (every key masked): its output is NaN. "
-                       "Keep at least one unmasked key per query (drop or fix the empty rows), or mask with a finite "
-                       "value; mixed-precision settings cannot help.")
+            summary = (
+                f"A softmax{where} met a row that is -inf everywhere (every key masked): its output is NaN. "
+                "Keep at least one unmasked key per query (drop or fix the empty rows), or mask with a finite "
+                "value; mixed-precision settings cannot help."
+            )
             code = "scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)"
-        return [self.finding(
-            f"FP32 training goes non-finite at step {step}{where}: the data, learning rate or model is at fault, not precision",
-            evidence,
-            Fix(summary, code=code),
-        )]
+        return [
+            self.finding(
+                f"FP32 training goes non-finite at step {step}{where}: the data, learning rate or model is at fault, not precision",
+                evidence,
+                Fix(summary, code=code),
+            )
+        ]

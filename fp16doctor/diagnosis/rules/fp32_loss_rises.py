@@ -36,19 +36,56 @@ class Fp32LossRises(Rule):
     """Measured, but no mixed-precision fault: the FP32 twin itself trains away from its start."""
     order = 5
     verifiable = False
-    fires_on = (lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[1.0 + 1.5 * i for i in range(10)]))),
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[1.0, 3.5, 2.2, 0.2, 0.9, 6.3, 0.7, 3.1, 5.4, 14.4]))))  # erratic, upwards
-    quiet_on = (lambda: fx.evidence(),  # a falling loss
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=9, losses=[2.0, 1.2, 3.0, 1.5, 2.8, 1.9, 2.2, 1.7, 2.5]))),  # noisy, no trend
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=9, losses=[3.0, 380.0, 1500.0, 1.5, 0.9, 0.8, 0.7, 0.7, 0.6]))),  # a jump that came back
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=6, losses=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0]))),  # too short
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[0.3, 1.0, 0.9, 1.1, 0.8, 1.0, 0.9, 1.2, 0.7, 0.8]))),  # one easy first batch
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(steps=12, losses=[0.0074, 0.0034, 0.0065, 5e-9, 0.0145, 0.0026, 0.0028,
-                                                                                     0.0071, 0.0092, 0.0005, 0.0114, 0.0291]))),  # wobbling near 0
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[1.0 + 1.5 * i for i in range(10)],
-                                                                     nonfinite_grads=[9]))),  # fp32-divergence's
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[-3.0 + 0.5 * i for i in range(10)]))),  # negative losses: no scale to compare
-                lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(nonfinite_loss=[5]))))  # non-finite: fp32-divergence's
+    fires_on = (
+        lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[1.0 + 1.5 * i for i in range(10)]))),
+        lambda: fx.evidence(
+            fp32=fx.probe("fp32", fx.records(losses=[1.0, 3.5, 2.2, 0.2, 0.9, 6.3, 0.7, 3.1, 5.4, 14.4]))
+        ),
+    )  # erratic, upwards
+    quiet_on = (
+        lambda: fx.evidence(),  # a falling loss
+        lambda: fx.evidence(
+            fp32=fx.probe("fp32", fx.records(steps=9, losses=[2.0, 1.2, 3.0, 1.5, 2.8, 1.9, 2.2, 1.7, 2.5]))
+        ),  # noisy, no trend
+        lambda: fx.evidence(
+            fp32=fx.probe("fp32", fx.records(steps=9, losses=[3.0, 380.0, 1500.0, 1.5, 0.9, 0.8, 0.7, 0.7, 0.6]))
+        ),  # a jump that came back
+        lambda: fx.evidence(
+            fp32=fx.probe("fp32", fx.records(steps=6, losses=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0]))
+        ),  # too short
+        lambda: fx.evidence(
+            fp32=fx.probe("fp32", fx.records(losses=[0.3, 1.0, 0.9, 1.1, 0.8, 1.0, 0.9, 1.2, 0.7, 0.8]))
+        ),  # one easy first batch
+        lambda: fx.evidence(
+            fp32=fx.probe(
+                "fp32",
+                fx.records(
+                    steps=12,
+                    losses=[
+                        0.0074,
+                        0.0034,
+                        0.0065,
+                        5e-9,
+                        0.0145,
+                        0.0026,
+                        0.0028,
+                        0.0071,
+                        0.0092,
+                        0.0005,
+                        0.0114,
+                        0.0291,
+                    ],
+                ),
+            )
+        ),  # wobbling near 0
+        lambda: fx.evidence(
+            fp32=fx.probe("fp32", fx.records(losses=[1.0 + 1.5 * i for i in range(10)], nonfinite_grads=[9]))
+        ),  # fp32-divergence's
+        lambda: fx.evidence(
+            fp32=fx.probe("fp32", fx.records(losses=[-3.0 + 0.5 * i for i in range(10)]))
+        ),  # negative losses: no scale to compare
+        lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(nonfinite_loss=[5]))),
+    )  # non-finite: fp32-divergence's
 
     nothing_to_try = "the FP32 baseline rises too: the learning rate, the schedule or the loss is at fault, and no precision setting changes that"
 
@@ -64,15 +101,24 @@ class Fp32LossRises(Rule):
         if first <= 0 or last < RISE * first or last - first <= spread:
             return []
         lrs = [float(v) for v in fp32.records["lr"]] if "lr" in fp32.records else []
-        evidence = {"probe": "fp32", "steps": len(losses), "first_third_median": first, "last_third_median": last,
-                    "first_third_spread": spread,
-                    "losses": losses[:20],
-                    "lr_range": [min(lrs), max(lrs)] if lrs else None}
-        return [self.finding(
-            f"The loss rises in FP32 too: from {first:.4g} to {last:.4g} (the medians of the first and the last {third} "
-            f"steps), every step finite: the FP32 twin AMP is compared with does not converge",
-            evidence,
-            Fix("Make the FP32 training converge first (a lower learning rate or a warm-up, the loss's sign and "
-                "normalisation, the inputs' scale), then diagnose again: AMP's skips and drift on a diverging "
-                "training come from its growing gradients, not from fp16."),
-        )]
+        evidence = {
+            "probe": "fp32",
+            "steps": len(losses),
+            "first_third_median": first,
+            "last_third_median": last,
+            "first_third_spread": spread,
+            "losses": losses[:20],
+            "lr_range": [min(lrs), max(lrs)] if lrs else None,
+        }
+        return [
+            self.finding(
+                f"The loss rises in FP32 too: from {first:.4g} to {last:.4g} (the medians of the first and the last {third} "
+                f"steps), every step finite: the FP32 twin AMP is compared with does not converge",
+                evidence,
+                Fix(
+                    "Make the FP32 training converge first (a lower learning rate or a warm-up, the loss's sign and "
+                    "normalisation, the inputs' scale), then diagnose again: AMP's skips and drift on a diverging "
+                    "training come from its growing gradients, not from fp16."
+                ),
+            )
+        ]

@@ -33,33 +33,68 @@ class GradUnderflow(Rule):
     severity = "warning"
     """Measured on gradients, not on the training: the engine makes it an error when a symptom it explains is measured."""
     order = 71
-    explains = ('trajectory-drift', 'lost-updates', 'same-state-gap')
+    explains = ("trajectory-drift", "lost-updates", "same-state-gap")
     repairs = ("scaler-scale",)
-    names_cases = (lambda: (fx.repair("scaler-scale", config_patch={"scaler": {"init_scale": 2.0**20}}, symptoms=("lost-updates",)),
-                            fx.evidence()),
-                   lambda: (fx.repair("scaler-scale", config_patch={"scaler": {"enabled": True, "init_scale": 65536.0}},
-                                      symptoms=("trajectory-drift",)), fx.evidence(config={"scaler": {"enabled": False}})))
+    names_cases = (
+        lambda: (
+            fx.repair("scaler-scale", config_patch={"scaler": {"init_scale": 2.0**20}}, symptoms=("lost-updates",)),
+            fx.evidence(),
+        ),
+        lambda: (
+            fx.repair(
+                "scaler-scale",
+                config_patch={"scaler": {"enabled": True, "init_scale": 65536.0}},
+                symptoms=("trajectory-drift",),
+            ),
+            fx.evidence(config={"scaler": {"enabled": False}}),
+        ),
+    )
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Loss scaling switched on, or a higher initial scale, repaired it: gradients were flushing to zero."""
         new = repair.config_patch.get("scaler", {}).get("init_scale")
-        return repair.kind == "scaler-scale" and (not ev.config.scaler.enabled or (new is not None and new > ev.config.scaler.init_scale))
+        return repair.kind == "scaler-scale" and (
+            not ev.config.scaler.enabled or (new is not None and new > ev.config.scaler.init_scale)
+        )
+
     triggers = ("no_loss_scaling.py",)
-    fires_on = (lambda: fx.evidence(config={"scaler": {"enabled": False}}, window=fx.window(512.0, 1e6),
-                                    observed_underflow=fx.underflow(("0.weight", 0.6, 0.4, False))),
-                # 65536 configured, but the step never calls the scaler: it ran at a scale of 1
-                lambda: fx.evidence(amp=fx.probe(scaler_called=False, record=fx.records(scales=[1.0] * 10)),
-                                    window=fx.window(56.4, 1e6), observed_underflow=fx.underflow(("attn.v", 1.0, 1.0, False))),
-                # the scaler ran, but settled at 8 after overflows: below the 56 the gradients need
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(scales=[8.0] * 10)),
-                                    window=fx.window(56.4, 1e6), observed_underflow=fx.underflow(("attn.v", 1.0, 1.0, False))))
-    quiet_on = (lambda: fx.evidence(window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("0.weight", 0.6, 0.01, False))),
-                lambda: fx.evidence(window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("attn.key.bias", 0.6, 0.6, True))),
-                # the configured 65536 already keeps the gradients (the window starts at 56): the zeros are not scaling's
-                lambda: fx.evidence(window=fx.window(56.4, 1e6), observed_underflow=fx.underflow(("attn.v", 1.0, 1.0, False))))
+    fires_on = (
+        lambda: fx.evidence(
+            config={"scaler": {"enabled": False}},
+            window=fx.window(512.0, 1e6),
+            observed_underflow=fx.underflow(("0.weight", 0.6, 0.4, False)),
+        ),
+        # 65536 configured, but the step never calls the scaler: it ran at a scale of 1
+        lambda: fx.evidence(
+            amp=fx.probe(scaler_called=False, record=fx.records(scales=[1.0] * 10)),
+            window=fx.window(56.4, 1e6),
+            observed_underflow=fx.underflow(("attn.v", 1.0, 1.0, False)),
+        ),
+        # the scaler ran, but settled at 8 after overflows: below the 56 the gradients need
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(scales=[8.0] * 10)),
+            window=fx.window(56.4, 1e6),
+            observed_underflow=fx.underflow(("attn.v", 1.0, 1.0, False)),
+        ),
+    )
+    quiet_on = (
+        lambda: fx.evidence(
+            window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("0.weight", 0.6, 0.01, False))
+        ),
+        lambda: fx.evidence(
+            window=fx.window(512.0, 1e6), observed_underflow=fx.underflow(("attn.key.bias", 0.6, 0.6, True))
+        ),
+        # the configured 65536 already keeps the gradients (the window starts at 56): the zeros are not scaling's
+        lambda: fx.evidence(window=fx.window(56.4, 1e6), observed_underflow=fx.underflow(("attn.v", 1.0, 1.0, False))),
+    )
 
     def check(self, ev: Evidence) -> list[Finding]:
-        if ev.config.dtype != "float16" or not fp32_finite(ev) or ev.observed_underflow is None or ev.observed_underflow.empty:
+        if (
+            ev.config.dtype != "float16"
+            or not fp32_finite(ev)
+            or ev.observed_underflow is None
+            or ev.observed_underflow.empty
+        ):
             return []
         if ev.amp is None or ev.amp.first_nonfinite_loss is not None:
             return []  # a forward that overflows zeroes gradients for other reasons
@@ -85,43 +120,68 @@ class GradUnderflow(Rule):
         if configured is not None:  # curing underflow never means a smaller scale
             patch["scaler"]["init_scale"] = max(patch["scaler"]["init_scale"], configured)
         if window is not None and not window.feasible:
-            summary = (f"No single loss scale fits: keeping 99.9% of the gradient mass needs {window.low:.3g}, while the "
-                       f"largest gradients overflow above {window.high:.3g}. Use init_scale "
-                       f"{patch['scaler']['init_scale']:.0f} (the sweep's best measured setting), or train in bf16.")
+            summary = (
+                f"No single loss scale fits: keeping 99.9% of the gradient mass needs {window.low:.3g}, while the "
+                f"largest gradients overflow above {window.high:.3g}. Use init_scale "
+                f"{patch['scaler']['init_scale']:.0f} (the sweep's best measured setting), or train in bf16."
+            )
         elif window is not None:
-            summary = (f"Enable GradScaler with init_scale {patch['scaler']['init_scale']:.0f} (the smallest scale keeping "
-                       f"99.9% of the gradient mass is {window.low:.3g}).")
+            summary = (
+                f"Enable GradScaler with init_scale {patch['scaler']['init_scale']:.0f} (the smallest scale keeping "
+                f"99.9% of the gradient mass is {window.low:.3g})."
+            )
         else:
             summary = "Enable GradScaler."
         uncalled = configured is not None and ev.amp is not None and not ev.amp.scaler_called
         if uncalled:  # a GradScaler is configured, but the step never scales its loss
-            summary = ("Your step never calls scaler.scale(loss), so it runs at a loss scale of 1 whatever the config "
-                       "says: scale the loss, then unscale and step through the scaler. " + summary.replace("Enable", "Use", 1))
+            summary = (
+                "Your step never calls scaler.scale(loss), so it runs at a loss scale of 1 whatever the config "
+                "says: scale the loss, then unscale and step through the scaler. " + summary.replace("Enable", "Use", 1)
+            )
         if not uncalled and configured is not None and window is not None and window.feasible and used < configured:
-            summary = (f"The step ran at a loss scale of {used:g}: GradScaler backed off from {configured:g} after "
-                       f"overflows, below the {window.low:.3g} that keeps 99.9% of the gradient mass. Remove what "
-                       f"overflows at the higher scale (the other findings), then keep init_scale "
-                       f"{patch['scaler']['init_scale']:.0f}.")
-        return [self.finding(
-            f"{worst['observed_underflow']:.0%} of {worst['kind']} gradients of '{worst['name']}' "
-            f"({worst['observed_underflow_mass']:.0%} of their mass) flush to zero in fp16"
-            + (" (loss scaling is off)" if configured is None
-               else " (the step never calls the scaler: loss scale 1)" if uncalled else f" at loss scale {used:.0f}")
-            + ": the layers they feed can stop learning",
-            {"worst": {"kind": worst["kind"], "name": worst["name"], "observed_underflow": float(worst["observed_underflow"]),
-                       "observed_underflow_mass": float(worst["observed_underflow_mass"])},
-             "tensors_over_5pct": len(flagged), "scaler_enabled": ev.config.scaler.enabled, "configured_scale": configured,
-             "scale_used": used if configured is not None else None,
-             "scale_window": [window.low, window.high] if window is not None else None,
-             "window_feasible": window.feasible if window is not None else None,
-             "recommended": patch["scaler"]},
-            Fix(
-                summary,
-                code=(f"scaler = torch.amp.GradScaler('cuda', init_scale={patch['scaler']['init_scale']:.0f})\n"
-                      "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()"),
-                config_patch=patch,
-            ),
-        )]
+            summary = (
+                f"The step ran at a loss scale of {used:g}: GradScaler backed off from {configured:g} after "
+                f"overflows, below the {window.low:.3g} that keeps 99.9% of the gradient mass. Remove what "
+                f"overflows at the higher scale (the other findings), then keep init_scale "
+                f"{patch['scaler']['init_scale']:.0f}."
+            )
+        return [
+            self.finding(
+                f"{worst['observed_underflow']:.0%} of {worst['kind']} gradients of '{worst['name']}' "
+                f"({worst['observed_underflow_mass']:.0%} of their mass) flush to zero in fp16"
+                + (
+                    " (loss scaling is off)"
+                    if configured is None
+                    else " (the step never calls the scaler: loss scale 1)"
+                    if uncalled
+                    else f" at loss scale {used:.0f}"
+                )
+                + ": the layers they feed can stop learning",
+                {
+                    "worst": {
+                        "kind": worst["kind"],
+                        "name": worst["name"],
+                        "observed_underflow": float(worst["observed_underflow"]),
+                        "observed_underflow_mass": float(worst["observed_underflow_mass"]),
+                    },
+                    "tensors_over_5pct": len(flagged),
+                    "scaler_enabled": ev.config.scaler.enabled,
+                    "configured_scale": configured,
+                    "scale_used": used if configured is not None else None,
+                    "scale_window": [window.low, window.high] if window is not None else None,
+                    "window_feasible": window.feasible if window is not None else None,
+                    "recommended": patch["scaler"],
+                },
+                Fix(
+                    summary,
+                    code=(
+                        f"scaler = torch.amp.GradScaler('cuda', init_scale={patch['scaler']['init_scale']:.0f})\n"
+                        "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()"
+                    ),
+                    config_patch=patch,
+                ),
+            )
+        ]
 
 
 def _scale_used(ev: Evidence) -> float:

@@ -21,11 +21,21 @@ class HalfBatchnorm(Rule):
     severity = "warning"
     """A static fact: the engine makes it an error when a symptom it explains is measured."""
     order = 41
-    explains = ('nonfinite', 'amp-exception', 'skips', 'same-state-gap', 'trajectory-drift')
+    explains = ("nonfinite", "amp-exception", "skips", "same-state-gap", "trajectory-drift")
     triggers = ("half_batchnorm.py",)
-    fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "BatchNorm2d", "float16", "float16", "float32")))),)
-    quiet_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "BatchNorm2d", "float32", "float32", "float32")))),
-                lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("teacher.1", "BatchNorm2d", "float16", "float16", None, True)))))
+    fires_on = (
+        lambda: fx.evidence(
+            amp=fx.probe(precision=fx.precision(("1", "BatchNorm2d", "float16", "float16", "float32")))
+        ),
+    )
+    quiet_on = (
+        lambda: fx.evidence(
+            amp=fx.probe(precision=fx.precision(("1", "BatchNorm2d", "float32", "float32", "float32")))
+        ),
+        lambda: fx.evidence(
+            amp=fx.probe(precision=fx.precision(("teacher.1", "BatchNorm2d", "float16", "float16", None, True)))
+        ),
+    )
 
     def check(self, ev: Evidence) -> list[Finding]:
         if ev.amp is None:
@@ -39,15 +49,21 @@ class HalfBatchnorm(Rule):
         if stored_half.empty:
             return []
         names = stored_half["module"].tolist()
-        return [self.finding(
-            f"{len(names)} normalisation layer(s) stored in half precision: {', '.join(names[:5])}; their running "
-            "statistics and weights keep fp16's 3 digits and range, which can make the loss drift or overflow",
-            {"modules": names, "types": stored_half["type"].tolist(),
-             "param_dtypes": stored_half["param_dtypes"].tolist(), "buffer_dtypes": stored_half["buffer_dtypes"].tolist(),
-             "compute_dtypes": stored_half["compute_dtype"].tolist()},
-            Fix(
-                "Keep normalisation layers (weights and running statistics) in fp32; autocast feeds them correctly.",
-                code="for m in model.modules():\n    if isinstance(m, torch.nn.modules.batchnorm._NormBase):\n        m.float()   # and drop the .half() on them",
-                config_patch={"overrides": {"fp32_modules": names}},
-            ),
-        )]
+        return [
+            self.finding(
+                f"{len(names)} normalisation layer(s) stored in half precision: {', '.join(names[:5])}; their running "
+                "statistics and weights keep fp16's 3 digits and range, which can make the loss drift or overflow",
+                {
+                    "modules": names,
+                    "types": stored_half["type"].tolist(),
+                    "param_dtypes": stored_half["param_dtypes"].tolist(),
+                    "buffer_dtypes": stored_half["buffer_dtypes"].tolist(),
+                    "compute_dtypes": stored_half["compute_dtype"].tolist(),
+                },
+                Fix(
+                    "Keep normalisation layers (weights and running statistics) in fp32; autocast feeds them correctly.",
+                    code="for m in model.modules():\n    if isinstance(m, torch.nn.modules.batchnorm._NormBase):\n        m.float()   # and drop the .half() on them",
+                    config_patch={"overrides": {"fp32_modules": names}},
+                ),
+            )
+        ]

@@ -20,14 +20,19 @@ class HalfOptimizerState(Rule):
     severity = "warning"
     """A static fact: the engine makes it an error when a symptom it explains is measured."""
     order = 42
-    explains = ('nonfinite', 'skips', 'lost-updates', 'trajectory-drift', 'same-state-gap')
+    explains = ("nonfinite", "skips", "lost-updates", "trajectory-drift", "same-state-gap")
     repairs = ("fp32-weights",)
-    names_cases = (lambda: (fx.repair("fp32-weights", symptoms=("lost-updates",)),
-                            fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float32", None, "float16"))))),)
+    names_cases = (
+        lambda: (
+            fx.repair("fp32-weights", symptoms=("lost-updates",)),
+            fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float32", None, "float16")))),
+        ),
+    )
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """fp32 master weights and state repaired it, and the optimizer state was stored in half precision."""
         return repair.kind == "fp32-weights" and not half_optimizer_state_modules(ev.amp).empty
+
     triggers = ("half_optimizer_state.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float32", None, "float16")))),)
     quiet_on = (lambda: fx.evidence(),)
@@ -39,19 +44,27 @@ class HalfOptimizerState(Rule):
         if half.empty:
             return []
         loc = ev.localisation
-        evidence = {"modules": half["module"].tolist()[:12], "state_dtypes": sorted(set(",".join(half["optimizer_state_dtypes"]).split(","))),
-                    "param_dtypes": sorted(set(",".join(half["param_dtypes"].fillna("")).split(",")) - {""})}
+        evidence = {
+            "modules": half["module"].tolist()[:12],
+            "state_dtypes": sorted(set(",".join(half["optimizer_state_dtypes"]).split(","))),
+            "param_dtypes": sorted(set(",".join(half["param_dtypes"].fillna("")).split(",")) - {""}),
+        }
         if loc is not None:
             evidence.update({"first_nonfinite_phase": loc.phase, "operator": loc.operator, "step": loc.step})
-        return [self.finding(
-            f"Optimizer state is kept in {'/'.join(evidence['state_dtypes'])} for {len(half)} module(s)"
-            + (f"; the first non-finite value came from the {loc.phase} ({loc.operator})" if loc is not None else
-               "; Adam's eps and small second moments round to 0 there, which can divide by zero in the optimizer step"),
-            evidence,
-            Fix(
-                "Keep parameters and optimizer state in fp32 (autocast for the compute); do not cast optimizer state to half.",
-                code="optimizer = torch.optim.AdamW(model.parameters(), lr=lr)   # fp32 params -> fp32 state; no state .half()",
-                config_patch={"overrides": {"fp32_weights": True}},
-            ),
-            confidence=1.0 if loc is not None and loc.phase == "optimizer" else 0.7,
-        )]
+        return [
+            self.finding(
+                f"Optimizer state is kept in {'/'.join(evidence['state_dtypes'])} for {len(half)} module(s)"
+                + (
+                    f"; the first non-finite value came from the {loc.phase} ({loc.operator})"
+                    if loc is not None
+                    else "; Adam's eps and small second moments round to 0 there, which can divide by zero in the optimizer step"
+                ),
+                evidence,
+                Fix(
+                    "Keep parameters and optimizer state in fp32 (autocast for the compute); do not cast optimizer state to half.",
+                    code="optimizer = torch.optim.AdamW(model.parameters(), lr=lr)   # fp32 params -> fp32 state; no state .half()",
+                    config_patch={"overrides": {"fp32_weights": True}},
+                ),
+                confidence=1.0 if loc is not None and loc.phase == "optimizer" else 0.7,
+            )
+        ]

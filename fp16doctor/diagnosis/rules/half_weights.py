@@ -26,25 +26,41 @@ class HalfWeights(Rule):
     severity = "warning"
     """A static fact: the engine makes it an error when a symptom it explains is measured."""
     order = 40
-    explains = ('nonfinite', 'skips', 'amp-exception', 'lost-updates', 'trajectory-drift', 'same-state-gap')
+    explains = ("nonfinite", "skips", "amp-exception", "lost-updates", "trajectory-drift", "same-state-gap")
     repairs = ("fp32-weights",)
-    names_cases = (lambda: (fx.repair("fp32-weights"), fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16"))))),)
+    names_cases = (
+        lambda: (
+            fx.repair("fp32-weights"),
+            fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16")))),
+        ),
+    )
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """fp32 master weights repaired it, and the training's parameters were stored in half precision."""
         return repair.kind == "fp32-weights" and not half_param_modules(ev.amp).empty
+
     triggers = ("model_half.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16")))),)
-    quiet_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "LayerNorm", "float16", None, "float32")))),
-                lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("student.0", "Linear", "float32", None, "float32"),
-                                                                        ("teacher.0", "Linear", "float16", None, None, True)))))
+    quiet_on = (
+        lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("1", "LayerNorm", "float16", None, "float32")))),
+        lambda: fx.evidence(
+            amp=fx.probe(
+                precision=fx.precision(
+                    ("student.0", "Linear", "float32", None, "float32"),
+                    ("teacher.0", "Linear", "float16", None, None, True),
+                )
+            )
+        ),
+    )
     suppresses = ("half-batchnorm", "half-optimizer-state", "grad-underflow", "precision-gap", "loss-in-half")
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp = ev.amp
         all_half = half_param_modules(amp)
         half = all_half[~all_half["type"].map(is_norm)] if len(all_half) else all_half
-        unscale_error = amp is not None and amp.exception is not None and "unscale FP16 gradients" in (amp.exception.message or "")
+        unscale_error = (
+            amp is not None and amp.exception is not None and "unscale FP16 gradients" in (amp.exception.message or "")
+        )
         if half.empty and (not unscale_error or len(all_half)):
             return []  # nothing half, or only normalisation layers (half-batchnorm's case)
         lost = 0.0
@@ -52,29 +68,39 @@ class HalfWeights(Rule):
         if updates is not None and not updates.empty:
             lost = float(updates.loc[updates["dtype"].isin(["float16", "bfloat16"]), "lost_update_share"].max() or 0.0)
         dtypes = sorted(set(",".join(half["trained_param_dtypes"]).split(","))) if len(half) else ["float16"]
-        evidence = {"modules": half["module"].tolist()[:12], "module_count": int(len(half)), "param_dtypes": dtypes,
-                    "max_lost_update_share": lost}
+        evidence = {
+            "modules": half["module"].tolist()[:12],
+            "module_count": int(len(half)),
+            "param_dtypes": dtypes,
+            "max_lost_update_share": lost,
+        }
         if unscale_error and amp is not None:
             evidence["exception"] = amp.exception
         patch = {"overrides": {"fp32_weights": True}}
         if ev.config.dtype == "float16" and (amp is None or amp.scaler_called):
             patch["scaler"] = {"enabled": True}  # a step that never calls the scaler would not read the setting
-        consequence = ("the share of updates lost could not be measured" if math.isnan(lost) else
-                       f"{lost:.0%} of updates lost" if lost > HALF_WEIGHTS_LOST_SHARE else
-                       "this can lose small updates below their resolution, overflow in the optimizer step, "
-                       "or make GradScaler refuse the gradients")
-        return [self.finding(
-            f"Trained parameters are stored in {'/'.join(d for d in dtypes if d)} ({len(half)} modules): "
-            f"no fp32 master weights; {consequence}",
-            evidence,
-            Fix(
-                "Keep the model in fp32 and let autocast run the low-precision ops (master weights stay fp32, GradScaler works).",
-                code=(
-                    "model = build_model()            # no model.half() / .to(torch.float16)\n"
-                    "with torch.autocast('cuda', dtype=torch.float16):\n"
-                    "    loss = loss_fn(model(x), y)\n"
-                    "scaler.scale(loss).backward()"
+        consequence = (
+            "the share of updates lost could not be measured"
+            if math.isnan(lost)
+            else f"{lost:.0%} of updates lost"
+            if lost > HALF_WEIGHTS_LOST_SHARE
+            else "this can lose small updates below their resolution, overflow in the optimizer step, "
+            "or make GradScaler refuse the gradients"
+        )
+        return [
+            self.finding(
+                f"Trained parameters are stored in {'/'.join(d for d in dtypes if d)} ({len(half)} modules): "
+                f"no fp32 master weights; {consequence}",
+                evidence,
+                Fix(
+                    "Keep the model in fp32 and let autocast run the low-precision ops (master weights stay fp32, GradScaler works).",
+                    code=(
+                        "model = build_model()            # no model.half() / .to(torch.float16)\n"
+                        "with torch.autocast('cuda', dtype=torch.float16):\n"
+                        "    loss = loss_fn(model(x), y)\n"
+                        "scaler.scale(loss).backward()"
+                    ),
+                    config_patch=patch,
                 ),
-                config_patch=patch,
-            ),
-        )]
+            )
+        ]

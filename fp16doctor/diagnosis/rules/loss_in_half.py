@@ -26,7 +26,6 @@ from ..model import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite
 
-
 OUTSIDE_AUTOCAST_FIX = (
     "Compute the loss in fp32 with autocast off: outside the autocast block, or inside "
     "torch.autocast('cuda', enabled=False), and on the model's outputs cast up to fp32. Casting up alone is not "
@@ -35,14 +34,16 @@ OUTSIDE_AUTOCAST_FIX = (
     "with torch.autocast('cuda', dtype=torch.float16):\n"
     "    out = model(x)\n"
     "with torch.autocast('cuda', enabled=False):  # the loss's products, divisions, exp/log in fp32\n"
-    "    loss = loss_fn(out.float(), y)")
+    "    loss = loss_fn(out.float(), y)",
+)
 """The fix for a loss that breaks on half-precision values, whatever operator broke."""
 BCE_FIX = (
     "Drop the sigmoid and use F.binary_cross_entropy_with_logits (or nn.BCEWithLogitsLoss) on the logits: it is "
     "stable in any precision and autocast runs it in fp32. CUDA autocast refuses F.binary_cross_entropy. "
     "The fix the doctor tried (the config patch) computes the loss outside autocast instead (loss_in_fp32).",
     "logits = model(x)              # no torch.sigmoid at the end\n"
-    "loss = F.binary_cross_entropy_with_logits(logits, y)   # not F.binary_cross_entropy(torch.sigmoid(logits), y)")
+    "loss = F.binary_cross_entropy_with_logits(logits, y)   # not F.binary_cross_entropy(torch.sigmoid(logits), y)",
+)
 """The fix for CUDA autocast's refusal of binary_cross_entropy."""
 BCE_REFUSAL = "unsafe to autocast"
 """Part of the message CUDA autocast (and the doctor's CPU emulation of it) raises for binary_cross_entropy."""
@@ -51,44 +52,90 @@ BCE_REFUSAL = "unsafe to autocast"
 class LossInHalf(Rule):
     code = "loss-in-half"
     order = 50
-    explains = ('nonfinite', 'skips', 'amp-exception', 'same-state-gap', 'trajectory-drift')
+    explains = ("nonfinite", "skips", "amp-exception", "same-state-gap", "trajectory-drift")
     repairs = ("loss-fp32", "bf16")
-    names_cases = (lambda: (fx.repair("loss-fp32"), fx.evidence(localisation=fx.localisation(
-        "loss", "<loss: outside the model>", "aten::log", output="-inf (float32)"))),)
+    names_cases = (
+        lambda: (
+            fx.repair("loss-fp32"),
+            fx.evidence(
+                localisation=fx.localisation("loss", "<loss: outside the model>", "aten::log", output="-inf (float32)")
+            ),
+        ),
+    )
     triggers = ("loss_in_half.py",)
-    fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]), loss_dtypes=["float16"]),
-                                    localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float16)")),
-                # a focal loss on fp16 probabilities: its backward divides by p_t, which fp16 rounded to 6e-8; at
-                # scale 2 its result reached 5.2e5, past 65504 even unscaled
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(16), scales=[2.0] * 16)),
-                                    localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div",
-                                                                 [(5.96e-08, 0.64)], output="-inf (float16)", peak=5.2e5,
-                                                                 loss_scale=2.0)),
-                # the same loss in a step that never calls scaler.scale: the configured 65536 is not what it ran at
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(16)), scaler_called=False),
-                                    localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div",
-                                                                 [(5.96e-08, 0.64)], output="-inf (float16)", peak=1e5,
-                                                                 loss_scale=1.0)),
-                lambda: fx.evidence(recorded_loss_finding="the loss is finite but its gradient w.r.t. the model's outputs is not"))
-    quiet_on = (lambda: fx.evidence(localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float32)")),
-                # the scaler's calibration: the loss's backward overflows at 65536 and the skips stop, no symptom
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0])),
-                                    localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div_",
-                                                                 [(0.0, 65536.0)], output="+inf (float16)")),
-                # the calibration overflow at 2^24 in a run a stray plain optimizer step made non-finite: unscaled,
-                # its result is 0.009; the loss is not what broke
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(10), nonfinite_loss=range(10),
-                                                                   scales=[2.0 ** 24] * 10)),
-                                    localisation=fx.localisation("backward", "<loss: outside the model>", "aten::div_",
-                                                                 [(8.6e6, 9.4e6)], output="+inf (float16)", peak=1.47e5,
-                                                                 loss_scale=2.0 ** 24)),
-                # a backward that overflows inside the model: the model's, not the loss's
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(16))),
-                                    localisation=fx.localisation("backward", "head", "aten::mm", output="+inf (float16)")))
+    fires_on = (
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(nonfinite_loss=[0]), loss_dtypes=["float16"]),
+            localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float16)"),
+        ),
+        # a focal loss on fp16 probabilities: its backward divides by p_t, which fp16 rounded to 6e-8; at
+        # scale 2 its result reached 5.2e5, past 65504 even unscaled
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(skipped=range(16), scales=[2.0] * 16)),
+            localisation=fx.localisation(
+                "backward",
+                "<loss: outside the model>",
+                "aten::div",
+                [(5.96e-08, 0.64)],
+                output="-inf (float16)",
+                peak=5.2e5,
+                loss_scale=2.0,
+            ),
+        ),
+        # the same loss in a step that never calls scaler.scale: the configured 65536 is not what it ran at
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(skipped=range(16)), scaler_called=False),
+            localisation=fx.localisation(
+                "backward",
+                "<loss: outside the model>",
+                "aten::div",
+                [(5.96e-08, 0.64)],
+                output="-inf (float16)",
+                peak=1e5,
+                loss_scale=1.0,
+            ),
+        ),
+        lambda: fx.evidence(
+            recorded_loss_finding="the loss is finite but its gradient w.r.t. the model's outputs is not"
+        ),
+    )
+    quiet_on = (
+        lambda: fx.evidence(
+            localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float32)")
+        ),
+        # the scaler's calibration: the loss's backward overflows at 65536 and the skips stop, no symptom
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(skipped=[0])),
+            localisation=fx.localisation(
+                "backward", "<loss: outside the model>", "aten::div_", [(0.0, 65536.0)], output="+inf (float16)"
+            ),
+        ),
+        # the calibration overflow at 2^24 in a run a stray plain optimizer step made non-finite: unscaled,
+        # its result is 0.009; the loss is not what broke
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(skipped=range(10), nonfinite_loss=range(10), scales=[2.0**24] * 10)),
+            localisation=fx.localisation(
+                "backward",
+                "<loss: outside the model>",
+                "aten::div_",
+                [(8.6e6, 9.4e6)],
+                output="+inf (float16)",
+                peak=1.47e5,
+                loss_scale=2.0**24,
+            ),
+        ),
+        # a backward that overflows inside the model: the model's, not the loss's
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(skipped=range(16))),
+            localisation=fx.localisation("backward", "head", "aten::mm", output="+inf (float16)"),
+        ),
+    )
     suppresses = ("activation-overflow", "scale-overflow", "precision-gap", "scheduler-skip-drift")
 
-    nothing_to_try = ("the loss code is not in what the doctor runs (a capsule replays the model, driven by the recorded "
-                      "gradient of the loss), so there is nothing it can apply")
+    nothing_to_try = (
+        "the loss code is not in what the doctor runs (a capsule replays the model, driven by the recorded "
+        "gradient of the loss), so there is nothing it can apply"
+    )
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp, loc = ev.amp, ev.localisation
@@ -98,12 +145,26 @@ class LossInHalf(Rule):
             return [self._recorded(ev)]  # the model replays finite: what failed is the loss (else the model's own
             # fault is for the other rules, and the note still says what the loss gradient held)
         evidence: dict[str, Any] = {"loss_dtypes": amp.loss_dtypes}
-        if loc is not None and in_the_loss(loc) and any(d in loc.output for d in LOW_DTYPES) and (
-                loc.phase == "loss" or loss_backward_fault(amp.records, loc)):
-            evidence.update({"operator": loc.operator, "step": loc.step, "batch": loc.batch_index, "phase": loc.phase,
-                             "operator_input_ranges": loc.input_ranges, "output": loc.output})
-            title = (f"The loss overflows in half precision: {loc.operator} outside the model"
-                     f"{'' if loc.phase == 'loss' else ', in its backward,'} at step {loc.step} -> {loc.output}")
+        if (
+            loc is not None
+            and in_the_loss(loc)
+            and any(d in loc.output for d in LOW_DTYPES)
+            and (loc.phase == "loss" or loss_backward_fault(amp.records, loc))
+        ):
+            evidence.update(
+                {
+                    "operator": loc.operator,
+                    "step": loc.step,
+                    "batch": loc.batch_index,
+                    "phase": loc.phase,
+                    "operator_input_ranges": loc.input_ranges,
+                    "output": loc.output,
+                }
+            )
+            title = (
+                f"The loss overflows in half precision: {loc.operator} outside the model"
+                f"{'' if loc.phase == 'loss' else ', in its backward,'} at step {loc.step} -> {loc.output}"
+            )
         elif amp.exception and BCE_REFUSAL in (amp.exception.message or ""):
             evidence["exception"] = amp.exception
             title = "binary_cross_entropy on half-precision probabilities: CUDA autocast refuses it"
@@ -113,7 +174,9 @@ class LossInHalf(Rule):
         else:
             return []
         summary, code = self._fix_for(ev)
-        return [self.finding(title, evidence, Fix(summary, code=code, config_patch={"overrides": {"loss_in_fp32": True}}))]
+        return [
+            self.finding(title, evidence, Fix(summary, code=code, config_patch={"overrides": {"loss_in_fp32": True}}))
+        ]
 
     def _recorded(self, ev: Evidence) -> Finding:
         """A capsule's loss gradient, non-finite as the watch recorded it, from a loss the replay cannot run."""
@@ -121,11 +184,13 @@ class LossInHalf(Rule):
             "The loss computation, outside the model, makes the step non-finite: the watch recorded inf/NaN in the "
             "loss or its gradient w.r.t. the model's outputs, and the model itself replays finite under AMP",
             {"recorded": ev.recorded_loss_finding},
-            Fix("Compute the loss from the model's outputs in fp32 and in a stable form: F.cross_entropy or F.log_softmax "
+            Fix(
+                "Compute the loss from the model's outputs in fp32 and in a stable form: F.cross_entropy or F.log_softmax "
                 "instead of log(softmax(z) + eps) (an eps of 1e-8 is 0 in fp16), torch.logsumexp instead of "
                 "log(sum(exp(z))), F.binary_cross_entropy_with_logits instead of a hand-written BCE; cast the outputs up first.",
                 code="with torch.autocast('cuda', dtype=torch.float16):\n    logits = model(x)\n"
-                     "loss = F.cross_entropy(logits.float(), y)   # not torch.log(torch.softmax(logits, -1) + 1e-8)"),
+                "loss = F.cross_entropy(logits.float(), y)   # not torch.log(torch.softmax(logits, -1) + 1e-8)",
+            ),
             confidence=0.6,
         )  # no config patch: the loss code is not in the capsule, so the verification has nothing to try
 
@@ -137,8 +202,12 @@ class LossInHalf(Rule):
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
-        where = (f": {loc.operator} in the loss{'' if loc.phase == 'loss' else ' (backward)'} at step {loc.step} -> "
-                 f"{loc.output}" if loc is not None and in_the_loss(loc) else "")
+        where = (
+            f": {loc.operator} in the loss{'' if loc.phase == 'loss' else ' (backward)'} at step {loc.step} -> "
+            f"{loc.output}"
+            if loc is not None and in_the_loss(loc)
+            else ""
+        )
         return f"The loss breaks on half-precision values{where}; computing the loss in fp32 repairs the training"
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
@@ -153,21 +222,25 @@ class LossInHalf(Rule):
         loc = ev.localisation
         op = (loc.operator if loc is not None else "").split("::")[-1].split(".")[0]
         if op in ("log", "log1p", "log2", "log10", "xlogy"):
-            return ("Compute the loss from the logits in a numerically stable form: fp16 rounds a probability near 1 to "
-                    "exactly 1 (and near 0 to 0), so log(p) or log(1 - p) meets log(0). Use F.logsigmoid(z) for "
-                    "log(sigmoid(z)) and F.logsigmoid(-z) for log(1 - sigmoid(z)), F.binary_cross_entropy_with_logits "
-                    "instead of a hand-written BCE, F.log_softmax / F.cross_entropy instead of log(softmax(z)); at the "
-                    "least cast the logits to fp32 first. An epsilon added to a half probability must be one fp16 holds "
-                    "(>= 6.1e-5 near 0; near 1 there is no room below 4.9e-4).",
-                    "logits = model(x)                     # under autocast\n"
-                    "# binary: not -(y*log(p) + (1-y)*log(1-p))\n"
-                    "loss = F.binary_cross_entropy_with_logits(logits.float(), y)\n"
-                    "# multi-class, or an entropy: not torch.log(softmax(logits)) or log(p + eps)\n"
-                    "logp = F.log_softmax(logits.float(), dim=-1)   # then F.nll_loss(logp, y), -(logp.exp() * logp).sum(-1)")
+            return (
+                "Compute the loss from the logits in a numerically stable form: fp16 rounds a probability near 1 to "
+                "exactly 1 (and near 0 to 0), so log(p) or log(1 - p) meets log(0). Use F.logsigmoid(z) for "
+                "log(sigmoid(z)) and F.logsigmoid(-z) for log(1 - sigmoid(z)), F.binary_cross_entropy_with_logits "
+                "instead of a hand-written BCE, F.log_softmax / F.cross_entropy instead of log(softmax(z)); at the "
+                "least cast the logits to fp32 first. An epsilon added to a half probability must be one fp16 holds "
+                "(>= 6.1e-5 near 0; near 1 there is no room below 4.9e-4).",
+                "logits = model(x)                     # under autocast\n"
+                "# binary: not -(y*log(p) + (1-y)*log(1-p))\n"
+                "loss = F.binary_cross_entropy_with_logits(logits.float(), y)\n"
+                "# multi-class, or an entropy: not torch.log(softmax(logits)) or log(p + eps)\n"
+                "logp = F.log_softmax(logits.float(), dim=-1)   # then F.nll_loss(logp, y), -(logp.exp() * logp).sum(-1)",
+            )
         if op in ("exp", "expm1", "pow"):
-            return ("Compute the loss in fp32 and in a stable form: torch.logsumexp instead of log(sum(exp(z))), "
-                    "F.softplus instead of log(1 + exp(z)); exp overflows fp16 past 11.09.",
-                    "loss = torch.logsumexp(logits.float(), dim=-1).mean()")
+            return (
+                "Compute the loss in fp32 and in a stable form: torch.logsumexp instead of log(sum(exp(z))), "
+                "F.softplus instead of log(1 + exp(z)); exp overflows fp16 past 11.09.",
+                "loss = torch.logsumexp(logits.float(), dim=-1).mean()",
+            )
         return OUTSIDE_AUTOCAST_FIX
 
 

@@ -27,12 +27,18 @@ class LossNameMismatch(Rule):
     """The file ran, with the doctor's loss in place of the one it meant: nothing precision-related to fix."""
     order = 5
     verifiable = False
-    fires_on = (lambda: fx.evidence(uses_default_loss=True, near_misses={"loss": {"loss_fn": "(model, batch)"}}),
-                lambda: fx.evidence(uses_default_loss=True, near_misses={"loss": {"criterion": "(input, target)"}}),
-                lambda: fx.evidence(uses_default_loss=True,
-                                    near_misses={"train_step": {"training_step": "(model, batch, optimizer, scaler, autocast)"}}))
-    quiet_on = (lambda: fx.evidence(uses_default_loss=True),  # nothing named like a loss: the default was meant
-                lambda: fx.evidence(has_train_step=True, near_misses={"loss": {"loss_fn": "(model, batch)"}}))  # train_step computes it
+    fires_on = (
+        lambda: fx.evidence(uses_default_loss=True, near_misses={"loss": {"loss_fn": "(model, batch)"}}),
+        lambda: fx.evidence(uses_default_loss=True, near_misses={"loss": {"criterion": "(input, target)"}}),
+        lambda: fx.evidence(
+            uses_default_loss=True,
+            near_misses={"train_step": {"training_step": "(model, batch, optimizer, scaler, autocast)"}},
+        ),
+    )
+    quiet_on = (
+        lambda: fx.evidence(uses_default_loss=True),  # nothing named like a loss: the default was meant
+        lambda: fx.evidence(has_train_step=True, near_misses={"loss": {"loss_fn": "(model, batch)"}}),
+    )  # train_step computes it
 
     nothing_to_try = "the fix is renaming a function in the training file"
 
@@ -58,10 +64,18 @@ class LossNameMismatch(Rule):
         return self.finding(
             f"The training file defines `{name}{signature}` but no `loss(model, batch)`: the doctor ignored it and "
             f"trained with its default loss ({DEFAULT_LOSS}), which may not be the loss you meant",
-            {"ignored": name, "signature": signature, "also_ignored": others, "default_loss": DEFAULT_LOSS,
-             "contract": "loss(model, batch)"},
-            Fix(f"{how}: the doctor reads only the name `loss` (with `train_step` it reads none). Then diagnose "
-                "again: every measurement so far was of the default loss.", code=code),
+            {
+                "ignored": name,
+                "signature": signature,
+                "also_ignored": others,
+                "default_loss": DEFAULT_LOSS,
+                "contract": "loss(model, batch)",
+            },
+            Fix(
+                f"{how}: the doctor reads only the name `loss` (with `train_step` it reads none). Then diagnose "
+                "again: every measurement so far was of the default loss.",
+                code=code,
+            ),
         )
 
     def _step_finding(self, found: dict[str, str], ev: Evidence) -> Finding:
@@ -71,16 +85,23 @@ class LossNameMismatch(Rule):
         return self.finding(
             f"The training file defines `{name}{signature}` but no `train_step(model, batch, optimizer, scaler, autocast)`: "
             f"the doctor ignored it and ran {what}",
-            {"ignored": name, "signature": signature, "also_ignored": [n for n in found if n != name],
-             "contract": "train_step(model, batch, optimizer, scaler, autocast)",
-             **({"default_loss": DEFAULT_LOSS} if ev.uses_default_loss else {})},
-            Fix(f"Rename `{name}` to `train_step` (its arguments: model, batch, optimizer, scaler, autocast), then "
-                "diagnose again.", code=f"def train_step(model, batch, optimizer, scaler, autocast):   # was: {name}"),
+            {
+                "ignored": name,
+                "signature": signature,
+                "also_ignored": [n for n in found if n != name],
+                "contract": "train_step(model, batch, optimizer, scaler, autocast)",
+                **({"default_loss": DEFAULT_LOSS} if ev.uses_default_loss else {}),
+            },
+            Fix(
+                f"Rename `{name}` to `train_step` (its arguments: model, batch, optimizer, scaler, autocast), then "
+                "diagnose again.",
+                code=f"def train_step(model, batch, optimizer, scaler, autocast):   # was: {name}",
+            ),
         )
 
 
 def _parameters(signature: str) -> list[str]:
     """The parameter names of a signature string such as ``(model, batch) -> torch.Tensor``."""
-    inside = signature[1:signature.find(")")] if signature.startswith("(") else ""
+    inside = signature[1 : signature.find(")")] if signature.startswith("(") else ""
     names = [p.split(":")[0].split("=")[0].strip().lstrip("*") for p in inside.split(",")]
     return [n for n in names if n and n != "/"]

@@ -17,15 +17,22 @@ from ._helpers import fp32_finite
 
 def paused(finite_at_peak: bool) -> LrPeak:
     """A schedule jumping x1000 at step 4, paused there: the step before the jump stays finite."""
-    pause = LrPause(pause_step=4, finite_at_peak=finite_at_peak, finite_before_peak=True, update_to_weight_at_peak=0.5,
-                    update_to_weight_before_peak=1e-4, activation_max_at_peak=7e4, activation_max_before_peak=30.0)
+    pause = LrPause(
+        pause_step=4,
+        finite_at_peak=finite_at_peak,
+        finite_before_peak=True,
+        update_to_weight_at_peak=0.5,
+        update_to_weight_before_peak=1e-4,
+        activation_max_at_peak=7e4,
+        activation_max_before_peak=30.0,
+    )
     return fx.lr_peak([1e-4] * 4 + [1e-1] * 6, peak_step=4, jump_ratio=1000.0, pause=pause)
 
 
 class LrSchedulePeak(Rule):
     code = "lr-schedule-peak"
     order = 80
-    explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'trajectory-drift')
+    explains = ("fp32-nonfinite", "nonfinite", "skips", "trajectory-drift")
     repairs = ("lr-cap",)
     names_cases = (lambda: (fx.repair("lr-cap"), fx.evidence(has_scheduler=True)),)
     triggers = ("warmup_peak.py",)
@@ -43,16 +50,30 @@ class LrSchedulePeak(Rule):
         lrs = schedule.lrs
         safe = lrs[event - 1]
         also = "" if fp32_finite(ev) else " (FP32 breaks there too)"
-        return [self.finding(
-            f"Training breaks at step {event}, where the schedule reaches lr {lrs[event]:.3g}{also}; the same step at {safe:.3g} stays finite",
-            {"step": event, "lr_at_event": lrs[event], "lr_before": safe, "peak_step": schedule.peak_step,
-             "jump_step": schedule.jump_step, "jump_ratio": schedule.jump_ratio,
-             "update_to_weight": {"at_peak": pause.update_to_weight_at_peak, "before_peak": pause.update_to_weight_before_peak},
-             "activation_max": {"at_peak": pause.activation_max_at_peak, "before_peak": pause.activation_max_before_peak}},
-            Fix(
-                f"Lower the peak learning rate to at most {safe:.3g} (or lengthen the warm-up, or clip gradients).",
-                code=f"# in scheduler()/optimizer(): peak lr <= {safe:.3g}, e.g. a longer linear warm-up\n"
-                     "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # after scaler.unscale_(optimizer)",
-                config_patch={"overrides": {"max_lr": safe}},
-            ),
-        )]
+        return [
+            self.finding(
+                f"Training breaks at step {event}, where the schedule reaches lr {lrs[event]:.3g}{also}; the same step at {safe:.3g} stays finite",
+                {
+                    "step": event,
+                    "lr_at_event": lrs[event],
+                    "lr_before": safe,
+                    "peak_step": schedule.peak_step,
+                    "jump_step": schedule.jump_step,
+                    "jump_ratio": schedule.jump_ratio,
+                    "update_to_weight": {
+                        "at_peak": pause.update_to_weight_at_peak,
+                        "before_peak": pause.update_to_weight_before_peak,
+                    },
+                    "activation_max": {
+                        "at_peak": pause.activation_max_at_peak,
+                        "before_peak": pause.activation_max_before_peak,
+                    },
+                },
+                Fix(
+                    f"Lower the peak learning rate to at most {safe:.3g} (or lengthen the warm-up, or clip gradients).",
+                    code=f"# in scheduler()/optimizer(): peak lr <= {safe:.3g}, e.g. a longer linear warm-up\n"
+                    "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # after scaler.unscale_(optimizer)",
+                    config_patch={"overrides": {"max_lr": safe}},
+                ),
+            )
+        ]

@@ -16,17 +16,32 @@ from . import Rule
 class NonfiniteData(Rule):
     code = "nonfinite-data"
     order = 10
-    explains = ('fp32-nonfinite', 'nonfinite', 'skips', 'amp-exception', 'trajectory-drift')
+    explains = ("fp32-nonfinite", "nonfinite", "skips", "amp-exception", "trajectory-drift")
     repairs = ("drop-nonfinite-rows",)
     names_cases = (lambda: (fx.repair("drop-nonfinite-rows"), fx.evidence()),)
     verifiable = False
     triggers = ("nan_in_data.py",)
-    fires_on = (lambda: fx.evidence(data=[fx.field(nan=3, first_nonfinite={"batch": 1, "position": [0, 2], "value": "nan"},
-                                             nonfinite_batches=[1])]),)
+    fires_on = (
+        lambda: fx.evidence(
+            data=[
+                fx.field(nan=3, first_nonfinite={"batch": 1, "position": [0, 2], "value": "nan"}, nonfinite_batches=[1])
+            ]
+        ),
+    )
     quiet_on = (lambda: fx.evidence(data=[fx.field(abs_max=3.0)]),)
-    suppresses = ("fp32-divergence", "scale-overflow", "scale-growth", "activation-overflow", "loss-in-half",
-                  "grad-underflow", "lr-schedule-peak", "precision-gap", "scheduler-skip-drift", "bf16-advice",
-                  "fp32-loss-rises")
+    suppresses = (
+        "fp32-divergence",
+        "scale-overflow",
+        "scale-growth",
+        "activation-overflow",
+        "loss-in-half",
+        "grad-underflow",
+        "lr-schedule-peak",
+        "precision-gap",
+        "scheduler-skip-drift",
+        "bf16-advice",
+        "fp32-loss-rises",
+    )
 
     def intervention(self, finding: Finding, ev: Evidence) -> Intervention:
         field = finding.evidence["field"]
@@ -39,18 +54,27 @@ class NonfiniteData(Rule):
                 continue
             first = field.first_nonfinite or {}
             batches = field.nonfinite_batches
-            findings.append(self.finding(
-                f"Field '{field.field}' holds {field.nan} NaN and {field.posinf + field.neginf} inf values (first: batch {first.get('batch')}, position {first.get('position')})",
-                {"field": field.field, "nan": field.nan, "posinf": field.posinf, "neginf": field.neginf,
-                 "first": first, "batches": batches[:20], "batches_affected": len(batches)},
-                Fix(
-                    f"Clean or filter the data: batch(es) {batches[:10]} of field '{field.field}' carry non-finite values.",
-                    code=(
-                        "# in data(): drop (or repair) samples with non-finite features\n"
-                        f"x = batch[{field.field!r}] if isinstance(batch, dict) else batch[{field.field.split('.')[0]}]\n"
-                        "keep = torch.isfinite(x).flatten(1).all(1)\n"
-                        "batch = [t[keep] for t in batch]   # or: x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)"
+            findings.append(
+                self.finding(
+                    f"Field '{field.field}' holds {field.nan} NaN and {field.posinf + field.neginf} inf values (first: batch {first.get('batch')}, position {first.get('position')})",
+                    {
+                        "field": field.field,
+                        "nan": field.nan,
+                        "posinf": field.posinf,
+                        "neginf": field.neginf,
+                        "first": first,
+                        "batches": batches[:20],
+                        "batches_affected": len(batches),
+                    },
+                    Fix(
+                        f"Clean or filter the data: batch(es) {batches[:10]} of field '{field.field}' carry non-finite values.",
+                        code=(
+                            "# in data(): drop (or repair) samples with non-finite features\n"
+                            f"x = batch[{field.field!r}] if isinstance(batch, dict) else batch[{field.field.split('.')[0]}]\n"
+                            "keep = torch.isfinite(x).flatten(1).all(1)\n"
+                            "batch = [t[keep] for t in batch]   # or: x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)"
+                        ),
                     ),
-                ),
-            ))
+                )
+            )
         return findings

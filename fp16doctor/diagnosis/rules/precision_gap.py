@@ -27,23 +27,38 @@ from ._helpers import localised_inside, quoted
 class PrecisionGap(Rule):
     code = "precision-gap"
     order = 90
-    explains = ('same-state-gap', 'trajectory-drift', 'skips')
-    repair_explains = ('nonfinite',)
+    explains = ("same-state-gap", "trajectory-drift", "skips")
+    repair_explains = ("nonfinite",)
     repairs = ("fp32-modules",)
-    names_cases = (lambda: (fx.repair("fp32-modules", ["norm"], symptoms=("same-state-gap",)), fx.evidence()),
-                   # a one-pass variance rounded below 0 under a square root: NaN inside fp16's range
-                   lambda: (fx.repair("fp32-modules", ["enc.norm"], symptoms=("nonfinite",)), fx.evidence(
-                       localisation=fx.localisation("forward", "enc.norm", "aten::sqrt", [(-16.0, 16.0)], "nan (float16)"))))
+    names_cases = (
+        lambda: (fx.repair("fp32-modules", ["norm"], symptoms=("same-state-gap",)), fx.evidence()),
+        # a one-pass variance rounded below 0 under a square root: NaN inside fp16's range
+        lambda: (
+            fx.repair("fp32-modules", ["enc.norm"], symptoms=("nonfinite",)),
+            fx.evidence(
+                localisation=fx.localisation("forward", "enc.norm", "aten::sqrt", [(-16.0, 16.0)], "nan (float16)")
+            ),
+        ),
+    )
     triggers = ("fast_variance_norm.py",)
-    fires_on = (lambda: fx.evidence(gap=fx.gap(0.5, closing_set=["norm"], closed_gap=1e-4)),
-                # a linear attention's normaliser passes 65504 and 1 / inf = 0 hides it: the finding names the operator
-                lambda: fx.evidence(gap=fx.gap(0.016, closing_set=["blocks.0.attn"], closed_gap=1e-4,
-                                               absorbed_overflow=fx.localisation("forward", "blocks.0.attn.denominator",
-                                                                                 "aten::bmm", [(0.0, 3.0)]))),
-                # no small set closes it: a warning that leaves the symptom to the intervention search
-                lambda: fx.evidence(gap=fx.gap(0.45)))
-    quiet_on = (lambda: fx.evidence(gap=fx.gap(5e-4)),
-                lambda: fx.evidence(gap=fx.gap(1e7, gap_without_loss_scaling=1e-5, scale_leak=True)))
+    fires_on = (
+        lambda: fx.evidence(gap=fx.gap(0.5, closing_set=["norm"], closed_gap=1e-4)),
+        # a linear attention's normaliser passes 65504 and 1 / inf = 0 hides it: the finding names the operator
+        lambda: fx.evidence(
+            gap=fx.gap(
+                0.016,
+                closing_set=["blocks.0.attn"],
+                closed_gap=1e-4,
+                absorbed_overflow=fx.localisation("forward", "blocks.0.attn.denominator", "aten::bmm", [(0.0, 3.0)]),
+            )
+        ),
+        # no small set closes it: a warning that leaves the symptom to the intervention search
+        lambda: fx.evidence(gap=fx.gap(0.45)),
+    )
+    quiet_on = (
+        lambda: fx.evidence(gap=fx.gap(5e-4)),
+        lambda: fx.evidence(gap=fx.gap(1e7, gap_without_loss_scaling=1e-5, scale_leak=True)),
+    )
 
     def check(self, ev: Evidence) -> list[Finding]:
         gap = ev.gap
@@ -51,9 +66,15 @@ class PrecisionGap(Rule):
             return []  # a gap that loss scaling alone makes is no precision gap (scaler-misuse)
         closing = gap.closing_set
         severity = "error" if gap.gap > GAP_ERROR * (gap.tolerance / GAP_TOLERANCE) else "warning"
-        evidence = {"gap": gap.gap, "step": gap.worst_step, "tolerance": gap.tolerance,
-                    "same_state_rel_dev": gap.same_state_rel_dev, "ranked_modules": (gap.ranked_modules or [])[:5],
-                    "closing_set": closing, "closed_gap": gap.closed_gap}
+        evidence = {
+            "gap": gap.gap,
+            "step": gap.worst_step,
+            "tolerance": gap.tolerance,
+            "same_state_rel_dev": gap.same_state_rel_dev,
+            "ranked_modules": (gap.ranked_modules or [])[:5],
+            "closing_set": closing,
+            "closed_gap": gap.closed_gap,
+        }
         absorbed = absorbed_in(ev, closing or [r.module for r in (gap.ranked_modules or [])[:1]])
         if absorbed is not None:
             evidence["absorbed_overflow"] = absorbed.to_json()
@@ -64,14 +85,22 @@ class PrecisionGap(Rule):
                 config_patch={"overrides": {"fp32_modules": closing}},
             )
         else:  # nothing to propose: the search tries wider sets (every module of the top one's class), the loss, bf16
-            fix = Fix("No small set of modules kept in fp32 closes the gap: the intervention search tries wider changes "
-                      "(every module of the class the top-ranked module belongs to, the loss in fp32, bf16).",
-                      config_patch={})
+            fix = Fix(
+                "No small set of modules kept in fp32 closes the gap: the intervention search tries wider changes "
+                "(every module of the class the top-ranked module belongs to, the loss in fp32, bf16).",
+                config_patch={},
+            )
         found = self.finding(
             f"AMP deviates {gap.gap:.2%} from fp32 on the same weights and batch (step {gap.worst_step})"
-            + (f"; {', '.join(closing)} in fp32 closes it" if closing else "; no small set of modules in fp32 closes it")
+            + (
+                f"; {', '.join(closing)} in fp32 closes it"
+                if closing
+                else "; no small set of modules in fp32 closes it"
+            )
             + (absorbed_sentence(absorbed) if absorbed is not None else ""),
-            evidence, fix, severity=severity if closing else "warning",
+            evidence,
+            fix,
+            severity=severity if closing else "warning",
         )
         found.needs_search = not closing
         return [found]
@@ -92,30 +121,40 @@ class PrecisionGap(Rule):
         if loc is None or not _rounded_out_of_domain(ev, repair):
             return super().repair_title(repair, ev)
         ranges = ", ".join(f"[{lo:.3g}, {hi:.3g}]" for lo, hi in loc.input_ranges)
-        return (f"fp16's rounding makes {loc.operator} in {loc.place} non-finite from finite inputs inside fp16's range "
-                f"({ranges} -> {loc.output}, step {loc.step}): precision, not range; keeping {quoted(repair.modules)} "
-                "in fp32 repairs the training")
+        return (
+            f"fp16's rounding makes {loc.operator} in {loc.place} non-finite from finite inputs inside fp16's range "
+            f"({ranges} -> {loc.output}, step {loc.step}): precision, not range; keeping {quoted(repair.modules)} "
+            "in fp32 repairs the training"
+        )
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
         if not _rounded_out_of_domain(ev, repair):
             return super().repair_fix(repair, ev)
-        return (f"Keep {quoted(repair.modules)} in fp32 (autocast off inside), or compute the value in a form that "
-                "rounding cannot drive out of the operator's domain: a variance as mean((x - mean(x))**2) or x.var() "
-                "(not E[x^2] - E[x]^2, which cancels to below 0), a clamp to a bound fp16 holds before sqrt/log/acos "
-                "(1 - 1e-7 is 1.0 in fp16; 1 - 1e-3 is not).",
-                ROUNDING_CODE)
+        return (
+            f"Keep {quoted(repair.modules)} in fp32 (autocast off inside), or compute the value in a form that "
+            "rounding cannot drive out of the operator's domain: a variance as mean((x - mean(x))**2) or x.var() "
+            "(not E[x^2] - E[x]^2, which cancels to below 0), a clamp to a bound fp16 holds before sqrt/log/acos "
+            "(1 - 1e-7 is 1.0 in fp16; 1 - 1e-3 is not).",
+            ROUNDING_CODE,
+        )
 
 
-ROUNDING_CODE = ("var = (x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)  # not E[x^2] - E[x]^2\n"
-                 "x = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(var.float() + eps).to(x.dtype)")
+ROUNDING_CODE = (
+    "var = (x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)  # not E[x^2] - E[x]^2\n"
+    "x = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(var.float() + eps).to(x.dtype)"
+)
 
 
 def _rounded_out_of_domain(ev: Evidence, repair: Repair) -> bool:
     """The traced culprit is inside the repaired modules and made its NaN or inf from finite inputs within fp16's
     range, with nothing past 65504 (the square root of a variance that cancellation drove below 0)."""
     loc = ev.localisation
-    return (loc is not None and loc.phase in ("forward", "backward") and localised_inside(ev, repair.modules)
-            and not loc.overflowed)
+    return (
+        loc is not None
+        and loc.phase in ("forward", "backward")
+        and localised_inside(ev, repair.modules)
+        and not loc.overflowed
+    )
 
 
 def absorbed_in(ev: Evidence, modules: list[str]) -> Localisation | None:
@@ -128,5 +167,7 @@ def absorbed_in(ev: Evidence, modules: list[str]) -> Localisation | None:
 def absorbed_sentence(loc: Localisation) -> str:
     """What the absorbed overflow was, as the finding's title ends."""
     size = f" (result max |x| = {loc.peak:.4g})" if loc.peak is not None else ""
-    return (f"; the gap is an overflow no module output shows: {loc.operator} in {loc.place} made {loc.output}{size} "
-            f"at step {loc.step}, and what follows divides it away (x / inf = 0): range, not rounding")
+    return (
+        f"; the gap is an overflow no module output shows: {loc.operator} in {loc.place} made {loc.output}{size} "
+        f"at step {loc.step}, and what follows divides it away (x / inf = 0): range, not rounding"
+    )

@@ -19,11 +19,15 @@ from ._helpers import fp32_finite
 class ScaleGrowth(Rule):
     code = "scale-growth"
     order = 72
-    explains = ('skips', 'nonfinite', 'trajectory-drift')
+    explains = ("skips", "nonfinite", "trajectory-drift")
     repairs = ("scaler-growth",)
     names_cases = (lambda: (fx.repair("scaler-growth", symptoms=("skips",)), fx.evidence()),)
     triggers = ("scale_grows_fast.py",)
-    fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 3, 6, 9], scales=[64, 32, 64, 128, 64, 128, 256, 128, 256, 512]))),)
+    fires_on = (
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(skipped=[0, 3, 6, 9], scales=[64, 32, 64, 128, 64, 128, 256, 128, 256, 512]))
+        ),
+    )
     quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 1]))),)
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -46,13 +50,20 @@ class ScaleGrowth(Rule):
         interval = ev.config.scaler.growth_interval
         # At least PyTorch's default: the sweep's variants only show which of the slower growths skip least.
         rec_interval = max(int((ev.recommended_scaler or {}).get("growth_interval") or 0), interval * 10, 2000)
-        return [self.finding(
-            f"Skips recur {len(runs)} times after the scale settled (every ~{sum(gaps) / max(len(gaps), 1):.0f} steps): growth_interval {interval} grows the scale too fast",
-            {"recurrent_skip_steps": later[:30], "recurrences": len(runs), "mean_gap": sum(gaps) / max(len(gaps), 1),
-             "growth_interval": interval, "skips_after_growth": len(grew)},
-            Fix(
-                f"Raise growth_interval to {rec_interval} so the scale grows only after a long clean run.",
-                code=f"scaler = torch.amp.GradScaler('cuda', growth_interval={rec_interval})",
-                config_patch={"scaler": {"growth_interval": rec_interval}},
-            ),
-        )]
+        return [
+            self.finding(
+                f"Skips recur {len(runs)} times after the scale settled (every ~{sum(gaps) / max(len(gaps), 1):.0f} steps): growth_interval {interval} grows the scale too fast",
+                {
+                    "recurrent_skip_steps": later[:30],
+                    "recurrences": len(runs),
+                    "mean_gap": sum(gaps) / max(len(gaps), 1),
+                    "growth_interval": interval,
+                    "skips_after_growth": len(grew),
+                },
+                Fix(
+                    f"Raise growth_interval to {rec_interval} so the scale grows only after a long clean run.",
+                    code=f"scaler = torch.amp.GradScaler('cuda', growth_interval={rec_interval})",
+                    config_patch={"scaler": {"growth_interval": rec_interval}},
+                ),
+            )
+        ]

@@ -24,28 +24,51 @@ from ._helpers import fp32_finite, scale_patch
 class ScaleOverflow(Rule):
     code = "scale-overflow"
     order = 70
-    explains = ('skips', 'nonfinite', 'trajectory-drift')
+    explains = ("skips", "nonfinite", "trajectory-drift")
     repairs = ("scaler-scale",)
-    names_cases = (lambda: (fx.repair("scaler-scale", config_patch={"scaler": {"init_scale": 256.0}}, symptoms=("skips",)),
-                            fx.evidence()),)
+    names_cases = (
+        lambda: (
+            fx.repair("scaler-scale", config_patch={"scaler": {"init_scale": 256.0}}, symptoms=("skips",)),
+            fx.evidence(),
+        ),
+    )
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """A lower initial scale repaired it: the scale was too high."""
         new = repair.config_patch.get("scaler", {}).get("init_scale")
-        return repair.kind == "scaler-scale" and ev.config.scaler.enabled and new is not None and new < ev.config.scaler.init_scale
+        return (
+            repair.kind == "scaler-scale"
+            and ev.config.scaler.enabled
+            and new is not None
+            and new < ev.config.scaler.init_scale
+        )
+
     triggers = ("scale_too_high.py",)
-    fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(10)))),
-                # mse_loss(reduction='sum') over 256x3x32x32: FP32's gradients overflow fp16 above a scale of 14.6
-                lambda: fx.evidence(window=fx.window(2.6e-4, 14.6), amp=fx.probe(record=fx.records(skipped=range(10)))),
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_grads=range(10), nonfinite_loss=range(1, 10)),
-                                                 scaler_called=False, scaler_enabled=False)))
-    quiet_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 1]))),
-                # every step skipped while the scale halved down to 2^-4: gradients that are NaN at any scale (0/0)
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(steps=20, skipped=range(20), scales=[2.0 ** (16 - i) for i in range(20)]))),
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]))),
-                # every step skipped though the scale fell to 64, below the 512 the FP32 gradients allow
-                lambda: fx.evidence(window=fx.window(1.0, 512.0), amp=fx.probe(record=fx.records(
-                    steps=10, skipped=range(10), scales=[2.0 ** (16 - i) for i in range(10)]))))
+    fires_on = (
+        lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(10)))),
+        # mse_loss(reduction='sum') over 256x3x32x32: FP32's gradients overflow fp16 above a scale of 14.6
+        lambda: fx.evidence(window=fx.window(2.6e-4, 14.6), amp=fx.probe(record=fx.records(skipped=range(10)))),
+        lambda: fx.evidence(
+            amp=fx.probe(
+                record=fx.records(nonfinite_grads=range(10), nonfinite_loss=range(1, 10)),
+                scaler_called=False,
+                scaler_enabled=False,
+            )
+        ),
+    )
+    quiet_on = (
+        lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 1]))),
+        # every step skipped while the scale halved down to 2^-4: gradients that are NaN at any scale (0/0)
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(steps=20, skipped=range(20), scales=[2.0 ** (16 - i) for i in range(20)]))
+        ),
+        lambda: fx.evidence(amp=fx.probe(record=fx.records(nonfinite_loss=[0]))),
+        # every step skipped though the scale fell to 64, below the 512 the FP32 gradients allow
+        lambda: fx.evidence(
+            window=fx.window(1.0, 512.0),
+            amp=fx.probe(record=fx.records(steps=10, skipped=range(10), scales=[2.0 ** (16 - i) for i in range(10)])),
+        ),
+    )
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp = ev.amp
@@ -61,8 +84,12 @@ class ScaleOverflow(Rule):
         after = overflowing[leading:]
         persistent = sum(after) / len(after) if after else 1.0
         settling = self._expected_settling(ev)
-        if not (leading == len(overflowing) or leading > CALIBRATION_SKIPS or settling > CALIBRATION_SKIPS
-                or (persistent >= PERSISTENT_OVERFLOW_SHARE and sum(after) >= 3)):
+        if not (
+            leading == len(overflowing)
+            or leading > CALIBRATION_SKIPS
+            or settling > CALIBRATION_SKIPS
+            or (persistent >= PERSISTENT_OVERFLOW_SHARE and sum(after) >= 3)
+        ):
             return []
         lowest = float(rec["loss_scale"].min())
         safe = ev.window.high if ev.window is not None and math.isfinite(ev.window.high) else 0.0
@@ -75,22 +102,35 @@ class ScaleOverflow(Rule):
         if not amp.scaler_called:  # the step scales by hand: the measured window carries its static factor
             return [self._hand_rolled(steps, len(rec))]
         patch = scale_patch(ev)
-        why = (f"the scale never settled in {len(rec)} steps" if leading == len(overflowing)
-               else f"settling from init_scale {ev.config.scaler.init_scale:.3g} takes ~{settling} skipped steps" if settling > CALIBRATION_SKIPS
-               else f"{persistent:.0%} of the steps after settling still overflow")
-        return [self.finding(
-            f"Gradients overflow in {len(steps)} of {len(rec)} AMP steps (longest run {max(map(len, runs))}): {why}; the loss scale is too high",
-            {"overflow_steps": steps[:30], "leading_skips": leading, "persistent_share": persistent,
-             "expected_settling_skips": settling, "scale_first": float(rec["loss_scale"].iloc[0]),
-             "scale_last": float(rec["loss_scale"].iloc[-1]), "scaler_enabled": amp.scaler_enabled,
-             "max_safe_scale": ev.window.high if ev.window is not None else None, "recommended": patch["scaler"]},
-            Fix(
-                f"Use dynamic loss scaling from init_scale {patch['scaler']['init_scale']:.0f} with backoff 0.5."
-                + _summed_loss_hint(ev),
-                code=f"scaler = torch.amp.GradScaler('cuda', init_scale={patch['scaler']['init_scale']:.0f}, backoff_factor=0.5)",
-                config_patch=patch,
-            ),
-        )]
+        why = (
+            f"the scale never settled in {len(rec)} steps"
+            if leading == len(overflowing)
+            else f"settling from init_scale {ev.config.scaler.init_scale:.3g} takes ~{settling} skipped steps"
+            if settling > CALIBRATION_SKIPS
+            else f"{persistent:.0%} of the steps after settling still overflow"
+        )
+        return [
+            self.finding(
+                f"Gradients overflow in {len(steps)} of {len(rec)} AMP steps (longest run {max(map(len, runs))}): {why}; the loss scale is too high",
+                {
+                    "overflow_steps": steps[:30],
+                    "leading_skips": leading,
+                    "persistent_share": persistent,
+                    "expected_settling_skips": settling,
+                    "scale_first": float(rec["loss_scale"].iloc[0]),
+                    "scale_last": float(rec["loss_scale"].iloc[-1]),
+                    "scaler_enabled": amp.scaler_enabled,
+                    "max_safe_scale": ev.window.high if ev.window is not None else None,
+                    "recommended": patch["scaler"],
+                },
+                Fix(
+                    f"Use dynamic loss scaling from init_scale {patch['scaler']['init_scale']:.0f} with backoff 0.5."
+                    + _summed_loss_hint(ev),
+                    code=f"scaler = torch.amp.GradScaler('cuda', init_scale={patch['scaler']['init_scale']:.0f}, backoff_factor=0.5)",
+                    config_patch=patch,
+                ),
+            )
+        ]
 
     def _hand_rolled(self, steps: list[int], total: int) -> Finding:
         # No config patch: the file's train_step scales by hand, so the scaler settings of the
@@ -100,8 +140,10 @@ class ScaleOverflow(Rule):
             {"overflow_steps": steps[:30], "scaler_called": False},
             Fix(
                 "Replace the hand-rolled static scaling by the GradScaler passed to train_step (dynamic: it backs off on overflow).",
-                code=("scaler.scale(loss).backward()      # instead of (loss * STATIC_SCALE).backward()\n"
-                      "scaler.unscale_(optimizer)\nscaler.step(optimizer)\nscaler.update()"),
+                code=(
+                    "scaler.scale(loss).backward()      # instead of (loss * STATIC_SCALE).backward()\n"
+                    "scaler.unscale_(optimizer)\nscaler.step(optimizer)\nscaler.update()"
+                ),
             ),
         )
 
@@ -132,6 +174,8 @@ def _summed_loss_hint(ev: Evidence) -> str:
     window = ev.window
     if window is None or not math.isfinite(window.high) or window.high >= SUMMED_LOSS_SCALE:
         return ""
-    return (f" The gradients overflow above a scale of {window.high:.3g} (measured on FP32's): gradients that large "
-            "usually come from a loss summed over the batch and its elements (reduction='sum'); divide it by the "
-            "batch size or use reduction='mean', and the default scale fits again at any batch size.")
+    return (
+        f" The gradients overflow above a scale of {window.high:.3g} (measured on FP32's): gradients that large "
+        "usually come from a loss summed over the batch and its elements (reduction='sum'); divide it by the "
+        "batch size or use reduction='mean', and the default scale fits again at any batch size."
+    )

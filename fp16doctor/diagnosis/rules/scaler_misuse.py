@@ -36,13 +36,16 @@ REFUSALS = {
     # whose unscale_ found no gradient in the optimizer's parameters
     "No inf checks were recorded prior to update": "update() without a scaler.step() since the last update()",
     "No inf checks were recorded for this optimizer": "step() found no gradients to check: none of the optimizer's "
-                                                      "parameters has a gradient",
+    "parameters has a gradient",
     "is being called after step()": "step() without update(): the next iteration's step() finds the last one never closed",
 }
 CLIP_RAISES = "is non-finite, so it cannot be clipped"
 """Part of PyTorch's message when ``clip_grad_norm_(..., error_if_nonfinite=True)`` meets an inf/NaN norm."""
-CLIP_EXCEPTION = {"step": 0, "type": "RuntimeError", "message": "The total norm of order 2.0 for gradients from "
-                  "`parameters` is non-finite, so it cannot be clipped."}
+CLIP_EXCEPTION = {
+    "step": 0,
+    "type": "RuntimeError",
+    "message": "The total norm of order 2.0 for gradients from `parameters` is non-finite, so it cannot be clipped.",
+}
 """PyTorch's exception in the rule's own cases: the clip met the calibration's first overflow."""
 CLIP_RECIPE = """scaler.scale(loss).backward()
 scaler.unscale_(optimizer)
@@ -82,32 +85,71 @@ class ScalerMisuse(Rule):
     verifiable = False
     explains = ("amp-exception", "skips", "nonfinite", "lost-updates", "trajectory-drift", "same-state-gap")
     triggers = ("scaler_misuse.py",)
-    fires_on = (lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 1, "type": "RuntimeError",
-                                    "message": "unscale_() has already been called on this optimizer since the last update()."}),
-                                    scaler_calls=[["scale", "unscale_"], ["scale", "unscale_"]])),
-                lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "update"]] * 10)),
-                # update() every micro-batch, step() every fourth: PyTorch refuses the update with no step before it
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 0, "type": "AssertionError",
-                                    "message": "No inf checks were recorded prior to update."}),
-                                    scaler_calls=[["scale", "update"]])),
-                lambda: fx.evidence(amp=fx.probe(record=fx.records(exception={"step": 1, "type": "RuntimeError",
-                                    "message": "unscale_() is being called after step()."}),
-                                    scaler_calls=[["scale", "step"], ["scale", "step"]])),
-                lambda: fx.evidence(amp=fx.probe(), gap=fx.gap(1e7, gap_without_loss_scaling=1e-5, scale_leak=True)),
-                # clip_grad_norm_(..., error_if_nonfinite=True) on the calibration's first overflow, FP32 finite
-                lambda: fx.evidence(fp32=fx.probe("fp32"), amp=fx.probe(record=fx.records(exception=CLIP_EXCEPTION),
-                    scaler_calls=[["scale", "unscale_"]])),
-                lambda: fx.evidence(amp=fx.probe(
-                    scaler_calls=[["scale", "step", "scale", "step", "update"]] * 4,
-                    optimizer_calls=[["scale", "step(D)", "D.step()", "scale", "step(G)", "update"]] * 4)))
-    quiet_on = (lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "unscale_", "step", "update"]] * 10)),
-                # the same raise where FP32's own gradients are non-finite too: not the scaler's to skip
-                lambda: fx.evidence(fp32=fx.probe("fp32", record=fx.records(exception=CLIP_EXCEPTION)),
-                    amp=fx.probe(record=fx.records(exception=CLIP_EXCEPTION), scaler_calls=[["scale", "unscale_"]])),
-                lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale"], ["scale"], ["scale"], ["scale", "unscale_", "step", "update"]])),
-                lambda: fx.evidence(amp=fx.probe(
-                    scaler_calls=[["scale", "step", "scale", "step", "update"]] * 4,
-                    optimizer_calls=[["scale", "step(D)", "scale", "step(G)", "update"]] * 4)))
+    fires_on = (
+        lambda: fx.evidence(
+            amp=fx.probe(
+                record=fx.records(
+                    exception={
+                        "step": 1,
+                        "type": "RuntimeError",
+                        "message": "unscale_() has already been called on this optimizer since the last update().",
+                    }
+                ),
+                scaler_calls=[["scale", "unscale_"], ["scale", "unscale_"]],
+            )
+        ),
+        lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "update"]] * 10)),
+        # update() every micro-batch, step() every fourth: PyTorch refuses the update with no step before it
+        lambda: fx.evidence(
+            amp=fx.probe(
+                record=fx.records(
+                    exception={
+                        "step": 0,
+                        "type": "AssertionError",
+                        "message": "No inf checks were recorded prior to update.",
+                    }
+                ),
+                scaler_calls=[["scale", "update"]],
+            )
+        ),
+        lambda: fx.evidence(
+            amp=fx.probe(
+                record=fx.records(
+                    exception={"step": 1, "type": "RuntimeError", "message": "unscale_() is being called after step()."}
+                ),
+                scaler_calls=[["scale", "step"], ["scale", "step"]],
+            )
+        ),
+        lambda: fx.evidence(amp=fx.probe(), gap=fx.gap(1e7, gap_without_loss_scaling=1e-5, scale_leak=True)),
+        # clip_grad_norm_(..., error_if_nonfinite=True) on the calibration's first overflow, FP32 finite
+        lambda: fx.evidence(
+            fp32=fx.probe("fp32"),
+            amp=fx.probe(record=fx.records(exception=CLIP_EXCEPTION), scaler_calls=[["scale", "unscale_"]]),
+        ),
+        lambda: fx.evidence(
+            amp=fx.probe(
+                scaler_calls=[["scale", "step", "scale", "step", "update"]] * 4,
+                optimizer_calls=[["scale", "step(D)", "D.step()", "scale", "step(G)", "update"]] * 4,
+            )
+        ),
+    )
+    quiet_on = (
+        lambda: fx.evidence(amp=fx.probe(scaler_calls=[["scale", "unscale_", "step", "update"]] * 10)),
+        # the same raise where FP32's own gradients are non-finite too: not the scaler's to skip
+        lambda: fx.evidence(
+            fp32=fx.probe("fp32", record=fx.records(exception=CLIP_EXCEPTION)),
+            amp=fx.probe(record=fx.records(exception=CLIP_EXCEPTION), scaler_calls=[["scale", "unscale_"]]),
+        ),
+        lambda: fx.evidence(
+            amp=fx.probe(scaler_calls=[["scale"], ["scale"], ["scale"], ["scale", "unscale_", "step", "update"]])
+        ),
+        lambda: fx.evidence(
+            amp=fx.probe(
+                scaler_calls=[["scale", "step", "scale", "step", "update"]] * 4,
+                optimizer_calls=[["scale", "step(D)", "scale", "step(G)", "update"]] * 4,
+            )
+        ),
+    )
     suppresses = ("scale-overflow", "scale-growth", "scheduler-skip-drift", "bf16-advice", "precision-gap")
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -120,12 +162,16 @@ class ScalerMisuse(Rule):
             problems += [what for text, what in REFUSALS.items() if text in (exc.message or "")]
         clip_raised = exc is not None and CLIP_RAISES in (exc.message or "") and fp32_finite(ev)
         if exc is not None and clip_raised:
-            problems.append(f"the gradient clip raised on a non-finite norm at step {exc.step} "
-                            "(error_if_nonfinite=True), where GradScaler would have skipped the step; FP32 ran finite")
+            problems.append(
+                f"the gradient clip raised on a non-finite norm at step {exc.step} "
+                "(error_if_nonfinite=True), where GradScaler would have skipped the step; FP32 ran finite"
+            )
         calls = amp.scaler_calls
         for step, sequence in enumerate(calls):
             if "update" in sequence and "step" not in sequence and "scale" in sequence:
-                problems.append(f"update() without step() in iteration {step} (the scale changes between micro-batches)")
+                problems.append(
+                    f"update() without step() in iteration {step} (the scale changes between micro-batches)"
+                )
             if "step" in sequence and "update" not in sequence:
                 problems.append(f"step() without update() in iteration {step} (the scale never adapts)")
             if sequence.count("update") > 1:
@@ -136,50 +182,81 @@ class ScalerMisuse(Rule):
         doubled = {step: names for step, names in doubled.items() if names}
         if doubled:
             first_step, names = next(iter(doubled.items()))
-            problems.append(f"{', '.join(names)} stepped twice in iteration {first_step}: scaler.step() and a plain "
-                            ".step() (the plain step applies inf/NaN gradients the scaler would have skipped)")
+            problems.append(
+                f"{', '.join(names)} stepped twice in iteration {first_step}: scaler.step() and a plain "
+                ".step() (the plain step applies inf/NaN gradients the scaler would have skipped)"
+            )
         leak = ev.gap if ev.gap is not None and ev.gap.scale_leak else None
         if leak is not None:
             problems.append(
                 f"the loss changes with the loss scale ({leak.gap:.3g}x off FP32 on the same weights and batch, "
                 f"{leak.gap_without_loss_scaling or 0.0:.2%} with scaling off): the step returns scaler.scale(loss), or "
-                "computes from gradients of scaler.scale(...) (a gradient penalty) without dividing them by the scale")
+                "computes from gradients of scaler.scale(...) (a gradient penalty) without dividing them by the scale"
+            )
         problems = list(dict.fromkeys(problems))
         if not problems:
             return []
         if leak is not None and len(problems) == 1:
-            return [self.finding(
-                f"GradScaler misuse: {problems[0]}",
-                {"problems": problems, "same_state_gap": leak.gap, "gap_without_loss_scaling": leak.gap_without_loss_scaling,
-                 "step": leak.worst_step},
-                Fix("Gradients of a scaled loss are scaled: divide them by scaler.get_scale() before using them in the "
-                    "loss (PyTorch's gradient-penalty recipe), and return the unscaled loss.", code=PENALTY_RECIPE),
-            )]
+            return [
+                self.finding(
+                    f"GradScaler misuse: {problems[0]}",
+                    {
+                        "problems": problems,
+                        "same_state_gap": leak.gap,
+                        "gap_without_loss_scaling": leak.gap_without_loss_scaling,
+                        "step": leak.worst_step,
+                    },
+                    Fix(
+                        "Gradients of a scaled loss are scaled: divide them by scaler.get_scale() before using them in the "
+                        "loss (PyTorch's gradient-penalty recipe), and return the unscaled loss.",
+                        code=PENALTY_RECIPE,
+                    ),
+                )
+            ]
         first = exc.step if exc is not None else 0
-        window = calls[max(0, first - 3):first + 1]
+        window = calls[max(0, first - 3) : first + 1]
         if clip_raised and len(problems) == 1:
-            return [self.finding(
-                f"GradScaler misuse: {problems[0]}",
-                {"problems": problems, "scaler_calls_per_iteration": window, "exception": exc},
-                Fix("Clip with error_if_nonfinite=False (the default): under a GradScaler an inf/NaN gradient norm is "
-                    "expected while the scale settles and after each growth, and scaler.step() skips that step and "
-                    "lowers the scale. Raising turns each of those skips into a crash (a lower initial scale only "
-                    "postpones it to the first growth past the range). To catch real divergence, watch for "
-                    "consecutive skips instead.", code=CLIP_RECIPE),
-            )]
+            return [
+                self.finding(
+                    f"GradScaler misuse: {problems[0]}",
+                    {"problems": problems, "scaler_calls_per_iteration": window, "exception": exc},
+                    Fix(
+                        "Clip with error_if_nonfinite=False (the default): under a GradScaler an inf/NaN gradient norm is "
+                        "expected while the scale settles and after each growth, and scaler.step() skips that step and "
+                        "lowers the scale. Raising turns each of those skips into a crash (a lower initial scale only "
+                        "postpones it to the first growth past the range). To catch real divergence, watch for "
+                        "consecutive skips instead.",
+                        code=CLIP_RECIPE,
+                    ),
+                )
+            ]
         if doubled and len(problems) == 1:
             first = next(iter(doubled))
-            return [self.finding(
+            return [
+                self.finding(
+                    f"GradScaler misuse: {problems[0]}",
+                    {
+                        "problems": problems,
+                        "double_stepped": sorted({n for names in doubled.values() for n in names}),
+                        "iterations": len(doubled),
+                        "scaler_calls_per_iteration": amp.optimizer_calls[first : first + 2],
+                        "exception": exc,
+                    },
+                    Fix(
+                        "Step every optimizer once per iteration, through scaler.step() only, then call scaler.update() "
+                        "once (PyTorch's recipe for several optimizers).",
+                        code=DOUBLE_STEP_RECIPE,
+                    ),
+                )
+            ]
+        return [
+            self.finding(
                 f"GradScaler misuse: {problems[0]}",
-                {"problems": problems, "double_stepped": sorted({n for names in doubled.values() for n in names}),
-                 "iterations": len(doubled), "scaler_calls_per_iteration": amp.optimizer_calls[first:first + 2],
-                 "exception": exc},
-                Fix("Step every optimizer once per iteration, through scaler.step() only, then call scaler.update() "
-                    "once (PyTorch's recipe for several optimizers).", code=DOUBLE_STEP_RECIPE),
-            )]
-        return [self.finding(
-            f"GradScaler misuse: {problems[0]}",
-            {"problems": problems[:5], "scaler_calls_per_iteration": window, "exception": exc},
-            Fix("Call the GradScaler once per optimizer step in PyTorch's order: scale every backward; "
-                "unscale_, clip, step and update once, after the last micro-batch.", code=RECIPE),
-        )]
+                {"problems": problems[:5], "scaler_calls_per_iteration": window, "exception": exc},
+                Fix(
+                    "Call the GradScaler once per optimizer step in PyTorch's order: scale every backward; "
+                    "unscale_, clip, step and update once, after the last micro-batch.",
+                    code=RECIPE,
+                ),
+            )
+        ]

@@ -15,18 +15,38 @@ from . import Rule
 class SchedulerSkipDrift(Rule):
     code = "scheduler-skip-drift"
     order = 85
-    explains = ('trajectory-drift',)
+    explains = ("trajectory-drift",)
     repairs = ("hold-scheduler",)
-    names_cases = (lambda: (fx.repair("hold-scheduler", symptoms=("trajectory-drift",)), fx.evidence(has_scheduler=True)),)
+    names_cases = (
+        lambda: (fx.repair("hold-scheduler", symptoms=("trajectory-drift",)), fx.evidence(has_scheduler=True)),
+    )
     severity = "warning"
     triggers = ("warmup_skips.py",)
-    fires_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8)),)
-    quiet_on = (lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(skipped=[0, 1, 2])), lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8),
-                                    config={"overrides": {"hold_scheduler_on_skip": True}}),
-                # the AMP step raised at step 0: it ended the probe, nothing was skipped and the scheduler never stepped
-                lambda: fx.evidence(has_scheduler=True, amp=fx.probe(record=fx.records(exception={
-                    "step": 0, "type": "RuntimeError", "message": "mat1 and mat2 must have the same dtype"})),
-                                    lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8)))
+    fires_on = (
+        lambda: fx.evidence(
+            has_scheduler=True,
+            amp=fx.probe(record=fx.records(skipped=[0, 1, 2])),
+            lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8),
+        ),
+    )
+    quiet_on = (
+        lambda: fx.evidence(
+            has_scheduler=True,
+            amp=fx.probe(record=fx.records(skipped=[0, 1, 2])),
+            lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8),
+            config={"overrides": {"hold_scheduler_on_skip": True}},
+        ),
+        # the AMP step raised at step 0: it ended the probe, nothing was skipped and the scheduler never stepped
+        lambda: fx.evidence(
+            has_scheduler=True,
+            amp=fx.probe(
+                record=fx.records(
+                    exception={"step": 0, "type": "RuntimeError", "message": "mat1 and mat2 must have the same dtype"}
+                )
+            ),
+            lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8),
+        ),
+    )
 
     def check(self, ev: Evidence) -> list[Finding]:
         amp = ev.amp
@@ -39,21 +59,31 @@ class SchedulerSkipDrift(Rule):
         in_warmup = [s for s in skipped if s < peak]
         run_share = len(skipped) / max(len(amp.records), 1)
         warmup_share = len(in_warmup) / peak if peak else 0.0
-        severity = "error" if run_share >= SKIP_DRIFT_RUN_SHARE and warmup_share >= SKIP_DRIFT_WARMUP_SHARE else "warning"
-        return [self.finding(
-            f"The scheduler stepped on {len(skipped)} skipped step(s)"
-            + (f", {len(in_warmup)} of the {peak} warm-up steps" if peak else "") + ": the LR runs ahead of the optimizer",
-            {"skipped_steps": skipped[:30], "drift_steps": len(skipped), "warmup_steps": peak,
-             "warmup_share_lost": warmup_share, "run_share": run_share},
-            Fix(
-                "Step the scheduler only when the optimizer stepped.",
-                code=(
-                    "scale_before = scaler.get_scale()\n"
-                    "scaler.step(optimizer); scaler.update()\n"
-                    "if scaler.get_scale() >= scale_before:   # not skipped\n"
-                    "    scheduler.step()"
+        severity = (
+            "error" if run_share >= SKIP_DRIFT_RUN_SHARE and warmup_share >= SKIP_DRIFT_WARMUP_SHARE else "warning"
+        )
+        return [
+            self.finding(
+                f"The scheduler stepped on {len(skipped)} skipped step(s)"
+                + (f", {len(in_warmup)} of the {peak} warm-up steps" if peak else "")
+                + ": the LR runs ahead of the optimizer",
+                {
+                    "skipped_steps": skipped[:30],
+                    "drift_steps": len(skipped),
+                    "warmup_steps": peak,
+                    "warmup_share_lost": warmup_share,
+                    "run_share": run_share,
+                },
+                Fix(
+                    "Step the scheduler only when the optimizer stepped.",
+                    code=(
+                        "scale_before = scaler.get_scale()\n"
+                        "scaler.step(optimizer); scaler.update()\n"
+                        "if scaler.get_scale() >= scale_before:   # not skipped\n"
+                        "    scheduler.step()"
+                    ),
+                    config_patch={"overrides": {"hold_scheduler_on_skip": True}},
                 ),
-                config_patch={"overrides": {"hold_scheduler_on_skip": True}},
-            ),
-            severity=severity,
-        )]
+                severity=severity,
+            )
+        ]

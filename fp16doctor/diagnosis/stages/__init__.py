@@ -8,8 +8,8 @@ add anything is skipped with the reason; the FP32 and AMP probes always run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..model import StageReport
 from .amp import stage_amp

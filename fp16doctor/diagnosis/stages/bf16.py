@@ -25,7 +25,11 @@ def stage_bf16(ctx: StageContext) -> StageReport:
         or (under is not None and len(under) and worst_underflow(under) > UNDERFLOW_ALARM)
     )
     if ctx.config.dtype == "bfloat16" or not range_trouble:
-        return StageReport("bf16 check", "skipped", "no fp16 range trouble to compare against" if ctx.config.dtype != "bfloat16" else "already bfloat16")
+        return StageReport(
+            "bf16 check",
+            "skipped",
+            "no fp16 range trouble to compare against" if ctx.config.dtype != "bfloat16" else "already bfloat16",
+        )
     ev.bf16 = summary = run_mode(ctx, "bf16", instruments=None)  # the bf16 advice reads the records only
     ev.bf16_supported = torch.cuda.is_bf16_supported() if ctx.bench.device.type == "cuda" else True
     return StageReport("bf16 check", "ran", probe_sentence(summary), details=probe_details(summary))

@@ -5,17 +5,16 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
-from collections.abc import MutableMapping
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 import torch
 
 from ...config import DoctorConfig, build_config, merge
-from ...engine.kept import StateKeeper
-from ...engine.progress import StepProgress
 from ...engine.instruments import InstrumentOptions, precision_map
+from ...engine.kept import StateKeeper
 from ...engine.microbatch import UNSPLIT
 from ...engine.optimizers import flat_schedulers, named_optimizers
 from ...engine.probe import (
@@ -26,6 +25,7 @@ from ...engine.probe import (
     Workbench,
     metric_driven,
 )
+from ...engine.progress import StepProgress
 from ...engine.rng import seed_everything
 from ...measure.symptoms import (
     Symptom,
@@ -36,7 +36,6 @@ from ...measure.symptoms import (
     skip_profile,
 )
 from ..model import Evidence, ProbeSummary
-
 
 EVENT_LEAD = 3
 """Trouble that starts at most this many steps after an LR schedule's peak or jump starts there."""
@@ -99,9 +98,14 @@ def summarise(probe: Probe) -> ProbeSummary:
     clip_calls = [dict(c, step=r.step) for r in probe.records if r.trace for c in r.trace.clip_calls]
     loss_dtypes = sorted({r.trace.loss_dtype for r in probe.records if r.trace and r.trace.loss_dtype})
     return ProbeSummary(
-        mode=probe.mode, records=probe.frame(), tables=tables,
-        precision=precision_map(probe.model, probe.optimizers.all(), probe.instruments.compute_dtypes if probe.instruments else None),
-        clip_calls=clip_calls, loss_dtypes=loss_dtypes,
+        mode=probe.mode,
+        records=probe.frame(),
+        tables=tables,
+        precision=precision_map(
+            probe.model, probe.optimizers.all(), probe.instruments.compute_dtypes if probe.instruments else None
+        ),
+        clip_calls=clip_calls,
+        loss_dtypes=loss_dtypes,
         first_nonfinite_forward=probe.instruments.first_nonfinite_forward() if probe.instruments else None,
         scaler_enabled=probe.scaler.is_enabled(),
         scaler_called=any(r.trace.scale_called for r in probe.records if r.trace),
@@ -111,9 +115,14 @@ def summarise(probe: Probe) -> ProbeSummary:
     )
 
 
-def run_mode(ctx: StageContext, mode: str, config: DoctorConfig | None = None, steps: int | None = None,
-             before_step: Callable[[Probe], None] | None = None,
-             instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS) -> ProbeSummary:
+def run_mode(
+    ctx: StageContext,
+    mode: str,
+    config: DoctorConfig | None = None,
+    steps: int | None = None,
+    before_step: Callable[[Probe], None] | None = None,
+    instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS,
+) -> ProbeSummary:
     """Run a fresh probe of ``mode`` (with the instruments the rules read, :data:`DEFAULT_INSTRUMENTS`, unless
     told others: the report's AMP probe takes the plots' too, a probe whose tables nothing reads none) and
     summarise it."""
@@ -190,14 +199,16 @@ def same_state_gap(ctx: StageContext, config: DoctorConfig, step: int) -> float:
     return relative_deviation(losses["amp"], losses["fp32"], ctx.loss_floor)
 
 
-def measured_symptoms(ctx: StageContext, config: DoctorConfig, amp: ProbeSummary | None, fp32: ProbeSummary | None,
-                      gap: float | None) -> list[Symptom]:
+def measured_symptoms(
+    ctx: StageContext, config: DoctorConfig, amp: ProbeSummary | None, fp32: ProbeSummary | None, gap: float | None
+) -> list[Symptom]:
     """The symptoms of an AMP probe against FP32 (:func:`measured_outcome`'s)."""
     return measured_outcome(ctx, config, amp, fp32, gap)[0]
 
 
-def measured_outcome(ctx: StageContext, config: DoctorConfig, amp: ProbeSummary | None, fp32: ProbeSummary | None,
-                     gap: float | None) -> tuple[list[Symptom], pd.DataFrame | None]:
+def measured_outcome(
+    ctx: StageContext, config: DoctorConfig, amp: ProbeSummary | None, fp32: ProbeSummary | None, gap: float | None
+) -> tuple[list[Symptom], pd.DataFrame | None]:
     """The symptoms of an AMP probe against FP32 (:func:`fp16doctor.measure.symptoms.probe_symptoms`): the verdict's
     and every fix's verification; with the records of the aligned AMP run where one was measured (below), else None.
 
@@ -248,9 +259,12 @@ def probe_sentence(summary: ProbeSummary) -> str:
 def probe_details(summary: ProbeSummary) -> dict[str, Any]:
     rec = summary.records
     return {
-        "steps": len(rec), "first_nonfinite_loss": summary.first_nonfinite_loss,
-        "first_nonfinite_grads": summary.first_nonfinite_grads, "skipped_steps": summary.skip_steps,
-        "final_loss": float(rec["loss"].iloc[-1]) if len(rec) else None, "exception": summary.exception,
+        "steps": len(rec),
+        "first_nonfinite_loss": summary.first_nonfinite_loss,
+        "first_nonfinite_grads": summary.first_nonfinite_grads,
+        "skipped_steps": summary.skip_steps,
+        "final_loss": float(rec["loss"].iloc[-1]) if len(rec) else None,
+        "exception": summary.exception,
         "skipped_by_optimizer": summary.skips_by_optimizer,
     }
 
@@ -281,7 +295,7 @@ def telling_skip(records: pd.DataFrame, first: int, unsettled: str = "last") -> 
             return first
         chosen = profile["skipped_steps"][-1]
     else:
-        later = profile["skipped_steps"][profile["leading"]:]
+        later = profile["skipped_steps"][profile["leading"] :]
         if not later:
             return first
         chosen = later[0]
@@ -319,7 +333,9 @@ def scheduler_lrs(ctx: StageContext) -> list[float] | None:
         schedulers = flat_schedulers(spec.scheduler(built))
     except Exception:  # noqa: BLE001 - the probes built them on the real parameters; only the dry run cannot
         return None
-    first: torch.optim.Optimizer = next(iter(optimizer.values()))  # the first optimizer's learning rate, as the records show
+    first: torch.optim.Optimizer = next(
+        iter(optimizer.values())
+    )  # the first optimizer's learning rate, as the records show
     if not schedulers or any(metric_driven(s) for s in schedulers):
         return None
     lrs = []
@@ -351,7 +367,13 @@ def schedule_events(lrs: list[float]) -> dict[str, Any]:
     peak = max(range(len(lrs)), key=lrs.__getitem__)
     ratios = [lrs[t] / lrs[t - 1] if lrs[t - 1] > 0 else math.inf for t in range(1, len(lrs))]
     jump = (max(range(len(ratios)), key=ratios.__getitem__) + 1) if ratios else 0
-    return {"lrs": lrs, "peak_step": peak, "peak_lr": lrs[peak], "jump_step": jump, "jump_ratio": ratios[jump - 1] if ratios else 1.0}
+    return {
+        "lrs": lrs,
+        "peak_step": peak,
+        "peak_lr": lrs[peak],
+        "jump_step": jump,
+        "jump_ratio": ratios[jump - 1] if ratios else 1.0,
+    }
 
 
 def skips_start_at_schedule_event(ctx: StageContext) -> int | None:

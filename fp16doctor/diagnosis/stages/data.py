@@ -14,7 +14,13 @@ def stage_data(ctx: StageContext) -> StageReport:
     distinct = len({id(b) for b in ctx.bench.batches})
     parts = [f"{distinct} batches, {len(scan)} fields"]
     if bad:
-        parts.append("non-finite values in " + ", ".join(f"'{f.field}' ({f.nan} NaN, {f.posinf + f.neginf} inf; first in batch {(f.first_nonfinite or {}).get('batch')})" for f in bad))
+        parts.append(
+            "non-finite values in "
+            + ", ".join(
+                f"'{f.field}' ({f.nan} NaN, {f.posinf + f.neginf} inf; first in batch {(f.first_nonfinite or {}).get('batch')})"
+                for f in bad
+            )
+        )
     if extreme:
         parts.append("extreme magnitudes in " + ", ".join(f"'{f.field}' (|x| up to {f.abs_max:.3g})" for f in extreme))
     if not bad and not extreme:

@@ -19,4 +19,6 @@ def stage_fp32(ctx: StageContext) -> StageReport:
     ctx.evidence.fp32 = summary = run_mode(ctx, "fp32", before_step=keep_state)
     plan = ctx.bench.micro_batch_plan("fp32")  # made when the probe was built: what every FP32 probe follows
     sentence = "; ".join(part for part in (probe_sentence(summary), plan.sentence()) if part)
-    return StageReport("fp32 baseline", "ran", sentence, details={**probe_details(summary), "micro_batches": plan.to_json()})
+    return StageReport(
+        "fp32 baseline", "ran", sentence, details={**probe_details(summary), "micro_batches": plan.to_json()}
+    )

@@ -11,8 +11,13 @@ from .context import StageContext, bad_step
 
 def stage_localise(ctx: StageContext) -> StageReport:
     ev = ctx.evidence
-    with ctx.progress.planned(sum(localise_steps(bad_step(summary)) for summary in (ev.fp32, ev.amp)
-                                  if summary is not None and not summary.finite and summary.exception is None)):
+    with ctx.progress.planned(
+        sum(
+            localise_steps(bad_step(summary))
+            for summary in (ev.fp32, ev.amp)
+            if summary is not None and not summary.finite and summary.exception is None
+        )
+    ):
         return _localise(ctx)
 
 
@@ -36,10 +41,21 @@ def _localise(ctx: StageContext) -> StageReport:
     if first is None:
         notes.append(f"amp step {step}: the replay stayed finite (non-deterministic fault?)")
     else:
-        notes.append("amp: " + first.describe() + ("" if ev.localisation_deterministic else " (the replay differed: non-deterministic)"))
-    return StageReport("localisation", "ran", "; ".join(notes),
-                       details={"amp": first.to_json() if first else None, "deterministic": ev.localisation_deterministic,
-                                "fp32": ev.fp32_localisation.to_json() if ev.fp32_localisation else None})
+        notes.append(
+            "amp: "
+            + first.describe()
+            + ("" if ev.localisation_deterministic else " (the replay differed: non-deterministic)")
+        )
+    return StageReport(
+        "localisation",
+        "ran",
+        "; ".join(notes),
+        details={
+            "amp": first.to_json() if first else None,
+            "deterministic": ev.localisation_deterministic,
+            "fp32": ev.fp32_localisation.to_json() if ev.fp32_localisation else None,
+        },
+    )
 
 
 def reproduces(found: Localisation, original: ProbeSummary) -> bool:
@@ -49,7 +65,8 @@ def reproduces(found: Localisation, original: ProbeSummary) -> bool:
     rows = original.records[original.records["step"] < found.step]
     expected = list(zip(rows["loss"].astype(float), rows["loss_scale"].astype(float)))
     return len(expected) == len(found.replayed) and all(
-        _same(a, b) and _same(c, d) for (a, c), (b, d) in zip(expected, found.replayed))
+        _same(a, b) and _same(c, d) for (a, c), (b, d) in zip(expected, found.replayed)
+    )
 
 
 def _same(a: float, b: float) -> bool:

@@ -34,7 +34,9 @@ def stage_scale(ctx: StageContext) -> StageReport:
         failed = f"raised {ev.fp32.exception.type}" if ev.fp32 is not None and ev.fp32.exception else "is not finite"
         return StageReport("loss-scale sweep", "skipped", f"the fp32 baseline {failed}: scaling cannot help")
     with ctx.progress.planned(2):  # step 0 in FP32 and in AMP; the sweep plans its own steps
-        reference = ctx.bench.probe("fp32", cfg, instruments=None)  # micro-batched if planned: the capture is the whole batch's
+        reference = ctx.bench.probe(
+            "fp32", cfg, instruments=None
+        )  # micro-batched if planned: the capture is the whole batch's
         try:
             capture = capture_gradients(reference)  # step 0 from the start: the same step observed_underflow compares
         finally:
@@ -48,31 +50,59 @@ def stage_scale(ctx: StageContext) -> StageReport:
     worst_observed = worst_underflow(ev.observed_underflow)
     amp = ev.amp
     skips = len(amp.skip_steps) if amp is not None else 0
-    needs_sweep = skips > 0 or worst_observed > UNDERFLOW_ALARM or worst_predicted > UNDERFLOW_ALARM or not cfg.scaler.enabled
-    summary = (f"window [{window.low:.3g}, {window.high:.3g}] from FP32's gradients (centre {window.recommended():.0f}"
-               + ("" if window.feasible else "; infeasible: no scale keeps the small gradients without overflowing the large")
-               + "); "
-               f"at the configured scale {configured:.0f}: predicted underflow {worst_predicted:.1%}, "
-               f"observed {worst_observed:.1%} of a tensor's gradient mass")
+    needs_sweep = (
+        skips > 0 or worst_observed > UNDERFLOW_ALARM or worst_predicted > UNDERFLOW_ALARM or not cfg.scaler.enabled
+    )
+    summary = (
+        f"window [{window.low:.3g}, {window.high:.3g}] from FP32's gradients (centre {window.recommended():.0f}"
+        + ("" if window.feasible else "; infeasible: no scale keeps the small gradients without overflowing the large")
+        + "); "
+        f"at the configured scale {configured:.0f}: predicted underflow {worst_predicted:.1%}, "
+        f"observed {worst_observed:.1%} of a tensor's gradient mass"
+    )
     if not needs_sweep:
-        return StageReport("loss-scale sweep", "skipped", summary + "; no skips or underflow: nothing to sweep",
-                           details={"window": [window.low, window.high]})
+        return StageReport(
+            "loss-scale sweep",
+            "skipped",
+            summary + "; no skips or underflow: nothing to sweep",
+            details={"window": [window.low, window.high]},
+        )
     if amp is not None and amp.first_nonfinite_loss is not None:
         why = "AMP raised an exception" if amp.exception is not None else "the loss itself turns non-finite"
-        return StageReport("loss-scale sweep", "skipped", summary + f"; {why}: no loss scale can fix that",
-                           details={"window": [window.low, window.high]})
+        return StageReport(
+            "loss-scale sweep",
+            "skipped",
+            summary + f"; {why}: no loss scale can fix that",
+            details={"window": [window.low, window.high]},
+        )
     event = skips_start_at_schedule_event(ctx)
     if event is not None and not (worst_observed > UNDERFLOW_ALARM or not cfg.scaler.enabled):
-        return StageReport("loss-scale sweep", "skipped", summary + f"; the skips start right at the LR schedule's peak or jump "
-                           f"(step {event}): a sweep from the start cannot see them, the LR-peak stage pauses there",
-                           details={"window": [window.low, window.high], "schedule_event": event})
+        return StageReport(
+            "loss-scale sweep",
+            "skipped",
+            summary + f"; the skips start right at the LR schedule's peak or jump "
+            f"(step {event}): a sweep from the start cannot see them, the LR-peak stage pauses there",
+            details={"window": [window.low, window.high], "schedule_event": event},
+        )
     ev.sweep = sweep = _sweep(ctx, capture, window)
     ev.recommended_scaler = _recommend(ctx, sweep, window)
     stable = bool((sweep["verdict"] != "diverged").any())
-    summary += (f"; swept {len(sweep)} settings, " + ("measured best: " if stable else "none stable; the window's centre: ")
-                + ", ".join(f"{k}={v:.0f}" if v >= 1 else f"{k}={v:.3g}" for k, v in ev.recommended_scaler.items()))
-    return StageReport("loss-scale sweep", "ran", summary, details={"window": [window.low, window.high], "window_recommended": window.recommended(), "sweep": sweep.to_dict("records"),
-                                                             "recommended": ev.recommended_scaler})
+    summary += (
+        f"; swept {len(sweep)} settings, "
+        + ("measured best: " if stable else "none stable; the window's centre: ")
+        + ", ".join(f"{k}={v:.0f}" if v >= 1 else f"{k}={v:.3g}" for k, v in ev.recommended_scaler.items())
+    )
+    return StageReport(
+        "loss-scale sweep",
+        "ran",
+        summary,
+        details={
+            "window": [window.low, window.high],
+            "window_recommended": window.recommended(),
+            "sweep": sweep.to_dict("records"),
+            "recommended": ev.recommended_scaler,
+        },
+    )
 
 
 SWEEP_SETTINGS = 4
@@ -110,24 +140,40 @@ def sweep_iterations(steps: int) -> int:
     return steps + CALIBRATION_SKIPS + 2
 
 
-def _run_sweep(ctx: StageContext, capture: Any, window: Any, settings: list[dict[str, Any]], steps: int) -> pd.DataFrame:
+def _run_sweep(
+    ctx: StageContext, capture: Any, window: Any, settings: list[dict[str, Any]], steps: int
+) -> pd.DataFrame:
     """The sweep's probes: one FP32 reference, then each setting against it (its predicted underflow over the
     tensors that carry signal, as the window counts them)."""
     rows = []
-    baseline = run_aligned(ctx.bench, "fp32", ctx.config, steps, instruments=None)  # one FP32 reference for every setting
+    baseline = run_aligned(
+        ctx.bench, "fp32", ctx.config, steps, instruments=None
+    )  # one FP32 reference for every setting
     for setting in settings:
         config = ctx.with_config({"scaler": {"enabled": True, **setting}})
         # A setting still skipping after the calibration allowance has failed: no need to watch it further.
-        result = compare(ctx.bench, ["amp"], steps=steps, config=config, reference=baseline, instruments=None,
-                         max_iterations=sweep_iterations(steps))
+        result = compare(
+            ctx.bench,
+            ["amp"],
+            steps=steps,
+            config=config,
+            reference=baseline,
+            instruments=None,
+            max_iterations=sweep_iterations(steps),
+        )
         trajectory = result.trajectories["amp"]
         iterations = len(trajectory.records)
         under = window.worst_signal_underflow(predicted_underflow(capture, setting["init_scale"]))
-        rows.append({
-            "init_scale": setting["init_scale"], "growth_interval": setting.get("growth_interval", ctx.config.scaler.growth_interval),
-            "skip_rate": trajectory.skipped / max(iterations, 1), "predicted_underflow": float(under),
-            "max_rel_dev": result.max_rel_dev.get("amp"), "verdict": result.verdict_by_mode["amp"],
-        })
+        rows.append(
+            {
+                "init_scale": setting["init_scale"],
+                "growth_interval": setting.get("growth_interval", ctx.config.scaler.growth_interval),
+                "skip_rate": trajectory.skipped / max(iterations, 1),
+                "predicted_underflow": float(under),
+                "max_rel_dev": result.max_rel_dev.get("amp"),
+                "verdict": result.verdict_by_mode["amp"],
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -142,7 +188,11 @@ def _recommend(ctx: StageContext, sweep: pd.DataFrame, window: Any) -> dict[str,
     if ok.empty:
         return {"init_scale": window.recommended(), "growth_interval": ctx.config.scaler.growth_interval}
     dev = ok["max_rel_dev"].fillna(math.inf)
-    ok = ok.assign(dev_band=(dev >= DRIFT_ERROR).astype(int) + (dev == math.inf).astype(int),
-                   distance=(ok["init_scale"].map(math.log2) - math.log2(window.recommended())).abs())
-    best = ok.sort_values(["skip_rate", "dev_band", "distance", "init_scale"], ascending=[True, True, True, False]).iloc[0]
+    ok = ok.assign(
+        dev_band=(dev >= DRIFT_ERROR).astype(int) + (dev == math.inf).astype(int),
+        distance=(ok["init_scale"].map(math.log2) - math.log2(window.recommended())).abs(),
+    )
+    best = ok.sort_values(
+        ["skip_rate", "dev_band", "distance", "init_scale"], ascending=[True, True, True, False]
+    ).iloc[0]
     return {"init_scale": float(best["init_scale"]), "growth_interval": int(best["growth_interval"])}

@@ -19,8 +19,12 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
     if not ev.has_scheduler:
         return StageReport("LR schedule peak", "skipped", "no scheduler() in the training file")
     if ctx.schedule is None:
-        return StageReport("LR schedule peak", "skipped", "no schedule to dry-run: the scheduler follows the loss "
-                           "(ReduceLROnPlateau), or cannot be built apart from the training")
+        return StageReport(
+            "LR schedule peak",
+            "skipped",
+            "no schedule to dry-run: the scheduler follows the loss "
+            "(ReduceLROnPlateau), or cannot be built apart from the training",
+        )
     ev.lr_peak = found = LrPeak(LrSchedule(**ctx.schedule))
     schedule = found.schedule
     lrs, peak, jump = schedule.lrs, schedule.peak_step, schedule.jump_step
@@ -31,10 +35,17 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
     event = ctx.schedule_event_before(trouble)
     summary = f"peak lr {lrs[peak]:.3g} at step {peak}; largest jump x{schedule.jump_ratio:.3g} at step {jump}"
     if event is None:
-        return StageReport("LR schedule peak", "skipped", summary + "; no trouble at the peak or jump to explain", details=found.to_json())
+        return StageReport(
+            "LR schedule peak",
+            "skipped",
+            summary + "; no trouble at the peak or jump to explain",
+            details=found.to_json(),
+        )
     found.pause = pause = _pause(ctx, event, lrs)
-    summary += (f"; paused at step {event}: at lr {lrs[event]:.3g} the step is {'finite' if pause.finite_at_peak else 'NOT finite'}, "
-                f"at the pre-peak lr {lrs[event - 1]:.3g} it is {'finite' if pause.finite_before_peak else 'NOT finite'}")
+    summary += (
+        f"; paused at step {event}: at lr {lrs[event]:.3g} the step is {'finite' if pause.finite_at_peak else 'NOT finite'}, "
+        f"at the pre-peak lr {lrs[event - 1]:.3g} it is {'finite' if pause.finite_before_peak else 'NOT finite'}"
+    )
     return StageReport("LR schedule peak", "ran", summary, details=found.to_json())
 
 
@@ -68,12 +79,20 @@ def _pause_at(ctx: StageContext, kept: MutableMapping[int, ProbeSnapshot], event
         del probe
     at_peak = _paused_step(ctx, kept, event)
     before = _paused_step(ctx, kept, event, lr=lrs[event - 1])
-    return LrPause(pause_step=event, finite_at_peak=at_peak["finite"], finite_before_peak=before["finite"],
-                   update_to_weight_at_peak=at_peak["update_to_weight"], update_to_weight_before_peak=before["update_to_weight"],
-                   activation_max_at_peak=at_peak["activation_max"], activation_max_before_peak=before["activation_max"])
+    return LrPause(
+        pause_step=event,
+        finite_at_peak=at_peak["finite"],
+        finite_before_peak=before["finite"],
+        update_to_weight_at_peak=at_peak["update_to_weight"],
+        update_to_weight_before_peak=before["update_to_weight"],
+        activation_max_at_peak=at_peak["activation_max"],
+        activation_max_before_peak=before["activation_max"],
+    )
 
 
-def _paused_step(ctx: StageContext, kept: MutableMapping[int, ProbeSnapshot], event: int, lr: float | None = None) -> dict[str, Any]:
+def _paused_step(
+    ctx: StageContext, kept: MutableMapping[int, ProbeSnapshot], event: int, lr: float | None = None
+) -> dict[str, Any]:
     """:func:`_instrumented_step` on a fresh probe given its own copy of the snapshot before ``event``: a
     probe holding no gradients or optimizer state yet takes the copy over (no second copy in memory)."""
     # two steps: their outputs held to the step's end, so that an overflowing module's finite magnitude shows
@@ -96,11 +115,12 @@ def _instrumented_step(probe: Probe, lr: float | None = None) -> dict[str, Any]:
             for group in probe.optimizer.param_groups:
                 group["lr"] = lr
         records.append(probe.step())
-    updates = instruments.update_rows[rows_before[0]:]
-    forward = instruments.forward_rows[rows_before[1]:]
+    updates = instruments.update_rows[rows_before[0] :]
+    forward = instruments.forward_rows[rows_before[1] :]
     weights_finite = all(torch.isfinite(p).all() for p in probe.model.parameters())
     return {
-        "finite": all(r.exception_type is None and not r.nonfinite_loss and not r.nonfinite_grads for r in records) and weights_finite,
+        "finite": all(r.exception_type is None and not r.nonfinite_loss and not r.nonfinite_grads for r in records)
+        and weights_finite,
         "update_to_weight": max((u["update_to_weight"] for u in updates), default=0.0),
         # NaN where no finite magnitude was measured (a row of another probe's instruments): left out
         "activation_max": max((f["abs_max"] for f in forward if not math.isnan(f["abs_max"])), default=0.0),

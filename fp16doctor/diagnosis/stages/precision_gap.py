@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from ...userfile.modules import module_names
 from ...measure.localise import trace_step
 from ...measure.records import ROOT
 from ...measure.symptoms import loss_floor, relative_deviation
 from ...measure.thresholds import BF16_FACTOR, GAP_TOLERANCE
+from ...userfile.modules import module_names
 from ..model import GapSearch, GapTrial, ModuleGap, StageReport
 from .context import (
     StageContext,
@@ -27,7 +27,9 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     ev, cfg = ctx.evidence, ctx.config
     amp = ev.amp
     if amp is not None and amp.exception is not None:
-        return StageReport("precision-gap search", "skipped", f"AMP raised {amp.exception.type}: no trajectory to compare")
+        return StageReport(
+            "precision-gap search", "skipped", f"AMP raised {amp.exception.type}: no trajectory to compare"
+        )
     if amp is None or amp.first_nonfinite_loss is not None:
         return StageReport("precision-gap search", "skipped", "AMP is not finite: a range problem, not a precision gap")
     tolerance = GAP_TOLERANCE * (BF16_FACTOR if cfg.dtype == "bfloat16" else 1.0)
@@ -45,9 +47,13 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     gap = gaps[worst_step]
     ev.gap = info = GapSearch(same_state_rel_dev=gaps, worst_step=worst_step, gap=gap, tolerance=tolerance)
     if gap <= tolerance:
-        return StageReport("precision-gap search", "ran",  # the same-state pairs ran; no module search is needed
-                           f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step}): "
-                           "no module to search for", details=info.to_json())
+        return StageReport(
+            "precision-gap search",
+            "ran",  # the same-state pairs ran; no module search is needed
+            f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step}): "
+            "no module to search for",
+            details=info.to_json(),
+        )
     leak_check = cfg.scaler.enabled and cfg.dtype == "float16"
     # at most: the pair without loss scaling, the pair that ranks the modules, the traced AMP step, a pair per
     # module set tried
@@ -65,19 +71,29 @@ def _search(ctx: StageContext, info: GapSearch, leak_check: bool) -> StageReport
     gap, worst_step, tolerance = info.gap, info.worst_step, info.tolerance
     if leak_check:
         # The loss of one step does not depend on the loss scale, unless the scale leaks into it.
-        info.gap_without_loss_scaling = plain = same_state_gap(ctx, ctx.with_config({"scaler": {"enabled": False}}), worst_step)
+        info.gap_without_loss_scaling = plain = same_state_gap(
+            ctx, ctx.with_config({"scaler": {"enabled": False}}), worst_step
+        )
         if plain <= tolerance:
             info.scale_leak = True
-            return StageReport("precision-gap search", "ran",
-                               f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}), and {plain:.3%} with loss "
-                               "scaling off: the loss scale leaks into the loss (not a precision gap)", details=info.to_json())
+            return StageReport(
+                "precision-gap search",
+                "ran",
+                f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}), and {plain:.3%} with loss "
+                "scaling off: the loss scale leaks into the loss (not a precision gap)",
+                details=info.to_json(),
+            )
     ranked = _rank_modules(ctx, worst_step)
     info.ranked_modules = ranked[:8]
     info.absorbed_overflow = absorbed_overflow(ctx, worst_step)
     _search_fp32_set(ctx, info, [r.module for r in ranked])
     closed = info.closing_set
     summary = f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}); "
-    summary += f"keeping {closed} in fp32 closes it ({info.closed_gap:.3%})" if closed else "no fp32 module set tried closes it"
+    summary += (
+        f"keeping {closed} in fp32 closes it ({info.closed_gap:.3%})"
+        if closed
+        else "no fp32 module set tried closes it"
+    )
     if info.absorbed_overflow is not None:
         summary += f"; an overflow no module output shows: {info.absorbed_overflow.describe()}"
     return StageReport("precision-gap search", "ran", summary, details=info.to_json())
@@ -106,10 +122,23 @@ def _rank_modules(ctx: StageContext, step: int) -> list[ModuleGap]:
         def hook(module: torch.nn.Module, args: Any, output: Any, captured=captured, names=names) -> None:
             if module in names and names[module] not in captured:
                 first_in = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
-                out = output if isinstance(output, torch.Tensor) else next((o for o in (output if isinstance(output, (tuple, list)) else []) if isinstance(o, torch.Tensor)), None)
+                out = (
+                    output
+                    if isinstance(output, torch.Tensor)
+                    else next(
+                        (
+                            o
+                            for o in (output if isinstance(output, (tuple, list)) else [])
+                            if isinstance(o, torch.Tensor)
+                        ),
+                        None,
+                    )
+                )
                 # fp32 copies: exact for fp32 and half values (the errors are taken in fp64, one module at a time)
-                captured[names[module]] = (first_in.detach().to(torch.float32, copy=True) if first_in is not None else None,
-                                           out.detach().to(torch.float32, copy=True) if out is not None and out.is_floating_point() else None)
+                captured[names[module]] = (
+                    first_in.detach().to(torch.float32, copy=True) if first_in is not None else None,
+                    out.detach().to(torch.float32, copy=True) if out is not None and out.is_floating_point() else None,
+                )
 
         handles = [m.register_forward_hook(hook) for m in names]
         try:
@@ -127,7 +156,9 @@ def _rank_modules(ctx: StageContext, step: int) -> list[ModuleGap]:
             continue
         err_out = _rel_err(out16, out32)
         err_in = _rel_err(in16, in32) if in32 is not None and in16 is not None and in32.shape == in16.shape else 0.0
-        ranked.append(ModuleGap(module=name, added_error=max(err_out - err_in, 0.0), output_error=err_out, input_error=err_in))
+        ranked.append(
+            ModuleGap(module=name, added_error=max(err_out - err_in, 0.0), output_error=err_out, input_error=err_in)
+        )
     ranked.sort(key=lambda r: r.added_error, reverse=True)
     return ranked
 

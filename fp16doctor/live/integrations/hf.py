@@ -46,7 +46,11 @@ class FP16DoctorCallback(TrainerCallback):
         if watching_steps():  # run under `fp16doctor watch`, which checks every step already
             return
         dtype = "bfloat16" if getattr(args, "bf16", False) else ("float16" if getattr(args, "fp16", False) else None)
-        options = self.options if self._capsule_dir_given else replace(self.options, capsule_dir=Path(args.output_dir) / CAPSULE_FOLDER)
+        options = (
+            self.options
+            if self._capsule_dir_given
+            else replace(self.options, capsule_dir=Path(args.output_dir) / CAPSULE_FOLDER)
+        )
         self.watch = Watch(model, options, framework="hf", dtype=dtype)
         self._handles = [model.register_forward_pre_hook(self._capture_inputs, with_kwargs=True)]
         self._losses = TrainingObserver(observe_steps=False)
@@ -75,7 +79,9 @@ class FP16DoctorCallback(TrainerCallback):
         found_inf = scaler_decision(scaler, getattr(optimizer, "optimizer", optimizer))
         for loss in self._losses.take_losses() if self._losses is not None else []:
             self.watch.record_loss(loss)
-        alarm = self.watch.before_optimizer_step(state.global_step, optimizer, scaler, grads_scaled=False, found_inf=found_inf)
+        alarm = self.watch.before_optimizer_step(
+            state.global_step, optimizer, scaler, grads_scaled=False, found_inf=found_inf
+        )
         watch_step(self.watch, lambda: setattr(self, "_stop", True))(alarm)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

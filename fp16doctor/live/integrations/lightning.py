@@ -24,7 +24,9 @@ except ImportError:  # pragma: no cover - the older package name
     try:
         from pytorch_lightning import Callback  # type: ignore[assignment]  # the same class under its older package name
     except ImportError as exc:
-        raise ImportError("fp16doctor.live.integrations.lightning needs Lightning: pip install 'fp16doctor[lightning]'") from exc
+        raise ImportError(
+            "fp16doctor.live.integrations.lightning needs Lightning: pip install 'fp16doctor[lightning]'"
+        ) from exc
 
 from ..observe import scaler_decision, watching_steps
 from ..watch import Watch, WatchOptions, watch_step
@@ -51,8 +53,11 @@ class FP16DoctorCallback(Callback):
             return
         precision = str(getattr(trainer, "precision", ""))
         dtype = "bfloat16" if precision.startswith("bf16") else ("float16" if precision.startswith("16") else None)
-        options = self.options if self._capsule_dir_given else replace(
-            self.options, capsule_dir=Path(trainer.default_root_dir) / CAPSULE_FOLDER)
+        options = (
+            self.options
+            if self._capsule_dir_given
+            else replace(self.options, capsule_dir=Path(trainer.default_root_dir) / CAPSULE_FOLDER)
+        )
         self.watch = Watch(pl_module, options, framework="lightning", dtype=dtype)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -68,5 +73,7 @@ class FP16DoctorCallback(Callback):
             return
         scaler = getattr(precision_plugin(trainer), "scaler", None)
         found_inf = scaler_decision(scaler, getattr(optimizer, "_optimizer", optimizer))
-        alarm = self.watch.before_optimizer_step(trainer.global_step, optimizer, scaler, grads_scaled=False, found_inf=found_inf)
+        alarm = self.watch.before_optimizer_step(
+            trainer.global_step, optimizer, scaler, grads_scaled=False, found_inf=found_inf
+        )
         watch_step(self.watch, lambda: setattr(trainer, "should_stop", True))(alarm)
