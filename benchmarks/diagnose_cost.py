@@ -2,8 +2,7 @@
 
 Per sample model, in one process: the time of one FP32 probe plus one AMP probe
 (the irreducible part), and of the whole diagnosis (every stage, every fix tried,
-the corrected config checked), full and `--ci`. Prints the ratios; the targets
-(issue #9) are diagnose < 4x the probes and `--ci` under 60 s per sample on 2 cores.
+the corrected config checked), full and `--ci`. Prints the ratios; the targets are diagnose < 4x the probes and `--ci` under 60 s per sample on 2 cores.
 
     python benchmarks/diagnose_cost.py [sample.py ...]
 """

@@ -18,7 +18,7 @@ process:
 
 Memory is the peak resident memory of each process (``os.wait4``'s ``ru_maxrss``; on CUDA,
 ``torch.cuda.max_memory_allocated`` would be the number to read) minus that of an interpreter that only
-imported torch; time is wall-clock. The targets (issue #17): diagnose's memory <= 1.5x the training's (its
+imported torch; time is wall-clock. The targets: diagnose's memory <= 1.5x the training's (its
 GPU computation) at every size, and its time < 4x one FP32 plus one AMP probe: the whole command's wall time
 (less an interpreter's start) against its own FP32 baseline and AMP stages, read from its --json output (as
 benchmarks/diagnose_cost.py compares them; the training's own time is not a probe's: CPU autocast's native

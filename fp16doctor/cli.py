@@ -407,12 +407,12 @@ def diagnose(
         from .engine.kept import return_large_blocks_on_free
 
         memory_limit = parse_memory_size(max_memory) if max_memory is not None else None
-        return_large_blocks_on_free()  # probe after probe: a closed probe's memory goes back (issue #17)
+        return_large_blocks_on_free()  # probe after probe: a closed probe's memory goes back
         training_file, replay, recorded_loss_finding = capsule_training_file(capsule, given)
         from .diagnosis import DiagnoseOptions, fixed_config
         from .diagnosis import diagnose as run_diagnose
-        from .diagnosis.engine import UNEXPLAINED, stage_names
         from .diagnosis.rules import all_rules
+        from .diagnosis.triage import UNEXPLAINED, stage_names
         from .files import atomic_write_text
         from .output.markdown import fixed_config_yaml, junit_xml, markdown
         from .output.terminal import render_diagnosis

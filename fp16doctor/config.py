@@ -30,7 +30,7 @@ this many leading skips as settling, and the live watch's skip-streak allows the
 
 
 def _doc(text: str) -> dict[str, str]:
-    """Field metadata holding the field's documentation (shown by ``config --explain``)."""
+    """Field metadata holding the field's documentation (:func:`explain` reads it for the config reference)."""
     return {"doc": text}
 
 

@@ -10,7 +10,7 @@ training (a probe re-raises it instead of recording it as the user's exception).
 
 
 FP16_MAX = 65504.0
-"""The largest finite fp16 value (mixed-precision-notes.md, Formats)."""
+"""The largest finite fp16 value (fp16's format: 5 exponent bits, 10 mantissa bits)."""
 FP16_MIN_SUBNORMAL = 2.0**-24
 """fp16's smallest subnormal: non-zero values below it flush to zero."""
 FP16_MIN_NORMAL = 2.0**-14

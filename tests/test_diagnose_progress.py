@@ -15,7 +15,7 @@ from conftest import ROOT, SAMPLES, run_cli
 from rich.console import Console
 
 from fp16doctor.cli import DiagnosisProgress
-from fp16doctor.diagnosis.engine import stage_names
+from fp16doctor.diagnosis.triage import stage_names
 
 QUICK = ("--ci", "--steps", "4", "--json")
 """A short diagnosis of the healthy sample: every stage that always runs, in seconds."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp16doctor.diagnosis import fixtures as fx
-from fp16doctor.diagnosis.model import Verification
+from fp16doctor.diagnosis import rule_cases as fx
+from fp16doctor.diagnosis.findings import Verification
 from fp16doctor.diagnosis.rules.divisor_underflow import divisor_in_fp32_code
 from fp16doctor.diagnosis.verify import Intervention, with_recommended_scale
 from fp16doctor.measure.localise import _range, _spread

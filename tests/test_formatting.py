@@ -6,17 +6,40 @@ from __future__ import annotations
 import html
 import io
 import re
+from dataclasses import dataclass
 
 import pytest
 from conftest import SAMPLES, run_cli
 from rich.console import Console
 
-from fp16doctor.diagnosis import fixtures as fx
-from fp16doctor.diagnosis.model import CorrectedConfig, Diagnosis, Finding, Fix, Verification
+from fp16doctor.diagnosis import rule_cases as fx
+from fp16doctor.diagnosis.findings import CorrectedConfig, Diagnosis, EvidenceRecord, Finding, Fix, Verification
 from fp16doctor.output.formatting import healthy_headline, human, humanize
 from fp16doctor.output.html import diagnosis_html
 from fp16doctor.output.markdown import markdown
 from fp16doctor.output.terminal import render_diagnosis
+
+
+@dataclass(frozen=True)
+class GrowthEvidence(EvidenceRecord):
+    loss_scale: float
+    lost_update_share: float
+
+
+@dataclass(frozen=True)
+class PeakEvidence(EvidenceRecord):
+    pause_step: int
+    loss_scale: float
+
+
+@dataclass(frozen=True)
+class SparseEvidence(EvidenceRecord):
+    """Keys that hold nothing beside one that does."""
+
+    keep_in_fp32: str
+    rule_remark: str
+    overflowing_value: float | None
+    symptoms_removed: list[str]
 
 
 @pytest.mark.parametrize(
@@ -70,7 +93,7 @@ def contradicting_diagnosis() -> Diagnosis:
             "scale-growth",
             "error",
             "The scale grows too fast",
-            {"loss_scale": 2048.0, "lost_update_share": float("nan")},
+            GrowthEvidence(loss_scale=2048.0, lost_update_share=float("nan")),
             Fix("Raise growth_interval.", config_patch=growth),
             rank=1,
             verification=verified(growth),
@@ -79,7 +102,7 @@ def contradicting_diagnosis() -> Diagnosis:
             "lr-schedule-peak",
             "error",
             "Training breaks at the peak",
-            {"pause_step": 9, "loss_scale": 8192.0},
+            PeakEvidence(pause_step=9, loss_scale=8192.0),
             Fix("Cap the learning rate.", config_patch=peak),
             rank=2,
             verification=verified(peak),
@@ -207,7 +230,7 @@ def test_evidence_keys_that_hold_nothing_are_not_printed_as_empty_rows(output):
         "precision-gap",
         "error",
         "AMP trails FP32",
-        {"keep_in_fp32": "layers.0.ffn", "rule_remark": "", "overflowing_value": None, "symptoms_removed": []},
+        SparseEvidence(keep_in_fp32="layers.0.ffn", rule_remark="", overflowing_value=None, symptoms_removed=[]),
         Fix("Keep it in fp32."),
         rank=1,
     )

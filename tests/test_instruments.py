@@ -412,7 +412,7 @@ def test_a_float64_parameter_beside_fp32_ones_is_measured():
 
 def test_activation_gradients_are_not_held_until_the_step_ends():
     """Autograd frees each activation gradient once the next node consumed it; the instruments must not keep
-    them all alive until the step's transfer (a second copy of a step's activation gradients, issue #17)."""
+    them all alive until the step's transfer (a second copy of a step's activation gradients)."""
     import weakref
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
@@ -529,7 +529,7 @@ def test_count_nonfinite_counts_forward_outputs_exactly(training_file):
 @pytest.mark.parametrize("count_nonfinite", [False, True])
 def test_forward_outputs_are_freed_before_the_step_ends(count_nonfinite):
     """The instruments hold no forward output: one autograd no longer needs is freed during the step, as it
-    would be without them (holding them all kept a step's activations alive, issue #17), also where they count
+    would be without them (holding them all kept a step's activations alive), also where they count
     non-finite values exactly."""
     import weakref
 
@@ -661,7 +661,7 @@ def test_a_module_non_finite_at_every_fp32_step_has_no_measured_peak():
     module is unknown (None), not a number that would call it fp16-safe."""
     import pandas as pd
 
-    from fp16doctor.diagnosis import fixtures as fx
+    from fp16doctor.diagnosis import rule_cases as fx
     from fp16doctor.diagnosis.rules._helpers import module_abs_max
 
     forward = pd.DataFrame(

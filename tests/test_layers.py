@@ -86,10 +86,10 @@ def test_imports_follow_the_layering():
 @pytest.mark.parametrize(
     ("importer", "target", "expected"),
     [
-        ("fp16doctor.live.watch", "fp16doctor.diagnosis.engine", False),
+        ("fp16doctor.live.watch", "fp16doctor.diagnosis.triage", False),
         ("fp16doctor.measure.compare", "fp16doctor.output.terminal", False),
         ("fp16doctor.engine.probe", "fp16doctor.measure.localise", False),
-        ("fp16doctor.output.terminal", "fp16doctor.diagnosis.model", True),
+        ("fp16doctor.output.terminal", "fp16doctor.diagnosis.findings", True),
     ],
 )
 def test_the_table_refuses_what_it_should(importer, target, expected):
@@ -111,7 +111,7 @@ ENGINE_MODULES = (
     "fp16doctor.engine.probe",
     "fp16doctor.engine.instruments",
     "fp16doctor.diagnosis.stages",
-    "fp16doctor.diagnosis.engine",
+    "fp16doctor.diagnosis.triage",
     "fp16doctor.diagnosis.interventions",
     "fp16doctor.measure.localise",
     "fp16doctor.measure.numerics",
@@ -121,14 +121,14 @@ measurements that drive a probe. A rule and its hand-built cases read evidence t
 
 
 def test_a_rule_and_its_cases_load_no_engine_in_a_fresh_process():
-    """Importing every rule module and ``diagnosis.fixtures`` (which builds their cases) loads none of the
+    """Importing every rule module and ``diagnosis.rule_cases`` (which builds their cases) loads none of the
     engine; importing the diagnosis engine afterwards does load each of them (so the names checked are real).
     One process for all: what none of them loads together, no single one of them loads alone."""
     code = (
         "import importlib, json, pkgutil, sys\n"
         "import fp16doctor.diagnosis.rules as rules\n"
         "names = ['fp16doctor.diagnosis.rules.' + m.name for m in pkgutil.iter_modules(rules.__path__)]\n"
-        "for name in names + ['fp16doctor.diagnosis.fixtures']:\n"
+        "for name in names + ['fp16doctor.diagnosis.rule_cases']:\n"
         "    importlib.import_module(name)\n"
         f"watched = {ENGINE_MODULES!r}\n"
         "def loaded(): return sorted(w for w in watched if any(m == w or m.startswith(w + '.') for m in sys.modules))\n"

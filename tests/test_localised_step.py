@@ -3,7 +3,7 @@ from the GradScaler's calibration, on records built by hand."""
 
 from __future__ import annotations
 
-from fp16doctor.diagnosis import fixtures as fx
+from fp16doctor.diagnosis import rule_cases as fx
 from fp16doctor.diagnosis.stages.context import bad_step, telling_skip
 
 

@@ -1,4 +1,4 @@
-"""The diagnosis's memory (issue #17): one probe alive at a time, kept states within a budget and spilled to a
+"""The diagnosis's memory: one probe alive at a time, kept states within a budget and spilled to a
 temporary folder that goes away however the run ends, and ``--max-memory``'s bad values."""
 
 from __future__ import annotations
@@ -198,9 +198,9 @@ def test_kept_states_of_a_cuda_run_are_in_host_memory():
 def test_a_stage_out_of_memory_is_skipped_with_the_reason_and_the_next_runs():
     from types import SimpleNamespace
 
-    from fp16doctor.diagnosis.engine import run_stage
-    from fp16doctor.diagnosis.model import StageReport
+    from fp16doctor.diagnosis.findings import StageReport
     from fp16doctor.diagnosis.stages import Stage
+    from fp16doctor.diagnosis.triage import run_stage
 
     def too_big(ctx):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")

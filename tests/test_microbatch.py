@@ -1,4 +1,4 @@
-"""Micro-batched FP32 probes (issue #17): the plan, the same update, the refusals, and what the diagnosis says."""
+"""Micro-batched FP32 probes: the plan, the same update, the refusals, and what the diagnosis says."""
 
 from __future__ import annotations
 

@@ -334,7 +334,7 @@ def test_a_masked_mean_written_as_bmm_overflows_in_the_models_own_code_and_the_f
     ],
 )
 def test_only_a_matrix_products_factor_in_0_1_makes_it_a_sum(operator, ranges, summing):
-    from fp16doctor.diagnosis import fixtures as fx
+    from fp16doctor.diagnosis import rule_cases as fx
     from fp16doctor.diagnosis.rules.activation_overflow import sums_by_product
 
     assert sums_by_product(fx.localisation("forward", "<root>", operator, ranges)) is summing

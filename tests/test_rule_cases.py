@@ -32,14 +32,14 @@ def test_the_first_rule_in_causal_order_to_name_its_repair_is_the_rule(rule, ind
     assert namers[:1] == [rule.code], namers
     finding = rule.repair_finding(repair, evidence)
     assert finding.found_by == "intervention" and finding.severity == "error" and finding.cause == rule.code
-    assert finding.fix.summary and finding.evidence["intervention"] == repair.description
+    assert finding.fix.summary and finding.evidence_json()["intervention"] == repair.description
 
 
 @pytest.mark.parametrize("rule,index", FIRES, ids=[f"{r.code}:{i}" for r, i in FIRES])
 def test_rule_fires_on_its_cases(rule, index):
     findings = rule.check(rule.fires_on[index]())
     assert [f.cause for f in findings][:1] == [rule.code]
-    assert findings[0].title and findings[0].evidence and findings[0].fix.summary
+    assert findings[0].title and findings[0].evidence_json() and findings[0].fix.summary
 
 
 @pytest.mark.parametrize("rule,index", QUIET, ids=[f"{r.code}:{i}" for r, i in QUIET])

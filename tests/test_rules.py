@@ -13,6 +13,7 @@ import pytest
 from conftest import SAMPLES, diagnosed
 
 from fp16doctor.diagnosis import fixed_config
+from fp16doctor.diagnosis.findings import EvidenceRecord
 from fp16doctor.diagnosis.rules import all_rules
 
 CONTRACT_CODES = {
@@ -73,7 +74,7 @@ def test_sample_gets_its_top_cause(code, sample):
     assert result.findings, f"{sample}: no findings"
     top = result.findings[0]
     assert top.cause == code, [(f.cause, f.severity, f.title) for f in result.findings]
-    assert top.evidence and top.fix.summary
+    assert top.evidence_json() and top.fix.summary
     expected_severity = next(r.severity for r in RULES if r.code == code)
     assert top.severity in ("error", expected_severity)
 
@@ -103,7 +104,7 @@ def test_a_root_cause_hides_its_symptoms():
     _, result = diagnosed("nan_in_data.py")
     causes = [f.cause for f in result.findings]
     assert causes == ["nonfinite-data"]  # not fp32-divergence, not scale-overflow
-    evidence = result.findings[0].evidence
+    evidence = result.findings[0].evidence_json()
     assert (
         evidence["first"]["batch"] == 3 and evidence["first"]["position"] == [5, 7] and evidence["batches"] == [3, 11]
     )
@@ -113,7 +114,7 @@ def test_user_exception_in_a_probe_is_evidence():
     _, result = diagnosed("model_half.py")
     finding = result.findings[0]
     assert finding.cause == "half-weights"
-    assert "FP16 gradients" in finding.evidence["exception"].message
+    assert "FP16 gradients" in finding.evidence_json()["exception"]["message"]
     assert finding.fix.config_patch["overrides"]["fp32_weights"] is True
 
 
@@ -130,8 +131,8 @@ def test_diagnosed_findings_come_in_severity_order_with_consecutive_ranks():
 
 def test_ranking_is_severity_then_repair_then_size_then_root_cause_then_causal_order():
     """Each neighbouring pair below is decided by one criterion of the documented ranking."""
-    from fp16doctor.diagnosis.engine import rank
-    from fp16doctor.diagnosis.model import Finding, Fix, Verification
+    from fp16doctor.diagnosis.findings import Finding, Fix, Verification
+    from fp16doctor.diagnosis.triage import rank
 
     def finding(cause, order, severity="error", removed=None, size=None):
         verification = (
@@ -150,7 +151,7 @@ def test_ranking_is_severity_then_repair_then_size_then_root_cause_then_causal_o
             cause=cause,
             severity=severity,
             title=cause,
-            evidence={},
+            evidence=EvidenceRecord(),
             fix=Fix("x"),
             order=order,
             verification=verification,
@@ -174,8 +175,8 @@ def test_ranking_is_severity_then_repair_then_size_then_root_cause_then_causal_o
 def test_localisation_names_module_and_operator():
     _, result = diagnosed("bf16_pretrained_ffn.py")
     finding = result.findings[0]
-    assert finding.evidence["module"] == "block.ff.wo" and finding.evidence["operator"] == "aten::mm"
-    assert finding.evidence["deterministic"] is True
+    assert finding.evidence_json()["module"] == "block.ff.wo" and finding.evidence_json()["operator"] == "aten::mm"
+    assert finding.evidence_json()["deterministic"] is True
     assert finding.fix.config_patch == {
         "overrides": {"fp32_modules": ["block"]}
     }  # the block whose fp32 output fits fp16
@@ -184,7 +185,7 @@ def test_localisation_names_module_and_operator():
 def test_loss_scale_recommendation_lies_in_the_derived_window():
     _, result = diagnosed("no_loss_scaling.py")
     finding = result.findings[0]
-    low, high = finding.evidence["scale_window"]
+    low, high = finding.evidence_json()["scale_window"]
     assert low <= finding.fix.config_patch["scaler"]["init_scale"] <= high
     assert finding.fix.config_patch["scaler"]["enabled"] is True
 
@@ -246,5 +247,5 @@ def test_hand_rolled_static_scaling_is_recognised(tmp_path):
     spec = load_training_file(path)
     result = diagnose(spec, build_config(spec.config, {"device": "cpu", "steps": 8}))
     top = result.findings[0]
-    assert top.cause == "scale-overflow" and top.evidence["scaler_called"] is False
+    assert top.cause == "scale-overflow" and top.evidence_json()["scaler_called"] is False
     assert "scaler.scale(loss).backward()" in top.fix.code

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from fp16doctor.config import build_config
-from fp16doctor.diagnosis.engine import UNEXPLAINED, explain_symptoms, unexplained_finding
-from fp16doctor.diagnosis.model import Evidence, Finding, Fix
+from fp16doctor.diagnosis.findings import Evidence, EvidenceRecord, Finding, Fix
+from fp16doctor.diagnosis.triage import UNEXPLAINED, explain_symptoms, unexplained_finding
 from fp16doctor.engine.probe import RECORD_COLUMNS
 from fp16doctor.measure.symptoms import CALIBRATION_SKIPS, excess_skips, measure, skip_profile
 
@@ -112,36 +112,36 @@ def evidence_with(symptom_records):
 
 
 def finding(cause, severity):
-    return Finding(cause=cause, severity=severity, title=cause, evidence={}, fix=Fix("x"), order=70)
+    return Finding(cause=cause, severity=severity, title=cause, evidence=EvidenceRecord(), fix=Fix("x"), order=70)
 
 
 def test_a_symptom_no_rule_explains_becomes_an_unexplained_error():
     """Left over for the intervention search; what it cannot repair becomes the ``unexplained`` error."""
     ev = evidence_with(records([1.0] * 20, skipped=[True] * 20))
-    left = explain_symptoms([], ev)
+    _, left = explain_symptoms([], ev)
     assert [s.code for s in left] == ["skips"] and ev.explained == {"skips": []}
     made = unexplained_finding(left, ev)
     assert made.cause == UNEXPLAINED and made.severity == "error" and made.found_by == "rule"
-    assert made.evidence["symptoms"][0]["symptom"] == "skips" and "Inspect next" in made.fix.summary
+    assert made.evidence_json()["symptoms"][0]["symptom"] == "skips" and "Inspect next" in made.fix.summary
 
 
 def test_an_error_of_a_rule_that_explains_the_symptom_explains_it():
     ev = evidence_with(records([1.0] * 20, skipped=[True] * 20))
-    findings = [finding("scale-overflow", "error")]
-    assert explain_symptoms(findings, ev) == [] and ev.explained == {"skips": ["scale-overflow"]}
-    assert findings[0].evidence["symptoms"] == ["skips"]
+    findings, left = explain_symptoms([finding("scale-overflow", "error")], ev)
+    assert left == [] and ev.explained == {"skips": ["scale-overflow"]}
+    assert findings[0].evidence_json()["symptoms"] == ["skips"]
 
 
 def test_a_rule_that_does_not_explain_the_symptom_leaves_it_unexplained():
     ev = evidence_with(records([1.0] * 20, skipped=[True] * 20))
-    assert [s.code for s in explain_symptoms([finding("grad-underflow", "error")], ev)] == ["skips"]
+    _, left = explain_symptoms([finding("grad-underflow", "error")], ev)
+    assert [s.code for s in left] == ["skips"]
 
 
 def test_a_warning_that_explains_a_measured_symptom_becomes_an_error():
     ev = evidence_with(records([1.0] * 20, skipped=[True] * 20))
-    warning = finding("scale-growth", "warning")
-    explain_symptoms([warning], ev)
-    assert warning.severity == "error" and warning.evidence["symptoms"] == ["skips"]
+    [warning], _ = explain_symptoms([finding("scale-growth", "warning")], ev)
+    assert warning.severity == "error" and warning.evidence_json()["symptoms"] == ["skips"]
 
 
 def test_a_settling_scales_lag_is_measured_aligned_before_it_is_called_drift():
@@ -180,7 +180,7 @@ def test_an_absorbed_overflow_is_a_result_past_range_not_an_infinity_at_zero():
     """The precision-gap stage keeps a forward operator's infinity that no module output shows only where the result
     itself left fp16's range: a product past 65504 (seen, or an infinity from a product), not log(0) or x / 0, whose
     infinity is its argument's (T5's relative-position buckets take log(0) on purpose)."""
-    from fp16doctor.diagnosis import fixtures as fx
+    from fp16doctor.diagnosis import rule_cases as fx
 
     rounded = fx.localisation("forward", "attn", "aten::_to_copy", [(0.1, 3.0)], "+inf (float16)")
     rounded.peak = 9.15e4  # the emulated product's fp32 result, rounded to fp16

@@ -8,8 +8,8 @@ import torch
 import yaml
 from conftest import ROOT, SAMPLES, run_cli
 
-from fp16doctor.diagnosis.engine import demote_unrepairing, rank
-from fp16doctor.diagnosis.model import Finding, Fix, Verification
+from fp16doctor.diagnosis.findings import EvidenceRecord, Finding, Fix, Verification
+from fp16doctor.diagnosis.triage import demote_unrepairing, rank
 from fp16doctor.measure.numerics import GradientCapture, scale_window
 
 FILES = ROOT / "tests" / "training_files"
@@ -17,7 +17,13 @@ FILES = ROOT / "tests" / "training_files"
 
 def finding(cause, order, verification=None, severity="error"):
     return Finding(
-        cause=cause, severity=severity, title=cause, evidence={}, fix=Fix("x"), order=order, verification=verification
+        cause=cause,
+        severity=severity,
+        title=cause,
+        evidence=EvidenceRecord(),
+        fix=Fix("x"),
+        order=order,
+        verification=verification,
     )
 
 
@@ -60,7 +66,7 @@ def test_a_fix_that_removes_nothing_is_demoted_to_a_warning_that_says_so():
         finding("grad-underflow", 71, verified(False, 0.0)),
         finding("precision-gap", 90, verified(True, 1.0)),
     )
-    demote_unrepairing([useless, useful])
+    useless, useful = demote_unrepairing([useless, useful])
     assert useless.severity == "warning" and useless.demoted and "did not change the outcome" in useless.title
     assert useful.severity == "error"
 
@@ -104,7 +110,7 @@ def test_the_verification_and_corrected_records_keep_their_documented_json_keys(
     and measured; the records the plots draw and the ranking's size stay out of it."""
     import pandas as pd
 
-    from fp16doctor.diagnosis.model import CorrectedConfig
+    from fp16doctor.diagnosis.findings import CorrectedConfig
 
     untried = Verification(
         tried=None,
@@ -169,7 +175,7 @@ def test_a_verified_run_that_diverged_states_both_losses_not_a_share_in_the_bill
     assert final_loss_phrase(0.503, 0.5, 0.006) == "final loss within 0.6% of FP32"
     diverged = final_loss_phrase(3.8e10, 0.5, 7.6e10)
     assert "%" not in diverged and "3.8e+10" in diverged and "0.5" in diverged
-    from fp16doctor.diagnosis import fixtures as fx
+    from fp16doctor.diagnosis import rule_cases as fx
     from fp16doctor.diagnosis.verify import Outcome
 
     outcome = Outcome(

@@ -1,7 +1,7 @@
 """``diagnose``: the ordered triage (stages), the rules, and the ranked diagnosis.
 
 The names below are loaded on first use (PEP 562): importing one rule, or the hand-built evidence its cases
-use (:mod:`.fixtures`), loads this package first, and it must not pull in the diagnosis engine and with it
+use (:mod:`.rule_cases`), loads this package first, and it must not pull in the triage and with it
 the probe, its instruments and the stages.
 """
 
@@ -11,20 +11,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import DiagnoseOptions, diagnose, fixed_config, merge_patch, rank
-    from .model import Diagnosis, Evidence, Finding, Fix, StageReport
+    from .findings import Diagnosis, Evidence, Finding, Fix, StageReport
+    from .triage import DiagnoseOptions, diagnose, fixed_config, merge_patch, rank
 
 _HOMES = {
-    "DiagnoseOptions": ".engine",
-    "diagnose": ".engine",
-    "fixed_config": ".engine",
-    "merge_patch": ".engine",
-    "rank": ".engine",
-    "Diagnosis": ".model",
-    "Evidence": ".model",
-    "Finding": ".model",
-    "Fix": ".model",
-    "StageReport": ".model",
+    "DiagnoseOptions": ".triage",
+    "diagnose": ".triage",
+    "fixed_config": ".triage",
+    "merge_patch": ".triage",
+    "rank": ".triage",
+    "Diagnosis": ".findings",
+    "Evidence": ".findings",
+    "Finding": ".findings",
+    "Fix": ".findings",
+    "StageReport": ".findings",
 }
 """Each public name and the module that defines it."""
 

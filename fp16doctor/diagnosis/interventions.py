@@ -36,7 +36,7 @@ from ..measure.records import ROOT
 from ..measure.symptoms import Symptom, skip_runs
 from ..measure.thresholds import EXTREME_INPUT
 from ..tensors import FP16_MAX
-from .model import Evidence, Repair, Verification
+from .findings import Evidence, Repair, Verification
 from .rules._helpers import class_members, library_modules, module_types, role_members, stores_half_training_state
 from .stages import StageContext, same_state_gap
 from .verify import Intervention, Verifier, drop_rows, recommended_init_scale, standardise, with_recommended_scale
@@ -78,7 +78,7 @@ class Candidate:
     screen: str = "none"
     """How it is screened before a full probe: ``range`` (the failing step), ``gap`` (the same-state gap), ``none``."""
     also: str = ""
-    """A change made besides ``kind``'s (see :attr:`fp16doctor.diagnosis.model.Repair.also`)."""
+    """A change made besides ``kind``'s (see :attr:`fp16doctor.diagnosis.findings.Repair.also`)."""
 
 
 @dataclass

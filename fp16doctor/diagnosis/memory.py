@@ -3,7 +3,7 @@
 The training the user runs holds the weights, their gradients and the optimizer's state (two moments for
 Adam): about four copies of the model, before activations. The diagnosis holds one probe at a time (that
 much again), the reference weights every probe starts from (one copy), and the states later stages need.
-Each kept state is at least a copy of the model, and the 1.5x target (issue #17) leaves no room for one beside
+Each kept state is at least a copy of the model, and the 1.5x memory target leaves no room for one beside
 a probe, the reference weights and the doctor's own code: by default they all go to disk, and a
 ``--max-memory`` budget keeps in memory what fits beyond one probe (``benchmarks/diagnose_scale.py``
 measures the whole).

@@ -29,7 +29,7 @@ from ..measure.symptoms import (
 )
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import iter_tensors, map_named_tensors
-from .model import Evidence, Finding, Verification
+from .findings import Evidence, Finding, Verification
 
 if TYPE_CHECKING:
     from ..engine.instruments import InstrumentOptions
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 def symptom_instruments() -> InstrumentOptions:
     """What measuring the symptoms needs beyond the step records: the lost-update share (no rule reads these
-    probes). Made on use: the rules import this module for :class:`Intervention`, and must not load the engine."""
+    probes). Made on use: the rules import this module for :class:`Intervention`, and must not load the probe engine."""
     from ..engine.instruments import InstrumentOptions
 
     return InstrumentOptions(forward=False, activation_grads=False, param_grads=False, updates=True)

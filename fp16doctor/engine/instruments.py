@@ -9,7 +9,7 @@ Cheap enough to run inside every probe:
   are taken only on the rare steps where that pass found any (a second
   transfer on bad steps only). Forward outputs and activation gradients are
   not held until then: holding them kept a step's activations alive past
-  their last use, which cost memory and, in fresh pages, time (issue #17).
+  their last use, which cost memory and, in fresh pages, time.
   Their rows flag which kinds the range shows (1 for present; every reader
   asks only whether a module made any) and leave the largest finite magnitude
   of a non-finite output unmeasured (NaN). ``count_nonfinite`` counts them
@@ -371,7 +371,7 @@ class InstrumentOptions:
     for a few steps, not a probe's every step), and only a call whose outputs are not all finite pays four
     reductions of them, queued for the step's one transfer. No output is held: holding them until the transfer
     kept every activation of the step alive past its last use, and reducing every output made as many
-    temporaries (either way the LR-peak pause stood 20 MB above the AMP probe on a small transformer, issue #17).
+    temporaries (either way the LR-peak pause stood 20 MB above the AMP probe on a small transformer).
     Off, a non-finite output's row flags the kinds present (0/1) and its ``abs_max`` is NaN."""
 
 
@@ -676,7 +676,7 @@ class Instruments:
         otherwise the row says which kinds of non-finite values the exact range saw. Nothing is held either way:
         autograd frees each output and gradient as soon as it is done with it (holding a step's activation
         gradients kept a second copy of them alive, holding its forward outputs kept every one past its last use:
-        issue #17). Call it under ``torch.no_grad()``."""
+        the memory target). Call it under ``torch.no_grad()``."""
         pending = self._pending
         sized = [t for t in outputs if t.numel()]
         samples = []

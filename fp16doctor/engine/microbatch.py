@@ -2,7 +2,7 @@
 
 The FP32 baseline holds fp32 activations where the AMP training holds fp16 ones: about twice the AMP run's
 activation memory. On a model whose activations dominate (a transformer at long sequences) that alone puts
-the diagnosis far above the training it diagnoses (issue #17's target: at most 1.5x). An FP32 probe can
+the diagnosis far above the training it diagnoses (the memory target: at most 1.5x). An FP32 probe can
 instead cut each batch into k micro-batches and add up their gradients: for a loss that is a mean over the
 batch's rows it is the same update up to summation order, with one k-th of the activations alive at a time.
 

@@ -174,7 +174,7 @@ class Workbench:
         """Keep the reference weights in ``kept`` (a diagnosis's :class:`~.kept.KeptStates`: on disk past its
         budget) while the block runs, and in memory again after it. Probes read them only while they are
         built, one probe at a time: the diagnosis then holds one probe, not a probe and a copy of the
-        weights beside it (issue #17)."""
+        weights beside it."""
         assert self._initial_state is not None, "the reference weights are kept elsewhere already"
         kept[REFERENCE_KEY] = self._initial_state
         self._kept_reference, self._initial_state = kept, None
@@ -661,7 +661,7 @@ class Probe:
         optimizer tensors become the optimizer's state instead of being copied.
 
         The probe's own gradients and optimizer state are dropped first: they are replaced anyway, and holding
-        them while the snapshot's load would keep two copies of the optimizer state (issue #17)."""
+        them while the snapshot's load would keep two copies of the optimizer state."""
         self._drop_training_state()
         self.model.load_state_dict(snap.model)
         self._load_grads(snap.grads, owned)
@@ -700,7 +700,7 @@ class Probe:
     def close(self) -> None:
         """Detach what the probe hooked into, and break its reference cycles: a closed probe (its model,
         gradients and optimizer state) is freed as soon as its last reference goes, not at the next full
-        garbage collection, so the diagnosis holds one probe at a time (issue #17)."""
+        garbage collection, so the diagnosis holds one probe at a time."""
         self._watch.close()
         if self.instruments is not None:
             self.instruments.detach()

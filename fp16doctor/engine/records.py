@@ -1,7 +1,7 @@
 """The probe's record as plain data: the columns of a step record and one row of it.
 
 Kept apart from :mod:`.probe` so that whatever only reads records (the rules' hand-built cases in
-:mod:`fp16doctor.diagnosis.fixtures`, the symptom definitions) can use them without loading the probe,
+:mod:`fp16doctor.diagnosis.rule_cases`, the symptom definitions) can use them without loading the probe,
 its instruments and the precision patches behind them.
 """
 

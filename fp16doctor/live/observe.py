@@ -42,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..engine.ddp import half_precision_comm_hooks
 from ..tensors import dtype_name
 from ..userfile.batches import iter_tensors
+from ..userfile.modules import unwrapped
 from .watch import Alarm, Watch, WatchOptions
 
 OUTPUT_GRAD_LIMIT = 1 << 24
@@ -433,19 +434,6 @@ class TrainingObserver:
 
     def _step_of_last(self) -> int:
         return self._last_step[0].history[-1].step if self._last_step and self._last_step[0].history else -1
-
-
-def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
-    """The module a DDP or ``torch.compile`` wrapper runs."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    while True:
-        if isinstance(module, DistributedDataParallel):
-            module = module.module
-        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, torch.nn.Module):
-            module = module._orig_mod
-        else:
-            return module
 
 
 def _world_size() -> int:

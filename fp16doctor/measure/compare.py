@@ -26,7 +26,7 @@ from .symptoms import Symptom, measure
 from .thresholds import BF16_FACTOR, GAP_ERROR, GAP_TOLERANCE
 
 DEFAULT_TOLERANCE = GAP_TOLERANCE
-"""Healthy when every aligned loss is within 0.1% of fp32 (mixed-precision-notes.md, rules of thumb)."""
+"""Healthy when every aligned loss is within 0.1% of fp32 (the practitioners' rule of thumb)."""
 DEFAULT_DIVERGENCE = GAP_ERROR
 """A deviation past 1% is worth a look: its first step is reported."""
 VERDICTS = ("healthy", "drift", "unstable", "diverged")

@@ -119,7 +119,7 @@ def _finite(t: torch.Tensor) -> bool:
 def _range(t: torch.Tensor) -> tuple[float, float]:
     """``t``'s exact ``(min, max)`` (NaN in both where it holds one), read in its own dtype: no temporary copy (a
     float64 copy of every traced op's inputs, four times an fp16 activation's size, put the localisation stage
-    20 MB above the AMP probe on a small transformer, issue #17)."""
+    20 MB above the AMP probe on a small transformer)."""
     if t.numel() == 0:
         return (0.0, 0.0)
     lo, hi = torch.aminmax(t.detach())

@@ -33,7 +33,7 @@ the sample's elements and of its L1 mass (the window's low bound keeps 99.9% of 
 sample at its edge) and its RMS; the window's high bound reads each gradient's exact largest magnitude, taken on
 the whole tensor (:attr:`GradientCapture.abs_max`). The FP32 capture is held while the AMP step it is compared
 with runs: at 262144 elements a small transformer's capture (47 tensors, 20 MB) put the loss-scale stage 20 MB
-above the AMP probe (issue #17)."""
+above the AMP probe."""
 
 
 @dataclass

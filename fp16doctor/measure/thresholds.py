@@ -1,7 +1,7 @@
 """Every number a verdict or a rule depends on, in one place, each with where it comes from.
 
-"notes" is ../shared/mixed-precision-notes.md (the triage knowledge this product
-encodes); "PyTorch" is PyTorch's own documentation or source; "measured" names
+"notes" marks the practitioners' triage knowledge this product encodes, quoted as
+it is usually stated (rules of thumb of mixed-precision training); "PyTorch" is PyTorch's own documentation or source; "measured" names
 the measurement that set it. Rules, stages and symptoms import from here and
 nowhere else, so a threshold is changed once and stays consistent.
 """

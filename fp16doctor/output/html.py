@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
+from ..diagnosis.findings import Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
 from .formatting import exact_numbers, healthy_headline, human, shown_evidence
 from .markdown import corrected_text
@@ -96,7 +96,7 @@ def finding_html(finding: Finding, contested: list[str] | None = None, diagnosis
             if not isinstance(value, str)
             else value,
         ]
-        for key, value in shown_evidence(finding.evidence).items()
+        for key, value in shown_evidence(finding.evidence_json()).items()
     ]
     parts = [
         f'<article class="{finding.severity}" id="finding-{finding.rank}">',

@@ -8,14 +8,14 @@ from typing import Any
 
 import yaml
 
-from ..diagnosis.model import CorrectedConfig, Diagnosis, Finding, Verification, jsonable
+from ..diagnosis.findings import CorrectedConfig, Diagnosis, Finding, Verification, jsonable
 from ..diagnosis.verify import verification_status
 from .formatting import exact_numbers, shown_evidence
 from .patches import contradicted_settings, reference_to_corrected
 
 
 def _evidence_lines(finding: Finding) -> list[str]:
-    return [f"- `{key}`: {json.dumps(value)}" for key, value in shown_evidence(finding.evidence).items()]
+    return [f"- `{key}`: {json.dumps(value)}" for key, value in shown_evidence(finding.evidence_json()).items()]
 
 
 def markdown(diagnosis: Diagnosis, training_file: str, figures: list[tuple[Any, str]] | None = None) -> str:

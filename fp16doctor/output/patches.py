@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..diagnosis.model import Diagnosis, Finding
+from ..diagnosis.findings import Diagnosis, Finding
 from .formatting import exact_numbers
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from ..diagnosis.model import ModuleGap
+from ..diagnosis.findings import ModuleGap
 from ..tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 
 MAX_ROWS = 40

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from ..diagnosis.model import Diagnosis, Finding, Verification, jsonable
+from ..diagnosis.findings import Diagnosis, Finding, StageStatus, Verification, jsonable
 from ..diagnosis.verify import verification_status
 from ..measure.compare import Comparison
 from .formatting import exact_numbers, fitted_code, healthy_headline, human, shown_evidence
@@ -170,7 +170,7 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
     for column in ("stage", "status", "what it found"):
         stages.add_column(column, overflow="fold")
     for stage in diagnosis.stages:
-        status = "[green]ran[/]" if stage.status == "ran" else "[dim]skipped[/]"
+        status = "[green]ran[/]" if stage.status == StageStatus.RAN else "[dim]skipped[/]"
         stages.add_row(stage.name, status, escape(stage.summary))
     console.print(stages)
     contested = contradicted_settings(diagnosis)
@@ -198,7 +198,7 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
 
 def _highlighted(code: str, language: str) -> Any:
     """``code`` syntax-highlighted. rich's Syntax is imported here, when a fix is printed: it loads pygments (2 MB
-    resident), which a diagnosis's probes would otherwise carry (issue #17 counts the doctor's own imports)."""
+    resident), which a diagnosis's probes would otherwise carry (the memory target counts the doctor's own imports)."""
     from rich.syntax import Syntax
 
     # word_wrap: a line still wider than the panel wraps instead of being cut off (comments were fitted first)
@@ -211,7 +211,7 @@ def _finding_panel(finding: Finding, contested: list[str], diagnosis: Diagnosis,
     evidence = Table.grid(padding=(0, 2))
     evidence.add_column(style="dim")
     evidence.add_column(overflow="fold")
-    for key, value in shown_evidence(finding.evidence).items():
+    for key, value in shown_evidence(finding.evidence_json()).items():
         text = value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
         evidence.add_row(key, escape(text.removesuffix("\n...")))
     parts: list = [

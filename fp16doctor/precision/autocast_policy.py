@@ -122,7 +122,7 @@ class RoundedInputs:
     an exact fp32 copy. Autograd saves the copies for the backward; :meth:`saved_in_low_precision` keeps
     the low-precision values instead and widens them again when the backward reads them (exactly: every
     fp16 and bf16 value is an fp32 value), so an AMP probe holds its activations in half precision, as the
-    GPU training does, not in fp32 (issue #17: the AMP probe of a CPU transformer saved twice the user's
+    GPU training does, not in fp32 (otherwise the AMP probe of a CPU transformer saved twice the user's
     activation memory). The backward computes on the very same numbers."""
 
     def __init__(self, low: torch.dtype):

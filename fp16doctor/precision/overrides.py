@@ -233,6 +233,6 @@ def watch_clipping(observer: ClipObserver, user_module: types.ModuleType) -> con
     """Every clip_grad_norm_/clip_grad_value_ call this thread makes inside goes through ``observer``.
 
     Clipping gradients that are still scaled uses a threshold off by the scale
-    factor (mixed-precision-notes.md): the record says whether that happened.
+    factor: the record says whether that happened.
     """
     return _CLIP_PATCH.observing(observer, user_module)

@@ -10,9 +10,17 @@ import torch
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside a (Distributed)DataParallel wrapper: its names are the ones the user knows."""
+    """The user's own model inside the wrappers that run it: (Distributed)DataParallel and ``torch.compile``'s
+    ``OptimizedModule``, however nested. Its names are the ones the user knows, and its class the one a capsule
+    rebuilds."""
     parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    return model.module if isinstance(model, parallel) else model
+    while True:
+        if isinstance(model, parallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:

@@ -14,9 +14,26 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from ..model import Evidence, Finding, Fix, Repair
+from ...measure.records import ExceptionInfo
+from ...measure.symptoms import Symptom
+from ..findings import (
+    Evidence,
+    EvidenceRecord,
+    Finding,
+    Fix,
+    FoundBy,
+    LocalisedAt,
+    LocalisedOutputAt,
+    Repair,
+    RepairEvidence,
+    RepairKind,
+    Severity,
+    UntypedEvidence,
+    omitted_when_none,
+)
 
 
 class Rule:
@@ -24,7 +41,7 @@ class Rule:
 
     code: ClassVar[str]
     """The stable cause code (part of the JSON contract)."""
-    severity: ClassVar[str] = "error"
+    severity: ClassVar[Severity] = Severity.ERROR
     order: ClassVar[int] = 100
     """Causal order: lower runs earlier in the chain of causes and ranks first."""
     explains: ClassVar[tuple[str, ...]] = ()
@@ -36,14 +53,14 @@ class Rule:
     passes: ClassVar[tuple[str, ...]] = ("mlp.py", "cnn_batchnorm.py", "transformer_encoder.py")
     """Sample models that must not get this cause as an error."""
     fires_on: ClassVar[tuple[Callable[[], Evidence], ...]] = ()
-    """Small evidence fixtures (:mod:`fp16doctor.diagnosis.fixtures`) on which this rule must report its cause."""
+    """Small evidence fixtures (:mod:`fp16doctor.diagnosis.rule_cases`) on which this rule must report its cause."""
     quiet_on: ClassVar[tuple[Callable[[], Evidence], ...]] = ()
     """Fixtures on which it must stay quiet: the near misses that tell the cause apart."""
     verifiable: ClassVar[bool] = True
     """Whether the fix's config patch can repair the training (false for data causes and model bugs)."""
 
-    repairs: ClassVar[tuple[str, ...]] = ()
-    """The kinds of intervention (:class:`fp16doctor.diagnosis.model.Repair` ``kind``) whose measured repair
+    repairs: ClassVar[tuple[RepairKind, ...]] = ()
+    """The kinds of intervention (:class:`fp16doctor.diagnosis.findings.Repair` ``kind``) whose measured repair
     names this cause in the intervention search; :meth:`names_repair` may narrow it down by the evidence."""
     repair_explains: ClassVar[tuple[str, ...]] = ()
     """Symptoms a measured repair this rule names may remove beyond :attr:`explains` (which its check's findings
@@ -77,31 +94,24 @@ class Rule:
     def repair_finding(self, repair: Repair, ev: Evidence) -> Finding:
         """The finding for a repair this rule names: the measured repair is the evidence and the fix."""
         loc = ev.localisation
-        evidence: dict[str, Any] = {"intervention": repair.description, "symptoms_removed": list(repair.symptoms)}
-        if repair.modules:
-            evidence["fp32_modules"] = list(repair.modules)
-        if "amp-exception" in repair.symptoms and ev.amp is not None and ev.amp.exception:
-            evidence["exception"] = ev.amp.exception  # this finding accounts for it: no longer "unexplained"
-        if loc is not None:
-            evidence["localisation"] = {
-                "module": loc.module,
-                "operator": loc.operator,
-                "phase": loc.phase,
-                "step": loc.step,
-                "batch": loc.batch_index,
-                "output": loc.output,
-            }
+        amp_exception = ev.amp.exception if ev.amp is not None else None
+        evidence = RepairEvidence(
+            intervention=repair.description,
+            symptoms_removed=list(repair.symptoms),
+            fp32_modules=list(repair.modules) or None,
+            # this finding accounts for AMP's exception: no longer "unexplained"
+            exception=amp_exception if "amp-exception" in repair.symptoms else None,
+            localisation=LocalisedOutputAt.of(loc) if loc is not None else None,
+        )
         summary, code = self.repair_fix(repair, ev)
         title = self.repair_title(repair, ev)
         if repair.also:  # the rule names the cause; the measured repair also needed this
             title += f" (together with {repair.also})"
             summary += f" Together with {repair.also} (config patch below): without it the loss scale still calibrates too slowly."
         finding = self.finding(
-            title, evidence, Fix(summary, code=code, config_patch=dict(repair.config_patch)), severity="error"
+            title, evidence, Fix(summary, code=code, config_patch=dict(repair.config_patch)), severity=Severity.ERROR
         )
-        finding.found_by = "intervention"
-        finding.verification = repair.verification
-        return finding
+        return replace(finding, found_by=FoundBy.INTERVENTION, verification=repair.verification)
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         where = ""
@@ -115,8 +125,15 @@ class Rule:
         return f"Make the change that was measured to repair the training: {repair.description}.", ""
 
     def finding(
-        self, title: str, evidence: dict[str, Any], fix: Fix, confidence: float = 1.0, severity: str | None = None
+        self,
+        title: str,
+        evidence: EvidenceRecord,
+        fix: Fix,
+        confidence: float = 1.0,
+        severity: Severity | None = None,
     ) -> Finding:
+        if isinstance(evidence, dict):  # TRANSITIONAL: until every rule declares its evidence record
+            evidence = UntypedEvidence(evidence)
         return Finding(
             cause=self.code,
             severity=severity or self.severity,
@@ -150,8 +167,21 @@ def rules_by_code() -> dict[str, Rule]:
     return rules
 
 
+@dataclass(frozen=True)
+class UnexplainedEvidence(EvidenceRecord):
+    """What was measured that no rule or intervention explains, and where it starts."""
+
+    symptoms: list[Symptom]
+    """The unexplained symptoms, each in its own JSON shape."""
+    localisation: LocalisedAt | None = omitted_when_none()
+    exception: ExceptionInfo | None = omitted_when_none()
+    """AMP's exception, when the probe raised one."""
+    interventions_tried: list[dict[str, Any]] | None = omitted_when_none()
+    """The intervention search's trials, when it ran and none repaired."""
+
+
 class _Unexplained(Rule):
-    """Symptoms no rule explains (made by the engine, not by a check)."""
+    """Symptoms no rule explains (made by the triage, not by a check)."""
 
     code = "unexplained"
 

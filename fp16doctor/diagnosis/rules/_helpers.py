@@ -10,7 +10,7 @@ import pandas as pd
 
 from ...measure.records import ROOT
 from ...tensors import FP16_MAX
-from ..model import Evidence, ProbeSummary
+from ..findings import Evidence, ProbeSummary
 
 LOW_DTYPES = ("float16", "bfloat16")
 NORM_TYPES = ("BatchNorm", "LayerNorm", "GroupNorm", "InstanceNorm", "RMSNorm", "LocalResponseNorm", "SyncBatchNorm")

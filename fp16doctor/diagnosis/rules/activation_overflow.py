@@ -15,8 +15,8 @@ below 0, under a square root) is no overflow: rounding's, not this rule's.
 from __future__ import annotations
 
 from ...measure.records import OUTSIDE_MODEL, ROOT, Localisation
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, Repair
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import (
     enclosing_fp32_safe,

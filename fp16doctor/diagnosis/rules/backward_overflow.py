@@ -13,8 +13,8 @@ custom Function, else the module in fp32.
 
 from __future__ import annotations
 
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Repair
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Repair
 from . import Rule
 from ._helpers import localised_inside, quoted
 

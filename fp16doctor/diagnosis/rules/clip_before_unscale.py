@@ -10,15 +10,15 @@ nearly invariant to the gradient's size, often shows none).
 
 from __future__ import annotations
 
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix
 from . import Rule
 
 
 class ClipBeforeUnscale(Rule):
     code = "clip-before-unscale"
     severity = "warning"
-    """A fact about the code: the engine makes it an error when a symptom it explains is measured."""
+    """A fact about the code: the triage makes it an error when a symptom it explains is measured."""
     order = 65
     explains = ("trajectory-drift", "lost-updates", "same-state-gap")
     repairs = ("unscale-before-clip",)

@@ -11,8 +11,8 @@ training that trains nothing says little.
 
 from __future__ import annotations
 
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix
 from . import Rule
 from ._helpers import fp32_losses
 

@@ -6,7 +6,7 @@ attention mask filled with -1e9), with the module whose code raised it; or the
 localised first non-finite operator is a cast or fill whose input, or whose
 Python number argument, holds a constant of constant-like magnitude (|x| >= 1e8,
 e.g. `(1 - mask) * torch.finfo(torch.float32).min`) that becomes inf in fp16. fp16's largest finite value is 65504
-(mixed-precision-notes.md, "Constants out of fp16 range"). An input counts as a constant by how the traced step
+(a constant out of fp16's range). An input counts as a constant by how the traced step
 made it (a fill or arithmetic on a Python number, not an ``exp`` or a matmul); one the step did not make (a
 buffer, a batch field) by its values: a few distinct values beyond fp16's range. A parameter's cast is a weight
 fp16 cannot hold, not a constant.
@@ -22,8 +22,8 @@ from typing import Any
 
 from ...measure.records import Localisation
 from ...measure.thresholds import CONSTANT_MAGNITUDE, CONSTANT_SPREAD
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, Repair
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import class_members, fp32_finite, library_modules, localised_inside, module_types, quoted, role_members
 

@@ -6,7 +6,7 @@ no result past 65504 was seen, and the same module's FP32 output stays inside fp
 not an activation overflow: 0/0 or x/0 made the NaN or inf. The usual source is an epsilon below fp16's
 smallest subnormal (about 6e-8: a norm's ``sqrt(mean(x*x) + 1e-8)``, ``F.normalize``'s eps) that is
 0 in fp16, on rows that are exactly 0 (padding), or squares of small values that flush to zero
-(mixed-precision-notes.md, "Epsilons below fp16's smallest subnormal"). The fix: the module in fp32
+(an epsilon below fp16's smallest subnormal is 0). The fix: the module in fp32
 (verified by the doctor), or an epsilon fp16 holds (1e-5 is usual). In the backward pass (the derivative
 of acos, sqrt or a division at a value fp16 rounded onto its bound: ArcFace's clamp to 1 - 1e-7, which is 1.0 in
 fp16) the divisor rounds to 0 the same way, with the FP32 run finite.
@@ -20,8 +20,8 @@ import pandas as pd
 
 from ...measure.records import OUTSIDE_MODEL, ROOT, Localisation
 from ...tensors import FP16_MAX
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, ProbeSummary, Repair
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix, ProbeSummary, Repair
 from . import Rule
 from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, localised_inside, module_abs_max, quoted
 

@@ -3,8 +3,7 @@
 Evidence: an integer field of the data whose values, in some batch, all equal
 -100 (PyTorch's default `ignore_index`, Hugging Face's label padding), and the
 first non-finite loss (FP32 or AMP) on such a batch: a mean cross-entropy over
-zero valid targets is 0/0 = NaN by design (mixed-precision-notes.md, "Empty
-targets"). Reported with the count of valid targets per batch.
+zero valid targets is 0/0 = NaN by design. Reported with the count of valid targets per batch.
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ from typing import Any
 
 from ...measure.thresholds import IGNORE_INDEX
 from ...userfile.batches import iter_tensors
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, ProbeSummary
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix, ProbeSummary
 from ..verify import Intervention, apply_batches
 from . import Rule
 

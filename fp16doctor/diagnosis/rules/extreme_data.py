@@ -11,8 +11,8 @@ from __future__ import annotations
 import pandas as pd
 
 from ...measure.thresholds import EXTREME_INPUT
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix
 from ..verify import Intervention, standardise
 from . import Rule
 from ._helpers import fp32_finite, model_input_peak

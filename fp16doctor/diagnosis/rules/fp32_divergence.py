@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix
 from . import Rule
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import statistics
 
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix
 from . import Rule
 from ._helpers import fp32_finite, fp32_losses
 

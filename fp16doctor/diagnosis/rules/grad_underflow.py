@@ -2,8 +2,7 @@
 
 Evidence: the gradients non-zero in fp32 but zero in AMP (same weights and
 batch), per parameter and per activation gradient, as a share of the elements
-and of the gradient's L1 mass. Over 5% calls for a higher scale
-(mixed-precision-notes.md); the alarm is on the mass: elements many orders
+and of the gradient's L1 mass. Over 5% calls for a higher scale; the alarm is on the mass: elements many orders
 below the rest of their tensor (a sharp softmax's tails, gradients that are
 zero in exact arithmetic and rounding noise in fp32) carry nothing when they
 flush, and a tensor whose whole gradient is under 1e-4 of the typical one is
@@ -22,8 +21,8 @@ from __future__ import annotations
 import math
 
 from ...measure.thresholds import UNDERFLOW_ALARM
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, Repair
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import fp32_finite, scale_patch
 
@@ -31,7 +30,7 @@ from ._helpers import fp32_finite, scale_patch
 class GradUnderflow(Rule):
     code = "grad-underflow"
     severity = "warning"
-    """Measured on gradients, not on the training: the engine makes it an error when a symptom it explains is measured."""
+    """Measured on gradients, not on the training: the triage makes it an error when a symptom it explains is measured."""
     order = 71
     explains = ("trajectory-drift", "lost-updates", "same-state-gap")
     repairs = ("scaler-scale",)

@@ -10,8 +10,8 @@ symptom it explains is measured.
 
 from __future__ import annotations
 
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix
 from . import Rule
 from ._helpers import LOW_DTYPES, is_norm
 
@@ -19,7 +19,7 @@ from ._helpers import LOW_DTYPES, is_norm
 class HalfBatchnorm(Rule):
     code = "half-batchnorm"
     severity = "warning"
-    """A static fact: the engine makes it an error when a symptom it explains is measured."""
+    """A static fact: the triage makes it an error when a symptom it explains is measured."""
     order = 41
     explains = ("nonfinite", "amp-exception", "skips", "same-state-gap", "trajectory-drift")
     triggers = ("half_batchnorm.py",)

@@ -9,8 +9,8 @@ once a symptom it explains is measured.
 
 from __future__ import annotations
 
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, Repair
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import half_optimizer_state_modules
 
@@ -18,7 +18,7 @@ from ._helpers import half_optimizer_state_modules
 class HalfOptimizerState(Rule):
     code = "half-optimizer-state"
     severity = "warning"
-    """A static fact: the engine makes it an error when a symptom it explains is measured."""
+    """A static fact: the triage makes it an error when a symptom it explains is measured."""
     order = 42
     explains = ("nonfinite", "skips", "lost-updates", "trajectory-drift", "same-state-gap")
     repairs = ("fp32-weights",)

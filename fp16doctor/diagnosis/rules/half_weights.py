@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 
 from ...measure.thresholds import HALF_WEIGHTS_LOST_SHARE
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, Repair
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import half_param_modules, is_norm
 
@@ -24,7 +24,7 @@ from ._helpers import half_param_modules, is_norm
 class HalfWeights(Rule):
     code = "half-weights"
     severity = "warning"
-    """A static fact: the engine makes it an error when a symptom it explains is measured."""
+    """A static fact: the triage makes it an error when a symptom it explains is measured."""
     order = 40
     explains = ("nonfinite", "skips", "amp-exception", "lost-updates", "trajectory-drift", "same-state-gap")
     repairs = ("fp32-weights",)

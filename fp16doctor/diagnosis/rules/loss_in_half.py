@@ -21,8 +21,8 @@ from typing import Any
 from ...measure.records import OUTSIDE_MODEL, Localisation
 from ...measure.symptoms import excess_skips, first_nonfinite, skip_profile
 from ...tensors import FP16_MAX
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, Repair
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite
 

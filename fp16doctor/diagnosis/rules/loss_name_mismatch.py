@@ -13,8 +13,8 @@ loss there, so a loss near miss beside it is not reported.
 
 from __future__ import annotations
 
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix
 from . import Rule
 
 DEFAULT_LOSS = "cross_entropy(model(x), y) for (x, y) batches, model(**batch).loss for dicts"

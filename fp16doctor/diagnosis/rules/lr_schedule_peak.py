@@ -9,8 +9,8 @@ baseline may fail at the peak too: the pause still shows the LR is the cause.
 
 from __future__ import annotations
 
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, LrPause, LrPeak
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix, LrPause, LrPeak
 from . import Rule
 from ._helpers import fp32_finite
 

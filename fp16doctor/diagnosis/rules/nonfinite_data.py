@@ -7,8 +7,8 @@ symptom of it, in fp32 as in AMP.
 
 from __future__ import annotations
 
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix
 from ..verify import Intervention, drop_rows
 from . import Rule
 

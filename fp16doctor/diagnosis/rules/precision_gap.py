@@ -10,16 +10,18 @@ output shows (an infinity divided away: a linear attention's normaliser, a hand-
 
 Also named by intervention: modules kept in fp32 repair a NaN that the traced culprit made inside them from
 finite inputs within fp16's range (nothing overflowed): rounding drove a value out of its operator's domain, a
-variance computed as E[x^2] - E[x]^2 that cancels below 0 under a square root (issue 16: a module in fp32
-repairs, no overflow: precision-gap).
+variance computed as E[x^2] - E[x]^2 that cancels below 0 under a square root (a module in fp32
+repairs it and nothing overflowed: precision-gap).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...measure.records import Localisation
 from ...measure.thresholds import GAP_ERROR, GAP_TOLERANCE
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, Repair
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix, Repair
 from . import Rule
 from ._helpers import localised_inside, quoted
 
@@ -102,8 +104,7 @@ class PrecisionGap(Rule):
             fix,
             severity=severity if closing else "warning",
         )
-        found.needs_search = not closing
-        return [found]
+        return [replace(found, needs_search=not closing)]
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it with nothing out of fp16's range: precision, not range (the rules

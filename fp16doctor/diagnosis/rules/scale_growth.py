@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ...measure.symptoms import skip_runs
 from ...measure.thresholds import SCALE_GROWTH_RECURRENCES
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix
 from . import Rule
 from ._helpers import fp32_finite
 

@@ -15,8 +15,8 @@ import math
 
 from ...measure.symptoms import attempts, skip_runs
 from ...measure.thresholds import CALIBRATION_SKIPS, PERSISTENT_OVERFLOW_SHARE
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix, ProbeSummary, Repair
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix, ProbeSummary, Repair
 from . import Rule
 from ._helpers import fp32_finite, scale_patch
 

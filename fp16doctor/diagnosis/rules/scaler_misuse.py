@@ -18,14 +18,14 @@ runs finite: it turns every step the scaler exists to skip into a crash, the
 calibration's first ones and, later, each growth past the range. Several optimizers, each
 stepped with `scaler.step()`, then one `scaler.update()`, is PyTorch's recipe
 and healthy. PyTorch's "CUDA Automatic Mixed
-Precision examples" give the recipe for each loop shape (mixed-precision-notes.md).
+Precision examples" give the recipe for each loop shape.
 """
 
 from __future__ import annotations
 
 from ...precision.recording import double_steps
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix
 from . import Rule
 from ._helpers import fp32_finite
 

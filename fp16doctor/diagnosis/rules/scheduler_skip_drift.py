@@ -7,8 +7,8 @@ against the schedule: a warm-up whose first steps are skipped is partly lost.
 from __future__ import annotations
 
 from ...measure.thresholds import SKIP_DRIFT_RUN_SHARE, SKIP_DRIFT_WARMUP_SHARE
-from .. import fixtures as fx
-from ..model import Evidence, Finding, Fix
+from .. import rule_cases as fx
+from ..findings import Evidence, Finding, Fix
 from . import Rule
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..model import StageReport
+from ..findings import StageName, StageReport
 from .amp import stage_amp
 from .bf16 import stage_bf16
 from .context import StageContext, measured_symptoms, run_mode, same_state_gap
@@ -27,19 +27,19 @@ from .precision_gap import stage_precision_gap
 class Stage:
     """One step of the triage: its name (as the report shows it) and what runs it."""
 
-    name: str
+    name: StageName
     run: Callable[[StageContext], StageReport]
 
 
 STAGES: list[Stage] = [
-    Stage("data scan", stage_data),
-    Stage("fp32 baseline", stage_fp32),
-    Stage("amp as configured", stage_amp),
-    Stage("localisation", stage_localise),
-    Stage("loss-scale sweep", stage_scale),
-    Stage("LR schedule peak", stage_lr_peak),
-    Stage("precision-gap search", stage_precision_gap),
-    Stage("bf16 check", stage_bf16),
+    Stage(StageName.DATA, stage_data),
+    Stage(StageName.FP32, stage_fp32),
+    Stage(StageName.AMP, stage_amp),
+    Stage(StageName.LOCALISATION, stage_localise),
+    Stage(StageName.LOSS_SCALE, stage_scale),
+    Stage(StageName.LR_PEAK, stage_lr_peak),
+    Stage(StageName.PRECISION_GAP, stage_precision_gap),
+    Stage(StageName.BF16, stage_bf16),
 ]
 
 __all__ = ["STAGES", "Stage", "StageContext", "measured_symptoms", "run_mode", "same_state_gap"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...engine.probe import DEFAULT_INSTRUMENTS, PLOT_INSTRUMENTS, Probe
-from ..model import StageReport
+from ..findings import StageName, StageReport, StageStatus
 from .context import StageContext, probe_details, probe_sentence, run_mode
 
 
@@ -17,4 +17,4 @@ def stage_amp(ctx: StageContext) -> StageReport:
 
     instruments = PLOT_INSTRUMENTS if ctx.plots else DEFAULT_INSTRUMENTS  # the plots read this probe's tables
     ctx.evidence.amp = summary = run_mode(ctx, "amp", before_step=keep_snapshot, instruments=instruments)
-    return StageReport("amp as configured", "ran", probe_sentence(summary), details=probe_details(summary))
+    return StageReport(StageName.AMP, StageStatus.RAN, probe_sentence(summary), details=probe_details(summary))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...measure.thresholds import UNDERFLOW_ALARM
-from ..model import StageReport
+from ..findings import StageName, StageReport, StageStatus
 from .context import (
     StageContext,
     probe_details,
@@ -26,10 +26,10 @@ def stage_bf16(ctx: StageContext) -> StageReport:
     )
     if ctx.config.dtype == "bfloat16" or not range_trouble:
         return StageReport(
-            "bf16 check",
-            "skipped",
+            StageName.BF16,
+            StageStatus.SKIPPED,
             "no fp16 range trouble to compare against" if ctx.config.dtype != "bfloat16" else "already bfloat16",
         )
     ev.bf16 = summary = run_mode(ctx, "bf16", instruments=None)  # the bf16 advice reads the records only
     ev.bf16_supported = torch.cuda.is_bf16_supported() if ctx.bench.device.type == "cuda" else True
-    return StageReport("bf16 check", "ran", probe_sentence(summary), details=probe_details(summary))
+    return StageReport(StageName.BF16, StageStatus.RAN, probe_sentence(summary), details=probe_details(summary))

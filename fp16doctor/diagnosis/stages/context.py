@@ -35,7 +35,7 @@ from ...measure.symptoms import (
     relative_deviation,
     skip_profile,
 )
-from ..model import Evidence, ProbeSummary
+from ..findings import Evidence, ProbeSummary
 
 EVENT_LEAD = 3
 """Trouble that starts at most this many steps after an LR schedule's peak or jump starts there."""

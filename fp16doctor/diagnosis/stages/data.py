@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...measure.datascan import scan_batches
-from ..model import StageReport
+from ..findings import StageName, StageReport, StageStatus
 from .context import StageContext
 
 
@@ -25,4 +25,6 @@ def stage_data(ctx: StageContext) -> StageReport:
         parts.append("extreme magnitudes in " + ", ".join(f"'{f.field}' (|x| up to {f.abs_max:.3g})" for f in extreme))
     if not bad and not extreme:
         parts.append("all finite, magnitudes fp16 can carry")
-    return StageReport("data scan", "ran", "; ".join(parts), details={"fields": [f.to_json() for f in scan]})
+    return StageReport(
+        StageName.DATA, StageStatus.RAN, "; ".join(parts), details={"fields": [f.to_json() for f in scan]}
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...engine.probe import Probe
-from ..model import StageReport
+from ..findings import StageName, StageReport, StageStatus
 from .context import StageContext, gap_states, probe_details, probe_sentence, run_mode
 
 
@@ -20,5 +20,5 @@ def stage_fp32(ctx: StageContext) -> StageReport:
     plan = ctx.bench.micro_batch_plan("fp32")  # made when the probe was built: what every FP32 probe follows
     sentence = "; ".join(part for part in (probe_sentence(summary), plan.sentence()) if part)
     return StageReport(
-        "fp32 baseline", "ran", sentence, details={**probe_details(summary), "micro_batches": plan.to_json()}
+        StageName.FP32, StageStatus.RAN, sentence, details={**probe_details(summary), "micro_batches": plan.to_json()}
     )

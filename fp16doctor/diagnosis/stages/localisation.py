@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ...measure.localise import Localisation, localise, localise_steps
-from ..model import ProbeSummary, StageReport
+from ..findings import ProbeSummary, StageName, StageReport, StageStatus
 from .context import StageContext, bad_step
 
 
@@ -32,8 +32,8 @@ def _localise(ctx: StageContext) -> StageReport:
     amp = ev.amp
     if amp is None or amp.finite or amp.exception is not None:
         if not notes:
-            return StageReport("localisation", "skipped", "no non-finite step to localise")
-        return StageReport("localisation", "ran", "; ".join(notes))
+            return StageReport(StageName.LOCALISATION, StageStatus.SKIPPED, "no non-finite step to localise")
+        return StageReport(StageName.LOCALISATION, StageStatus.RAN, "; ".join(notes))
     step = bad_step(amp)
     first = localise(ctx.bench, "amp", step, ctx.config, keep=ctx.fault_snapshots)
     ev.localisation = first
@@ -47,8 +47,8 @@ def _localise(ctx: StageContext) -> StageReport:
             + ("" if ev.localisation_deterministic else " (the replay differed: non-deterministic)")
         )
     return StageReport(
-        "localisation",
-        "ran",
+        StageName.LOCALISATION,
+        StageStatus.RAN,
         "; ".join(notes),
         details={
             "amp": first.to_json() if first else None,

@@ -21,7 +21,7 @@ from ...measure.thresholds import (
     KEEP_MASS,
     UNDERFLOW_ALARM,
 )
-from ..model import StageReport
+from ..findings import StageName, StageReport, StageStatus
 from .context import StageContext, skips_start_at_schedule_event, worst_underflow
 
 
@@ -29,10 +29,14 @@ def stage_scale(ctx: StageContext) -> StageReport:
     """The loss-scale window from FP32 gradients, underflow at the configured scale, and the sweep."""
     ev, cfg = ctx.evidence, ctx.config
     if cfg.dtype != "float16":
-        return StageReport("loss-scale sweep", "skipped", "bfloat16 has fp32's range: no loss scaling needed")
+        return StageReport(
+            StageName.LOSS_SCALE, StageStatus.SKIPPED, "bfloat16 has fp32's range: no loss scaling needed"
+        )
     if ev.fp32 is None or not ev.fp32.finite:
         failed = f"raised {ev.fp32.exception.type}" if ev.fp32 is not None and ev.fp32.exception else "is not finite"
-        return StageReport("loss-scale sweep", "skipped", f"the fp32 baseline {failed}: scaling cannot help")
+        return StageReport(
+            StageName.LOSS_SCALE, StageStatus.SKIPPED, f"the fp32 baseline {failed}: scaling cannot help"
+        )
     with ctx.progress.planned(2):  # step 0 in FP32 and in AMP; the sweep plans its own steps
         reference = ctx.bench.probe(
             "fp32", cfg, instruments=None
@@ -62,24 +66,24 @@ def stage_scale(ctx: StageContext) -> StageReport:
     )
     if not needs_sweep:
         return StageReport(
-            "loss-scale sweep",
-            "skipped",
+            StageName.LOSS_SCALE,
+            StageStatus.SKIPPED,
             summary + "; no skips or underflow: nothing to sweep",
             details={"window": [window.low, window.high]},
         )
     if amp is not None and amp.first_nonfinite_loss is not None:
         why = "AMP raised an exception" if amp.exception is not None else "the loss itself turns non-finite"
         return StageReport(
-            "loss-scale sweep",
-            "skipped",
+            StageName.LOSS_SCALE,
+            StageStatus.SKIPPED,
             summary + f"; {why}: no loss scale can fix that",
             details={"window": [window.low, window.high]},
         )
     event = skips_start_at_schedule_event(ctx)
     if event is not None and not (worst_observed > UNDERFLOW_ALARM or not cfg.scaler.enabled):
         return StageReport(
-            "loss-scale sweep",
-            "skipped",
+            StageName.LOSS_SCALE,
+            StageStatus.SKIPPED,
             summary + f"; the skips start right at the LR schedule's peak or jump "
             f"(step {event}): a sweep from the start cannot see them, the LR-peak stage pauses there",
             details={"window": [window.low, window.high], "schedule_event": event},
@@ -93,8 +97,8 @@ def stage_scale(ctx: StageContext) -> StageReport:
         + ", ".join(f"{k}={v:.0f}" if v >= 1 else f"{k}={v:.3g}" for k, v in ev.recommended_scaler.items())
     )
     return StageReport(
-        "loss-scale sweep",
-        "ran",
+        StageName.LOSS_SCALE,
+        StageStatus.RAN,
         summary,
         details={
             "window": [window.low, window.high],

@@ -10,18 +10,18 @@ from typing import Any
 import torch
 
 from ...engine.probe import DEFAULT_INSTRUMENTS, Probe, ProbeSnapshot
-from ..model import LrPause, LrPeak, LrSchedule, StageReport
+from ..findings import LrPause, LrPeak, LrSchedule, StageName, StageReport, StageStatus
 from .context import StageContext, bad_step
 
 
 def stage_lr_peak(ctx: StageContext) -> StageReport:
     ev = ctx.evidence
     if not ev.has_scheduler:
-        return StageReport("LR schedule peak", "skipped", "no scheduler() in the training file")
+        return StageReport(StageName.LR_PEAK, StageStatus.SKIPPED, "no scheduler() in the training file")
     if ctx.schedule is None:
         return StageReport(
-            "LR schedule peak",
-            "skipped",
+            StageName.LR_PEAK,
+            StageStatus.SKIPPED,
             "no schedule to dry-run: the scheduler follows the loss "
             "(ReduceLROnPlateau), or cannot be built apart from the training",
         )
@@ -36,8 +36,8 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
     summary = f"peak lr {lrs[peak]:.3g} at step {peak}; largest jump x{schedule.jump_ratio:.3g} at step {jump}"
     if event is None:
         return StageReport(
-            "LR schedule peak",
-            "skipped",
+            StageName.LR_PEAK,
+            StageStatus.SKIPPED,
             summary + "; no trouble at the peak or jump to explain",
             details=found.to_json(),
         )
@@ -46,7 +46,7 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
         f"; paused at step {event}: at lr {lrs[event]:.3g} the step is {'finite' if pause.finite_at_peak else 'NOT finite'}, "
         f"at the pre-peak lr {lrs[event - 1]:.3g} it is {'finite' if pause.finite_before_peak else 'NOT finite'}"
     )
-    return StageReport("LR schedule peak", "ran", summary, details=found.to_json())
+    return StageReport(StageName.LR_PEAK, StageStatus.RAN, summary, details=found.to_json())
 
 
 def _pause(ctx: StageContext, event: int, lrs: list[float]) -> LrPause:

@@ -12,7 +12,7 @@ from ...measure.records import ROOT
 from ...measure.symptoms import loss_floor, relative_deviation
 from ...measure.thresholds import BF16_FACTOR, GAP_TOLERANCE
 from ...userfile.modules import module_names
-from ..model import GapSearch, GapTrial, ModuleGap, StageReport
+from ..findings import GapSearch, GapTrial, ModuleGap, StageName, StageReport, StageStatus
 from .context import (
     StageContext,
     gap_states,
@@ -28,10 +28,12 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     amp = ev.amp
     if amp is not None and amp.exception is not None:
         return StageReport(
-            "precision-gap search", "skipped", f"AMP raised {amp.exception.type}: no trajectory to compare"
+            StageName.PRECISION_GAP, StageStatus.SKIPPED, f"AMP raised {amp.exception.type}: no trajectory to compare"
         )
     if amp is None or amp.first_nonfinite_loss is not None:
-        return StageReport("precision-gap search", "skipped", "AMP is not finite: a range problem, not a precision gap")
+        return StageReport(
+            StageName.PRECISION_GAP, StageStatus.SKIPPED, "AMP is not finite: a range problem, not a precision gap"
+        )
     tolerance = GAP_TOLERANCE * (BF16_FACTOR if cfg.dtype == "bfloat16" else 1.0)
     states = gap_states(ctx)
     floor = loss_floor(ev.fp32.records) if ev.fp32 is not None else 0.0
@@ -48,8 +50,8 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     ev.gap = info = GapSearch(same_state_rel_dev=gaps, worst_step=worst_step, gap=gap, tolerance=tolerance)
     if gap <= tolerance:
         return StageReport(
-            "precision-gap search",
-            "ran",  # the same-state pairs ran; no module search is needed
+            StageName.PRECISION_GAP,
+            StageStatus.RAN,  # the same-state pairs ran; no module search is needed
             f"AMP matches fp32 on the same state (largest deviation {gap:.3%} at step {worst_step}): "
             "no module to search for",
             details=info.to_json(),
@@ -77,8 +79,8 @@ def _search(ctx: StageContext, info: GapSearch, leak_check: bool) -> StageReport
         if plain <= tolerance:
             info.scale_leak = True
             return StageReport(
-                "precision-gap search",
-                "ran",
+                StageName.PRECISION_GAP,
+                StageStatus.RAN,
                 f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}), and {plain:.3%} with loss "
                 "scaling off: the loss scale leaks into the loss (not a precision gap)",
                 details=info.to_json(),
@@ -96,7 +98,7 @@ def _search(ctx: StageContext, info: GapSearch, leak_check: bool) -> StageReport
     )
     if info.absorbed_overflow is not None:
         summary += f"; an overflow no module output shows: {info.absorbed_overflow.describe()}"
-    return StageReport("precision-gap search", "ran", summary, details=info.to_json())
+    return StageReport(StageName.PRECISION_GAP, StageStatus.RAN, summary, details=info.to_json())
 
 
 def absorbed_overflow(ctx: StageContext, step: int) -> Any:

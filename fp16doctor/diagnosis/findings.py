@@ -1,11 +1,19 @@
-"""The diagnosis as data: evidence in, findings out. Rendering lives elsewhere."""
+"""The diagnosis as data: the measured evidence in, immutable findings out. Rendering lives in ``output``.
+
+The codes a report prints and a JSON reader compares (severity, stage status and name, repair kind) are
+enums whose members are their strings: ``Severity.ERROR == "error"`` and they serialise as the string.
+A rule's evidence is a frozen :class:`EvidenceRecord` of its own, declared in the rule's file; its fields are
+the keys of the finding's ``evidence`` object in the JSON (:func:`evidence_json`).
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields, replace
+from enum import Enum
+from typing import Any, TypeVar
 
 import pandas as pd
 
@@ -15,10 +23,182 @@ from ..measure.datascan import FieldScan
 from ..measure.records import ExceptionInfo, Localisation, ScaleWindow
 from ..measure.symptoms import Symptom, exception_of, first_step
 
-SEVERITIES = ("error", "warning", "info")
+
+class Code(str, Enum):
+    """A stable code: equal to its string, printed and serialised as it (``f"{Severity.ERROR}"`` is ``error``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
 
 
-@dataclass
+class Severity(Code):
+    """How a finding weighs, most severe first (the ranking's first key)."""
+
+    ERROR = "error"
+    """A cause of a measured symptom: never healthy."""
+    WARNING = "warning"
+    """A pattern that can lead to trouble, with no measured symptom it explains (or a fix that changed nothing)."""
+    INFO = "info"
+    """Advice (bf16 where the hardware has it)."""
+
+
+SEVERITIES: tuple[Severity, ...] = tuple(Severity)
+"""Most severe first."""
+
+
+class StageStatus(Code):
+    RAN = "ran"
+    SKIPPED = "skipped"
+    """Not run, and the stage's summary says why (nothing to measure, out of memory)."""
+
+
+class StageName(Code):
+    """The triage's stages, in order, as the report and the progress display name them."""
+
+    DATA = "data scan"
+    FP32 = "fp32 baseline"
+    AMP = "amp as configured"
+    LOCALISATION = "localisation"
+    LOSS_SCALE = "loss-scale sweep"
+    LR_PEAK = "LR schedule peak"
+    PRECISION_GAP = "precision-gap search"
+    BF16 = "bf16 check"
+    VERIFYING = "verifying fixes"
+    """What the progress display shows while the fixes are tried (the report names it ``fix verification``)."""
+    FIX_VERIFICATION = "fix verification"
+    INTERVENTION_SEARCH = "intervention search"
+
+
+class RepairKind(Code):
+    """What an intervention of the search changes (a :class:`Repair`'s ``kind``)."""
+
+    FP32_MODULES = "fp32-modules"
+    LOSS_FP32 = "loss-fp32"
+    FP32_WEIGHTS = "fp32-weights"
+    SCALER_SCALE = "scaler-scale"
+    SCALER_GROWTH = "scaler-growth"
+    LR_CAP = "lr-cap"
+    HOLD_SCHEDULER = "hold-scheduler"
+    UNSCALE_BEFORE_CLIP = "unscale-before-clip"
+    DROP_NONFINITE_ROWS = "drop-nonfinite-rows"
+    STANDARDISE = "standardise"
+    DROP_EMPTY_TARGETS = "drop-empty-targets"
+    BF16 = "bf16"
+
+
+class FoundBy(Code):
+    RULE = "rule"
+    """A rule matched the evidence."""
+    INTERVENTION = "intervention"
+    """The intervention search tried the doctor's interventions and this cause is named from the one that repaired
+    the training."""
+
+
+_OMITTED_WHEN_NONE = "fp16doctor_omitted_when_none"
+
+
+def omitted_when_none(default: Any = None) -> Any:
+    """An evidence field whose key the JSON leaves out while it is None (a measurement that did not apply);
+    a plain field keeps its key, ``null`` included."""
+    return field(default=default, metadata={_OMITTED_WHEN_NONE: True})
+
+
+@dataclass(frozen=True)
+class EvidenceRecord:
+    """A finding's evidence: what was measured that points at its cause. Subclasses are frozen dataclasses
+    declared in their rule's file; each field is a key of the finding's JSON ``evidence`` object."""
+
+    def to_json(self) -> dict[str, Any]:
+        return evidence_json(self)
+
+
+def evidence_json(record: EvidenceRecord) -> dict[str, Any]:
+    """The one serialiser of evidence: field by field, in declaration order, as plain JSON values (a record
+    inside, a :class:`~fp16doctor.measure.records.Localisation` say, in its own documented shape)."""
+    out: dict[str, Any] = {}
+    for f in fields(record):
+        value = getattr(record, f.name)
+        if value is None and f.metadata.get(_OMITTED_WHEN_NONE):
+            continue
+        out[f.name] = jsonable(value)
+    return out
+
+
+@dataclass(frozen=True)
+class UntypedEvidence(EvidenceRecord):
+    """TRANSITIONAL: a rule's evidence still built as a dict (removed once every rule declares its record)."""
+
+    values: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {str(k): jsonable(v) for k, v in self.values.items()}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+E = TypeVar("E", bound=EvidenceRecord)
+
+
+def evidence_of(finding: Finding, kind: type[E]) -> E:
+    """A finding's evidence as the record its rule made (a rule reading back its own finding)."""
+    if not isinstance(finding.evidence, kind):
+        raise TypeError(f"{finding.cause}: evidence is {type(finding.evidence).__name__}, not {kind.__name__}")
+    return finding.evidence
+
+
+@dataclass(frozen=True)
+class LocalisedAt(EvidenceRecord):
+    """Where the localisation found the first non-finite value, as a finding's evidence repeats it."""
+
+    module: str
+    operator: str
+    phase: str
+    step: int
+    batch: int
+
+    @classmethod
+    def of(cls, loc: Localisation) -> LocalisedAt:
+        return cls(loc.module, loc.operator, loc.phase, loc.step, loc.batch_index)
+
+
+@dataclass(frozen=True)
+class LocalisedOutputAt(LocalisedAt):
+    """The localisation with the culprit's output range (a repair's evidence)."""
+
+    output: Any = None
+
+    @classmethod
+    def of(cls, loc: Localisation) -> LocalisedOutputAt:
+        return cls(loc.module, loc.operator, loc.phase, loc.step, loc.batch_index, loc.output)
+
+
+@dataclass(frozen=True)
+class RepairEvidence(EvidenceRecord):
+    """A cause named from what the intervention search repaired: the intervention and what it removed."""
+
+    intervention: str
+    symptoms_removed: list[str]
+    fp32_modules: list[str] | None = omitted_when_none()
+    """The modules kept in fp32, for a module repair."""
+    exception: ExceptionInfo | None = omitted_when_none()
+    """AMP's exception, where the repair removed it (the finding then accounts for it)."""
+    localisation: LocalisedOutputAt | None = omitted_when_none()
+
+
+@dataclass(frozen=True)
 class Fix:
     """What to change: a sentence, a code snippet for the permanent edit, and a config patch to try it now."""
 
@@ -110,14 +290,15 @@ class CorrectedConfig:
         }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finding:
-    """One cause, with the measurements that point at it."""
+    """One cause, with the measurements that point at it. Immutable: the triage's steps (tying symptoms,
+    verifying, demoting, ranking) each return new findings (:func:`dataclasses.replace`)."""
 
     cause: str
-    severity: str
+    severity: Severity
     title: str
-    evidence: dict[str, Any]
+    evidence: EvidenceRecord
     fix: Fix
     confidence: float = 1.0
     """0..1: how directly the evidence shows the cause (ranking within the same severity and causal order)."""
@@ -131,10 +312,38 @@ class Finding:
     needs_search: bool = False
     """The rule recognised the pattern but has no change to propose (no small set of modules in fp32 closes a
     precision gap): a warning that explains no symptom, so the intervention search looks for the repair, and the
-    cause it names takes this finding's evidence (:func:`fp16doctor.diagnosis.engine.adopt_repair`)."""
-    found_by: str = "rule"
-    """``rule``: a rule matched the evidence; ``intervention``: the intervention search tried the doctor's
-    interventions and this cause is named from the one that repaired the training (:mod:`.interventions`)."""
+    cause it names takes this finding's evidence (:func:`fp16doctor.diagnosis.triage.adopt_repair`)."""
+    found_by: FoundBy = FoundBy.RULE
+    symptoms: tuple[str, ...] | None = None
+    """The measured symptoms (codes) this finding explains, once the triage tied them (the JSON evidence's
+    ``symptoms``); None before, and for a finding that explains none."""
+    adopted: tuple[EvidenceRecord, ...] = ()
+    """The evidence of a rule's findings of the same cause that this one (named by the intervention search) took
+    over, the first adopted first: its own evidence wins a shared key, then the earlier adopted."""
+
+    def evidence_json(self) -> dict[str, Any]:
+        """The JSON ``evidence`` object: the adopted records' keys under the finding's own, then ``symptoms``."""
+        out: dict[str, Any] = {}
+        for record in (*reversed(self.adopted), self.evidence):
+            out.update(record.to_json())
+        if self.symptoms is not None:
+            out["symptoms"] = list(self.symptoms)
+        return out
+
+    def evidence_records(self) -> Iterable[EvidenceRecord]:
+        return (self.evidence, *self.adopted)
+
+    @property
+    def exception(self) -> ExceptionInfo | None:
+        """The probe exception this finding accounts for (in its own or an adopted evidence), or None."""
+        for record in self.evidence_records():
+            exc = getattr(record, "exception", None)
+            if isinstance(exc, ExceptionInfo):
+                return exc
+        return None
+
+    def with_symptom(self, code: str) -> Finding:
+        return replace(self, symptoms=(*(self.symptoms or ()), code))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -143,7 +352,7 @@ class Finding:
             "severity": self.severity,
             "found_by": self.found_by,
             "title": self.title,
-            "evidence": jsonable(self.evidence),
+            "evidence": jsonable(self.evidence_json()),
             "fix": self.fix.to_json(),
             "confidence": round(self.confidence, 3),
             "verification": jsonable(self.verification.to_json()) if self.verification else None,
@@ -155,10 +364,8 @@ class Repair:
     """An intervention the search tried that removed the symptoms it was tried for: what the rules read to
     name the cause (:meth:`fp16doctor.diagnosis.rules.Rule.names_repair`)."""
 
-    kind: str
-    """What was changed (:data:`fp16doctor.diagnosis.interventions.KINDS`): ``fp32-modules``, ``loss-fp32``,
-    ``fp32-weights``, ``scaler-scale``, ``scaler-growth``, ``lr-cap``, ``hold-scheduler``,
-    ``unscale-before-clip``, ``drop-nonfinite-rows``, ``standardise``, ``drop-empty-targets``, ``bf16``."""
+    kind: RepairKind
+    """What was changed."""
     description: str
     """The intervention in words, as the verification names it."""
     config_patch: dict[str, Any] = field(default_factory=dict)
@@ -181,15 +388,18 @@ class Repair:
     that left only the loss scale's calibration skips, completed with the sweep's recommended scale."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageReport:
     """One triage stage: ran or skipped (and why), and what it found in a sentence."""
 
-    name: str
-    status: str
+    name: StageName
+    status: StageStatus
     summary: str
     seconds: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)
+
+    def timed(self, seconds: float) -> StageReport:
+        return replace(self, seconds=seconds)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -448,9 +658,9 @@ class Diagnosis:
     def unexplained(self) -> list[UnexplainedException]:
         """Exceptions the training raised in a probe that no finding accounts for (never "healthy")."""
         explained = {
-            json_key(f.evidence.get("exception"))
+            json_key(f.exception)
             for f in self.findings
-            if f.evidence.get("exception") and (f.cause != "unexplained" or f.found_by == "intervention")
+            if f.exception is not None and (f.cause != "unexplained" or f.found_by == FoundBy.INTERVENTION)
         }
         out = []
         for summary in (self.evidence.fp32, self.evidence.amp):
@@ -460,7 +670,7 @@ class Diagnosis:
 
     @property
     def healthy(self) -> bool:
-        return not any(f.severity == "error" for f in self.findings) and not self.unexplained
+        return not any(f.severity == Severity.ERROR for f in self.findings) and not self.unexplained
 
     @property
     def verdict(self) -> str:

@@ -21,7 +21,7 @@ from ..config import build_config
 from ..engine.records import RECORD_COLUMNS
 from ..measure.datascan import FieldScan
 from ..measure.records import Localisation, ScaleWindow
-from .model import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
+from .findings import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
 
 PRECISION_COLUMNS = [
     "module",

@@ -6,7 +6,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import DoctorConfig, build_config, merge
@@ -17,19 +17,24 @@ from ..errors import MemoryLimitError, one_line, smaller_run_hint
 from ..measure.symptoms import Symptom
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.spec import TrainingSpec
-from .interventions import InterventionSearch, SearchResult
-from .memory import memory_plan
-from .model import (
+from .findings import (
     SEVERITIES,
     CorrectedConfig,
     Diagnosis,
     Evidence,
     Finding,
     Fix,
+    LocalisedAt,
     Repair,
+    Severity,
+    StageName,
     StageReport,
+    StageStatus,
     Verification,
 )
+from .interventions import InterventionSearch, SearchResult
+from .memory import memory_plan
+from .rules import UnexplainedEvidence
 from .stages import STAGES, Stage, StageContext, measured_symptoms, same_state_gap
 from .verify import Verifier, repair_rank, with_recommended_scale
 
@@ -42,8 +47,8 @@ CI_STEPS = 20
 """--ci: probes this long (a smoke check, under a minute per model on 2 cores)."""
 
 
-VERIFYING = "verifying fixes"
-SEARCHING = "intervention search"
+VERIFYING = StageName.VERIFYING
+SEARCHING = StageName.INTERVENTION_SEARCH
 
 
 def stage_names() -> list[str]:
@@ -131,7 +136,7 @@ def activation_bytes(forward: Any) -> list[int]:
     return [int(n) * width for n in forward["numel"].unique() for width in (2, 4)]
 
 
-ESSENTIAL_STAGES = ("fp32 baseline", "amp as configured")
+ESSENTIAL_STAGES = (StageName.FP32, StageName.AMP)
 """Without these two probes there is nothing to diagnose: out of memory there, the diagnosis stops (exit 2)."""
 
 
@@ -153,12 +158,11 @@ def run_stage(stage: Stage, ctx: StageContext) -> StageReport:
                 hint=smaller_run_hint("Diagnose"),
             ) from exc
         report = StageReport(
-            stage.name, "skipped", f"did not fit in memory ({reason}); the diagnosis goes on without it"
+            stage.name, StageStatus.SKIPPED, f"did not fit in memory ({reason}); the diagnosis goes on without it"
         )
     finally:
         release_memory(ctx.bench.device)
-    report.seconds = time.perf_counter() - start
-    return report
+    return report.timed(time.perf_counter() - start)
 
 
 def _triage(
@@ -180,7 +184,7 @@ def _triage(
     for stage in STAGES:
         announce(stage.name)
         stages.append(run_stage(stage, ctx))
-        probed = {"fp32 baseline": evidence.fp32, "amp as configured": evidence.amp}.get(stage.name)
+        probed = {StageName.FP32: evidence.fp32, StageName.AMP: evidence.amp}.get(stage.name)
         if mapping is not None and probed is not None:  # the first two probes show the steps' activation sizes
             mapping.saw_activations(activation_bytes(probed.tables.get("forward")))
     announce(VERIFYING)  # measuring the symptoms may replay AMP aligned on the steps taken: the verification's work
@@ -194,14 +198,14 @@ def _triage(
         )
     findings, suppressors = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
-    verify_findings(findings, evidence, verifier, hidden_by(suppressors))
+    findings = verify_findings(findings, evidence, verifier, hidden_by(suppressors))
     release_memory(ctx.bench.device)
-    demote_unrepairing(findings)
+    findings = demote_unrepairing(findings)
     # A root cause hides its symptoms' findings, unless its own fix, tried, changed nothing (a cause is what an
     # intervention repairs), or trying a hidden finding's fix repaired the training.
     hidden = hidden_by(suppressors, standing={f.cause for f in findings if not f.demoted})
     findings = [f for f in findings if f.cause not in hidden or repair_rank(f) == 0]
-    unexplained = explain_symptoms(findings, evidence)
+    findings, unexplained = explain_symptoms(findings, evidence)
     search, search_unfit, searched = None, None, time.perf_counter()
     if unexplained:
         announce(SEARCHING)
@@ -212,17 +216,16 @@ def _triage(
         finally:
             release_memory(ctx.bench.device)
         if search is not None and search.repair is not None:
-            unexplained = adopt_repair(findings, search.repair, evidence, unexplained)
+            findings, unexplained = adopt_repair(findings, search.repair, evidence, unexplained)
     search_stage = (
         search_report(search, len(evidence.symptoms))
         if search_unfit is None
         else StageReport(
-            "intervention search",
-            "skipped",
+            StageName.INTERVENTION_SEARCH,
+            StageStatus.SKIPPED,
             f"did not fit in memory ({search_unfit}); the diagnosis goes on without it",
         )
-    )
-    search_stage.seconds = time.perf_counter() - searched
+    ).timed(time.perf_counter() - searched)
     if unexplained:
         findings.append(unexplained_finding(unexplained, evidence, search))
     findings = rank(findings)
@@ -230,8 +233,8 @@ def _triage(
     ran = corrected is not None or any(f.verification is not None and f.verification.tried for f in findings)
     stages.append(
         StageReport(
-            "fix verification",
-            "ran" if ran else "skipped",  # an untried record is no run
+            StageName.FIX_VERIFICATION,
+            StageStatus.RAN if ran else StageStatus.SKIPPED,  # an untried record is no run
             _verification_sentence(findings, corrected),
             seconds=time.perf_counter() - start - search_stage.seconds,
             details={"corrected": corrected},
@@ -241,8 +244,9 @@ def _triage(
     return Diagnosis(findings=findings, stages=stages, evidence=evidence, notes=list(spec.notes), corrected=corrected)
 
 
-def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier, hidden: set[str]) -> None:
-    """Try the intervention of every error finding, and of every warning that explains a measured symptom.
+def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier, hidden: set[str]) -> list[Finding]:
+    """The findings with their fixes tried: every error finding's intervention, and every warning's that explains a
+    measured symptom.
 
     The findings a root cause hides are tried only when no visible finding's fix repaired the training:
     then one of them may hold the fix, and it must not stay hidden.
@@ -252,21 +256,25 @@ def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier, h
     rules = rules_by_code()
     measured = {s.code for s in ev.symptoms}
     candidates = [
-        f
-        for f in findings
-        if f.severity == "error" or (f.severity == "warning" and measured & set(rules[f.cause].explains))
+        i
+        for i, f in enumerate(findings)
+        if f.severity == Severity.ERROR or (f.severity == Severity.WARNING and measured & set(rules[f.cause].explains))
     ]
-    interventions = {id(f): rules[f.cause].intervention(f, ev) for f in candidates}
+    interventions = {i: rules[findings[i].cause].intervention(findings[i], ev) for i in candidates}
+    out = list(findings)
     with verifier.ctx.progress.planned(sum(verifier.planned_steps(i) for i in interventions.values())):
-        for group in ([f for f in candidates if f.cause not in hidden], [f for f in candidates if f.cause in hidden]):
-            if group and group[0].cause in hidden and any(repair_rank(f) == 0 for f in candidates):
-                return
-            for finding in group:
-                finding.verification = verifier.verify(interventions[id(finding)], rules[finding.cause].nothing_to_try)
-                complete_with_scale(finding, interventions[id(finding)], ev, verifier)
+        visible = [i for i in candidates if findings[i].cause not in hidden]
+        for group in (visible, [i for i in candidates if findings[i].cause in hidden]):
+            if group and findings[group[0]].cause in hidden and any(repair_rank(out[i]) == 0 for i in candidates):
+                return out
+            for i in group:
+                rule = rules[findings[i].cause]
+                tried = replace(out[i], verification=verifier.verify(interventions[i], rule.nothing_to_try))
+                out[i] = complete_with_scale(tried, interventions[i], ev, verifier)
+    return out
 
 
-def complete_with_scale(finding: Finding, intervention: Any, ev: Evidence, verifier: Verifier) -> None:
+def complete_with_scale(finding: Finding, intervention: Any, ev: Evidence, verifier: Verifier) -> Finding:
     """A fix that removed the fault but left a loss scale settling from far too high is tried once more with the
     sweep's recommended scale (:func:`~.verify.with_recommended_scale`); where that repairs the training, the
     finding's fix and its verification are the completed ones, and the fix says what was added."""
@@ -274,28 +282,38 @@ def complete_with_scale(finding: Finding, intervention: Any, ev: Evidence, verif
         with_recommended_scale(intervention, finding.verification, ev, verifier.ctx.config) if intervention else None
     )
     if completion is None:
-        return
+        return finding
     completed, also = completion
     with verifier.ctx.progress.planned(verifier.planned_steps(completed)):
         verification = verifier.verify(completed, "")
-    if verification.repaired:
-        finding.verification = verification
-        finding.fix.config_patch = dict(completed.config_patch)
-        finding.title += f" (together with {also})"
-        finding.fix.summary += (
-            f" Together with {also}: with the fix alone, GradScaler still halves its scale step "
-            "after skipped step down to what the repaired gradients need (measured)."
-        )
+    if not verification.repaired:
+        return finding
+    summary = finding.fix.summary + (
+        f" Together with {also}: with the fix alone, GradScaler still halves its scale step "
+        "after skipped step down to what the repaired gradients need (measured)."
+    )
+    return replace(
+        finding,
+        verification=verification,
+        fix=replace(finding.fix, summary=summary, config_patch=dict(completed.config_patch)),
+        title=finding.title + f" (together with {also})",
+    )
 
 
-def demote_unrepairing(findings: list[Finding]) -> None:
+def demote_unrepairing(findings: list[Finding]) -> list[Finding]:
     """An error whose fix, tried, removed none of the measured symptoms becomes a warning that says so (and so
     does a warning that was tried because it explains a symptom: it is not promoted to an error)."""
-    for finding in findings:
-        if finding.severity in ("error", "warning") and finding.verification and repair_rank(finding) == 3:
-            finding.severity = "warning"
-            finding.demoted = True
-            finding.title += f" (tried: {finding.verification.tried}; it did not change the outcome)"
+    return [
+        replace(
+            f,
+            severity=Severity.WARNING,
+            demoted=True,
+            title=f.title + f" (tried: {f.verification.tried}; it did not change the outcome)",
+        )
+        if f.severity in (Severity.ERROR, Severity.WARNING) and f.verification and repair_rank(f) == 3
+        else f
+        for f in findings
+    ]
 
 
 def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) -> CorrectedConfig | None:
@@ -303,13 +321,13 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
     everything (the smallest change that works), else every verified config patch together, checked once more."""
     from .verify import Intervention
 
-    usable = [f for f in findings if f.severity == "error" and f.fix.config_patch and repair_rank(f) != 3]
+    usable = [f for f in findings if f.severity == Severity.ERROR and f.fix.config_patch and repair_rank(f) != 3]
     if usable and usable[0] is findings[0] and repair_rank(usable[0]) == 0:
         usable = usable[:1]
     data = [
         f.cause
         for f in findings
-        if f.severity == "error" and f.verification and f.verification.tried and not f.fix.config_patch
+        if f.severity == Severity.ERROR and f.verification and f.verification.tried and not f.fix.config_patch
     ]
     if not usable:
         return None
@@ -366,9 +384,9 @@ def _appeared(v: Verification) -> str:
     return f", but {', '.join(new)} appeared" if new else ""
 
 
-def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Symptom]:
-    """Tie every symptom to the findings that explain it; return the symptoms no finding explains (the
-    intervention search's targets; what it cannot repair becomes the ``unexplained`` error).
+def explain_symptoms(findings: list[Finding], ev: Evidence) -> tuple[list[Finding], list[Symptom]]:
+    """Tie every symptom to the findings that explain it: the findings with their symptoms, and the symptoms no
+    finding explains (the intervention search's targets; what it cannot repair becomes the ``unexplained`` error).
 
     A warning whose rule explains a measured symptom becomes an error: the
     verdict follows the symptoms, the rules only say why. A finding with no fix to
@@ -378,52 +396,61 @@ def explain_symptoms(findings: list[Finding], ev: Evidence) -> list[Symptom]:
     from .rules import rules_by_code
 
     explains = {code: rule.explains for code, rule in rules_by_code().items()}
+    out = list(findings)
     unexplained = []
     for symptom in ev.symptoms:
         candidates = [
-            f for f in findings if symptom.code in explains.get(f.cause, ()) and not (f.demoted or f.needs_search)
+            i
+            for i, f in enumerate(out)
+            if symptom.code in explains.get(f.cause, ()) and not (f.demoted or f.needs_search)
         ]
-        errors = [f for f in candidates if f.severity == "error"]
+        errors = [i for i in candidates if out[i].severity == Severity.ERROR]
         if not errors:
             warnings_ = sorted(
-                (f for f in candidates if f.severity == "warning"), key=lambda f: (f.order, -f.confidence)
+                (i for i in candidates if out[i].severity == Severity.WARNING),
+                key=lambda i: (out[i].order, -out[i].confidence),
             )
             if warnings_:
-                warnings_[0].severity = "error"
+                out[warnings_[0]] = replace(out[warnings_[0]], severity=Severity.ERROR)
                 errors = warnings_[:1]
-        for finding in errors:
-            finding.evidence.setdefault("symptoms", []).append(symptom.code)
-        ev.explained[symptom.code] = [f.cause for f in errors]
+        for i in errors:
+            out[i] = out[i].with_symptom(symptom.code)
+        ev.explained[symptom.code] = [out[i].cause for i in errors]
         if not errors:
             unexplained.append(symptom)
-    return unexplained
+    return out, unexplained
 
 
-def adopt_repair(findings: list[Finding], repair: Repair, ev: Evidence, unexplained: list[Symptom]) -> list[Symptom]:
-    """The finding named from what the intervention search repaired, tied to the symptoms it removed (a rule's
-    finding of the same cause, whose own fix did not repair, gives it its evidence and leaves); the symptoms
-    still unexplained."""
+def adopt_repair(
+    findings: list[Finding], repair: Repair, ev: Evidence, unexplained: list[Symptom]
+) -> tuple[list[Finding], list[Symptom]]:
+    """The findings with the one named from what the intervention search repaired, tied to the symptoms it removed
+    (a rule's finding of the same cause, whose own fix did not repair, gives it its evidence and leaves); and the
+    symptoms still unexplained."""
     from .rules import name_repair
 
-    finding = name_repair(repair, ev)
-    for other in [
-        f for f in findings if f.cause == finding.cause and (f.demoted or f.needs_search or f.severity != "error")
-    ]:
-        finding.evidence = {**other.evidence, **finding.evidence}
-        findings.remove(other)
-    finding.evidence["symptoms"] = [s.code for s in unexplained if s.code in repair.symptoms]
-    for code in finding.evidence["symptoms"]:
-        ev.explained[code] = [finding.cause]
-    findings.append(finding)
-    return [s for s in unexplained if s.code not in repair.symptoms]
+    named = name_repair(repair, ev)
+    adopted = [
+        f for f in findings if f.cause == named.cause and (f.demoted or f.needs_search or f.severity != Severity.ERROR)
+    ]
+    removed = tuple(s.code for s in unexplained if s.code in repair.symptoms)
+    named = replace(
+        named,
+        adopted=(*named.adopted, *(record for f in adopted for record in f.evidence_records())),
+        symptoms=removed,
+    )
+    for code in removed:
+        ev.explained[code] = [named.cause]
+    kept = [f for f in findings if not any(f is a for a in adopted)]
+    return [*kept, named], [s for s in unexplained if s.code not in repair.symptoms]
 
 
 def search_report(search: SearchResult | None, symptoms: int = 0) -> StageReport:
     """The intervention search as a stage of the report: what was tried, and what repaired."""
     if search is None:
         return StageReport(
-            "intervention search",
-            "skipped",
+            StageName.INTERVENTION_SEARCH,
+            StageStatus.SKIPPED,
             "every measured symptom is explained by a rule's finding" if symptoms else "no measured symptom to repair",
         )
     tried = "; ".join(
@@ -437,8 +464,8 @@ def search_report(search: SearchResult | None, symptoms: int = 0) -> StageReport
         else "no intervention repaired the training"
     )
     return StageReport(
-        "intervention search",
-        "ran",
+        StageName.INTERVENTION_SEARCH,
+        StageStatus.RAN,
         f"{head} ({len(search.trials)} tried: {tried or 'none'})",
         details={"trials": [t.to_json() for t in search.trials], "fault_is_intrinsic": search.fault_is_intrinsic},
     )
@@ -446,20 +473,18 @@ def search_report(search: SearchResult | None, symptoms: int = 0) -> StageReport
 
 def unexplained_finding(symptoms: list[Symptom], ev: Evidence, search: SearchResult | None = None) -> Finding:
     """The honest finding for symptoms no rule explains: what was measured, where it starts, what to look at."""
-    evidence: dict[str, Any] = {"symptoms": [s.to_json() for s in symptoms]}
     loc = ev.localisation
-    if loc is not None:
-        evidence["localisation"] = {
-            "module": loc.module,
-            "operator": loc.operator,
-            "phase": loc.phase,
-            "step": loc.step,
-            "batch": loc.batch_index,
-        }
+    exc = ev.amp.exception if ev.amp is not None else None
+    tried = search.trials if search is not None else []
+    evidence = UnexplainedEvidence(
+        symptoms=list(symptoms),
+        localisation=LocalisedAt.of(loc) if loc is not None else None,
+        exception=exc,
+        interventions_tried=[t.to_json() for t in tried] or None,
+    )
     where = f"; it starts in {loc.place} at {loc.operator}, step {loc.step}, batch {loc.batch_index}" if loc else ""
-    if ev.amp is not None and ev.amp.exception is not None:
-        evidence["exception"] = ev.amp.exception
-        where += f"; AMP raised {ev.amp.exception.type} at {ev.amp.exception.location}"
+    if exc is not None:
+        where += f"; AMP raised {exc.type} at {exc.location}"
     inspect = ["re-run `fp16doctor compare FILE --fp32 --amp --steps N` to see where the curves part"]
     if loc is not None:
         inspect.insert(
@@ -467,7 +492,6 @@ def unexplained_finding(symptoms: list[Symptom], ev: Evidence, search: SearchRes
             f"print the inputs and output of {loc.operator} in {loc.place} at step {loc.step} (batch {loc.batch_index}) under AMP and FP32",
         )
     if search is not None and search.trials:
-        evidence["interventions_tried"] = [t.to_json() for t in search.trials]
         inspect.insert(
             0,
             "no intervention the doctor can apply removed it (tried: "
@@ -489,7 +513,7 @@ def unexplained_finding(symptoms: list[Symptom], ev: Evidence, search: SearchRes
         inspect.append("keep the suspect modules in fp32 (overrides.fp32_modules) one at a time")
     return Finding(
         cause=UNEXPLAINED,
-        severity="error",
+        severity=Severity.ERROR,
         title="Measured under AMP, explained by no rule or intervention: "
         + "; ".join(s.description for s in symptoms)
         + where,
@@ -516,7 +540,10 @@ def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], dict[str, tuple[s
     for rule in rules:
         found = rule.check(evidence)
         findings.extend(found)
-        if any(f.severity == "error" or (f.severity == "warning" and measured & set(rule.explains)) for f in found):
+        if any(
+            f.severity == Severity.ERROR or (f.severity == Severity.WARNING and measured & set(rule.explains))
+            for f in found
+        ):
             suppressors[rule.code] = rule.suppresses
     return findings, suppressors
 
@@ -534,14 +561,14 @@ def hidden_by(suppressors: dict[str, tuple[str, ...]], standing: set[str] | None
 
 
 def rank(findings: list[Finding]) -> list[Finding]:
-    """Severity; then what the fix, tried, repaired (all symptoms, some, nothing measured, none); then the
+    """The findings ranked (new records, ``rank`` from 1): severity; then what the fix, tried, repaired (all symptoms, some, nothing measured, none); then the
     smaller change; then a root cause before the causes it names as its symptoms (``suppresses``); then
     causal order (data, model, precision settings); then confidence."""
     from .rules import rules_by_code
 
     rules = rules_by_code()
     symptoms_of_others = {
-        code for f in findings if f.severity == "error" for code in rules[f.cause].suppresses if code != f.cause
+        code for f in findings if f.severity == Severity.ERROR for code in rules[f.cause].suppresses if code != f.cause
     }
 
     def size(f: Finding) -> float:
@@ -558,9 +585,7 @@ def rank(findings: list[Finding]) -> list[Finding]:
             -f.confidence,
         ),
     )
-    for index, finding in enumerate(ordered, 1):
-        finding.rank = index
-    return ordered
+    return [replace(finding, rank=index) for index, finding in enumerate(ordered, 1)]
 
 
 def fixed_config(user_layers: dict[str, Any], diagnosis: Diagnosis) -> dict[str, Any]:
@@ -569,7 +594,7 @@ def fixed_config(user_layers: dict[str, Any], diagnosis: Diagnosis) -> dict[str,
         return merge_patch(dict(user_layers), diagnosis.corrected.config_patch)
     out = dict(user_layers)
     for finding in diagnosis.findings:
-        if finding.severity == "info":
+        if finding.severity == Severity.INFO:
             continue  # advice, not a fix: bf16 changes the training's precision
         out = merge_patch(out, finding.fix.config_patch)
     return out
