@@ -5,22 +5,30 @@ Options are ``Annotated`` aliases defined once and shared by the commands.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-import os
+import shutil
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TextIO
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import typer.core
 from rich.console import Console
 
 from . import __version__
+from .config import parse_memory_size
 from .errors import EXIT_FINDINGS, EXIT_OK, DoctorError
+from .files import atomic_write_text
+from .output.progress import DiagnosisProgress, TrainingProgress
+from .output.streams import print_json, print_json_error, stdout_for_json_only
+
+if TYPE_CHECKING:  # the commands import what they run on first use: --help and --version stay light
+    import pandas as pd
+
+    from .api import LoadedTraining
+    from .live.watch import Alarm
+    from .run.train import TrainOptions
 
 
 class FlagsWithoutPlaceholder(typer.core.TyperGroup):
@@ -58,6 +66,9 @@ out = Console()
 err = Console(stderr=True)
 
 EXIT_INTERNAL = 3
+"""A bug of fp16doctor's (never the user's input)."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C, as a shell reports SIGINT."""
 
 TrainingFile = Annotated[
     Path, typer.Argument(help="The training file: defines model() and data(); see the README.", show_default=False)
@@ -115,13 +126,13 @@ Force = Annotated[
 ]
 
 
-def cli_layer(**values: Any) -> dict[str, Any]:
-    """The command-line flags as a config layer (only those given)."""
+def flags(**values: Any) -> dict[str, Any]:
+    """The command-line flags as config keys (only those given)."""
     return {k: v for k, v in values.items() if v is not None}
 
 
 def guarded(debug: bool, job: Callable[[], int], json_errors: bool = False) -> None:
-    """Run ``job``; map bad input to one red message and exit 2, never a traceback unless --debug. With
+    """Run ``job``; map bad input to one red message and its exit code, never a traceback unless --debug. With
     ``json_errors`` (``--json``) stdout still carries one object: ``{"error": {...}}`` (message, hint, location,
     exit code), so a CI script that parses stdout reads why instead of failing on an empty document."""
     try:
@@ -139,7 +150,7 @@ def guarded(debug: bool, job: Callable[[], int], json_errors: bool = False) -> N
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/]")
-        raise typer.Exit(130) from None
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except Exception as exc:  # noqa: BLE001 - a bug of ours: say so plainly
         if debug:
             traceback.print_exc()
@@ -151,27 +162,8 @@ def guarded(debug: bool, job: Callable[[], int], json_errors: bool = False) -> N
     raise typer.Exit(code)
 
 
-def load(training_file: Path, config_file: Path | None, flags: dict[str, Any]):
-    """Training file + config layers -> (spec, config)."""
-    spec, config, _ = load_layers(training_file, config_file, flags)
-    return spec, config
-
-
-def load_layers(training_file: Path, config_file: Path | None, flags: dict[str, Any]):
-    """(spec, config, the user's own layers merged): the layers are what --fix-config starts from."""
-    from .config import build_config, load_yaml, merge
-    from .userfile.spec import load_training_file
-
-    spec = load_training_file(training_file)
-    yaml_layer = load_yaml(config_file) if config_file else {}
-    config = build_config(spec.config, yaml_layer, flags)
-    return spec, config, merge(merge(spec.config, yaml_layer), flags)
-
-
 def check_writable(path: Path, force: bool) -> None:
     """Nothing the user has is overwritten without asking: confirm on a terminal, else require --force."""
-    from .errors import DoctorError
-
     if not path.exists() or force:
         return
     if sys.stdin.isatty() and typer.confirm(f"{path} exists. Overwrite it?", default=False, err=True):
@@ -181,88 +173,15 @@ def check_writable(path: Path, force: bool) -> None:
     )
 
 
-def capsule_training_file(capsule: Path | None, training_file: Path | None) -> tuple[Path, str | None, str | None]:
-    """The training file to diagnose (the one given, or the capsule's ``train_capsule.py``) and, for a capsule,
-    the note saying what its diagnosis replays and what it cannot verify, and what its watch recorded about the
-    loss computation the replay does not run (evidence for the diagnosis)."""
-    from .errors import DoctorError
-
-    if (
-        capsule is None
-        and training_file is not None
-        and training_file.name == "train_capsule.py"
-        and (training_file.parent / "manifest.json").is_file()
-    ):
-        capsule, training_file = training_file.parent, None  # a capsule's own file: diagnosed as the capsule
-    if capsule is None:
-        if training_file is None:
-            raise DoctorError(
-                "no training file given.", hint="fp16doctor diagnose model.py, or --capsule DIR for a watch's capsule."
-            )
-        return training_file, None, None
-    if training_file is not None:
-        raise DoctorError("give a training file or --capsule, not both.")
-    from .live.capsule import check_capsule, recorded_loss_evidence, replay_note
-
-    manifest = check_capsule(capsule)
-    return capsule / "train_capsule.py", replay_note(manifest), recorded_loss_evidence(manifest)
-
-
 def figures_folder(report: Path) -> Path:
     """Where ``--report FILE.md`` puts its figures: ``FILE_figures/`` beside it."""
     return report.with_name(report.stem + "_figures")
 
 
-def show_notes(spec: Any) -> None:
+def show_notes(notes: list[str]) -> None:
     """What the user should know about how their file was run (stderr: --json output stays one object)."""
-    for note in spec.notes:
+    for note in notes:
         err.print(f"[yellow]note:[/] {note}", highlight=False)
-
-
-_json_stream: TextIO | None = None
-"""Where ``--json`` output goes while :func:`stdout_for_json_only` holds the real stdout."""
-
-
-def print_json_error(message: str, hint: str | None, location: str | None, exit_code: int) -> None:
-    """``--json``'s one object when the command fails: why, and the exit code it ends with."""
-    print_json({"error": {"message": message, "hint": hint, "location": location, "exit_code": exit_code}})
-
-
-def print_json(payload: dict[str, Any]) -> None:
-    stream = _json_stream or sys.stdout
-    stream.write(json.dumps(payload, indent=2, allow_nan=False) + "\n")
-    stream.flush()
-
-
-@contextlib.contextmanager
-def stdout_for_json_only(active: bool) -> Iterator[None]:
-    """With ``--json``, stdout carries the one JSON object and nothing else: while the command runs, whatever
-    the training file prints (``print``, C extensions, DataLoader workers: file descriptor 1 itself) goes to
-    stderr, and the JSON to the real stdout."""
-    global _json_stream
-    if not active:
-        yield
-        return
-    sys.stdout.flush()
-    original = sys.stdout
-    try:
-        fd = original.fileno()
-        saved = os.dup(fd)
-        os.dup2(sys.stderr.fileno(), fd)
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        fd, saved = None, None  # no descriptor (a test runner's buffer): redirect Python-level writes only
-    _json_stream = os.fdopen(os.dup(saved), "w", encoding="utf-8") if saved is not None else original
-    sys.stdout = sys.stderr
-    try:
-        yield
-    finally:
-        sys.stdout = original
-        _json_stream.flush()
-        if saved is not None and fd is not None:
-            _json_stream.close()
-            os.dup2(saved, fd)
-            os.close(saved)
-        _json_stream = None
 
 
 @app.callback(invoke_without_command=True)
@@ -304,32 +223,29 @@ def compare(
     """Run precisions side by side from identical weights and batches. Exit 0 healthy, 1 drift/diverged, 2 bad input."""
 
     def job() -> int:
-        from .engine.kept import return_large_blocks_on_free
-        from .engine.probe import Workbench
-        from .measure.compare import compare as run_compare
+        from . import api
         from .output.terminal import render_comparison
-
-        return_large_blocks_on_free()  # one probe per mode, one after another
 
         for path in (csv, html):
             if path is not None:
                 check_writable(path, force)
         modes = [m for m, on in (("fp32", fp32), ("amp", amp), ("bf16", bf16)) if on] or ["fp32", "amp"]
-        spec, cfg = load(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
+        notes: list[str] = []
         with err.status("preparing: drawing batches, building the model") as status:
-            bench = Workbench(spec, cfg)
-            result = run_compare(
-                bench,
+            result = api.compare(
+                training_file,
                 modes,
                 tolerance=tol,
                 divergence=divergence_tol,
-                on_mode=lambda m: status.update(f"running the {m} probe ({cfg.steps} steps)"),
+                config_file=config,
+                on_ready=lambda loaded: notes.extend(loaded.spec.notes),
+                on_mode=lambda m: status.update(f"running the {m} probe"),
+                **flags(steps=steps, seed=seed, device=device, dtype=dtype),
             )
-        show_notes(spec)
+        show_notes(notes)
         if csv is not None:
             write_csv(csv, {m: t.records for m, t in result.trajectories.items()})
         if html is not None:
-            from .files import atomic_write_text
             from .output.html import comparison_html
 
             atomic_write_text(html, comparison_html(result, str(training_file)))
@@ -403,45 +319,33 @@ def diagnose(
     given = training_file
 
     def job() -> int:
-        from .config import parse_memory_size
-        from .engine.kept import return_large_blocks_on_free
-
-        memory_limit = parse_memory_size(max_memory) if max_memory is not None else None
-        return_large_blocks_on_free()  # probe after probe: a closed probe's memory goes back
-        training_file, replay, recorded_loss_finding = capsule_training_file(capsule, given)
-        from .diagnosis import DiagnoseOptions, fixed_config
-        from .diagnosis import diagnose as run_diagnose
+        from . import api
         from .diagnosis.rules import all_rules
         from .diagnosis.triage import UNEXPLAINED, stage_names
-        from .files import atomic_write_text
         from .output.markdown import fixed_config_yaml, junit_xml, markdown
         from .output.terminal import render_diagnosis
 
+        memory_limit = parse_memory_size(max_memory) if max_memory is not None else None
+        target = api.capsule_target(capsule, given)
         for path in (report, fix_config, junit, html, figures_folder(report) if report is not None else None):
             if path is not None:
                 check_writable(path, force)
-        spec, cfg, layers = load_layers(
-            training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype)
-        )
-        if replay is not None:
-            spec.note(replay)
         with DiagnosisProgress(err, stage_names()) as progress:
-            result = run_diagnose(
-                spec,
-                cfg,
-                DiagnoseOptions(
-                    ci=ci,
-                    scan_batches=scan_batches,
-                    max_memory=memory_limit,
-                    own_process=True,
-                    recorded_loss_finding=recorded_loss_finding,
-                    plots=report is not None or html is not None,
-                ),
+            result = api.diagnose(
+                capsule=capsule,
+                training_file=given,
+                config_file=config,
+                ci=ci,
+                scan_batches=scan_batches,
+                max_memory=memory_limit,
+                plots=report is not None or html is not None,
                 on_stage=progress.stage,
                 on_probe_step=progress.probe_step,
+                own_process=True,
+                **flags(steps=steps, seed=seed, device=device, dtype=dtype),
             )
-        show_notes(spec)
-        name = str(training_file)
+        show_notes(result.notes)
+        name = str(target.training_file)
         if report is not None:
             from .output.html import write_figures
             from .output.plots import diagnosis_figures
@@ -454,32 +358,32 @@ def diagnose(
 
             atomic_write_text(html, diagnosis_html(result, name))
         if fix_config is not None:
-            atomic_write_text(fix_config, fixed_config_yaml(fixed_config(layers, result), result, name))
+            atomic_write_text(fix_config, fixed_config_yaml(api.corrected_config(result), result, name))
         if junit is not None:
             atomic_write_text(junit, junit_xml(result, name, [r.code for r in all_rules()] + [UNEXPLAINED]))
         if json_:
             print_json(result.to_json())
         else:
             render_diagnosis(result, out, name)
-            for label, path in (
+            written = (
                 ("report", report),
                 ("HTML report", html),
                 ("corrected config", fix_config),
                 ("JUnit report", junit),
-            ):
+            )
+            for label, path in written:
                 if path is not None:
                     out.print(f"[dim]{label} written to {path}[/]")
         if not train_:
             return EXIT_OK if result.healthy else EXIT_FINDINGS
-        from .config import build_config
-
-        corrected = fixed_config(layers, result)
+        corrected = api.corrected_config(result)
         if train_steps is not None:
             corrected["steps"] = train_steps
-        options = train_options(training_file, run_dir, checkpoint_every, False, on_nonfinite, max_nonfinite, force)
-        return run_training(
-            spec, build_config(corrected, cli_layer(device=device)), options, nproc, training_file, quiet=json_
+        loaded = api.load(target.training_file, None, **{**corrected, **flags(device=device)})
+        options = train_options(
+            target.training_file, run_dir, checkpoint_every, False, on_nonfinite, max_nonfinite, force
         )
+        return run_training(loaded, options, nproc, target.training_file, quiet=json_)
 
     with stdout_for_json_only(json_):
         guarded(debug, job, json_errors=json_)
@@ -508,71 +412,15 @@ def train(
     """
 
     def job() -> int:
-        spec, cfg = load(training_file, config, cli_layer(steps=steps, seed=seed, device=device, dtype=dtype))
+        from . import api
+
+        loaded = api.load(training_file, config, **flags(steps=steps, seed=seed, device=device, dtype=dtype))
         options = train_options(training_file, run_dir, checkpoint_every, resume, on_nonfinite, max_nonfinite, force)
-        code = run_training(spec, cfg, options, nproc, training_file)
-        show_notes(spec)
+        code = run_training(loaded, options, nproc, training_file)
+        show_notes(loaded.spec.notes)
         return code
 
     guarded(debug, job)
-
-
-class DiagnosisProgress:
-    """A running diagnosis on stderr while stderr is a terminal: the stage, the step of the probe it runs, the
-    time spent and an estimate of the time left (rich's progress display, the look of ``train``'s). It is
-    removed when the diagnosis ends, before the report prints; off a terminal it shows nothing at all, so
-    logs and pipes get no control sequences, and stdout (``--json``'s one object) is never touched."""
-
-    def __init__(self, console: Console, stages: list[str]):
-        self.console = console
-        self.stages = stages
-        self.index = 0
-        self.progress: Any = None
-        self.task: Any = None
-
-    def __enter__(self) -> DiagnosisProgress:
-        if not self.console.is_terminal:
-            return self
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-        columns = [
-            TextColumn("[bold]diagnose"),
-            TextColumn("{task.fields[stage]}"),
-            BarColumn(),
-            TextColumn("{task.fields[step]}"),
-            TimeElapsedColumn(),
-            TextColumn("left"),
-            TimeRemainingColumn(),
-        ]
-        # stdout is not redirected: what the training file prints stays on stdout (or, with --json, stderr)
-        self.progress = Progress(*columns, console=self.console, transient=True, redirect_stdout=False)
-        self.progress.start()
-        self.task = self.progress.add_task("diagnose", total=len(self.stages), stage="preparing", step="")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-    def stage(self, name: str) -> None:
-        """A stage starts: the bar counts the stages done."""
-        if name in self.stages:
-            self.index = max(self.index, self.stages.index(name))
-        self._show(self.index, stage=name, step="")
-
-    def probe_step(self, mode: str, step: int, steps: int) -> None:
-        """A probe's step starts: its place among the probe steps the stage planned (every probe step of the
-        diagnosis reports itself, see :mod:`fp16doctor.engine.progress`), and the bar's share of the stage
-        (never moving back, so that the estimate of the time left follows the work done)."""
-        done = min(step, steps) / max(steps, 1)
-        self._show(self.index + 0.9 * done, step=f"{mode} step {min(step + 1, steps)}/{steps}")
-
-    def _show(self, completed: float, **fields: str) -> None:
-        if self.progress is None:
-            return
-        current = self.progress.tasks[0].completed
-        # drawn now, not at the next tick: a stage or a probe of a small model can end within one
-        self.progress.update(self.task, completed=max(current, completed), refresh=True, **fields)
 
 
 def train_options(
@@ -583,11 +431,8 @@ def train_options(
     on_nonfinite: str,
     max_nonfinite: int,
     force: bool,
-):
+) -> TrainOptions:
     """Validate the run options; never start a fresh run over an earlier one without asking."""
-    import shutil
-
-    from .errors import DoctorError
     from .run.train import TrainOptions, checkpoint_paths
 
     if on_nonfinite not in ("skip", "stop"):
@@ -613,95 +458,22 @@ def train_options(
     )
 
 
-def run_training(spec: Any, cfg: Any, options: Any, nproc: int, training_file: Path, quiet: bool = False) -> int:
-    """One process in this one, or ``nproc`` under torchrun; then the summary and the exit code."""
+def run_training(
+    loaded: LoadedTraining, options: TrainOptions, nproc: int, training_file: Path, quiet: bool = False
+) -> int:
+    """The run, its summary, and the exit code."""
     from .output.terminal import render_training
-    from .run.train import Trainer
+    from .run.launch import run_training as launch
 
-    console = err if quiet else out
     if nproc == 1:
-        result = train_here(Trainer(spec, cfg, options))
+        with TrainingProgress(err, loaded.config.steps) as progress:
+            result = launch(loaded.spec, loaded.config, options, nproc, training_file, on_step=progress.step)
     else:
-        result = train_distributed(spec, cfg, options, nproc, training_file)
-    render_training(result, options.run_dir, console)
+        result = launch(loaded.spec, loaded.config, options, nproc, training_file)
+    render_training(result, options.run_dir, err if quiet else out)
     if result.status == "interrupted":
-        return 130
+        return EXIT_INTERRUPTED
     return EXIT_OK if result.ok else EXIT_FINDINGS
-
-
-def train_here(trainer: Any) -> Any:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
-    columns = [
-        TextColumn("[bold]train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(),
-    ]
-    with Progress(*columns, console=err, transient=False) as progress:
-        task = progress.add_task("train", total=trainer.config.steps, completed=0, stats="")
-        state: dict[str, Any] = {"skipped": 0, "t0": None, "n": 0}
-
-        def on_step(row: dict[str, Any]) -> None:
-            import time
-
-            state["t0"] = state["t0"] or time.perf_counter()
-            state["n"] += 1
-            state["skipped"] += int(row["skipped"])
-            rate = state["n"] / max(time.perf_counter() - state["t0"], 1e-9)
-            progress.update(
-                task,
-                completed=row["step"] + 1,
-                stats=f"loss {row['loss']:.4g}  scale {row['loss_scale']:.0f}  skipped {state['skipped']}  {rate:.1f} it/s",
-            )
-
-        return trainer.run(on_step)
-
-
-def train_distributed(spec: Any, cfg: Any, options: Any, nproc: int, training_file: Path) -> Any:
-    """torchrun with ``nproc`` processes of :mod:`fp16doctor.run.worker`; the outcome comes back through summary.json."""
-    import json
-    import subprocess
-    from dataclasses import asdict
-
-    from .errors import DoctorError
-    from .files import atomic_write_text
-    from .run.train import TrainResult
-
-    options.run_dir.mkdir(parents=True, exist_ok=True)
-    launch = options.run_dir / "launch.json"
-    payload = {
-        "training_file": str(Path(training_file).resolve()),
-        "config": cfg.to_dict(),
-        "options": {**asdict(options), "run_dir": str(options.run_dir.resolve())},
-    }
-    atomic_write_text(launch, json.dumps(payload, indent=2))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "fp16doctor.run.worker",
-        str(launch),
-    ]
-    proc = subprocess.run(command)
-    summary = options.run_dir / "summary.json"
-    if proc.returncode == 2 or not summary.exists():
-        raise DoctorError(
-            f"the {nproc}-process run failed (torchrun exit code {proc.returncode}).",
-            hint="Its processes' messages are above; try --nproc 1 to see the problem in one process.",
-        )
-    data = json.loads(summary.read_text())
-    return TrainResult(**data)
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
@@ -744,7 +516,8 @@ def watch(
     words = list(command or [])
 
     def job() -> int:
-        from .live.script import Target, check_target
+        from .live.script import Target, check_target, watch_script
+        from .live.watch import WatchOptions
 
         if not words:
             raise DoctorError(
@@ -752,49 +525,19 @@ def watch(
             )
         target = Target(words[0], tuple(words[1:]), module=module)
         check_target(target)
-        from .live.watch import WatchOptions
-
         options = WatchOptions(
             capsule_dir=capsule_dir, stop_on_alarm=not keep_going, skip_streak=skip_streak, spike_factor=spike_factor
         )
-        return watch_target(target, options)
+
+        def tell(alarm: Alarm) -> None:
+            print(alarm.pointer(), file=sys.stderr, flush=True)
+
+        def note(text: str) -> None:
+            print(f"fp16doctor: warning: {text}.", file=sys.stderr, flush=True)
+
+        return watch_script(target, options, on_alarm=tell, on_note=note)
 
     guarded(debug, job)
-
-
-def watch_target(target: Any, options: Any) -> int:
-    """Run the target under the observer; the exit code is the script's own, or 1 after an alarm."""
-    from .live.observe import TrainingObserver, WatchStopped
-    from .live.script import exit_status, run_target, script_traceback
-
-    def tell(alarm: Any) -> None:
-        print(alarm.pointer(), file=sys.stderr, flush=True)
-
-    def note(text: str) -> None:
-        print(f"fp16doctor: warning: {text}.", file=sys.stderr, flush=True)
-
-    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1  # capsules then carry the rank in their name
-    observer = TrainingObserver(
-        options, on_alarm=tell, on_note=note, rank=int(os.environ.get("RANK", "0")) if torchrun else None
-    )
-    code = EXIT_OK
-    try:
-        with observer:
-            run_target(target)
-    except WatchStopped:
-        return EXIT_FINDINGS
-    except SystemExit as exc:
-        code, message = exit_status(exc)
-        if message:
-            print(message, file=sys.stderr)
-    except KeyboardInterrupt as exc:
-        sys.stderr.write(script_traceback(exc))
-        return 130
-    except Exception as exc:  # noqa: BLE001 - the script's own error: its traceback, Python's exit code
-        sys.stderr.write(script_traceback(exc))
-        code = 1
-    sys.stdout.flush()
-    return code if code != EXIT_OK or not observer.alarms else EXIT_FINDINGS
 
 
 @app.command()
@@ -812,11 +555,9 @@ def rules() -> None:
     out.print(table)
 
 
-def write_csv(path: Path, frames: dict[str, Any]) -> None:
+def write_csv(path: Path, frames: dict[str, pd.DataFrame]) -> None:
     """All modes' records in one CSV with a ``mode`` column, written atomically."""
     import pandas as pd
-
-    from .files import atomic_write_text
 
     table = pd.concat([frame.assign(mode=mode) for mode, frame in frames.items()], ignore_index=True)
     atomic_write_text(path, table.to_csv(index=False))

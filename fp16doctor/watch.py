@@ -1,5 +1,47 @@
-"""Public import path of the live watch (``fp16doctor.watch.Watch``, ``WatchOptions``); the code lives in
-:mod:`fp16doctor.live.watch`."""
+"""``fp16doctor.watch``: the live watch, as a call and as an import path.
+
+``fp16doctor.watch(...)`` returns a :class:`~fp16doctor.live.watching.Watching` (a context manager and a
+decorator); ``from fp16doctor.watch import Watch, WatchOptions`` imports the watch's records. The module is
+callable so that both spellings hold: importing ``fp16doctor.watch`` binds this module to that name.
+The code lives in :mod:`fp16doctor.live`.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from .live.watch import *  # noqa: F401,F403
 from .live.watch import Alarm, Watch, WatchOptions  # noqa: F401
+from .live.watching import Watching
+
+
+def watch(
+    capsule_dir: str | Path = "fp16doctor_capsules",
+    *,
+    skip_streak: int = 5,
+    spike_factor: float = 10.0,
+    stop_on_alarm: bool = True,
+    on_alarm: Callable[[Alarm], None] | None = None,
+) -> Watching:
+    """Watch the training this process runs inside a ``with`` block or a decorated function.
+
+    ``capsule_dir``: where a replay capsule is written on an alarm. ``skip_streak``: optimizer steps skipped
+    in a row that raise an alarm. ``spike_factor``: a loss above this multiple of the recent median is a spike.
+    ``stop_on_alarm``: end the block at the first alarm. ``on_alarm``: told each alarm as it is raised.
+    """
+    options = WatchOptions(
+        capsule_dir=Path(capsule_dir), stop_on_alarm=stop_on_alarm, skip_streak=skip_streak, spike_factor=spike_factor
+    )
+    return Watching(options, on_alarm=on_alarm)
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any) -> Watching:
+        return watch(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -653,6 +653,12 @@ class Diagnosis:
     """How the doctor ran the training file (e.g. a torch.compile'd model run uncompiled)."""
     corrected: CorrectedConfig | None = None
     """The verified fixes' config patches together, checked once more: patch, symptoms before and after."""
+    user_layers: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The user's own config layers merged (the file's ``CONFIG``, a YAML file, the caller's keys; no defaults):
+    what the corrected config is written from. Not in the JSON."""
+
+    def with_user_layers(self, layers: dict[str, Any]) -> Diagnosis:
+        return replace(self, user_layers=dict(layers))
 
     @property
     def unexplained(self) -> list[UnexplainedException]:

@@ -12,10 +12,16 @@ import os
 import runpy
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ScriptError
+from ..errors import EXIT_FINDINGS, ScriptError
+from .observe import TrainingObserver, WatchStopped
+from .watch import Alarm, WatchOptions
+
+WATCH_ALARM = EXIT_FINDINGS
+"""What a watched run exits with after an alarm (the findings' exit code)."""
 
 PYTHON_NO_FILE = 2
 """What ``python missing.py`` exits with."""
@@ -87,3 +93,34 @@ def exit_status(exc: SystemExit) -> tuple[int, str | None]:
     if isinstance(code, int):
         return code, None
     return 1, str(code)
+
+
+def watch_script(
+    target: Target,
+    options: WatchOptions,
+    on_alarm: Callable[[Alarm], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+) -> int:
+    """Run the target under the observer, as python would; the exit code is the script's own, or 1 after an
+    alarm. The script's own error prints its traceback to stderr, as python's would."""
+    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1  # capsules then carry the rank in their name
+    rank = int(os.environ.get("RANK", "0")) if torchrun else None
+    observer = TrainingObserver(options, on_alarm=on_alarm, on_note=on_note, rank=rank)
+    code = 0
+    try:
+        with observer:
+            run_target(target)
+    except WatchStopped:
+        return WATCH_ALARM
+    except SystemExit as exc:
+        code, message = exit_status(exc)
+        if message:
+            print(message, file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        sys.stderr.write(script_traceback(exc))
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the script's own error: its traceback, Python's exit code
+        sys.stderr.write(script_traceback(exc))
+        code = 1
+    sys.stdout.flush()
+    return code if code != 0 or not observer.alarms else WATCH_ALARM

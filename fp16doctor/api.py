@@ -1,0 +1,179 @@
+"""The public API: what the command line does, callable from Python, returning typed records.
+
+    import fp16doctor
+
+    diagnosis = fp16doctor.diagnose("train.py", steps=30, device="cpu")
+    if not diagnosis.healthy:
+        print(diagnosis.findings[0].title, diagnosis.findings[0].fix.config_patch)
+    json.dumps(diagnosis.to_json())
+
+    comparison = fp16doctor.compare("train.py", modes=("fp32", "amp", "bf16"), steps=20)
+
+    with fp16doctor.watch(capsule_dir="capsules") as watching:
+        train()                      # your loop, unchanged
+    watching.alarms                  # what it saw; a capsule per alarm
+
+Config keys are keyword arguments, nested sections as dicts (``scaler={"init_scale": 1024}``), over the training
+file's ``CONFIG`` and a ``config_file``, as the CLI's flags are. Bad input raises a
+:class:`~fp16doctor.errors.DoctorError` (the CLI turns it into exit code 2); nothing here prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import DoctorConfig, build_config, load_yaml, merge
+from .diagnosis.findings import Diagnosis
+from .diagnosis.triage import DiagnoseOptions, fixed_config
+from .diagnosis.triage import diagnose as run_triage
+from .engine.kept import return_large_blocks_on_free
+from .engine.probe import Workbench
+from .engine.progress import ProbeStepHook
+from .errors import DoctorError
+from .live.capsule import check_capsule, recorded_loss_evidence, replay_note
+from .measure.compare import DEFAULT_DIVERGENCE, DEFAULT_TOLERANCE, Comparison
+from .measure.compare import compare as run_compare
+from .userfile.spec import TrainingSpec, load_training_file
+from .watch import Watching, watch
+
+__all__ = [
+    "Comparison",
+    "Diagnosis",
+    "LoadedTraining",
+    "Watching",
+    "compare",
+    "corrected_config",
+    "diagnose",
+    "load",
+    "watch",
+]
+
+PathLike = str | Path
+
+
+@dataclass(frozen=True)
+class LoadedTraining:
+    """A training file with its config: what every command starts from."""
+
+    spec: TrainingSpec
+    config: DoctorConfig
+    """The validated config: defaults, then the file's ``CONFIG``, the YAML file, the caller's keys."""
+    user_layers: dict[str, Any]
+    """The user's own layers merged (no defaults): what a corrected config is written from."""
+
+
+def load(training_file: PathLike, config_file: PathLike | None = None, **config: Any) -> LoadedTraining:
+    """Load a training file and build its config (a bad file or key raises :class:`DoctorError`)."""
+    spec = load_training_file(Path(training_file))
+    yaml_layer = load_yaml(config_file) if config_file is not None else {}
+    flags = {k: v for k, v in config.items() if v is not None}
+    built = build_config(spec.config, yaml_layer, flags)
+    return LoadedTraining(spec, built, merge(merge(spec.config, yaml_layer), flags))
+
+
+@dataclass(frozen=True)
+class CapsuleTarget:
+    """What a capsule's diagnosis runs: its replay file, and what its watch recorded that the replay cannot run."""
+
+    training_file: Path
+    replay_note: str | None = None
+    recorded_loss_finding: str | None = None
+
+
+def capsule_target(capsule: PathLike | None, training_file: PathLike | None) -> CapsuleTarget:
+    """The training file to diagnose: the one given, or a capsule's ``train_capsule.py`` (given as the folder, or
+    as that file itself) with the note saying what its replay cannot verify."""
+    path = Path(training_file) if training_file is not None else None
+    folder = Path(capsule) if capsule is not None else None
+    if (
+        folder is None
+        and path is not None
+        and path.name == "train_capsule.py"
+        and (path.parent / "manifest.json").is_file()
+    ):
+        folder, path = path.parent, None  # a capsule's own file: diagnosed as the capsule
+    if folder is None:
+        if path is None:
+            raise DoctorError(
+                "no training file given.", hint="fp16doctor diagnose model.py, or --capsule DIR for a watch's capsule."
+            )
+        return CapsuleTarget(path)
+    if path is not None:
+        raise DoctorError("give a training file or --capsule, not both.")
+    manifest = check_capsule(folder)
+    return CapsuleTarget(folder / "train_capsule.py", replay_note(manifest), recorded_loss_evidence(manifest))
+
+
+def diagnose(
+    training_file: PathLike | None = None,
+    *,
+    capsule: PathLike | None = None,
+    config_file: PathLike | None = None,
+    ci: bool = False,
+    scan_batches: int | None = None,
+    max_memory: int | None = None,
+    plots: bool = False,
+    on_stage: Callable[[str], None] | None = None,
+    on_probe_step: ProbeStepHook | None = None,
+    own_process: bool = False,
+    **config: Any,
+) -> Diagnosis:
+    """Run the triage on a training file (or a watch's capsule) and return the ranked diagnosis.
+
+    ``ci``: the smoke check (fewer steps, narrower searches). ``max_memory``: bytes the diagnosis may hold.
+    ``plots``: record what the report's plots draw. ``on_stage``/``on_probe_step``: progress callbacks.
+    ``own_process``: the process is the diagnosis's alone (the CLI), so it may tune the allocator.
+    The diagnosis's :attr:`~fp16doctor.diagnosis.findings.Diagnosis.user_layers` is what
+    :func:`corrected_config` starts from.
+    """
+    target = capsule_target(capsule, training_file)
+    loaded = load(target.training_file, config_file, **config)
+    if target.replay_note is not None:
+        loaded.spec.note(target.replay_note)
+    return_large_blocks_on_free()  # probe after probe: a closed probe's memory goes back to the system
+    options = DiagnoseOptions(
+        ci=ci,
+        scan_batches=scan_batches,
+        max_memory=max_memory,
+        own_process=own_process,
+        recorded_loss_finding=target.recorded_loss_finding,
+        plots=plots,
+    )
+    result = run_triage(loaded.spec, loaded.config, options, on_stage=on_stage, on_probe_step=on_probe_step)
+    return result.with_user_layers(loaded.user_layers)
+
+
+def corrected_config(diagnosis: Diagnosis) -> dict[str, Any]:
+    """The user's own config with the verified fixes applied: what ``--fix-config`` writes and ``train`` runs."""
+    return fixed_config(diagnosis.user_layers, diagnosis)
+
+
+def compare(
+    training_file: PathLike,
+    modes: Sequence[str] = ("fp32", "amp"),
+    *,
+    tolerance: float = DEFAULT_TOLERANCE,
+    divergence: float = DEFAULT_DIVERGENCE,
+    config_file: PathLike | None = None,
+    on_mode: Callable[[str], None] | None = None,
+    on_ready: Callable[[LoadedTraining], None] | None = None,
+    **config: Any,
+) -> Comparison:
+    """Run precisions side by side from identical weights and batches (FP32 is always the reference).
+
+    ``modes``: ``fp32``, ``amp`` (as configured), ``bf16``. Healthy when every aligned loss is within
+    ``tolerance`` of FP32's (x8 for bf16); ``divergence`` marks the first step past it. ``on_ready`` is told the
+    loaded training before the probes start (the CLI shows its notes).
+    """
+    unknown = sorted(set(modes) - {"fp32", "amp", "bf16"})
+    if unknown:
+        raise DoctorError(f"unknown mode(s) {', '.join(unknown)}.", hint="Modes are fp32, amp and bf16.")
+    return_large_blocks_on_free()  # one probe per mode, one after another
+    loaded = load(training_file, config_file, **config)
+    if on_ready is not None:
+        on_ready(loaded)
+    bench = Workbench(loaded.spec, loaded.config)
+    return run_compare(bench, list(modes), tolerance=tolerance, divergence=divergence, on_mode=on_mode)

@@ -1,0 +1,59 @@
+"""Where output goes: with ``--json`` stdout carries one JSON object and nothing else.
+
+While a command runs, whatever the training file prints (``print``, C extensions, DataLoader workers: file
+descriptor 1 itself) goes to stderr; the JSON goes to the real stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+_json_stream: TextIO | None = None
+"""Where ``--json`` output goes while :func:`stdout_for_json_only` holds the real stdout."""
+
+
+def print_json(payload: dict[str, Any]) -> None:
+    stream = _json_stream or sys.stdout
+    stream.write(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    stream.flush()
+
+
+def print_json_error(message: str, hint: str | None, location: str | None, exit_code: int) -> None:
+    """``--json``'s one object when the command fails: why, and the exit code it ends with."""
+    print_json({"error": {"message": message, "hint": hint, "location": location, "exit_code": exit_code}})
+
+
+@contextlib.contextmanager
+def stdout_for_json_only(active: bool) -> Iterator[None]:
+    """With ``active``, everything written to stdout inside goes to stderr, and :func:`print_json` to stdout."""
+    global _json_stream
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    original = sys.stdout
+    try:
+        fd: int | None = original.fileno()
+        saved: int | None = os.dup(fd)
+        os.dup2(sys.stderr.fileno(), fd)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        fd, saved = None, None  # no descriptor (a test runner's buffer): redirect Python-level writes only
+    stream = os.fdopen(os.dup(saved), "w", encoding="utf-8") if saved is not None else original
+    _json_stream = stream
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout = original
+        stream.flush()
+        if saved is not None and fd is not None:
+            stream.close()
+            os.dup2(saved, fd)
+            os.close(saved)
+        _json_stream = None

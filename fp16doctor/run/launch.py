@@ -1,0 +1,65 @@
+"""Running the corrected training in one process or, with ``nproc`` > 1, under torchrun.
+
+Each torchrun process runs :mod:`fp16doctor.run.worker` on a launch file; the outcome comes back through the
+run directory's ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ..config import DoctorConfig
+from ..errors import DoctorError
+from ..files import atomic_write_text
+from ..userfile.spec import TrainingSpec
+from .train import Trainer, TrainOptions, TrainResult
+
+
+def run_training(
+    spec: TrainingSpec,
+    config: DoctorConfig,
+    options: TrainOptions,
+    nproc: int,
+    training_file: Path,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainResult:
+    """One process in this one (``on_step`` told each step's record), or ``nproc`` under torchrun."""
+    if nproc == 1:
+        return Trainer(spec, config, options).run(on_step)
+    return train_distributed(config, options, nproc, training_file)
+
+
+def train_distributed(config: DoctorConfig, options: TrainOptions, nproc: int, training_file: Path) -> TrainResult:
+    """torchrun with ``nproc`` processes of :mod:`fp16doctor.run.worker`."""
+    options.run_dir.mkdir(parents=True, exist_ok=True)
+    launch = options.run_dir / "launch.json"
+    payload = {
+        "training_file": str(Path(training_file).resolve()),
+        "config": config.to_dict(),
+        "options": {**asdict(options), "run_dir": str(options.run_dir.resolve())},
+    }
+    atomic_write_text(launch, json.dumps(payload, indent=2))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "fp16doctor.run.worker",
+        str(launch),
+    ]
+    proc = subprocess.run(command)
+    summary = options.run_dir / "summary.json"
+    if proc.returncode == 2 or not summary.exists():
+        raise DoctorError(
+            f"the {nproc}-process run failed (torchrun exit code {proc.returncode}).",
+            hint="Its processes' messages are above; try --nproc 1 to see the problem in one process.",
+        )
+    return TrainResult(**json.loads(summary.read_text()))
