@@ -14,9 +14,12 @@ below 0, under a square root) is no overflow: rounding's, not this rule's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from ...measure.records import OUTSIDE_MODEL, ROOT, Localisation
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix, Repair
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind
 from . import Rule
 from ._helpers import (
     enclosing_fp32_safe,
@@ -28,11 +31,50 @@ from ._helpers import (
 )
 
 
+@dataclass(frozen=True)
+class ActivationOverflowEvidence(EvidenceRecord):
+    """The localised operator whose result passed fp16's range in a submodule, and that module's FP32 output."""
+
+    module: str
+    operator: str
+    step: int
+    batch: int
+    operator_input_ranges: list[tuple[float, float]]
+    output: str
+    fp32_abs_max: float | None
+    """The module's largest forward output magnitude in the FP32 run; None where not recorded."""
+    overflowing_value: float | None
+    """The largest magnitude of the result that overflowed when rounded to fp16; None where it was not seen."""
+    deterministic: bool | None
+    """Whether the localisation's replay reproduced the fault; None where it was not checked."""
+    keep_in_fp32: str
+    """The module the fix keeps in fp32: the culprit, or its nearest ancestor whose FP32 output fits fp16."""
+    note: str
+
+
+@dataclass(frozen=True)
+class RootCodeOverflowEvidence(EvidenceRecord):
+    """The localised operator whose result passed fp16's range in the model's own forward, outside its submodules."""
+
+    module: str
+    operator: str
+    step: int
+    batch: int
+    operator_input_ranges: list[tuple[float, float]]
+    output: str
+    overflowing_value: float | None
+    """The largest magnitude of the result that overflowed when rounded to fp16; None where it was not seen."""
+    deterministic: bool | None
+    """Whether the localisation's replay reproduced the fault; None where it was not checked."""
+    note: str
+
+
 class ActivationOverflow(Rule):
     code = "activation-overflow"
     order = 60
+    evidence_type: ClassVar[type[EvidenceRecord]] = ActivationOverflowEvidence
     explains = ("nonfinite", "skips")
-    repairs = ("fp32-modules", "bf16")
+    repairs = (RepairKind.FP32_MODULES, RepairKind.BF16)
     names_cases = (
         lambda: (
             fx.repair(
@@ -86,19 +128,19 @@ class ActivationOverflow(Rule):
         return [
             self.finding(
                 f"Activations overflow fp16 in module '{loc.module}' ({loc.operator}) at step {loc.step}{size}",
-                {
-                    "module": loc.module,
-                    "operator": loc.operator,
-                    "step": loc.step,
-                    "batch": loc.batch_index,
-                    "operator_input_ranges": loc.input_ranges,
-                    "output": loc.output,
-                    "fp32_abs_max": peak,
-                    "overflowing_value": loc.peak,
-                    "deterministic": ev.localisation_deterministic,
-                    "keep_in_fp32": keep,
-                    "note": loc.note,
-                },
+                ActivationOverflowEvidence(
+                    module=loc.module,
+                    operator=loc.operator,
+                    step=loc.step,
+                    batch=loc.batch_index,
+                    operator_input_ranges=loc.input_ranges,
+                    output=loc.output,
+                    fp32_abs_max=peak,
+                    overflowing_value=loc.peak,
+                    deterministic=ev.localisation_deterministic,
+                    keep_in_fp32=keep,
+                    note=loc.note,
+                ),
                 Fix(
                     f"Run '{keep}' in fp32 (autocast off inside it), or rescale what overflows (e.g. attention scores by 1/sqrt(d)), or train in bf16.",
                     code=fp32_wrapper_code(keep),
@@ -132,17 +174,17 @@ class ActivationOverflow(Rule):
         )
         return self.finding(
             f"Activations overflow fp16 in {loc.place} ({loc.operator} at step {loc.step}){size}",
-            {
-                "module": loc.module,
-                "operator": loc.operator,
-                "step": loc.step,
-                "batch": loc.batch_index,
-                "operator_input_ranges": loc.input_ranges,
-                "output": loc.output,
-                "overflowing_value": loc.peak,
-                "deterministic": ev.localisation_deterministic,
-                "note": loc.note,
-            },
+            RootCodeOverflowEvidence(
+                module=ROOT,  # loc.module, which check() tested
+                operator=loc.operator,
+                step=loc.step,
+                batch=loc.batch_index,
+                operator_input_ranges=loc.input_ranges,
+                output=loc.output,
+                overflowing_value=loc.peak,
+                deterministic=ev.localisation_deterministic,
+                note=loc.note,
+            ),
             fix,
             confidence=1.0 if ev.localisation_deterministic else 0.6,
         )
@@ -151,14 +193,14 @@ class ActivationOverflow(Rule):
         """Modules kept in fp32 repaired it, and their forward output had left fp16's range under AMP (or bf16,
         fp32's range, repaired a forward fault)."""
         loc = ev.localisation
-        if repair.kind == "bf16":
+        if repair.kind == RepairKind.BF16:
             return loc is not None and loc.phase == "forward"
-        return repair.kind == "fp32-modules" and repair.forward_overflow
+        return repair.kind == RepairKind.FP32_MODULES and repair.forward_overflow
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
         where = f" ({loc.operator} in {loc.place} at step {loc.step})" if loc is not None and loc.module else ""
-        if repair.kind == "bf16":
+        if repair.kind == RepairKind.BF16:
             return f"Activations overflow fp16{where}; bf16, with fp32's range, repairs the training"
         what = (
             f"every {repair.module_class} ({len(repair.modules)} modules)"
@@ -169,13 +211,13 @@ class ActivationOverflow(Rule):
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
         loc = ev.localisation
-        if repair.kind == "bf16" and loc is not None and loc.module == ROOT:
+        if repair.kind == RepairKind.BF16 and loc is not None and loc.module == ROOT:
             return (
                 "Train in bfloat16 (fp32's range; no loss scaling), or compute the arithmetic in the model's own "
                 "forward that overflows in fp32 (cast up before it and keep the result fp32).",
                 ROOT_FP32_CODE,
             )
-        if repair.kind == "bf16":
+        if repair.kind == RepairKind.BF16:
             return "Train in bfloat16 (fp32's range; no loss scaling), or keep the overflowing blocks in fp32.", ""
         if repair.module_class:
             return (

@@ -15,13 +15,15 @@ fp16) the divisor rounds to 0 the same way, with the FP32 run finite.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pandas as pd
 
 from ...measure.records import OUTSIDE_MODEL, ROOT, Localisation
 from ...tensors import FP16_MAX
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix, ProbeSummary, Repair
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, ProbeSummary, Repair, RepairKind
 from . import Rule
 from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, localised_inside, module_abs_max, quoted
 
@@ -134,11 +136,32 @@ def _fp32_forward(module: str, abs_max: float) -> ProbeSummary:
     return fx.probe("fp32", tables={"forward": pd.DataFrame([{"module": module, "abs_max": abs_max}])})
 
 
+@dataclass(frozen=True)
+class DivisorUnderflowEvidence(EvidenceRecord):
+    """The localised operator whose divisor (or argument) reached 0 in fp16, and the module's FP32 output."""
+
+    module: str | None
+    operator: str
+    step: int
+    batch: int
+    operator_input_ranges: list[tuple[float, float]]
+    divisor_range: list[float]
+    """The [low, high] range of the operator's divisor (or argument) input: low is 0."""
+    output: str
+    fp32_abs_max: float | None
+    """The module's largest forward output magnitude in the FP32 run (inside fp16's range)."""
+    keep_in_fp32: str
+    """The module the fix keeps in fp32: the culprit's, or its nearest ancestor whose FP32 output fits fp16."""
+    deterministic: bool | None
+    """Whether the localisation's replay reproduced the fault; None where it was not checked."""
+
+
 class DivisorUnderflow(Rule):
     code = "divisor-underflow"
     order = 58
+    evidence_type: ClassVar[type[EvidenceRecord]] = DivisorUnderflowEvidence
     explains = ("nonfinite", "skips")
-    repairs = ("fp32-modules",)
+    repairs = (RepairKind.FP32_MODULES,)
     triggers = ("eps_underflow_norm.py",)
     fires_on = (
         lambda: fx.evidence(
@@ -229,18 +252,18 @@ class DivisorUnderflow(Rule):
             self.finding(
                 f"A divisor {_reaches_zero(loc)} in {_where(loc)} ({_operator(loc)} at step {loc.step}: its range "
                 f"[{low:.3g}, {high:.3g}] reaches 0 -> {loc.output}) while the module's fp32 output stays at {peak:.3g}",
-                {
-                    "module": loc.module,
-                    "operator": loc.operator,
-                    "step": loc.step,
-                    "batch": loc.batch_index,
-                    "operator_input_ranges": loc.input_ranges,
-                    "divisor_range": [low, high],
-                    "output": loc.output,
-                    "fp32_abs_max": peak,
-                    "keep_in_fp32": keep,
-                    "deterministic": ev.localisation_deterministic,
-                },
+                DivisorUnderflowEvidence(
+                    module=loc.module,
+                    operator=loc.operator,
+                    step=loc.step,
+                    batch=loc.batch_index,
+                    operator_input_ranges=loc.input_ranges,
+                    divisor_range=[low, high],
+                    output=loc.output,
+                    fp32_abs_max=peak,
+                    keep_in_fp32=keep,
+                    deterministic=ev.localisation_deterministic,
+                ),
                 Fix(
                     _fix_summary(loc, keep, in_root),
                     code=(
@@ -280,7 +303,7 @@ class DivisorUnderflow(Rule):
         """Modules kept in fp32 repaired it, and the fault is a division by a divisor that reached 0 inside them."""
         loc = ev.localisation
         return (
-            repair.kind == "fp32-modules"
+            repair.kind == RepairKind.FP32_MODULES
             and localised_inside(ev, repair.modules)
             and loc is not None
             and self._divides_by_zero(ev, loc)

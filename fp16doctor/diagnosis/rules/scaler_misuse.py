@@ -23,9 +23,13 @@ Precision examples" give the recipe for each loop shape.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ...measure.records import ExceptionInfo
 from ...precision.recording import double_steps
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix
+from ..findings import Evidence, EvidenceRecord, Finding, Fix
 from . import Rule
 from ._helpers import fp32_finite
 
@@ -79,9 +83,50 @@ with autocast():
 scaler.scale(loss).backward()"""
 
 
+@dataclass(frozen=True)
+class ScalerCallsEvidence(EvidenceRecord):
+    """The GradScaler misuses found, the calls around the first, and GradScaler's (or the clip's) refusal."""
+
+    problems: list[str]
+    """Each misuse in words, the first the finding's title names (at most five)."""
+    scaler_calls_per_iteration: list[list[str]]
+    """The GradScaler calls of each iteration up to the exception's (at most four); the first iteration's alone
+    when none was raised."""
+    exception: ExceptionInfo | None
+    """AMP's exception (a refusal, a clip that raised); None when the loop ran through."""
+
+
+@dataclass(frozen=True)
+class ScaleLeakEvidence(EvidenceRecord):
+    """A loss that changes with the loss scale: the precision-gap stage's same-state gap closes with scaling off."""
+
+    problems: list[str]
+    same_state_gap: float
+    """AMP's loss against FP32's on the same weights and batch, as a relative deviation."""
+    gap_without_loss_scaling: float | None
+    """The same gap with the GradScaler off; None where it was not measured."""
+    step: int
+    """The step of the largest gap."""
+
+
+@dataclass(frozen=True)
+class DoubleStepEvidence(EvidenceRecord):
+    """Optimizers stepped twice in an iteration: by scaler.step() and by a plain .step()."""
+
+    problems: list[str]
+    double_stepped: list[str]
+    """The optimizers stepped twice, by name."""
+    iterations: int
+    """How many iterations stepped one twice."""
+    scaler_calls_per_iteration: list[list[str]]
+    """The scaler's and optimizers' calls of the first such iteration and the next."""
+    exception: ExceptionInfo | None
+
+
 class ScalerMisuse(Rule):
     code = "scaler-misuse"
     order = 66
+    evidence_type: ClassVar[type[EvidenceRecord]] = ScalerCallsEvidence
     verifiable = False
     explains = ("amp-exception", "skips", "nonfinite", "lost-updates", "trajectory-drift", "same-state-gap")
     triggers = ("scaler_misuse.py",)
@@ -200,12 +245,12 @@ class ScalerMisuse(Rule):
             return [
                 self.finding(
                     f"GradScaler misuse: {problems[0]}",
-                    {
-                        "problems": problems,
-                        "same_state_gap": leak.gap,
-                        "gap_without_loss_scaling": leak.gap_without_loss_scaling,
-                        "step": leak.worst_step,
-                    },
+                    ScaleLeakEvidence(
+                        problems=problems,
+                        same_state_gap=leak.gap,
+                        gap_without_loss_scaling=leak.gap_without_loss_scaling,
+                        step=leak.worst_step,
+                    ),
                     Fix(
                         "Gradients of a scaled loss are scaled: divide them by scaler.get_scale() before using them in the "
                         "loss (PyTorch's gradient-penalty recipe), and return the unscaled loss.",
@@ -219,7 +264,7 @@ class ScalerMisuse(Rule):
             return [
                 self.finding(
                     f"GradScaler misuse: {problems[0]}",
-                    {"problems": problems, "scaler_calls_per_iteration": window, "exception": exc},
+                    ScalerCallsEvidence(problems=problems, scaler_calls_per_iteration=window, exception=exc),
                     Fix(
                         "Clip with error_if_nonfinite=False (the default): under a GradScaler an inf/NaN gradient norm is "
                         "expected while the scale settles and after each growth, and scaler.step() skips that step and "
@@ -235,13 +280,13 @@ class ScalerMisuse(Rule):
             return [
                 self.finding(
                     f"GradScaler misuse: {problems[0]}",
-                    {
-                        "problems": problems,
-                        "double_stepped": sorted({n for names in doubled.values() for n in names}),
-                        "iterations": len(doubled),
-                        "scaler_calls_per_iteration": amp.optimizer_calls[first : first + 2],
-                        "exception": exc,
-                    },
+                    DoubleStepEvidence(
+                        problems=problems,
+                        double_stepped=sorted({n for names in doubled.values() for n in names}),
+                        iterations=len(doubled),
+                        scaler_calls_per_iteration=amp.optimizer_calls[first : first + 2],
+                        exception=exc,
+                    ),
                     Fix(
                         "Step every optimizer once per iteration, through scaler.step() only, then call scaler.update() "
                         "once (PyTorch's recipe for several optimizers).",
@@ -252,7 +297,7 @@ class ScalerMisuse(Rule):
         return [
             self.finding(
                 f"GradScaler misuse: {problems[0]}",
-                {"problems": problems[:5], "scaler_calls_per_iteration": window, "exception": exc},
+                ScalerCallsEvidence(problems=problems[:5], scaler_calls_per_iteration=window, exception=exc),
                 Fix(
                     "Call the GradScaler once per optimizer step in PyTorch's order: scale every backward; "
                     "unscale_, clip, step and update once, after the last micro-batch.",
