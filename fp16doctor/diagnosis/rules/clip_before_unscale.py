@@ -10,18 +10,35 @@ nearly invariant to the gradient's size, often shows none).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, RepairKind, Severity
 from . import Rule
+
+
+@dataclass(frozen=True)
+class ClipBeforeUnscaleEvidence(EvidenceRecord):
+    """The clipping calls made on gradients the GradScaler had scaled and not yet unscaled."""
+
+    calls: int
+    """How many such calls (in as many steps)."""
+    first_step: int
+    function: str
+    """The first call's function: ``clip_grad_norm_`` or ``clip_grad_value_``."""
+    scale: float
+    """The loss scale the first call's gradients carried."""
 
 
 class ClipBeforeUnscale(Rule):
     code = "clip-before-unscale"
-    severity = "warning"
+    severity = Severity.WARNING
     """A fact about the code: the triage makes it an error when a symptom it explains is measured."""
     order = 65
+    evidence_type: ClassVar[type[EvidenceRecord]] = ClipBeforeUnscaleEvidence
     explains = ("trajectory-drift", "lost-updates", "same-state-gap")
-    repairs = ("unscale-before-clip",)
+    repairs = (RepairKind.UNSCALE_BEFORE_CLIP,)
     names_cases = (lambda: (fx.repair("unscale-before-clip", symptoms=("trajectory-drift",)), fx.evidence()),)
     triggers = ("clip_before_unscale.py",)
     fires_on = (
@@ -49,12 +66,12 @@ class ClipBeforeUnscale(Rule):
             self.finding(
                 f"{first['function']} runs on scaled gradients (scale {first['scale']:.0f}) in {len(scaled)} step(s): "
                 "the threshold is off by the scale, which can make the training crawl",
-                {
-                    "calls": len(scaled),
-                    "first_step": first["step"],
-                    "function": first["function"],
-                    "scale": first["scale"],
-                },
+                ClipBeforeUnscaleEvidence(
+                    calls=len(scaled),
+                    first_step=first["step"],
+                    function=first["function"],
+                    scale=first["scale"],
+                ),
                 Fix(
                     "Call scaler.unscale_(optimizer) before clipping, so the threshold applies to the true gradients.",
                     code=(

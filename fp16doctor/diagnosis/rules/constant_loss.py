@@ -11,8 +11,11 @@ training that trains nothing says little.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Severity
 from . import Rule
 from ._helpers import fp32_losses
 
@@ -20,11 +23,27 @@ MIN_STEPS = 3
 """At least this many steps with the same loss: one or two equal values are no evidence."""
 
 
+@dataclass(frozen=True)
+class ConstantLossEvidence(EvidenceRecord):
+    """The FP32 baseline's per-step losses, every one the same number to the last bit."""
+
+    probe: str
+    """The probe whose losses these are (``fp32``)."""
+    steps: int
+    loss: float
+    """The one value every step's loss has."""
+    losses: list[float]
+    """The first ten steps' losses."""
+    default_loss: bool
+    """The doctor computed its default loss (the file defines no ``loss()`` or ``train_step()``)."""
+
+
 class ConstantLoss(Rule):
     code = "constant-loss"
-    severity = "warning"
+    severity = Severity.WARNING
     """Measured, but no mixed-precision fault: the warning asks whether the loss is the one meant."""
     order = 6
+    evidence_type: ClassVar[type[EvidenceRecord]] = ConstantLossEvidence
     verifiable = False
     fires_on = (
         lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[0.0] * 10)), uses_default_loss=True),
@@ -44,13 +63,13 @@ class ConstantLoss(Rule):
         if losses is None or any(v != losses[0] for v in losses):
             return []
         value = losses[0]
-        evidence = {
-            "probe": "fp32",
-            "steps": len(losses),
-            "loss": value,
-            "losses": losses[:10],
-            "default_loss": ev.uses_default_loss,
-        }
+        evidence = ConstantLossEvidence(
+            probe="fp32",
+            steps=len(losses),
+            loss=value,
+            losses=losses[:10],
+            default_loss=ev.uses_default_loss,
+        )
         summary = (
             "Check that the loss depends on the model's output and the targets the way you meant, and that "
             "the parameters it depends on are trained; then diagnose again."

@@ -7,16 +7,49 @@ exception the training raised in fp32.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar
 
+from ...measure.records import ExceptionInfo
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix
+from ..findings import Evidence, EvidenceRecord, Finding, Fix
 from . import Rule
+
+
+@dataclass(frozen=True)
+class Fp32ExceptionEvidence(EvidenceRecord):
+    """The exception the training raised in the FP32 baseline."""
+
+    exception: ExceptionInfo
+
+
+@dataclass(frozen=True)
+class Fp32NonfiniteEvidence(EvidenceRecord):
+    """The FP32 baseline's first non-finite step, where the localisation did not run."""
+
+    step: int
+    """The first step whose loss or gradients are non-finite."""
+    loss_first_nonfinite: int | None
+    grads_first_nonfinite: int | None
+
+
+@dataclass(frozen=True)
+class Fp32LocalisedNonfiniteEvidence(Fp32NonfiniteEvidence):
+    """The FP32 baseline's first non-finite step, with where the FP32 localisation found the first non-finite value."""
+
+    module: str | None
+    """The culprit's module; None outside the model (the data, the optimizer)."""
+    operator: str
+    phase: str
+    batch: int
+    operator_input_ranges: list[tuple[float, float]]
+    output: str
 
 
 class Fp32Divergence(Rule):
     code = "fp32-divergence"
     order = 30
+    evidence_type: ClassVar[type[EvidenceRecord]] = Fp32LocalisedNonfiniteEvidence
     explains = (
         "fp32-nonfinite",
         "nonfinite",
@@ -58,28 +91,31 @@ class Fp32Divergence(Rule):
             return [
                 self.finding(
                     f"The training raises {exc.type} in FP32 too, at step {exc.step}",
-                    {"exception": exc},
+                    Fp32ExceptionEvidence(exception=exc),
                     Fix(f"Fix the training code at {exc.location}: {exc.type}: {exc.message}"),
                 )
             ]
         step = min(s for s in (fp32.first_nonfinite_loss, fp32.first_nonfinite_grads) if s is not None)
         loc = ev.fp32_localisation
         where = f" at {loc.operator} in {loc.place}" if loc else ""
-        evidence: dict[str, Any] = {
-            "step": step,
-            "loss_first_nonfinite": fp32.first_nonfinite_loss,
-            "grads_first_nonfinite": fp32.first_nonfinite_grads,
-        }
+        evidence: Fp32NonfiniteEvidence
         if loc:
-            evidence.update(
-                {
-                    "module": loc.module,
-                    "operator": loc.operator,
-                    "phase": loc.phase,
-                    "batch": loc.batch_index,
-                    "operator_input_ranges": loc.input_ranges,
-                    "output": loc.output,
-                }
+            evidence = Fp32LocalisedNonfiniteEvidence(
+                step=step,
+                loss_first_nonfinite=fp32.first_nonfinite_loss,
+                grads_first_nonfinite=fp32.first_nonfinite_grads,
+                module=loc.module,
+                operator=loc.operator,
+                phase=loc.phase,
+                batch=loc.batch_index,
+                operator_input_ranges=loc.input_ranges,
+                output=loc.output,
+            )
+        else:
+            evidence = Fp32NonfiniteEvidence(
+                step=step,
+                loss_first_nonfinite=fp32.first_nonfinite_loss,
+                grads_first_nonfinite=fp32.first_nonfinite_grads,
             )
         code = ""
         summary = f"Fix the model or learning rate{where}, then diagnose again; mixed-precision settings cannot help."

@@ -13,21 +13,39 @@ warning of what they can lead to, an error only once a symptom they explain
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
+from ...measure.records import ExceptionInfo
 from ...measure.thresholds import HALF_WEIGHTS_LOST_SHARE
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix, Repair
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, Severity, omitted_when_none
 from . import Rule
 from ._helpers import half_param_modules, is_norm
 
 
+@dataclass(frozen=True)
+class HalfWeightsEvidence(EvidenceRecord):
+    """The modules whose trained parameters are stored in half precision, and the share of updates lost."""
+
+    modules: list[str]
+    """The first twelve such modules (normalisation layers aside: half-batchnorm's)."""
+    module_count: int
+    param_dtypes: list[str]
+    max_lost_update_share: float
+    """The largest share of updates lost below a half parameter's resolution (NaN: not measured)."""
+    exception: ExceptionInfo | None = omitted_when_none()
+    """GradScaler's "Attempting to unscale FP16 gradients", when it raised."""
+
+
 class HalfWeights(Rule):
     code = "half-weights"
-    severity = "warning"
+    severity = Severity.WARNING
     """A static fact: the triage makes it an error when a symptom it explains is measured."""
     order = 40
+    evidence_type: ClassVar[type[EvidenceRecord]] = HalfWeightsEvidence
     explains = ("nonfinite", "skips", "amp-exception", "lost-updates", "trajectory-drift", "same-state-gap")
-    repairs = ("fp32-weights",)
+    repairs = (RepairKind.FP32_WEIGHTS,)
     names_cases = (
         lambda: (
             fx.repair("fp32-weights"),
@@ -37,7 +55,7 @@ class HalfWeights(Rule):
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """fp32 master weights repaired it, and the training's parameters were stored in half precision."""
-        return repair.kind == "fp32-weights" and not half_param_modules(ev.amp).empty
+        return repair.kind == RepairKind.FP32_WEIGHTS and not half_param_modules(ev.amp).empty
 
     triggers = ("model_half.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float16", None, "float16")))),)
@@ -68,14 +86,13 @@ class HalfWeights(Rule):
         if updates is not None and not updates.empty:
             lost = float(updates.loc[updates["dtype"].isin(["float16", "bfloat16"]), "lost_update_share"].max() or 0.0)
         dtypes = sorted(set(",".join(half["trained_param_dtypes"]).split(","))) if len(half) else ["float16"]
-        evidence = {
-            "modules": half["module"].tolist()[:12],
-            "module_count": int(len(half)),
-            "param_dtypes": dtypes,
-            "max_lost_update_share": lost,
-        }
-        if unscale_error and amp is not None:
-            evidence["exception"] = amp.exception
+        evidence = HalfWeightsEvidence(
+            modules=half["module"].tolist()[:12],
+            module_count=int(len(half)),
+            param_dtypes=dtypes,
+            max_lost_update_share=lost,
+            exception=amp.exception if unscale_error and amp is not None else None,
+        )
         patch = {"overrides": {"fp32_weights": True}}
         if ev.config.dtype == "float16" and (amp is None or amp.scaler_called):
             patch["scaler"] = {"enabled": True}  # a step that never calls the scaler would not read the setting
