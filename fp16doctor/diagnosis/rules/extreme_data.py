@@ -8,21 +8,41 @@ large: an extreme field the model never sees is a target, read by the loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pandas as pd
 
 from ...measure.thresholds import EXTREME_INPUT
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, RepairKind, evidence_of
 from ..verify import Intervention, standardise
 from . import Rule
 from ._helpers import fp32_finite, model_input_peak
 
 
+@dataclass(frozen=True)
+class ExtremeDataEvidence(EvidenceRecord):
+    """The input field with the largest magnitudes, and the localised operator they overflow fp16 in."""
+
+    field: str
+    """The field's name in the batch (what the intervention standardises)."""
+    abs_max: float
+    extreme_share: float
+    """The share of the field's values in the thousands and up."""
+    module: str | None
+    operator: str
+    step: int
+    batch: int
+    operator_input_ranges: list[tuple[float, float]]
+
+
 class ExtremeData(Rule):
     code = "extreme-data"
     order = 20
+    evidence_type: ClassVar[type[EvidenceRecord]] = ExtremeDataEvidence
     explains = ("nonfinite", "skips", "amp-exception", "trajectory-drift")
-    repairs = ("standardise",)
+    repairs = (RepairKind.STANDARDISE,)
     names_cases = (lambda: (fx.repair("standardise"), fx.evidence()),)
     verifiable = False
     triggers = ("raw_sensor_features.py",)
@@ -64,7 +84,7 @@ class ExtremeData(Rule):
     )  # inputs that large make a large loss
 
     def intervention(self, finding: Finding, ev: Evidence) -> Intervention:
-        field = finding.evidence["field"]
+        field = evidence_of(finding, ExtremeDataEvidence).field
         return Intervention(f"the batches with '{field}' standardised per feature", batches=standardise(field))
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -82,16 +102,16 @@ class ExtremeData(Rule):
         return [
             self.finding(
                 f"Raw inputs up to {field.abs_max:.3g} in '{field.field}' overflow fp16 in module '{loc.module}' ({loc.operator})",
-                {
-                    "field": field.field,
-                    "abs_max": field.abs_max,
-                    "extreme_share": field.extreme_share,
-                    "module": loc.module,
-                    "operator": loc.operator,
-                    "step": loc.step,
-                    "batch": loc.batch_index,
-                    "operator_input_ranges": loc.input_ranges,
-                },
+                ExtremeDataEvidence(
+                    field=field.field,
+                    abs_max=field.abs_max,
+                    extreme_share=field.extreme_share,
+                    module=loc.module,
+                    operator=loc.operator,
+                    step=loc.step,
+                    batch=loc.batch_index,
+                    operator_input_ranges=loc.input_ranges,
+                ),
                 Fix(
                     f"Standardise '{field.field}' (zero mean, unit variance per feature) before the model sees it.",
                     code=(

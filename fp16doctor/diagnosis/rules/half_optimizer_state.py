@@ -9,19 +9,38 @@ once a symptom it explains is measured.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix, Repair
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, Severity, omitted_when_none
 from . import Rule
 from ._helpers import half_optimizer_state_modules
 
 
+@dataclass(frozen=True)
+class HalfOptimizerStateEvidence(EvidenceRecord):
+    """The modules whose optimizer state is stored in half precision, and where the first non-finite value came from."""
+
+    modules: list[str]
+    """The first twelve such modules."""
+    state_dtypes: list[str]
+    param_dtypes: list[str]
+    """The dtypes of those modules' parameters."""
+    first_nonfinite_phase: str | None = omitted_when_none()
+    """The localisation's phase (``optimizer``: the step that divides by a zero second moment), when it ran."""
+    operator: str | None = omitted_when_none()
+    step: int | None = omitted_when_none()
+
+
 class HalfOptimizerState(Rule):
     code = "half-optimizer-state"
-    severity = "warning"
+    severity = Severity.WARNING
     """A static fact: the triage makes it an error when a symptom it explains is measured."""
     order = 42
+    evidence_type: ClassVar[type[EvidenceRecord]] = HalfOptimizerStateEvidence
     explains = ("nonfinite", "skips", "lost-updates", "trajectory-drift", "same-state-gap")
-    repairs = ("fp32-weights",)
+    repairs = (RepairKind.FP32_WEIGHTS,)
     names_cases = (
         lambda: (
             fx.repair("fp32-weights", symptoms=("lost-updates",)),
@@ -31,7 +50,7 @@ class HalfOptimizerState(Rule):
 
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """fp32 master weights and state repaired it, and the optimizer state was stored in half precision."""
-        return repair.kind == "fp32-weights" and not half_optimizer_state_modules(ev.amp).empty
+        return repair.kind == RepairKind.FP32_WEIGHTS and not half_optimizer_state_modules(ev.amp).empty
 
     triggers = ("half_optimizer_state.py",)
     fires_on = (lambda: fx.evidence(amp=fx.probe(precision=fx.precision(("0", "Linear", "float32", None, "float16")))),)
@@ -44,16 +63,17 @@ class HalfOptimizerState(Rule):
         if half.empty:
             return []
         loc = ev.localisation
-        evidence = {
-            "modules": half["module"].tolist()[:12],
-            "state_dtypes": sorted(set(",".join(half["optimizer_state_dtypes"]).split(","))),
-            "param_dtypes": sorted(set(",".join(half["param_dtypes"].fillna("")).split(",")) - {""}),
-        }
-        if loc is not None:
-            evidence.update({"first_nonfinite_phase": loc.phase, "operator": loc.operator, "step": loc.step})
+        evidence = HalfOptimizerStateEvidence(
+            modules=half["module"].tolist()[:12],
+            state_dtypes=sorted(set(",".join(half["optimizer_state_dtypes"]).split(","))),
+            param_dtypes=sorted(set(",".join(half["param_dtypes"].fillna("")).split(",")) - {""}),
+            first_nonfinite_phase=loc.phase if loc is not None else None,
+            operator=loc.operator if loc is not None else None,
+            step=loc.step if loc is not None else None,
+        )
         return [
             self.finding(
-                f"Optimizer state is kept in {'/'.join(evidence['state_dtypes'])} for {len(half)} module(s)"
+                f"Optimizer state is kept in {'/'.join(evidence.state_dtypes)} for {len(half)} module(s)"
                 + (
                     f"; the first non-finite value came from the {loc.phase} ({loc.operator})"
                     if loc is not None

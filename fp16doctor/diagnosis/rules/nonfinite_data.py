@@ -7,17 +7,37 @@ symptom of it, in fp32 as in AMP.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, RepairKind, evidence_of
 from ..verify import Intervention, drop_rows
 from . import Rule
+
+
+@dataclass(frozen=True)
+class NonfiniteDataEvidence(EvidenceRecord):
+    """The data scan's counts of NaN and inf in one field, and where they are."""
+
+    field: str
+    """The field's name in the batch (what the intervention drops rows by)."""
+    nan: int
+    posinf: int
+    neginf: int
+    first: dict[str, Any]
+    """The first non-finite value: ``{"batch": i, "position": [...], "value": "nan"}`` (empty when unknown)."""
+    batches: list[int]
+    """The first twenty batches that carry non-finite values."""
+    batches_affected: int
 
 
 class NonfiniteData(Rule):
     code = "nonfinite-data"
     order = 10
+    evidence_type: ClassVar[type[EvidenceRecord]] = NonfiniteDataEvidence
     explains = ("fp32-nonfinite", "nonfinite", "skips", "amp-exception", "trajectory-drift")
-    repairs = ("drop-nonfinite-rows",)
+    repairs = (RepairKind.DROP_NONFINITE_ROWS,)
     names_cases = (lambda: (fx.repair("drop-nonfinite-rows"), fx.evidence()),)
     verifiable = False
     triggers = ("nan_in_data.py",)
@@ -44,7 +64,7 @@ class NonfiniteData(Rule):
     )
 
     def intervention(self, finding: Finding, ev: Evidence) -> Intervention:
-        field = finding.evidence["field"]
+        field = evidence_of(finding, NonfiniteDataEvidence).field
         return Intervention(f"the batches without the rows whose '{field}' is non-finite", batches=drop_rows(field))
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -57,15 +77,15 @@ class NonfiniteData(Rule):
             findings.append(
                 self.finding(
                     f"Field '{field.field}' holds {field.nan} NaN and {field.posinf + field.neginf} inf values (first: batch {first.get('batch')}, position {first.get('position')})",
-                    {
-                        "field": field.field,
-                        "nan": field.nan,
-                        "posinf": field.posinf,
-                        "neginf": field.neginf,
-                        "first": first,
-                        "batches": batches[:20],
-                        "batches_affected": len(batches),
-                    },
+                    NonfiniteDataEvidence(
+                        field=field.field,
+                        nan=field.nan,
+                        posinf=field.posinf,
+                        neginf=field.neginf,
+                        first=first,
+                        batches=batches[:20],
+                        batches_affected=len(batches),
+                    ),
                     Fix(
                         f"Clean or filter the data: batch(es) {batches[:10]} of field '{field.field}' carry non-finite values.",
                         code=(

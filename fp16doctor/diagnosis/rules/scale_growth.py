@@ -6,21 +6,41 @@ grew, with a small growth_interval.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from ...measure.symptoms import skip_runs
 from ...measure.thresholds import SCALE_GROWTH_RECURRENCES
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, RepairKind
 from . import Rule
 from ._helpers import fp32_finite
 
 """A skip right after a growth, twice: at PyTorch's default interval (2000) a probe never even grows."""
 
 
+@dataclass(frozen=True)
+class ScaleGrowthEvidence(EvidenceRecord):
+    """Skips that recur after the scale settled, each run of them after a growth of the scale."""
+
+    recurrent_skip_steps: list[int]
+    """The steps skipped after the first step taken (the first thirty)."""
+    recurrences: int
+    """How many separate runs of skips."""
+    mean_gap: float
+    """The mean number of steps between one run of skips and the next."""
+    growth_interval: int
+    """The configured GradScaler growth_interval."""
+    skips_after_growth: int
+    """How many of the skips came right after the scale grew."""
+
+
 class ScaleGrowth(Rule):
     code = "scale-growth"
     order = 72
+    evidence_type: ClassVar[type[EvidenceRecord]] = ScaleGrowthEvidence
     explains = ("skips", "nonfinite", "trajectory-drift")
-    repairs = ("scaler-growth",)
+    repairs = (RepairKind.SCALER_GROWTH,)
     names_cases = (lambda: (fx.repair("scaler-growth", symptoms=("skips",)), fx.evidence()),)
     triggers = ("scale_grows_fast.py",)
     fires_on = (
@@ -53,13 +73,13 @@ class ScaleGrowth(Rule):
         return [
             self.finding(
                 f"Skips recur {len(runs)} times after the scale settled (every ~{sum(gaps) / max(len(gaps), 1):.0f} steps): growth_interval {interval} grows the scale too fast",
-                {
-                    "recurrent_skip_steps": later[:30],
-                    "recurrences": len(runs),
-                    "mean_gap": sum(gaps) / max(len(gaps), 1),
-                    "growth_interval": interval,
-                    "skips_after_growth": len(grew),
-                },
+                ScaleGrowthEvidence(
+                    recurrent_skip_steps=later[:30],
+                    recurrences=len(runs),
+                    mean_gap=sum(gaps) / max(len(gaps), 1),
+                    growth_interval=interval,
+                    skips_after_growth=len(grew),
+                ),
                 Fix(
                     f"Raise growth_interval to {rec_interval} so the scale grows only after a long clean run.",
                     code=f"scaler = torch.amp.GradScaler('cuda', growth_interval={rec_interval})",
