@@ -13,8 +13,10 @@ custom Function, else the module in fp32.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Repair
+from ..findings import Evidence, EvidenceRecord, Finding, Repair, RepairEvidence, RepairKind
 from . import Rule
 from ._helpers import localised_inside, quoted
 
@@ -22,8 +24,10 @@ from ._helpers import localised_inside, quoted
 class BackwardOverflow(Rule):
     code = "backward-overflow"
     order = 61
+    # named only by the intervention search: its findings' evidence is the measured repair
+    evidence_type: ClassVar[type[EvidenceRecord]] = RepairEvidence
     explains = ("nonfinite", "skips", "amp-exception")
-    repairs = ("fp32-modules", "bf16")
+    repairs = (RepairKind.FP32_MODULES, RepairKind.BF16)
     triggers = ()
     names_cases = (
         lambda: (
@@ -43,8 +47,10 @@ class BackwardOverflow(Rule):
         loc = ev.localisation
         if loc is None or loc.phase != "backward":
             return False
-        return repair.kind == "bf16" or (
-            repair.kind == "fp32-modules" and localised_inside(ev, repair.modules) and not repair.forward_overflow
+        return repair.kind == RepairKind.BF16 or (
+            repair.kind == RepairKind.FP32_MODULES
+            and localised_inside(ev, repair.modules)
+            and not repair.forward_overflow
         )
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
@@ -53,7 +59,7 @@ class BackwardOverflow(Rule):
         inside = f" in {loc.custom_function}.backward" if loc.custom_function else ""
         fixed = (
             "bf16"
-            if repair.kind == "bf16"
+            if repair.kind == RepairKind.BF16
             else "keeping "
             + (f"every {repair.module_class}" if repair.module_class else quoted(repair.modules))
             + " in fp32"
@@ -80,7 +86,7 @@ class BackwardOverflow(Rule):
                 "    @torch.amp.custom_bwd(device_type='cuda')\n"
                 "    def backward(ctx, grad): ...",
             )
-        if repair.kind == "bf16":
+        if repair.kind == RepairKind.BF16:
             return ("Train in bfloat16 (fp32's range: its backward cannot overflow), or keep the module in fp32.", "")
         keep = f"every {repair.module_class}" if repair.module_class else quoted(repair.modules) or "the module"
         return (

@@ -8,19 +8,35 @@ zero valid targets is 0/0 = NaN by design. Reported with the count of valid targ
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ...measure.thresholds import IGNORE_INDEX
 from ...userfile.batches import iter_tensors
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix, ProbeSummary
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, ProbeSummary, evidence_of
 from ..verify import Intervention, apply_batches
 from . import Rule
+
+
+@dataclass(frozen=True)
+class EmptyTargetsEvidence(EvidenceRecord):
+    """An integer field with batches of no valid target, and the first non-finite loss on such a batch."""
+
+    field: str
+    """The data field (the label) whose every value is -100 in those batches."""
+    empty_batches: list[int]
+    """The batches without a valid target, in order."""
+    valid_targets_per_batch: list[int]
+    """Per scanned batch (the first 40), the values that are not -100."""
+    first_nonfinite_batch: int
+    """The first batch on which a probe's loss went non-finite (FP32 or AMP, the earlier)."""
 
 
 class EmptyTargets(Rule):
     code = "empty-targets"
     order = 15
+    evidence_type: ClassVar[type[EvidenceRecord]] = EmptyTargetsEvidence
     verifiable = False
     explains = ("fp32-nonfinite", "nonfinite", "skips", "trajectory-drift")
     triggers = ("empty_targets.py",)
@@ -58,12 +74,12 @@ class EmptyTargets(Rule):
         return [
             self.finding(
                 f"Batch {sorted(batches)[0]} has no valid target in '{field.field}' (every value is -100): its mean loss is 0/0 = NaN",
-                {
-                    "field": field.field,
-                    "empty_batches": sorted(batches),
-                    "valid_targets_per_batch": field.valid_counts[:40],
-                    "first_nonfinite_batch": min(failing),
-                },
+                EmptyTargetsEvidence(
+                    field=field.field,
+                    empty_batches=sorted(batches),
+                    valid_targets_per_batch=field.valid_counts[:40],
+                    first_nonfinite_batch=min(failing),
+                ),
                 Fix(
                     "Skip batches without a valid target, or normalise the summed loss by max(n_valid, 1).",
                     code=(
@@ -76,7 +92,7 @@ class EmptyTargets(Rule):
         ]
 
     def intervention(self, finding: Finding, ev: Evidence) -> Intervention:
-        field = finding.evidence["field"]
+        field = evidence_of(finding, EmptyTargetsEvidence).field
         return Intervention(
             f"the batches without those whose '{field}' has no valid target", batches=_skip_empty(field)
         )

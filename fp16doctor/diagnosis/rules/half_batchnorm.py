@@ -10,17 +10,36 @@ symptom it explains is measured.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Severity
 from . import Rule
 from ._helpers import LOW_DTYPES, is_norm
 
 
+@dataclass(frozen=True)
+class HalfNormEvidence(EvidenceRecord):
+    """The trained normalisation layers stored in half precision, as the precision map lists them."""
+
+    modules: list[str]
+    types: list[str]
+    """Each module's class name."""
+    param_dtypes: list[str | None]
+    """Each module's parameter dtypes, as the precision map lists them."""
+    buffer_dtypes: list[str | None]
+    """Each module's buffer dtypes (running statistics), as the precision map lists them."""
+    compute_dtypes: list[str | None]
+    """The dtype each module's forward computed in under autocast."""
+
+
 class HalfBatchnorm(Rule):
     code = "half-batchnorm"
-    severity = "warning"
+    severity = Severity.WARNING
     """A static fact: the triage makes it an error when a symptom it explains is measured."""
     order = 41
+    evidence_type: ClassVar[type[EvidenceRecord]] = HalfNormEvidence
     explains = ("nonfinite", "amp-exception", "skips", "same-state-gap", "trajectory-drift")
     triggers = ("half_batchnorm.py",)
     fires_on = (
@@ -53,13 +72,13 @@ class HalfBatchnorm(Rule):
             self.finding(
                 f"{len(names)} normalisation layer(s) stored in half precision: {', '.join(names[:5])}; their running "
                 "statistics and weights keep fp16's 3 digits and range, which can make the loss drift or overflow",
-                {
-                    "modules": names,
-                    "types": stored_half["type"].tolist(),
-                    "param_dtypes": stored_half["param_dtypes"].tolist(),
-                    "buffer_dtypes": stored_half["buffer_dtypes"].tolist(),
-                    "compute_dtypes": stored_half["compute_dtype"].tolist(),
-                },
+                HalfNormEvidence(
+                    modules=names,
+                    types=stored_half["type"].tolist(),
+                    param_dtypes=stored_half["param_dtypes"].tolist(),
+                    buffer_dtypes=stored_half["buffer_dtypes"].tolist(),
+                    compute_dtypes=stored_half["compute_dtype"].tolist(),
+                ),
                 Fix(
                     "Keep normalisation layers (weights and running statistics) in fp32; autocast feeds them correctly.",
                     code="for m in model.modules():\n    if isinstance(m, torch.nn.modules.batchnorm._NormBase):\n        m.float()   # and drop the .half() on them",

@@ -9,10 +9,41 @@ baseline may fail at the peak too: the pause still shows the LR is the cause.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix, LrPause, LrPeak
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, LrPause, LrPeak, RepairKind
 from . import Rule
 from ._helpers import fp32_finite
+
+
+@dataclass(frozen=True)
+class PeakAndBefore(EvidenceRecord):
+    """One quantity the pause measured, at the peak LR and at the LR of the step before."""
+
+    at_peak: float
+    before_peak: float
+
+
+@dataclass(frozen=True)
+class LrPeakEvidence(EvidenceRecord):
+    """The step where training breaks at the schedule's LR, and the pause that shows the step before's LR is safe."""
+
+    step: int
+    """The paused step: AMP's trouble starts there."""
+    lr_at_event: float
+    """The schedule's LR at ``step``."""
+    lr_before: float
+    """The LR of the step before, at which the same step stays finite."""
+    peak_step: int
+    jump_step: int
+    jump_ratio: float
+    """The schedule's largest jump: the LR's ratio to the step before, at ``jump_step``."""
+    update_to_weight: PeakAndBefore
+    """The update's size relative to the weights', the paused step taken at each LR."""
+    activation_max: PeakAndBefore
+    """The largest activation in the step after, the paused step taken at each LR."""
 
 
 def paused(finite_at_peak: bool) -> LrPeak:
@@ -32,8 +63,9 @@ def paused(finite_at_peak: bool) -> LrPeak:
 class LrSchedulePeak(Rule):
     code = "lr-schedule-peak"
     order = 80
+    evidence_type: ClassVar[type[EvidenceRecord]] = LrPeakEvidence
     explains = ("fp32-nonfinite", "nonfinite", "skips", "trajectory-drift")
-    repairs = ("lr-cap",)
+    repairs = (RepairKind.LR_CAP,)
     names_cases = (lambda: (fx.repair("lr-cap"), fx.evidence(has_scheduler=True)),)
     triggers = ("warmup_peak.py",)
     fires_on = (lambda: fx.evidence(has_scheduler=True, lr_peak=paused(finite_at_peak=False)),)
@@ -53,22 +85,16 @@ class LrSchedulePeak(Rule):
         return [
             self.finding(
                 f"Training breaks at step {event}, where the schedule reaches lr {lrs[event]:.3g}{also}; the same step at {safe:.3g} stays finite",
-                {
-                    "step": event,
-                    "lr_at_event": lrs[event],
-                    "lr_before": safe,
-                    "peak_step": schedule.peak_step,
-                    "jump_step": schedule.jump_step,
-                    "jump_ratio": schedule.jump_ratio,
-                    "update_to_weight": {
-                        "at_peak": pause.update_to_weight_at_peak,
-                        "before_peak": pause.update_to_weight_before_peak,
-                    },
-                    "activation_max": {
-                        "at_peak": pause.activation_max_at_peak,
-                        "before_peak": pause.activation_max_before_peak,
-                    },
-                },
+                LrPeakEvidence(
+                    step=event,
+                    lr_at_event=lrs[event],
+                    lr_before=safe,
+                    peak_step=schedule.peak_step,
+                    jump_step=schedule.jump_step,
+                    jump_ratio=schedule.jump_ratio,
+                    update_to_weight=PeakAndBefore(pause.update_to_weight_at_peak, pause.update_to_weight_before_peak),
+                    activation_max=PeakAndBefore(pause.activation_max_at_peak, pause.activation_max_before_peak),
+                ),
                 Fix(
                     f"Lower the peak learning rate to at most {safe:.3g} (or lengthen the warm-up, or clip gradients).",
                     code=f"# in scheduler()/optimizer(): peak lr <= {safe:.3g}, e.g. a longer linear warm-up\n"

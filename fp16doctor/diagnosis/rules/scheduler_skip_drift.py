@@ -6,21 +6,41 @@ against the schedule: a warm-up whose first steps are skipped is partly lost.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from ...measure.thresholds import SKIP_DRIFT_RUN_SHARE, SKIP_DRIFT_WARMUP_SHARE
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, RepairKind, Severity
 from . import Rule
+
+
+@dataclass(frozen=True)
+class SkipDriftEvidence(EvidenceRecord):
+    """The skipped AMP steps the scheduler still stepped on, against the schedule's warm-up."""
+
+    skipped_steps: list[int]
+    """The skipped steps (the first 30)."""
+    drift_steps: int
+    """How many steps the scheduler ran ahead of the optimizer: every skipped step."""
+    warmup_steps: int
+    """The schedule's peak step (0 without a dry run of the schedule)."""
+    warmup_share_lost: float
+    """The share of the warm-up's steps that were skipped."""
+    run_share: float
+    """The share of the run's steps that were skipped."""
 
 
 class SchedulerSkipDrift(Rule):
     code = "scheduler-skip-drift"
     order = 85
+    evidence_type: ClassVar[type[EvidenceRecord]] = SkipDriftEvidence
     explains = ("trajectory-drift",)
-    repairs = ("hold-scheduler",)
+    repairs = (RepairKind.HOLD_SCHEDULER,)
     names_cases = (
         lambda: (fx.repair("hold-scheduler", symptoms=("trajectory-drift",)), fx.evidence(has_scheduler=True)),
     )
-    severity = "warning"
+    severity = Severity.WARNING
     triggers = ("warmup_skips.py",)
     fires_on = (
         lambda: fx.evidence(
@@ -60,20 +80,22 @@ class SchedulerSkipDrift(Rule):
         run_share = len(skipped) / max(len(amp.records), 1)
         warmup_share = len(in_warmup) / peak if peak else 0.0
         severity = (
-            "error" if run_share >= SKIP_DRIFT_RUN_SHARE and warmup_share >= SKIP_DRIFT_WARMUP_SHARE else "warning"
+            Severity.ERROR
+            if run_share >= SKIP_DRIFT_RUN_SHARE and warmup_share >= SKIP_DRIFT_WARMUP_SHARE
+            else Severity.WARNING
         )
         return [
             self.finding(
                 f"The scheduler stepped on {len(skipped)} skipped step(s)"
                 + (f", {len(in_warmup)} of the {peak} warm-up steps" if peak else "")
                 + ": the LR runs ahead of the optimizer",
-                {
-                    "skipped_steps": skipped[:30],
-                    "drift_steps": len(skipped),
-                    "warmup_steps": peak,
-                    "warmup_share_lost": warmup_share,
-                    "run_share": run_share,
-                },
+                SkipDriftEvidence(
+                    skipped_steps=skipped[:30],
+                    drift_steps=len(skipped),
+                    warmup_steps=peak,
+                    warmup_share_lost=warmup_share,
+                    run_share=run_share,
+                ),
                 Fix(
                     "Step the scheduler only when the optimizer stepped.",
                     code=(
