@@ -18,12 +18,13 @@ intervention search measures by keeping modules around such a constant in fp32 i
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
-from ...measure.records import Localisation
+from ...measure.records import ExceptionInfo, Localisation
 from ...measure.thresholds import CONSTANT_MAGNITUDE, CONSTANT_SPREAD
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix, Repair
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, omitted_when_none
 from . import Rule
 from ._helpers import class_members, fp32_finite, library_modules, localised_inside, module_types, quoted, role_members
 
@@ -43,9 +44,46 @@ CAST_OR_FILL = (
 )
 
 
+@dataclass(frozen=True)
+class ConstantCastEvidence(EvidenceRecord):
+    """The localised first non-finite operator: a cast or fill that met a constant beyond fp16's range."""
+
+    operator: str
+    constant_magnitude: float
+    """The largest magnitude of the constants it met (a constant input's or a Python number's)."""
+    constant: float | None
+    """The Python number it was called with, when one was of constant-like magnitude; None when the constant came
+    in as a tensor."""
+    output: str
+    module: str | None
+    step: int
+    batch: int
+    same_code_in: list[str] | None = omitted_when_none()
+    """The modules that run the same code (every module of its class, or of its place in its owner's class)."""
+
+
+@dataclass(frozen=True)
+class FillRefusedEvidence(EvidenceRecord):
+    """AMP's exception: a fill refused a Python constant that fp16 cannot hold."""
+
+    exception: ExceptionInfo
+    """AMP's exception (this finding accounts for it)."""
+    operator: str
+    """Always "a fill with a Python constant": the exception names no operator."""
+    dtype: str
+    """The dtype the constant did not fit (always float16)."""
+    module: str | None
+    """The module whose forward raised it, when the exception names one."""
+    location: str | None
+    """``file:line`` of the user's code that raised it."""
+    same_code_in: list[str] | None = omitted_when_none()
+    """The modules that run the same code (every module of its class, or of its place in its owner's class)."""
+
+
 class ConstantOutOfRange(Rule):
     code = "constant-out-of-range"
     order = 45
+    evidence_type: ClassVar[type[EvidenceRecord]] = ConstantCastEvidence
     explains = ("amp-exception", "nonfinite", "skips")
     triggers = ("mask_fill_constant.py",)
     fires_on = (
@@ -126,7 +164,7 @@ class ConstantOutOfRange(Rule):
         ),
     )
     suppresses = ("activation-overflow", "scale-overflow")
-    repairs = ("fp32-modules",)
+    repairs = (RepairKind.FP32_MODULES,)
     names_cases = (
         lambda: (
             fx.repair("fp32-modules", ["blocks.0.attn", "blocks.1.attn"], forward_overflow=True),
@@ -147,13 +185,13 @@ class ConstantOutOfRange(Rule):
             return [
                 self._finding(
                     ev,
-                    {
-                        "exception": exc,
-                        "operator": "a fill with a Python constant",
-                        "dtype": "float16",
-                        "module": exc.module,
-                        "location": exc.location,
-                    },
+                    FillRefusedEvidence(
+                        exception=exc,
+                        operator="a fill with a Python constant",
+                        dtype="float16",
+                        module=exc.module,
+                        location=exc.location,
+                    ),
                     exc.module,
                 )
             ]
@@ -166,15 +204,15 @@ class ConstantOutOfRange(Rule):
         return [
             self._finding(
                 ev,
-                {
-                    "operator": loc.operator,
-                    "constant_magnitude": constant,
-                    "constant": literal,
-                    "output": loc.output,
-                    "module": loc.module,
-                    "step": loc.step,
-                    "batch": loc.batch_index,
-                },
+                ConstantCastEvidence(
+                    operator=loc.operator,
+                    constant_magnitude=constant,
+                    constant=literal,
+                    output=loc.output,
+                    module=loc.module,
+                    step=loc.step,
+                    batch=loc.batch_index,
+                ),
                 module,
             )
         ]
@@ -182,7 +220,11 @@ class ConstantOutOfRange(Rule):
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Modules kept in fp32 repaired it, and the localised fault is a constant out of fp16's range met inside them."""
         loc = ev.localisation
-        return repair.kind == "fp32-modules" and localised_inside(ev, repair.modules) and _constant_met(loc) is not None
+        return (
+            repair.kind == RepairKind.FP32_MODULES
+            and localised_inside(ev, repair.modules)
+            and _constant_met(loc) is not None
+        )
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
@@ -199,17 +241,20 @@ class ConstantOutOfRange(Rule):
             MASK_CODE,
         )
 
-    def _finding(self, ev: Evidence, evidence: dict[str, Any], module: str | None) -> Finding:
+    def _finding(
+        self, ev: Evidence, evidence: ConstantCastEvidence | FillRefusedEvidence, module: str | None
+    ) -> Finding:
         where = f" in module '{module}'" if module else ""
         types = module_types(ev)
         members, owner = _same_code(module, types, ev)
         keep = members or ([module] if module else [])
         if members:  # the same code runs in every one of them: the constant meets fp16 in each
-            evidence = {**evidence, "same_code_in": members}
+            evidence = replace(evidence, same_code_in=members)
         kept = _kept(keep, owner)
+        literal = evidence.constant if isinstance(evidence, ConstantCastEvidence) else None
         return self.finding(
-            f"A constant beyond fp16's range (65504) meets an fp16 tensor{where}: {evidence['operator']}"
-            + (f" with {evidence['constant']:.3g}" if evidence.get("constant") is not None else ""),
+            f"A constant beyond fp16's range (65504) meets an fp16 tensor{where}: {evidence.operator}"
+            + (f" with {literal:.3g}" if literal is not None else ""),
             evidence,
             Fix(
                 "Use the dtype's own limit instead of a literal, or a boolean mask: "

@@ -18,9 +18,11 @@ warning: batches of another scale make another loss.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
+from typing import ClassVar
 
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Severity
 from . import Rule
 from ._helpers import fp32_finite, fp32_losses
 
@@ -30,11 +32,30 @@ RISE = 2.0
 """The last third's median loss at least this many times the first third's."""
 
 
+@dataclass(frozen=True)
+class Fp32RiseEvidence(EvidenceRecord):
+    """The FP32 probe's finite losses, the medians of their first and last thirds, and the rise between them."""
+
+    probe: str
+    """The probe whose losses rise (always ``fp32``)."""
+    steps: int
+    """The finite FP32 steps compared."""
+    first_third_median: float
+    last_third_median: float
+    first_third_spread: float
+    """The first third's largest loss minus its smallest: the rise must exceed this batch-to-batch noise."""
+    losses: list[float]
+    """The FP32 losses (the first 20)."""
+    lr_range: list[float] | None
+    """The FP32 probe's smallest and largest learning rate; None when its record has no LR."""
+
+
 class Fp32LossRises(Rule):
     code = "fp32-loss-rises"
-    severity = "warning"
+    severity = Severity.WARNING
     """Measured, but no mixed-precision fault: the FP32 twin itself trains away from its start."""
     order = 5
+    evidence_type: ClassVar[type[EvidenceRecord]] = Fp32RiseEvidence
     verifiable = False
     fires_on = (
         lambda: fx.evidence(fp32=fx.probe("fp32", fx.records(losses=[1.0 + 1.5 * i for i in range(10)]))),
@@ -101,15 +122,15 @@ class Fp32LossRises(Rule):
         if first <= 0 or last < RISE * first or last - first <= spread:
             return []
         lrs = [float(v) for v in fp32.records["lr"]] if "lr" in fp32.records else []
-        evidence = {
-            "probe": "fp32",
-            "steps": len(losses),
-            "first_third_median": first,
-            "last_third_median": last,
-            "first_third_spread": spread,
-            "losses": losses[:20],
-            "lr_range": [min(lrs), max(lrs)] if lrs else None,
-        }
+        evidence = Fp32RiseEvidence(
+            probe="fp32",
+            steps=len(losses),
+            first_third_median=first,
+            last_third_median=last,
+            first_third_spread=spread,
+            losses=losses[:20],
+            lr_range=[min(lrs), max(lrs)] if lrs else None,
+        )
         return [
             self.finding(
                 f"The loss rises in FP32 too: from {first:.4g} to {last:.4g} (the medians of the first and the last {third} "

@@ -16,13 +16,14 @@ and under AMP on the same weights and batch.
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from ...measure.records import OUTSIDE_MODEL, Localisation
+from ...measure.records import OUTSIDE_MODEL, ExceptionInfo, Localisation
 from ...measure.symptoms import excess_skips, first_nonfinite, skip_profile
 from ...tensors import FP16_MAX
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix, Repair
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind
 from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite
 
@@ -49,11 +50,59 @@ BCE_REFUSAL = "unsafe to autocast"
 """Part of the message CUDA autocast (and the doctor's CPU emulation of it) raises for binary_cross_entropy."""
 
 
+@dataclass(frozen=True)
+class HalfLossEvidence(EvidenceRecord):
+    """The dtypes the AMP probe's loss came out in (each shape of this rule's evidence adds what broke)."""
+
+    loss_dtypes: list[str]
+    """The dtypes of the loss the AMP probe's steps returned."""
+
+
+@dataclass(frozen=True)
+class LossOverflowEvidence(HalfLossEvidence):
+    """The first non-finite operator, traced to the loss computation outside the model, on half-precision values."""
+
+    operator: str
+    step: int
+    batch: int
+    phase: str
+    """``loss`` (the loss's forward) or ``backward`` (its backward, before the gradient reached the model)."""
+    operator_input_ranges: list[tuple[float, float]]
+    """The (min, max) of each of the operator's inputs."""
+    output: str
+    """What came out: inf/NaN and its dtype."""
+
+
+@dataclass(frozen=True)
+class BceRefusedEvidence(HalfLossEvidence):
+    """CUDA autocast (or the doctor's emulation of it) refused binary_cross_entropy on half probabilities."""
+
+    exception: ExceptionInfo
+    """AMP's exception: the refusal (this finding accounts for it)."""
+
+
+@dataclass(frozen=True)
+class HalfLossGapEvidence(HalfLossEvidence):
+    """A loss computed in half precision, and AMP deviating from fp32 past tolerance from the same states."""
+
+    same_state_gap: float
+    """AMP's largest relative loss deviation from fp32 from the same states."""
+
+
+@dataclass(frozen=True)
+class RecordedLossEvidence(EvidenceRecord):
+    """A capsule's watch recorded a non-finite loss or loss gradient, from loss code the replay does not hold."""
+
+    recorded: str | None
+    """What the watch saw, in a sentence."""
+
+
 class LossInHalf(Rule):
     code = "loss-in-half"
     order = 50
+    evidence_type: ClassVar[type[EvidenceRecord]] = LossOverflowEvidence
     explains = ("nonfinite", "skips", "amp-exception", "same-state-gap", "trajectory-drift")
-    repairs = ("loss-fp32", "bf16")
+    repairs = (RepairKind.LOSS_FP32, RepairKind.BF16)
     names_cases = (
         lambda: (
             fx.repair("loss-fp32"),
@@ -144,32 +193,31 @@ class LossInHalf(Rule):
         if ev.recorded_loss_finding and not amp.exception and amp.finite and not amp.skip_steps:
             return [self._recorded(ev)]  # the model replays finite: what failed is the loss (else the model's own
             # fault is for the other rules, and the note still says what the loss gradient held)
-        evidence: dict[str, Any] = {"loss_dtypes": amp.loss_dtypes}
+        evidence: HalfLossEvidence
         if (
             loc is not None
             and in_the_loss(loc)
             and any(d in loc.output for d in LOW_DTYPES)
             and (loc.phase == "loss" or loss_backward_fault(amp.records, loc))
         ):
-            evidence.update(
-                {
-                    "operator": loc.operator,
-                    "step": loc.step,
-                    "batch": loc.batch_index,
-                    "phase": loc.phase,
-                    "operator_input_ranges": loc.input_ranges,
-                    "output": loc.output,
-                }
+            evidence = LossOverflowEvidence(
+                loss_dtypes=amp.loss_dtypes,
+                operator=loc.operator,
+                step=loc.step,
+                batch=loc.batch_index,
+                phase=loc.phase,
+                operator_input_ranges=loc.input_ranges,
+                output=loc.output,
             )
             title = (
                 f"The loss overflows in half precision: {loc.operator} outside the model"
                 f"{'' if loc.phase == 'loss' else ', in its backward,'} at step {loc.step} -> {loc.output}"
             )
         elif amp.exception and BCE_REFUSAL in (amp.exception.message or ""):
-            evidence["exception"] = amp.exception
+            evidence = BceRefusedEvidence(loss_dtypes=amp.loss_dtypes, exception=amp.exception)
             title = "binary_cross_entropy on half-precision probabilities: CUDA autocast refuses it"
         elif any(d in LOW_DTYPES for d in amp.loss_dtypes) and ev.gap is not None and ev.gap.exceeded:
-            evidence.update({"same_state_gap": ev.gap.gap})
+            evidence = HalfLossGapEvidence(loss_dtypes=amp.loss_dtypes, same_state_gap=ev.gap.gap)
             title = f"The loss is computed in {'/'.join(amp.loss_dtypes)} and AMP deviates {ev.gap.gap:.2%} from fp32"
         else:
             return []
@@ -183,7 +231,7 @@ class LossInHalf(Rule):
         return self.finding(
             "The loss computation, outside the model, makes the step non-finite: the watch recorded inf/NaN in the "
             "loss or its gradient w.r.t. the model's outputs, and the model itself replays finite under AMP",
-            {"recorded": ev.recorded_loss_finding},
+            RecordedLossEvidence(recorded=ev.recorded_loss_finding),
             Fix(
                 "Compute the loss from the model's outputs in fp32 and in a stable form: F.cross_entropy or F.log_softmax "
                 "instead of log(softmax(z) + eps) (an eps of 1e-8 is 0 in fp16), torch.logsumexp instead of "
@@ -198,7 +246,9 @@ class LossInHalf(Rule):
         """The loss computed in fp32 repaired it, also when the op that made the inf ran in fp32 itself: the
         damage was done before it, by half-precision values rounded on their way into the loss."""
         loc = ev.localisation
-        return repair.kind == "loss-fp32" or (repair.kind == "bf16" and loc is not None and loc.phase == "loss")
+        return repair.kind == RepairKind.LOSS_FP32 or (
+            repair.kind == RepairKind.BF16 and loc is not None and loc.phase == "loss"
+        )
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation

@@ -13,19 +13,52 @@ loss there, so a loss near miss beside it is not reported.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Severity, omitted_when_none
 from . import Rule
 
 DEFAULT_LOSS = "cross_entropy(model(x), y) for (x, y) batches, model(**batch).loss for dicts"
 """The doctor's default loss (:func:`fp16doctor.userfile.loop.default_loss`), as the finding names it."""
 
 
+@dataclass(frozen=True)
+class NearMissEvidence(EvidenceRecord):
+    """A top-level callable named like a contract function the file lacks, which the loader ignored."""
+
+    ignored: str
+    """The callable's name (the first of the near misses)."""
+    signature: str
+    also_ignored: list[str]
+    """The other near misses of the same contract function."""
+    contract: str
+    """The contract function the loader looked for, with its parameters."""
+
+
+@dataclass(frozen=True)
+class LossNearMissEvidence(NearMissEvidence):
+    """A callable named like ``loss`` in a file without ``loss()`` or ``train_step()``: the default loss ran."""
+
+    default_loss: str
+    """The doctor's default loss, which the probes computed instead."""
+
+
+@dataclass(frozen=True)
+class StepNearMissEvidence(NearMissEvidence):
+    """A callable named like ``train_step`` in a file without one: the doctor's own training step ran."""
+
+    default_loss: str | None = omitted_when_none()
+    """The doctor's default loss, when the file has no ``loss()`` either."""
+
+
 class LossNameMismatch(Rule):
     code = "loss-name-mismatch"
-    severity = "warning"
+    severity = Severity.WARNING
     """The file ran, with the doctor's loss in place of the one it meant: nothing precision-related to fix."""
     order = 5
+    evidence_type: ClassVar[type[EvidenceRecord]] = LossNearMissEvidence
     verifiable = False
     fires_on = (
         lambda: fx.evidence(uses_default_loss=True, near_misses={"loss": {"loss_fn": "(model, batch)"}}),
@@ -64,13 +97,13 @@ class LossNameMismatch(Rule):
         return self.finding(
             f"The training file defines `{name}{signature}` but no `loss(model, batch)`: the doctor ignored it and "
             f"trained with its default loss ({DEFAULT_LOSS}), which may not be the loss you meant",
-            {
-                "ignored": name,
-                "signature": signature,
-                "also_ignored": others,
-                "default_loss": DEFAULT_LOSS,
-                "contract": "loss(model, batch)",
-            },
+            LossNearMissEvidence(
+                ignored=name,
+                signature=signature,
+                also_ignored=others,
+                contract="loss(model, batch)",
+                default_loss=DEFAULT_LOSS,
+            ),
             Fix(
                 f"{how}: the doctor reads only the name `loss` (with `train_step` it reads none). Then diagnose "
                 "again: every measurement so far was of the default loss.",
@@ -85,13 +118,13 @@ class LossNameMismatch(Rule):
         return self.finding(
             f"The training file defines `{name}{signature}` but no `train_step(model, batch, optimizer, scaler, autocast)`: "
             f"the doctor ignored it and ran {what}",
-            {
-                "ignored": name,
-                "signature": signature,
-                "also_ignored": [n for n in found if n != name],
-                "contract": "train_step(model, batch, optimizer, scaler, autocast)",
-                **({"default_loss": DEFAULT_LOSS} if ev.uses_default_loss else {}),
-            },
+            StepNearMissEvidence(
+                ignored=name,
+                signature=signature,
+                also_ignored=[n for n in found if n != name],
+                contract="train_step(model, batch, optimizer, scaler, autocast)",
+                default_loss=DEFAULT_LOSS if ev.uses_default_loss else None,
+            ),
             Fix(
                 f"Rename `{name}` to `train_step` (its arguments: model, batch, optimizer, scaler, autocast), then "
                 "diagnose again.",
