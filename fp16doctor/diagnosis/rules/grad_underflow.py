@@ -19,21 +19,58 @@ tell the user to enable the scaler they run.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ...measure.thresholds import UNDERFLOW_ALARM
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix, Repair
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, Severity
 from . import Rule
 from ._helpers import fp32_finite, scale_patch
 
 
+@dataclass(frozen=True)
+class WorstFlush(EvidenceRecord):
+    """The gradient that flushes most of its mass to zero in fp16."""
+
+    kind: str
+    """``param`` (a parameter's gradient) or ``act`` (the gradient w.r.t. a module's output)."""
+    name: str
+    """The parameter's or the module's name."""
+    observed_underflow: float
+    """The share of its elements non-zero in fp32 and zero in AMP."""
+    observed_underflow_mass: float
+    """The share of its fp32 L1 mass in those elements."""
+
+
+@dataclass(frozen=True)
+class GradUnderflowEvidence(EvidenceRecord):
+    """Gradients non-zero in fp32 that AMP flushed to zero, and the loss scale the step ran at against the window."""
+
+    worst: WorstFlush
+    tensors_over_5pct: int
+    """How many gradients flush more than the alarm's share of their mass."""
+    scaler_enabled: bool
+    configured_scale: float | None
+    """The configured initial loss scale; None with the scaler off."""
+    scale_used: float | None
+    """The loss scale AMP's step ran at (1 where the step never calls the scaler); None with the scaler off."""
+    scale_window: list[float] | None
+    """[low, high]: the loss scales that keep FP32's gradients representable in fp16; None when not measured."""
+    window_feasible: bool | None
+    """Whether any scale fits the window; None when not measured."""
+    recommended: dict[str, Any]
+    """The scaler settings the fix recommends (its config patch's ``scaler``)."""
+
+
 class GradUnderflow(Rule):
     code = "grad-underflow"
-    severity = "warning"
+    severity = Severity.WARNING
     """Measured on gradients, not on the training: the triage makes it an error when a symptom it explains is measured."""
     order = 71
+    evidence_type: ClassVar[type[EvidenceRecord]] = GradUnderflowEvidence
     explains = ("trajectory-drift", "lost-updates", "same-state-gap")
-    repairs = ("scaler-scale",)
+    repairs = (RepairKind.SCALER_SCALE,)
     names_cases = (
         lambda: (
             fx.repair("scaler-scale", config_patch={"scaler": {"init_scale": 2.0**20}}, symptoms=("lost-updates",)),
@@ -52,7 +89,7 @@ class GradUnderflow(Rule):
     def names_repair(self, repair: Repair, ev: Evidence) -> bool:
         """Loss scaling switched on, or a higher initial scale, repaired it: gradients were flushing to zero."""
         new = repair.config_patch.get("scaler", {}).get("init_scale")
-        return repair.kind == "scaler-scale" and (
+        return repair.kind == RepairKind.SCALER_SCALE and (
             not ev.config.scaler.enabled or (new is not None and new > ev.config.scaler.init_scale)
         )
 
@@ -156,21 +193,21 @@ class GradUnderflow(Rule):
                     else f" at loss scale {used:.0f}"
                 )
                 + ": the layers they feed can stop learning",
-                {
-                    "worst": {
-                        "kind": worst["kind"],
-                        "name": worst["name"],
-                        "observed_underflow": float(worst["observed_underflow"]),
-                        "observed_underflow_mass": float(worst["observed_underflow_mass"]),
-                    },
-                    "tensors_over_5pct": len(flagged),
-                    "scaler_enabled": ev.config.scaler.enabled,
-                    "configured_scale": configured,
-                    "scale_used": used if configured is not None else None,
-                    "scale_window": [window.low, window.high] if window is not None else None,
-                    "window_feasible": window.feasible if window is not None else None,
-                    "recommended": patch["scaler"],
-                },
+                GradUnderflowEvidence(
+                    worst=WorstFlush(
+                        kind=worst["kind"],
+                        name=worst["name"],
+                        observed_underflow=float(worst["observed_underflow"]),
+                        observed_underflow_mass=float(worst["observed_underflow_mass"]),
+                    ),
+                    tensors_over_5pct=len(flagged),
+                    scaler_enabled=ev.config.scaler.enabled,
+                    configured_scale=configured,
+                    scale_used=used if configured is not None else None,
+                    scale_window=[window.low, window.high] if window is not None else None,
+                    window_feasible=window.feasible if window is not None else None,
+                    recommended=patch["scaler"],
+                ),
                 Fix(
                     summary,
                     code=(

@@ -16,22 +16,54 @@ repairs it and nothing overflowed: precision-gap).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from ...measure.records import Localisation
 from ...measure.thresholds import GAP_ERROR, GAP_TOLERANCE
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix, Repair
+from ..findings import (
+    Evidence,
+    EvidenceRecord,
+    Finding,
+    Fix,
+    ModuleGap,
+    Repair,
+    RepairKind,
+    Severity,
+    omitted_when_none,
+)
 from . import Rule
 from ._helpers import localised_inside, quoted
+
+
+@dataclass(frozen=True)
+class PrecisionGapEvidence(EvidenceRecord):
+    """AMP against fp32 from the same states, the modules ranked by the error they add, and the set that closes it."""
+
+    gap: float
+    """AMP's largest relative loss deviation from fp32 from the same weights and batch (at ``step``)."""
+    step: int
+    tolerance: float
+    same_state_rel_dev: dict[int, float]
+    """Per FP32 trajectory step compared, AMP's relative loss deviation from fp32's."""
+    ranked_modules: list[ModuleGap]
+    """The modules adding the most error, the largest first (at most five)."""
+    closing_set: list[str] | None
+    """The smallest set kept in fp32 that brings the gap within tolerance; None when none did."""
+    closed_gap: float | None
+    """The gap left with ``closing_set`` in fp32; None when no set closed it."""
+    absorbed_overflow: Localisation | None = omitted_when_none()
+    """An overflow AMP's step made inside the closing modules that no module output shows (divided away)."""
 
 
 class PrecisionGap(Rule):
     code = "precision-gap"
     order = 90
+    evidence_type: ClassVar[type[EvidenceRecord]] = PrecisionGapEvidence
     explains = ("same-state-gap", "trajectory-drift", "skips")
     repair_explains = ("nonfinite",)
-    repairs = ("fp32-modules",)
+    repairs = (RepairKind.FP32_MODULES,)
     names_cases = (
         lambda: (fx.repair("fp32-modules", ["norm"], symptoms=("same-state-gap",)), fx.evidence()),
         # a one-pass variance rounded below 0 under a square root: NaN inside fp16's range
@@ -67,19 +99,18 @@ class PrecisionGap(Rule):
         if gap is None or not gap.exceeded or gap.scale_leak:
             return []  # a gap that loss scaling alone makes is no precision gap (scaler-misuse)
         closing = gap.closing_set
-        severity = "error" if gap.gap > GAP_ERROR * (gap.tolerance / GAP_TOLERANCE) else "warning"
-        evidence = {
-            "gap": gap.gap,
-            "step": gap.worst_step,
-            "tolerance": gap.tolerance,
-            "same_state_rel_dev": gap.same_state_rel_dev,
-            "ranked_modules": (gap.ranked_modules or [])[:5],
-            "closing_set": closing,
-            "closed_gap": gap.closed_gap,
-        }
+        severity = Severity.ERROR if gap.gap > GAP_ERROR * (gap.tolerance / GAP_TOLERANCE) else Severity.WARNING
         absorbed = absorbed_in(ev, closing or [r.module for r in (gap.ranked_modules or [])[:1]])
-        if absorbed is not None:
-            evidence["absorbed_overflow"] = absorbed.to_json()
+        evidence = PrecisionGapEvidence(
+            gap=gap.gap,
+            step=gap.worst_step,
+            tolerance=gap.tolerance,
+            same_state_rel_dev=gap.same_state_rel_dev,
+            ranked_modules=(gap.ranked_modules or [])[:5],
+            closing_set=closing,
+            closed_gap=gap.closed_gap,
+            absorbed_overflow=absorbed,
+        )
         if closing:
             fix = Fix(
                 f"Keep {', '.join(closing)} in fp32 (autocast off inside): that closes the gap to {gap.closed_gap or 0.0:.3%}.",
@@ -102,7 +133,7 @@ class PrecisionGap(Rule):
             + (absorbed_sentence(absorbed) if absorbed is not None else ""),
             evidence,
             fix,
-            severity=severity if closing else "warning",
+            severity=severity if closing else Severity.WARNING,
         )
         return [replace(found, needs_search=not closing)]
 
@@ -110,7 +141,7 @@ class PrecisionGap(Rule):
         """Modules kept in fp32 repaired it with nothing out of fp16's range: precision, not range (the rules
         before this one in causal order claim the overflows). A NaN counts when the traced culprit made it inside
         those modules from finite inputs within fp16's range: rounding drove a value out of its operator's domain."""
-        if repair.kind != "fp32-modules" or repair.forward_overflow:
+        if repair.kind != RepairKind.FP32_MODULES or repair.forward_overflow:
             return False
         return not set(repair.symptoms) & {"nonfinite", "skips", "amp-exception"} or _rounded_out_of_domain(ev, repair)
 

@@ -12,20 +12,54 @@ overflowing. A few skips while a default scale settles are normal.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ...measure.symptoms import attempts, skip_runs
 from ...measure.thresholds import CALIBRATION_SKIPS, PERSISTENT_OVERFLOW_SHARE
 from .. import rule_cases as fx
-from ..findings import Evidence, Finding, Fix, ProbeSummary, Repair
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, ProbeSummary, Repair, RepairKind
 from . import Rule
 from ._helpers import fp32_finite, scale_patch
+
+
+@dataclass(frozen=True)
+class ScaleOverflowEvidence(EvidenceRecord):
+    """AMP steps whose gradients overflowed at the GradScaler's scale, against how long its settling should take."""
+
+    overflow_steps: list[int]
+    """The steps skipped or with non-finite gradients (the first 30)."""
+    leading_skips: int
+    """How many steps overflowed in a row from the start (all of them: the scale never settled)."""
+    persistent_share: float
+    """The share of the steps after the leading run that still overflowed."""
+    expected_settling_skips: int
+    """The skips the configured scaler needs to back off from init_scale to ``max_safe_scale``."""
+    scale_first: float
+    scale_last: float
+    scaler_enabled: bool
+    max_safe_scale: float | None
+    """The largest scale that keeps FP32's gradients within fp16's range; None when not measured."""
+    recommended: dict[str, Any]
+    """The scaler settings the fix recommends (its config patch's ``scaler``)."""
+
+
+@dataclass(frozen=True)
+class HandRolledScaleEvidence(EvidenceRecord):
+    """AMP steps whose gradients overflowed under a static loss scale the step applies by hand."""
+
+    overflow_steps: list[int]
+    """The steps with non-finite gradients (the first 30)."""
+    scaler_called: bool
+    """Whether the step called scaler.scale() (never, for this shape)."""
 
 
 class ScaleOverflow(Rule):
     code = "scale-overflow"
     order = 70
+    evidence_type: ClassVar[type[EvidenceRecord]] = ScaleOverflowEvidence
     explains = ("skips", "nonfinite", "trajectory-drift")
-    repairs = ("scaler-scale",)
+    repairs = (RepairKind.SCALER_SCALE,)
     names_cases = (
         lambda: (
             fx.repair("scaler-scale", config_patch={"scaler": {"init_scale": 256.0}}, symptoms=("skips",)),
@@ -37,7 +71,7 @@ class ScaleOverflow(Rule):
         """A lower initial scale repaired it: the scale was too high."""
         new = repair.config_patch.get("scaler", {}).get("init_scale")
         return (
-            repair.kind == "scaler-scale"
+            repair.kind == RepairKind.SCALER_SCALE
             and ev.config.scaler.enabled
             and new is not None
             and new < ev.config.scaler.init_scale
@@ -112,17 +146,17 @@ class ScaleOverflow(Rule):
         return [
             self.finding(
                 f"Gradients overflow in {len(steps)} of {len(rec)} AMP steps (longest run {max(map(len, runs))}): {why}; the loss scale is too high",
-                {
-                    "overflow_steps": steps[:30],
-                    "leading_skips": leading,
-                    "persistent_share": persistent,
-                    "expected_settling_skips": settling,
-                    "scale_first": float(rec["loss_scale"].iloc[0]),
-                    "scale_last": float(rec["loss_scale"].iloc[-1]),
-                    "scaler_enabled": amp.scaler_enabled,
-                    "max_safe_scale": ev.window.high if ev.window is not None else None,
-                    "recommended": patch["scaler"],
-                },
+                ScaleOverflowEvidence(
+                    overflow_steps=steps[:30],
+                    leading_skips=leading,
+                    persistent_share=persistent,
+                    expected_settling_skips=settling,
+                    scale_first=float(rec["loss_scale"].iloc[0]),
+                    scale_last=float(rec["loss_scale"].iloc[-1]),
+                    scaler_enabled=amp.scaler_enabled,
+                    max_safe_scale=ev.window.high if ev.window is not None else None,
+                    recommended=patch["scaler"],
+                ),
                 Fix(
                     f"Use dynamic loss scaling from init_scale {patch['scaler']['init_scale']:.0f} with backoff 0.5."
                     + _summed_loss_hint(ev),
@@ -137,7 +171,7 @@ class ScaleOverflow(Rule):
         # config never reach it; the fix is the code change below (nothing for the doctor to try).
         return self.finding(
             f"Gradients overflow in {len(steps)} of {total} AMP steps, and the step never calls scaler.scale(): a static, hand-rolled loss scale is too high",
-            {"overflow_steps": steps[:30], "scaler_called": False},
+            HandRolledScaleEvidence(overflow_steps=steps[:30], scaler_called=False),
             Fix(
                 "Replace the hand-rolled static scaling by the GradScaler passed to train_step (dynamic: it backs off on overflow).",
                 code=(
