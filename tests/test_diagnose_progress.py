@@ -14,7 +14,7 @@ import sys
 from conftest import ROOT, SAMPLES, run_cli
 from rich.console import Console
 
-from fp16doctor.cli import DiagnosisProgress
+from fp16doctor.output.progress import DiagnosisProgress
 from fp16doctor.diagnosis.triage import stage_names
 
 QUICK = ("--ci", "--steps", "4", "--json")

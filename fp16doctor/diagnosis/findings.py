@@ -163,7 +163,7 @@ def evidence_of(finding: Finding, kind: type[E]) -> E:
 class LocalisedAt(EvidenceRecord):
     """Where the localisation found the first non-finite value, as a finding's evidence repeats it."""
 
-    module: str
+    module: str | None
     operator: str
     phase: str
     step: int

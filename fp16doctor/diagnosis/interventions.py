@@ -36,7 +36,7 @@ from ..measure.records import ROOT
 from ..measure.symptoms import Symptom, skip_runs
 from ..measure.thresholds import EXTREME_INPUT
 from ..tensors import FP16_MAX
-from .findings import Evidence, Repair, Verification
+from .findings import Evidence, Repair, RepairKind, Verification
 from .rules._helpers import class_members, library_modules, module_types, role_members, stores_half_training_state
 from .stages import StageContext, same_state_gap
 from .verify import Intervention, Verifier, drop_rows, recommended_init_scale, standardise, with_recommended_scale
@@ -252,7 +252,7 @@ class InterventionSearch:
     def _repair(self, trial: Trial) -> Repair:
         c = trial.candidate
         return Repair(
-            kind=c.kind,
+            kind=RepairKind(c.kind),
             description=c.intervention.description,
             config_patch=dict(c.intervention.config_patch),
             modules=list(c.modules),
@@ -482,7 +482,10 @@ class InterventionSearch:
     def _forward_overflow(self, modules: list[str]) -> bool:
         """Whether the AMP run's forward outputs of ``modules`` (or of modules inside them) left fp16's range."""
         loc = self.ev.localisation
-        inside = lambda name: any(name == m or name.startswith(m + ".") for m in modules)  # noqa: E731
+
+        def inside(name: str) -> bool:
+            return any(name == m or name.startswith(m + ".") for m in modules)
+
         if loc is not None and loc.phase == "forward" and loc.module and inside(loc.module):
             return loc.overflowed  # the traced culprit says: a NaN made inside fp16's range is rounding's
         amp = self.ev.amp

@@ -21,7 +21,7 @@ from ..config import build_config
 from ..engine.records import RECORD_COLUMNS
 from ..measure.datascan import FieldScan
 from ..measure.records import Localisation, ScaleWindow
-from .findings import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair
+from .findings import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair, RepairKind
 
 PRECISION_COLUMNS = [
     "module",
@@ -194,7 +194,7 @@ def repair(
 ) -> Repair:
     """An intervention the search found to repair the training, as the rules read it to name the cause."""
     return Repair(
-        kind=kind,
+        kind=RepairKind(kind),
         description=f"the {kind} intervention",
         config_patch=config_patch or {},
         modules=modules or [],

@@ -51,7 +51,7 @@ VERIFYING = StageName.VERIFYING
 SEARCHING = StageName.INTERVENTION_SEARCH
 
 
-def stage_names() -> list[str]:
+def stage_names() -> list[StageName]:
     """What ``on_stage`` is told, in order: every stage, then the fix verification and (when a symptom is
     left unexplained) the intervention search."""
     return [stage.name for stage in STAGES] + [VERIFYING, SEARCHING]

@@ -13,8 +13,9 @@ from typing import Any
 
 import yaml
 
-from ..diagnosis.findings import Diagnosis, Finding, Verification, jsonable
+from ..diagnosis.findings import Diagnosis, Finding, Verification
 from ..diagnosis.verify import verification_status
+from ..files import jsonable
 from .formatting import exact_numbers, healthy_headline, human, shown_evidence
 from .markdown import corrected_text
 from .patches import contradicted_settings, reference_to_corrected

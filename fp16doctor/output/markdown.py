@@ -8,8 +8,9 @@ from typing import Any
 
 import yaml
 
-from ..diagnosis.findings import CorrectedConfig, Diagnosis, Finding, Verification, jsonable
+from ..diagnosis.findings import CorrectedConfig, Diagnosis, Finding, Verification
 from ..diagnosis.verify import verification_status
+from ..files import jsonable
 from .formatting import exact_numbers, shown_evidence
 from .patches import contradicted_settings, reference_to_corrected
 

@@ -7,6 +7,7 @@ one object) is never touched.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -25,9 +26,9 @@ class DiagnosisProgress:
     """The stage, the step of the probe it runs, the time spent and an estimate of the time left. Removed when
     the diagnosis ends, before the report prints."""
 
-    def __init__(self, console: Console, stages: list[str]):
+    def __init__(self, console: Console, stages: Sequence[str]):
         self.console = console
-        self.stages = stages
+        self.stages = list(stages)
         self.index = 0.0
         self.progress: Progress | None = None
         self.task: TaskID | None = None
@@ -67,7 +68,7 @@ class DiagnosisProgress:
         done = min(step, steps) / max(steps, 1)
         self._show(self.index + 0.9 * done, step=f"{mode} step {min(step + 1, steps)}/{steps}")
 
-    def _show(self, completed: float, **fields: str) -> None:
+    def _show(self, completed: float, **fields: Any) -> None:
         if self.progress is None or self.task is None:
             return
         current = self.progress.tasks[0].completed

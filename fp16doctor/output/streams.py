@@ -38,12 +38,15 @@ def stdout_for_json_only(active: bool) -> Iterator[None]:
         return
     sys.stdout.flush()
     original = sys.stdout
+    fd: int | None = None
+    saved: int | None = None
     try:
-        fd: int | None = original.fileno()
-        saved: int | None = os.dup(fd)
-        os.dup2(sys.stderr.fileno(), fd)
+        descriptor = original.fileno()
+        saved = os.dup(descriptor)
+        os.dup2(sys.stderr.fileno(), descriptor)
+        fd = descriptor
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        fd, saved = None, None  # no descriptor (a test runner's buffer): redirect Python-level writes only
+        saved = None  # no descriptor (a test runner's buffer): redirect Python-level writes only
     stream = os.fdopen(os.dup(saved), "w", encoding="utf-8") if saved is not None else original
     _json_stream = stream
     sys.stdout = sys.stderr

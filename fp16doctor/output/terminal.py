@@ -11,8 +11,9 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
-from ..diagnosis.findings import Diagnosis, Finding, StageStatus, Verification, jsonable
+from ..diagnosis.findings import Diagnosis, Finding, StageStatus, Verification
 from ..diagnosis.verify import verification_status
+from ..files import jsonable
 from ..measure.compare import Comparison
 from .formatting import exact_numbers, fitted_code, healthy_headline, human, shown_evidence
 from .patches import contradicted_settings, reference_to_corrected

@@ -15,12 +15,10 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     rebuilds."""
     parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
     while True:
-        if isinstance(model, parallel):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
-        else:
+        inner = model.module if isinstance(model, parallel) else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
             return model
+        model = inner
 
 
 def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:

@@ -121,7 +121,13 @@ def _rank_modules(ctx: StageContext, step: int) -> list[ModuleGap]:
         names = {m: n for m, n in module_names(probe.model).items() if n != ROOT}
         captured: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
 
-        def hook(module: torch.nn.Module, args: Any, output: Any, captured=captured, names=names) -> None:
+        def hook(
+            module: torch.nn.Module,
+            args: Any,
+            output: Any,
+            captured: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = captured,
+            names: dict[torch.nn.Module, str] = names,
+        ) -> None:
             if module in names and names[module] not in captured:
                 first_in = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
                 out = (
@@ -167,8 +173,8 @@ def _rank_modules(ctx: StageContext, step: int) -> list[ModuleGap]:
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
-    diff = torch.linalg.vector_norm((a - b).nan_to_num(nan=1e30, posinf=1e30, neginf=1e30)).item()
-    return diff / max(torch.linalg.vector_norm(b).item(), 1e-30)
+    diff = float(torch.linalg.vector_norm((a - b).nan_to_num(nan=1e30, posinf=1e30, neginf=1e30)).item())
+    return diff / max(float(torch.linalg.vector_norm(b).item()), 1e-30)
 
 
 def _search_fp32_set(ctx: StageContext, found: GapSearch, candidates: list[str]) -> None:
