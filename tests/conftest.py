@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import subprocess
@@ -16,7 +17,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "sample_models"
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))  # CI has 2 cores; keep timings comparable
+# CI has 2 cores: one thread per xdist worker (two workers share them), two in a single process
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture
@@ -71,8 +73,26 @@ def diagnosed(sample: str, patch: str = "{}", ci: bool = False):
     return layers, diagnose(spec, config, DiagnoseOptions(ci=ci))
 
 
+FRESH_PROCESS_CALLS = ("run_cli(", "subprocess.", "sys.executable")
+"""What a test that starts a fresh Python process calls: such a test is ``e2e`` (it shows what only a fresh
+process shows: imports, ``sys.modules``, exit codes, the CLI as a user runs it)."""
+
+
+def starts_a_process(item: pytest.Item) -> bool:
+    function = getattr(item, "function", None)
+    try:
+        source = inspect.getsource(function) if function is not None else ""
+    except (OSError, TypeError):
+        return False
+    return any(call in source for call in FRESH_PROCESS_CALLS)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` need a GPU: skipped where there is none (CI is CPU-only)."""
+    """Tests that start a fresh process are marked ``e2e`` (the fast tier, ``-m "not e2e"``, leaves them out);
+    tests marked ``cuda`` need a GPU: skipped where there is none (CI is CPU-only)."""
+    for item in items:
+        if "e2e" not in item.keywords and starts_a_process(item):
+            item.add_marker(pytest.mark.e2e)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -45,3 +45,32 @@ def test_rule_fires_on_its_cases(rule, index):
 @pytest.mark.parametrize("rule,index", QUIET, ids=[f"{r.code}:{i}" for r, i in QUIET])
 def test_rule_stays_quiet_on_its_near_misses(rule, index):
     assert rule.check(rule.quiet_on[index]()) == []
+
+
+def test_every_rule_declares_a_frozen_evidence_record():
+    from dataclasses import fields, is_dataclass
+
+    from fp16doctor.diagnosis.findings import EvidenceRecord
+
+    for rule in RULES:
+        record = rule.evidence_type
+        assert issubclass(record, EvidenceRecord) and is_dataclass(record), rule.code
+        assert record.__dataclass_params__.frozen, rule.code  # type: ignore[attr-defined]
+        assert fields(record) or rule.fires_on == (), rule.code
+
+
+@pytest.mark.parametrize("rule,index", FIRES, ids=[f"{r.code}:{i}" for r, i in FIRES])
+def test_a_rules_findings_carry_a_record_declared_beside_it(rule, index):
+    """Evidence is the rule's own frozen record (declared in the rule's module), serialised by one function."""
+    import sys
+    from dataclasses import FrozenInstanceError, fields
+
+    from fp16doctor.diagnosis.findings import evidence_json
+
+    for finding in rule.check(rule.fires_on[index]()):
+        record = finding.evidence
+        assert type(record).__module__ == type(rule).__module__, (rule.code, type(record))
+        assert set(evidence_json(record)) <= {f.name for f in fields(record)}
+        with pytest.raises(FrozenInstanceError):
+            record.__setattr__(fields(record)[0].name, None)
+        assert sys.modules[type(rule).__module__]

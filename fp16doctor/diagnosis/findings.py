@@ -127,28 +127,6 @@ def evidence_json(record: EvidenceRecord) -> dict[str, Any]:
     return out
 
 
-@dataclass(frozen=True)
-class UntypedEvidence(EvidenceRecord):
-    """TRANSITIONAL: a rule's evidence still built as a dict (removed once every rule declares its record)."""
-
-    values: dict[str, Any]
-
-    def to_json(self) -> dict[str, Any]:
-        return {str(k): jsonable(v) for k, v in self.values.items()}
-
-    def __getitem__(self, key: str) -> Any:
-        return self.values[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.values.get(key, default)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["values"][name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-
 E = TypeVar("E", bound=EvidenceRecord)
 
 

@@ -30,7 +30,7 @@ KEEP_MASS = 0.999
 NEGLIGIBLE_RMS = 1e-4
 """A gradient whose RMS is under 1e-4 of its kind's median is rounding noise of an exact zero (measured: the
 key bias of a tiny BERT, zero by softmax's shift invariance, sits 1e-5 below the median)."""
-from ..config import CALIBRATION_SKIPS  # noqa: E402,F401  (defined with the scaler's settings: the live watch reads it too)
+from ..config import CALIBRATION_SKIPS as CALIBRATION_SKIPS  # noqa: E402  (defined with the scaler's settings: the live watch reads it too)
 
 RECURRING_SKIPS = 3
 RECURRING_SHARE = 0.1

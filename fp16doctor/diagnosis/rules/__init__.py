@@ -31,7 +31,6 @@ from ..findings import (
     RepairEvidence,
     RepairKind,
     Severity,
-    UntypedEvidence,
     omitted_when_none,
 )
 
@@ -56,6 +55,9 @@ class Rule:
     """Small evidence fixtures (:mod:`fp16doctor.diagnosis.rule_cases`) on which this rule must report its cause."""
     quiet_on: ClassVar[tuple[Callable[[], Evidence], ...]] = ()
     """Fixtures on which it must stay quiet: the near misses that tell the cause apart."""
+    evidence_type: ClassVar[type[EvidenceRecord]]
+    """The frozen record this rule's findings carry as evidence (its main shape; a rule with several shapes
+    declares each in its file). Its fields are the finding's JSON evidence keys (the docs' reference reads it)."""
     verifiable: ClassVar[bool] = True
     """Whether the fix's config patch can repair the training (false for data causes and model bugs)."""
 
@@ -132,8 +134,6 @@ class Rule:
         confidence: float = 1.0,
         severity: Severity | None = None,
     ) -> Finding:
-        if isinstance(evidence, dict):  # TRANSITIONAL: until every rule declares its evidence record
-            evidence = UntypedEvidence(evidence)
         return Finding(
             cause=self.code,
             severity=severity or self.severity,
@@ -184,6 +184,7 @@ class _Unexplained(Rule):
     """Symptoms no rule explains (made by the triage, not by a check)."""
 
     code = "unexplained"
+    evidence_type = UnexplainedEvidence
 
     nothing_to_try = "no rule recognises the pattern, so there is no fix to try"
 

@@ -8,6 +8,7 @@ zero valid targets is 0/0 = NaN by design. Reported with the count of valid targ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -105,7 +106,7 @@ def _failing_batch(summary: ProbeSummary | None) -> int | None:
     return int(rows["batch_index"].iloc[0]) if len(rows) else None
 
 
-def _skip_empty(field: str):
+def _skip_empty(field: str) -> Callable[[list[Any]], list[Any]]:
     """Each batch without a valid target replaced by the next one that has one (the run keeps its length)."""
 
     def has_targets(batch: Any) -> bool:
