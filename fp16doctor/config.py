@@ -239,6 +239,32 @@ def build_config(*layers: Mapping[str, Any] | None) -> DoctorConfig:
     return config
 
 
+def overrides_patch(**values: Any) -> dict[str, Any]:
+    """A config patch of the runtime overrides, checked against :class:`OverridesConfig` as it is made: an
+    unknown key or a value of the wrong type is a :class:`ConfigError` at once (a fix can only name real keys)."""
+    return {"overrides": _checked(OverridesConfig, values, "overrides.")}
+
+
+def scaler_patch(**values: Any) -> dict[str, Any]:
+    """A config patch of the GradScaler's settings, checked against :class:`ScalerConfig`."""
+    return {"scaler": _checked(ScalerConfig, values, "scaler.")}
+
+
+def config_patch(*sections: Mapping[str, Any], **values: Any) -> dict[str, Any]:
+    """Section patches (:func:`scaler_patch`, :func:`overrides_patch`) and top-level keys of
+    :class:`DoctorConfig` (``dtype="bfloat16"``) in one patch, each key checked."""
+    top = _checked(DoctorConfig, values, "")
+    out: dict[str, Any] = {}
+    for section in sections:
+        out = merge(out, section)
+    return merge(out, top)
+
+
+def _checked(cls: type, values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    _build(cls, values, prefix)  # raises on an unknown key or a wrong type, naming it
+    return dict(values)
+
+
 def explain() -> list[tuple[str, Any, str]]:
     """(key, default, doc) for every config key, nested keys dotted: the README table's source."""
     rows: list[tuple[str, Any, str]] = []

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..config import config_patch, overrides_patch, scaler_patch
 from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
 from ..measure.records import ROOT
 from ..measure.symptoms import Symptom, skip_runs
@@ -153,7 +154,7 @@ class InterventionSearch:
         ):
             # Does the fault happen at a loss scale of 1 too? Then candidates are screened there (a scaled
             # backward at 65536 overflows in healthy trainings too); if not, the scale is part of the fault.
-            self.intrinsic = self._screen_fault({"scaler": {"enabled": False}}) is not None
+            self.intrinsic = self._screen_fault(scaler_patch(enabled=False)) is not None
         seen: set[str] = set()
         for candidate in self._candidates():
             key = candidate.intervention.description
@@ -347,7 +348,7 @@ class InterventionSearch:
         what = what or (f"every {module_class} ({', '.join(modules)})" if module_class else named)
         return Candidate(
             "fp32-modules",
-            Intervention(f"keeping {what} in fp32", {"overrides": {"fp32_modules": modules}}),
+            Intervention(f"keeping {what} in fp32", overrides_patch(fp32_modules=modules)),
             modules=modules,
             scope=scope,
             module_class=module_class,
@@ -379,7 +380,7 @@ class InterventionSearch:
     def _loss_fp32(self) -> Candidate:
         return Candidate(
             "loss-fp32",
-            Intervention("computing the loss in fp32", {"overrides": {"loss_in_fp32": True}}),
+            Intervention("computing the loss in fp32", overrides_patch(loss_in_fp32=True)),
             screen=self._screen_kind(),
         )
 
@@ -387,7 +388,7 @@ class InterventionSearch:
         if stores_half_training_state(self.ev):
             yield Candidate(
                 "fp32-weights",
-                Intervention("fp32 master weights and optimizer state", {"overrides": {"fp32_weights": True}}),
+                Intervention("fp32 master weights and optimizer state", overrides_patch(fp32_weights=True)),
                 screen="range" if self.codes & RANGE_SYMPTOMS else "none",
             )
 
@@ -401,22 +402,20 @@ class InterventionSearch:
                 "scaler-scale",
                 Intervention(
                     f"dynamic loss scaling from {recommended or 65536:g}",
-                    {"scaler": {"enabled": True, "init_scale": float(recommended or 65536)}},
+                    scaler_patch(enabled=True, init_scale=float(recommended or 65536)),
                 ),
             )
         elif recommended and not math.isclose(recommended, cfg.scaler.init_scale):
             yield Candidate(
                 "scaler-scale",
-                Intervention(
-                    f"an initial loss scale of {recommended:g}", {"scaler": {"init_scale": float(recommended)}}
-                ),
+                Intervention(f"an initial loss scale of {recommended:g}", scaler_patch(init_scale=float(recommended))),
             )
         amp = self.ev.amp
         if amp is not None and cfg.scaler.enabled and len(skip_runs(amp.skip_steps)) >= 2:
             interval = int(cfg.scaler.growth_interval * 10)
             yield Candidate(
                 "scaler-growth",
-                Intervention(f"a growth interval of {interval}", {"scaler": {"growth_interval": interval}}),
+                Intervention(f"a growth interval of {interval}", scaler_patch(growth_interval=interval)),
             )
 
     def _schedule(self) -> Iterator[Candidate]:
@@ -430,14 +429,14 @@ class InterventionSearch:
                 "lr-cap",
                 Intervention(
                     f"the learning rate capped at {cap:.3g} (before step {event}'s jump)",
-                    {"overrides": {"max_lr": cap}},
+                    overrides_patch(max_lr=cap),
                 ),
             )
         amp = self.ev.amp
         if amp is not None and amp.skip_steps:
             yield Candidate(
                 "hold-scheduler",
-                Intervention("the scheduler held on skipped steps", {"overrides": {"hold_scheduler_on_skip": True}}),
+                Intervention("the scheduler held on skipped steps", overrides_patch(hold_scheduler_on_skip=True)),
             )
 
     def _trouble_step(self) -> int | None:
@@ -453,7 +452,7 @@ class InterventionSearch:
         if amp is not None and any(c.get("scaled") for c in amp.clip_calls):
             yield Candidate(
                 "unscale-before-clip",
-                Intervention("unscaling the gradients before clipping", {"overrides": {"unscale_before_clip": True}}),
+                Intervention("unscaling the gradients before clipping", overrides_patch(unscale_before_clip=True)),
                 screen="range" if self.codes & RANGE_SYMPTOMS else "none",
             )
 
@@ -475,7 +474,7 @@ class InterventionSearch:
     def _bf16(self) -> Candidate:
         return Candidate(
             "bf16",
-            Intervention("bfloat16 instead of float16", {"dtype": "bfloat16", "scaler": {"enabled": False}}),
+            Intervention("bfloat16 instead of float16", config_patch(scaler_patch(enabled=False), dtype="bfloat16")),
             screen="range",
         )
 

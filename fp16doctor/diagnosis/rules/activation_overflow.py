@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...config import overrides_patch
 from ...measure.records import OUTSIDE_MODEL, ROOT, Localisation
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind
@@ -144,7 +145,7 @@ class ActivationOverflow(Rule):
                 Fix(
                     f"Run '{keep}' in fp32 (autocast off inside it), or rescale what overflows (e.g. attention scores by 1/sqrt(d)), or train in bf16.",
                     code=fp32_wrapper_code(keep),
-                    config_patch={"overrides": {"fp32_modules": [keep]}},
+                    config_patch=overrides_patch(fp32_modules=[keep]),
                 ),
                 confidence=1.0 if ev.localisation_deterministic else 0.6,
             )

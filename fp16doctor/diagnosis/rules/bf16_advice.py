@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...config import config_patch, scaler_patch
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Severity
 from . import Rule
@@ -50,7 +51,7 @@ class Bf16Advice(Rule):
                 Fix(
                     "Train in bfloat16 (no loss scaling needed), at the cost of precision (about 2-3 significant digits).",
                     code="with torch.autocast('cuda', dtype=torch.bfloat16):\n    loss = loss_fn(model(x), y)\nloss.backward()",
-                    config_patch={"dtype": "bfloat16", "scaler": {"enabled": False}},
+                    config_patch=config_patch(scaler_patch(enabled=False), dtype="bfloat16"),
                 ),
             )
         ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...config import overrides_patch
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, RepairKind, Severity
 from . import Rule
@@ -81,7 +82,7 @@ class ClipBeforeUnscale(Rule):
                         + "scaler.step(optimizer)\n"
                         "scaler.update()"
                     ),
-                    config_patch={"overrides": {"unscale_before_clip": True}},
+                    config_patch=overrides_patch(unscale_before_clip=True),
                 ),
             )
         ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from ...config import overrides_patch
 from ...measure.records import ExceptionInfo, Localisation
 from ...measure.thresholds import CONSTANT_MAGNITUDE, CONSTANT_SPREAD
 from .. import rule_cases as fx
@@ -260,7 +261,7 @@ class ConstantOutOfRange(Rule):
                 "Use the dtype's own limit instead of a literal, or a boolean mask: "
                 "`torch.finfo(scores.dtype).min`" + (f"; or keep {kept} in fp32" if keep else "") + ".",
                 code=MASK_CODE,
-                config_patch={"overrides": {"fp32_modules": keep}} if keep else {},
+                config_patch=overrides_patch(fp32_modules=keep) if keep else {},
             ),
         )
 

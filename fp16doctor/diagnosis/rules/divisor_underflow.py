@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import pandas as pd
 
+from ...config import overrides_patch
 from ...measure.records import OUTSIDE_MODEL, ROOT, Localisation
 from ...tensors import FP16_MAX
 from .. import rule_cases as fx
@@ -273,7 +274,7 @@ class DivisorUnderflow(Rule):
                         if loc.phase == "backward"
                         else divisor_in_fp32_code(loc) + "\n\n# or keep the module in fp32:\n" + fp32_wrapper_code(keep)
                     ),
-                    config_patch={} if in_root else {"overrides": {"fp32_modules": [keep]}},
+                    config_patch={} if in_root else overrides_patch(fp32_modules=[keep]),
                 ),
                 confidence=1.0 if ev.localisation_deterministic else 0.6,
             )

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ...config import scaler_patch
 from ...measure.thresholds import UNDERFLOW_ALARM
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, Severity
@@ -73,16 +74,16 @@ class GradUnderflow(Rule):
     repairs = (RepairKind.SCALER_SCALE,)
     names_cases = (
         lambda: (
-            fx.repair("scaler-scale", config_patch={"scaler": {"init_scale": 2.0**20}}, symptoms=("lost-updates",)),
+            fx.repair("scaler-scale", config_patch=scaler_patch(init_scale=2.0**20), symptoms=("lost-updates",)),
             fx.evidence(),
         ),
         lambda: (
             fx.repair(
                 "scaler-scale",
-                config_patch={"scaler": {"enabled": True, "init_scale": 65536.0}},
+                config_patch=scaler_patch(enabled=True, init_scale=65536.0),
                 symptoms=("trajectory-drift",),
             ),
-            fx.evidence(config={"scaler": {"enabled": False}}),
+            fx.evidence(config=scaler_patch(enabled=False)),
         ),
     )
 
@@ -96,7 +97,7 @@ class GradUnderflow(Rule):
     triggers = ("no_loss_scaling.py",)
     fires_on = (
         lambda: fx.evidence(
-            config={"scaler": {"enabled": False}},
+            config=scaler_patch(enabled=False),
             window=fx.window(512.0, 1e6),
             observed_underflow=fx.underflow(("0.weight", 0.6, 0.4, False)),
         ),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...config import overrides_patch
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Severity
 from . import Rule
@@ -82,7 +83,7 @@ class HalfBatchnorm(Rule):
                 Fix(
                     "Keep normalisation layers (weights and running statistics) in fp32; autocast feeds them correctly.",
                     code="for m in model.modules():\n    if isinstance(m, torch.nn.modules.batchnorm._NormBase):\n        m.float()   # and drop the .half() on them",
-                    config_patch={"overrides": {"fp32_modules": names}},
+                    config_patch=overrides_patch(fp32_modules=names),
                 ),
             )
         ]

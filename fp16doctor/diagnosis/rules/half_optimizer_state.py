@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...config import overrides_patch
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, Severity, omitted_when_none
 from . import Rule
@@ -83,7 +84,7 @@ class HalfOptimizerState(Rule):
                 Fix(
                     "Keep parameters and optimizer state in fp32 (autocast for the compute); do not cast optimizer state to half.",
                     code="optimizer = torch.optim.AdamW(model.parameters(), lr=lr)   # fp32 params -> fp32 state; no state .half()",
-                    config_patch={"overrides": {"fp32_weights": True}},
+                    config_patch=overrides_patch(fp32_weights=True),
                 ),
                 confidence=1.0 if loc is not None and loc.phase == "optimizer" else 0.7,
             )

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...config import overrides_patch
 from ...measure.records import ExceptionInfo
 from ...measure.thresholds import HALF_WEIGHTS_LOST_SHARE
 from .. import rule_cases as fx
@@ -93,7 +94,7 @@ class HalfWeights(Rule):
             max_lost_update_share=lost,
             exception=amp.exception if unscale_error and amp is not None else None,
         )
-        patch = {"overrides": {"fp32_weights": True}}
+        patch = overrides_patch(fp32_weights=True)
         if ev.config.dtype == "float16" and (amp is None or amp.scaler_called):
             patch["scaler"] = {"enabled": True}  # a step that never calls the scaler would not read the setting
         consequence = (

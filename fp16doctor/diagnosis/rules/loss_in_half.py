@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ...config import overrides_patch
 from ...measure.records import OUTSIDE_MODEL, ExceptionInfo, Localisation
 from ...measure.symptoms import excess_skips, first_nonfinite, skip_profile
 from ...tensors import FP16_MAX
@@ -222,9 +223,7 @@ class LossInHalf(Rule):
         else:
             return []
         summary, code = self._fix_for(ev)
-        return [
-            self.finding(title, evidence, Fix(summary, code=code, config_patch={"overrides": {"loss_in_fp32": True}}))
-        ]
+        return [self.finding(title, evidence, Fix(summary, code=code, config_patch=overrides_patch(loss_in_fp32=True)))]
 
     def _recorded(self, ev: Evidence) -> Finding:
         """A capsule's loss gradient, non-finite as the watch recorded it, from a loss the replay cannot run."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...config import overrides_patch
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, LrPause, LrPeak, RepairKind
 from . import Rule
@@ -99,7 +100,7 @@ class LrSchedulePeak(Rule):
                     f"Lower the peak learning rate to at most {safe:.3g} (or lengthen the warm-up, or clip gradients).",
                     code=f"# in scheduler()/optimizer(): peak lr <= {safe:.3g}, e.g. a longer linear warm-up\n"
                     "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # after scaler.unscale_(optimizer)",
-                    config_patch={"overrides": {"max_lr": safe}},
+                    config_patch=overrides_patch(max_lr=safe),
                 ),
             )
         ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from ...config import overrides_patch
 from ...measure.records import Localisation
 from ...measure.thresholds import GAP_ERROR, GAP_TOLERANCE
 from .. import rule_cases as fx
@@ -115,7 +116,7 @@ class PrecisionGap(Rule):
             fix = Fix(
                 f"Keep {', '.join(closing)} in fp32 (autocast off inside): that closes the gap to {gap.closed_gap or 0.0:.3%}.",
                 code=f"# in {closing[0]}.forward:\nwith torch.autocast('cuda', enabled=False):\n    x = x.float()\n    ...   # the precision-sensitive computation",
-                config_patch={"overrides": {"fp32_modules": closing}},
+                config_patch=overrides_patch(fp32_modules=closing),
             )
         else:  # nothing to propose: the search tries wider sets (every module of the top one's class), the loss, bf16
             fix = Fix(

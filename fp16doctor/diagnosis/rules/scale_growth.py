@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...config import scaler_patch
 from ...measure.symptoms import skip_runs
 from ...measure.thresholds import SCALE_GROWTH_RECURRENCES
 from .. import rule_cases as fx
@@ -83,7 +84,7 @@ class ScaleGrowth(Rule):
                 Fix(
                     f"Raise growth_interval to {rec_interval} so the scale grows only after a long clean run.",
                     code=f"scaler = torch.amp.GradScaler('cuda', growth_interval={rec_interval})",
-                    config_patch={"scaler": {"growth_interval": rec_interval}},
+                    config_patch=scaler_patch(growth_interval=rec_interval),
                 ),
             )
         ]

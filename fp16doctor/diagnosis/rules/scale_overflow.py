@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ...config import scaler_patch
 from ...measure.symptoms import attempts, skip_runs
 from ...measure.thresholds import CALIBRATION_SKIPS, PERSISTENT_OVERFLOW_SHARE
 from .. import rule_cases as fx
@@ -62,7 +63,7 @@ class ScaleOverflow(Rule):
     repairs = (RepairKind.SCALER_SCALE,)
     names_cases = (
         lambda: (
-            fx.repair("scaler-scale", config_patch={"scaler": {"init_scale": 256.0}}, symptoms=("skips",)),
+            fx.repair("scaler-scale", config_patch=scaler_patch(init_scale=256.0), symptoms=("skips",)),
             fx.evidence(),
         ),
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...config import overrides_patch
 from ...measure.thresholds import SKIP_DRIFT_RUN_SHARE, SKIP_DRIFT_WARMUP_SHARE
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, RepairKind, Severity
@@ -54,7 +55,7 @@ class SchedulerSkipDrift(Rule):
             has_scheduler=True,
             amp=fx.probe(record=fx.records(skipped=[0, 1, 2])),
             lr_peak=fx.lr_peak([1e-3] * 10, peak_step=8),
-            config={"overrides": {"hold_scheduler_on_skip": True}},
+            config=overrides_patch(hold_scheduler_on_skip=True),
         ),
         # the AMP step raised at step 0: it ended the probe, nothing was skipped and the scheduler never stepped
         lambda: fx.evidence(
@@ -104,7 +105,7 @@ class SchedulerSkipDrift(Rule):
                         "if scaler.get_scale() >= scale_before:   # not skipped\n"
                         "    scheduler.step()"
                     ),
-                    config_patch={"overrides": {"hold_scheduler_on_skip": True}},
+                    config_patch=overrides_patch(hold_scheduler_on_skip=True),
                 ),
                 severity=severity,
             )

@@ -7,6 +7,7 @@ from typing import Any
 
 import pandas as pd
 
+from ...config import scaler_patch
 from ...measure.compare import compare, run_aligned
 from ...measure.numerics import (
     capture_gradients,
@@ -154,7 +155,7 @@ def _run_sweep(
         ctx.bench, "fp32", ctx.config, steps, instruments=None
     )  # one FP32 reference for every setting
     for setting in settings:
-        config = ctx.with_config({"scaler": {"enabled": True, **setting}})
+        config = ctx.with_config(scaler_patch(enabled=True, **setting))
         # A setting still skipping after the calibration allowance has failed: no need to watch it further.
         result = compare(
             ctx.bench,

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ...config import overrides_patch, scaler_patch
 from ...measure.localise import trace_step
 from ...measure.records import ROOT
 from ...measure.symptoms import loss_floor, relative_deviation
@@ -74,7 +75,7 @@ def _search(ctx: StageContext, info: GapSearch, leak_check: bool) -> StageReport
     if leak_check:
         # The loss of one step does not depend on the loss scale, unless the scale leaks into it.
         info.gap_without_loss_scaling = plain = same_state_gap(
-            ctx, ctx.with_config({"scaler": {"enabled": False}}), worst_step
+            ctx, ctx.with_config(scaler_patch(enabled=False)), worst_step
         )
         if plain <= tolerance:
             info.scale_leak = True
@@ -185,7 +186,7 @@ def _search_fp32_set(ctx: StageContext, found: GapSearch, candidates: list[str])
     found.tried = tried = []
     for name in candidates[:limit]:
         trial = chosen + [name]
-        gap = same_state_gap(ctx, ctx.with_config({"overrides": {"fp32_modules": trial}}), found.worst_step)
+        gap = same_state_gap(ctx, ctx.with_config(overrides_patch(fp32_modules=trial)), found.worst_step)
         tried.append(GapTrial(fp32_modules=trial, gap=gap))
         if gap <= found.tolerance:
             found.closing_set, found.closed_gap = trial, gap
