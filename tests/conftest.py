@@ -73,25 +73,62 @@ def diagnosed(sample: str, patch: str = "{}", ci: bool = False):
     return layers, diagnose(spec, config, DiagnoseOptions(ci=ci))
 
 
-FRESH_PROCESS_CALLS = ("run_cli(", "subprocess.", "sys.executable")
-"""What a test that starts a fresh Python process calls: such a test is ``e2e`` (it shows what only a fresh
-process shows: imports, ``sys.modules``, exit codes, the CLI as a user runs it)."""
+END_TO_END_CALLS = (
+    # a fresh Python process: what only it shows (imports, sys.modules, exit codes, the CLI as a user runs it)
+    "run_cli(",
+    "subprocess.",
+    "sys.executable",
+    # a whole diagnosis, training run or watched training of a training file, in this process
+    "diagnosed(",
+    "diagnose(",
+    "Trainer(",
+    "run_target(",
+    ".fit(",
+    "trainer.train(",
+)
+"""What a test that runs the product end to end calls: such a test is ``e2e``; the fast tier leaves it out."""
 
 
-def starts_a_process(item: pytest.Item) -> bool:
-    function = getattr(item, "function", None)
+def _calls_end_to_end(function: object, module: object, seen: set[int], depth: int = 3) -> bool:
+    """Whether ``function``'s source, or that of a module-level helper it calls (three calls deep), runs the
+    product end to end."""
+    if id(function) in seen or depth < 0:
+        return False
+    seen.add(id(function))
     try:
-        source = inspect.getsource(function) if function is not None else ""
+        source = inspect.getsource(function)  # type: ignore[arg-type]
     except (OSError, TypeError):
         return False
-    return any(call in source for call in FRESH_PROCESS_CALLS)
+    if any(call in source for call in END_TO_END_CALLS):
+        return True
+    code = getattr(function, "__code__", None)
+    helpers = [getattr(module, name, None) for name in (code.co_names if code is not None else ())]
+    return any(
+        inspect.isfunction(h)
+        and h.__module__ == getattr(module, "__name__", None)
+        and _calls_end_to_end(h, module, seen, depth - 1)
+        for h in helpers
+    )
+
+
+def runs_end_to_end(item: pytest.Item) -> bool:
+    function = getattr(item, "function", None)
+    module = getattr(item, "module", None)
+    if function is None:
+        return False
+    seen: set[int] = set()
+    if _calls_end_to_end(function, module, seen):
+        return True
+    fixtures = getattr(item, "_fixtureinfo", None)
+    definitions = fixtures.name2fixturedefs.values() if fixtures is not None else ()
+    return any(_calls_end_to_end(d[-1].func, module, seen) for d in definitions if d and d[-1].func is not None)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that start a fresh process are marked ``e2e`` (the fast tier, ``-m "not e2e"``, leaves them out);
+    """Tests that run the product end to end are marked ``e2e`` (the fast tier, ``-m "not e2e"``, leaves them out);
     tests marked ``cuda`` need a GPU: skipped where there is none (CI is CPU-only)."""
     for item in items:
-        if "e2e" not in item.keywords and starts_a_process(item):
+        if "e2e" not in item.keywords and runs_end_to_end(item):
             item.add_marker(pytest.mark.e2e)
     if torch.cuda.is_available():
         return
