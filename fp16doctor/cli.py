@@ -71,7 +71,10 @@ EXIT_INTERRUPTED = 130
 """Ctrl-C, as a shell reports SIGINT."""
 
 TrainingFile = Annotated[
-    Path, typer.Argument(help="The training file: defines model() and data(); see the README.", show_default=False)
+    Path,
+    typer.Argument(
+        help="The training file: defines model() and data(); see docs/training-file.md.", show_default=False
+    ),
 ]
 ConfigFile = Annotated[
     Path | None, typer.Option("--config", "-c", help="YAML config; overrides the file's CONFIG dict.")
@@ -265,7 +268,9 @@ def compare(
 def diagnose(
     training_file: Annotated[
         Path | None,
-        typer.Argument(help="The training file: defines model() and data(); see the README.", show_default=False),
+        typer.Argument(
+            help="The training file: defines model() and data(); see docs/training-file.md.", show_default=False
+        ),
     ] = None,
     capsule: Annotated[
         Path | None,
@@ -314,7 +319,7 @@ def diagnose(
     """Run the triage and print a ranked diagnosis. Exit 0 healthy, 1 any error finding, 2 bad input.
 
     With --train: then run the corrected training; exit 0 when it reaches its last step, 1 when it stops.
-    With --capsule DIR: diagnose the saved state and batch of a watched run (see the README's fp16doctor watch).
+    With --capsule DIR: diagnose the saved state and batch of a watched run (see docs/watch.md).
     """
     given = training_file
 

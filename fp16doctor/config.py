@@ -74,7 +74,10 @@ class OverridesConfig:
     )
     loss_in_fp32: bool = field(
         default=False,
-        metadata=_doc("Compute the loss function in fp32: autocast off and half casts neutralised inside loss()."),
+        metadata=_doc(
+            "Compute the loss in fp32: the model's outputs cast up where they leave it, and outside the model's "
+            "modules autocast off and half casts neutralised."
+        ),
     )
     hold_scheduler_on_skip: bool = field(
         default=False, metadata=_doc("Do not step the LR scheduler on steps the GradScaler skipped.")

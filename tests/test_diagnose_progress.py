@@ -14,8 +14,8 @@ import sys
 from conftest import ROOT, SAMPLES, run_cli
 from rich.console import Console
 
-from fp16doctor.output.progress import DiagnosisProgress
 from fp16doctor.diagnosis.triage import stage_names
+from fp16doctor.output.progress import DiagnosisProgress
 
 QUICK = ("--ci", "--steps", "4", "--json")
 """A short diagnosis of the healthy sample: every stage that always runs, in seconds."""

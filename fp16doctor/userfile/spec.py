@@ -132,7 +132,7 @@ def load_training_file(path: str | Path) -> TrainingSpec:
     module = _import_as_module(path)
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
-        hint = "A training file needs `def model() -> torch.nn.Module` and `def data() -> iterable of batches`; see the README."
+        hint = "A training file needs `def model() -> torch.nn.Module` and `def data() -> iterable of batches`; see docs/training-file.md."
         if len(missing) == len(REQUIRED):  # a plain training script, not a training file
             hint += f" To watch the script as it is, run: fp16doctor watch {path} ARGS"
         raise TrainingFileError(

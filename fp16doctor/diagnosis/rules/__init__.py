@@ -146,10 +146,12 @@ class Rule:
 
     @classmethod
     def doc(cls) -> str:
-        """The rule's documentation: its module's docstring (one rule per file)."""
+        """The rule's documentation: its module's docstring (one rule per file); a rule of this package's own
+        (``unexplained``) has its class docstring."""
         import sys
 
-        return (sys.modules[cls.__module__].__doc__ or "").strip()
+        own = cls.__module__ == __name__
+        return ((cls.__doc__ if own else sys.modules[cls.__module__].__doc__) or "").strip()
 
 
 def _flat(patch: dict[str, Any], prefix: str = "") -> str:
