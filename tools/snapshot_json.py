@@ -40,8 +40,12 @@ def files(out: Path, training_files: bool) -> None:
     if training_files:
         paths += sorted((ROOT / "tests" / "training_files").glob("*.py"))
     for path in paths:
-        proc = subprocess.run([sys.executable, "-m", "fp16doctor", "diagnose", str(path), "--json", "--ci"],
-                              capture_output=True, text=True, cwd=ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-m", "fp16doctor", "diagnose", str(path), "--json", "--ci"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         (out / f"{path.parent.name}.{path.stem}.json").write_text(proc.stdout)
         print(path.name, proc.returncode, flush=True)
 
