@@ -224,6 +224,7 @@ DTYPE_MISMATCH = (
     "Half and Float",
     "Float and Half",
     "expected both vectors to have same dtype",
+    "to have the same dtype",  # matmul: "expected m1 and m2 to have the same dtype, but got: c10::Half != float"
     "should be the same",
 )
 """Parts of PyTorch's messages for an operator given tensors of two dtypes (a matmul of fp16 and fp32)."""

@@ -24,6 +24,10 @@ from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKin
 from . import Rule
 from ._helpers import half_param_modules, is_norm
 
+UNSCALE_REFUSAL = "unscale FP16 gradients"
+"""Part of GradScaler's message when its gradients are fp16 themselves (parameters stored in half precision): the
+exception text is the only signal, and tests/test_pytorch_messages.py checks that PyTorch still raises it."""
+
 
 @dataclass(frozen=True)
 class HalfWeightsEvidence(EvidenceRecord):
@@ -78,7 +82,7 @@ class HalfWeights(Rule):
         all_half = half_param_modules(amp)
         half = all_half[~all_half["type"].map(is_norm)] if len(all_half) else all_half
         unscale_error = (
-            amp is not None and amp.exception is not None and "unscale FP16 gradients" in (amp.exception.message or "")
+            amp is not None and amp.exception is not None and UNSCALE_REFUSAL in (amp.exception.message or "")
         )
         if half.empty and (not unscale_error or len(all_half)):
             return []  # nothing half, or only normalisation layers (half-batchnorm's case)
