@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import pandas as pd
 
 from ..config import DoctorConfig
+from ..engine.records import Column
 from ..files import jsonable
 from ..measure.datascan import FieldScan
 from ..measure.records import ExceptionInfo, Localisation, ScaleWindow
@@ -435,9 +436,9 @@ class ProbeSummary:
         """The steps whose optimizer step was skipped (a scaler's inf check); not a step that raised: that step ended
         the probe, and neither the optimizer nor the scheduler stepped on it."""
         rows = self.records
-        skipped = rows["skipped"].astype(bool)
+        skipped = rows[Column.SKIPPED].astype(bool)
         if "exception_type" in rows:
-            skipped &= rows["exception_type"].isna()
+            skipped &= rows[Column.EXCEPTION_TYPE].isna()
         return [int(s) for s in rows.loc[skipped, "step"]]
 
 

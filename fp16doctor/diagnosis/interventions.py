@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import config_patch, overrides_patch, scaler_patch
+from ..engine.records import Column
 from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
 from ..measure.records import ROOT
 from ..measure.symptoms import Symptom, skip_runs
@@ -493,7 +494,7 @@ class InterventionSearch:
             return False
         rows = table[table["module"].map(inside)]
         if loc is not None and "step" in rows:
-            rows = rows[rows["step"] <= loc.step]  # after a non-finite update every later forward is NaN
+            rows = rows[rows[Column.STEP] <= loc.step]  # after a non-finite update every later forward is NaN
         made = (rows["nan"] + rows["posinf"] + rows["neginf"]) > 0
         if "inputs_finite" in rows:
             made &= rows["inputs_finite"].astype(bool)  # made here, not carried in

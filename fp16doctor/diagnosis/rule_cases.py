@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from ..config import build_config
-from ..engine.records import RECORD_COLUMNS
+from ..engine.records import RECORD_COLUMNS, Column
 from ..measure.datascan import FieldScan
 from ..measure.records import Localisation, ScaleWindow
 from .findings import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair, RepairKind
@@ -51,7 +51,7 @@ def records(
     exc = exception or {}
     rows = []
     for i in range(steps):
-        raised = exception is not None and i == exc["step"]
+        raised = exception is not None and i == exc[Column.STEP]
         rows.append(
             {
                 "step": i,

@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 
 from ..config import DoctorConfig
+from ..engine.records import Column
 from ..measure.symptoms import (
     Symptom,
     loss_floor,
@@ -276,7 +277,7 @@ def with_recommended_scale(
     scaler = intervention.config_patch.get("scaler", {})
     if (
         not set(tried.symptoms_after) <= SETTLING_SYMPTOMS
-        or not skip_profile(tried.amp_records)["skipped"]
+        or not skip_profile(tried.amp_records)[Column.SKIPPED]
         or config.dtype != "float16"
         or not config.scaler.enabled
         or intervention.config_patch.get("dtype")

@@ -13,22 +13,43 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the trace is the probe's, attached at run time; reading a record never needs it
     from ..precision.recording import StepTrace
 
+
+class Column:
+    """The columns of a probe's step record, by name: readers index a record with these, never a literal."""
+
+    STEP = "step"
+    BATCH_INDEX = "batch_index"
+    LOSS = "loss"
+    GRAD_NORM = "grad_norm"
+    LR = "lr"
+    LOSS_SCALE = "loss_scale"
+    SKIPPED = "skipped"
+    OPTIMIZER_STEPPED = "optimizer_stepped"
+    MICRO_STEP = "micro_step"
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_GRADS = "nonfinite_grads"
+    EXCEPTION_TYPE = "exception_type"
+    EXCEPTION = "exception"
+    EXCEPTION_LOCATION = "exception_location"
+    EXCEPTION_MODULE = "exception_module"
+
+
 RECORD_COLUMNS = [
-    "step",
-    "batch_index",
-    "loss",
-    "grad_norm",
-    "lr",
-    "loss_scale",
-    "skipped",
-    "optimizer_stepped",
-    "micro_step",
-    "nonfinite_loss",
-    "nonfinite_grads",
-    "exception_type",
-    "exception",
-    "exception_location",
-    "exception_module",
+    Column.STEP,
+    Column.BATCH_INDEX,
+    Column.LOSS,
+    Column.GRAD_NORM,
+    Column.LR,
+    Column.LOSS_SCALE,
+    Column.SKIPPED,
+    Column.OPTIMIZER_STEPPED,
+    Column.MICRO_STEP,
+    Column.NONFINITE_LOSS,
+    Column.NONFINITE_GRADS,
+    Column.EXCEPTION_TYPE,
+    Column.EXCEPTION,
+    Column.EXCEPTION_LOCATION,
+    Column.EXCEPTION_MODULE,
 ]
 """``skipped``: an optimizer step was attempted and did not happen (the scaler found inf/NaN);
 ``micro_step``: no optimizer step was attempted (gradient accumulation); ``optimizer_stepped``: the weights moved."""

@@ -19,6 +19,7 @@ import pandas as pd
 from ..config import DoctorConfig
 from ..engine.instruments import InstrumentOptions
 from ..engine.probe import DEFAULT_INSTRUMENTS, Workbench
+from ..engine.records import Column
 from ..errors import MemoryLimitError, one_line, smaller_run_hint
 from ..tensors import OUT_OF_MEMORY
 from .records import ExceptionInfo
@@ -85,9 +86,9 @@ class Comparison:
                 if k < len(entries):
                     entry = entries[k]
                     row[mode] = {
-                        "loss": _num(entry["loss"]),
-                        "grad_norm": _num(entry["grad_norm"]),
-                        "loss_scale": entry["loss_scale"],
+                        "loss": _num(entry[Column.LOSS]),
+                        "grad_norm": _num(entry[Column.GRAD_NORM]),
+                        "loss_scale": entry[Column.LOSS_SCALE],
                         "skipped_before": entry["skipped_before"],
                         "finite": entry["finite"],
                     }
@@ -129,16 +130,16 @@ def _align(mode: str, frame: pd.DataFrame) -> ModeTrajectory:
     pending_skips = 0
     exception: ExceptionInfo | None = None
     for row in frame.to_dict("records"):
-        if row["exception_type"]:
+        if row[Column.EXCEPTION_TYPE]:
             exception = ExceptionInfo(
                 step=len(aligned),
-                type=row["exception_type"],
-                message=row["exception"],
-                location=row["exception_location"],
+                type=row[Column.EXCEPTION_TYPE],
+                message=row[Column.EXCEPTION],
+                location=row[Column.EXCEPTION_LOCATION],
             )
-        finite = math.isfinite(row["loss"]) and not row["exception_type"]
+        finite = math.isfinite(row[Column.LOSS]) and not row[Column.EXCEPTION_TYPE]
         entry = {**row, "skipped_before": pending_skips, "finite": finite}
-        if not row["skipped"] or row["exception_type"]:
+        if not row[Column.SKIPPED] or row[Column.EXCEPTION_TYPE]:
             aligned.append(entry)
             pending_skips = 0
         else:
@@ -149,7 +150,7 @@ def _align(mode: str, frame: pd.DataFrame) -> ModeTrajectory:
     else:
         if pending_skips:  # ran out of iterations while skipping: the mode stalled here
             aligned.append({**frame.iloc[-1].to_dict(), "skipped_before": pending_skips, "finite": False})
-    return ModeTrajectory(mode, frame, aligned, int(frame["skipped"].sum()), exception)
+    return ModeTrajectory(mode, frame, aligned, int(frame[Column.SKIPPED].sum()), exception)
 
 
 def compare(
@@ -254,7 +255,7 @@ def _score(result: Comparison, mode: str, reference: list[dict], ref_nonfinite: 
             first_nonfinite = k
             devs.append(None)
             break
-        devs.append(abs(mine["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12))
+        devs.append(abs(mine[Column.LOSS] - ref[Column.LOSS]) / max(abs(ref[Column.LOSS]), 1e-12))
     if first_nonfinite is None and len(entries) < min(steps, ref_nonfinite or steps):
         first_nonfinite = len(entries)  # a run that stopped early has failed from there on
     result.rel_dev[mode] = devs

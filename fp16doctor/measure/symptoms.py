@@ -39,6 +39,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..engine.records import Column
 from .records import ExceptionInfo
 from .thresholds import (
     BF16_FACTOR,
@@ -89,7 +90,7 @@ def attempts(records: pd.DataFrame) -> pd.DataFrame:
     """The rows that attempted an optimizer step (accumulation micro-steps left out)."""
     if "micro_step" not in records:
         return records
-    return records[~records["micro_step"].astype(bool)]
+    return records[~records[Column.MICRO_STEP].astype(bool)]
 
 
 def first_step(records: pd.DataFrame, mask: pd.Series) -> int | None:
@@ -99,16 +100,16 @@ def first_step(records: pd.DataFrame, mask: pd.Series) -> int | None:
 
 def exception_of(records: pd.DataFrame) -> ExceptionInfo | None:
     """The first exception the record holds (a probe stops at it), or None."""
-    bad = records[records["exception_type"].notna()]
+    bad = records[records[Column.EXCEPTION_TYPE].notna()]
     if bad.empty:
         return None
     row = bad.iloc[0]
     module = row.get("exception_module")
     return ExceptionInfo(
-        step=int(row["step"]),
-        type=row["exception_type"],
-        message=row["exception"],
-        location=row["exception_location"],
+        step=int(row[Column.STEP]),
+        type=row[Column.EXCEPTION_TYPE],
+        message=row[Column.EXCEPTION],
+        location=row[Column.EXCEPTION_LOCATION],
         module=module if isinstance(module, str) else None,
     )
 
@@ -119,8 +120,8 @@ def unhandled_nonfinite(records: pd.DataFrame) -> pd.Series:
     Inf gradients on a step the GradScaler skipped are its calibration working
     (counted by the ``skips`` symptom), not a non-finite training.
     """
-    applied = records["nonfinite_grads"].astype(bool) & records["optimizer_stepped"].astype(bool)
-    return (records["nonfinite_loss"].astype(bool) | applied) & records["exception_type"].isna()
+    applied = records[Column.NONFINITE_GRADS].astype(bool) & records[Column.OPTIMIZER_STEPPED].astype(bool)
+    return (records[Column.NONFINITE_LOSS].astype(bool) | applied) & records[Column.EXCEPTION_TYPE].isna()
 
 
 def first_nonfinite(records: pd.DataFrame) -> int | None:
@@ -141,9 +142,9 @@ def skip_runs(steps: list[int]) -> list[list[int]]:
 
 def skip_profile(records: pd.DataFrame) -> dict[str, Any]:
     """Skips before the first step taken (calibration) and after it, over attempted optimizer steps."""
-    tried = attempts(records[records["exception_type"].isna()])
-    skipped = tried["skipped"].astype(bool).tolist()
-    steps = [int(s) for s, bad in zip(tried["step"], skipped) if bad]
+    tried = attempts(records[records[Column.EXCEPTION_TYPE].isna()])
+    skipped = tried[Column.SKIPPED].astype(bool).tolist()
+    steps = [int(s) for s, bad in zip(tried[Column.STEP], skipped) if bad]
     leading = next((i for i, bad in enumerate(skipped) if not bad), len(skipped))
     after = skipped[leading:]
     return {
@@ -159,7 +160,7 @@ def skip_profile(records: pd.DataFrame) -> dict[str, Any]:
 
 def excess_skips(profile: dict[str, Any]) -> bool:
     """Skips beyond the scale's calibration (see the module docstring)."""
-    if profile["skipped"] == 0:
+    if profile[Column.SKIPPED] == 0:
         return False
     never_settled = not profile["settled"] and profile["attempted"] > 0
     slow_settling = profile["leading"] > CALIBRATION_SKIPS
@@ -176,15 +177,15 @@ def lost_update_share(updates: pd.DataFrame | None) -> float | None:
 
 def loss_by_batch(records: pd.DataFrame) -> dict[int, float]:
     """The loss each batch of the run gave (a retried batch: its last attempt)."""
-    rows = records[records["exception_type"].isna()]
-    return {int(b): float(v) for b, v in zip(rows["batch_index"], rows["loss"])}
+    rows = records[records[Column.EXCEPTION_TYPE].isna()]
+    return {int(b): float(v) for b, v in zip(rows[Column.BATCH_INDEX], rows[Column.LOSS])}
 
 
 def loss_by_update(records: pd.DataFrame) -> dict[int, float]:
     """The loss seen after k optimizer updates, for each k (the last row before update k+1)."""
-    rows = records[records["exception_type"].isna()]
-    updates = rows["optimizer_stepped"].astype(bool).cumsum() - rows["optimizer_stepped"].astype(bool)
-    return {int(k): float(v) for k, v in zip(updates, rows["loss"])}
+    rows = records[records[Column.EXCEPTION_TYPE].isna()]
+    updates = rows[Column.OPTIMIZER_STEPPED].astype(bool).cumsum() - rows[Column.OPTIMIZER_STEPPED].astype(bool)
+    return {int(k): float(v) for k, v in zip(updates, rows[Column.LOSS])}
 
 
 def _tail_means(ours: dict[int, float], theirs: dict[int, float]) -> tuple[float, float] | None:
@@ -227,7 +228,7 @@ def relative_deviation(value: float, reference: float, floor: float = 0.0) -> fl
 
 def loss_floor(fp32: pd.DataFrame) -> float:
     """10% of the initial FP32 loss: the smallest denominator of a relative loss deviation."""
-    losses = [float(v) for v in fp32["loss"] if math.isfinite(float(v))]
+    losses = [float(v) for v in fp32[Column.LOSS] if math.isfinite(float(v))]
     return LOSS_FLOOR_SHARE * abs(losses[0]) if losses else 0.0
 
 
@@ -287,8 +288,8 @@ def measure(
         )
     bad = first_nonfinite(mode)
     if bad is not None and not fp32_failed:
-        row = mode.loc[mode["step"] == bad].iloc[0]
-        what = "loss" if bool(row["nonfinite_loss"]) else "gradients"
+        row = mode.loc[mode[Column.STEP] == bad].iloc[0]
+        what = "loss" if bool(row[Column.NONFINITE_LOSS]) else "gradients"
         turn = "turns" if what == "loss" else "turn"
         count = int(unhandled_nonfinite(mode).sum())
         found.append(
@@ -299,7 +300,7 @@ def measure(
                     "first_nonfinite_step": bad,
                     "first_nonfinite": what,
                     "nonfinite_steps": count,
-                    "batch": int(row["batch_index"]),
+                    "batch": int(row[Column.BATCH_INDEX]),
                 },
                 bad,
             )
@@ -309,7 +310,7 @@ def measure(
         found.append(
             Symptom(
                 SymptomCode.SKIPS,
-                f"the GradScaler skipped {profile['skipped']} of {profile['attempted']} optimizer steps "
+                f"the GradScaler skipped {profile[Column.SKIPPED]} of {profile['attempted']} optimizer steps "
                 f"({profile['leading']} before the first step taken, {profile['after_settling']} after it)",
                 {k: profile[k] for k in ("attempted", "skipped", "leading", "after_settling", "after_share")}
                 | {"skipped_steps": profile["skipped_steps"][:30]},

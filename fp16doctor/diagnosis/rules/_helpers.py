@@ -8,6 +8,7 @@ from typing import Any
 
 import pandas as pd
 
+from ...engine.records import Column
 from ...measure.records import ROOT
 from ...tensors import FP16_MAX
 from ..findings import Evidence, ProbeSummary
@@ -26,7 +27,7 @@ def fp32_losses(ev: Evidence, min_steps: int) -> list[float] | None:
     fp32 = ev.fp32
     if fp32 is None or fp32.exception is not None:
         return None
-    losses = [float(v) for v in fp32.records["loss"]]
+    losses = [float(v) for v in fp32.records[Column.LOSS]]
     if len(losses) < min_steps or not all(math.isfinite(v) for v in losses):
         return None
     return losses

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...config import config_patch, scaler_patch
+from ...engine.records import Column
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Severity
 from . import Rule
@@ -46,7 +47,7 @@ class Bf16Advice(Rule):
                 Bf16AdviceEvidence(
                     fp16_first_nonfinite=amp.first_nonfinite_loss if amp else None,
                     fp16_skipped=len(amp.skip_steps) if amp else 0,
-                    bf16_final_loss=float(ev.bf16.records["loss"].iloc[-1]),
+                    bf16_final_loss=float(ev.bf16.records[Column.LOSS].iloc[-1]),
                 ),
                 Fix(
                     "Train in bfloat16 (no loss scaling needed), at the cost of precision (about 2-3 significant digits).",

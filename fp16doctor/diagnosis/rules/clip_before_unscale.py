@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...config import overrides_patch
+from ...engine.records import Column
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, RepairKind, Severity
 from . import Rule
@@ -69,7 +70,7 @@ class ClipBeforeUnscale(Rule):
                 "the threshold is off by the scale, which can make the training crawl",
                 ClipBeforeUnscaleEvidence(
                     calls=len(scaled),
-                    first_step=first["step"],
+                    first_step=first[Column.STEP],
                     function=first["function"],
                     scale=first["scale"],
                 ),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ...engine.records import Column
 from ...measure.thresholds import IGNORE_INDEX
 from ...userfile.batches import iter_tensors
 from .. import rule_cases as fx
@@ -102,8 +103,8 @@ class EmptyTargets(Rule):
 def _failing_batch(summary: ProbeSummary | None) -> int | None:
     if summary is None:
         return None
-    rows = summary.records[summary.records["nonfinite_loss"].astype(bool)]
-    return int(rows["batch_index"].iloc[0]) if len(rows) else None
+    rows = summary.records[summary.records[Column.NONFINITE_LOSS].astype(bool)]
+    return int(rows[Column.BATCH_INDEX].iloc[0]) if len(rows) else None
 
 
 def _skip_empty(field: str) -> Callable[[list[Any]], list[Any]]:

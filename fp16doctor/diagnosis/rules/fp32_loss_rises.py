@@ -21,6 +21,7 @@ import statistics
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ...engine.records import Column
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Severity
 from . import Rule
@@ -121,7 +122,7 @@ class Fp32LossRises(Rule):
         spread = max(losses[:third]) - min(losses[:third])
         if first <= 0 or last < RISE * first or last - first <= spread:
             return []
-        lrs = [float(v) for v in fp32.records["lr"]] if "lr" in fp32.records else []
+        lrs = [float(v) for v in fp32.records[Column.LR]] if "lr" in fp32.records else []
         evidence = Fp32RiseEvidence(
             probe="fp32",
             steps=len(losses),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ...config import scaler_patch
+from ...engine.records import Column
 from ...measure.thresholds import UNDERFLOW_ALARM
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, Severity
@@ -227,6 +228,6 @@ def _scale_used(ev: Evidence) -> float:
     amp = ev.amp
     if amp is None or not amp.scaler_called or amp.records.empty:
         return 1.0
-    scales = amp.records["loss_scale"].astype(float)
+    scales = amp.records[Column.LOSS_SCALE].astype(float)
     scales = scales[scales.map(math.isfinite)]
     return float(scales.median()) if len(scales) else ev.config.scaler.init_scale

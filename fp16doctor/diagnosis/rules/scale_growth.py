@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...config import scaler_patch
+from ...engine.records import Column
 from ...measure.symptoms import skip_runs
 from ...measure.thresholds import SCALE_GROWTH_RECURRENCES
 from .. import rule_cases as fx
@@ -56,13 +57,13 @@ class ScaleGrowth(Rule):
         if amp is None or not amp.scaler_enabled or amp.first_nonfinite_loss is not None or not fp32_finite(ev):
             return []
         rec = amp.records
-        skipped = rec["skipped"].astype(bool).tolist()
+        skipped = rec[Column.SKIPPED].astype(bool).tolist()
         first_taken = next((i for i, s in enumerate(skipped) if not s), None)
         if first_taken is None:
             return []
-        scales = rec["loss_scale"].tolist()
+        scales = rec[Column.LOSS_SCALE].tolist()
         later_rows = [i for i in range(first_taken, len(rec)) if skipped[i]]
-        later = [int(rec["step"].iloc[i]) for i in later_rows]
+        later = [int(rec[Column.STEP].iloc[i]) for i in later_rows]
         grew = [i for i in later_rows if i > 0 and scales[i] > scales[i - 1]]  # the skip came right after a growth
         runs = skip_runs(later)
         if len(runs) < SCALE_GROWTH_RECURRENCES or len(grew) < SCALE_GROWTH_RECURRENCES:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ...config import scaler_patch
+from ...engine.records import Column
 from ...measure.symptoms import attempts, skip_runs
 from ...measure.thresholds import CALIBRATION_SKIPS, PERSISTENT_OVERFLOW_SHARE
 from .. import rule_cases as fx
@@ -112,7 +113,7 @@ class ScaleOverflow(Rule):
         if amp.first_nonfinite_loss is not None and not self._weights_poisoned_by_hand(amp):
             return []  # the forward itself overflows: no loss scale causes that
         rec = attempts(amp.records)
-        overflowing = (rec["skipped"].astype(bool) | rec["nonfinite_grads"].astype(bool)).tolist()
+        overflowing = (rec[Column.SKIPPED].astype(bool) | rec[Column.NONFINITE_GRADS].astype(bool)).tolist()
         if not any(overflowing):
             return []
         leading = next((i for i, bad in enumerate(overflowing) if not bad), len(overflowing))
@@ -126,13 +127,13 @@ class ScaleOverflow(Rule):
             or (persistent >= PERSISTENT_OVERFLOW_SHARE and sum(after) >= 3)
         ):
             return []
-        lowest = float(rec["loss_scale"].min())
+        lowest = float(rec[Column.LOSS_SCALE].min())
         safe = ev.window.high if ev.window is not None and math.isfinite(ev.window.high) else 0.0
         if amp.scaler_called and leading == len(overflowing) and (lowest <= 1.0 or lowest <= safe):
             # the scale backed off to 1, or to what the FP32 gradients allow, and every step still overflows:
             # not a scale too high
             return []
-        steps = [int(s) for s, bad in zip(rec["step"], overflowing) if bad]
+        steps = [int(s) for s, bad in zip(rec[Column.STEP], overflowing) if bad]
         runs = skip_runs(steps)
         if not amp.scaler_called:  # the step scales by hand: the measured window carries its static factor
             return [self._hand_rolled(steps, len(rec))]
@@ -152,8 +153,8 @@ class ScaleOverflow(Rule):
                     leading_skips=leading,
                     persistent_share=persistent,
                     expected_settling_skips=settling,
-                    scale_first=float(rec["loss_scale"].iloc[0]),
-                    scale_last=float(rec["loss_scale"].iloc[-1]),
+                    scale_first=float(rec[Column.LOSS_SCALE].iloc[0]),
+                    scale_last=float(rec[Column.LOSS_SCALE].iloc[-1]),
                     scaler_enabled=amp.scaler_enabled,
                     max_safe_scale=ev.window.high if ev.window is not None else None,
                     recommended=patch["scaler"],

@@ -26,6 +26,7 @@ from ...engine.probe import (
     metric_driven,
 )
 from ...engine.progress import StepProgress
+from ...engine.records import Column
 from ...engine.rng import seed_everything
 from ...measure.symptoms import (
     Symptom,
@@ -246,7 +247,7 @@ def probe_sentence(summary: ProbeSummary) -> str:
     if summary.exception:
         e = summary.exception
         return f"stopped at step {e.step}: {e.type}: {e.message} ({e.location})"
-    first, last = (float(rec["loss"].iloc[i]) + 0.0 for i in (0, -1))  # + 0.0: a loss of -0.0 reads as 0
+    first, last = (float(rec[Column.LOSS].iloc[i]) + 0.0 for i in (0, -1))  # + 0.0: a loss of -0.0 reads as 0
     parts = [f"{len(rec)} steps, loss {first:.4g} -> {last:.4g}"]
     if summary.first_nonfinite_loss is not None:
         parts.append(f"loss non-finite from step {summary.first_nonfinite_loss}")
@@ -263,7 +264,7 @@ def probe_details(summary: ProbeSummary) -> dict[str, Any]:
         "first_nonfinite_loss": summary.first_nonfinite_loss,
         "first_nonfinite_grads": summary.first_nonfinite_grads,
         "skipped_steps": summary.skip_steps,
-        "final_loss": float(rec["loss"].iloc[-1]) if len(rec) else None,
+        "final_loss": float(rec[Column.LOSS].iloc[-1]) if len(rec) else None,
         "exception": summary.exception,
         "skipped_by_optimizer": summary.skips_by_optimizer,
     }
@@ -306,11 +307,11 @@ def _first_bad_in_group(records: pd.DataFrame, step: int) -> int:
     """The first row with non-finite gradients among the micro-batches accumulated into optimizer step ``step``."""
     if "micro_step" not in records:
         return step
-    steps = records["step"].astype(int)
-    before = records[(steps < step) & ~records["micro_step"].astype(bool)]
-    start = int(before["step"].max()) + 1 if len(before) else int(steps.min())
-    group = records[(steps >= start) & (steps <= step) & records["nonfinite_grads"].astype(bool)]
-    return int(group["step"].min()) if len(group) else step
+    steps = records[Column.STEP].astype(int)
+    before = records[(steps < step) & ~records[Column.MICRO_STEP].astype(bool)]
+    start = int(before[Column.STEP].max()) + 1 if len(before) else int(steps.min())
+    group = records[(steps >= start) & (steps <= step) & records[Column.NONFINITE_GRADS].astype(bool)]
+    return int(group[Column.STEP].min()) if len(group) else step
 
 
 def scheduler_lrs(ctx: StageContext) -> list[float] | None:
@@ -342,7 +343,7 @@ def scheduler_lrs(ctx: StageContext) -> list[float] | None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)  # no optimizer steps in a dry run
         for _ in range(_scheduler_steps(ctx)):
-            lrs.append(float(first.param_groups[0]["lr"]))
+            lrs.append(float(first.param_groups[0][Column.LR]))
             try:
                 for scheduler in schedulers:
                     scheduler.step()
@@ -358,7 +359,9 @@ def _scheduler_steps(ctx: StageContext) -> int:
     steps = ctx.evidence.steps
     fp32 = ctx.evidence.fp32
     if fp32 is not None and "micro_step" in fp32.records:
-        steps -= int(fp32.records["micro_step"].astype(bool).sum())  # an FP32 run that ended early ends no schedule
+        steps -= int(
+            fp32.records[Column.MICRO_STEP].astype(bool).sum()
+        )  # an FP32 run that ended early ends no schedule
     return max(steps, 1)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from ...engine.records import Column
 from ...measure.localise import Localisation, localise, localise_steps
 from ..findings import ProbeSummary, StageName, StageReport, StageStatus
 from .context import StageContext, bad_step
@@ -62,8 +63,8 @@ def reproduces(found: Localisation, original: ProbeSummary) -> bool:
     """Whether the replay walked the original run's path: the same loss and loss scale at every step before
     the traced one (bit for bit), and the fault at the same step. One replay checked against the original
     run is as strict as two replays checked against each other, at half the cost."""
-    rows = original.records[original.records["step"] < found.step]
-    expected = list(zip(rows["loss"].astype(float), rows["loss_scale"].astype(float)))
+    rows = original.records[original.records[Column.STEP] < found.step]
+    expected = list(zip(rows[Column.LOSS].astype(float), rows[Column.LOSS_SCALE].astype(float)))
     return len(expected) == len(found.replayed) and all(
         _same(a, b) and _same(c, d) for (a, c), (b, d) in zip(expected, found.replayed)
     )

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ...engine.probe import DEFAULT_INSTRUMENTS, Probe, ProbeSnapshot
+from ...engine.records import Column
 from ..findings import LrPause, LrPeak, LrSchedule, StageName, StageReport, StageStatus
 from .context import StageContext, bad_step
 
@@ -113,7 +114,7 @@ def _instrumented_step(probe: Probe, lr: float | None = None) -> dict[str, Any]:
     for _ in range(PAUSED_STEPS):
         if lr is not None:
             for group in probe.optimizer.param_groups:
-                group["lr"] = lr
+                group[Column.LR] = lr
         records.append(probe.step())
     updates = instruments.update_rows[rows_before[0] :]
     forward = instruments.forward_rows[rows_before[1] :]
