@@ -182,8 +182,11 @@ class Fix:
     """What to change: a sentence, a code snippet for the permanent edit, and a config patch to try it now."""
 
     summary: str
+    """The fix in a sentence."""
     code: str = ""
+    """A code snippet for the permanent edit (empty when there is none)."""
     config_patch: dict[str, Any] = field(default_factory=dict)
+    """Config keys, nested as in the config, that make the fix in the doctor's loop at once (``--config``); empty when no setting can make it (data, code)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"summary": self.summary, "code": self.code, "config_patch": self.config_patch}
@@ -198,6 +201,7 @@ class Verification:
     tried: str | None
     """The intervention in words; None when there was nothing to try."""
     symptoms_before: list[str]
+    """The symptom codes measured before the fix."""
     symptoms_after: list[str] | None
     """None when nothing was tried."""
     removed_share: float | None
@@ -243,11 +247,15 @@ class CorrectedConfig:
     it alone repaired everything): what ``--fix-config`` writes and ``train`` runs."""
 
     config_patch: dict[str, Any]
+    """The verified fixes' config patches merged."""
     from_findings: list[str]
     """The causes whose patches it merges, in rank order."""
     symptoms_before: list[str]
+    """The symptom codes measured before the fixes."""
     symptoms_after: list[str]
+    """The symptom codes measured with the corrected config."""
     summary: str
+    """What the corrected config measured, in a sentence."""
     needs_data_changes: list[str] = field(default_factory=list)
     """Error causes whose tried fix is a data change, which no config patch carries."""
     amp_records: pd.DataFrame | None = field(default=None, repr=False)
@@ -275,15 +283,21 @@ class Finding:
     verifying, demoting, ranking) each return new findings (:func:`dataclasses.replace`)."""
 
     cause: str
+    """The cause code (the causes reference lists them)."""
     severity: Severity
+    """How the finding weighs: an error is a cause of a measured symptom."""
     title: str
+    """The finding in a sentence, as the report heads it."""
     evidence: EvidenceRecord
+    """The rule's own record of what was measured (the JSON ``evidence``, with ``symptoms``)."""
     fix: Fix
+    """What to change, and the config patch that tries it."""
     confidence: float = 1.0
     """0..1: how directly the evidence shows the cause (ranking within the same severity and causal order)."""
     order: int = 0
     """Causal order of the cause (data before model before precision settings); set by the rule."""
     rank: int = 0
+    """1 for the top cause, then in rank order."""
     verification: Verification | None = None
     """What trying the fix measured (:mod:`.verify`): tried, symptoms before/after, share removed."""
     demoted: bool = False
@@ -372,10 +386,15 @@ class StageReport:
     """One triage stage: ran or skipped (and why), and what it found in a sentence."""
 
     name: StageName
+    """The stage, as the report names it."""
     status: StageStatus
+    """Ran, or skipped (and the summary says why)."""
     summary: str
+    """What the stage found, or why it was skipped, in a sentence."""
     seconds: float = 0.0
+    """The stage's wall time, to 0.01 s in the JSON."""
     details: dict[str, Any] = field(default_factory=dict)
+    """The stage's own measurements."""
 
     def timed(self, seconds: float) -> StageReport:
         return replace(self, seconds=seconds)
@@ -626,8 +645,11 @@ class Diagnosis:
     """The ranked findings, the stages, and the evidence behind them."""
 
     findings: list[Finding]
+    """The findings in rank order, the top cause first."""
     stages: list[StageReport]
+    """The triage's stages in order, each run or skipped (and why)."""
     evidence: Evidence
+    """Everything the stages measured (not in the JSON as a whole: the findings and stages carry it)."""
     notes: list[str] = field(default_factory=list)
     """How the doctor ran the training file (e.g. a torch.compile'd model run uncompiled)."""
     corrected: CorrectedConfig | None = None
