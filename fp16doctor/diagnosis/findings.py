@@ -285,7 +285,6 @@ class Finding:
     cause: str
     """The cause code (the causes reference lists them)."""
     severity: Severity
-    """How the finding weighs: an error is a cause of a measured symptom."""
     title: str
     """The finding in a sentence, as the report heads it."""
     evidence: EvidenceRecord
@@ -386,9 +385,7 @@ class StageReport:
     """One triage stage: ran or skipped (and why), and what it found in a sentence."""
 
     name: StageName
-    """The stage, as the report names it."""
     status: StageStatus
-    """Ran, or skipped (and the summary says why)."""
     summary: str
     """What the stage found, or why it was skipped, in a sentence."""
     seconds: float = 0.0
