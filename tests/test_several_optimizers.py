@@ -1,7 +1,8 @@
 """Trainings with several optimizers, and optimizers the training makes itself, through the CLI in fresh processes.
 
 The files under tests/training_files are written the way people write them: a GAN following PyTorch's AMP
-recipe for several optimizers (healthy), the same GAN with a stray plain step (scaler-misuse), a distillation
+recipe for several optimizers (healthy), PyTorch's DCGAN example on one GradScaler whose first discriminator step
+the scaler's calibration skips (healthy), the same GAN with a stray plain step (scaler-misuse), a distillation
 with a frozen fp16 teacher (healthy: the teacher is not the training's weights), a Lightning-style module that
 builds its optimizer on the first step, a script whose optimizer lives in a module-level global, and an
 accumulating step whose clip raises on a non-finite norm (scaler-misuse).
@@ -37,6 +38,20 @@ def test_gan_following_the_several_optimizer_recipe_is_healthy_and_counts_skips_
     # The scaler starts at 2^24: both optimizers see skipped steps while the scale settles, each counted on its own.
     assert all(count > 0 for count in skips.values())
     assert sum(skips.values()) >= len(amp_stage(report)["details"]["skipped_steps"])
+
+
+def test_dcgan_with_one_scaler_is_healthy_though_calibration_skips_its_first_discriminator_step():
+    """PyTorch's DCGAN loop with its optimizers made in the file, on one GradScaler. At the default scale the first
+    discriminator step overflows and is skipped, so the generator's loss of that iteration is computed against
+    another discriminator than FP32's: the same-state comparison is taken at the scale calibration lowers to, and
+    the skip is not read as the loss scale leaking into the loss."""
+    code, report = diagnose("dcgan_one_scaler.py")
+    details = amp_stage(report)["details"]
+    assert details["skipped_steps"] == [0] and sum(details["skipped_by_optimizer"].values()) == 1
+    assert "scaler-misuse" not in {f["cause"] for f in report["findings"]}
+    assert code == 0 and report["verdict"] == "healthy", [(f["cause"], f["title"]) for f in report["findings"]]
+    gap = next(s for s in report["stages"] if s["name"] == "precision-gap search")["details"]
+    assert gap["gap"] <= gap["tolerance"] and "scale_leak" not in gap
 
 
 def test_gan_with_a_plain_step_besides_scaler_step_is_scaler_misuse_with_the_call_sequence():

@@ -540,6 +540,13 @@ class GapSearch:
     """The gap again with the GradScaler off (measured when the gap is past tolerance under fp16 scaling)."""
     scale_leak: bool = False
     """The gap closes with scaling off: the loss scale leaks into the loss (scaler misuse, not precision)."""
+    compared_loss_scale: float | None = None
+    """The loss scale AMP's step at ``worst_step`` was compared at, where an optimizer's skip at the configured
+    scale changed what a later optimizer of the iteration saw (the step is retaken at the scale calibration lowers
+    to); None when the configured scale was used."""
+    skipped_in_comparison: list[str] = field(default_factory=list)
+    """The optimizers the scaler still skipped in AMP's compared step at ``worst_step``: a loss after their skip is
+    not comparable with FP32's. Empty when none skipped."""
     ranked_modules: list[ModuleGap] | None = None
     """The searched modules, the largest added error first (at most eight); None when no search ran."""
     closing_set: list[str] | None = None
@@ -570,6 +577,10 @@ class GapSearch:
             out["gap_without_loss_scaling"] = self.gap_without_loss_scaling
         if self.scale_leak:
             out["scale_leak"] = True
+        if self.compared_loss_scale is not None:
+            out["compared_loss_scale"] = self.compared_loss_scale
+        if self.skipped_in_comparison:
+            out["skipped_in_comparison"] = self.skipped_in_comparison
         if self.ranked_modules is not None:
             out["ranked_modules"] = [m.to_json() for m in self.ranked_modules]
         if self.tried is not None:

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ...config import DoctorConfig, build_config, merge
+from ...config import DoctorConfig, build_config, merge, scaler_patch
 from ...engine.instruments import InstrumentOptions, precision_map
 from ...engine.kept import StateKeeper
 from ...engine.microbatch import UNSPLIT
@@ -26,7 +26,7 @@ from ...engine.probe import (
     metric_driven,
 )
 from ...engine.progress import StepProgress
-from ...engine.records import Column
+from ...engine.records import Column, StepRecord
 from ...engine.rng import seed_everything
 from ...measure.symptoms import (
     Symptom,
@@ -173,16 +173,55 @@ def probe_at(ctx: StageContext, mode: str, config: DoctorConfig, step: int, whol
 
 def same_state_losses(ctx: StageContext, step: int, configs: dict[str, tuple[str, DoctorConfig]]) -> dict[str, float]:
     """Loss of each (mode, config) on the FP32 trajectory's state at ``step``: same weights, same batch."""
-    losses = {}
+    return {key: record.loss for key, record in same_state_records(ctx, step, configs).items()}
+
+
+def same_state_records(
+    ctx: StageContext, step: int, configs: dict[str, tuple[str, DoctorConfig]]
+) -> dict[str, StepRecord]:
+    """The step record of each (mode, config) on the FP32 trajectory's state at ``step`` (its loss, and the loss
+    scale it was taken at, :func:`same_state_step`)."""
     with ctx.progress.planned(len(configs)):
-        for key, (mode, config) in configs.items():
-            probe = probe_at(ctx, mode, config, step)
-            try:
-                losses[key] = probe.step().loss
-            finally:
-                probe.close()
-            del probe  # freed before the next mode's probe is built: one probe alive at a time
-    return losses
+        return {key: same_state_step(ctx, mode, config, step) for key, (mode, config) in configs.items()}
+
+
+SKIP_BACKOFFS = 8
+"""A same-state step whose skip changes what a later optimizer sees is retried at most this many lower scales."""
+
+
+def same_state_step(ctx: StageContext, mode: str, config: DoctorConfig, step: int) -> StepRecord:
+    """One step of ``mode`` on the FP32 trajectory's state at ``step``, at a loss scale no optimizer skips at.
+
+    Each probe's scaler starts at ``init_scale``, so every same-state step is a run's first, where the scaler's
+    calibration skips. With several optimizers that skip is not neutral: a discriminator left unstepped gives the
+    generator's loss another network than FP32's. Such a step is taken again at the scale the calibration lowers
+    to, as the run itself does, until no optimizer of the iteration skips (the record's ``loss_scale`` says which).
+    """
+    for _ in range(SKIP_BACKOFFS + 1):
+        probe = probe_at(ctx, mode, config, step)
+        try:
+            record = probe.step()
+            lowered = float(probe.scaler.get_scale()) if probe.scaler.is_enabled() else record.loss_scale
+        finally:
+            probe.close()
+        del probe  # freed before the next probe is built: one probe alive at a time
+        if not skip_reaches_later_step(record):
+            break
+        config = build_config(merge(config.to_dict(), scaler_patch(init_scale=min(lowered, settled_scale(ctx)))))
+    return record
+
+
+def skip_reaches_later_step(record: StepRecord) -> bool:
+    """An optimizer skipped in an iteration that steps several: the later ones see what it did not update."""
+    trace = record.trace
+    return trace is not None and bool(trace.skipped_optimizers) and trace.scaler_calls.count("step") > 1
+
+
+def settled_scale(ctx: StageContext) -> float:
+    """The loss scale AMP's run ended at (where its calibration settled); inf before an AMP run."""
+    amp = ctx.evidence.amp
+    scales = amp.records[Column.LOSS_SCALE] if amp is not None and len(amp.records) else None
+    return float(scales.iloc[-1]) if scales is not None and math.isfinite(float(scales.iloc[-1])) else math.inf
 
 
 def worst_underflow(observed: pd.DataFrame | None) -> float:

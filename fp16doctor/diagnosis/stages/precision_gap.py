@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ...config import overrides_patch, scaler_patch
+from ...engine.records import StepRecord
 from ...measure.localise import trace_step
 from ...measure.records import ROOT
 from ...measure.symptoms import loss_floor, relative_deviation
@@ -20,7 +21,8 @@ from .context import (
     probe_at,
     remember_fp32_states,
     same_state_gap,
-    same_state_losses,
+    same_state_records,
+    skip_reaches_later_step,
 )
 
 
@@ -41,14 +43,17 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     ctx.loss_floor = floor
     missing = sorted(set(states) - set(ctx.states))  # usually none: the FP32 baseline kept them
     gaps: dict[int, float] = {}
+    amp_steps: dict[int, StepRecord] = {}
     with ctx.progress.planned((missing[-1] if missing else 0) + 2 * len(states)):  # the replay, then a pair per state
         remember_fp32_states(ctx, states)
         for step in states:
-            losses = same_state_losses(ctx, step, {"fp32": ("fp32", cfg), "amp": ("amp", cfg)})
-            gaps[step] = relative_deviation(losses["amp"], losses["fp32"], floor)
+            records = same_state_records(ctx, step, {"fp32": ("fp32", cfg), "amp": ("amp", cfg)})
+            gaps[step] = relative_deviation(records["amp"].loss, records["fp32"].loss, floor)
+            amp_steps[step] = records["amp"]
     worst_step = max(gaps, key=lambda step: gaps[step])
     gap = gaps[worst_step]
     ev.gap = info = GapSearch(same_state_rel_dev=gaps, worst_step=worst_step, gap=gap, tolerance=tolerance)
+    _note_compared_scale(info, amp_steps[worst_step], cfg.scaler.init_scale)
     if gap <= tolerance:
         return StageReport(
             StageName.PRECISION_GAP,
@@ -62,6 +67,16 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
     # module set tried
     with ctx.progress.planned((2 if leak_check else 0) + 3 + 2 * search_limit(ctx)):
         return _search(ctx, info, leak_check)
+
+
+def _note_compared_scale(info: GapSearch, amp: StepRecord, configured: float) -> None:
+    """Into ``info``: the loss scale AMP's step at the worst state was compared at where a skip lowered it from the
+    configured one, and the optimizers whose skip a later optimizer still saw there."""
+    trace = amp.trace
+    if trace is not None and trace.scaled and amp.loss_scale != configured:
+        info.compared_loss_scale = amp.loss_scale
+    if trace is not None and skip_reaches_later_step(amp):
+        info.skipped_in_comparison = list(trace.skipped_optimizers)
 
 
 def search_limit(ctx: StageContext) -> int:
@@ -79,13 +94,7 @@ def _search(ctx: StageContext, info: GapSearch, leak_check: bool) -> StageReport
         )
         if plain <= tolerance:
             info.scale_leak = True
-            return StageReport(
-                StageName.PRECISION_GAP,
-                StageStatus.RAN,
-                f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}), and {plain:.3%} with loss "
-                "scaling off: the loss scale leaks into the loss (not a precision gap)",
-                details=info.to_json(),
-            )
+            return StageReport(StageName.PRECISION_GAP, StageStatus.RAN, _leak_summary(info), details=info.to_json())
     ranked = _rank_modules(ctx, worst_step)
     info.ranked_modules = ranked[:8]
     info.absorbed_overflow = absorbed_overflow(ctx, worst_step)
@@ -100,6 +109,17 @@ def _search(ctx: StageContext, info: GapSearch, leak_check: bool) -> StageReport
     if info.absorbed_overflow is not None:
         summary += f"; an overflow no module output shows: {info.absorbed_overflow.describe()}"
     return StageReport(StageName.PRECISION_GAP, StageStatus.RAN, summary, details=info.to_json())
+
+
+def _leak_summary(info: GapSearch) -> str:
+    said = (
+        f"AMP deviates {info.gap:.3%} from fp32 on the same state (step {info.worst_step}), and "
+        f"{info.gap_without_loss_scaling or 0.0:.3%} with loss scaling off"
+    )
+    if info.skipped_in_comparison:
+        # every scale tried skipped: the later optimizers saw other weights than FP32's, which closes with scaling
+        return f"{said}, but {', '.join(info.skipped_in_comparison)} skipped at every loss scale tried"
+    return f"{said}: the loss scale leaks into the loss (not a precision gap)"
 
 
 def absorbed_overflow(ctx: StageContext, step: int) -> Any:
