@@ -429,3 +429,18 @@ def test_an_exception_under_amp_is_no_skipped_step_for_the_scheduler():
     assert "scheduler-skip-drift" not in causes, causes
     top = report["findings"][0]
     assert top["verification"]["repaired"] is True and "dtype mismatch" in top["fix"]["summary"]
+
+
+def test_a_clamp_floor_fp16_cannot_hold_under_a_log_is_named_as_the_constant():
+    """10 * log10(clamp(power, min=1e-10)) on silent frames: the bound is 0 in fp16, so log10(0) = -inf. The tracer
+    saw the clamp given 1e-10 make the log's input: the cause names the constant and its line, not a divisor."""
+    code, report, _ = diagnose_json("log_floor_db.py")
+    assert code == 1
+    top = report["findings"][0]
+    assert top["cause"] == "constant-out-of-range", top["title"]
+    evidence = top["evidence"]
+    assert evidence["constant"] == 1e-10 and evidence["constant_in_dtype"] == 0.0 and evidence["dtype"] == "float16"
+    assert evidence["made_by"] == "aten::clamp" and evidence["operator"] == "aten::log10"
+    assert evidence["location"].endswith("log_floor_db.py:36")
+    assert "1e-10" in top["title"] and "divisor-underflow" not in [f["cause"] for f in report["findings"]]
+    assert top["verification"]["repaired"] is True

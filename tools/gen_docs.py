@@ -514,7 +514,13 @@ def json_keys(cls: type, evidence_base: type | None, omitted_marker: str) -> lis
                         if isinstance(c, ast.Constant) and isinstance(c.value, str)
                     }
                     fields = dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ()
-                    returns.append({f.name: Key(f.name, None, False) for f in fields if f.name not in excluded})
+                    returns.append(
+                        {
+                            f.name: Key(f.name, None, any(omitted_marker in str(k) for k in f.metadata))
+                            for f in fields
+                            if f.name not in excluded
+                        }
+                    )
             elif isinstance(stmt, ast.If):
                 visit(stmt.body, True)
                 visit(stmt.orelse, True)

@@ -21,7 +21,7 @@ from ..config import DoctorConfig
 from ..engine.records import Column
 from ..files import jsonable
 from ..measure.datascan import FieldScan
-from ..measure.records import ExceptionInfo, Localisation, ScaleWindow
+from ..measure.records import OMITTED_WHEN_NONE, ExceptionInfo, Localisation, ScaleWindow
 from ..measure.symptoms import Symptom, exception_of, first_step
 
 
@@ -98,7 +98,7 @@ class FoundBy(Code):
     the training."""
 
 
-_OMITTED_WHEN_NONE = "fp16doctor_omitted_when_none"
+_OMITTED_WHEN_NONE = OMITTED_WHEN_NONE
 
 
 def omitted_when_none(default: Any = None) -> Any:

@@ -20,7 +20,7 @@ import pandas as pd
 from ..config import build_config
 from ..engine.records import RECORD_COLUMNS, Column
 from ..measure.datascan import FieldScan
-from ..measure.records import Localisation, ScaleWindow
+from ..measure.records import FlushedConstant, Localisation, ScaleWindow
 from .findings import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair, RepairKind
 
 PRECISION_COLUMNS = [
@@ -166,6 +166,7 @@ def localisation(
     parameter: str | None = None,
     peak: float | None = None,
     loss_scale: float | None = None,
+    flushed_constant: FlushedConstant | None = None,
 ) -> Localisation:
     return Localisation(
         step=step,
@@ -181,7 +182,15 @@ def localisation(
         input_spreads=input_spreads or [],
         input_constants=input_constants or [],
         parameter=parameter,
+        flushed_constant=flushed_constant,
     )
+
+
+def unheld(
+    value: float = 1e-10, operator: str = "aten::clamp", input: int = 0, location: str | None = "train.py:36"
+) -> FlushedConstant:
+    """A Python number fp16 cannot hold (0 there), given to ``operator``, which made the culprit's input ``input``."""
+    return FlushedConstant(value, 0.0, "float16", operator, input, location)
 
 
 def repair(

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import traceback
 import weakref
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +34,7 @@ from ..engine.kept import StateKeeper
 from ..engine.probe import Probe, ProbeSnapshot, Workbench
 from ..tensors import FP16_MAX
 from ..userfile.modules import module_names
-from .records import OUTSIDE_MODEL, Localisation  # re-exported: the record types' old home
+from .records import OUTSIDE_MODEL, FlushedConstant, Localisation  # re-exported: the record types' old home
 
 CASTS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_to_dtype"}
 RESHAPES = {
@@ -207,6 +210,38 @@ def _scalars(args: tuple, kwargs: dict) -> list[float]:
     return [float(v) for v in values if abs(v) > 1]
 
 
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+OUTSIDE_CODE = (str(Path(torch.__file__).resolve().parent) + os.sep, str(Path(__file__).resolve().parents[1]) + os.sep)
+"""PyTorch's and the doctor's own folders: the frames under every op, never the code that wrote a constant."""
+
+
+def _unheld_constant(args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> tuple[float, float, torch.dtype] | None:
+    """A Python float argument, not 0, that is 0 in the op's low-precision output dtype (``clamp(min=1e-10)`` of an
+    fp16 tensor: its bound is 0 there), with what it is there. Constants past the dtype's largest value are the
+    constant-carrying records' (``_Made.carries_constant``)."""
+    dtypes = {t.dtype for t in outputs if t.dtype in LOW_PRECISION}
+    for v in (a for a in list(args) + list(kwargs.values()) if isinstance(a, float)):
+        if v == 0.0 or not abs(v) < 1e-4:
+            continue  # every low-precision dtype holds it: the tracer's hot path checks no further
+        for dtype in dtypes:
+            held = float(torch.tensor(v, dtype=dtype))
+            if held == 0.0:
+                return v, held, dtype
+    return None
+
+
+def _calling_line(user_path: Path | None) -> str | None:
+    """``file:line`` of the code that called the running op: the training file's deepest frame, else the deepest
+    frame outside PyTorch and the doctor (a helper module, a library's model)."""
+    frames = [f for f in traceback.extract_stack() if not str(Path(f.filename).resolve()).startswith(OUTSIDE_CODE)]
+    if user_path is not None:
+        target = str(user_path.resolve())
+        own = [f for f in frames if str(Path(f.filename).resolve()) == target]
+        if own:
+            return f"{user_path}:{own[-1].lineno}"
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+
+
 def _asks_for_nonfinite(args: tuple, kwargs: dict) -> bool:
     """A non-finite scalar argument: the op writes inf/NaN because it was told to (attention masks)."""
     scalars = [a for a in list(args) + list(kwargs.values()) if isinstance(a, float)]
@@ -254,9 +289,15 @@ class NonFiniteTracer(TorchDispatchMode):
     whose values reach a module's output; in backward, the optimizer and the loss, the first candidate.
     """
 
-    def __init__(self, context: _Context, parameters: dict[int, tuple[torch.nn.Parameter, str]] | None = None):
+    def __init__(
+        self,
+        context: _Context,
+        parameters: dict[int, tuple[torch.nn.Parameter, str]] | None = None,
+        user_path: Path | None = None,
+    ):
         super().__init__()
         self.context = context
+        self.user_path = user_path
         self.parameters = parameters or {}
         """The model's parameters by id, with their names: a cast of one that overflows is a weight fp16 cannot hold."""
         self.candidates: list[dict[str, Any]] = []
@@ -264,6 +305,8 @@ class NonFiniteTracer(TorchDispatchMode):
         self._taint: dict[int, tuple[weakref.ref, int]] = {}
         self._producers: dict[int, _Made] = {}
         """Who made each tensor, by id: what a rounding cast of it reports as the culprit."""
+        self._unheld: dict[int, tuple[weakref.ref, FlushedConstant]] = {}
+        """Tensors made by an op given a Python number their dtype cannot hold, by id (through casts and views)."""
 
     @property
     def found(self) -> dict[str, Any] | None:
@@ -314,6 +357,7 @@ class NonFiniteTracer(TorchDispatchMode):
         prior = written if before[0] else []  # the written tensors whose earlier values the op read
         bad = next((t for t in outputs if not _finite(t)), None)
         if bad is None:
+            self._note_unheld(func, name, [*prior, *read], outputs, args, kwargs)
             self._remember(func, name, prior, read, outputs, args, kwargs, before)
             return out
         sources = [s for s in (self._source_of(t) for t in [*prior, *read]) if s is not None]
@@ -373,6 +417,8 @@ class NonFiniteTracer(TorchDispatchMode):
                 "input_spreads": spreads,
                 "input_constants": origins,
                 "parameter": parameter,
+                # a rounding cast reports its input's producer, whose inputs these are not
+                "flushed_constant": self._unheld_input([*prior, *read]) if operator == name else None,
                 **(_autograd_node() if phase == "backward" else {}),
             }
         )
@@ -416,6 +462,38 @@ class NonFiniteTracer(TorchDispatchMode):
             carries = any(max(abs(v) for v in _range(t)) >= FP16_MAX for t in outputs if t.is_floating_point())
         for t in outputs:
             self._producers[id(t)] = _Made(weakref.ref(t), name, ranges, scalars, spreads, origins, carries)
+
+    def _note_unheld(
+        self, func: Any, name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], args: tuple, kwargs: dict
+    ) -> None:
+        """Remember the outputs of an op given a Python number their dtype cannot hold; casts and views pass it on."""
+        if name in CASTS or getattr(func, "is_view", False) or name in RESHAPES:
+            known = self._unheld_of(inputs[0]) if inputs else None
+            if known is not None:
+                for t in outputs:
+                    self._unheld[id(t)] = (weakref.ref(t), known)
+            return
+        if name not in CONSTANT_MAKERS:
+            return
+        found = _unheld_constant(args, kwargs, outputs)
+        if found is None or self._phase() != "forward":
+            return  # the optimizer's epsilon in fp16 state is half-optimizer-state's, not a constant in the model
+        value, held, dtype = found
+        record = FlushedConstant(value, held, str(dtype).replace("torch.", ""), name, -1, _calling_line(self.user_path))
+        for t in outputs:
+            self._unheld[id(t)] = (weakref.ref(t), record)
+
+    def _unheld_of(self, t: torch.Tensor) -> FlushedConstant | None:
+        entry = self._unheld.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
+
+    def _unheld_input(self, inputs: list[torch.Tensor]) -> FlushedConstant | None:
+        """The first of the culprit's inputs made by an op given a constant its dtype cannot hold, as a record."""
+        for i, t in enumerate(inputs):
+            known = self._unheld_of(t)
+            if known is not None:
+                return dataclasses.replace(known, input=i)
+        return None
 
     def _made(self, t: torch.Tensor) -> _Made | None:
         known = self._producers.get(id(t))
@@ -470,7 +548,7 @@ def trace_step(
         context.stack.append(names[module])
 
     hooked: dict[int, torch.Tensor] = {}  # by id; holding the tensor keeps its id from being reused this step
-    tracer = NonFiniteTracer(context, {id(p): (p, n) for n, p in probe.model.named_parameters()})
+    tracer = NonFiniteTracer(context, {id(p): (p, n) for n, p in probe.model.named_parameters()}, Path(probe.spec.path))
 
     def pop(module: torch.nn.Module, args: Any, output: Any) -> None:
         if context.stack:

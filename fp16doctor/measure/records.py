@@ -9,7 +9,7 @@ probe nor its instruments. Only the standard library and pandas here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pandas as pd
@@ -34,8 +34,34 @@ fp16's range."""
 OUTSIDE_MODEL = "<loss: outside the model>"
 ROOT = "<root>"
 """The model's own forward code, outside its submodules (what the instruments name the root module)."""
+OMITTED_WHEN_NONE = "fp16doctor_omitted_when_none"
+"""A field's metadata key: its JSON key is left out while it is None (the findings' ``omitted_when_none``)."""
 FP16_MAX_VALUE = 65504.0
 """fp16's largest finite value (``fp16doctor.tensors.FP16_MAX``, repeated: this module loads no torch)."""
+
+
+@dataclass(frozen=True)
+class FlushedConstant:
+    """A Python number the traced forward gave an operator (a clamp bound, an epsilon added, a fill value) that is 0
+    in the operator's low-precision dtype: 1e-10 is 0 in float16. Recorded on the culprit's input that the
+    operator made, seen through casts and views."""
+
+    value: float
+    """The constant as the code wrote it."""
+    in_dtype: float
+    """What it is in ``dtype``: 0.0 (below half its smallest subnormal). A constant past the largest finite value is
+    the ``input_constants`` record's."""
+    dtype: str
+    """The low-precision dtype the operator ran in (``float16``)."""
+    operator: str
+    """The operator it was given, which made the culprit's input (``aten::clamp``)."""
+    input: int
+    """Which of the culprit's inputs that operator made."""
+    location: str | None = None
+    """``file:line`` of the code outside PyTorch and the doctor that called that operator."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}  # every field, in order: the docs read this shape
 
 
 @dataclass
@@ -77,12 +103,15 @@ class Localisation:
     """The loss scale the traced step's backward ran with (1 where the step never called ``scaler.scale``): a
     backward value divided by it is what fp16 would have had to hold unscaled. None where no step was traced
     from the start (an absorbed overflow's forward)."""
+    flushed_constant: FlushedConstant | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
+    """The Python number that made one of the culprit's inputs and that its low-precision dtype cannot hold (a
+    clamp's ``min=1e-10``, 0 in fp16), when one did; omitted from the JSON when none did."""
     replayed: list[tuple[float, float]] = field(default_factory=list, repr=False)
     """(loss, loss scale) of each step the replay took before the traced one: compared with the original
     run's, they tell whether the fault reproduces deterministically."""
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "replayed"}
+        return {k: v for k, v in self.__dict__.items() if k != "replayed" and not (v is None and k in _OMITTED)}
 
     @property
     def place(self) -> str:
@@ -131,6 +160,9 @@ class Localisation:
             f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}"
             + (f"; {self.note}" if self.note else "")
         )
+
+
+_OMITTED = frozenset(f.name for f in fields(Localisation) if OMITTED_WHEN_NONE in f.metadata)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 
 from ...engine.records import Column
-from ...measure.records import ROOT
+from ...measure.records import ROOT, FlushedConstant, Localisation
 from ...tensors import FP16_MAX
 from ..findings import Evidence, ProbeSummary
 
@@ -235,3 +235,17 @@ def localised_inside(ev: Evidence, modules: list[str]) -> bool:
 def quoted(modules: list[str]) -> str:
     """Module names as prose reads them: ``'1', '4'`` (a Sequential's children are numbers: "keep 4, 1" read as counts)."""
     return ", ".join(f"'{m}'" for m in modules)
+
+
+def unheld_constant(loc: Localisation | None) -> FlushedConstant | None:
+    """The Python number in the user's code (a clamp bound, an epsilon added, a fill value) that made the localised
+    forward operator's input and that its low-precision dtype cannot hold, where that input reaches what the
+    number became there (exactly 0): the tracer saw the op that was given it make the input. None for an input
+    some operator computed (a norm's divisor whose squares flushed), however small it got."""
+    if loc is None or loc.phase != "forward" or loc.flushed_constant is None:
+        return None
+    found = loc.flushed_constant
+    if not 0 <= found.input < len(loc.input_ranges):
+        return None
+    low, high = loc.input_ranges[found.input]
+    return found if found.in_dtype == 0.0 and 0.0 in (low, high) else None

@@ -11,6 +11,12 @@ made it (a fill or arithmetic on a Python number, not an ``exp`` or a matmul); o
 buffer, a batch field) by its values: a few distinct values beyond fp16's range. A parameter's cast is a weight
 fp16 cannot hold, not a constant.
 
+A constant can also be too small: a Python number the traced step gave an operator (a ``clamp`` bound, an epsilon
+added, a fill value) that is 0 in fp16 (below about 3e-8, half its smallest subnormal: torchaudio's ``amin=1e-10``)
+made the localised forward operator's input exactly 0, and a ``log10``, a division or an ``rsqrt`` of it is
+non-finite while FP32 stays finite. The tracer names the constant, the operator given it and its line. A divisor
+an operator computed (a norm's sum of squares that flushed) is divisor-underflow's.
+
 The fix keeps the module in fp32, and every other module of its class (the blocks of a stack run the same
 code, so the constant meets fp16 in each: keeping the first alone moves the fault to the next). A repair the
 intervention search measures by keeping modules around such a constant in fp32 is named this cause.
@@ -22,12 +28,21 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from ...config import overrides_patch
-from ...measure.records import ExceptionInfo, Localisation
+from ...measure.records import ExceptionInfo, FlushedConstant, Localisation
 from ...measure.thresholds import CONSTANT_MAGNITUDE, CONSTANT_SPREAD
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, omitted_when_none
 from . import Rule
-from ._helpers import class_members, fp32_finite, library_modules, localised_inside, module_types, quoted, role_members
+from ._helpers import (
+    class_members,
+    fp32_finite,
+    library_modules,
+    localised_inside,
+    module_types,
+    quoted,
+    role_members,
+    unheld_constant,
+)
 
 OVERFLOW_MESSAGE = "without overflow"
 """The end of PyTorch's message when a Python scalar does not fit the tensor's dtype."""
@@ -81,6 +96,33 @@ class FillRefusedEvidence(EvidenceRecord):
     """The modules that run the same code (every module of its class, or of its place in its owner's class)."""
 
 
+@dataclass(frozen=True)
+class UnheldConstantEvidence(EvidenceRecord):
+    """The localised first non-finite operator, whose input a Python number that is 0 in fp16 made: exactly 0 where
+    the number (a clamp bound, an epsilon, a fill value) was meant to keep it away from 0."""
+
+    operator: str
+    constant: float
+    """The Python number as the code wrote it (``1e-10``)."""
+    constant_in_dtype: float
+    """What it is in ``dtype``: 0.0."""
+    dtype: str
+    made_by: str
+    """The operator the constant was given, which made the culprit's input (``aten::clamp``)."""
+    location: str | None
+    """``file:line`` of the code that gave it, when the tracer saw one outside PyTorch."""
+    input_range: tuple[float, float]
+    """The [low, high] range of the culprit's input that the constant made."""
+    output: str
+    module: str | None
+    step: int
+    batch: int
+    deterministic: bool | None
+    """Whether the localisation's replay reproduced the fault; None where it was not checked."""
+    same_code_in: list[str] | None = omitted_when_none()
+    """The modules that run the same code (every module of its class, or of its place in its owner's class)."""
+
+
 class ConstantOutOfRange(Rule):
     code = "constant-out-of-range"
     order = 45
@@ -124,6 +166,13 @@ class ConstantOutOfRange(Rule):
                 input_constants=[False, True],
             ),
         ),
+        # 10 * log10(clamp(power, min=1e-10)): the bound is 0 in fp16, silent frames' power stays 0, log10(0) = -inf
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(nonfinite_loss=[0])),
+            localisation=fx.localisation(
+                "forward", "frontend", "aten::log10", [(0.0, 40.5)], "-inf (float32)", flushed_constant=fx.unheld()
+            ),
+        ),
     )
     quiet_on = (
         lambda: fx.evidence(
@@ -163,6 +212,13 @@ class ConstantOutOfRange(Rule):
                 parameter="head.bias",
             ),
         ),
+        # the clamp's constant made an input that never reaches 0 (the log's -inf came from elsewhere)
+        lambda: fx.evidence(
+            amp=fx.probe(record=fx.records(nonfinite_loss=[0])),
+            localisation=fx.localisation(
+                "forward", "frontend", "aten::log10", [(0.5, 40.5)], "-inf (float32)", flushed_constant=fx.unheld()
+            ),
+        ),
     )
     suppresses = ("activation-overflow", "scale-overflow")
     repairs = (RepairKind.FP32_MODULES,)
@@ -197,6 +253,9 @@ class ConstantOutOfRange(Rule):
                 )
             ]
         loc = ev.localisation
+        unheld = unheld_constant(loc)
+        if loc is not None and unheld is not None:
+            return [self._unheld_finding(ev, loc, unheld)]
         constant = _constant_met(loc)
         if loc is None or constant is None:
             return []
@@ -224,22 +283,62 @@ class ConstantOutOfRange(Rule):
         return (
             repair.kind == RepairKind.FP32_MODULES
             and localised_inside(ev, repair.modules)
-            and _constant_met(loc) is not None
+            and (_constant_met(loc) is not None or unheld_constant(loc) is not None)
         )
 
     def repair_title(self, repair: Repair, ev: Evidence) -> str:
         loc = ev.localisation
         assert loc is not None
+        unheld = unheld_constant(loc)
+        if unheld is not None:
+            return f"{_unheld_title(loc, unheld)}; keeping {_kept(repair.modules, repair.module_class)} in fp32 repairs the training"
         return (
             f"A constant beyond fp16's range (65504) meets an fp16 tensor in module '{loc.module}' ({loc.operator} at "
             f"step {loc.step} -> {loc.output}); keeping {_kept(repair.modules, repair.module_class)} in fp32 repairs the training"
         )
 
     def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
+        loc = ev.localisation
+        unheld = unheld_constant(loc)
+        if loc is not None and unheld is not None:
+            kept = _kept(repair.modules, repair.module_class)
+            return f"{_unheld_fix(unheld)}; or keep {kept} in fp32.", _unheld_code(loc, unheld)
         return (
             f"Use the dtype's own limit instead of a literal, or a boolean mask (`torch.finfo(scores.dtype).min`); "
             f"or keep {_kept(repair.modules, repair.module_class)} in fp32.",
             MASK_CODE,
+        )
+
+    def _unheld_finding(self, ev: Evidence, loc: Localisation, unheld: FlushedConstant) -> Finding:
+        """A constant that is 0 in fp16 made the culprit's input exactly 0."""
+        module = loc.module if loc.module and not loc.module.startswith("<") else None
+        members, owner = _same_code(module, module_types(ev), ev)
+        keep = members or ([module] if module else [])
+        evidence = UnheldConstantEvidence(
+            operator=loc.operator,
+            constant=unheld.value,
+            constant_in_dtype=unheld.in_dtype,
+            dtype=unheld.dtype,
+            made_by=unheld.operator,
+            location=unheld.location,
+            input_range=loc.input_ranges[unheld.input],
+            output=loc.output,
+            module=loc.module,
+            step=loc.step,
+            batch=loc.batch_index,
+            deterministic=ev.localisation_deterministic,
+            same_code_in=members or None,
+        )
+        kept = f"; or keep {_kept(keep, owner)} in fp32" if keep else ""
+        return self.finding(
+            _unheld_title(loc, unheld),
+            evidence,
+            Fix(
+                _unheld_fix(unheld) + kept + ".",
+                code=_unheld_code(loc, unheld),
+                config_patch=overrides_patch(fp32_modules=keep) if keep else {},
+            ),
+            confidence=1.0 if ev.localisation_deterministic else 0.6,
         )
 
     def _finding(
@@ -271,6 +370,50 @@ MASK_CODE = (
     "# not -1e9, nor torch.finfo(torch.float32).min: inf in fp16\n"
     "# or: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)"
 )
+
+
+UNHELD_EXPRESSION = {
+    "aten::clamp": "torch.clamp(x.float(), min={v})",
+    "aten::clamp_min": "torch.clamp(x.float(), min={v})",
+    "aten::clamp_max": "torch.clamp(x.float(), max={v})",
+    "aten::add": "x.float() + {v}",
+    "aten::add_": "x.float() + {v}",
+    "aten::sub": "x.float() - {v}",
+    "aten::mul": "x.float() * {v}",
+    "aten::masked_fill": "x.float().masked_fill(mask, {v})",
+    "aten::where": "torch.where(cond, x.float(), {v})",
+}
+"""The operator the constant was given, written with its input cast up first, where the constant is not 0."""
+DIVIDES = ("aten::div", "aten::div_", "aten::true_divide")
+
+
+def _unheld_title(loc: Localisation, unheld: FlushedConstant) -> str:
+    where = f" in module '{loc.module}'" if loc.module and not loc.module.startswith("<") else f" in {loc.place}"
+    at = f" at {unheld.location}" if unheld.location else ""
+    low, high = loc.input_ranges[unheld.input]
+    return (
+        f"A constant fp16 cannot hold{where}: {unheld.value:g} ({unheld.operator}{at}) is {unheld.in_dtype:g} in "
+        f"{unheld.dtype}, so {loc.operator}'s input [{low:.3g}, {high:.3g}] reaches it -> {loc.output} at step {loc.step}"
+    )
+
+
+def _unheld_fix(unheld: FlushedConstant) -> str:
+    return (
+        f"Give {unheld.operator} its constant in fp32, casting the input up first, or use a constant {unheld.dtype} "
+        f"holds: {unheld.value:g} is {unheld.in_dtype:g} in {unheld.dtype} (fp16's smallest subnormal is 6e-8; a "
+        "floor or epsilon of 1e-5 is usual)"
+    )
+
+
+def _unheld_code(loc: Localisation, unheld: FlushedConstant) -> str:
+    """The culprit with the constant's operator computed in fp32 from its input: ``torch.log10(torch.clamp(x.float(),
+    min=1e-10))``."""
+    made = UNHELD_EXPRESSION.get(unheld.operator, f"torch.{unheld.operator.split('::')[-1]}(x.float(), {{v}})")
+    made = made.format(v=f"{unheld.value:g}")
+    culprit = loc.operator.split("::")[-1]
+    use = f"x / ({made})" if loc.operator in DIVIDES else f"torch.{culprit}({made})"
+    at = f"at {unheld.location}: " if unheld.location else ""
+    return f"# {at}{unheld.value:g} is 0 in {unheld.dtype}, not in fp32\ny = {use}"
 
 
 def _constant_met(loc: Localisation | None) -> float | None:

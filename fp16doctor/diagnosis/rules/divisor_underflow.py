@@ -10,6 +10,10 @@ smallest subnormal (about 6e-8: a norm's ``sqrt(mean(x*x) + 1e-8)``, ``F.normali
 (verified by the doctor), or an epsilon fp16 holds (1e-5 is usual). In the backward pass (the derivative
 of acos, sqrt or a division at a value fp16 rounded onto its bound: ArcFace's clamp to 1 - 1e-7, which is 1.0 in
 fp16) the divisor rounds to 0 the same way, with the FP32 run finite.
+
+A divisor (or argument) made directly by an operator given a Python number that is 0 in fp16, such as a log of
+``clamp(power, min=1e-10)``, is constant-out-of-range's: the constant fp16 cannot hold is the cause, not a divisor
+the code computed.
 """
 
 from __future__ import annotations
@@ -26,7 +30,15 @@ from ...tensors import FP16_MAX
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, ProbeSummary, Repair, RepairKind
 from . import Rule
-from ._helpers import enclosing_fp32_safe, fp32_finite, fp32_wrapper_code, localised_inside, module_abs_max, quoted
+from ._helpers import (
+    enclosing_fp32_safe,
+    fp32_finite,
+    fp32_wrapper_code,
+    localised_inside,
+    module_abs_max,
+    quoted,
+    unheld_constant,
+)
 
 DIVISOR_INPUT = {
     "aten::div": 1,
@@ -186,6 +198,18 @@ class DivisorUnderflow(Rule):
                 "forward", "<root>", "aten::div", [(-0.067, 0.071), (0.0, 0.167)], "nan/+inf/-inf (float32)"
             ),
         ),
+        # a constant fp16 cannot hold made the numerator, not the divisor: the divisor the code computed flushed
+        lambda: fx.evidence(
+            fp32=_fp32_forward("norm", 40.9),
+            localisation=fx.localisation(
+                "forward",
+                "norm",
+                "aten::div",
+                [(0.0, 24.8), (0.0, 0.74)],
+                "nan (float16)",
+                flushed_constant=fx.unheld(operator="aten::clamp", input=0),
+            ),
+        ),
         # ArcFace: clamp(cos, -1 + 1e-7, 1 - 1e-7) is 1.0 in fp16; acos's backward takes rsqrt(1 - cos^2) = rsqrt(0)
         lambda: fx.evidence(
             fp32=_fp32_forward("head", 1.0),
@@ -225,6 +249,26 @@ class DivisorUnderflow(Rule):
             localisation=dataclasses.replace(
                 fx.localisation("backward", "norm", "aten::reciprocal", [(0.0, 2.0)], "+inf (float16)"),
                 custom_function="InvSquare",
+            ),
+        ),
+        # log10(clamp(power, min=1e-10)): the clamp's bound made the argument 0, a constant fp16 cannot hold
+        # (constant-out-of-range's), not a divisor the code computed
+        lambda: fx.evidence(
+            fp32=_fp32_forward("frontend", 1.5),
+            localisation=fx.localisation(
+                "forward", "frontend", "aten::log10", [(0.0, 40.5)], "-inf (float32)", flushed_constant=fx.unheld()
+            ),
+        ),
+        # x / (d + 1e-10) where the epsilon added made the divisor 0
+        lambda: fx.evidence(
+            fp32=_fp32_forward("norm", 3.0),
+            localisation=fx.localisation(
+                "forward",
+                "norm",
+                "aten::div",
+                [(-2.0, 2.0), (0.0, 3.0)],
+                "nan (float16)",
+                flushed_constant=fx.unheld(operator="aten::add", input=1),
             ),
         ),
     )
@@ -294,6 +338,9 @@ class DivisorUnderflow(Rule):
             return False
         if loc.phase == "backward" and (loc.custom_function or loc.module == ROOT):
             return False  # a custom Function's hand-written backward: backward-overflow's custom_fwd/custom_bwd fix
+        found = unheld_constant(loc)
+        if found is not None and found.input == index:
+            return False  # a constant fp16 cannot hold made the divisor 0, not a computation: constant-out-of-range's
         low, high = loc.input_ranges[index]
         peak = module_abs_max(ev.fp32, loc.module)
         # a non-negative divisor whose smallest value is 0 (a negative one, or a log's negative argument, is NaN in
