@@ -107,6 +107,14 @@ def capsule_target(capsule: PathLike | None, training_file: PathLike | None) -> 
     return CapsuleTarget(folder / "train_capsule.py", replay_note(manifest), recorded_loss_evidence(manifest))
 
 
+def load_target(target: CapsuleTarget, config_file: PathLike | None = None, **config: Any) -> LoadedTraining:
+    """Load what a diagnosis runs: the training file (a capsule's replay noted on it) with its config."""
+    loaded = load(target.training_file, config_file, **config)
+    if target.replay_note is not None:
+        loaded.spec.note(target.replay_note)
+    return loaded
+
+
 def diagnose(
     training_file: PathLike | None = None,
     *,
@@ -130,10 +138,6 @@ def diagnose(
     :func:`corrected_config` starts from.
     """
     target = capsule_target(capsule, training_file)
-    loaded = load(target.training_file, config_file, **config)
-    if target.replay_note is not None:
-        loaded.spec.note(target.replay_note)
-    return_large_blocks_on_free()  # probe after probe: a closed probe's memory goes back to the system
     options = DiagnoseOptions(
         ci=ci,
         scan_batches=scan_batches,
@@ -142,6 +146,17 @@ def diagnose(
         recorded_loss_finding=target.recorded_loss_finding,
         plots=plots,
     )
+    return diagnose_loaded(load_target(target, config_file, **config), options, on_stage, on_probe_step)
+
+
+def diagnose_loaded(
+    loaded: LoadedTraining,
+    options: DiagnoseOptions,
+    on_stage: Callable[[str], None] | None = None,
+    on_probe_step: ProbeStepHook | None = None,
+) -> Diagnosis:
+    """:func:`diagnose` on a training already loaded (the CLI's, which goes on to train the same spec)."""
+    return_large_blocks_on_free()  # probe after probe: a closed probe's memory goes back to the system
     result = run_triage(loaded.spec, loaded.config, options, on_stage=on_stage, on_probe_step=on_probe_step)
     return result.with_user_layers(loaded.user_layers)
 

@@ -325,8 +325,10 @@ def diagnose(
 
     def job() -> int:
         from . import api
+        from .api import LoadedTraining
+        from .config import build_config
         from .diagnosis.rules import all_rules
-        from .diagnosis.triage import UNEXPLAINED, stage_names
+        from .diagnosis.triage import UNEXPLAINED, DiagnoseOptions, stage_names
         from .output.markdown import fixed_config_yaml, junit_xml, markdown
         from .output.terminal import render_diagnosis
 
@@ -335,20 +337,17 @@ def diagnose(
         for path in (report, fix_config, junit, html, figures_folder(report) if report is not None else None):
             if path is not None:
                 check_writable(path, force)
+        loaded = api.load_target(target, config, **flags(steps=steps, seed=seed, device=device, dtype=dtype))
+        options = DiagnoseOptions(
+            ci=ci,
+            scan_batches=scan_batches,
+            max_memory=memory_limit,
+            own_process=True,
+            recorded_loss_finding=target.recorded_loss_finding,
+            plots=report is not None or html is not None,
+        )
         with DiagnosisProgress(err, stage_names()) as progress:
-            result = api.diagnose(
-                capsule=capsule,
-                training_file=given,
-                config_file=config,
-                ci=ci,
-                scan_batches=scan_batches,
-                max_memory=memory_limit,
-                plots=report is not None or html is not None,
-                on_stage=progress.stage,
-                on_probe_step=progress.probe_step,
-                own_process=True,
-                **flags(steps=steps, seed=seed, device=device, dtype=dtype),
-            )
+            result = api.diagnose_loaded(loaded, options, on_stage=progress.stage, on_probe_step=progress.probe_step)
         show_notes(result.notes)
         name = str(target.training_file)
         if report is not None:
@@ -384,11 +383,12 @@ def diagnose(
         corrected = api.corrected_config(result)
         if train_steps is not None:
             corrected["steps"] = train_steps
-        loaded = api.load(target.training_file, None, **{**corrected, **flags(device=device)})
-        options = train_options(
+        # the spec just diagnosed trains: the user's file is not imported (and its top level run) a second time
+        fixed = LoadedTraining(loaded.spec, build_config(corrected, flags(device=device)), corrected)
+        run_options = train_options(
             target.training_file, run_dir, checkpoint_every, False, on_nonfinite, max_nonfinite, force
         )
-        return run_training(loaded, options, nproc, target.training_file, quiet=json_)
+        return run_training(fixed, run_options, nproc, target.training_file, quiet=json_)
 
     with stdout_for_json_only(json_):
         guarded(debug, job, json_errors=json_)

@@ -29,6 +29,7 @@ raises :class:`WatchStopped` (a ``BaseException``: a script's ``except Exception
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -78,6 +79,12 @@ class ModelCall:
     def backward_done(self) -> bool:
         """Gradients reached its outputs: the backward of the loss it fed has run."""
         return any(g is not None for g in self.grads)
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank under torchrun (capsules then carry it in their name); None in a single process."""
+    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return int(os.environ.get("RANK", "0")) if torchrun else None
 
 
 class TrainingObserver:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import EXIT_FINDINGS, ScriptError
-from .observe import TrainingObserver, WatchStopped
+from .observe import TrainingObserver, WatchStopped, torchrun_rank
 from .watch import Alarm, WatchOptions
 
 WATCH_ALARM = EXIT_FINDINGS
@@ -103,9 +103,7 @@ def watch_script(
 ) -> int:
     """Run the target under the observer, as python would; the exit code is the script's own, or 1 after an
     alarm. The script's own error prints its traceback to stderr, as python's would."""
-    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1  # capsules then carry the rank in their name
-    rank = int(os.environ.get("RANK", "0")) if torchrun else None
-    observer = TrainingObserver(options, on_alarm=on_alarm, on_note=on_note, rank=rank)
+    observer = TrainingObserver(options, on_alarm=on_alarm, on_note=on_note, rank=torchrun_rank())
     code = 0
     try:
         with observer:

@@ -6,12 +6,11 @@ What ``fp16doctor watch SCRIPT`` does for a whole script, for the part of a prog
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
-from .observe import TrainingObserver, WatchStopped
+from .observe import TrainingObserver, WatchStopped, torchrun_rank
 from .watch import Alarm, WatchOptions
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -36,9 +35,7 @@ class Watching:
         return list(self._observer.alarms) if self._observer is not None else list(self._alarms)
 
     def __enter__(self) -> Watching:
-        torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1  # capsules then carry the rank in their name
-        rank = int(os.environ.get("RANK", "0")) if torchrun else None
-        self._observer = TrainingObserver(self.options, on_alarm=self.on_alarm, rank=rank)
+        self._observer = TrainingObserver(self.options, on_alarm=self.on_alarm, rank=torchrun_rank())
         self._observer.__enter__()
         return self
 
