@@ -543,34 +543,6 @@ def json_keys(cls: type, evidence_base: type | None, omitted_marker: str) -> lis
     return list(keys.values())
 
 
-FALLBACK_DOCS: dict[tuple[str, str], str] = {
-    (
-        "Diagnosis",
-        "verdict",
-    ): "``healthy`` when no finding is an error and ``unexplained`` is empty; else ``unhealthy``.",
-    ("Symptom", "description"): "The symptom in a sentence, with its numbers.",
-    ("Symptom", "step"): "The step where it starts, where it has one.",
-    ("Symptom", "measured"): "The numbers it was measured from.",
-    ("CorrectedConfig", "healthy_after"): "No symptom is left with the corrected config.",
-    ("ExceptionInfo", "step"): "The probe step that raised.",
-    ("ExceptionInfo", "message"): "The exception's message.",
-    ("Comparison", "modes"): "The modes run, ``fp32`` (the reference) first.",
-    ("Comparison", "steps"): "One row per aligned step (optimizer steps taken before it): ``step``, and per mode its "
-    "``loss``, ``grad_norm``, ``loss_scale``, ``skipped_before`` and ``finite``, with ``rel_dev`` (relative loss "
-    "deviation from fp32) for modes other than fp32; null for a mode without that step.",
-    ("Comparison", "max_rel_dev"): "Per mode, the largest relative loss deviation from fp32.",
-    ("Comparison", "first_divergent_step"): "Per mode, the first step past the divergence tolerance; null when none.",
-    ("Comparison", "verdict"): "The worst mode's verdict: ``healthy`` < ``drift`` < ``unstable`` < ``diverged``.",
-    ("Comparison", "verdict_by_mode"): "Per mode other than fp32, its verdict.",
-    ("Comparison", "skipped_steps"): "Per mode, the optimizer steps the GradScaler skipped.",
-    ("Comparison", "symptoms"): "Per mode other than fp32, the measured symptoms against fp32.",
-    ("Comparison", "tolerance"): "Per mode, the healthy tolerance (x8 for bf16).",
-    ("Comparison", "divergence_tolerance"): "Per mode, the divergence tolerance (x8 for bf16).",
-}
-"""What a JSON reader needs to know of the keys the code does not document yet. An attribute docstring in the code
-wins: each entry here is used only while its key has none."""
-
-
 # --- the pages -------------------------------------------------------------------------------------------------------
 
 
@@ -785,7 +757,7 @@ def json_page() -> str:
             rendered = found.rendered or (types.render(found.type) if found.type is not None else "") or key.kind
             if found.nullable and rendered and not rendered.endswith("null"):
                 rendered += " or null"
-            doc = inline(found.doc or FALLBACK_DOCS.get((cls.__name__, key.name), ""))
+            doc = inline(found.doc or getattr(cls, "JSON_KEY_DOCS", {}).get(key.name, ""))
             if not doc and found.type is not None:
                 doc = enum_doc(found.type)
             for extra, resolved in found.extras:

@@ -263,6 +263,7 @@ class CorrectedConfig:
 
     @property
     def healthy_after(self) -> bool:
+        """No symptom is left with the corrected config."""
         return not self.symptoms_after
 
     def to_json(self) -> dict[str, Any]:
@@ -689,6 +690,7 @@ class Diagnosis:
 
     @property
     def verdict(self) -> str:
+        """``healthy`` when no finding is an error and ``unexplained`` is empty; else ``unhealthy``."""
         return "healthy" if self.healthy else "unhealthy"
 
     def to_json(self) -> dict[str, Any]:

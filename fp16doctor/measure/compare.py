@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 
@@ -60,18 +60,34 @@ class ModeTrajectory:
 class Comparison:
     """What ``compare`` measured; the CLI renders it, ``to_json`` serialises it."""
 
+    JSON_KEY_DOCS: ClassVar[dict[str, str]] = {
+        "steps": "One row per aligned step (optimizer steps taken before it): ``step``, and per mode its ``loss``, "
+        "``grad_norm``, ``loss_scale``, ``skipped_before`` and ``finite``, with ``rel_dev`` (relative loss deviation "
+        "from fp32) for modes other than fp32; null for a mode without that step.",
+        "skipped_steps": "Per mode, the optimizer steps the GradScaler skipped.",
+        "symptoms": "Per mode other than fp32, the measured symptoms against fp32.",
+        "divergence_tolerance": "Per mode, the divergence tolerance (x8 for bf16).",
+    }
+    """What the keys ``to_json`` computes (rather than copies from a field) hold: the JSON reference reads them."""
+
     modes: list[str]
+    """The modes run, ``fp32`` (the reference) first."""
     steps: int
     trajectories: dict[str, ModeTrajectory]
     rel_dev: dict[str, list[float | None]]
     max_rel_dev: dict[str, float | None]
+    """Per mode, the largest relative loss deviation from fp32."""
     max_rel_dev_step: dict[str, int | None]
     first_divergent_step: dict[str, int | None]
+    """Per mode, the first step past the divergence tolerance; null when none."""
     first_nonfinite_step: dict[str, int | None]
     tolerance: dict[str, float]
+    """Per mode, the healthy tolerance (x8 for bf16)."""
     divergence: dict[str, float]
     verdict: str
+    """The worst mode's verdict: ``healthy`` < ``drift`` < ``unstable`` < ``diverged``."""
     verdict_by_mode: dict[str, str] = field(default_factory=dict)
+    """Per mode other than fp32, its verdict."""
 
     @property
     def healthy(self) -> bool:

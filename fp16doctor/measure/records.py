@@ -211,9 +211,11 @@ class ExceptionInfo:
     """The first exception a probe's training raised: at which step, what, and where in the user's code."""
 
     step: int
+    """The probe step that raised."""
     type: str
     """The exception's class name (``RuntimeError``)."""
     message: str | None
+    """The exception's message."""
     location: str | None
     """``file:line`` of the user's frame that raised it (or the innermost frame outside torch)."""
     module: str | None = None

@@ -76,8 +76,11 @@ class Symptom:
     code: str
     """A :class:`SymptomCode` value (checked: a misspelt code raises instead of matching no rule)."""
     description: str
+    """The symptom in a sentence, with its numbers."""
     measured: dict[str, Any] = field(default_factory=dict)
+    """The numbers it was measured from."""
     step: int | None = None
+    """The step where it starts, where it has one."""
 
     def __post_init__(self) -> None:
         self.code = SymptomCode(self.code).value  # a plain str: JSON and YAML carry it as it is
