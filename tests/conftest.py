@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "sample_models"
@@ -47,6 +52,55 @@ def run_cli(
     )
 
 
+@dataclass(frozen=True)
+class CiDiagnosis:
+    """What ``diagnose PATH --ci --json --fix-config F`` did in a fresh process."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    fix_config: str | None
+    """The corrected config it wrote, when it wrote one."""
+
+    def report(self) -> dict:
+        return json.loads(self.stdout)
+
+
+SHARED_RUNS = "FP16DOCTOR_TEST_SHARED_RUNS"
+"""The environment variable naming the folder where the session's workers share the fresh-process diagnoses they
+ran: the controller makes it before the workers start (they inherit it) and removes it when the session ends."""
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):
+        os.environ[SHARED_RUNS] = tempfile.mkdtemp(prefix="fp16doctor-tests-")
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop(SHARED_RUNS, ""), ignore_errors=True)
+
+
+def diagnose_ci(path: Path, *extra: str, env: dict[str, str] | None = None) -> CiDiagnosis:
+    """``diagnose PATH --ci --json`` in a fresh process, as a user runs it, once per test session.
+
+    The suite checks many files from several angles (the right cause, no error without a symptom, the corrected
+    config healthy): every test that asks for the same file and arguments reads the one run, whichever xdist worker
+    made it; a worker asking while another runs it waits for that run."""
+    key = json.dumps([str(Path(path).resolve()), extra, sorted((env or {}).items())])
+    folder = Path(os.environ[SHARED_RUNS]) / hashlib.sha256(key.encode()).hexdigest()[:20]
+    folder.mkdir(parents=True, exist_ok=True)
+    done = folder / "run.json"
+    with FileLock(str(folder / "lock")):
+        if not done.exists():
+            fixed = folder / "fixed.yaml"
+            proc = run_cli("diagnose", path, "--ci", "--json", *extra, "--fix-config", fixed, env=env)
+            text = fixed.read_text() if fixed.exists() else None
+            record = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "fix_config": text}
+            done.write_text(json.dumps(record))
+        return CiDiagnosis(**json.loads(done.read_text()))
+
+
 MLP_FILE = """
 import torch
 from torch import nn
@@ -76,6 +130,7 @@ def diagnosed(sample: str, patch: str = "{}", ci: bool = False):
 END_TO_END_CALLS = (
     # a fresh Python process: what only it shows (imports, sys.modules, exit codes, the CLI as a user runs it)
     "run_cli(",
+    "diagnose_ci(",
     "subprocess.",
     "sys.executable",
     # a whole diagnosis, training run or watched training of a training file, in this process
@@ -124,12 +179,26 @@ def runs_end_to_end(item: pytest.Item) -> bool:
     return any(_calls_end_to_end(d[-1].func, module, seen) for d in definitions if d and d[-1].func is not None)
 
 
+SPREAD_OVER_WORKERS = "SPREAD_OVER_WORKERS"
+"""A test module that sets this true has its tests spread over the xdist workers one by one; every other module's
+tests run on one worker together (``--dist loadgroup``), so that what a module caches in its process (a diagnosis,
+a module-scoped fixture) is computed once. Spread the modules of many independent fresh-process runs: a module of 75
+runs on one worker would be the suite's critical path."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups
 def pytest_collection_modifyitems(config, items):
     """Tests that run the product end to end are marked ``e2e`` (the fast tier, ``-m "not e2e"``, leaves them out);
-    tests marked ``cuda`` need a GPU: skipped where there is none (CI is CPU-only)."""
+    tests marked ``cuda`` need a GPU: skipped where there is none (CI is CPU-only). A module's tests are one xdist
+    group unless the module spreads them (:data:`SPREAD_OVER_WORKERS`)."""
     for item in items:
         if "e2e" not in item.keywords and runs_end_to_end(item):
             item.add_marker(pytest.mark.e2e)
+        if (
+            not getattr(getattr(item, "module", None), SPREAD_OVER_WORKERS, False)
+            and item.get_closest_marker("xdist_group") is None
+        ):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

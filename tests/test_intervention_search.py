@@ -12,15 +12,15 @@ import json
 
 import pytest
 import yaml
-from conftest import ROOT, run_cli
+from conftest import ROOT, diagnose_ci, run_cli
 
 FILES = ROOT / "tests" / "training_files"
 
 
 def diagnose(name: str, *extra: str) -> dict:
-    proc = run_cli("diagnose", FILES / name, "--ci", "--json", *extra)
+    proc = diagnose_ci(FILES / name, *extra)
     assert proc.returncode == 1, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
-    return json.loads(proc.stdout)
+    return proc.report()
 
 
 def search_stage(report: dict) -> dict:
@@ -110,8 +110,7 @@ def test_the_corrected_config_of_an_intervention_repair_is_healthy_when_diagnose
 
 @pytest.mark.parametrize("name", ["mlp.py", "loss_in_half.py"])
 def test_no_search_runs_where_every_symptom_is_explained(name):
-    proc = run_cli("diagnose", ROOT / "sample_models" / name, "--ci", "--json")
-    report = json.loads(proc.stdout)
+    report = diagnose_ci(ROOT / "sample_models" / name).report()
     assert search_stage(report)["status"] == "skipped"
     assert all(f["found_by"] == "rule" for f in report["findings"])
 

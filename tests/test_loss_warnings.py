@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, diagnose_ci, run_cli
 
 from fp16doctor.userfile.spec import load_training_file
 
@@ -68,7 +68,7 @@ def test_only_what_the_file_itself_defines_counts(training_file):
 
 
 def test_a_users_loss_fn_gets_both_warnings_and_the_exit_code_of_a_healthy_file():
-    proc = run_cli("diagnose", USERS_FILE, "--ci", "--json")
+    proc = diagnose_ci(USERS_FILE)
     assert proc.returncode == 0, proc.stderr[-2000:]  # warnings only: healthy exit code
     report = json.loads(proc.stdout)
     assert report["verdict"] == "healthy"

@@ -7,10 +7,11 @@ model and every training file under tests/training_files, each diagnosed by the 
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from conftest import ROOT, SAMPLES, run_cli
+from conftest import ROOT, SAMPLES, diagnose_ci
+
+SPREAD_OVER_WORKERS = True
+"""Independent fresh-process diagnoses: the workers share them out (see conftest.py)."""
 
 FILES = ROOT / "tests" / "training_files"
 SIBLING_MODULES = {"sibling_layers.py"}
@@ -25,9 +26,9 @@ EVERY_FILE = sorted(
 @pytest.mark.slow
 @pytest.mark.parametrize("path", EVERY_FILE, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_error_finding_has_a_tied_measured_symptom(path):
-    proc = run_cli("diagnose", path, "--ci", "--json")
+    proc = diagnose_ci(path)
     assert proc.returncode in (0, 1), f"exit {proc.returncode}: {proc.stderr[-2000:]}"
-    report = json.loads(proc.stdout)
+    report = proc.report()
     measured = {s["symptom"] for s in report["symptoms"]}
     for finding in report["findings"]:
         if finding["severity"] != "error":

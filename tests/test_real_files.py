@@ -11,7 +11,10 @@ import json
 
 import pandas as pd
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, diagnose_ci, run_cli
+
+SPREAD_OVER_WORKERS = True
+"""Independent fresh-process diagnoses: the workers share them out (see conftest.py)."""
 
 FILES = ROOT / "tests" / "training_files"
 HEALTHY = [
@@ -32,9 +35,9 @@ HEALTHY = [
 
 
 def diagnose_json(name: str, *extra: str, env: dict | None = None) -> tuple[int, dict, str]:
-    proc = run_cli("diagnose", FILES / name, "--ci", "--json", *extra, env=env)
+    proc = diagnose_ci(FILES / name, *extra, env=env)
     assert proc.returncode in (0, 1), f"exit {proc.returncode}: {proc.stderr[-2000:]}"
-    return proc.returncode, json.loads(proc.stdout), proc.stderr
+    return proc.returncode, proc.report(), proc.stderr
 
 
 @pytest.mark.parametrize("name", HEALTHY)

@@ -14,15 +14,15 @@ import json
 
 import pandas as pd
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, diagnose_ci, run_cli
 
 FILES = ROOT / "tests" / "training_files"
 
 
 def diagnose(name: str, *extra: str) -> tuple[int, dict]:
-    proc = run_cli("diagnose", FILES / name, "--ci", "--json", *extra)
+    proc = diagnose_ci(FILES / name, *extra)
     assert proc.returncode in (0, 1), f"exit {proc.returncode}: {proc.stderr[-2000:]}"
-    return proc.returncode, json.loads(proc.stdout)
+    return proc.returncode, proc.report()
 
 
 def amp_stage(report: dict) -> dict:

@@ -6,7 +6,7 @@ import json
 
 import torch
 import yaml
-from conftest import ROOT, SAMPLES, run_cli
+from conftest import ROOT, SAMPLES, diagnose_ci, run_cli
 
 from fp16doctor.diagnosis.findings import EvidenceRecord, Finding, Fix, Verification
 from fp16doctor.diagnosis.triage import demote_unrepairing, rank
@@ -79,7 +79,7 @@ def test_the_window_keeps_gradient_mass_not_element_counts():
 
 
 def test_fp32_divergence_at_a_schedule_jump_gets_the_precise_cause():
-    proc = run_cli("diagnose", FILES / "lr_jump_fp32_diverges.py", "--ci", "--json")
+    proc = diagnose_ci(FILES / "lr_jump_fp32_diverges.py")
     assert proc.returncode == 1, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     top, causes = report["findings"][0], [f["cause"] for f in report["findings"]]
