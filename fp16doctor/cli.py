@@ -545,6 +545,54 @@ def watch(
     guarded(debug, job)
 
 
+# --- logs: a failed run's history, read and classified (nothing is run) ----------------------------------------------
+
+
+@app.command()
+def logs(
+    paths: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Log files or run folders (trainer_state.json or an HF output_dir, metrics.csv, TensorBoard events, "
+            "wandb-history.jsonl, a capsule, DeepSpeed/fairseq/Megatron-LM text logs): one run's history.",
+            show_default=False,
+        ),
+    ],
+    reference: Annotated[
+        list[Path] | None,
+        typer.Option("--reference", help="The history of an FP32 run of the same training, to compare the loss with."),
+    ] = None,
+    json_: Json = False,
+    html: HtmlFile = None,
+    force: Force = False,
+    debug: Debug = False,
+) -> None:
+    """Read a run's history and name the patterns of trouble in it; nothing is run.
+
+    Exit 0 when no pattern is found, 1 with findings, 2 for a path or format it cannot read.
+    """
+
+    def job() -> int:
+        from .history import read_logs
+        from .output.history import logs_html, render_logs
+
+        if html is not None:
+            check_writable(html, force)
+        report = read_logs(list(paths), list(reference) if reference else None)
+        if html is not None:
+            atomic_write_text(html, logs_html(report, [str(p) for p in paths]))
+        if json_:
+            print_json(report.to_json())
+        else:
+            render_logs(report, out)
+            if html is not None:
+                out.print(f"[dim]HTML report written to {html}[/]")
+        return EXIT_OK if report.healthy else EXIT_FINDINGS
+
+    with stdout_for_json_only(json_):
+        guarded(debug, job, json_errors=json_)
+
+
 @app.command()
 def rules() -> None:
     """List the cause codes with what each rule looks for."""

@@ -73,6 +73,11 @@ class MemoryLimitError(DoctorError):
     whole diagnosis stands on (the FP32 baseline, AMP as configured) that ran out of memory."""
 
 
+class HistoryError(DoctorError):
+    """A run's history that ``fp16doctor logs`` cannot read: a missing path, a format it does not know, an empty
+    file, a corrupt JSON or CSV."""
+
+
 class ScriptError(DoctorError):
     """A script or module given to ``fp16doctor watch`` cannot be started: Python's message and exit code."""
 

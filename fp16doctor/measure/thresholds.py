@@ -65,3 +65,36 @@ CONSTANT_SPREAD = 4
 fill, or two masks' fills added: -1e9 and -2e9; values are told apart at about three significant digits, so -1e9
 plus scores of a few hundred is one); more, and it is an activation that grew (``exp(20)`` = 4.9e8 is
 large enough to look like a constant by its size alone: a user trial's hand-written softmax)."""
+
+# --- a run's history (fp16doctor logs) -------------------------------------------------------------
+COLLAPSE_HALVINGS = 8
+"""A loss scale 2^8 = 256x below its highest is collapsing (notes, "What failed runs leave behind": "a halving run
+to the minimum hours in means every step overflows at any scale"; eight halvings are eight skips in a row, past the
+watch's default streak of 5)."""
+COLLAPSED_SCALE = 1.0
+"""A scale at or below 1 has collapsed: gradients overflow even unscaled (DeepSpeed's default ``min_loss_scale``
+is 1; the watch's ``min_scale``)."""
+SKIP_STREAK = 5
+"""Skipped steps in a row past the scale's settling that make a streak (the watch's default ``--skip-streak``)."""
+LOG_SPIKE_FACTOR = 3.0
+"""A logged loss 3x the median of the rows before it is a spike (measured: the tests' healthy Trainer and
+Lightning runs stay under 1.5x; a logged row is often an interval's mean, which a single bad step moves less)."""
+SPIKE_BASELINE_ROWS = 20
+"""The rows before an event whose median loss a spike is compared with (the watch's ``spike_window``)."""
+LR_EVENT_STEPS = 10
+"""Trouble within 10 optimizer steps (or 3 logged rows, whichever is longer) after the LR's peak or jump is at
+it (notes: "the loss spiking three steps after warm-up ends")."""
+LR_JUMP_RATIO = 2.0
+"""An LR at least twice the logged one before it, to at least half the run's highest, is a jump (a linear
+warm-up's own steps exceed 2x only in its first two steps, far below its peak)."""
+GRAD_GROWTH_FACTOR = 10.0
+"""A gradient norm whose last third before the first non-finite step has a median 10x its first third's is
+growing (notes: "the gradient norm climbing for 200 steps before the first NaN")."""
+GRAD_GROWTH_ROWS = 6
+"""The finite gradient norms before the first non-finite step that a growth needs (two per third)."""
+STALL_FALL = 0.05
+"""A loss whose last tenth of the rows sits within 5% of its first tenth has not learned."""
+STALL_ROWS = 10
+"""The rows a stall needs (and the steps: ``STALL_STEPS``) before the doctor calls the loss stalled."""
+STALL_STEPS = 50
+"""The optimizer steps a stall needs to span."""
