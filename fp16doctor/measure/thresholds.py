@@ -87,6 +87,9 @@ it (notes: "the loss spiking three steps after warm-up ends")."""
 LR_JUMP_RATIO = 2.0
 """An LR at least twice the logged one before it, to at least half the run's highest, is a jump (a linear
 warm-up's own steps exceed 2x only in its first two steps, far below its peak)."""
+SCALE_GROWTH_SHARE = 0.01
+"""Skips recurring at a regular interval are the scaler's growth overshooting once they cost 1% of the steps (a
+growth_interval of about 100; PyTorch's default of 2000 costs 0.05%, DeepSpeed's loss_scale_window of 1000 0.1%)."""
 GRAD_GROWTH_FACTOR = 10.0
 """A gradient norm whose last third before the first non-finite step has a median 10x its first third's is
 growing (notes: "the gradient norm climbing for 200 steps before the first NaN")."""

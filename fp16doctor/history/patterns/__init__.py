@@ -131,6 +131,7 @@ def all_patterns() -> list[Pattern]:
     from .fp32_reference import BehindFp32
     from .grad_norm_growth import GradNormGrowth
     from .lr_peak import LrPeakTrouble
+    from .nonfinite_loss import NonfiniteLoss
     from .pinned_stall import PinnedStall
     from .recurring_overflow import RecurringOverflow
     from .scale_collapse import ScaleCollapse
@@ -143,12 +144,14 @@ def all_patterns() -> list[Pattern]:
         LrPeakTrouble(),
         GradNormGrowth(),
         PinnedStall(),
+        NonfiniteLoss(),
         BehindFp32(),
     ]
 
 
 def _covered(finding: LogFinding, by: LogFinding) -> bool:
-    return by.first_step <= finding.first_step and finding.last_step <= by.last_step
+    """``by`` already explains where ``finding`` starts (a NaN loss inside a collapse, a streak inside it)."""
+    return by.first_step <= finding.first_step <= by.last_step
 
 
 def classify(history: History, reference: History | None = None) -> list[LogFinding]:

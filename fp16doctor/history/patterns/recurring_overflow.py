@@ -5,7 +5,8 @@ At a regular interval, with the scale back where it was between them, they are t
 between the skips is about that ``growth_interval``). Past a quarter of the steps, irregular, they are a scale
 that stays too high (``scale-overflow``, as that rule's ``PERSISTENT_OVERFLOW_SHARE``). Below that, the
 ``skips`` symptom alone: ``RECURRING_SKIPS`` skips making up ``RECURRING_SHARE`` of the steps, as the doctor
-measures it. A default GradScaler skips about once per 2000 steps: that is not recurring.
+measures it. Regular skips count once they cost ``SCALE_GROWTH_SHARE`` of the steps: a default GradScaler skips
+about once per 2000 steps, and that is its growth working.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ...measure.thresholds import (
     RECURRING_SHARE,
     RECURRING_SKIPS,
     SCALE_GROWTH_RECURRENCES,
+    SCALE_GROWTH_SHARE,
 )
 from ..records import History
 from . import Certainty, LogFinding, Pattern, PatternEvidence
@@ -63,7 +65,7 @@ class RecurringOverflow(Pattern):
         settled_at = int(history.step[taken])
         later = [s for s in skipped_steps(history) if s > settled_at]
         attempted = int(history.span[taken + 1 :].sum()) if taken + 1 < len(history) else 0
-        if len(later) < RECURRING_SKIPS or attempted == 0 or len(later) / attempted < RECURRING_SHARE:
+        if len(later) < RECURRING_SKIPS or attempted == 0 or len(later) / attempted < SCALE_GROWTH_SHARE:
             return []
         share = len(later) / attempted
         groups = runs(later)
@@ -72,6 +74,8 @@ class RecurringOverflow(Pattern):
             sum(gaps) / len(gaps)
         )
         holds = self._scale_holds(history, later)
+        if not (regular and holds is not False) and share < RECURRING_SHARE:
+            return []
         evidence = RecurringOverflowEvidence(
             skipped_after_settling=len(later),
             steps_after_settling=attempted,

@@ -61,17 +61,17 @@ class ScaleCollapse(Pattern):
         taken = first_taken_row(history)
         taken_step = None if taken is None else int(history.step[taken])
         # a fresh scaler's settling skips before its first step taken are not the fall: it starts from there on
-        begin = 0 if taken_step is None else min(int(np.searchsorted(steps, taken_step)), len(scales) - 1)
         settling = [s for s in skipped if taken_step is None or s < taken_step]
-        if len(settling) > CALIBRATION_SKIPS:
-            begin = 0
+        past_settling = taken_step is not None and len(settling) <= CALIBRATION_SKIPS
+        begin = min(int(np.searchsorted(steps, taken_step)), len(scales) - 1) if past_settling else 0
         peak = begin + int(np.argmax(scales[begin:]))
         low = peak + int(np.argmin(scales[peak:]))
         halvings = math.log2(scales[peak] / scales[low]) if scales[low] > 0 else math.inf
         at_floor = scales[low] <= COLLAPSED_SCALE or message is not None
         start, end = int(steps[peak]), int(steps[low])
-        in_fall = [s for s in skipped if start <= s <= end + 1]
-        leading = taken_step is None or taken_step > end
+        after = taken_step if past_settling and taken_step is not None else start - 1
+        in_fall = [s for s in skipped if max(start, after + 1) <= s <= end + 1]
+        leading = taken_step is None or taken_step >= end
         settled = not at_floor and leading and low < len(scales) - 1
         if settled and len(in_fall) > CALIBRATION_SKIPS:
             return [self._settling(history, start, end, float(scales[peak]), float(scales[low]), halvings, in_fall)]

@@ -1,7 +1,8 @@
 """A streak of skipped steps after the scale settled: the optimizer stood still for several steps in a row.
 
 ``SKIP_STREAK`` in a row (the watch's default alarm) past the first step taken; the leading skips of a fresh
-scaler settling are the scale collapse's to read. A streak that ends in the scale's collapse is that finding's.
+scaler settling are the scale collapse's to read. A streak that ends a collapse, a climbing gradient norm or the
+LR's jump is that finding's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class SkipStreak(Pattern):
     name = "skip-streak"
     evidence_type: ClassVar[type[PatternEvidence]] = SkipStreakEvidence
     needs = ()
-    subsumed_by = ("scale-collapse",)
+    subsumed_by = ("scale-collapse", "grad-norm-growth", "lr-peak-trouble")
 
     def check(self, history: History) -> list[LogFinding]:
         taken = first_taken_row(history)

@@ -1,0 +1,64 @@
+"""The loss turns inf/NaN: the ``nonfinite`` symptom, read off the log where no other pattern explains it.
+
+Every non-finite logged loss (and Megatron-LM's counted NaN iterations). A collapse of the scale, a gradient norm
+climbing before it, or an LR event right before it says more, and takes its steps; alone, the log shows where the
+training broke, not why: the diagnosis from the checkpoint before it (or the watch's capsule) measures that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..records import History
+from . import Certainty, LogFinding, Pattern, PatternEvidence
+
+
+@dataclass(frozen=True)
+class NonfiniteLossEvidence(PatternEvidence):
+    """Where the loss went non-finite, and how often."""
+
+    first_nonfinite_step: int
+    nonfinite_steps: int
+    """Steps with a non-finite loss (as logged or counted)."""
+    last_finite_loss: float | None
+    """The last finite loss logged before the first non-finite one."""
+
+
+class NonfiniteLoss(Pattern):
+    name = "nonfinite-loss"
+    evidence_type: ClassVar[type[PatternEvidence]] = NonfiniteLossEvidence
+    needs = ()
+    subsumed_by = ("scale-collapse", "grad-norm-growth", "lr-peak-trouble")
+
+    def check(self, history: History) -> list[LogFinding]:
+        counts = history.nonfinite()
+        rows = np.flatnonzero(counts > 0)
+        if not len(rows):
+            return []
+        first = int(rows[0])
+        before = history.values["loss"][:first][history.present["loss"][:first]]
+        finite = before[np.isfinite(before)]
+        steps = [int(s) for s in history.step[rows]]
+        evidence = NonfiniteLossEvidence(steps[0], int(counts.sum()), float(finite[-1]) if len(finite) else None)
+        return [
+            self.finding(
+                _where(int(counts.sum()), steps[0], steps[-1]),
+                steps,
+                Certainty.SHOWN,
+                "The log shows the non-finite loss; nothing before it in the log (no collapse of the scale, no "
+                "climbing gradient norm, no LR event) says why.",
+                evidence,
+                symptoms=("nonfinite",),
+            )
+        ]
+
+
+def _where(count: int, first: int, last: int) -> str:
+    if count == 1:
+        return f"The loss is non-finite at step {first}"
+    if first == last:  # counted in one logging interval (Megatron-LM's nan iterations)
+        return f"The loss is non-finite at {count} steps of the interval ending at step {first}"
+    return f"The loss is non-finite at {count} steps, from step {first} to {last}"
