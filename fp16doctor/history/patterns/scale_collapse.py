@@ -63,7 +63,7 @@ class ScaleCollapse(Pattern):
         # a fresh scaler's settling skips before its first step taken are not the fall: it starts from there on
         settling = [s for s in skipped if taken_step is None or s < taken_step]
         past_settling = taken_step is not None and len(settling) <= CALIBRATION_SKIPS
-        begin = min(int(np.searchsorted(steps, taken_step)), len(scales) - 1) if past_settling else 0
+        begin = min(int(np.searchsorted(steps, taken_step or 0)), len(scales) - 1) if past_settling else 0
         peak = begin + int(np.argmax(scales[begin:]))
         low = peak + int(np.argmin(scales[peak:]))
         halvings = math.log2(scales[peak] / scales[low]) if scales[low] > 0 else math.inf
