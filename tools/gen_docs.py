@@ -823,6 +823,8 @@ def json_page() -> str:
         documented.add(comparison)
         compare_part = section(comparison, "`compare --json`: Comparison", name="comparison") + drain()
 
+    logs_part = logs_json_part(section, drain, documented)
+
     error_rows = [
         [f"`{name}`", f"`{getattr(obj, 'exit_code', '')}`", inline(summary(inspect.getdoc(obj)))]
         for name, obj in vars(errors).items()
@@ -833,8 +835,9 @@ def json_page() -> str:
         "",
         "# JSON output",
         "",
-        "The shape of `fp16doctor diagnose --json` and `fp16doctor compare --json`, read from the records' `to_json`",
-        "methods, their fields and their attribute docstrings. Each command prints one JSON object on stdout and",
+        "The shape of `fp16doctor diagnose --json`, `fp16doctor compare --json` and `fp16doctor logs --json`, read",
+        "from the records' `to_json` methods, their fields and their attribute docstrings. Each command prints one",
+        "JSON object on stdout and",
         "nothing else; what the output means, with examples: [JSON output and exit codes](../json.md). The Python API",
         "returns the same records: `fp16doctor.diagnose(...).to_json()` is this object.",
         "",
@@ -844,6 +847,7 @@ def json_page() -> str:
         *diagnosis_part,
         *evidence_part,
         *compare_part,
+        *logs_part,
         "",
         "## Bad input under `--json` {#error}",
         "",
@@ -863,10 +867,88 @@ def json_page() -> str:
     return "\n".join(out) + "\n"
 
 
+def logs_json_part(
+    section: Callable[..., list[str]], drain: Callable[[], list[str]], documented: set[type]
+) -> list[str]:
+    """``logs --json``: the report's records, then each pattern's evidence record."""
+    try:
+        history = importlib.import_module("fp16doctor.history")
+        patterns = importlib.import_module("fp16doctor.history.patterns")
+    except ImportError:
+        return []
+    report = history.LogsReport
+    documented.add(report)
+    lines = section(report, "`logs --json`: LogsReport", name="logsreport") + drain()
+    lines += [
+        "",
+        "### Evidence by pattern {#log-evidence}",
+        "",
+        "A log finding's `evidence` object holds its pattern's record: the keys below, in this order. Non-finite",
+        'numbers are the strings `"inf"`, `"-inf"` and `"nan"`.',
+    ]
+    for pattern in patterns.all_patterns():
+        record = type(pattern).evidence_type
+        lines += section(record, f"`{pattern.name}`: {record.__name__}", "####", f"log-evidence-{pattern.name}")
+    return lines
+
+
+def log_formats_page() -> str:
+    """What each log format carries, from the readers' own declarations."""
+    formats = importlib.import_module("fp16doctor.history.formats")
+    records = importlib.import_module("fp16doctor.history.records")
+    names = importlib.import_module("fp16doctor.history.formats.names")
+    quantities = list(records.QUANTITIES)
+    readers = formats.all_readers()
+
+    def mark(text: str) -> str:
+        return "no" if not text else "if logged" if text.startswith(names.IF_LOGGED) else "yes"
+
+    out = [
+        NOTE,
+        "",
+        "# Log formats",
+        "",
+        "What `fp16doctor logs` reads, and what each format carries per step, from the readers' own declarations",
+        '(`fp16doctor.history.formats`). "if logged": the format stores what the training logs by name; the names',
+        "read are listed below. How the command reads and classifies them: [fp16doctor logs](../logs.md).",
+        "",
+        table(
+            ["format", "file", *[f"`{q.value}`" for q in quantities]],
+            [[f"[`{r.name}`](#{r.name})", inline(r.title), *[mark(r.carries[q]) for q in quantities]] for r in readers],
+        ),
+        "",
+        "## The quantities {#quantities}",
+        "",
+        table(
+            ["quantity", "what it is"],
+            [[f"`{q.value}`", inline(attribute_docs(records.Quantity).get(q.name, ""))] for q in quantities],
+        ),
+    ]
+    for reader in readers:
+        out += [
+            "",
+            f"## `{reader.name}` {{#{reader.name}}}",
+            "",
+            inline(reader.title) + ".",
+            "",
+            markdown(inspect.getdoc(reader)),
+        ]
+        out += ["", f"* Source: {inline(reader.source)}.", f"* Steps: {inline(reader.steps)}."]
+        out += [
+            "",
+            table(
+                ["quantity", "carried as"],
+                [[f"`{q.value}`", inline(reader.carries[q]) or "not carried"] for q in quantities],
+            ),
+        ]
+    return "\n".join(out) + "\n"
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "causes.md": causes_page,
     "config.md": config_page,
     "json.md": json_page,
+    "log-formats.md": log_formats_page,
 }
 
 

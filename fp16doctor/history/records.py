@@ -67,7 +67,9 @@ class Checkpoint:
     """A checkpoint found beside the logs, and the optimizer step it holds."""
 
     path: Path
+    """The checkpoint's file or folder."""
     step: int
+    """The optimizer step it was written at (read off its name)."""
     kind: str
     """Which layout: ``hf`` (checkpoint-N/), ``lightning`` (.ckpt), ``fp16doctor`` (step_N.pt), ``deepspeed``
     (global_stepN/), ``megatron`` (iter_N/), ``fairseq`` (checkpoint_E_U.pt)."""
@@ -99,9 +101,11 @@ class LogSource:
     """One file read: its format, how many rows it gave, and what it carried."""
 
     path: Path
+    """The file (or one-history folder) read."""
     format: str
     """The reader's name (the log formats reference)."""
     rows: int
+    """The rows it gave."""
     carried: list[str]
     """The quantities present in at least one row."""
     notes: list[str] = field(default_factory=list)

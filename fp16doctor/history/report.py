@@ -49,7 +49,7 @@ class LogsReport:
         return self.history.summary_json()
 
     def reference_summary(self) -> dict[str, Any] | None:
-        """The FP32 reference's rows, steps and what it carried (``--reference``); None without one."""
+        """The FP32 reference's rows, steps and what it carried (``--reference``); null without one."""
         return self.reference.summary_json() if self.reference is not None else None
 
     def to_json(self) -> dict[str, Any]:

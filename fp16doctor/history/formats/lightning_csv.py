@@ -9,7 +9,7 @@ from ...errors import HistoryError
 from ..records import HistoryBuilder, HistoryRow, Quantity
 from . import Reader, Reading, csv_rows
 from .doctor_run import DOCTOR_COLUMNS
-from .names import names_text, pick
+from .names import logged_as, pick
 
 
 class LightningMetrics(Reader):
@@ -21,13 +21,11 @@ class LightningMetrics(Reader):
     source = "lightning `src/lightning/fabric/loggers/csv_logs.py` (`_ExperimentWriter.log_metrics` adds `step`)"
     steps = "`step` is the trainer's `global_step`; a row per step with `log_every_n_steps=1`, else one per interval"
     carries: ClassVar[dict[Quantity, str]] = {
-        Quantity.LOSS: "when logged under " + names_text(Quantity.LOSS),
-        Quantity.LOSS_SCALE: "when logged under " + names_text(Quantity.LOSS_SCALE),
-        Quantity.SKIPPED: "when logged under "
-        + names_text(Quantity.SKIPPED)
-        + "; else read off a logged scale falling",
-        Quantity.GRAD_NORM: "when logged under " + names_text(Quantity.GRAD_NORM),
-        Quantity.LR: "when logged under " + names_text(Quantity.LR),
+        Quantity.LOSS: logged_as(Quantity.LOSS),
+        Quantity.LOSS_SCALE: logged_as(Quantity.LOSS_SCALE),
+        Quantity.SKIPPED: logged_as(Quantity.SKIPPED) + "; else read off a logged scale falling",
+        Quantity.GRAD_NORM: logged_as(Quantity.GRAD_NORM),
+        Quantity.LR: logged_as(Quantity.LR),
     }
 
     @classmethod

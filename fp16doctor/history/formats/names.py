@@ -73,6 +73,15 @@ def pick(keys: Iterable[str]) -> dict[Quantity, str]:
     return chosen
 
 
+IF_LOGGED = "when logged, under "
+"""How a format that stores whatever the training logs by name declares a quantity (the reference's "if logged")."""
+
+
+def logged_as(quantity: Quantity) -> str:
+    """A keyed format's declaration of ``quantity``: carried when logged, under these names."""
+    return IF_LOGGED + names_text(quantity)
+
+
 def names_text(quantity: Quantity) -> str:
     """The names, for the formats reference."""
     extra = ", ``lr-<Optimizer>``" if quantity is Quantity.LR else ""

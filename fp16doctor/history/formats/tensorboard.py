@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from ...errors import HistoryError
 from ..records import HistoryBuilder, HistoryRow, Quantity
 from . import Reader, Reading
-from .names import names_text, pick
+from .names import logged_as, pick
 
 EVENTS_PREFIX = "events.out.tfevents."
 EXTRA_HINT = "TensorBoard event files need TensorBoard's reader: pip install 'fp16doctor[tensorboard]'."
@@ -58,11 +58,11 @@ class TensorBoardEvents(Reader):
     )
     steps = "the event's `step` as the writer gave it (DeepSpeed's monitor writes samples seen, not steps)"
     carries: ClassVar[dict[Quantity, str]] = {
-        Quantity.LOSS: "tag " + names_text(Quantity.LOSS),
-        Quantity.LOSS_SCALE: "tag " + names_text(Quantity.LOSS_SCALE),
-        Quantity.SKIPPED: "tag " + names_text(Quantity.SKIPPED) + "; else read off a logged scale falling",
-        Quantity.GRAD_NORM: "tag " + names_text(Quantity.GRAD_NORM),
-        Quantity.LR: "tag " + names_text(Quantity.LR),
+        Quantity.LOSS: logged_as(Quantity.LOSS),
+        Quantity.LOSS_SCALE: logged_as(Quantity.LOSS_SCALE),
+        Quantity.SKIPPED: logged_as(Quantity.SKIPPED) + "; else read off a logged scale falling",
+        Quantity.GRAD_NORM: logged_as(Quantity.GRAD_NORM),
+        Quantity.LR: logged_as(Quantity.LR),
     }
 
     @classmethod

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 from ...errors import HistoryError
 from ..records import HistoryBuilder, HistoryRow, Quantity
 from . import Reader, Reading
-from .names import STEP_NAMES, names_text, pick
+from .names import STEP_NAMES, logged_as, pick
 
 HISTORY_FILE = "wandb-history.jsonl"
 
@@ -37,11 +37,11 @@ class WandbHistory(Reader):
     )
     steps = "the trainer's logged step where there is one (`train/global_step`), else `_step` (one per log call)"
     carries: ClassVar[dict[Quantity, str]] = {
-        Quantity.LOSS: "key " + names_text(Quantity.LOSS),
-        Quantity.LOSS_SCALE: "key " + names_text(Quantity.LOSS_SCALE),
-        Quantity.SKIPPED: "key " + names_text(Quantity.SKIPPED) + "; else read off a logged scale falling",
-        Quantity.GRAD_NORM: "key " + names_text(Quantity.GRAD_NORM),
-        Quantity.LR: "key " + names_text(Quantity.LR),
+        Quantity.LOSS: logged_as(Quantity.LOSS),
+        Quantity.LOSS_SCALE: logged_as(Quantity.LOSS_SCALE),
+        Quantity.SKIPPED: logged_as(Quantity.SKIPPED) + "; else read off a logged scale falling",
+        Quantity.GRAD_NORM: logged_as(Quantity.GRAD_NORM),
+        Quantity.LR: logged_as(Quantity.LR),
     }
 
     @classmethod

@@ -8,7 +8,7 @@ A pattern returns :class:`LogFinding` records: the steps, how sure the logs alon
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any, ClassVar
 
@@ -32,10 +32,11 @@ class Certainty(StrEnum):
 
 @dataclass(frozen=True)
 class PatternEvidence:
-    """The numbers a pattern read off the history; each field is a key of the finding's JSON ``evidence``."""
+    """The numbers a pattern read off the history: each pattern's own record, whose fields are the keys of the
+    finding's ``evidence`` (listed per pattern under "Evidence by pattern")."""
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: jsonable(getattr(self, f.name)) for f in fields(self)}
+        return {k: jsonable(v) for k, v in self.__dict__.items()}
 
 
 @dataclass(frozen=True)
@@ -47,17 +48,20 @@ class LogFinding:
     title: str
     """The finding in a sentence, with its numbers."""
     cause: str | None
-    """The doctor's cause code this pattern points at (the causes reference); None: the logs cannot name one."""
+    """The doctor's cause code this pattern points at (the causes reference); null: the logs cannot name one."""
     symptoms: list[str]
     """The doctor's symptom codes the history shows."""
     steps: list[int]
     """The steps the pattern covers (the first 30)."""
     first_step: int
+    """The first step of the trouble (the steps listed may stop before ``last_step``)."""
     last_step: int
+    """The last step of the trouble."""
     certainty: Certainty
     reason: str
     """Why it is as sure as it is, and what the logs cannot tell."""
     evidence: PatternEvidence
+    """The pattern's own record of the numbers it read (per pattern: "Evidence by pattern")."""
     next_command: str = ""
     """What to run next: ``diagnose --capsule``, ``diagnose --from-checkpoint`` with the checkpoint nearest before
     ``first_step``, or ``watch`` where no checkpoint is there."""
