@@ -96,7 +96,7 @@ growing (notes: "the gradient norm climbing for 200 steps before the first NaN")
 GRAD_GROWTH_ROWS = 6
 """The finite gradient norms before the first non-finite step that a growth needs (two per third)."""
 STALL_FALL = 0.05
-"""A loss whose last tenth of the rows sits within 5% of its first tenth has not learned."""
+"""A loss whose last tenth of the rows sits within 5% of where it started (its first hundredth) has not learned."""
 STALL_ROWS = 10
 """The rows a stall needs (and the steps: ``STALL_STEPS``) before the doctor calls the loss stalled."""
 STALL_STEPS = 50

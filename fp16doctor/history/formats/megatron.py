@@ -20,10 +20,45 @@ from dataclasses import replace
 from typing import ClassVar
 
 from ..records import HistoryRow, Quantity
-from .text import NUMBER, TextFormat, as_float
+from .text import TextFormat
 
 ITERATION = re.compile(r"\biteration\s+(?P<iteration>\d+)\s*/\s*\d+\s*\|")
-FIELD = re.compile(rf"\|\s*(?P<key>[A-Za-z][A-Za-z0-9 _\-/()]*?):\s*(?P<value>{NUMBER})\s*(?=\|)")
+KEYS = {
+    "lr": " learning rate: ",
+    "loss": " lm loss: ",
+    "loss_scale": " loss scale: ",
+    "grad_norm": " grad norm: ",
+    "skipped": " number of skipped iterations: ",
+    "nonfinite": " number of nan iterations: ",
+}
+"""The fields read, as ``training_log`` writes them (each ends at the next ``|``)."""
+OTHER_LOSS = re.compile(r"\|\s*([A-Za-z][\w \-]*?loss):\s*([^|]+?)\s*\|")
+"""A loss logged under another name (``loss``, ``lm-loss``): the first ``... loss:`` field that is no validation's."""
+
+
+def fields_of(line: str, start: int) -> dict[str, float]:
+    """The fields the doctor reads, found by ``str.find`` (no regular expression per field: a million lines in
+    seconds)."""
+    found: dict[str, float] = {}
+    for name, key in KEYS.items():
+        at = line.find(key, start)
+        if at < 0:
+            continue
+        begin = at + len(key)
+        end = line.find("|", begin)
+        try:
+            found[name] = float(line[begin : end if end >= 0 else None])
+        except ValueError:
+            continue
+    if "loss" not in found and "loss:" in line:
+        for match in OTHER_LOSS.finditer(line, start - 1):
+            if "validation" not in match.group(1):
+                try:
+                    found["loss"] = float(match.group(2))
+                except ValueError:
+                    continue
+                break
+    return found
 
 
 class MegatronLog(TextFormat):
@@ -55,20 +90,18 @@ class MegatronLog(TextFormat):
         if not match:
             return
         self.matched += 1
-        fields = {m.group("key").strip(): as_float(m.group("value")) for m in FIELD.finditer(line, match.end() - 1)}
-        loss_key = next((k for k in fields if k.endswith("loss") and "validation" not in k), None)
-        skipped = fields.get("number of skipped iterations")
-        nan = fields.get("number of nan iterations")
+        fields = fields_of(line, match.end())
+        skipped, nan = fields.get("skipped"), fields.get("nonfinite")
         step = int(match.group("iteration"))
         row = HistoryRow(
             step=step,
             steps=step - self.last_step if self.last_step is not None else 1,
-            loss=fields.get(loss_key) if loss_key else None,
-            loss_scale=fields.get("loss scale"),
+            loss=fields.get("loss"),
+            loss_scale=fields.get("loss_scale"),
             skipped=None if skipped is None else int(skipped),
             nonfinite=None if nan is None else int(nan),
-            grad_norm=fields.get("grad norm"),
-            lr=fields.get("learning rate"),
+            grad_norm=fields.get("grad_norm"),
+            lr=fields.get("lr"),
         )
         if self.held is not None:
             self.add(replace(self.held, steps=max(step - self.held.step, 1)))

@@ -19,7 +19,7 @@ NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|inf|nan|Inf
 
 
 def as_float(text: str) -> float:
-    return float(text.replace("Infinity", "inf"))
+    return float(text)  # Python reads "inf", "nan", "Infinity" and "NaN" as logs print them
 
 
 class TextFormat(Reader):

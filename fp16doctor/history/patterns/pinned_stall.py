@@ -1,7 +1,7 @@
 """The loss stalls while the loss scale is pinned at one value for the whole run.
 
 Over at least ``STALL_ROWS`` rows and ``STALL_STEPS`` steps the loss's last tenth sits within ``STALL_FALL`` of
-its first tenth, and the scale never moved: no overflow (that would halve it) and no growth (a dynamic scaler
+its start (the first hundredth of the rows, three at least), and the scale never moved: no overflow (that would halve it) and no growth (a dynamic scaler
 doubles it every growth_interval clean steps). A scale that never moves is static or capped; a training that does
 not learn under it loses its updates (weights stored in half precision: ``lost-updates``) or its gradients (a
 scale too low: ``grad-underflow``, named when the scale is pinned at or below 1 yet not at exactly 1.0, which is
@@ -30,7 +30,7 @@ class PinnedStallEvidence(PatternEvidence):
 
     scale: float
     loss_start: float
-    """The median loss of the first tenth of the rows."""
+    """The median loss of the first hundredth of the rows (three at least)."""
     loss_end: float
     """The median loss of the last tenth."""
     fall: float
@@ -51,8 +51,8 @@ class PinnedStall(Pattern):
             return []
         if not np.isfinite(losses).all():
             return []
-        tenth = max(len(losses) // 10, 1)
-        start, end = float(np.median(losses[:tenth])), float(np.median(losses[-tenth:]))
+        head, tail = max(len(losses) // 100, 3), max(len(losses) // 10, 1)
+        start, end = float(np.median(losses[:head])), float(np.median(losses[-tail:]))
         fall = (start - end) / abs(start) if start else 0.0
         if fall >= STALL_FALL:
             return []
