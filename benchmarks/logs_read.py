@@ -17,10 +17,10 @@ with ``time.perf_counter``; the process's peak resident memory after each is rep
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import tempfile
 import time
-import resource
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
