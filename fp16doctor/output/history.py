@@ -64,7 +64,7 @@ def _thinned(history: History) -> np.ndarray:
 def history_figure(report: LogsReport) -> Any:
     """Loss, loss scale, skips, gradient norm and LR over the steps, one panel each on a shared axis, the steps of
     every finding shaded."""
-    from .plots import Figure, _pyplot, _svg
+    from .plots import Figure, _log_if_wide, _pyplot, _svg
 
     history = report.history
     rows = _thinned(history)
@@ -84,15 +84,22 @@ def history_figure(report: LogsReport) -> Any:
             ax.plot(steps[mask], finite, linewidth=1.1, drawstyle="steps-post" if quantity == "loss_scale" else None)
             if quantity in ("loss_scale", "grad_norm", "lr") and np.isfinite(finite).any():
                 ax.set_yscale("log", base=2 if quantity == "loss_scale" else 10)
+            elif quantity == "loss":
+                _log_if_wide(ax, [float(v) for v in finite])  # a spike must not flatten the rest
             bad = steps[mask][~np.isfinite(values)]
             if len(bad):
                 ax.plot(bad, [1.0] * len(bad), "x", color="#d62728", transform=ax.get_xaxis_transform(), markersize=5)
             ax.set_ylabel(quantity.replace("_", " "))
-    for finding in report.findings:
+    for i, finding in enumerate(report.findings):
         for ax in axes[:, 0]:
             ax.axvspan(finding.first_step, max(finding.last_step, finding.first_step + 1), color="#d62728", alpha=0.12)
-        axes[0, 0].annotate(
-            finding.pattern, (finding.first_step, 1.0), xycoords=("data", "axes fraction"), fontsize=7, va="bottom"
+        axes[0, 0].annotate(  # one line per finding above the first panel: the names never overlap
+            finding.pattern,
+            (finding.first_step, 1.02 + 0.15 * i),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            va="bottom",
+            annotation_clip=False,
         )
     axes[-1, 0].set_xlabel("optimizer step")
     return Figure(
