@@ -25,17 +25,19 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"core", "userfile", "precision"},
     "measure": {"core", "userfile", "precision", "engine"},
     "diagnosis": {"core", "userfile", "precision", "engine", "measure"},
-    "output": {"core", "measure", "diagnosis"},
+    "output": {"core", "measure", "diagnosis", "history"},
     "run": {"core", "userfile", "precision", "engine", "measure"},
     "live": {"core", "userfile", "precision", "engine"},
+    "history": {"core", "measure"},
     "public": {"live"},
     "api": {"core", "userfile", "engine", "measure", "diagnosis", "run", "live", "public"},
-    "cli": {"core", "userfile", "engine", "measure", "diagnosis", "output", "run", "live", "api"},
+    "cli": {"core", "userfile", "engine", "measure", "diagnosis", "output", "run", "live", "api", "history"},
 }
 """What each layer may import. ``output`` renders records and never measures (no engine); ``live`` runs
 inside someone else's training and never pulls in the diagnosis; ``public`` are the stable import paths
 (``fp16doctor.watch``, ``fp16doctor.integrations.*``) that re-export ``live``; ``api`` (``fp16doctor.diagnose``,
-``compare``, ``load``) runs what the commands run and returns records, never rendering them (no ``output``)."""
+``compare``, ``load``) runs what the commands run and returns records, never rendering them (no ``output``);
+``history`` reads what a finished run left behind and runs nothing (the thresholds of ``measure``, no engine)."""
 
 
 def layer_of(module: str) -> str:
