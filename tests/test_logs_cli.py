@@ -82,6 +82,9 @@ def test_lightning_runs_healthy_and_diverging(tmp_path):
     assert found["scale-collapse"]["cause"] is None and found["scale-collapse"]["evidence"]["lowest_scale"] < 1
     assert found["grad-norm-growth"]["evidence"]["growth"] > 10
     assert found["grad-norm-growth"]["next_command"].startswith("fp16doctor watch")  # its checkpoint is after
+    # the healthy run as the reference the diverging one is read against: it ends far behind it
+    code, report = logs_json(tmp_path / "diverging", "--reference", tmp_path / "healthy")
+    assert report["reference"]["rows"] == 60 and "behind-fp32" in {f["pattern"] for f in report["findings"]}
 
 
 @pytest.mark.parametrize(
