@@ -12,7 +12,7 @@ from .patterns import LogFinding, classify, with_next
 from .read import read_history
 from .records import Checkpoint, History, LogEvent, LogSource
 
-TRAINING_FILE = "TRAINING_FILE.py"
+WATCH_RERUN = "fp16doctor watch YOUR_TRAINING_SCRIPT.py ARGS"
 """The placeholder the next command names the training file by: a log does not say which file trained."""
 
 
@@ -77,15 +77,17 @@ def next_step(finding: LogFinding, history: History) -> LogFinding:
         )
     checkpoint = nearest_before(history.checkpoints, finding.first_step)
     if checkpoint is not None:
+        # diagnose cannot start from a trained state yet: the watch, resumed from there, captures the bad step
         return with_next(
             finding,
-            f"fp16doctor diagnose {TRAINING_FILE} --from-checkpoint {checkpoint.path} --from-step {checkpoint.step}",
-            f"the checkpoint of step {checkpoint.step} is the newest before the trouble (step {finding.first_step}): "
-            "the diagnosis starts there, on the trained state",
+            WATCH_RERUN,
+            f"resume the run from {checkpoint.path} (step {checkpoint.step}, the newest checkpoint before the trouble "
+            f"at step {finding.first_step}) under the watch: it stops at the first bad step and writes a replay "
+            "capsule for diagnose --capsule",
         )
     return with_next(
         finding,
-        "fp16doctor watch YOUR_TRAINING_SCRIPT.py ARGS",
+        WATCH_RERUN,
         "no checkpoint before the trouble beside the logs: rerun under the watch, which stops at the first bad "
         "step and writes a replay capsule for diagnose --capsule",
     )
