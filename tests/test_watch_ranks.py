@@ -19,7 +19,7 @@ from fp16doctor.live.ranks import (
     rank_story,
     total_checksum,
 )
-from fp16doctor.live.sharding import Topology, local_part
+from fp16doctor.live.sharding import Topology
 from fp16doctor.live.watch import Watch, WatchOptions
 
 OWN = ["body.0.weight", "body.2.weight", "body.2.bias"]
@@ -91,11 +91,6 @@ def test_a_checksum_tells_apart_weights_that_differ_by_one_bit():
     assert first_divergent([same.tolist(), same.tolist()]) is None
 
 
-def test_a_plain_tensor_is_its_own_local_part():
-    t = torch.ones(3)
-    assert local_part(t) is t
-
-
 def train(steps=6, observer=None):
     """A small AMP loop; its losses and final weights."""
     torch.manual_seed(0)
@@ -155,3 +150,70 @@ def test_the_api_watch_reports_its_own_failure_as_a_warning(tmp_path, monkeypatc
         with fp16doctor.watch(capsule_dir=tmp_path) as watching:
             train(steps=3)
     assert watching.alarms == []
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of one rank in this process (gloo): the wrappers run, the reduction is the identity."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def wrapped(kind):
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    if kind == "DDP":
+        return DistributedDataParallel(model)
+    if kind == "DDP, gradients as bucket views":
+        return DistributedDataParallel(model, gradient_as_bucket_view=True)
+    if kind == "FSDP1":
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    fully_shard(model)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use `NO_SHARD`")
+@pytest.mark.parametrize("kind", ["DDP", "DDP, gradients as bucket views", "FSDP1", "FSDP2"])
+def test_each_wrappers_own_gradients_are_checked_before_the_reduction_and_name_the_first_module(
+    tmp_path, one_rank, kind
+):
+    """A NaN in the batch of step 2's second micro-batch: the own gradients are non-finite from there on, named by
+    the module the backward reached first (the last layer); the steps before are finite, and the numbers are the
+    unwatched run's."""
+
+    def run(observer=None):
+        model = wrapped(kind)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(3)
+        seen = []
+        for step in range(3):
+            optimizer.zero_grad()
+            for micro_batch in range(2):
+                x = torch.randn(4, 8, generator=g)
+                if step == 2 and micro_batch == 1:
+                    x[0, 0] = float("nan")
+                model(x).square().mean().backward()
+            optimizer.step()
+            if observer is not None:
+                seen.append(next(iter(observer.watches.values())).history[-1].own_nonfinite)
+        return seen, [p.detach().clone() for p in model.parameters()]
+
+    _, unwatched = run()
+    alarms = []
+    observer = TrainingObserver(WatchOptions(capsule_dir=tmp_path, stop_on_alarm=False), on_alarm=alarms.append)
+    with observer:
+        seen, weights = run(observer)
+    assert seen == [False, False, True]
+    for mine, theirs in zip(weights, unwatched):  # bit for bit (the NaN step made some NaN)
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True)
+    assert [a.kind for a in alarms] == ["nonfinite"]
+    assert alarms[0].message.endswith(
+        "; this rank's own gradients were non-finite before the ranks reduced them (micro-batch 1, first module 2 "
+        "(2.bias))"
+    )

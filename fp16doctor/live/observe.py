@@ -198,6 +198,8 @@ class TrainingObserver:
         part of the story."""
         self._topologies: dict[int, Topology] = {}
         """By ``id`` of each watch: how its model's gradients travel between the ranks."""
+        self._replicated: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        """By ``id`` of each watch: the parameters every rank holds whole (a DDP model's, less those it ignores)."""
         self._flats: dict[int, dict[int, tuple[Any, list[str]]]] = {}
         """By ``id`` of each watch: its model's FSDP1 flat parameters, with the original parameters each holds."""
 
@@ -465,11 +467,12 @@ class TrainingObserver:
         finally:
             self._own.next_step()
             self._backwards = 0
-        self._facts = facts if self._facts is None else self._facts.merged(facts)
+        meeting = scaler is not None and distributed  # the ranks meet in this scaler's update()
+        self._facts = facts if self._facts is None or not meeting else self._facts.merged(facts)
         if alarm is None:
             return
         self.alarms.append(alarm)
-        if scaler is not None and distributed:
+        if meeting:
             self._unsaid.append(alarm)
             if self.options.stop_on_alarm:
                 self._pending_stop = alarm  # every rank stops together in update(), which all of them reach
@@ -487,12 +490,21 @@ class TrainingObserver:
             alarmed=alarm is not None, own=-1 if numbers.own_nonfinite is None else int(numbers.own_nonfinite)
         )
         if numbers.own_nonfinite:
-            first = self._own.first_nonfinite({n: i for i, (n, _) in enumerate(watch.model.named_parameters())})
+            first = self._own.first_nonfinite(self._parameter_order(watch))
             if first is not None:
                 facts.own_micro_batch, facts.own_first = first
         if numbers.nonfinite_layers:
             facts.reduced_first = self._first_reduced(watch, optimizer, numbers.nonfinite_layers[0])
         return facts
+
+    def _parameter_order(self, watch: Watch) -> dict[str, int]:
+        """Each of the model's parameters' position in it, by the user's name (a flat parameter's by those of the
+        parameters it holds)."""
+        flats = self._flats.get(id(watch), {})
+        names: list[str] = []
+        for name, param in watch.model.named_parameters():
+            names += flats[id(param)][1] if id(param) in flats else [clean_name(name)]
+        return {name: index for index, name in enumerate(names)}
 
     def _reduced_names(self, watch: Watch, optimizer: torch.optim.Optimizer) -> list[str]:
         """The optimizer's parameters by name, a flat parameter by the original parameters it holds."""
@@ -535,6 +547,9 @@ class TrainingObserver:
             self._topologies[id(watch)] = shape
             watch.sharded = shape.sharded
             watch.no_capsule = SHARDED_CAPSULE if shape.sharded else None
+            if shape.replicated and outer is not None:
+                ignored = set(getattr(outer, "parameters_to_ignore", None) or ())
+                self._replicated[id(watch)] = [(n, p) for n, p in model.named_parameters() if n not in ignored]
             flats = flat_parameters(model)
             self._flats[id(watch)] = flats
             if flats:
@@ -661,9 +676,7 @@ class TrainingObserver:
         the models were found (the same on every rank)."""
         found: list[tuple[str, torch.Tensor]] = []
         for watch in self.watches.values():
-            shape = self._topologies.get(id(watch))
-            if shape is not None and shape.replicated:
-                found += [(n, p) for n, p in watch.model.named_parameters()]
+            found += self._replicated.get(id(watch), [])
         return found
 
     def _compare(self, table: list[RankRow], scaler: GradScaler, checksums: torch.Tensor | None, step: int) -> None:
