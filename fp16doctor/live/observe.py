@@ -467,7 +467,8 @@ class TrainingObserver:
         finally:
             self._own.next_step()
             self._backwards = 0
-        meeting = scaler is not None and distributed  # the ranks meet in this scaler's update()
+        # the ranks meet in this scaler's update(), unless a watch failed: then an alarming rank stops alone
+        meeting = scaler is not None and distributed and self._agreeing
         self._facts = facts if self._facts is None or not meeting else self._facts.merged(facts)
         if alarm is None:
             return
