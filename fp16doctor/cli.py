@@ -511,6 +511,24 @@ def watch(
             "--keep-going", help="Go on after an alarm (the capsule is still written; the exit code is still 1)."
         ),
     ] = False,
+    checksum_every: Annotated[
+        int,
+        typer.Option(
+            "--checksum-every",
+            min=1,
+            help="Under torchrun: compare a checksum of the ranks' replicated (DDP) parameters every this many steps.",
+        ),
+    ] = 100,
+    rank_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--rank-timeout",
+            min=0.001,
+            help="Under torchrun: seconds a rank waits for the others in the watch's own all-gather before it stops "
+            "naming it (default: the process group's timeout).",
+            show_default=False,
+        ),
+    ] = None,
     debug: Debug = False,
 ) -> None:
     """Run an unmodified training script as python would, watching every optimizer step.
@@ -531,7 +549,12 @@ def watch(
         target = Target(words[0], tuple(words[1:]), module=module)
         check_target(target)
         options = WatchOptions(
-            capsule_dir=capsule_dir, stop_on_alarm=not keep_going, skip_streak=skip_streak, spike_factor=spike_factor
+            capsule_dir=capsule_dir,
+            stop_on_alarm=not keep_going,
+            skip_streak=skip_streak,
+            spike_factor=spike_factor,
+            checksum_every=checksum_every,
+            rank_timeout=rank_timeout,
         )
 
         def tell(alarm: Alarm) -> None:

@@ -26,15 +26,25 @@ def watch(
     spike_factor: float = 10.0,
     stop_on_alarm: bool = True,
     on_alarm: Callable[[Alarm], None] | None = None,
+    checksum_every: int = 100,
+    rank_timeout: float | None = None,
 ) -> Watching:
     """Watch the training this process runs inside a ``with`` block or a decorated function.
 
     ``capsule_dir``: where a replay capsule is written on an alarm. ``skip_streak``: optimizer steps skipped
     in a row that raise an alarm. ``spike_factor``: a loss above this multiple of the recent median is a spike.
     ``stop_on_alarm``: end the block at the first alarm. ``on_alarm``: told each alarm as it is raised.
+    Under torchrun: ``checksum_every``: steps between two comparisons of the ranks' replicated weights;
+    ``rank_timeout``: seconds a rank waits for the others in the watch's own all-gather (None: the process group's
+    timeout). A failure inside the watch itself is a ``RuntimeWarning``; the training goes on unwatched.
     """
     options = WatchOptions(
-        capsule_dir=Path(capsule_dir), stop_on_alarm=stop_on_alarm, skip_streak=skip_streak, spike_factor=spike_factor
+        capsule_dir=Path(capsule_dir),
+        stop_on_alarm=stop_on_alarm,
+        skip_streak=skip_streak,
+        spike_factor=spike_factor,
+        checksum_every=checksum_every,
+        rank_timeout=rank_timeout,
     )
     return Watching(options, on_alarm=on_alarm)
 

@@ -25,14 +25,26 @@ under one lock) it observes
 Each optimizer step is checked by a :class:`~fp16doctor.live.watch.Watch` (one per optimizer) at one
 host synchronisation. On an alarm the observer calls ``on_alarm`` and, unless told to keep going,
 raises :class:`WatchStopped` (a ``BaseException``: a script's ``except Exception`` does not swallow it).
+
+Under torchrun every rank is observed: a sharded model's gradients on the rank's own shard
+(:mod:`~fp16doctor.live.sharding`), each rank's own gradients before the ranks reduce them
+(:mod:`~fp16doctor.live.local_grads`), and the ranks against each other in ``GradScaler.update()``
+(:mod:`~fp16doctor.live.ranks`).
+
+The watch never breaks the run it observes: whatever fails inside it (never the script's own code, which
+runs outside every guard) is reported once, in one line naming what failed, and from then on the watch
+measures nothing; under torchrun it still meets the other ranks once more to tell them, so that none of
+them waits in a collective the failed rank has left.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +56,22 @@ from ..engine.ddp import half_precision_comm_hooks
 from ..tensors import dtype_name
 from ..userfile.batches import iter_tensors
 from ..userfile.modules import unwrapped
-from .watch import Alarm, Watch, WatchOptions
+from .local_grads import LocalGradients
+from .ranks import (
+    RankRow,
+    disagreement_text,
+    failed_row,
+    first_divergent,
+    first_module,
+    gather,
+    misuse_hint,
+    parameter_checksums,
+    rank_story,
+    ranks_text,
+    total_checksum,
+)
+from .sharding import Topology, clean_name, first_nonfinite_part, flat_label, flat_parameters, local_part, topology
+from .watch import Alarm, Watch, WatchOptions, first_line
 
 OUTPUT_GRAD_LIMIT = 1 << 24
 """Output elements above which a micro-batch's output gradient is held only once a skip has armed the capture
@@ -81,6 +108,33 @@ class ModelCall:
         return any(g is not None for g in self.grads)
 
 
+@dataclass
+class StepFacts:
+    """What this rank tells the others about its last checked step, at the next ``update()``."""
+
+    alarmed: bool = False
+    own: int = -1
+    """Its own gradients before the reduction: 1 non-finite, 0 finite, -1 not measured."""
+    own_micro_batch: int = -1
+    own_first: int = -1
+    reduced_first: int = -1
+
+    def merged(self, later: StepFacts) -> StepFacts:
+        """Two optimizers stepped before one ``update()``: what either found."""
+        return StepFacts(
+            self.alarmed or later.alarmed,
+            max(self.own, later.own),
+            self.own_micro_batch if self.own == 1 else later.own_micro_batch,
+            self.own_first if self.own == 1 else later.own_first,
+            self.reduced_first if self.reduced_first >= 0 else later.reduced_first,
+        )
+
+
+RANK_TIMEOUT = "rank-timeout"
+"""The stop of a rank that waited too long for the others in the watch's own all-gather."""
+SHARDED_CAPSULE = "capsules of sharded models are not written yet (each rank holds only its shard of the state)"
+
+
 def torchrun_rank() -> int | None:
     """This process's rank under torchrun (capsules then carry it in their name); None in a single process."""
     torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -100,7 +154,7 @@ class TrainingObserver:
         on_note: Callable[[str], None] | None = None,
     ):
         self.options = options or WatchOptions()
-        self.on_note = on_note or (lambda text: None)
+        self.on_note = on_note or _warn
         self.observe_steps = observe_steps
         """False: only the loss is observed (the callbacks check the steps themselves, in their trainer's hooks)."""
         self.on_alarm = on_alarm or (lambda alarm: None)
@@ -131,6 +185,49 @@ class TrainingObserver:
         self.resumed_scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
         """Scalers the script loaded a saved state into: settled, whatever their scale (``load_state_dict`` sets
         ``init_scale`` to the loaded scale, so the scale alone cannot tell)."""
+        self.failure: str | None = None
+        """What of the watch failed: from then on it measures nothing and the training goes on unwatched."""
+        self._agreeing = True
+        """Under torchrun: still meeting the other ranks in ``update()`` (until every rank has heard of a failure)."""
+        self._own = LocalGradients(self.failed)
+        self._backwards = 0
+        self._updates = 0
+        self._facts: StepFacts | None = None
+        self._unsaid: list[Alarm] = []
+        """Alarms of this step not printed yet: under torchrun they are said in ``update()``, with the other ranks'
+        part of the story."""
+        self._topologies: dict[int, Topology] = {}
+        """By ``id`` of each watch: how its model's gradients travel between the ranks."""
+        self._replicated: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        """By ``id`` of each watch: the parameters every rank holds whole (a DDP model's, less those it ignores)."""
+        self._flats: dict[int, dict[int, tuple[Any, list[str]]]] = {}
+        """By ``id`` of each watch: its model's FSDP1 flat parameters, with the original parameters each holds."""
+
+    # --- never breaking the run -------------------------------------------------------------------------
+    @contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Runs a part of the watch: whatever it raises (but a stop) is the watch's failure, not the training's."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - the watch's own failure must never reach the training
+            self.failed(what, exc)
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """Say once what failed; measure nothing more."""
+        if self.failure is not None:
+            return
+        self.failure = what
+        self._own.on = False
+        self._calls, self._losses, self._last_scaled = [], [], None
+        where = f"rank {self.rank}: " if self.rank is not None else ""
+        self.on_note(
+            f"{where}the watch's {what} failed ({type(exc).__name__}: {first_line(exc)}); the training goes on "
+            f"unwatched"
+        )
+
+    @property
+    def watching(self) -> bool:
+        return self.failure is None
 
     # --- install / restore ------------------------------------------------------------------------
     def __enter__(self) -> TrainingObserver:
@@ -159,8 +256,13 @@ class TrainingObserver:
                 torch.optim.Optimizer, "zero_grad", _observed_zero_grad(vars(torch.optim.Optimizer)["zero_grad"])
             )
             self._patch(torch.nn.Module, "zero_grad", _observed_zero_grad(vars(torch.nn.Module)["zero_grad"]))
+            group = _fsdp2_param_group()
+            if group is not None:
+                self._patch(group, "post_backward", _observed_post_backward(vars(group)["post_backward"]))
             self._handles = [register_optimizer_step_pre_hook(self._optimizer_pre_step)]
             self._handles += [m.register_forward_hook(self._model_forward, with_kwargs=True) for m in self._models]
+            for root in self._roots:
+                self._own.watch(root)
             self._discover(bool(self._unmatched) or not self._models)
         return self
 
@@ -170,6 +272,10 @@ class TrainingObserver:
             for handle in self._handles + self._module_hooks:
                 handle.remove()
             self._handles, self._module_hooks = [], []
+            self._own.remove()
+            unsaid, self._unsaid = self._unsaid, []
+            for alarm in unsaid:  # a script that stepped but never reached update()
+                self.on_alarm(alarm)
             self._calls, self._losses, self._last_scaled = [], [], None  # an unchecked step's references die here
             for owner, name, original in reversed(self._originals):
                 setattr(owner, name, original)
@@ -193,6 +299,8 @@ class TrainingObserver:
         loss = last[1] if last is not None and self._backward_scaled else tensor
         if loss.numel() == 1:
             self._losses.append(loss.detach())
+        self._own.micro_batch = self._backwards  # the own gradients this backward makes are of this micro-batch
+        self._backwards += 1
 
     def take_losses(self) -> list[torch.Tensor]:
         """The losses backward ran on since the last call (references), for a callback's own check."""
@@ -220,14 +328,27 @@ class TrainingObserver:
 
     def _global_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self._depth -= 1
-        if self._depth != 0:
+        if self._depth != 0 or self.failure is not None:
             return
-        if not any(module is m for m in self._roots) and any(True for _ in module.parameters()):
-            self._roots.append(module)
-        if not any(unwrapped(module) is m for m in self._models):  # a found model's own hook records it
-            self._model_forward(module, args, kwargs, output)
+        try:
+            if not any(module is m for m in self._roots) and any(True for _ in module.parameters()):
+                self._roots.append(module)
+                self._own.watch(module)  # before its first backward: a DDP or FSDP1 model's own gradients
+            if not any(unwrapped(module) is m for m in self._models):  # a found model's own hook records it
+                self._record_forward(module, args, kwargs, output)
+        except Exception as exc:  # noqa: BLE001 - the watch's own failure
+            self.failed("discovery of the model", exc)
 
     def _model_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """The found model's forward hook."""
+        if self.failure is not None:
+            return
+        try:
+            self._record_forward(module, args, kwargs, output)
+        except Exception as exc:  # noqa: BLE001 - the watch's own failure
+            self.failed("capture of the step's batches", exc)
+
+    def _record_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         """A training forward of the model: hold its inputs, hook the gradients reaching its outputs."""
         if not (module.training and torch.is_grad_enabled()):
             return
@@ -304,13 +425,17 @@ class TrainingObserver:
         self.check(optimizer, scaler, scaler_decision(scaler, optimizer))
 
     def _optimizer_pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._in_scaler_step:
-            self.check(optimizer, None, None)
+        if not self._in_scaler_step and self.watching:
+            with self.guard("per-step measurement"):
+                self.check(optimizer, None, None)
 
     def check(
         self, optimizer: torch.optim.Optimizer, scaler: GradScaler | None, found_inf: torch.Tensor | None
     ) -> None:
-        """Check one optimizer step (one host sync); on an alarm tell ``on_alarm`` and stop unless told to keep going."""
+        """Check one optimizer step (one host sync); on an alarm tell ``on_alarm`` and stop unless told to keep going.
+
+        Under torchrun with a GradScaler the alarm is told in ``update()``, where every rank meets: with the other
+        ranks' part of the story, and so that every rank stops there together."""
         watch = self._watch_for(optimizer)
         self._settle_discovery()
         watch.label = (
@@ -328,65 +453,181 @@ class TrainingObserver:
             watch.record_loss(loss)
         others = [w.model for w in self.watches.values() if w is not watch]  # e.g. a GAN's second model
         self._calls = [c for c in self._calls if any(c.module is m for m in others)]
-        if _world_size() > 1:  # held until update() has agreed across ranks
+        distributed = _world_size() > 1
+        if distributed:  # held until update() has agreed across ranks
             self._last_step = (watch, optimizer, calls, self._losses)
         self._losses = []
         watch.scaler_resumed = scaler is not None and scaler in self.resumed_scalers
-        alarm = watch.before_optimizer_step(step, optimizer, scaler, grads_scaled=False, found_inf=found_inf)
+        own = self._own.nonfinite_count()
+        try:
+            alarm = watch.before_optimizer_step(
+                step, optimizer, scaler, grads_scaled=False, found_inf=found_inf, own_nonfinite=own
+            )
+            facts = self._facts_of(watch, optimizer, alarm)
+        finally:
+            self._own.next_step()
+            self._backwards = 0
+        # the ranks meet in this scaler's update(), unless a watch failed: then an alarming rank stops alone
+        meeting = scaler is not None and distributed and self._agreeing
+        self._facts = facts if self._facts is None or not meeting else self._facts.merged(facts)
         if alarm is None:
             return
         self.alarms.append(alarm)
+        if meeting:
+            self._unsaid.append(alarm)
+            if self.options.stop_on_alarm:
+                self._pending_stop = alarm  # every rank stops together in update(), which all of them reach
+            return
+        if facts.own == 1:
+            alarm.message += f"; {self._own_story(facts)}"
         self.on_alarm(alarm)
-        if not self.options.stop_on_alarm:
-            return
-        if scaler is not None and _world_size() > 1:
-            self._pending_stop = alarm  # every rank stops together in update(), which all of them reach
-            return
-        raise WatchStopped(alarm)
+        if self.options.stop_on_alarm:
+            raise WatchStopped(alarm)
+
+    def _facts_of(self, watch: Watch, optimizer: torch.optim.Optimizer, alarm: Alarm | None) -> StepFacts:
+        """What the step's check found that the other ranks should hear (where first only on trouble: a sync)."""
+        numbers = watch.history[-1]
+        facts = StepFacts(
+            alarmed=alarm is not None, own=-1 if numbers.own_nonfinite is None else int(numbers.own_nonfinite)
+        )
+        if numbers.own_nonfinite:
+            first = self._own.first_nonfinite(self._parameter_order(watch))
+            if first is not None:
+                facts.own_micro_batch, facts.own_first = first
+        if numbers.nonfinite_layers:
+            facts.reduced_first = self._first_reduced(watch, optimizer, numbers.nonfinite_layers[0])
+        return facts
+
+    def _parameter_order(self, watch: Watch) -> dict[str, int]:
+        """Each of the model's parameters' position in it, by the user's name (a flat parameter's by those of the
+        parameters it holds)."""
+        flats = self._flats.get(id(watch), {})
+        names: list[str] = []
+        for name, param in watch.model.named_parameters():
+            names += flats[id(param)][1] if id(param) in flats else [clean_name(name)]
+        return {name: index for index, name in enumerate(names)}
+
+    def _reduced_names(self, watch: Watch, optimizer: torch.optim.Optimizer) -> list[str]:
+        """The optimizer's parameters by name, a flat parameter by the original parameters it holds."""
+        flats = self._flats.get(id(watch), {})
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        names: list[str] = []
+        for param, name in zip(params, watch.param_names(optimizer)):
+            names += flats[id(param)][1] if id(param) in flats else [name]
+        return names
+
+    def _first_reduced(self, watch: Watch, optimizer: torch.optim.Optimizer, first_bad: str) -> int:
+        """Where in :meth:`_reduced_names` the first non-finite reduced gradient is (within a flat parameter: the
+        first original parameter whose part of this rank's shard is non-finite)."""
+        flats = self._flats.get(id(watch), {})
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        position = 0
+        for param, name in zip(params, watch.param_names(optimizer)):
+            flat = flats.get(id(param))
+            if name == first_bad:
+                part = first_nonfinite_part(flat[0], local_part(param.grad)) if flat and param.grad is not None else 0
+                return position + (part or 0)
+            position += len(flat[1]) if flat else 1
+        return -1
+
+    def _own_story(self, facts: StepFacts) -> str:
+        who = f"rank {self.rank}'s" if self.rank is not None else "this rank's"
+        name = self._own.names[facts.own_first] if 0 <= facts.own_first < len(self._own.names) else "?"
+        return (
+            f"{who} own gradients were non-finite before the ranks reduced them (micro-batch {facts.own_micro_batch}, "
+            f"{first_module(name)})"
+        )
 
     def _watch_for(self, optimizer: torch.optim.Optimizer) -> Watch:
         key = id(optimizer)
         if key not in self.watches:
-            watch = Watch(
-                self._model_of(optimizer), self.options, framework="script", dtype=self.dtype or self._autocast_dtype
-            )
+            model, outer = self._model_of(optimizer)
+            watch = Watch(model, self.options, framework="script", dtype=self.dtype or self._autocast_dtype)
             watch.rank = self.rank
+            shape = topology(outer if outer is not None else model, _world_size())
+            self._topologies[id(watch)] = shape
+            watch.sharded = shape.sharded
+            watch.no_capsule = SHARDED_CAPSULE if shape.sharded else None
+            if shape.replicated and outer is not None:
+                ignored = set(getattr(outer, "parameters_to_ignore", None) or ())
+                self._replicated[id(watch)] = [(n, p) for n, p in model.named_parameters() if n not in ignored]
+            flats = flat_parameters(model)
+            self._flats[id(watch)] = flats
+            if flats:
+                names: dict[Any, str] = {p: clean_name(n) for n, p in model.named_parameters()}
+                watch.name_parameters({**names, **{flat: flat_label(held) for flat, held in flats.values()}})
             self.watches[key] = watch
         return self.watches[key]
 
-    def _model_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+    def _model_of(self, optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """The outermost module seen in training holding most of the optimizer's parameters (DDP and
-        ``torch.compile`` unwrapped: the module the capsule rebuilds)."""
+        ``torch.compile`` unwrapped: the module the capsule rebuilds), and that outermost module itself."""
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         scored = [(sum(1 for p in m.parameters() if id(p) in stepped), m) for m in self._roots]
         count, outer = max(scored, key=lambda s: s[0], default=(0, None))
         if outer is None or count == 0:
             holder = torch.nn.Module()
             holder.params = torch.nn.ParameterList([p for g in optimizer.param_groups for p in g["params"]])
-            return holder
+            return holder, None
         model = unwrapped(outer)
         if model not in self._models:
             self._adopt(model)
+            self._own.watch(outer)
             half = half_precision_comm_hooks(outer)
             if half:
                 self.on_note(
                     f"DDP gradients are all-reduced in half precision ({', '.join(half)}): "
                     "remove the compression hook to reduce them in fp32 (cause ddp-half-allreduce)"
                 )
-        return model
+        return model, outer
 
     # --- under torchrun ---------------------------------------------------------------------------------
     def before_update(self, scaler: GradScaler) -> None:
         """Inside ``scaler.update()``, which every rank reaches (also a rank whose step was skipped): agree.
 
-        One all-gather of (scale, skipped, alarmed) per step. Ranks that disagree on the scale or on a skip
-        are an alarm of their own; an alarm on any rank stops every rank here, so that none is left waiting
-        in a collective the alarming rank never reaches."""
+        One all-gather of each rank's :class:`~fp16doctor.live.ranks.RankRow` per step. Ranks that disagree on the
+        scale or on a skip are an alarm of their own, and so are replicated parameters that differ; an alarm on
+        any rank stops every rank here, so that none is left waiting in a collective the alarming rank never
+        reaches. A rank whose watch failed says so here once; then no rank meets the others again."""
         world = _world_size()
-        if world < 2 or scaler._scale is None:
+        if world < 2 or scaler._scale is None or not self._agreeing:
             return
-        import torch.distributed as dist
+        step = self._step_of_last()
+        checksums: torch.Tensor | None = None
+        try:
+            mine, checksums = self._row(scaler)
+        except Exception as exc:  # noqa: BLE001 - the watch's own failure: the rank still meets the others
+            self.failed("report to the other ranks", exc)
+            mine = failed_row(scaler._scale.device)
+        table = [RankRow.of(row) for row in torch.stack(self._gather(mine, step)).tolist()]  # one transfer
+        self._updates += 1
+        if any(row.failed for row in table):
+            self._agreeing = False
+            others = [r for r, row in enumerate(table) if row.failed and r != self.rank]
+            if others and self.failure is None:
+                self.on_note(f"the watch failed on {ranks_text(others)}: the ranks are compared no more")
+        elif self.watching:
+            with self.guard("comparison of the ranks"):
+                self._compare(table, scaler, checksums, step)
+        self._say_unsaid(table)
+        self._last_step = None
+        stopping = [rank for rank, row in enumerate(table) if row.stop] or (
+            [self.rank or 0] if self._pending_stop else []
+        )
+        if stopping and self.options.stop_on_alarm:
+            alarm = self._pending_stop or Alarm(
+                "stopped", step, f"{ranks_text(stopping)} raised an alarm", rank=self.rank
+            )
+            if self._pending_stop is None:
+                self.on_alarm(alarm)
+            raise WatchStopped(alarm)
 
+    def _row(self, scaler: GradScaler) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What this rank says (device tensors: read in the all-gather's one transfer), and its parameters'
+        checksums where it takes them this time."""
+        assert scaler._scale is not None
+        if self.failure is not None:
+            return failed_row(scaler._scale.device), None
         device = scaler._scale.device
         flags = [
             f.to(device).reshape(())
@@ -394,36 +635,113 @@ class TrainingObserver:
             for f in state["found_inf_per_device"].values()
         ]
         skipped = (torch.stack(flags).sum() > 0).float() if flags else torch.zeros((), device=device)
-        mine = torch.stack(
-            [
-                scaler._scale.reshape(()).float(),
-                skipped,
-                torch.tensor(float(self._pending_stop is not None), device=device),
-            ]
-        )
-        rows = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(rows, mine)
-        table = torch.stack(rows).tolist()  # one transfer
-        if len({r[0] for r in table}) > 1 or len({r[1] for r in table}) > 1:
-            self._disagreement(table, scaler)
-        alarmed = [rank for rank, r in enumerate(table) if r[2]] or ([self.rank or 0] if self._pending_stop else [])
-        step = self._step_of_last()
-        self._last_step = None
-        if alarmed and self.options.stop_on_alarm:
-            alarm = self._pending_stop or Alarm("stopped", step, f"rank {', '.join(map(str, alarmed))} raised an alarm")
-            if self._pending_stop is None:
-                self.on_alarm(alarm)
-            raise WatchStopped(alarm)
+        facts, self._facts = self._facts or StepFacts(), None
+        replicated = self._replicated_parameters()
+        checksums = None
+        checksum = torch.zeros((), device=device)
+        if replicated and self._updates % max(1, self.options.checksum_every) == 0:
+            checksums = parameter_checksums([p for _, p in replicated]).to(device)
+            checksum = total_checksum(checksums)
+        rest = [
+            float(self._pending_stop is not None),
+            0.0,
+            float(facts.alarmed),
+            float(facts.own),
+            float(facts.own_micro_batch),
+            float(facts.own_first),
+            float(facts.reduced_first),
+            float(len(replicated) if checksums is not None else 0),
+        ]
+        return RankRow.tensor(scaler._scale, skipped, checksum, rest), checksums
 
-    def _disagreement(self, table: list[list[float]], scaler: GradScaler) -> None:
+    def _gather(self, tensor: torch.Tensor, step: int) -> list[torch.Tensor]:
+        """All the ranks' ``tensor``; a wait that times out or fails stops this rank with a line naming it."""
+        try:
+            return gather(tensor, self.options.rank_timeout)
+        except RuntimeError as exc:
+            limit = f" within {self.options.rank_timeout:g} s" if self.options.rank_timeout is not None else ""
+            alarm = Alarm(
+                RANK_TIMEOUT,
+                step,
+                f"the watch's all-gather of the ranks' scale and skip decision in GradScaler.update() did not "
+                f"complete{limit} ({type(exc).__name__}: {first_line(exc)}): another rank did not reach update()",
+                rank=self.rank,
+            )
+            self.alarms.append(alarm)
+            self.on_alarm(alarm)
+            self._agreeing = False
+            raise WatchStopped(alarm) from exc
+
+    def _replicated_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters every rank holds whole (a DDP model's, less those DDP was told to ignore), in the order
+        the models were found (the same on every rank)."""
+        found: list[tuple[str, torch.Tensor]] = []
+        for watch in self.watches.values():
+            found += self._replicated.get(id(watch), [])
+        return found
+
+    def _compare(self, table: list[RankRow], scaler: GradScaler, checksums: torch.Tensor | None, step: int) -> None:
+        if len({r.scale for r in table}) > 1 or len({r.skipped for r in table}) > 1:
+            self._disagreement(table, scaler)
+        taken = [row for row in table if row.checksummed > 0]
+        if taken and (len(taken) < len(table) or len({row.checksum for row in taken}) > 1):
+            self._divergence(table, checksums, step)
+
+    def _divergence(self, table: list[RankRow], checksums: torch.Tensor | None, step: int) -> None:
+        """Replicated parameters differ across the ranks: name the first (a second all-gather, of each parameter's
+        checksum: every rank reads the same table, so every rank makes it)."""
+        names = [n for n, _ in self._replicated_parameters()]
+        counts = {row.checksummed for row in table}
+        if len(counts) > 1 or checksums is None:
+            said = ", ".join(f"rank {r}: {row.checksummed}" for r, row in enumerate(table))
+            message = f"the ranks hold different replicated parameters ({said})"
+        else:
+            per_rank = [t.tolist() for t in self._gather(checksums, step)]
+            index = first_divergent(per_rank)
+            name = names[index] if index is not None and index < len(names) else "?"
+            groups: dict[int, list[int]] = {}
+            for r, values in enumerate(per_rank):
+                groups.setdefault(values[index] if index is not None else 0, []).append(r)
+            sides = " vs ".join(ranks_text(g) for g in groups.values())
+            message = (
+                f"the ranks' copies of {name} differ after optimizer step {step} ({sides}; the first replicated "
+                f"parameter to differ, compared every {self.options.checksum_every} steps): the ranks trained apart"
+            )
+        if "rank-divergence" not in self.options.alarms:
+            return
+        alarm = Alarm("rank-divergence", step, message, rank=self.rank)
+        self.alarms.append(alarm)
+        self.on_alarm(alarm)
+        if self._pending_stop is None:
+            self._pending_stop = alarm
+
+    def _say_unsaid(self, table: list[RankRow]) -> None:
+        """Tell this step's alarms, each with the ranks' story of the step."""
+        unsaid, self._unsaid = self._unsaid, []
+        story = None
+        if self.watching and self._last_step is not None:
+            with self.guard("comparison of the ranks"):
+                watch, optimizer = self._last_step[0], self._last_step[1]
+                story = rank_story(
+                    table, self._own.names, self._reduced_names(watch, optimizer), self._topologies.get(id(watch))
+                )
+        for alarm in unsaid:
+            if story:
+                alarm.message += f"; {story}"
+            self.on_alarm(alarm)
+
+    def _disagreement(self, table: list[RankRow], scaler: GradScaler) -> None:
         """Ranks disagree: the skipping ranks (rank 0 where only the scale differs) write a capsule."""
-        said = ", ".join(
-            f"rank {r}: scale {row[0]:g}, {'skipped' if row[1] else 'stepped'}" for r, row in enumerate(table)
-        )
-        writers = [r for r, row in enumerate(table) if row[1]] if len({row[1] for row in table}) > 1 else [0]
-        alarm = Alarm("rank-disagreement", self._step_of_last(), f"the ranks disagree ({said})")
-        if self._last_step is not None and self.rank in writers and "rank-disagreement" in self.options.alarms:
-            watch, optimizer, calls, losses = self._last_step
+        said = disagreement_text(table)
+        skips_differ = len({row.skipped for row in table}) > 1
+        writers = [r for r, row in enumerate(table) if row.skipped] if skips_differ else [0]
+        message = f"the ranks disagree ({said})"
+        last = self._last_step
+        if skips_differ:
+            message += f": {misuse_hint(self._topologies.get(id(last[0])) if last else None, scaler)}"
+        alarm = Alarm("rank-disagreement", self._step_of_last(), message, rank=self.rank)
+        if last is not None and self.rank in writers and "rank-disagreement" in self.options.alarms:
+            watch, optimizer, calls, losses = last
             for call in calls:
                 watch.capture_batch(call.batch)
                 watch.record_output_grads(call.grads, call.scaled)
@@ -431,7 +749,7 @@ class TrainingObserver:
                 watch.record_loss(loss)
             if watch.alarm is None:
                 watch.alarm = alarm
-            alarm.capsule = watch.write_capsule(optimizer, scaler, watch.history[-1])
+            watch.capsule_for(alarm, optimizer, scaler, watch.history[-1])
             watch.forget_step()
         if "rank-disagreement" in self.options.alarms:
             self.alarms.append(alarm)
@@ -441,6 +759,11 @@ class TrainingObserver:
 
     def _step_of_last(self) -> int:
         return self._last_step[0].history[-1].step if self._last_step and self._last_step[0].history else -1
+
+
+def _warn(text: str) -> None:
+    """Where no one was given to tell: a Python warning."""
+    warnings.warn(f"fp16doctor: {text}", RuntimeWarning, stacklevel=2)
 
 
 def _world_size() -> int:
@@ -490,19 +813,38 @@ def _scaler_classes() -> list[type]:
     return classes
 
 
+def _fsdp2_param_group() -> type | None:
+    """FSDP2's ``FSDPParamGroup``, whose ``post_backward`` reduce-scatters a group's gradients, where importable."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:  # pragma: no cover - builds without distributed, or a torch that moved it
+        return None
+    return FSDPParamGroup if "post_backward" in vars(FSDPParamGroup) else None
+
+
+def _observing() -> TrainingObserver | None:
+    """The observer, while its watch still measures (after a failure of its own it measures nothing)."""
+    observer = _active
+    return observer if observer is not None and observer.failure is None else None
+
+
 def _observed_optimizer_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        if _active is not None:
-            _active.optimizer_created(self)
+        observer = _observing()
+        if observer is not None:
+            with observer.guard("discovery of the optimizer's model"):
+                observer.optimizer_created(self)
 
     return __init__
 
 
 def _observed_zero_grad(original: Callable[..., Any]) -> Callable[..., Any]:
     def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _active is not None:
-            _active.gradients_cleared(self)
+        observer = _observing()
+        if observer is not None:
+            with observer.guard("capture of the step's batches"):
+                observer.gradients_cleared(self)
         return original(self, *args, **kwargs)
 
     return zero_grad
@@ -512,16 +854,20 @@ _original_backward = torch.Tensor.backward
 
 
 def _observed_backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    if _active is not None:
-        _active.backward(self)
+    observer = _observing()
+    if observer is not None:
+        with observer.guard("capture of the loss"):
+            observer.backward(self)
     return _original_backward(self, *args, **kwargs)
 
 
 def _observed_scale(original: Callable[..., Any]) -> Callable[..., Any]:
     def scale(self: GradScaler, outputs: Any) -> Any:
         result = original(self, outputs)
-        if _active is not None and self.is_enabled():
-            _active.scaled(result, outputs)
+        observer = _observing()
+        if observer is not None and self.is_enabled():
+            with observer.guard("capture of the loss"):
+                observer.scaled(result, outputs)
         return result
 
     return scale
@@ -529,11 +875,15 @@ def _observed_scale(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _observed_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def step(self: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        observer = _active
+        observer = _observing()
         if observer is None or not self.is_enabled() or observer._in_scaler_step or "closure" in kwargs:
             return original(self, optimizer, *args, **kwargs)
-        if self._per_optimizer_states[id(optimizer)]["stage"] is not OptState.STEPPED:  # else: the scaler's own error
-            observer.scaler_step(self, optimizer)
+        stage = self._per_optimizer_states[id(optimizer)]["stage"]
+        if stage is not OptState.STEPPED:  # else: the scaler's own error
+            if stage is OptState.READY:
+                self.unscale_(optimizer)  # what step does first, outside the guard: its errors are the script's
+            with observer.guard("per-step measurement"):
+                observer.scaler_step(self, optimizer)
         observer._in_scaler_step = True
         try:
             return original(self, optimizer, *args, **kwargs)
@@ -545,7 +895,7 @@ def _observed_step(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _observed_scaler_load(original: Callable[..., Any]) -> Callable[..., Any]:
     def load_state_dict(self: GradScaler, state_dict: Any) -> Any:
-        observer = _active
+        observer = _observing()
         if observer is not None:
             observer.resumed_scalers.add(self)
         return original(self, state_dict)
@@ -555,14 +905,25 @@ def _observed_scaler_load(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _observed_update(original: Callable[..., Any]) -> Callable[..., Any]:
     def update(self: GradScaler, new_scale: Any = None) -> None:
-        observer = _active
+        observer = _active  # also after a failure: the rank meets the others once more, to tell them
         if observer is None or not self.is_enabled() or observer._in_update:
             return original(self, new_scale)
         observer._in_update = True  # a subclass's update calling GradScaler.update agrees once
         try:
-            observer.before_update(self)
+            with observer.guard("comparison of the ranks"):
+                observer.before_update(self)
             return original(self, new_scale)
         finally:
             observer._in_update = False
 
     return update
+
+
+def _observed_post_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    def post_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        observer = _observing()
+        if observer is not None:
+            observer._own.group_backward(self)  # before the reduce-scatter: the rank's own gradients
+        return original(self, *args, **kwargs)
+
+    return post_backward

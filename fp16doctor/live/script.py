@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import EXIT_FINDINGS, ScriptError
-from .observe import TrainingObserver, WatchStopped, torchrun_rank
+from .observe import RANK_TIMEOUT, TrainingObserver, WatchStopped, torchrun_rank
 from .watch import Alarm, WatchOptions
 
 WATCH_ALARM = EXIT_FINDINGS
@@ -95,6 +95,15 @@ def exit_status(exc: SystemExit) -> tuple[int, str | None]:
     return 1, str(code)
 
 
+def _leave_now() -> None:
+    """End this rank at once: the collective it gave up waiting for is still pending in the process group, and a
+    normal exit (or destroying the group) would wait for it, the very hang the timeout ended. torchrun then ends the
+    other ranks."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(WATCH_ALARM)
+
+
 def watch_script(
     target: Target,
     options: WatchOptions,
@@ -108,7 +117,9 @@ def watch_script(
     try:
         with observer:
             run_target(target)
-    except WatchStopped:
+    except WatchStopped as stop:
+        if stop.alarm.kind == RANK_TIMEOUT:
+            _leave_now()
         return WATCH_ALARM
     except SystemExit as exc:
         code, message = exit_status(exc)

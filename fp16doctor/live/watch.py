@@ -50,8 +50,9 @@ from .capsule import (
     replay_inputs,
     write_manifest,
 )
+from .sharding import local_part
 
-ALARMS = ("nonfinite", "skip-streak", "scale-collapse", "loss-spike", "rank-disagreement")
+ALARMS = ("nonfinite", "skip-streak", "scale-collapse", "loss-spike", "rank-disagreement", "rank-divergence")
 
 
 @dataclass
@@ -74,6 +75,12 @@ class WatchOptions:
     """Steps in the running median the spike compares against (and the earliest step that can spike)."""
     alarms: tuple[str, ...] = ALARMS
     """Which alarms are raised."""
+    checksum_every: int = 100
+    """Under torchrun: every this many ``GradScaler.update()`` calls (from the first) the ranks compare a checksum
+    of the parameters each holds whole (a DDP model's); a difference is ``rank-divergence``."""
+    rank_timeout: float | None = None
+    """Under torchrun: seconds a rank waits for the others in the watch's own all-gather before it stops with a
+    message naming it; None: the process group's own timeout."""
 
 
 @dataclass
@@ -91,6 +98,10 @@ class StepNumbers:
     largest_layer: str | None = None
     """The layer whose (unscaled) gradient has the largest norm."""
     largest_norm: float = 0.0
+    local: bool = False
+    """The gradient norms and non-finite layers are this rank's shard's (a sharded model), not the whole model's."""
+    own_nonfinite: bool | None = None
+    """This rank's own gradients were non-finite before the ranks reduced them; None: not measured."""
 
 
 @dataclass
@@ -103,16 +114,23 @@ class Alarm:
     capsule: Path | None = None
     optimizer: str | None = None
     """Which optimizer's step (``Adam (Discriminator)``) where the training has several; their steps count apart."""
+    no_capsule: str | None = None
+    """Why no capsule was written, where one would have been."""
+    rank: int | None = None
+    """The rank that raised it, under torchrun."""
 
     def pointer(self) -> str:
         """The one line a user sees."""
         where = (
             f" Capsule: {self.capsule}. Diagnose it: fp16doctor diagnose --capsule {self.capsule}"
             if self.capsule
+            else f" No capsule: {self.no_capsule}."
+            if self.no_capsule
             else ""
         )
         of = f" of {self.optimizer}" if self.optimizer else ""
-        return f"fp16doctor: {self.kind} at optimizer step {self.step}{of}: {self.message}.{where}"
+        on = f" on rank {self.rank}" if self.rank is not None else ""
+        return f"fp16doctor: {self.kind} at optimizer step {self.step}{of}{on}: {self.message}.{where}"
 
 
 class Watch:
@@ -148,6 +166,10 @@ class Watch:
         """The scaler was loaded from a saved state (set by whoever sees ``load_state_dict``: ``fp16doctor watch``'s
         observer): its scale has settled, though ``load_state_dict`` made it the scaler's ``init_scale``."""
         self._names = {p: n for n, p in model.named_parameters()}
+        self.sharded = False
+        """Each rank holds a shard of the model: the gradient numbers are the rank's shard's."""
+        self.no_capsule: str | None = None
+        """Why this watch writes no capsule (a sharded model's state is spread over the ranks); None: it writes them."""
 
     # --- feeding -------------------------------------------------------------------------------------
     def capture_batch(self, batch: Any) -> None:
@@ -171,6 +193,7 @@ class Watch:
         scaler: Any = None,
         grads_scaled: bool = False,
         found_inf: torch.Tensor | None = None,
+        own_nonfinite: torch.Tensor | None = None,
     ) -> Alarm | None:
         """Measure this optimizer step (one host sync), decide on an alarm, write its capsule; then forget the step.
 
@@ -178,8 +201,11 @@ class Watch:
         skipped exactly when it is non-zero. Without it the skip is inferred from the gradients' finiteness.
         The training's random generators are left as they were: the measurement draws no random number, and
         the capsule is written inside :func:`callers_rng_kept` (saving and restoring every generator on each
-        step would cost a healthy step more than the measurement itself)."""
-        return self._check_step(step, optimizer, scaler, grads_scaled, found_inf)
+        step would cost a healthy step more than the measurement itself).
+
+        ``own_nonfinite`` counts this rank's own gradients that were non-finite before the ranks reduced them (a
+        device tensor, read in the same transfer)."""
+        return self._check_step(step, optimizer, scaler, grads_scaled, found_inf, own_nonfinite)
 
     def _check_step(
         self,
@@ -188,9 +214,10 @@ class Watch:
         scaler: Any,
         grads_scaled: bool,
         found_inf: torch.Tensor | None,
+        own_nonfinite: torch.Tensor | None = None,
     ) -> Alarm | None:
         try:
-            numbers = self._measure(step, optimizer, scaler, grads_scaled, found_inf)
+            numbers = self._measure(step, optimizer, scaler, grads_scaled, found_inf, own_nonfinite)
             if not self.history:  # a fresh training's first step, at its scaler's own initial scale
                 self._calibrating = (
                     step == 0 and not self.scaler_resumed and at_initial_scale(scaler, numbers.loss_scale)
@@ -198,12 +225,31 @@ class Watch:
             self.history.append(numbers)
             kind, message = self._decide(numbers)
             if kind is not None and self.alarm is None:
-                self.alarm = Alarm(kind, step, message, optimizer=self.label)
-                self.alarm.capsule = self.write_capsule(optimizer, scaler, numbers)
+                self.alarm = Alarm(kind, step, message, optimizer=self.label, rank=self.rank)
+                self.capsule_for(self.alarm, optimizer, scaler, numbers)
                 return self.alarm
             return None
         finally:
             self.forget_step()
+
+    def capsule_for(self, alarm: Alarm, optimizer: torch.optim.Optimizer, scaler: Any, numbers: StepNumbers) -> None:
+        """Write the alarm's capsule, or say why there is none: a capsule that cannot be written leaves the alarm
+        without one (the alarm still stops the run), never the training broken."""
+        if self.no_capsule is not None:
+            alarm.no_capsule = self.no_capsule
+            return
+        try:
+            alarm.capsule = self.write_capsule(optimizer, scaler, numbers)
+        except Exception as exc:  # noqa: BLE001 - the watch's own failure, never the training's
+            alarm.no_capsule = f"writing it failed ({type(exc).__name__}: {first_line(exc)})"
+
+    def name_parameters(self, names: dict[Any, str]) -> None:
+        """Name these parameters so (a wrapper's own parameters, by what they hold)."""
+        self._names.update(names)
+
+    def param_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """The optimizer's parameters' names, in its order (the same on every rank)."""
+        return [self._names.get(p, "?") for group in optimizer.param_groups for p in group["params"]]
 
     def forget_step(self) -> None:
         """Drop the references to this step's batches, losses and output gradients."""
@@ -222,11 +268,13 @@ class Watch:
         scaler: Any,
         grads_scaled: bool,
         found_inf: torch.Tensor | None = None,
+        own_nonfinite: torch.Tensor | None = None,
     ) -> StepNumbers:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         device = params[0].grad.device if params else torch.device("cpu")
         scale_now = scale_tensor(scaler, device)
-        grads = [g for g in map(grad_values, params) if g is not None]  # every one: params have a grad
+        # every one: params have a grad; a sharded one is measured on this rank's shard
+        grads = [local_part(g) for g in map(grad_values, params) if g is not None]
         # one pass over the gradients: per-layer L2 norms, in fp32 or wider (a half gradient's norm may pass 65504)
         layer_l2 = torch.stack(norms(grads)) if grads else torch.zeros(0, device=device)
         loss = (
@@ -235,13 +283,21 @@ class Watch:
             else torch.tensor(math.nan, device=device)
         )
         flag = found_inf.to(device).float().sum() if found_inf is not None else torch.tensor(0.0, device=device)
+        own = own_nonfinite.to(device).float() if own_nonfinite is not None else torch.tensor(-1.0, device=device)
         values = torch.cat(
-            [loss.reshape(1), flag.reshape(1), layer_l2.pow(2).sum().sqrt().reshape(1), scale_now.reshape(1), layer_l2]
+            [
+                loss.reshape(1),
+                flag.reshape(1),
+                layer_l2.pow(2).sum().sqrt().reshape(1),
+                scale_now.reshape(1),
+                own.reshape(1),
+                layer_l2,
+            ]
         ).tolist()  # the one transfer (the scale too: get_scale() would be a second sync)
         loss_value = values[0] if self._losses else None
         scale = values[3]
         divide = scale if grads_scaled else 1.0
-        norm, layer_norms = values[2] / divide, [v / divide for v in values[4:]]
+        norm, layer_norms = values[2] / divide, [v / divide for v in values[5:]]
         names = [self._names.get(p, "?") for p in params]
         bad = nonfinite_layers(grads, names, layer_norms)
         finite = [(v, n) for n, v in zip(names, layer_norms) if math.isfinite(v)]
@@ -256,6 +312,8 @@ class Watch:
             nonfinite_layers=bad[:20],
             largest_layer=largest[1],
             largest_norm=largest[0],
+            local=self.sharded,
+            own_nonfinite=None if values[4] < 0 else values[4] > 0,
         )
 
     @staticmethod
@@ -282,9 +340,16 @@ class Watch:
                 if self._calibrating
                 else ""
             )
-            return "skip-streak", (
-                f"{self._streak} optimizer steps skipped in a row{settling} (inf/NaN gradients in "
-                f"{', '.join(n.nonfinite_layers[:3])})"
+            where = (
+                f"in {', '.join(n.nonfinite_layers[:3])}"
+                if n.nonfinite_layers
+                else "in another rank's shard"
+                if n.local
+                else "found by the scaler"
+            )
+            return (
+                "skip-streak",
+                f"{self._streak} optimizer steps skipped in a row{settling} (inf/NaN gradients {where})",
             )
         if "scale-collapse" in wanted and n.skipped and n.loss_scale <= self.options.min_scale:
             return "scale-collapse", f"the loss scale fell to {n.loss_scale:g} and the gradients still overflow"
@@ -364,6 +429,12 @@ class Watch:
             LossRecord(numbers.loss, sorted(self._loss_dtypes), sorted(output_dtypes)),
         )
         return folder
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message in one line (its first)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def nonfinite_layers(grads: list[torch.Tensor], names: list[str], layer_norms: list[float]) -> list[str]:

@@ -3,9 +3,15 @@
 ``--poison-rank R --poison-step K``: rank R's batch of step K carries a NaN feature (one broken shard).
 ``--skew-scale-rank R``: rank R builds its GradScaler with another init_scale (ranks then disagree on the scale).
 ``--fp16-compress``: gradients all-reduced in fp16 (DDP's fp16_compress_hook).
+``--feature-scale S``: raw features S times larger (unnormalised measurements).
+``--save PATH``: rank 0 saves the model at the end. ``--resume PATH``: the model resumes from PATH, loaded on
+rank 0 only after DDP wrapped it (DDP broadcast the weights when it was built, not after).
+``--slow-rank R --slow-step K --slow-seconds T``: rank R takes T seconds between its step and the scaler's update
+at step K (a slow disk under its checkpoint).
 """
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +36,12 @@ def main():
     parser.add_argument("--poison-step", type=int, default=-1)
     parser.add_argument("--skew-scale-rank", type=int, default=-1)
     parser.add_argument("--fp16-compress", action="store_true")
+    parser.add_argument("--feature-scale", type=float, default=1.0)
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--slow-step", type=int, default=-1)
+    parser.add_argument("--slow-seconds", type=float, default=0.0)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -39,11 +51,13 @@ def main():
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
         model.register_comm_hook(None, fp16_compress_hook)
+    if args.resume and rank == 0:
+        model.module.load_state_dict(torch.load(args.resume))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12 if rank == args.skew_scale_rank else 2.0**16)
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(args.steps):
-        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+        x, y = torch.randn(16, 8, generator=g) * args.feature_scale, torch.randint(0, 3, (16,), generator=g)
         if rank == args.poison_rank and step == args.poison_step:
             x[1, 1] = float("nan")
         optimizer.zero_grad()
@@ -51,8 +65,15 @@ def main():
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
+        if rank == args.slow_rank and step == args.slow_step:
+            time.sleep(args.slow_seconds)
         scaler.update()
-        print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
+        print(f"rank {rank} step {step} loss {loss.item()!r} scale {scaler.get_scale()!r}", flush=True)
+    if args.save and rank == 0:
+        torch.save(model.module.state_dict(), args.save)
+    weights = sum(p.double().sum().item() for p in model.parameters())
+    print(f"rank {rank} final weights {weights!r}", flush=True)
+    dist.barrier()
     dist.destroy_process_group()
 
 

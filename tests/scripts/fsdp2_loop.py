@@ -1,0 +1,93 @@
+"""An FSDP2 training loop for torchrun (gloo on CPU): each block and the root wrapped with fully_shard under a
+MixedPrecisionPolicy, AdamW over the sharded (DTensor) parameters, the model class in the script.
+
+``--param-dtype float16`` (the default) trains with a ShardedGradScaler (``--scaler plain``: a plain GradScaler);
+``--param-dtype bfloat16`` trains without a scaler. ``--param-dtype float32 --reduce-dtype float16``: fp32 compute,
+gradients communicated in fp16 (with the scaler).
+``--feature-scale S``: raw features S times larger (unnormalised measurements).
+``--poison-rank R --poison-step K``: rank R's batch of step K carries a NaN feature (one broken shard of the data).
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self, dim=32, depth=2, classes=5):
+        super().__init__()
+        self.embed = nn.Linear(12, dim)
+        self.blocks = nn.ModuleList([Block(dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--param-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--reduce-dtype", default="float32", choices=["float32", "float16"])
+    parser.add_argument("--feature-scale", type=float, default=1.0)
+    parser.add_argument("--scaler", default="sharded", choices=["sharded", "plain"])
+    parser.add_argument("--poison-rank", type=int, default=-1)
+    parser.add_argument("--poison-step", type=int, default=-1)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net()
+    policy = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, args.param_dtype), reduce_dtype=getattr(torch, args.reduce_dtype)
+    )
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fp16 = "float16" in (args.param_dtype, args.reduce_dtype)
+    if args.scaler == "sharded":
+        scaler = ShardedGradScaler("cpu", enabled=fp16)
+    else:
+        scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    for step in range(args.steps):
+        x, y = torch.randn(16, 12, generator=g) * args.feature_scale, torch.randint(0, 5, (16,), generator=g)
+        if rank == args.poison_rank and step == args.poison_step:
+            x[3, 2] = float("nan")
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = F.cross_entropy(logits.float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        print(f"rank {rank} step {step} loss {loss.item()!r} scale {scaler.get_scale()!r}", flush=True)
+
+    weights = sum(p.to_local().double().sum().item() for p in model.parameters())
+    print(f"rank {rank} final weights {weights!r}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
