@@ -272,7 +272,8 @@ class OperatorAttribution:
     """The sum of every line's share: how much of the gap the first-order-in-the-error account covers (near 1 where
     the loss is close to quadratic in what rounding changed)."""
     operators: int
-    """Operators of the AMP forward that ran in half precision and were recomputed in fp32."""
+    """Operators of the AMP forward whose half-precision result differs from its fp32 recomputation: those that
+    added a rounding error."""
     unmatched: int
     """Of those, how many were not found in the FP32 pass (the same program order on the same state gives the
     same sequence; control flow that depends on values can change it): their weight is AMP's gradient alone."""
@@ -280,5 +281,11 @@ class OperatorAttribution:
     """The lines with the largest shares, the largest first (at most eight)."""
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "sites"}
-        return {**out, "sites": [s.to_json() for s in self.sites]}
+        return {
+            "loss_amp": self.loss_amp,
+            "loss_fp32": self.loss_fp32,
+            "explained": self.explained,
+            "operators": self.operators,
+            "unmatched": self.unmatched,
+            "sites": [s.to_json() for s in self.sites],
+        }
