@@ -190,8 +190,9 @@ class PrecisionGap(Rule):
             config_patch=overrides_patch(fp32_lines=lines),
         )
         title = (
-            f"AMP deviates {gap.gap:.2%} from fp32 on the same weights and batch (step {gap.worst_step}), made by "
-            f"operators no module holds: {named} make {share:.0%} of it, and computing them in fp32 closes it"
+            f"AMP deviates {gap.gap:.2%} from fp32 on the same weights and batch (step {gap.worst_step}) and no "
+            f"set of modules in fp32 closes it: the operators at {named} make {share:.0%} of it, and computing "
+            "them in fp32 closes it"
         )
         return self.finding(title, evidence, fix, severity=severity)
 
