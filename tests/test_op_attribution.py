@@ -118,6 +118,9 @@ def test_lines_are_ranked_by_share_and_named_by_file_line_and_whose_code_they_ar
     sites = by_site(found)
     linear = sites[f"train_me.py:{line_of(path, '# LINEAR')}"]
     assert linear.module == ROOT and linear.operators == ["linear"] and linear.lower_precision
+    assert linear.inside == ["lin"] and linear.own_share == 0.0  # its operator runs inside the module it calls
+    big = found.sites[0]
+    assert big.inside == [] and big.own_share == big.share
     small = sites[f"train_me.py:{line_of(path, '# SMALL')}"]
     assert small.module == "scale" and small.code == "return h * 0.3                                    # SMALL"
     assert all(s.module != OUTSIDE_MODEL for s in found.sites)  # the loss computes in fp32: no error of its own
@@ -223,7 +226,7 @@ def test_an_fp32_line_that_is_not_file_colon_line_is_a_config_error(entry):
     ],
 )
 def test_the_code_to_write_casts_the_lines_first_tensor_operand_up(code, lower, rewritten):
-    site = SiteShare("model.py:9", ROOT, ["mul"], 0.9, 1.0, 0.2, code, lower)
+    site = SiteShare("model.py:9", ROOT, ["mul"], 0.9, 0.9, [], 1.0, 0.2, code, lower)
     written = fp32_line_code(site)
     assert written.splitlines()[-1] == rewritten
     assert ("autocast('cuda', enabled=False)" in written) == lower
@@ -231,5 +234,5 @@ def test_the_code_to_write_casts_the_lines_first_tensor_operand_up(code, lower, 
 
 
 def test_a_line_that_does_not_parse_alone_is_shown_with_what_to_do():
-    written = fp32_line_code(SiteShare("model.py:9", "block", ["add"], 0.9, 1.0, None, "x = (a +", False))
+    written = fp32_line_code(SiteShare("model.py:9", "block", ["add"], 0.9, 0.9, [], 1.0, None, "x = (a +", False))
     assert "cast this line's tensor inputs with .float()" in written and written.endswith("x = (a +")

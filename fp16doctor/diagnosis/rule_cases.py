@@ -278,7 +278,18 @@ def site(
     lower_precision: bool = False,
 ) -> SiteShare:
     """One line of the user's code with its operators' share of a same-state gap (the attribution's record)."""
-    return SiteShare(line, module, list(operators), share, share, share / 4, code, lower_precision)
+    return SiteShare(
+        site=line,
+        module=module,
+        operators=list(operators),
+        share=share,
+        own_share=share,
+        inside=[],
+        weighted_error=share,
+        first_order=share / 4,
+        code=code,
+        lower_precision=lower_precision,
+    )
 
 
 def attribution(*sites: SiteShare, unmatched: int = 0) -> OperatorAttribution:

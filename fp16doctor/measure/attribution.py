@@ -32,7 +32,7 @@ import math
 import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -322,17 +322,17 @@ def _sites(ops: list[_Op], scale: float, gap: float, base: Path | None) -> dict[
         if known is None:
             label = site_label(op.filename, op.lineno, base) if op.filename and op.lineno else NO_LINE
             code = linecache.getline(op.filename, op.lineno).strip() if op.filename and op.lineno else ""
-            known = SiteShare(label, op.module, [], 0.0, 0.0, None, code or None)
-        operators = known.operators if op.name in known.operators else [*known.operators, op.name]
+            known = SiteShare(label, op.module, [], 0.0, 0.0, [], 0.0, None, code or None)
+        own = op.running == op.module
         total = known.weighted_error + weighted
-        sites[key] = SiteShare(
-            site=known.site,
-            module=known.module,
-            operators=operators,
+        sites[key] = replace(
+            known,
+            operators=known.operators if op.name in known.operators else [*known.operators, op.name],
             share=total / gap if gap else 0.0,
+            own_share=known.own_share + (weighted / gap if own and gap else 0.0),
+            inside=known.inside if own or op.running in known.inside else [*known.inside, op.running],
             weighted_error=total,
             first_order=(known.first_order or 0.0) + first if first is not None else known.first_order,
-            code=known.code,
             lower_precision=known.lower_precision or op.name.rstrip("_") in CUDA_LOWER,
         )
     return sites

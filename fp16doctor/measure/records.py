@@ -242,6 +242,12 @@ class SiteShare:
     """The torch operators the line ran in half precision (``mul``, ``add``, ``linear``), in their first order."""
     share: float
     """The line's share of the gap (AMP's loss minus FP32's on the same state), from its weighted error."""
+    own_share: float
+    """The share of the operators the line's own code runs, leaving out those inside the submodules it calls
+    (``inside``): what computing the line in fp32 changes beyond keeping those modules in fp32."""
+    inside: list[str]
+    """The submodules whose operators the line's calls ran (``self.encoder(x)`` runs the encoder's): their errors
+    count in ``share``; empty where every operator is the line's own."""
     weighted_error: float
     """The loss change its rounding errors make: the sum over its operators of the error times the loss's gradient
     with respect to their output, the mean of FP32's and AMP's gradients (exact for a quadratic loss)."""

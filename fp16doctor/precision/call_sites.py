@@ -1,10 +1,10 @@
-"""Where in the user's code a torch call is made: the line an operator-level finding names and an
-operator-level override (``overrides.fp32_lines``) acts on.
+"""Where in the code a torch call is made: the line an operator-level finding names and an operator-level override
+(``overrides.fp32_lines``) acts on.
 
-The call site of a torch call is the innermost frame of the Python stack that is the user's own code: not
-PyTorch, not the doctor, not the standard library, and not an installed package where the user's code is on the
-stack too (a ``nn.Linear`` called from the model's forward is that forward's line). Where only a library's frames
-run the call (a Hugging Face model's own code), its innermost library frame is the site.
+The call site of a torch call is the innermost frame of the Python stack that is neither PyTorch, nor the doctor, nor
+the standard library: the user's own code (a ``nn.Linear`` called from the model's forward is that forward's line,
+since ``nn.Linear``'s own code is PyTorch's), or an installed library's where its code makes the call (a Hugging
+Face model's attention line).
 
 The finding and the override read the stack the same way, so a line the attribution names is the line the override
 matches. A line is written ``file:line``; ``file`` is matched by the trailing parts of the frame's path
@@ -24,60 +24,41 @@ import torch
 
 from ..errors import ConfigError
 
-_SKIPPED = 0
-_LIBRARY = 1
-_USER = 2
 
-_OUTSIDE = tuple(
-    str(Path(p).resolve()) + os.sep
-    for p in (
-        Path(torch.__file__).parent,
-        Path(__file__).resolve().parents[1],  # the doctor's own package
-        sysconfig.get_paths()["stdlib"],
-        sysconfig.get_paths()["platstdlib"],
-    )
-)
-_LIBRARIES = tuple(
-    str(Path(p).resolve()) + os.sep
-    for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path}
-    if p and ("site-packages" in p or "dist-packages" in p)
-)
-_KINDS: dict[str, int] = {}
-"""Each code file's kind, by the name its code objects carry (resolved once per file)."""
+def _folders(*paths: str | Path) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(str(Path(p).resolve()) + os.sep for p in paths))
 
 
-def _kind(filename: str) -> int:
-    kind = _KINDS.get(filename)
-    if kind is None:
+_OUTSIDE = _folders(Path(torch.__file__).parent, Path(__file__).resolve().parents[1])  # PyTorch and the doctor
+_STDLIB = _folders(sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"])
+_INSTALLED = _folders(sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])
+"""Installed packages: inside the standard library's folder on most installations, and not part of it."""
+_OUTSIDE_FILES: dict[str, bool] = {}
+"""Whether each code file lies outside the code a call site may be in, by the name its code objects carry."""
+
+
+def _outside(filename: str) -> bool:
+    known = _OUTSIDE_FILES.get(filename)
+    if known is None:
         if filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>
-            kind = _SKIPPED
+            known = True
         else:
             try:
-                resolved = str(Path(filename).resolve())
+                path = str(Path(filename).resolve())
             except OSError:
-                resolved = filename
-            if resolved.startswith(_OUTSIDE):
-                kind = _SKIPPED
-            elif resolved.startswith(_LIBRARIES):
-                kind = _LIBRARY
-            else:
-                kind = _USER
-        _KINDS[filename] = kind
-    return kind
+                path = filename
+            known = path.startswith(_OUTSIDE) or (path.startswith(_STDLIB) and not path.startswith(_INSTALLED))
+        _OUTSIDE_FILES[filename] = known
+    return known
 
 
 def calling_frame(start: types.FrameType | None = None) -> types.FrameType | None:
-    """The frame of the user's code that made the running torch call (see the module docstring), or None."""
+    """The frame that made the running torch call (see the module docstring), or None where no frame but
+    PyTorch's, the doctor's and the standard library's is on the stack."""
     frame: types.FrameType | None = start if start is not None else sys._getframe(1)
-    library = None
-    while frame is not None:
-        kind = _kind(frame.f_code.co_filename)
-        if kind == _USER:
-            return frame
-        if kind == _LIBRARY and library is None:
-            library = frame
+    while frame is not None and _outside(frame.f_code.co_filename):
         frame = frame.f_back
-    return library
+    return frame
 
 
 def site_label(filename: str, lineno: int, base: Path | None = None) -> str:

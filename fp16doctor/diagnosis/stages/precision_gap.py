@@ -235,7 +235,8 @@ def _attribute_operators(ctx: StageContext, info: GapSearch) -> None:
     except OUT_OF_MEMORY:  # one more AMP step than the module search takes: the search goes on without it
         release_memory(ctx.bench.device)
         return
-    candidates = [s.site for s in info.operators.sites if s.share >= SITE_SHARE and not s.site.startswith("<")]
+    # a line's own operators: one that only calls submodules (``self.encoder(x)``) is the module search's to try
+    candidates = [s.site for s in info.operators.sites if s.own_share >= SITE_SHARE and not s.site.startswith("<")]
     _search_fp32_lines(ctx, info, candidates)
 
 
