@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..engine.probe import Probe
 from ..precision.autocast_policy import CUDA_LOWER
-from ..precision.call_sites import calling_frame, site_label
+from ..precision.call_sites import calling_frame, in_call_site_code, site_label
 from ..precision.fp32_mode import NeutraliseHalfCasts
 from ..precision.overrides import writes_in_place
 from ..userfile.modules import module_names
@@ -100,7 +100,7 @@ class _Op:
     filename: str | None
     lineno: int | None
     module: str
-    """Whose code the line is (the calling frame's ``self``), else the innermost running module."""
+    """Whose code the line is: the innermost running module whose forward is not PyTorch's own, else the loss."""
     running: str
     shapes: tuple[tuple[int, ...], ...]
     errors: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -130,6 +130,10 @@ class _Recorder(TorchFunctionMode):
         self.device = probe.device
         self.names = module_names(probe.model)
         self.stack: list[str] = []
+        """The modules whose forward is running, outermost first."""
+        self.coded: list[str] = [OUTSIDE_MODEL]
+        """For each depth of ``stack``: the innermost running module whose forward is code outside PyTorch (the
+        user's or a library's), whose lines the torch calls there are; the loss outside every module."""
         self.in_optimizer = False
         self._neutral = NeutraliseHalfCasts()
         self._handles: list[Any] = []
@@ -142,10 +146,12 @@ class _Recorder(TorchFunctionMode):
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         self.stack.append(self.names[module])
+        self.coded.append(self.names[module] if _has_own_code(type(module)) else self.coded[-1])
 
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.stack:
             self.stack.pop()
+            self.coded.pop()
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -181,15 +187,12 @@ class _Recorder(TorchFunctionMode):
 
     def _op(self, name: str, outputs: list[torch.Tensor], start: types.FrameType) -> _Op:
         frame = calling_frame(start)
-        running = self.stack[-1] if self.stack else OUTSIDE_MODEL
-        owner = frame.f_locals.get("self") if frame is not None and frame.f_code.co_varnames[:1] == ("self",) else None
-        module = self.names.get(owner, running) if isinstance(owner, torch.nn.Module) else running
         return _Op(
             name=name,
             filename=frame.f_code.co_filename if frame is not None else None,
             lineno=frame.f_lineno if frame is not None else None,
-            module=module,
-            running=running,
+            module=self.coded[-1],  # the call site is in its code: a module of PyTorch's own has no line of its own
+            running=self.stack[-1] if self.stack else OUTSIDE_MODEL,
             shapes=tuple(tuple(t.shape) for t in outputs),
         )
 
@@ -258,6 +261,13 @@ class _Recorder(TorchFunctionMode):
                 self.twins[index].matched = op.matched = True
                 return self.twins[index]
         return None
+
+
+def _has_own_code(cls: type) -> bool:
+    """Whether a module class's forward is code outside PyTorch (``nn.Linear``'s is PyTorch's: the torch calls it
+    makes are the line's that called the module)."""
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    return code is not None and in_call_site_code(code.co_filename)
 
 
 def _step(probe: Probe, twins: list[_Op] | None) -> tuple[_Recorder, float, float]:

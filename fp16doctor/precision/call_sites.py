@@ -52,6 +52,12 @@ def _outside(filename: str) -> bool:
     return known
 
 
+def in_call_site_code(filename: str) -> bool:
+    """Whether code in ``filename`` can be a call site: neither PyTorch's, nor the doctor's, nor the standard
+    library's."""
+    return not _outside(filename)
+
+
 def calling_frame(start: types.FrameType | None = None) -> types.FrameType | None:
     """The frame that made the running torch call (see the module docstring), or None where no frame but
     PyTorch's, the doctor's and the standard library's is on the stack."""
