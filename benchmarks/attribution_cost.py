@@ -14,13 +14,13 @@ the plain steps on either side of it, so machine noise that lasts longer than a 
 rounds gives the median of its ratios; blocks are repeated until the interquartile range of the block medians (the
 spread of the estimate) is under ``--spread`` (5%), from ``--min-blocks`` to ``--max-blocks``. It prints the median
 of every paired ratio, their IQR (step-to-step noise) and the IQR of the block medians. Times are the process's
-CPU time (a neighbour on a shared machine stretches the wall time, not the work).
+CPU time (a neighbour on a shared machine stretches the wall time, not the work), on one torch thread by default.
 
 Workloads: ``tests/training_files/zone_load_bf16.py`` (an MLP regression in bf16 whose gap the attribution
 explains) and ``benchmarks/bert_like.py`` (a 4-layer BERT-like encoder, batch 16 x 128, fp16 with a GradScaler:
 many more operators per step).
 
-    python benchmarks/attribution_cost.py [--pairs 5] [--min-blocks 3] [--max-blocks 8] [--threads 2] [--only zone bert]
+    python benchmarks/attribution_cost.py [--pairs 5] [--min-blocks 3] [--max-blocks 8] [--threads 1] [--only zone bert]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--min-blocks", type=int, default=3)
     parser.add_argument("--max-blocks", type=int, default=8)
     parser.add_argument("--spread", type=float, default=0.05)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", nargs="*", choices=sorted(WORKLOADS), default=sorted(WORKLOADS, reverse=True))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -88,8 +88,15 @@ def _upcast(value: Any) -> Any:
     return value
 
 
-def _has_low(args: tuple, kwargs: dict) -> bool:
-    return any(t.dtype in LOW for t in _floats(list(args) + list(kwargs.values())))
+def _has_low(values: Any) -> bool:
+    """Whether a half-precision tensor is among ``values`` (or in a list or tuple among them)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.dtype in LOW:
+                return True
+        elif isinstance(v, (list, tuple)) and _has_low(v):
+            return True
+    return False
 
 
 @dataclass
@@ -136,6 +143,7 @@ class _Recorder(TorchFunctionMode):
         user's or a library's), whose lines the torch calls there are; the loss outside every module."""
         self.in_optimizer = False
         self._neutral = NeutraliseHalfCasts()
+        self._functions: dict[Any, tuple[str, bool, bool]] = {}
         self._handles: list[Any] = []
         for module in self.names:
             self._handles.append(module.register_forward_pre_hook(self._enter))
@@ -160,19 +168,19 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.in_optimizer or torch._C._current_graph_task_id() != -1:
-            return func(*args, **kwargs)  # the optimizer's update and a custom backward are no part of the loss
-        name = operator_name(func)
-        shadowed = self.shadow and name.rstrip("_") not in EXACT and "out" not in kwargs
-        in_place = writes_in_place(func)
+        if self.in_optimizer or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            # the optimizer's update, a custom backward and what no gradient reaches are no part of the loss
+            return func(*args, **kwargs)
+        name, exact, in_place = self._described(func)
+        shadowed = self.shadow and not exact and "out" not in kwargs
         before = None
         if shadowed and in_place and args and isinstance(args[0], torch.Tensor) and args[0].dtype in LOW:
             before = args[0].detach().float()  # what the in-place call read, before it wrote over it
-        rng = self._rng_state() if shadowed and _has_low(args, kwargs) else None
+        rng = self._rng_state() if shadowed and (_has_low(args) or _has_low(kwargs.values())) else None
         out = func(*args, **kwargs)
         outputs = _floats(out)
-        if not outputs:
-            return out
+        if not any(t.requires_grad for t in outputs):
+            return out  # no gradient reaches it (the gradients' own norms after the backward): it weighs nothing
         op = self._op(name, outputs, sys._getframe(1))
         if shadowed and any(t.dtype in LOW for t in outputs) and (in_place or not all(t._is_view() for t in outputs)):
             self._shadow(op, func, types_, args, kwargs, outputs, before, rng)
@@ -184,6 +192,19 @@ class _Recorder(TorchFunctionMode):
                 self._hook(op, outputs, twin.fp32_dots, dict(twin.errors))
         self.ops.append(op)
         return out
+
+    def _described(self, func: Any) -> tuple[str, bool, bool]:
+        """(its name, whether it adds no rounding error, whether it writes its first argument), once per function."""
+        try:
+            return self._functions[func]
+        except (KeyError, TypeError):
+            name = operator_name(func)
+            described = (name, name.rstrip("_") in EXACT, writes_in_place(func))
+            try:
+                self._functions[func] = described
+            except TypeError:  # an unhashable callable: described again at each call
+                pass
+            return described
 
     def _op(self, name: str, outputs: list[torch.Tensor], start: types.FrameType) -> _Op:
         frame = calling_frame(start)

@@ -13,6 +13,7 @@ matches. A line is written ``file:line``; ``file`` is matched by the trailing pa
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -67,6 +68,7 @@ def calling_frame(start: types.FrameType | None = None) -> types.FrameType | Non
     return frame
 
 
+@functools.lru_cache(maxsize=4096)  # resolving paths is the costly part of naming an attribution's lines
 def site_label(filename: str, lineno: int, base: Path | None = None) -> str:
     """``file:line`` as findings and configs write it: a file under ``base`` (the training file's folder) by its
     path from there, any other by its full path."""
