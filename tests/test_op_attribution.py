@@ -236,3 +236,16 @@ def test_the_code_to_write_casts_the_lines_first_tensor_operand_up(code, lower, 
 def test_a_line_that_does_not_parse_alone_is_shown_with_what_to_do():
     written = fp32_line_code(SiteShare("model.py:9", "block", ["add"], 0.9, 0.9, [], 1.0, None, "x = (a +", False))
     assert "cast this line's tensor inputs with .float()" in written and written.endswith("x = (a +")
+
+
+def test_where_no_line_set_closes_the_gap_the_warning_names_the_lines_that_make_most_of_it():
+    from fp16doctor.diagnosis import rule_cases as fx
+    from fp16doctor.diagnosis.rules.precision_gap import PrecisionGap
+
+    def warned(*sites: SiteShare) -> str:
+        (found,) = PrecisionGap().check(fx.evidence(gap=fx.gap(0.45, operators=fx.attribution(*sites), lines_tried=[])))
+        assert found.needs_search and found.evidence.fp32_lines is None and not found.fix.config_patch
+        return found.fix.summary
+
+    assert "model.py:9 (60%)" in warned(fx.site("model.py:9", 0.6), fx.site("model.py:3", 0.01))
+    assert "model.py" not in warned(fx.site("model.py:9", 0.01))  # rounding that accounts for nothing is not named

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 from ...config import overrides_patch
 from ...measure.records import OUTSIDE_MODEL, ROOT, Localisation, OperatorAttribution, SiteShare
-from ...measure.thresholds import GAP_ERROR, GAP_TOLERANCE
+from ...measure.thresholds import GAP_ERROR, GAP_TOLERANCE, SITE_SHARE
 from .. import rule_cases as fx
 from ..findings import (
     Evidence,
@@ -275,9 +275,9 @@ def code_owner(module: str) -> str:
 
 def _top_lines_sentence(found: OperatorAttribution | None) -> str:
     """Where the operator-level attribution ran and no line set closed the gap: the lines that make most of it."""
-    if found is None or not found.sites or found.sites[0].share <= 0:
+    if found is None or not found.sites or found.sites[0].share < SITE_SHARE:
         return ""
-    top = ", ".join(f"{s.site} ({s.share:.0%})" for s in found.sites[:3] if s.share > 0)
+    top = ", ".join(f"{s.site} ({s.share:.0%})" for s in found.sites[:3] if s.share >= SITE_SHARE)
     return f" The operators at these lines make the most of it: {top}."
 
 

@@ -262,6 +262,11 @@ def _lines_sentence(info: GapSearch) -> str:
     if found is None or not found.sites:
         return ""
     top = found.sites[0]
+    if top.share < SITE_SHARE:  # the rounding of no line accounts for it (an overflow divided away, say)
+        return (
+            f"; line by line, its operators' rounding accounts for {found.explained:.0%} of it, no line for "
+            f"{SITE_SHARE:.0%} or more"
+        )
     said = f"; the operators at {top.site} ({', '.join(top.operators)}) make {top.share:.0%} of it"
     if info.closing_lines:
         return (
