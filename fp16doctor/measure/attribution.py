@@ -99,6 +99,15 @@ def _has_low(values: Any) -> bool:
     return False
 
 
+def _views_of_inputs(outputs: list[torch.Tensor], args: tuple) -> bool:
+    """Every output is a view of an input (a reshape, a transpose, a slice): it holds the input's values exactly.
+    A call that computes and returns a view of its own result (attention's ``out.view(...).transpose(...)``) is no
+    such call."""
+    inputs = _floats(list(args))
+    bases = {id(t) for t in inputs} | {id(t._base) for t in inputs if t._base is not None}
+    return all(t._base is not None and id(t._base) in bases for t in outputs)
+
+
 @dataclass
 class _Op:
     """One torch call of a pass with a floating result."""
@@ -182,7 +191,7 @@ class _Recorder(TorchFunctionMode):
         if not any(t.requires_grad for t in outputs):
             return out  # no gradient reaches it (the gradients' own norms after the backward): it weighs nothing
         op = self._op(name, outputs, sys._getframe(1))
-        if shadowed and any(t.dtype in LOW for t in outputs) and (in_place or not all(t._is_view() for t in outputs)):
+        if shadowed and any(t.dtype in LOW for t in outputs) and (in_place or not _views_of_inputs(outputs, args)):
             self._shadow(op, func, types_, args, kwargs, outputs, before, rng)
         if self.shadow:
             self._hook(op, outputs, op.amp_dots, dict(op.errors))
