@@ -14,7 +14,7 @@ from ...engine.kept import release_memory
 from ...engine.records import StepRecord
 from ...measure.attribution import attribute_operators
 from ...measure.localise import trace_step
-from ...measure.records import ROOT
+from ...measure.records import ROOT, OperatorAttribution
 from ...measure.symptoms import loss_floor, relative_deviation
 from ...measure.thresholds import BF16_FACTOR, GAP_TOLERANCE, SITE_SHARE
 from ...tensors import OUT_OF_MEMORY
@@ -261,6 +261,16 @@ def _lines_sentence(info: GapSearch) -> str:
     found = info.operators
     if found is None or not found.sites:
         return ""
+    unmatched = (
+        f" ({found.unmatched} of its {found.operators} operators found no FP32 twin: weighed by AMP's gradient alone)"
+        if found.unmatched
+        else ""
+    )
+    return _attribution_sentence(info, found) + unmatched
+
+
+def _attribution_sentence(info: GapSearch, found: OperatorAttribution) -> str:
+    """The line that makes most of the gap and the line set that closed it; or how little the rounding accounts for."""
     top = found.sites[0]
     if top.share < SITE_SHARE:  # the rounding of no line accounts for it (an overflow divided away, say)
         return (
