@@ -274,8 +274,8 @@ def _attribution_sentence(info: GapSearch, found: OperatorAttribution) -> str:
     top = found.sites[0]
     if top.share < SITE_SHARE:  # the rounding of no line accounts for it (an overflow divided away, say)
         return (
-            f"; line by line, its operators' rounding accounts for {found.explained:.0%} of it, no line for "
-            f"{SITE_SHARE:.0%} or more"
+            f"; line by line, its operators' rounding accounts for {round(found.explained, 2) + 0.0:.0%} of it, "
+            f"no line for {SITE_SHARE:.0%} or more"
         )
     said = f"; the operators at {top.site} ({', '.join(top.operators)}) make {top.share:.0%} of it"
     if info.closing_lines:
