@@ -141,7 +141,6 @@ class _Recorder(TorchFunctionMode):
         self.shadow = twins is None
         self.twins = twins or []
         self.next_twin = 0
-        self.skipped_twins = 0
         self.ops: list[_Op] = []
         self.device = probe.device
         self.names = module_names(probe.model)
@@ -282,11 +281,10 @@ class _Recorder(TorchFunctionMode):
 
     def _match(self, op: _Op) -> _Op | None:
         """The AMP call this FP32 call is the twin of: the next unmatched one with the same key, looked for a few
-        calls ahead (calls the FP32 pass lacks are skipped over and counted)."""
+        calls ahead (the AMP calls passed over stay unmatched, and are counted as such)."""
         end = min(self.next_twin + MATCH_WINDOW, len(self.twins))
         for index in range(self.next_twin, end):
             if self.twins[index].key == op.key:
-                self.skipped_twins += index - self.next_twin
                 self.next_twin = index + 1
                 self.twins[index].matched = op.matched = True
                 return self.twins[index]
@@ -325,7 +323,7 @@ def attribute_operators(make_probe: Callable[[str], Probe], base: Path | None = 
     del probe
     probe = make_probe("fp32")
     try:
-        fp32, loss_fp32, _ = _step(probe, amp.ops)
+        _, loss_fp32, _ = _step(probe, amp.ops)
     finally:
         probe.close()
     del probe
