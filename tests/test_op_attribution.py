@@ -249,3 +249,48 @@ def test_where_no_line_set_closes_the_gap_the_warning_names_the_lines_that_make_
 
     assert "model.py:9 (60%)" in warned(fx.site("model.py:9", 0.6), fx.site("model.py:3", 0.01))
     assert "model.py" not in warned(fx.site("model.py:9", 0.01))  # rounding that accounts for nothing is not named
+
+
+IN_PLACE = """
+import torch
+from torch import nn
+
+CONFIG = {"dtype": "bfloat16", "scaler": {"enabled": False}, "steps": 2}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        h[:, 0] = h[:, 0] * 40.0 + 3000.0                 # SET
+        h += 0.001                                        # IADD
+        return h
+
+
+def model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)) for _ in range(2)]
+
+
+def loss(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+"""
+
+
+def test_an_in_place_call_at_an_fp32_line_still_changes_its_tensor(training_file):
+    """``x[i] = v`` and ``h += c`` at a line kept in fp32 are computed in fp32 and written back into the tensor, in
+    its dtype, as the line would have written them: the loss is the same as without the override."""
+    path = training_file(IN_PLACE)
+    plain = probe_losses(path, [])
+    lines = [f"train_me.py:{line_of(path, marker)}" for marker in ("# SET", "# IADD")]
+    fixed = probe_losses(path, lines)
+    assert fixed["amp"] == pytest.approx(plain["amp"], rel=1e-2) and fixed["amp"] > 1e5  # the writes happened

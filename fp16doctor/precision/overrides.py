@@ -77,16 +77,18 @@ class Fp32AtLines(NeutraliseHalfCasts):
             return func(*args, **kwargs)
         with torch.autocast(self.device_type, enabled=False):
             if writes_in_place(func) and args and isinstance(args[0], torch.Tensor) and args[0].dtype in LOW:
-                target = args[0]
-                result = super().__torch_function__(func, types_, (target.float(), *_to_fp32(args[1:])), kwargs)
-                return target.copy_(result)
+                target, work = args[0], args[0].float()
+                result = super().__torch_function__(func, types_, (work, *_to_fp32(args[1:])), _to_fp32(kwargs))
+                target.copy_(work)  # written back in the tensor's own dtype, as the call would have
+                return target if result is work else result
             return super().__torch_function__(func, types_, _to_fp32(args), _to_fp32(kwargs))
 
 
 def writes_in_place(func: Any) -> bool:
-    """An in-place torch call by its name: ``add_``, ``mul_``, ``__iadd__`` (it returns its first argument, changed)."""
+    """An in-place torch call by its name: ``add_``, ``mul_``, ``__iadd__``, ``x[i] = v`` (it changes its first
+    argument)."""
     name = getattr(func, "__name__", "")
-    if name.startswith("__i") and name.endswith("__"):
+    if name == "__setitem__" or (name.startswith("__i") and name.endswith("__")):
         return True
     return name.endswith("_") and not name.endswith("__")
 
