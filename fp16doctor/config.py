@@ -24,6 +24,8 @@ from .errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float16", "bfloat16")
+SOURCE_LINE = re.compile(r".+:[1-9][0-9]*")
+"""An entry of ``overrides.fp32_lines``: a file, a colon and a line number."""
 CALIBRATION_SKIPS = 10
 """Skips a dynamic scale may take to settle: each halves it, 2^16 down to 2^6 in 10 (``diagnose`` counts up to
 this many leading skips as settling, and the live watch's skip-streak allows them to a fresh scaler)."""
@@ -65,6 +67,14 @@ class OverridesConfig:
 
     fp32_modules: list[str] = field(
         default_factory=list, metadata=_doc("Module paths (as in named_modules()) run with autocast off, in fp32.")
+    )
+    fp32_lines: list[str] = field(
+        default_factory=list,
+        metadata=_doc(
+            "Source lines, as file:line (model.py:42, as the precision-gap finding names them), whose torch "
+            "operators run with autocast off, on fp32 inputs: the operators a line of your code calls, the "
+            "model's own forward code and the loss included, where no module can be kept in fp32 alone."
+        ),
     )
     fp32_weights: bool = field(
         default=False,
@@ -122,6 +132,8 @@ class DoctorConfig:
         _require(self.lr > 0 and math.isfinite(self.lr), "lr", "a finite number > 0")
         if self.max_grad_norm is not None:
             _require(self.max_grad_norm > 0, "max_grad_norm", "a number > 0 or null")
+        for line in self.overrides.fp32_lines:
+            _require(SOURCE_LINE.fullmatch(line.strip()) is not None, "overrides.fp32_lines", "a list of file:line")
         if self.overrides.max_lr is not None:
             _require(self.overrides.max_lr > 0, "overrides.max_lr", "a number > 0 or null")
         self.scaler.validate()

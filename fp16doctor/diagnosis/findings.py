@@ -21,7 +21,7 @@ from ..config import DoctorConfig
 from ..engine.records import Column
 from ..files import jsonable
 from ..measure.datascan import FieldScan
-from ..measure.records import OMITTED_WHEN_NONE, ExceptionInfo, Localisation, ScaleWindow
+from ..measure.records import OMITTED_WHEN_NONE, ExceptionInfo, Localisation, OperatorAttribution, ScaleWindow
 from ..measure.symptoms import Symptom, exception_of, first_step
 
 
@@ -527,6 +527,17 @@ class GapTrial:
 
 
 @dataclass
+class LineTrial:
+    """One set of source lines the search ran in fp32 (``overrides.fp32_lines``), and the same-state gap left."""
+
+    fp32_lines: list[str]
+    gap: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fp32_lines": self.fp32_lines, "gap": self.gap}
+
+
+@dataclass
 class GapSearch:
     """What the precision-gap stage measured: AMP against fp32 from the same states, and (past tolerance) the
     modules ranked by the error they add and the smallest fp32 set that closes the gap."""
@@ -559,6 +570,17 @@ class GapSearch:
     """The first forward operator of AMP's step at ``worst_step`` that made a result past fp16's range which no
     module output shows (an infinity divided away: ``x / inf = 0``): the gap is then range, not rounding. None when
     the traced step made none (or no search ran)."""
+    operators: OperatorAttribution | None = None
+    """Where no module set closed the gap: every operator AMP's step at ``worst_step`` ran in half precision,
+    recomputed in fp32, its error weighted by the loss's gradient, summed by the line of your code that called it
+    (:mod:`fp16doctor.measure.attribution`). None when the module search closed the gap (or no search ran)."""
+    closing_lines: list[str] | None = None
+    """The smallest set of source lines whose operators in fp32 (``overrides.fp32_lines``) bring the gap within
+    tolerance; None when none tried did (or none was tried)."""
+    lines_closed_gap: float | None = None
+    """The gap left with ``closing_lines`` in fp32."""
+    lines_tried: list[LineTrial] | None = None
+    """The line sets tried, in order; None when the operator-level attribution did not run."""
 
     @property
     def exceeded(self) -> bool:
@@ -594,6 +616,16 @@ class GapSearch:
             )
         if self.absorbed_overflow is not None:
             out["absorbed_overflow"] = self.absorbed_overflow.to_json()
+        if self.operators is not None:
+            out["operators"] = self.operators.to_json()
+        if self.lines_tried is not None:
+            out.update(
+                {
+                    "closing_lines": self.closing_lines,
+                    "lines_closed_gap": self.lines_closed_gap,
+                    "lines_tried": [t.to_json() for t in self.lines_tried],
+                }
+            )
         return out
 
 

@@ -20,7 +20,7 @@ import pandas as pd
 from ..config import build_config
 from ..engine.records import RECORD_COLUMNS, Column
 from ..measure.datascan import FieldScan
-from ..measure.records import FlushedConstant, Localisation, ScaleWindow
+from ..measure.records import FlushedConstant, Localisation, OperatorAttribution, ScaleWindow, SiteShare
 from .findings import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair, RepairKind
 
 PRECISION_COLUMNS = [
@@ -267,3 +267,38 @@ def gap(value: float, tolerance: float = 1e-3, step: int = 0, **found: Any) -> G
     """The precision-gap stage's record: a same-state deviation of ``value`` at ``step`` (the only state
     compared); ``found`` sets what the later parts of the stage found (the scale-leak check, the search)."""
     return GapSearch(same_state_rel_dev={step: value}, worst_step=step, gap=value, tolerance=tolerance, **found)
+
+
+def site(
+    line: str,
+    share: float,
+    module: str = "<root>",
+    operators: tuple[str, ...] = ("mul", "add"),
+    code: str | None = "y = h * std + mean",
+    lower_precision: bool = False,
+) -> SiteShare:
+    """One line of the user's code with its operators' share of a same-state gap (the attribution's record)."""
+    return SiteShare(
+        site=line,
+        module=module,
+        operators=list(operators),
+        share=share,
+        own_share=share,
+        inside=[],
+        weighted_error=share,
+        first_order=share / 4,
+        code=code,
+        lower_precision=lower_precision,
+    )
+
+
+def attribution(*sites: SiteShare, unmatched: int = 0) -> OperatorAttribution:
+    """The operator-level attribution of a gap: the lines ranked by their share (given the largest first)."""
+    return OperatorAttribution(
+        loss_amp=2.0,
+        loss_fp32=1.0,
+        explained=sum(s.share for s in sites),
+        operators=4 * len(sites),
+        unmatched=unmatched,
+        sites=list(sites),
+    )

@@ -262,6 +262,8 @@ class Probe:
         watches a step's tensors a micro-batch at a time (:func:`~fp16doctor.measure.numerics.capture_gradients`)."""
         self._session = PrecisionSession.for_mode(mode, self.device.type)
         """Entered by the probe itself around its construction and every step (see :meth:`_precision`)."""
+        if mode != "fp32":  # the baseline has nothing to fix
+            self._session.keep_lines_in_fp32(config.overrides.fp32_lines, self.device.type)
         with self._precision(), NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext():
             self.model = self._build_model()
             self.optimizer_arg = self._build_optimizers()

@@ -227,3 +227,73 @@ class ExceptionInfo:
         if self.module is not None:
             out["module"] = self.module
         return out
+
+
+@dataclass(frozen=True)
+class SiteShare:
+    """One line of the user's code and its share of a same-state loss gap: the rounding error its operators add
+    in half precision (each recomputed in fp32 from its actual inputs), weighted by the loss's sensitivity to
+    their outputs (:mod:`fp16doctor.measure.attribution`)."""
+
+    site: str
+    """The line, ``file:line`` (the training file's folder's files by their path from there)."""
+    module: str
+    """Whose code the line is: a module's path, ``<root>`` for the model's own forward, ``<loss: outside the
+    model>`` for the loss."""
+    operators: list[str]
+    """The torch operators the line ran in half precision (``mul``, ``add``, ``linear``), in their first order."""
+    share: float
+    """The line's share of the gap (AMP's loss minus FP32's on the same state), from its weighted error."""
+    own_share: float
+    """The share of the operators the line's own code runs, leaving out those inside the submodules it calls
+    (``inside``): what computing the line in fp32 changes beyond keeping those modules in fp32."""
+    inside: list[str]
+    """The submodules whose operators the line's calls ran (``self.encoder(x)`` runs the encoder's): their errors
+    count in ``share``; empty where every operator is the line's own."""
+    weighted_error: float
+    """The loss change its rounding errors make: the sum over its operators of the error times the loss's gradient
+    with respect to their output, the mean of FP32's and AMP's gradients (exact for a quadratic loss)."""
+    first_order: float | None
+    """The same with FP32's gradient alone (the first-order term); None where no operator of the line was
+    matched in the FP32 pass."""
+    code: str | None = None
+    """The line's source text, stripped; None where it cannot be read."""
+    lower_precision: bool = False
+    """One of its operators is on autocast's lower-precision list (a matmul, a linear, a convolution): autocast
+    casts its inputs down again, so only a region with autocast off keeps it in fp32."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}  # every field, in order: the docs read this shape
+
+
+@dataclass(frozen=True)
+class OperatorAttribution:
+    """Every operator of one AMP step that ran in half precision, recomputed in fp32, its rounding error weighted
+    by the loss's gradient and summed by the line of the user's code that called it; the lines ranked by their
+    share of the same-state gap."""
+
+    loss_amp: float
+    """AMP's loss on the state (the attribution's own AMP pass)."""
+    loss_fp32: float
+    """FP32's loss on the same state and batch."""
+    explained: float
+    """The sum of every line's share: how much of the gap the first-order-in-the-error account covers (near 1 where
+    the loss is close to quadratic in what rounding changed)."""
+    operators: int
+    """Operators of the AMP forward whose half-precision result differs from its fp32 recomputation: those that
+    added a rounding error."""
+    unmatched: int
+    """Of those, how many were not found in the FP32 pass (the same program order on the same state gives the
+    same sequence; control flow that depends on values can change it): their weight is AMP's gradient alone."""
+    sites: list[SiteShare]
+    """The lines with the largest shares, the largest first (at most eight)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "loss_amp": self.loss_amp,
+            "loss_fp32": self.loss_fp32,
+            "explained": self.explained,
+            "operators": self.operators,
+            "unmatched": self.unmatched,
+            "sites": [s.to_json() for s in self.sites],
+        }

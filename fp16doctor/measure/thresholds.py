@@ -18,6 +18,9 @@ BF16_FACTOR = 8.0
 LOSS_FLOOR_SHARE = 0.1
 """Loss deviations are relative to at least 10% of the initial FP32 loss (measured: a loss driven to ~0 turns
 fp16's absolute rounding noise into deviations of several hundred percent on healthy samples)."""
+SITE_SHARE = 0.05
+"""A line of the user's code is tried in fp32 when its operators make at least 5% of a same-state gap (the
+operator-level attribution): a line below it cannot close a gap past tolerance alone (and the search tries a few)."""
 DRIFT_ERROR = 0.1
 """The loss curves ending 10% apart: the ``trajectory-drift`` symptom (measured: two settling skips in a 40-step
 probe whose loss falls tenfold put the curves 7% apart, sample_models/scale_grows_fast.py corrected)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ import torch.nn.utils.clip_grad as clip_grad_module
 from ..errors import ConfigError
 from ..userfile.batches import map_tensors
 from ..userfile.modules import module_names
+from .call_sites import SourceLines, calling_frame
 from .fp32_mode import NeutraliseHalfCasts
 from .recording import RecordingGradScaler, global_grad_norm
 
@@ -52,6 +54,43 @@ def keep_modules_in_fp32(model: torch.nn.Module, paths: list[str], device_type: 
                 return __forward(*_to_fp32(args), **_to_fp32(kwargs))
 
         module.forward = fp32_forward  # instance attribute: Module.__call__ picks it up
+
+
+class Fp32AtLines(NeutraliseHalfCasts):
+    """The torch calls made at the given source lines (``overrides.fp32_lines``) run with autocast off, on fp32
+    inputs, and what they ask of low precision (``.half()``, ``dtype=torch.bfloat16``) becomes fp32: the
+    operator-level fallback, for code that belongs to no module that could be kept in fp32 alone (the model's
+    own forward, ``h * std + mean``) or to a module too large to keep (one line of it).
+
+    A call's line is its call site (:func:`~.call_sites.calling_frame`, as the precision-gap attribution names
+    it). An in-place operator keeps its tensor's dtype: it is computed in fp32 and written back. Every other call
+    anywhere runs untouched."""
+
+    def __init__(self, lines: list[str], device_type: str) -> None:
+        super().__init__()
+        self.lines = SourceLines(lines)
+        self.device_type = device_type
+
+    def __torch_function__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.lines.holds(calling_frame(sys._getframe(1))):
+            return func(*args, **kwargs)
+        with torch.autocast(self.device_type, enabled=False):
+            if writes_in_place(func) and args and isinstance(args[0], torch.Tensor) and args[0].dtype in LOW:
+                target, work = args[0], args[0].float()
+                result = super().__torch_function__(func, types_, (work, *_to_fp32(args[1:])), _to_fp32(kwargs))
+                target.copy_(work)  # written back in the tensor's own dtype, as the call would have
+                return target if result is work else result
+            return super().__torch_function__(func, types_, _to_fp32(args), _to_fp32(kwargs))
+
+
+def writes_in_place(func: Any) -> bool:
+    """An in-place torch call by its name: ``add_``, ``mul_``, ``__iadd__``, ``x[i] = v`` (it changes its first
+    argument)."""
+    name = getattr(func, "__name__", "")
+    if name == "__setitem__" or (name.startswith("__i") and name.endswith("__")):
+        return True
+    return name.endswith("_") and not name.endswith("__")
 
 
 def autocast_forward(model: torch.nn.Module, autocast: Callable[[], Any]) -> None:

@@ -2,7 +2,8 @@
 
 A probe of one mode changes things that belong to the whole interpreter: the CPU autocast kernels
 (CUDA's op lists on CPU, :mod:`.autocast_policy`), ``torch.autocast.__init__`` (the FP32 guards and the
-user's CUDA autocast blocks on CPU) and the clip functions (the clipping observer, :mod:`.overrides`).
+user's CUDA autocast blocks on CPU), the clip functions (the clipping observer, :mod:`.overrides`) and, with
+``overrides.fp32_lines``, the torch calls made at given source lines (a torch-function mode).
 Each of those patches is reference-counted and locked where it is made, so nested and concurrent
 sessions share it and the last one out restores it. The session bundles them for one probe, with the
 thread-local torch-function guards of the mode, so that the probe enters it around its own steps and its
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 from .autocast_policy import Rewrite, cuda_policy_on_cpu, cuda_to_cpu, rewritten_autocast
 from .fp32_mode import NeutraliseHalfCasts, disable_autocast
-from .overrides import ClipObserver, watch_clipping
+from .overrides import ClipObserver, Fp32AtLines, watch_clipping
 
 
 @dataclass
@@ -35,6 +36,8 @@ class PrecisionSession:
     """How every ``torch.autocast`` opened inside is rewritten (FP32: disabled; CPU: CUDA blocks act on CPU)."""
     neutralise_half_casts: bool = False
     """``.half()`` and fp16 dtype requests become fp32 (the FP32 baseline)."""
+    fp32_lines: Fp32AtLines | None = field(default=None, repr=False)
+    """The operator-level fallback of ``overrides.fp32_lines``: the torch calls at those source lines in fp32."""
     clipping: ClipObserver | None = field(default=None, repr=False)
     """Set once the probe has its scaler: clip calls are observed during steps."""
     user_module: types.ModuleType | None = field(default=None, repr=False)
@@ -52,6 +55,10 @@ class PrecisionSession:
     def observe_clipping(self, observer: ClipObserver, user_module: types.ModuleType) -> None:
         """From now on the session's steps record (and with the fix, unscale before) every clip call."""
         self.clipping, self.user_module = observer, user_module
+
+    def keep_lines_in_fp32(self, lines: list[str], device_type: str) -> None:
+        """From now on the session's steps run the torch calls at ``lines`` (``file:line``) in fp32."""
+        self.fp32_lines = Fp32AtLines(lines, device_type) if lines else None
 
     @property
     def active(self) -> bool:
@@ -86,6 +93,9 @@ class PrecisionSession:
             parts.append(lambda: rewritten_autocast(rewrite))
         if self.neutralise_half_casts:
             parts.append(NeutraliseHalfCasts)
+        lines = self.fp32_lines
+        if lines is not None:
+            parts.append(lambda: lines)
         observer, module = self.clipping, self.user_module
         if observer is not None and module is not None:
             parts.append(lambda: watch_clipping(observer, module))

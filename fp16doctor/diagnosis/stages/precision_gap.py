@@ -1,20 +1,25 @@
-"""Stage 7, the precision-gap search: the smallest set of modules kept in fp32 that closes a same-state gap."""
+"""Stage 7, the precision-gap search: the smallest set of modules kept in fp32 that closes a same-state gap; where
+none does, the operators attributed line by line and the smallest set of lines computed in fp32 that closes it."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...config import overrides_patch, scaler_patch
+from ...engine.kept import release_memory
 from ...engine.records import StepRecord
+from ...measure.attribution import attribute_operators
 from ...measure.localise import trace_step
-from ...measure.records import ROOT
+from ...measure.records import ROOT, OperatorAttribution
 from ...measure.symptoms import loss_floor, relative_deviation
-from ...measure.thresholds import BF16_FACTOR, GAP_TOLERANCE
+from ...measure.thresholds import BF16_FACTOR, GAP_TOLERANCE, SITE_SHARE
+from ...tensors import OUT_OF_MEMORY
 from ...userfile.modules import module_names
-from ..findings import GapSearch, GapTrial, ModuleGap, StageName, StageReport, StageStatus
+from ..findings import GapSearch, GapTrial, LineTrial, ModuleGap, StageName, StageReport, StageStatus
 from .context import (
     StageContext,
     gap_states,
@@ -64,8 +69,8 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
         )
     leak_check = cfg.scaler.enabled and cfg.dtype == "float16"
     # at most: the pair without loss scaling, the pair that ranks the modules, the traced AMP step, a pair per
-    # module set tried
-    with ctx.progress.planned((2 if leak_check else 0) + 3 + 2 * search_limit(ctx)):
+    # module set tried; where none closes the gap, the pair the operators are attributed on and a pair per line set
+    with ctx.progress.planned((2 if leak_check else 0) + 3 + 2 * search_limit(ctx) + 2 + 2 * search_limit(ctx)):
         return _search(ctx, info, leak_check)
 
 
@@ -100,11 +105,13 @@ def _search(ctx: StageContext, info: GapSearch, leak_check: bool) -> StageReport
     info.absorbed_overflow = absorbed_overflow(ctx, worst_step)
     _search_fp32_set(ctx, info, [r.module for r in ranked])
     closed = info.closing_set
+    if not closed:  # the operators no module holds (the model's own forward code, the loss), line by line
+        _attribute_operators(ctx, info)
     summary = f"AMP deviates {gap:.3%} from fp32 on the same state (step {worst_step}); "
     summary += (
         f"keeping {closed} in fp32 closes it ({info.closed_gap:.3%})"
         if closed
-        else "no fp32 module set tried closes it"
+        else "no fp32 module set tried closes it" + _lines_sentence(info)
     )
     if info.absorbed_overflow is not None:
         summary += f"; an overflow no module output shows: {info.absorbed_overflow.describe()}"
@@ -214,3 +221,66 @@ def _search_fp32_set(ctx: StageContext, found: GapSearch, candidates: list[str])
         best_before = min((t.gap for t in tried[:-1]), default=math.inf)
         if gap < best_before:
             chosen = trial  # keep a module only if it helps
+
+
+def _attribute_operators(ctx: StageContext, info: GapSearch) -> None:
+    """Into ``info``: the lines of the user's code ranked by their operators' share of the gap at the worst state
+    (:func:`~fp16doctor.measure.attribution.attribute_operators`), and the smallest set of them whose operators in
+    fp32 close it."""
+    try:
+        info.operators = attribute_operators(
+            lambda mode: probe_at(ctx, mode, ctx.config, info.worst_step, whole_batches=True),
+            base=Path(ctx.bench.spec.path).parent,
+        )
+    except OUT_OF_MEMORY:  # one more AMP step than the module search takes: the search goes on without it
+        release_memory(ctx.bench.device)
+        return
+    # a line's own operators: one that only calls submodules (``self.encoder(x)``) is the module search's to try
+    candidates = [s.site for s in info.operators.sites if s.own_share >= SITE_SHARE and not s.site.startswith("<")]
+    _search_fp32_lines(ctx, info, candidates)
+
+
+def _search_fp32_lines(ctx: StageContext, found: GapSearch, candidates: list[str]) -> None:
+    """The smallest set of lines (greedy, in ranked order) whose operators in fp32 close the gap, into ``found``
+    (``closing_lines`` stays None when no set tried closes it; ``lines_tried`` lists every set)."""
+    chosen: list[str] = []
+    found.lines_tried = tried = []
+    for site in candidates[: search_limit(ctx)]:
+        trial = chosen + [site]
+        gap = same_state_gap(ctx, ctx.with_config(overrides_patch(fp32_lines=trial)), found.worst_step)
+        tried.append(LineTrial(fp32_lines=trial, gap=gap))
+        if gap <= found.tolerance:
+            found.closing_lines, found.lines_closed_gap = trial, gap
+            return
+        if gap < min((t.gap for t in tried[:-1]), default=math.inf):
+            chosen = trial  # keep a line only if it helps
+
+
+def _lines_sentence(info: GapSearch) -> str:
+    """What the operator-level attribution found, as the stage's summary ends."""
+    found = info.operators
+    if found is None or not found.sites:
+        return ""
+    unmatched = (
+        f" ({found.unmatched} of its {found.operators} operators found no FP32 twin: weighed by AMP's gradient alone)"
+        if found.unmatched
+        else ""
+    )
+    return _attribution_sentence(info, found) + unmatched
+
+
+def _attribution_sentence(info: GapSearch, found: OperatorAttribution) -> str:
+    """The line that makes most of the gap and the line set that closed it; or how little the rounding accounts for."""
+    top = found.sites[0]
+    if top.share < SITE_SHARE:  # the rounding of no line accounts for it (an overflow divided away, say)
+        return (
+            f"; line by line, its operators' rounding accounts for {round(found.explained, 2) + 0.0:.0%} of it, "
+            f"no line for {SITE_SHARE:.0%} or more"
+        )
+    said = f"; the operators at {top.site} ({', '.join(top.operators)}) make {top.share:.0%} of it"
+    if info.closing_lines:
+        return (
+            said
+            + f"; computing the operators at {', '.join(info.closing_lines)} in fp32 closes it ({info.lines_closed_gap:.3%})"
+        )
+    return said + ("; no line set tried in fp32 closes it" if info.lines_tried else "")
