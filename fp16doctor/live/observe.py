@@ -44,6 +44,7 @@ from ..engine.ddp import half_precision_comm_hooks
 from ..tensors import dtype_name
 from ..userfile.batches import iter_tensors
 from ..userfile.modules import unwrapped
+from .stepstate import StepStartKeeper
 from .watch import Alarm, Watch, WatchOptions
 
 OUTPUT_GRAD_LIMIT = 1 << 24
@@ -128,6 +129,9 @@ class TrainingObserver:
         """Optimizers created inside the watch whose parameters no found model holds yet (the global module
         hooks stay on until each has its model)."""
         self._originals: list[tuple[Any, str, Any]] = []
+        self._step_states: dict[int, StepStartKeeper] = {}
+        """Per model (by id), the state its forward writes to as the current step found it: kept at the step's first
+        training forward, handed to the model's watch (:mod:`.stepstate`)."""
         self.resumed_scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
         """Scalers the script loaded a saved state into: settled, whatever their scale (``load_state_dict`` sets
         ``init_scale`` to the loaded scale, so the scale alone cannot tell)."""
@@ -161,6 +165,7 @@ class TrainingObserver:
             self._patch(torch.nn.Module, "zero_grad", _observed_zero_grad(vars(torch.nn.Module)["zero_grad"]))
             self._handles = [register_optimizer_step_pre_hook(self._optimizer_pre_step)]
             self._handles += [m.register_forward_hook(self._model_forward, with_kwargs=True) for m in self._models]
+            self._handles += [m.register_forward_pre_hook(self._model_pre_forward) for m in self._models]
             self._discover(bool(self._unmatched) or not self._models)
         return self
 
@@ -216,7 +221,17 @@ class TrainingObserver:
             self._module_hooks = []
 
     def _global_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._depth == 0 and not any(unwrapped(module) is m for m in self._models):  # a found model's own hook
+            self._model_pre_forward(module, args)
         self._depth += 1
+
+    def _model_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """A forward of an outermost module is about to run: at its step's first training forward, keep the state
+        it may write to (a memory module's buffers, a cache, running statistics) as it is now."""
+        if not (module.training and torch.is_grad_enabled()) or next(module.parameters(), None) is None:
+            return
+        model = unwrapped(module)
+        self._step_states.setdefault(id(model), StepStartKeeper()).begin(model)
 
     def _global_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self._depth -= 1
@@ -297,6 +312,7 @@ class TrainingObserver:
         """Found the model: hook it alone (the global module hooks go once no optimizer waits for its model)."""
         self._models.append(model)
         self._handles.append(model.register_forward_hook(self._model_forward, with_kwargs=True))
+        self._handles.append(model.register_forward_pre_hook(self._model_pre_forward))
 
     # --- the optimizer step ------------------------------------------------------------------------------
     def scaler_step(self, scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
@@ -351,6 +367,7 @@ class TrainingObserver:
                 self._model_of(optimizer), self.options, framework="script", dtype=self.dtype or self._autocast_dtype
             )
             watch.rank = self.rank
+            watch.step_state = self._step_states.setdefault(id(watch.model), StepStartKeeper())
             self.watches[key] = watch
         return self.watches[key]
 
