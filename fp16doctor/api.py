@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import DoctorConfig, build_config, load_yaml, merge
-from .diagnosis.findings import Diagnosis
+from .diagnosis.findings import CapsuleReplay, Diagnosis
 from .diagnosis.triage import DiagnoseOptions, fixed_config
 from .diagnosis.triage import diagnose as run_triage
 from .engine.kept import return_large_blocks_on_free
@@ -81,6 +81,8 @@ class CapsuleTarget:
     training_file: Path
     replay_note: str | None = None
     recorded_loss_finding: str | None = None
+    replay: CapsuleReplay | None = None
+    """What the watch recorded about the state the replayed step starts from."""
 
 
 def capsule_target(capsule: PathLike | None, training_file: PathLike | None) -> CapsuleTarget:
@@ -104,7 +106,20 @@ def capsule_target(capsule: PathLike | None, training_file: PathLike | None) -> 
     if path is not None:
         raise DoctorError("give a training file or --capsule, not both.")
     manifest = check_capsule(folder)
-    return CapsuleTarget(folder / "train_capsule.py", replay_note(manifest), recorded_loss_evidence(manifest))
+    return CapsuleTarget(
+        folder / "train_capsule.py", replay_note(manifest), recorded_loss_evidence(manifest), capsule_replay(manifest)
+    )
+
+
+def capsule_replay(manifest: dict[str, Any]) -> CapsuleReplay:
+    """The manifest's record of the state the step starts from (a capsule from before it was kept: nothing)."""
+    written = manifest.get("step_state") or {}
+    return CapsuleReplay(
+        step=int(manifest.get("step") or 0),
+        history_finite=bool(manifest.get("history_finite")),
+        restored=list(written.get("restored") or []),
+        uncaptured=list(written.get("uncaptured") or []),
+    )
 
 
 def load_target(target: CapsuleTarget, config_file: PathLike | None = None, **config: Any) -> LoadedTraining:
@@ -144,6 +159,7 @@ def diagnose(
         max_memory=max_memory,
         own_process=own_process,
         recorded_loss_finding=target.recorded_loss_finding,
+        capsule=target.replay,
         plots=plots,
     )
     return diagnose_loaded(load_target(target, config_file, **config), options, on_stage, on_probe_step)

@@ -344,6 +344,7 @@ def diagnose(
             max_memory=memory_limit,
             own_process=True,
             recorded_loss_finding=target.recorded_loss_finding,
+            capsule=target.replay,
             plots=report is not None or html is not None,
         )
         with DiagnosisProgress(err, stage_names()) as progress:

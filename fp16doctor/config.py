@@ -89,6 +89,14 @@ class OverridesConfig:
             "modules autocast off and half casts neutralised."
         ),
     )
+    loss_in_fp64: bool = field(
+        default=False,
+        metadata=_doc(
+            "Compute the loss in float64, in every probe (FP32 too): the model's floating outputs cast to float64 "
+            "where they leave it, so the loss code after it runs in float64 (autocast never casts float64). The "
+            "intervention search tries it where FP32's first non-finite value is in the loss."
+        ),
+    )
     hold_scheduler_on_skip: bool = field(
         default=False, metadata=_doc("Do not step the LR scheduler on steps the GradScaler skipped.")
     )

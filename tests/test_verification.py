@@ -79,14 +79,15 @@ def test_the_window_keeps_gradient_mass_not_element_counts():
 
 
 def test_fp32_divergence_at_a_schedule_jump_gets_the_precise_cause():
+    """FP32 failing is a symptom: the capped learning rate repairs FP32 and AMP, so the vague fp32-divergence, which
+    stands only where nothing repairs, is gone."""
     proc = diagnose_ci(FILES / "lr_jump_fp32_diverges.py")
     assert proc.returncode == 1, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     top, causes = report["findings"][0], [f["cause"] for f in report["findings"]]
     assert top["cause"] == "lr-schedule-peak" and top["verification"]["repaired"] is True
     assert "fp32-nonfinite" in top["verification"]["symptoms_before"] and top["verification"]["symptoms_after"] == []
-    vague = report["findings"][causes.index("fp32-divergence")]
-    assert vague["verification"]["tried"] is None and vague["verification"]["reason"]
+    assert "fp32-divergence" not in causes, causes
     assert report["corrected"]["healthy_after"] is True and report["corrected"]["config_patch"] == {
         "overrides": {"max_lr": 0.001}
     }

@@ -85,7 +85,9 @@ class RepairKind(Code):
     HOLD_SCHEDULER = "hold-scheduler"
     UNSCALE_BEFORE_CLIP = "unscale-before-clip"
     DROP_NONFINITE_ROWS = "drop-nonfinite-rows"
+    DROP_EXTREME_ROWS = "drop-extreme-rows"
     STANDARDISE = "standardise"
+    LOSS_FP64 = "loss-fp64"
     DROP_EMPTY_TARGETS = "drop-empty-targets"
     BF16 = "bf16"
 
@@ -471,29 +473,70 @@ class LrSchedule:
 
 
 @dataclass
+class LrTrajectory:
+    """The trouble a schedule event is tied to: one probe's gradient norm and loss per step, from before the event
+    (or before the growth, where it began earlier) up to that probe's first non-finite step."""
+
+    mode: str
+    """The probe whose trouble it is (``amp``, else ``fp32``)."""
+    event_step: int
+    """The schedule's peak or jump the trouble follows."""
+    trouble_step: int
+    """The probe's first step it did not survive (a non-finite loss or update, or the skip that tells the fault)."""
+    growth_step: int | None
+    """The first step of the growth that runs up to ``trouble_step`` (each step's value above the one before, by
+    ``growth`` in all); None where neither the gradient norm nor the loss grew that much."""
+    growth: float
+    """How many times the growing quantity's last value before the trouble is its value before the growth."""
+    growing: str | None
+    """Which quantity grew: ``grad_norm`` or ``loss`` (None: neither)."""
+    steps: list[int]
+    """The steps the two lists below cover: from before the event (or the growth) to ``trouble_step``."""
+    grad_norms: list[float]
+    losses: list[float]
+
+
+@dataclass
 class LrPause:
-    """One step taken twice from the same snapshot: at the schedule's rate and at the rate of the step before
-    (each with the step after it, where an update's damage shows)."""
+    """The steps from the schedule's event to the trouble (two at least: an update's damage shows in the next
+    forward), taken twice from the same state: at the schedule's rate, and with the rate capped (at the rate of the
+    step before the event; where the growth began during the climb to a peak and that cap does not hold, at half
+    of it, a quarter, down to a sixteenth, from the first step whose rate passes the cap to the probe's end)."""
 
     pause_step: int
     finite_at_peak: bool
     finite_before_peak: bool
+    """The capped steps stayed finite."""
     update_to_weight_at_peak: float
     update_to_weight_before_peak: float
     activation_max_at_peak: float
     activation_max_before_peak: float
+    lr_cap: float | None = None
+    """The cap of the capped steps (None: the rate of the step before ``pause_step``)."""
+    capped_from: int | None = None
+    """The step the capped steps start at: the first whose rate passes the cap (None: ``pause_step``)."""
+    paused_steps: int = 2
+    """How many steps each of the two takes."""
+    mode: str = "amp"
+    """The probe they are taken in."""
 
 
 @dataclass
 class LrPeak:
-    """What the LR-peak stage measured: the schedule, and the pause when there was trouble to pause at."""
+    """What the LR-peak stage measured: the schedule, the trajectory its trouble grew along, and the pause when
+    there was trouble to pause at."""
 
     schedule: LrSchedule
     pause: LrPause | None = None
+    trajectory: LrTrajectory | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The stage's documented details: one flat object of the schedule's fields and, once paused, the pause's."""
-        return {**asdict(self.schedule), **(asdict(self.pause) if self.pause is not None else {})}
+        """The stage's documented details: one flat object of the schedule's fields and, once paused, the pause's,
+        with the trajectory under ``trajectory``."""
+        out = {**asdict(self.schedule), **(asdict(self.pause) if self.pause is not None else {})}
+        if self.trajectory is not None:
+            out["trajectory"] = asdict(self.trajectory)
+        return out
 
 
 @dataclass
@@ -629,6 +672,24 @@ class GapSearch:
         return out
 
 
+@dataclass(frozen=True)
+class CapsuleReplay:
+    """What a capsule's watch recorded about the step its replay starts from (its manifest)."""
+
+    step: int
+    """The optimizer step the capsule holds."""
+    history_finite: bool
+    """Every step the watch checked before it had a finite loss."""
+    restored: list[str] = field(default_factory=list)
+    """State the model's forward wrote (``module.attribute``) that the capsule put back as the step started."""
+    uncaptured: list[str] = field(default_factory=list)
+    """State the model's forward changed that the watch could not put back (written in place without a copy, a list
+    or dict changed): the replay starts from what the failing forward left there."""
+    nonfinite_state: list[str] = field(default_factory=list)
+    """Entries of the model state the replay starts from that hold inf or NaN (measured when the diagnosis loads
+    the capsule)."""
+
+
 @dataclass
 class Evidence:
     """Everything the stages measured; rules read it, nothing else."""
@@ -647,6 +708,8 @@ class Evidence:
     """A capsule's: its watch saw a finite loss whose gradient w.r.t. the model's outputs was non-finite, or a
     non-finite loss, made in the loss computation that the capsule does not
     hold (its replay counts those entries as 0)."""
+    capsule: CapsuleReplay | None = None
+    """A capsule's diagnosis: what its watch recorded about the state the replayed step starts from."""
     data: list[FieldScan] = field(default_factory=list)
     fp32: ProbeSummary | None = None
     amp: ProbeSummary | None = None

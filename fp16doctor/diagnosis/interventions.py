@@ -15,6 +15,13 @@ one that removes the symptoms:
    the scheduler held on skipped steps; unscaling before clipping;
 5. the data without the offending rows, or standardised; bf16.
 
+Where the FP32 baseline fails too, only what changes FP32 as well can repair it, and the search runs on the FP32
+probe: each candidate is screened on FP32's first non-finite step (does FP32 still fail there?), then run in
+FP32 and AMP. Its candidates: the data without its non-finite rows, or without the few rows holding extreme
+values; the learning rate capped before the schedule event the trouble grew from; the loss computed in float64
+where FP32's first non-finite value is in the loss; an extreme field standardised. Where none repairs every
+symptom, the first that repairs FP32 names the cause of FP32's failure.
+
 Each candidate is first *screened* on the failing step alone, from the snapshot
 the localisation kept (does the localised fault still happen?), or on the
 same-state gap for precision symptoms; only a candidate that passes runs the
@@ -26,17 +33,18 @@ localisation as its evidence.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import config_patch, overrides_patch, scaler_patch
 from ..engine.records import Column
 from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
 from ..measure.records import ROOT
-from ..measure.symptoms import Symptom, skip_runs
-from ..measure.thresholds import EXTREME_INPUT
+from ..measure.symptoms import Symptom, first_nonfinite, skip_runs
+from ..measure.thresholds import EXTREME_INPUT, EXTREME_ROWS_SHARE
 from ..tensors import FP16_MAX
 from .findings import Evidence, Repair, RepairKind, Verification
 from .rules._helpers import class_members, library_modules, module_types, role_members, stores_half_training_state
@@ -53,7 +61,9 @@ KINDS = (
     "hold-scheduler",
     "unscale-before-clip",
     "drop-nonfinite-rows",
+    "drop-extreme-rows",
     "standardise",
+    "loss-fp64",
     "bf16",
 )
 """Every kind of intervention the search tries (a :class:`Repair`'s ``kind``)."""
@@ -78,7 +88,8 @@ class Candidate:
     scope: str = ""
     module_class: str | None = None
     screen: str = "none"
-    """How it is screened before a full probe: ``range`` (the failing step), ``gap`` (the same-state gap), ``none``."""
+    """How it is screened before a full probe: ``range`` (the failing step), ``gap`` (the same-state gap), ``fp32``
+    (FP32's first non-finite step), ``none``."""
     also: str = ""
     """A change made besides ``kind``'s (see :attr:`fp16doctor.diagnosis.findings.Repair.also`)."""
 
@@ -176,7 +187,26 @@ class InterventionSearch:
                 trial = completion if completion.repaired else trial
             if trial.repaired:
                 return SearchResult(self.trials, self._repair(trial), self.intrinsic)
-        return SearchResult(self.trials, None, self.intrinsic)
+        fp32 = self._fp32_repair()
+        return SearchResult(self.trials, self._repair(fp32) if fp32 is not None else None, self.intrinsic)
+
+    def _fp32_repair(self) -> Trial | None:
+        """Where FP32 fails too and nothing repaired every symptom: the first trial that repaired FP32 without adding
+        a symptom. It names the cause of FP32's failure (and the AMP symptoms it removed with it); what it left is
+        AMP's own."""
+        if "fp32-nonfinite" not in self.codes:
+            return None
+        before = {s.code for s in self.ev.symptoms}
+        return next(
+            (
+                t
+                for t in self.trials
+                if t.symptoms_after is not None
+                and "fp32-nonfinite" not in t.symptoms_after
+                and set(t.symptoms_after) <= before
+            ),
+            None,
+        )
 
     def _with_recommended_scale(self, trial: Trial) -> Candidate | None:
         """The candidate again with the sweep's recommended initial loss scale, when it removed the fault but
@@ -208,6 +238,13 @@ class InterventionSearch:
                 "the failing step stays finite"
                 if moved is None
                 else f"the failing step still fails: {moved.operator} in {moved.place}"
+            )
+        elif candidate.screen == "fp32" and self._fp32_trouble() is not None:
+            trial.passed_screen = self._fp32_survives(candidate.intervention)
+            trial.screen = (
+                f"FP32 stays finite through step {self._fp32_trouble()}"
+                if trial.passed_screen
+                else f"FP32 still fails by step {self._fp32_trouble()}"
             )
         elif candidate.screen == "gap" and self.ev.gap:
             gap = same_state_gap(
@@ -251,6 +288,31 @@ class InterventionSearch:
         finally:
             probe.close()
 
+    def _fp32_trouble(self) -> int | None:
+        """The FP32 baseline's first step it did not survive (None: it survived, or raised)."""
+        fp32 = self.ev.fp32
+        return first_nonfinite(fp32.records) if fp32 is not None and fp32.exception is None else None
+
+    def _fp32_survives(self, intervention: Intervention) -> bool:
+        """Whether the FP32 probe, with ``intervention``, takes the steps through its first non-finite one finite."""
+        trouble = self._fp32_trouble()
+        assert trouble is not None
+        ctx = self.ctx
+        if intervention.batches is not None:
+            ctx = copy.copy(self.ctx)
+            ctx.bench = copy.copy(self.ctx.bench)
+            ctx.bench.batches = intervention.batches(self.ctx.bench.batches)
+        probe = ctx.bench.probe("fp32", self.ctx.with_config(intervention.config_patch), instruments=None)
+        try:
+            with self.ctx.progress.planned(trouble + 1):
+                for _ in range(trouble + 1):
+                    record = probe.step()
+                    if probe.failed is not None or record.nonfinite_loss or record.nonfinite_grads:
+                        return False
+            return True
+        finally:
+            probe.close()
+
     def _repair(self, trial: Trial) -> Repair:
         c = trial.candidate
         return Repair(
@@ -260,7 +322,7 @@ class InterventionSearch:
             modules=list(c.modules),
             scope=c.scope,
             module_class=c.module_class,
-            symptoms=sorted(self.codes),
+            symptoms=sorted(self.codes - set(trial.symptoms_after or [])),
             forward_overflow=self._forward_overflow(c.modules),
             verification=trial.verification,
             also=c.also,
@@ -270,8 +332,7 @@ class InterventionSearch:
     def _candidates(self) -> Iterator[Candidate]:
         loc = self.ev.localisation
         if "fp32-nonfinite" in self.codes:  # FP32 fails too: only what changes FP32 as well can repair it
-            yield from self._schedule()
-            yield from self._data()
+            yield from self._fp32_candidates()
             return
         if self.codes & RANGE_SYMPTOMS:
             if self.intrinsic is False:
@@ -298,6 +359,30 @@ class InterventionSearch:
         yield from self._clipping()
         yield from self._schedule()
         yield from self._scaler()
+
+    def _fp32_candidates(self) -> Iterator[Candidate]:
+        """What can repair a training whose FP32 baseline fails, each screened on FP32's failing step: the data
+        without its non-finite or extreme rows, the LR capped before the schedule event, the loss in float64 where
+        FP32's first non-finite value is in the loss, an extreme field standardised."""
+        data = list(self._data(extreme_rows=True))
+        for candidate in data:
+            if candidate.kind != "standardise":
+                yield replace(candidate, screen="fp32")
+        for candidate in self._schedule():
+            if candidate.kind == "lr-cap":
+                yield replace(candidate, screen="fp32")
+        loc = self.ev.fp32_localisation
+        if loc is not None and (loc.phase == "loss" or loc.module == OUTSIDE_MODEL):
+            yield replace(self._loss_fp64(), screen="fp32")
+        for candidate in data:
+            if candidate.kind == "standardise":
+                yield replace(candidate, screen="fp32")
+
+    def _loss_fp64(self) -> Candidate:
+        return Candidate(
+            "loss-fp64",
+            Intervention("computing the loss in float64", overrides_patch(loss_in_fp64=True)),
+        )
 
     def _modules(self, module: str | None) -> Iterator[Candidate]:
         """The localised module, every module of its class, its parent (and its class); after a partial repair,
@@ -423,15 +508,18 @@ class InterventionSearch:
         info = self.ctx.schedule if self.ev.has_scheduler else None
         if not info:
             return
-        event = self.ctx.schedule_event_before(self._trouble_step())
-        if event is not None:
-            cap = info["lrs"][event - 1]
+        tied = self._tied_cap()
+        event = tied[0] if tied else self.ctx.schedule_event_before(self._trouble_step())
+        cap = tied[1] if tied else info["lrs"][event - 1] if event is not None else 0.0
+        if event is not None and cap > 0:
+            where = (
+                f"before step {event}'s jump"
+                if cap == info["lrs"][event - 1]
+                else f"below the warm-up's climb to step {event}'s peak"
+            )
             yield Candidate(
                 "lr-cap",
-                Intervention(
-                    f"the learning rate capped at {cap:.3g} (before step {event}'s jump)",
-                    overrides_patch(max_lr=cap),
-                ),
+                Intervention(f"the learning rate capped at {cap:.3g} ({where})", overrides_patch(max_lr=cap)),
             )
         amp = self.ev.amp
         if amp is not None and amp.skip_steps:
@@ -439,6 +527,15 @@ class InterventionSearch:
                 "hold-scheduler",
                 Intervention("the scheduler held on skipped steps", overrides_patch(hold_scheduler_on_skip=True)),
             )
+
+    def _tied_cap(self) -> tuple[int, float] | None:
+        """The schedule event the LR stage tied the trouble to, and the cap its pause took the steps at (the rate
+        before the event, or before the growth where that one held)."""
+        peak = self.ev.lr_peak
+        pause = peak.pause if peak is not None else None
+        if pause is None or pause.lr_cap is None:
+            return None
+        return pause.pause_step, pause.lr_cap
 
     def _trouble_step(self) -> int | None:
         for summary in (self.ev.fp32, self.ev.amp):
@@ -457,7 +554,9 @@ class InterventionSearch:
                 screen="range" if self.codes & RANGE_SYMPTOMS else "none",
             )
 
-    def _data(self) -> Iterator[Candidate]:
+    def _data(self, extreme_rows: bool = False) -> Iterator[Candidate]:
+        """The data without its non-finite rows, or an extreme field standardised; ``extreme_rows``: where a few
+        rows hold the extreme values (an outlier, a sentinel), first without those rows."""
         for scan in self.ev.data:
             if scan.nonfinite:
                 yield Candidate(
@@ -468,6 +567,14 @@ class InterventionSearch:
                     ),
                 )
             elif scan.floating and scan.abs_max >= EXTREME_INPUT:
+                if extreme_rows and scan.extreme_share <= EXTREME_ROWS_SHARE:
+                    yield Candidate(
+                        "drop-extreme-rows",
+                        Intervention(
+                            f"the batches without the rows where '{scan.field}' reaches {EXTREME_INPUT:g} in magnitude",
+                            batches=drop_rows(scan.field, limit=EXTREME_INPUT),
+                        ),
+                    )
                 yield Candidate(
                     "standardise", Intervention(f"'{scan.field}' standardised", batches=standardise(scan.field))
                 )

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from ..config import DoctorConfig, build_config, merge
 from ..engine.kept import StateBlockMapping, StateKeeper, release_memory
 from ..engine.probe import Workbench
@@ -19,6 +21,7 @@ from ..tensors import OUT_OF_MEMORY
 from ..userfile.spec import TrainingSpec
 from .findings import (
     SEVERITIES,
+    CapsuleReplay,
     CorrectedConfig,
     Diagnosis,
     Evidence,
@@ -35,11 +38,13 @@ from .findings import (
 from .interventions import InterventionSearch, SearchResult
 from .memory import memory_plan
 from .rules import UnexplainedEvidence
+from .rules.fp32_divergence import FP32_NONFINITE, Fp32Divergence, TriedOnFp32
 from .stages import STAGES, Stage, StageContext, measured_symptoms, same_state_gap
 from .verify import Verifier, repair_rank, with_recommended_scale
 
 UNEXPLAINED = "unexplained"
 """The cause code of symptoms that no rule explains (an error finding: never healthy)."""
+FP32_DIVERGENCE = Fp32Divergence.code
 UNEXPLAINED_ORDER = 95
 """Ranks after every specific cause of the same severity."""
 
@@ -69,6 +74,9 @@ class DiagnoseOptions:
     """A capsule's: what its watch recorded about the loss computation the replay cannot run (a finite loss whose
     gradient w.r.t. the model's outputs was non-finite, a non-finite loss).
     Evidence the rules read (``loss-in-half``)."""
+    capsule: CapsuleReplay | None = None
+    """A capsule's: what its watch recorded about the state the replayed step starts from (``capsule-state``); the
+    diagnosis adds which entries of that state are not finite."""
     plots: bool = False
     """The report's plots will be drawn (``--report``, ``--html``): the AMP probe also records the activation
     gradients' ranges and the parameter gradients' underflow mass they show (:data:`PLOT_INSTRUMENTS`). Off, those
@@ -119,6 +127,7 @@ def diagnose(
                 uses_default_loss=spec.loss is None and spec.train_step is None,
                 near_misses={name: dict(found) for name, found in spec.near_misses.items()},
                 recorded_loss_finding=options.recorded_loss_finding,
+                capsule=with_nonfinite_state(options.capsule, bench) if options.capsule is not None else None,
             ),
             ci=options.ci,
             plots=options.plots,
@@ -127,6 +136,13 @@ def diagnose(
             amp_snapshots=keeper.kept(),
         )
         return _triage(ctx, spec, on_stage, mapping)
+
+
+def with_nonfinite_state(capsule: CapsuleReplay, bench: Workbench) -> CapsuleReplay:
+    """The capsule's record with the entries of the state its replay starts from that hold inf or NaN."""
+    state = bench.initial_state
+    bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return replace(capsule, nonfinite_state=bad)
 
 
 def activation_bytes(forward: Any) -> list[int]:
@@ -199,6 +215,7 @@ def _triage(
     findings, suppressors = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
     findings = verify_findings(findings, evidence, verifier, hidden_by(suppressors))
+    fixes_tried = [f for f in findings if f.verification is not None and f.verification.tried]
     release_memory(ctx.bench.device)
     findings = demote_unrepairing(findings)
     # A root cause hides its symptoms' findings, unless its own fix, tried, changed nothing (a cause is what an
@@ -217,6 +234,7 @@ def _triage(
             release_memory(ctx.bench.device)
         if search is not None and search.repair is not None:
             findings, unexplained = adopt_repair(findings, search.repair, evidence, unexplained)
+    findings, unexplained = settle_fp32_divergence(findings, evidence, unexplained, tried_on_fp32(fixes_tried, search))
     search_stage = (
         search_report(search, len(evidence.symptoms))
         if search_unfit is None
@@ -445,6 +463,55 @@ def adopt_repair(
     return [*kept, named], [s for s in unexplained if s.code not in repair.symptoms]
 
 
+def settle_fp32_divergence(
+    findings: list[Finding], ev: Evidence, unexplained: list[Symptom], tried: list[TriedOnFp32]
+) -> tuple[list[Finding], list[Symptom]]:
+    """FP32 failing is a symptom: the findings and unexplained symptoms once the search has looked for what repairs
+    FP32 as well. Where a finding's fix (a rule's, or the search's repair), tried, removed FP32's failure, the
+    ``fp32-divergence`` finding goes; where none did, it stands as the error for the symptoms it explains, listing
+    what was tried."""
+    from .rules import rules_by_code
+
+    pending = [f for f in findings if f.cause == FP32_DIVERGENCE and f.needs_search]
+    if not pending:
+        return findings, unexplained
+    rest = [f for f in findings if not any(f is p for p in pending)]
+    if any(removes_fp32_failure(f) for f in rest):
+        return rest, unexplained  # a cause whose fix repairs FP32 accounts for its failure
+    rule = rules_by_code()[FP32_DIVERGENCE]
+    assert isinstance(rule, Fp32Divergence)
+    tied = [s for s in unexplained if s.code in rule.explains]
+    settled = rule.settled(pending[0], tried)
+    for symptom in tied:
+        settled = settled.with_symptom(symptom.code)
+        ev.explained[symptom.code] = [settled.cause]
+    return [*rest, settled], [s for s in unexplained if not any(s is t for t in tied)]
+
+
+def removes_fp32_failure(finding: Finding) -> bool:
+    """Whether the finding's fix, tried, removed the FP32 baseline's failure."""
+    v = finding.verification
+    return (
+        v is not None
+        and bool(v.tried)
+        and FP32_NONFINITE in (v.symptoms_before or [])
+        and FP32_NONFINITE not in (v.symptoms_after or [])
+    )
+
+
+def tried_on_fp32(fixes: list[Finding], search: SearchResult | None) -> list[TriedOnFp32]:
+    """What was tried on a training whose FP32 baseline fails: each finding's fix tried, then the search's trials."""
+    out = [
+        TriedOnFp32(f.verification.tried or "", f.cause, "not screened", list(f.verification.symptoms_after or []))
+        for f in fixes
+        if f.verification is not None and f.cause != FP32_DIVERGENCE
+    ]
+    for trial in search.trials if search is not None else []:
+        after = trial.symptoms_after if trial.passed_screen is not False else None
+        out.append(TriedOnFp32(trial.candidate.intervention.description, trial.candidate.kind, trial.screen, after))
+    return out
+
+
 def search_report(search: SearchResult | None, symptoms: int = 0) -> StageReport:
     """The intervention search as a stage of the report: what was tried, and what repaired."""
     if search is None:
@@ -529,7 +596,9 @@ def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], dict[str, tuple[s
     (:func:`hidden_by`).
 
     A warning that explains a measured symptom counts as the error it will become (a static fact such as
-    half weights is reported as a warning until a symptom stands on it).
+    half weights is reported as a warning until a symptom stands on it). A finding that leaves its symptoms to the
+    intervention search (``needs_search``: FP32 failing too, before the search looked for what repairs it) hides
+    nothing.
     """
     from .rules import all_rules
 
@@ -541,7 +610,8 @@ def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], dict[str, tuple[s
         found = rule.check(evidence)
         findings.extend(found)
         if any(
-            f.severity == Severity.ERROR or (f.severity == Severity.WARNING and measured & set(rule.explains))
+            (f.severity == Severity.ERROR or (f.severity == Severity.WARNING and measured & set(rule.explains)))
+            and not f.needs_search  # a symptom the search goes on from hides nothing
             for f in found
         ):
             suppressors[rule.code] = rule.suppresses

@@ -60,8 +60,10 @@ class Intervention:
 
     @property
     def touches_fp32(self) -> bool:
-        """Whether the FP32 baseline changes too (other data, a capped learning rate), so it must run again."""
-        return self.batches is not None or "max_lr" in self.config_patch.get("overrides", {})
+        """Whether the FP32 baseline changes too (other data, a capped learning rate, the loss in float64), so it
+        must run again."""
+        overrides = self.config_patch.get("overrides", {})
+        return self.batches is not None or "max_lr" in overrides or bool(overrides.get("loss_in_fp64"))
 
 
 def _changed(patch: Any, current: Any) -> int:
@@ -124,14 +126,18 @@ def apply_batches(batches: list[Any], edit: Callable[[Any], Any]) -> list[Any]:
     return [done.setdefault(id(b), edit(b)) for b in batches]
 
 
-def drop_rows(field_name: str) -> Callable[[list[Any]], list[Any]]:
-    """The batches without the rows (first dimension) where ``field_name`` holds a non-finite value."""
+def drop_rows(field_name: str, limit: float | None = None) -> Callable[[list[Any]], list[Any]]:
+    """The batches without the rows (first dimension) where ``field_name`` holds a non-finite value (``limit``:
+    or a value of at least that magnitude)."""
 
     def clean(batch: Any) -> Any:
         target = dict(iter_tensors(batch)).get(field_name)
         if target is None or not target.is_floating_point() or target.dim() == 0:
             return batch
-        keep = torch.isfinite(target).reshape(target.shape[0], -1).all(dim=1)
+        flat = target.reshape(target.shape[0], -1)
+        keep = torch.isfinite(flat).all(dim=1)
+        if limit is not None:
+            keep &= (flat.abs() < limit).all(dim=1)
         rows = target.shape[0]
         return map_named_tensors(batch, lambda _, t: t[keep] if t.dim() and t.shape[0] == rows else t)
 

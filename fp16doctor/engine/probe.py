@@ -50,7 +50,7 @@ from ..precision.recording import (
 )
 from ..precision.session import PrecisionSession
 from ..tensors import OUT_OF_MEMORY
-from ..userfile.batches import to_device
+from ..userfile.batches import map_tensors, to_device
 from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
 from ..userfile.spec import TrainingSpec, build_model, draw_batches, user_frame
 from .instruments import InstrumentOptions, Instruments
@@ -323,6 +323,8 @@ class Probe:
         if self.mode == "fp32" or self.config.overrides.fp32_weights:
             model.float()
         keep_modules_in_fp32(model, self.config.overrides.fp32_modules, self.device.type)
+        if self.config.overrides.loss_in_fp64:
+            model.register_forward_hook(outputs_in_float64)
         state = model.state_dict()
         reference = self.bench.initial_state  # read once: it may come back from disk
         missing = set(state) ^ set(reference)
@@ -707,6 +709,12 @@ class Probe:
         if self.instruments is not None:
             self.instruments.detach()
         self.optimizers.on_found = None  # a bound method of this probe: the cycle that kept closed probes alive
+
+
+def outputs_in_float64(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    """A forward hook: the model's floating outputs in float64, so that the loss computed from them runs in float64
+    (``overrides.loss_in_fp64``; autocast leaves float64 alone)."""
+    return map_tensors(output, lambda t: t.double() if t.is_floating_point() else t)
 
 
 def metric_driven(scheduler: Any) -> bool:

@@ -25,6 +25,7 @@ from .. import __version__
 from ..errors import TrainingFileError
 from ..files import atomic_write_text
 from ..userfile.batches import iter_tensors, map_tensors
+from .stepstate import StateReport
 
 CAPSULE_FORMAT = 2
 """Bumped whenever the files of a capsule change meaning; a capsule of another format is refused."""
@@ -141,11 +142,33 @@ def recorded_loss_evidence(manifest: dict[str, Any]) -> str | None:
     )
 
 
+@dataclass(frozen=True)
+class ReplayStart:
+    """What the watch recorded about the state the capsule's step starts from, kept in the manifest."""
+
+    step_state: StateReport | None = None
+    """The state the model's forward wrote that the capsule put back as the step started, and what it could not
+    (:mod:`.stepstate`); None where the watch saw no forward of the step (nothing was kept)."""
+    history_finite: bool | None = None
+    """Every step the watch checked before this one had a finite loss (None: not recorded)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step_state": self.step_state.to_json() if self.step_state is not None else None,
+            "history_finite": self.history_finite,
+        }
+
+
 def write_manifest(
-    folder: Path, step: int, replay: str, loss_finding: str | None = None, loss: LossRecord | None = None
+    folder: Path,
+    step: int,
+    replay: str,
+    loss_finding: str | None = None,
+    loss: LossRecord | None = None,
+    start: ReplayStart | None = None,
 ) -> None:
     """What a reader checks first: the format, the files, which replay the capsule supports, what the watch saw
-    of the step's loss. Written last."""
+    of the step's loss and of the state it started from. Written last."""
     manifest = {
         "format": CAPSULE_FORMAT,
         "fp16doctor": __version__,
@@ -154,6 +177,7 @@ def write_manifest(
         "files": list(CAPSULE_FILES),
         "loss_finding": loss_finding,
         **(loss or LossRecord(None)).to_json(),
+        **(start or ReplayStart()).to_json(),
     }
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2))
 

@@ -71,6 +71,7 @@ from .ranks import (
     total_checksum,
 )
 from .sharding import Topology, clean_name, first_nonfinite_part, flat_label, flat_parameters, local_part, topology
+from .stepstate import StepStartKeeper
 from .watch import Alarm, Watch, WatchOptions, first_line
 
 OUTPUT_GRAD_LIMIT = 1 << 24
@@ -182,6 +183,9 @@ class TrainingObserver:
         """Optimizers created inside the watch whose parameters no found model holds yet (the global module
         hooks stay on until each has its model)."""
         self._originals: list[tuple[Any, str, Any]] = []
+        self._step_states: dict[int, StepStartKeeper] = {}
+        """Per model (by id), the state its forward writes to as the current step found it: kept at the step's first
+        training forward, handed to the model's watch (:mod:`.stepstate`)."""
         self.resumed_scalers: weakref.WeakSet[GradScaler] = weakref.WeakSet()
         """Scalers the script loaded a saved state into: settled, whatever their scale (``load_state_dict`` sets
         ``init_scale`` to the loaded scale, so the scale alone cannot tell)."""
@@ -263,6 +267,7 @@ class TrainingObserver:
             self._handles += [m.register_forward_hook(self._model_forward, with_kwargs=True) for m in self._models]
             for root in self._roots:
                 self._own.watch(root)
+            self._handles += [m.register_forward_pre_hook(self._model_pre_forward) for m in self._models]
             self._discover(bool(self._unmatched) or not self._models)
         return self
 
@@ -324,7 +329,22 @@ class TrainingObserver:
             self._module_hooks = []
 
     def _global_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._depth == 0 and not any(unwrapped(module) is m for m in self._models):  # a found model's own hook
+            self._model_pre_forward(module, args)
         self._depth += 1
+
+    def _model_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """A forward of an outermost module is about to run: at its step's first training forward, keep the state
+        it may write to (a memory module's buffers, a cache, running statistics) as it is now."""
+        if self.failure is not None or not (module.training and torch.is_grad_enabled()):
+            return
+        try:
+            if next(module.parameters(), None) is None:
+                return
+            model = unwrapped(module)
+            self._step_states.setdefault(id(model), StepStartKeeper()).begin(model)
+        except Exception as exc:  # noqa: BLE001 - the watch's own failure
+            self.failed("keeping of the state the forward writes", exc)
 
     def _global_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         self._depth -= 1
@@ -418,6 +438,7 @@ class TrainingObserver:
         """Found the model: hook it alone (the global module hooks go once no optimizer waits for its model)."""
         self._models.append(model)
         self._handles.append(model.register_forward_hook(self._model_forward, with_kwargs=True))
+        self._handles.append(model.register_forward_pre_hook(self._model_pre_forward))
 
     # --- the optimizer step ------------------------------------------------------------------------------
     def scaler_step(self, scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
@@ -556,6 +577,7 @@ class TrainingObserver:
             if flats:
                 names: dict[Any, str] = {p: clean_name(n) for n, p in model.named_parameters()}
                 watch.name_parameters({**names, **{flat: flat_label(held) for flat, held in flats.values()}})
+            watch.step_state = self._step_states.setdefault(id(watch.model), StepStartKeeper())
             self.watches[key] = watch
         return self.watches[key]
 

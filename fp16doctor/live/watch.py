@@ -20,6 +20,7 @@ the state the failing step started from.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -39,6 +40,7 @@ from ..userfile.batches import map_tensors
 from .capsule import (
     CAPSULE_FORMAT,
     LossRecord,
+    ReplayStart,
     capsule_config,
     capsule_folder,
     capsule_training_file,
@@ -51,6 +53,7 @@ from .capsule import (
     write_manifest,
 )
 from .sharding import local_part
+from .stepstate import StateReport, StepStartKeeper
 
 ALARMS = ("nonfinite", "skip-streak", "scale-collapse", "loss-spike", "rank-disagreement", "rank-divergence")
 
@@ -170,8 +173,17 @@ class Watch:
         """Each rank holds a shard of the model: the gradient numbers are the rank's shard's."""
         self.no_capsule: str | None = None
         """Why this watch writes no capsule (a sharded model's state is spread over the ranks); None: it writes them."""
+        self.step_state = StepStartKeeper()
+        """The state the model's forward writes to, as the current step found it (:mod:`.stepstate`); the observer
+        of ``fp16doctor watch`` gives the watch the keeper its forward hooks have filled since the step began."""
 
     # --- feeding -------------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """The step's first forward is about to run: keep the state the model's forward writes to, as it is now
+        (references, and copies of what earlier forwards wrote in place: :mod:`.stepstate`). Idempotent within a
+        step: the callbacks call it before each micro-batch's forward."""
+        self.step_state.begin(self.model)
+
     def capture_batch(self, batch: Any) -> None:
         """A micro-batch of the current optimizer step: a reference, held until the step is checked.
 
@@ -252,8 +264,9 @@ class Watch:
         return [self._names.get(p, "?") for group in optimizer.param_groups for p in group["params"]]
 
     def forget_step(self) -> None:
-        """Drop the references to this step's batches, losses and output gradients."""
+        """Drop the references to this step's batches, losses, output gradients and start state."""
         self._batches, self._losses, self.output_grads, self._loss_dtypes = [], [], [], set()
+        self.step_state.end(self.model)
 
     def record_output_grads(self, grads: list[torch.Tensor | None], scaled: bool) -> None:
         """The gradient of the loss w.r.t. a micro-batch's model outputs (references); ``scaled``: of the scaled loss.
@@ -391,6 +404,40 @@ class Watch:
         cls = type(inner)
         enabled = scaler is not None and scaler.is_enabled()
         batches, output_grads = replay_inputs(self._batches, self.output_grads, numbers.loss_scale)
+        start = self.step_state.start
+        with start.restored(self.model) if start is not None else contextlib.nullcontext(StateReport()) as written:
+            self._save_model(folder, inner, cls, scaler, enabled, numbers, batches, output_grads)
+        dtype = self.dtype or ("float16" if enabled else "bfloat16")
+        config = capsule_config(numbers, scaler, len(batches), dtype)
+        replay = "output-grads" if output_grads is not None else self.framework
+        atomic_write_text(folder / "config.json", json.dumps(config, indent=2))
+        atomic_write_text(folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay))
+        output_dtypes = {dtype_name(g.dtype) for grads, _ in self.output_grads for g in grads if g is not None}
+        write_manifest(
+            folder,
+            numbers.step,
+            replay,
+            loss_gradient_finding(numbers.loss, output_grads),
+            LossRecord(numbers.loss, sorted(self._loss_dtypes), sorted(output_dtypes)),
+            ReplayStart(
+                step_state=written if start is not None else None,
+                history_finite=all(h.loss is None or math.isfinite(h.loss) for h in self.history[:-1]),
+            ),
+        )
+        return folder
+
+    def _save_model(
+        self,
+        folder: Path,
+        inner: torch.optim.Optimizer,
+        cls: type,
+        scaler: Any,
+        enabled: bool,
+        numbers: StepNumbers,
+        batches: list[Any],
+        output_grads: Any,
+    ) -> None:
+        """capsule.pt and model.pt: the model as it is now (its written state put back by the caller)."""
         state = {
             "format": CAPSULE_FORMAT,
             "framework": self.framework,
@@ -415,20 +462,6 @@ class Watch:
         }
         atomic_torch_save(folder / "capsule.pt", state)
         atomic_torch_save(folder / "model.pt", detached_module(self.model), pickle_module=cloudpickle)
-        dtype = self.dtype or ("float16" if enabled else "bfloat16")
-        config = capsule_config(numbers, scaler, len(batches), dtype)
-        replay = "output-grads" if output_grads is not None else self.framework
-        atomic_write_text(folder / "config.json", json.dumps(config, indent=2))
-        atomic_write_text(folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay))
-        output_dtypes = {dtype_name(g.dtype) for grads, _ in self.output_grads for g in grads if g is not None}
-        write_manifest(
-            folder,
-            numbers.step,
-            replay,
-            loss_gradient_finding(numbers.loss, output_grads),
-            LossRecord(numbers.loss, sorted(self._loss_dtypes), sorted(output_dtypes)),
-        )
-        return folder
 
 
 def first_line(exc: BaseException) -> str:

@@ -55,10 +55,19 @@ HALF_WEIGHTS_LOST_SHARE = 0.05
 SKIP_DRIFT_RUN_SHARE = 0.05
 SKIP_DRIFT_WARMUP_SHARE = 0.25
 """scheduler-skip-drift is an error when skipped steps are 5% of the run and 25% of the warm-up."""
+LR_TRAJECTORY_GROWTH = 10.0
+"""A gradient norm or loss that grows step after step to ten times its value before the growth, up to the first
+non-finite step, ties that trouble to the LR schedule's peak or jump it grew from (notes, triage step 6: "Check the
+LR schedule: warm-up ending, a restart, or a jump at the peak"; measured: SGD 300x past its warm-up grows its
+gradient norm 1e3x to 1e7x before FP32 goes non-finite, healthy probes' norms stay within 3x of their start)."""
 
 # --- data ------------------------------------------------------------------------------------------
 EXTREME_INPUT = 1e3
 """|x| from which a raw input is extreme for fp16 (notes: "magnitudes in the thousands and up")."""
+EXTREME_ROWS_SHARE = 0.05
+"""A field whose extreme values are at most 5% of its values holds them in a few rows (an outlier, a sentinel for a
+missing value): the search first tries the data without those rows, then standardised (measured: one sentinel
+row in a batch of 32 with 12 features is 0.3% of the values; raw sensor features are extreme throughout)."""
 IGNORE_INDEX = -100
 """PyTorch's default ``ignore_index`` of cross_entropy/nll_loss (and Hugging Face's label padding)."""
 CONSTANT_MAGNITUDE = 1e8

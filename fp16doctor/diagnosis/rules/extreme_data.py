@@ -4,6 +4,11 @@ Evidence: a floating input field with values in the thousands and up, and the
 first non-finite AMP operator fed directly by such magnitudes (fp32 finite), where the
 model's own inputs (what its forward is called with, in the FP32 run) hold magnitudes that
 large: an extreme field the model never sees is a target, read by the loss.
+
+Found by intervention too: where a few rows hold values extreme enough to break
+FP32 as well (a sentinel such as 1e30 for a missing value, a sensor glitch),
+the data without those rows repairs FP32 and AMP; where the whole field is
+raw, standardising it does.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import pandas as pd
 
 from ...measure.thresholds import EXTREME_INPUT
 from .. import rule_cases as fx
-from ..findings import Evidence, EvidenceRecord, Finding, Fix, RepairKind, evidence_of
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, evidence_of
 from ..verify import Intervention, standardise
 from . import Rule
 from ._helpers import fp32_finite, model_input_peak
@@ -42,8 +47,12 @@ class ExtremeData(Rule):
     order = 20
     evidence_type: ClassVar[type[EvidenceRecord]] = ExtremeDataEvidence
     explains = ("nonfinite", "skips", "amp-exception", "trajectory-drift")
-    repairs = (RepairKind.STANDARDISE,)
-    names_cases = (lambda: (fx.repair("standardise"), fx.evidence()),)
+    repair_explains = ("fp32-nonfinite",)  # rows extreme enough break FP32 too: without them it trains
+    repairs = (RepairKind.STANDARDISE, RepairKind.DROP_EXTREME_ROWS)
+    names_cases = (
+        lambda: (fx.repair("standardise"), fx.evidence()),
+        lambda: (fx.repair("drop-extreme-rows", symptoms=("fp32-nonfinite", "nonfinite")), fx.evidence()),
+    )
     verifiable = False
     triggers = ("raw_sensor_features.py",)
     fires_on = (
@@ -82,6 +91,30 @@ class ExtremeData(Rule):
         "scheduler-skip-drift",
         "fp32-loss-rises",
     )  # inputs that large make a large loss
+
+    def repair_title(self, repair: Repair, ev: Evidence) -> str:
+        """For the rows dropped: which field holds the extreme values, and what they broke."""
+        extreme = [f for f in ev.data if f.floating and not f.nonfinite and f.abs_max >= EXTREME_INPUT]
+        if repair.kind != RepairKind.DROP_EXTREME_ROWS or not extreme:
+            return super().repair_title(repair, ev)
+        field = max(extreme, key=lambda f: f.abs_max)
+        broke = "FP32 and AMP" if "fp32-nonfinite" in repair.symptoms else "AMP"
+        return (
+            f"A few rows of '{field.field}' hold values up to {field.abs_max:.3g} ({field.extreme_share:.2%} of its "
+            f"values past {EXTREME_INPUT:g}): they break {broke}; {repair.description} train finite"
+        )
+
+    def repair_fix(self, repair: Repair, ev: Evidence) -> tuple[str, str]:
+        if repair.kind != RepairKind.DROP_EXTREME_ROWS:
+            return super().repair_fix(repair, ev)
+        return (
+            f"Drop or repair the rows whose values are extreme before the model sees them (measured: "
+            f"{repair.description} trains finite in FP32 and AMP): a sentinel for a missing value (1e30, "
+            "float32's max) or a glitch, then standardise the field.",
+            "# in data(): drop the rows holding a sentinel or an outlier\n"
+            f"keep = (x.abs() < {EXTREME_INPUT:g}).flatten(1).all(1)\n"
+            "x, y = x[keep], y[keep]",
+        )
 
     def intervention(self, finding: Finding, ev: Evidence) -> Intervention:
         field = evidence_of(finding, ExtremeDataEvidence).field

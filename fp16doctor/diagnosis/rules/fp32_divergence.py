@@ -1,19 +1,30 @@
-"""The FP32 baseline goes non-finite (or fails) too: not a mixed-precision problem.
+"""The FP32 baseline goes non-finite (or fails) too, and nothing the doctor can apply repairs it.
+
+FP32 failing is a symptom, not the answer: the intervention search then runs
+on the FP32 probe, and the cause is what repairs FP32 as well (the learning
+rate capped before a schedule event, the data without its offending rows, the
+loss computed in float64 where FP32's first non-finite value is in the loss).
+This finding stands only where none of them repairs: the data, learning rate
+or model is at fault in a way the doctor cannot change (a log of a value that
+is exactly 0, a division by zero), and it lists what was tried.
 
 Evidence: the fp32 probe's first non-finite step, localised to its module and
-operator (a log of zero, a division by zero, a learning rate too high), or the
+operator, with the interventions tried on FP32 and what each left; or the
 exception the training raised in fp32.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from ...measure.records import ExceptionInfo
+from ...measure.records import OMITTED_WHEN_NONE, ExceptionInfo
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix
 from . import Rule
+
+FP32_NONFINITE = "fp32-nonfinite"
+"""The symptom of the FP32 baseline's own failure."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,22 @@ class Fp32ExceptionEvidence(EvidenceRecord):
 
 
 @dataclass(frozen=True)
+class TriedOnFp32(EvidenceRecord):
+    """One intervention tried on the failing FP32 training (by the intervention search, or a finding's fix), and
+    what it left."""
+
+    intervention: str
+    """The intervention in words."""
+    kind: str
+    """The search's kind of intervention (``lr-cap``, ``drop-nonfinite-rows``, ``loss-fp64``...), or the cause
+    whose fix it was."""
+    screen: str
+    """What its screen on FP32's failing step found (``not screened``: it ran the full probes)."""
+    symptoms_after: list[str] | None
+    """The symptoms the full probes measured with it; None when the screen stopped it."""
+
+
+@dataclass(frozen=True)
 class Fp32NonfiniteEvidence(EvidenceRecord):
     """The FP32 baseline's first non-finite step, where the localisation did not run."""
 
@@ -31,6 +58,8 @@ class Fp32NonfiniteEvidence(EvidenceRecord):
     """The first step whose loss or gradients are non-finite."""
     loss_first_nonfinite: int | None
     grads_first_nonfinite: int | None
+    tried: list[TriedOnFp32] | None = field(default=None, kw_only=True, metadata={OMITTED_WHEN_NONE: True})
+    """What was tried on FP32, none of which repaired it (once the search has run)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +111,34 @@ class Fp32Divergence(Rule):
         "learning rate, and no precision setting can make it"
     )
 
+    def settled(self, finding: Finding, tried: list[TriedOnFp32]) -> Finding:
+        """The finding once nothing tried on FP32 repaired it: the error that explains FP32's failure, with what
+        was tried in its evidence and its verification."""
+        if not tried:
+            return replace(finding, needs_search=False)
+        listed = "; ".join(
+            f"{t.intervention} -> "
+            + (t.screen if t.symptoms_after is None else f"symptoms left: {', '.join(t.symptoms_after) or 'none'}")
+            for t in tried
+        )
+        verification = finding.verification
+        if verification is not None:
+            verification = replace(
+                verification,
+                reason=f"FP32 fails too, and nothing the doctor can apply repaired it (tried on FP32: {listed}): "
+                "the fix is in the training code, the data or the learning rate",
+            )
+        evidence = finding.evidence
+        if isinstance(evidence, Fp32NonfiniteEvidence):
+            evidence = replace(evidence, tried=list(tried))
+        return replace(
+            finding,
+            needs_search=False,
+            evidence=evidence,
+            verification=verification,
+            title=finding.title + f" (tried on FP32, none repaired it: {'; '.join(t.intervention for t in tried)})",
+        )
+
     def check(self, ev: Evidence) -> list[Finding]:
         fp32 = ev.fp32
         if fp32 is None or fp32.finite:
@@ -130,10 +187,10 @@ class Fp32Divergence(Rule):
                 "value; mixed-precision settings cannot help."
             )
             code = "scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)"
-        return [
-            self.finding(
-                f"FP32 training goes non-finite at step {step}{where}: the data, learning rate or model is at fault, not precision",
-                evidence,
-                Fix(summary, code=code),
-            )
-        ]
+        found = self.finding(
+            f"FP32 training goes non-finite at step {step}{where}: the data, learning rate or model is at fault, not precision",
+            evidence,
+            Fix(summary, code=code),
+        )
+        # a symptom, not yet the answer: the intervention search looks for what repairs FP32 as well
+        return [replace(found, needs_search=True)]

@@ -276,9 +276,13 @@ def measured_outcome(
 
 
 def gap_states(ctx: StageContext) -> list[int]:
-    """The FP32 trajectory steps at which the precision-gap search compares AMP with FP32 on the same state."""
-    steps = ctx.evidence.steps
-    return sorted({0, steps // 2, steps - 1}) if not ctx.ci else sorted({0, steps - 1})
+    """The FP32 trajectory steps at which the precision-gap search compares AMP with FP32 on the same state: once
+    the FP32 baseline ran, only those before its first non-finite step (a NaN reference compares with nothing)."""
+    fp32 = ctx.evidence.fp32
+    failed = first_nonfinite(fp32.records) if fp32 is not None else None
+    steps = ctx.evidence.steps if failed is None else failed
+    chosen = {0, steps // 2, steps - 1} if not ctx.ci else {0, steps - 1}
+    return sorted(s for s in chosen if 0 <= s < steps)
 
 
 def probe_sentence(summary: ProbeSummary) -> str:

@@ -44,6 +44,10 @@ def stage_precision_gap(ctx: StageContext) -> StageReport:
         )
     tolerance = GAP_TOLERANCE * (BF16_FACTOR if cfg.dtype == "bfloat16" else 1.0)
     states = gap_states(ctx)
+    if not states:
+        return StageReport(
+            StageName.PRECISION_GAP, StageStatus.SKIPPED, "FP32 is not finite from its first step: no state to compare"
+        )
     floor = loss_floor(ev.fp32.records) if ev.fp32 is not None else 0.0
     ctx.loss_floor = floor
     missing = sorted(set(states) - set(ctx.states))  # usually none: the FP32 baseline kept them

@@ -69,6 +69,7 @@ class FP16DoctorCallback(TrainerCallback):
 
     def _capture_inputs(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if module.training and self.watch is not None:
+            self.watch.begin_step()  # the state the forward writes to, as the step found it
             self.watch.capture_batch(dict(kwargs) if kwargs else (args[0] if len(args) == 1 else args))
 
     # --- the check ------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class FP16DoctorCallback(Callback):
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.watch is not None:
+            self.watch.begin_step()  # the state the forward writes to, as the step found it
             self.watch.capture_batch(batch)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:

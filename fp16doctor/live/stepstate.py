@@ -1,0 +1,185 @@
+"""The state a model's forward writes to, kept as it was when the optimizer step started.
+
+A capsule replays the failing step from the state it started from. Weights and optimizer state only move in
+``optimizer.step()``, after the watch's check; but a model may also write to itself in its forward: a memory
+module's buffers (a temporal graph network's per-node memory and last-update times), BatchNorm's running
+statistics, a cache kept on a module attribute, a step counter. Taken after the forward, such state already holds
+what the failing forward wrote (NaN, where that forward overflowed), and the replay would start from it.
+
+So at the step's first forward the watch keeps, per module, a reference to each buffer and tensor attribute with
+its version counter (no copy, no synchronisation), a copy of those that earlier steps' forwards wrote in place
+(every one at the first step, when nothing is known yet), and the plain values (numbers, strings). At the capsule
+they are put back for the time the capsule is written; what changed in a way the watch could not undo (written in
+place without a copy, a list or dict changed) is listed as not captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+PLAIN = (bool, int, float, complex, str, bytes, type(None))
+"""Attribute values kept by value (immutable)."""
+CONTAINERS = (list, tuple, dict, set)
+"""Attribute values the watch cannot copy cheaply: a change is reported, not undone."""
+SKIPPED = frozenset({"training"})
+"""Attributes that are no state written in forward (``train()``/``eval()`` sets ``training``)."""
+
+
+@dataclass
+class Held:
+    """One piece of state as the step found it."""
+
+    value: Any
+    """The tensor (the very object), the plain value, or the container."""
+    version: int | None = None
+    """A tensor's version counter when taken (in-place writes advance it)."""
+    copy: torch.Tensor | None = None
+    """A copy of the tensor, where forwards write it in place."""
+    length: int | None = None
+    """A container's length when taken."""
+
+
+@dataclass
+class StateReport:
+    """What a capsule put back, and what it could not."""
+
+    restored: list[str] = field(default_factory=list)
+    """State the forward wrote, put back as the step started (``module.attribute``)."""
+    uncaptured: list[str] = field(default_factory=list)
+    """State the forward changed that the watch could not put back (written in place without a copy, a list or
+    dict changed): the replay starts from what the failing forward left there."""
+
+    def to_json(self) -> dict[str, list[str]]:
+        return {"restored": self.restored, "uncaptured": self.uncaptured}
+
+
+def _state(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, Any, bool]]:
+    """(key, module, name, value, is_buffer) of every buffer and non-parameter attribute of the model's modules."""
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                yield prefix + name, module, name, buffer, True
+        for name, value in vars(module).items():
+            if name.startswith("_") or name in SKIPPED or isinstance(value, torch.nn.Module):
+                continue
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                yield prefix + name, module, name, value, False
+            elif isinstance(value, PLAIN + CONTAINERS):
+                yield prefix + name, module, name, value, False
+
+
+@dataclass
+class StepStart:
+    """The model's writable state at the step's first forward (see the module docstring)."""
+
+    held: dict[str, Held]
+
+    @classmethod
+    def take(cls, model: torch.nn.Module, copied: set[str] | None) -> StepStart:
+        """References (and versions) of every piece of state; a copy of the tensors in ``copied`` (None: all)."""
+        held: dict[str, Held] = {}
+        with torch.no_grad():
+            for key, _, _, value, _ in _state(model):
+                if isinstance(value, torch.Tensor):
+                    copy = value.detach().clone() if copied is None or key in copied else None
+                    held[key] = Held(value, value._version, copy)
+                elif isinstance(value, CONTAINERS):
+                    held[key] = Held(value, length=len(value))
+                else:
+                    held[key] = Held(value)
+        return cls(held)
+
+    def written_in_place(self, model: torch.nn.Module) -> set[str]:
+        """The tensors the forward wrote in place since (the same object, a later version)."""
+        return {
+            key
+            for key, _, _, value, _ in _state(model)
+            if isinstance(value, torch.Tensor)
+            and key in self.held
+            and self.held[key].value is value
+            and value._version != self.held[key].version
+        }
+
+    @contextlib.contextmanager
+    def restored(self, model: torch.nn.Module) -> Iterator[StateReport]:
+        """The model with its written state put back as the step started, for the time of the ``with`` block."""
+        report = StateReport()
+        undo: list[tuple[torch.nn.Module, str, Any, bool]] = []  # (module, name, its value now, is a buffer)
+        try:
+            now = {key: (module, name, value, buffer) for key, module, name, value, buffer in _state(model)}
+            for key, (module, name, value, buffer) in now.items():
+                start = self._start_value(key, value, report)
+                if start is _UNCHANGED or start is _UNDONE:
+                    continue
+                undo.append((module, name, value, buffer))
+                _set(module, name, start, buffer)
+                report.restored.append(key)
+            for key, (module, name, value, buffer) in now.items():
+                if key not in self.held and isinstance(value, torch.Tensor) and not buffer:
+                    undo.append((module, name, value, buffer))  # made by the failing forward: not there yet
+                    del module.__dict__[name]
+                    report.restored.append(key)
+            yield report
+        finally:
+            for module, name, value, buffer in reversed(undo):
+                _set(module, name, value, buffer)
+
+    def _start_value(self, key: str, value: Any, report: StateReport) -> Any:
+        """What ``key`` held at the step's start, ``_UNCHANGED`` where it still does, ``_UNDONE`` where the watch
+        cannot tell (listed in ``report.uncaptured``)."""
+        held = self.held.get(key)
+        if held is None:
+            return _UNCHANGED
+        if isinstance(value, torch.Tensor):
+            if held.value is value and value._version == held.version:
+                return _UNCHANGED
+            if held.copy is not None:
+                return held.copy
+            if held.value is not value and isinstance(held.value, torch.Tensor) and held.value._version == held.version:
+                return held.value  # rebound: the start's tensor is untouched
+            report.uncaptured.append(key)
+            return _UNDONE
+        if isinstance(value, CONTAINERS):
+            if held.value is not value or len(value) != held.length:
+                report.uncaptured.append(key)
+            return _UNDONE
+        return _UNCHANGED if held.value is value or held.value == value else held.value
+
+
+_UNCHANGED = object()
+_UNDONE = object()
+
+
+def _set(module: torch.nn.Module, name: str, value: Any, buffer: bool) -> None:
+    if buffer:
+        module._buffers[name] = value
+    else:
+        module.__dict__[name] = value
+
+
+class StepStartKeeper:
+    """Takes a model's :class:`StepStart` at each step's first forward, copying the tensors earlier forwards wrote in
+    place (all of them before the first step was checked)."""
+
+    def __init__(self) -> None:
+        self.written: set[str] | None = None
+        """The tensors forwards wrote in place so far; None before the first step was checked."""
+        self.start: StepStart | None = None
+
+    def begin(self, model: torch.nn.Module) -> None:
+        """The step's first forward is about to run (a no-op while a start is held)."""
+        if self.start is None:
+            self.start = StepStart.take(model, self.written)
+
+    def end(self, model: torch.nn.Module) -> StepStart | None:
+        """The step was checked: learn what its forward wrote in place; hand over its start."""
+        start, self.start = self.start, None
+        if start is not None:
+            self.written = (self.written or set()) | start.written_in_place(model)
+        return start
