@@ -9,7 +9,7 @@ from ...errors import HistoryError
 from ..records import HistoryBuilder, HistoryRow, Quantity
 from . import Reader, Reading, csv_rows
 from .doctor_run import DOCTOR_COLUMNS
-from .names import logged_as, pick
+from .names import keyed_carries, pick
 
 
 class LightningMetrics(Reader):
@@ -20,13 +20,7 @@ class LightningMetrics(Reader):
     title = "Lightning `CSVLogger` `metrics.csv` (any CSV with a `step` column)"
     source = "lightning `src/lightning/fabric/loggers/csv_logs.py` (`_ExperimentWriter.log_metrics` adds `step`)"
     steps = "`step` is the trainer's `global_step`; a row per step with `log_every_n_steps=1`, else one per interval"
-    carries: ClassVar[dict[Quantity, str]] = {
-        Quantity.LOSS: logged_as(Quantity.LOSS),
-        Quantity.LOSS_SCALE: logged_as(Quantity.LOSS_SCALE),
-        Quantity.SKIPPED: logged_as(Quantity.SKIPPED) + "; else read off a logged scale falling",
-        Quantity.GRAD_NORM: logged_as(Quantity.GRAD_NORM),
-        Quantity.LR: logged_as(Quantity.LR),
-    }
+    carries: ClassVar[dict[Quantity, str]] = keyed_carries()
 
     @classmethod
     def recognises(cls, path: Path) -> bool:

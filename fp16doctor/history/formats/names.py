@@ -86,3 +86,14 @@ def names_text(quantity: Quantity) -> str:
     """The names, for the formats reference."""
     extra = ", ``lr-<Optimizer>``" if quantity is Quantity.LR else ""
     return ", ".join(f"``{n}``" for n in NAMES[quantity]) + extra
+
+
+def keyed_carries() -> dict[Quantity, str]:
+    """What a format of named scalars (a CSV's columns, TensorBoard's tags, W&B's keys) carries: every quantity
+    logged under one of its names, the skips also read off a logged scale falling."""
+    carries = {quantity: logged_as(quantity) for quantity in KEYED_QUANTITIES}
+    carries[Quantity.SKIPPED] += "; else read off a logged scale falling"
+    return carries
+
+
+KEYED_QUANTITIES = (Quantity.LOSS, Quantity.LOSS_SCALE, Quantity.SKIPPED, Quantity.GRAD_NORM, Quantity.LR)

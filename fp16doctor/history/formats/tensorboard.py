@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from ...errors import HistoryError
 from ..records import HistoryBuilder, HistoryRow, Quantity
 from . import Reader, Reading
-from .names import logged_as, pick
+from .names import keyed_carries, pick
 
 EVENTS_PREFIX = "events.out.tfevents."
 EXTRA_HINT = "TensorBoard event files need TensorBoard's reader: pip install 'fp16doctor[tensorboard]'."
@@ -57,13 +57,7 @@ class TensorBoardEvents(Reader):
         "`deepspeed/runtime/engine.py` (`Train/Samples/...`), Megatron-LM `megatron/training/training.py`"
     )
     steps = "the event's `step` as the writer gave it (DeepSpeed's monitor writes samples seen, not steps)"
-    carries: ClassVar[dict[Quantity, str]] = {
-        Quantity.LOSS: logged_as(Quantity.LOSS),
-        Quantity.LOSS_SCALE: logged_as(Quantity.LOSS_SCALE),
-        Quantity.SKIPPED: logged_as(Quantity.SKIPPED) + "; else read off a logged scale falling",
-        Quantity.GRAD_NORM: logged_as(Quantity.GRAD_NORM),
-        Quantity.LR: logged_as(Quantity.LR),
-    }
+    carries: ClassVar[dict[Quantity, str]] = keyed_carries()
 
     @classmethod
     def recognises(cls, path: Path) -> bool:

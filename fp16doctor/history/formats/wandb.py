@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 from ...errors import HistoryError
 from ..records import HistoryBuilder, HistoryRow, Quantity
 from . import Reader, Reading
-from .names import STEP_NAMES, logged_as, pick
+from .names import STEP_NAMES, keyed_carries, pick
 
 HISTORY_FILE = "wandb-history.jsonl"
 
@@ -36,13 +36,7 @@ class WandbHistory(Reader):
         "`_runtime`, `_timestamp`); keys as the trainers name them: transformers `WandbCallback` (`train/...`)"
     )
     steps = "the trainer's logged step where there is one (`train/global_step`), else `_step` (one per log call)"
-    carries: ClassVar[dict[Quantity, str]] = {
-        Quantity.LOSS: logged_as(Quantity.LOSS),
-        Quantity.LOSS_SCALE: logged_as(Quantity.LOSS_SCALE),
-        Quantity.SKIPPED: logged_as(Quantity.SKIPPED) + "; else read off a logged scale falling",
-        Quantity.GRAD_NORM: logged_as(Quantity.GRAD_NORM),
-        Quantity.LR: logged_as(Quantity.LR),
-    }
+    carries: ClassVar[dict[Quantity, str]] = keyed_carries()
 
     @classmethod
     def recognises(cls, path: Path) -> bool:
