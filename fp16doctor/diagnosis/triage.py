@@ -530,10 +530,11 @@ def search_report(search: SearchResult | None, symptoms: int = 0) -> StageReport
         if search.repair is not None
         else "no intervention repaired the training"
     )
+    found = f"{head} ({len(search.trials)} tried: {tried})" if search.trials else "no intervention applies: none tried"
     return StageReport(
         StageName.INTERVENTION_SEARCH,
         StageStatus.RAN,
-        f"{head} ({len(search.trials)} tried: {tried or 'none'})",
+        found,
         details={"trials": [t.to_json() for t in search.trials], "fault_is_intrinsic": search.fault_is_intrinsic},
     )
 

@@ -44,7 +44,7 @@ def stage_lr_peak(ctx: StageContext) -> StageReport:
         return StageReport(
             StageName.LR_PEAK,
             StageStatus.SKIPPED,
-            summary + "; no trouble at the peak or jump to explain (none follows it, nor grows from it)",
+            summary + "; no trouble at the peak or jump to explain",
             details=found.to_json(),
         )
     found.trajectory = trajectory
