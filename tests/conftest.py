@@ -87,6 +87,8 @@ def diagnose_ci(path: Path, *extra: str, env: dict[str, str] | None = None) -> C
     The suite checks many files from several angles (the right cause, no error without a symptom, the corrected
     config healthy): every test that asks for the same file and arguments reads the one run, whichever xdist worker
     made it; a worker asking while another runs it waits for that run."""
+    if "--fix-config" in extra:
+        raise ValueError("diagnose_ci writes the corrected config itself: read CiDiagnosis.fix_config")
     key = json.dumps([str(Path(path).resolve()), extra, sorted((env or {}).items())])
     folder = Path(os.environ[SHARED_RUNS]) / hashlib.sha256(key.encode()).hexdigest()[:20]
     folder.mkdir(parents=True, exist_ok=True)

@@ -250,6 +250,17 @@ def test_what_the_watch_cannot_undo_is_reported_and_only_written_tensors_are_cop
     assert report.uncaptured == ["seen"] and "cache" in report.restored
 
 
+def test_a_weight_view_whose_storage_a_sharding_wrapper_freed_is_no_state_and_is_never_read():
+    """FSDP1 keeps a module's weight as a plain tensor attribute viewing its flat parameter, and frees that storage
+    between forwards: copying the view would read freed memory."""
+    model = Memory()
+    flat = torch.ones(8)
+    model.lin.weight_view = flat[:4].view(2, 2)
+    flat.untyped_storage().resize_(0)  # resharded
+    start = StepStart.take(model, copied=None)
+    assert "lin.weight_view" not in start.held and start.held["cache"].copy is not None
+
+
 def test_a_growth_is_the_run_of_rising_values_up_to_the_step_before_the_trouble():
     values = pd.Series([1.0, 0.9, 1.1, 5.0, 80.0, 3e4, float("inf")])
     assert growth_before(values, trouble=6) == (3e4 / 0.9, 2)

@@ -100,9 +100,11 @@ def test_a_repair_no_rule_names_is_reported_with_what_repaired_it():
 
 
 def test_the_corrected_config_of_an_intervention_repair_is_healthy_when_diagnosed_again(tmp_path):
+    first = diagnose_ci(FILES / "custom_rmsnorm_backward.py")
+    assert first.returncode == 1 and first.fix_config is not None, first.stderr[-2000:]
+    assert yaml.safe_load(first.fix_config)["overrides"]["fp32_modules"] == ["norm"]
     fixed = tmp_path / "fixed.yaml"
-    diagnose("custom_rmsnorm_backward.py", "--fix-config", str(fixed))
-    assert yaml.safe_load(fixed.read_text())["overrides"]["fp32_modules"] == ["norm"]
+    fixed.write_text(first.fix_config)
     proc = run_cli("diagnose", FILES / "custom_rmsnorm_backward.py", "--ci", "--json", "--config", fixed)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["verdict"] == "healthy"

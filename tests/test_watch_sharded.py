@@ -50,14 +50,25 @@ def torchrun(tmp_path, script, *args, watch=None, pythonpath=()):
     if watch is not None:
         command += ["-m", "fp16doctor", "watch", *watch]
     path = os.pathsep.join([*map(str, pythonpath), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return subprocess.run(
-        list(map(str, [*command, script, *args])),
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
-    )
+    for _ in range(LAUNCHES):
+        proc = subprocess.run(
+            list(map(str, [*command, script, *args])),
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
+        )
+        if RANK_SEGFAULT not in proc.stderr:
+            break
+    return proc
+
+
+RANK_SEGFAULT = "Signal 11 (SIGSEGV)"
+"""torchrun's report of a rank that died of a segmentation fault. On a loaded 2-core machine a gloo rank of these
+scripts now and then dies so, watched or not (seen on unwatched runs too): such a launch is taken again."""
+LAUNCHES = 3
+"""At most: a fault of the watch's own shows in every launch, and fails the test."""
 
 
 def outcome(*procs):

@@ -69,9 +69,23 @@ def _state(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, 
             if name.startswith("_") or name in SKIPPED or isinstance(value, torch.nn.Module):
                 continue
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                yield prefix + name, module, name, value, False
+                if _holds_its_elements(value):
+                    yield prefix + name, module, name, value, False
             elif isinstance(value, PLAIN + CONTAINERS):
                 yield prefix + name, module, name, value, False
+
+
+def _holds_its_elements(tensor: torch.Tensor) -> bool:
+    """The tensor's storage holds every element it addresses. FSDP1 leaves its modules' weights as plain tensor
+    attributes viewing the flat parameter, whose storage it frees between forwards: such a view is no state the
+    forward writes, and reading it reads freed memory (a segmentation fault)."""
+    if tensor.numel() == 0 or tensor.layout != torch.strided or tensor.is_meta:
+        return True
+    try:
+        last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        return (last + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass with no storage of its own (a DTensor's wrapper)
+        return True
 
 
 @dataclass
