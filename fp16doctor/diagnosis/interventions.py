@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..config import config_patch, overrides_patch, scaler_patch
-from ..engine.records import Column
+from ..engine.records import Column, Reading, Table
 from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
 from ..measure.records import ROOT
 from ..measure.symptoms import Symptom, first_nonfinite, skip_runs
@@ -596,13 +596,13 @@ class InterventionSearch:
         if loc is not None and loc.phase == "forward" and loc.module and inside(loc.module):
             return loc.overflowed  # the traced culprit says: a NaN made inside fp16's range is rounding's
         amp = self.ev.amp
-        table = amp.tables.get("forward") if amp is not None else None
+        table = amp.tables.get(Table.FORWARD) if amp is not None else None
         if table is None or table.empty:
             return False
-        rows = table[table["module"].map(inside)]
+        rows = table[table[Reading.MODULE].map(inside)]
         if loc is not None and "step" in rows:
             rows = rows[rows[Column.STEP] <= loc.step]  # after a non-finite update every later forward is NaN
-        made = (rows["nan"] + rows["posinf"] + rows["neginf"]) > 0
-        if "inputs_finite" in rows:
-            made &= rows["inputs_finite"].astype(bool)  # made here, not carried in
-        return bool(made.any() or (rows["abs_max"] > FP16_MAX).any())  # an fp32 output beyond fp16's range
+        made = (rows[Reading.NAN] + rows[Reading.POSINF] + rows[Reading.NEGINF]) > 0
+        if Reading.INPUTS_FINITE in rows:
+            made &= rows[Reading.INPUTS_FINITE].astype(bool)  # made here, not carried in
+        return bool(made.any() or (rows[Reading.ABS_MAX] > FP16_MAX).any())  # an fp32 output beyond fp16's range

@@ -18,21 +18,28 @@ from typing import Any
 import pandas as pd
 
 from ..config import build_config
-from ..engine.records import RECORD_COLUMNS, Column
+from ..engine.records import RECORD_COLUMNS, Column, Inventory
 from ..measure.datascan import FieldScan
-from ..measure.records import FlushedConstant, Localisation, OperatorAttribution, ScaleWindow, SiteShare
+from ..measure.records import (
+    FlushedConstant,
+    GradientColumn,
+    Localisation,
+    OperatorAttribution,
+    ScaleWindow,
+    SiteShare,
+)
 from .findings import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair, RepairKind
 
 PRECISION_COLUMNS = [
-    "module",
-    "type",
-    "compute_dtype",
-    "param_dtypes",
-    "buffer_dtypes",
-    "optimizer_state_dtypes",
-    "trained_param_dtypes",
-    "frozen",
-    "library",
+    Inventory.MODULE,
+    Inventory.TYPE,
+    Inventory.COMPUTE_DTYPE,
+    Inventory.PARAM_DTYPES,
+    Inventory.BUFFER_DTYPES,
+    Inventory.OPTIMIZER_STATE_DTYPES,
+    Inventory.TRAINED_PARAM_DTYPES,
+    Inventory.FROZEN,
+    Inventory.LIBRARY,
 ]
 
 
@@ -100,15 +107,15 @@ def precision(*rows: tuple[Any, ...]) -> pd.DataFrame:
     return pd.DataFrame(
         [
             {
-                "module": m,
-                "type": t,
-                "compute_dtype": None,
-                "param_dtypes": p,
-                "buffer_dtypes": b,
-                "optimizer_state_dtypes": o,
-                "trained_param_dtypes": None if frozen else p,
-                "frozen": bool(frozen and p),
-                "library": t in LIBRARY_TYPES,
+                Inventory.MODULE: m,
+                Inventory.TYPE: t,
+                Inventory.COMPUTE_DTYPE: None,
+                Inventory.PARAM_DTYPES: p,
+                Inventory.BUFFER_DTYPES: b,
+                Inventory.OPTIMIZER_STATE_DTYPES: o,
+                Inventory.TRAINED_PARAM_DTYPES: None if frozen else p,
+                Inventory.FROZEN: bool(frozen and p),
+                Inventory.LIBRARY: t in LIBRARY_TYPES,
             }
             for m, t, p, b, o, *rest in table
             for frozen in [rest[0] if rest else False]
@@ -230,13 +237,13 @@ def underflow(*rows: tuple[str, float, float, bool]) -> pd.DataFrame:
     return pd.DataFrame(
         [
             {
-                "kind": "param",
-                "name": n,
-                "scale": 1.0,
-                "observed_underflow": e,
-                "observed_underflow_mass": m,
-                "rms": 1e-6,
-                "negligible": neg,
+                GradientColumn.KIND: "param",
+                GradientColumn.NAME: n,
+                GradientColumn.SCALE: 1.0,
+                GradientColumn.OBSERVED_UNDERFLOW: e,
+                GradientColumn.OBSERVED_UNDERFLOW_MASS: m,
+                GradientColumn.RMS: 1e-6,
+                GradientColumn.NEGLIGIBLE: neg,
             }
             for n, e, m, neg in rows
         ]

@@ -15,6 +15,7 @@ from ..config import DoctorConfig, build_config, merge
 from ..engine.kept import StateBlockMapping, StateKeeper, release_memory
 from ..engine.probe import Workbench
 from ..engine.progress import ProbeStepHook, StepProgress
+from ..engine.records import Reading, Table
 from ..errors import MemoryLimitError, one_line, smaller_run_hint
 from ..measure.symptoms import Symptom
 from ..tensors import OUT_OF_MEMORY
@@ -149,7 +150,7 @@ def activation_bytes(forward: Any) -> list[int]:
     """The sizes a probe's module outputs take in fp32 and in half precision (the forward table's ``numel``)."""
     if forward is None or len(forward) == 0 or "numel" not in forward:
         return []
-    return [int(n) * width for n in forward["numel"].unique() for width in (2, 4)]
+    return [int(n) * width for n in forward[Reading.NUMEL].unique() for width in (2, 4)]
 
 
 ESSENTIAL_STAGES = (StageName.FP32, StageName.AMP)
@@ -202,7 +203,7 @@ def _triage(
         stages.append(run_stage(stage, ctx))
         probed = {StageName.FP32: evidence.fp32, StageName.AMP: evidence.amp}.get(stage.name)
         if mapping is not None and probed is not None:  # the first two probes show the steps' activation sizes
-            mapping.saw_activations(activation_bytes(probed.tables.get("forward")))
+            mapping.saw_activations(activation_bytes(probed.tables.get(Table.FORWARD)))
     announce(VERIFYING)  # measuring the symptoms may replay AMP aligned on the steps taken: the verification's work
     start = time.perf_counter()
     skips = len(evidence.amp.skip_steps) if evidence.amp is not None else 0

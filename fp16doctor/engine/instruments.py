@@ -49,6 +49,7 @@ import torch
 from ..tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL, dtype_name, grad_values, norms
 from ..userfile.batches import iter_tensors
 from ..userfile.modules import module_names, unwrapped
+from .records import Inventory, Reading, Table
 
 # Layout of one stat vector (a row of the per-step stack): input range, output range, then the sampled
 # histogram over |x|: zero, (0, 2^-24), [2^-24, 2^-14), normal, > 65504. The element count is known on the
@@ -798,9 +799,9 @@ class Instruments:
         """One table row from its transferred values: ``tensors``, a parameter's gradient for exact counts should it
         be non-finite; ``counted``, a module row's outputs' :func:`nonfinite_stats` (``count_nonfinite``)."""
         base = {
-            "step": self._step,
-            "module" if kind in ("forward", "activation_grad") else "param": name,
-            "dtype": dtype,
+            Reading.STEP: self._step,
+            Reading.MODULE if kind in ("forward", "activation_grad") else Reading.PARAM: name,
+            Reading.DTYPE: dtype,
         }
         if kind in ("forward", "activation_grad"):
             finite = all(math.isfinite(x) for x in (v[OUT_MIN], v[OUT_MAX]))
@@ -813,20 +814,22 @@ class Instruments:
                 nan, pos, neg, abs_max = kinds_in_range(v[OUT_MIN], v[OUT_MAX]) + (math.nan,)
             row = {
                 **base,
-                "order": order,
-                "numel": numel,
-                "abs_max": abs_max,
-                "nan": nan,
-                "posinf": pos,
-                "neginf": neg,
+                Reading.ORDER: order,
+                Reading.NUMEL: numel,
+                Reading.ABS_MAX: abs_max,
+                Reading.NAN: nan,
+                Reading.POSINF: pos,
+                Reading.NEGINF: neg,
                 **(_shares(v) if self.options.module_shares else UNMEASURED_SHARES),
             }
             if kind == "forward":
-                row["inputs_finite"] = math.isfinite(v[IN_MIN]) and math.isfinite(v[IN_MAX])
-                row["input_abs_max"] = max(abs(v[IN_MIN]), abs(v[IN_MAX])) if row["inputs_finite"] else math.inf
+                row[Reading.INPUTS_FINITE] = math.isfinite(v[IN_MIN]) and math.isfinite(v[IN_MAX])
+                row[Reading.INPUT_ABS_MAX] = (
+                    max(abs(v[IN_MIN]), abs(v[IN_MAX])) if row[Reading.INPUTS_FINITE] else math.inf
+                )
                 self.forward_rows.append(row)
             else:
-                row["loss_scale"] = self._scale
+                row[Reading.LOSS_SCALE] = self._scale
                 self.activation_grad_rows.append(row)
         elif kind == "param_grad":
             norm, zero, under, amax = v[0], v[1], v[2], v[6]
@@ -838,15 +841,15 @@ class Instruments:
             self.param_rows.append(
                 {
                     **base,
-                    "grad_norm": norm,
-                    "nan": nan,
-                    "posinf": pos,
-                    "neginf": neg,
-                    "zero_share": 1.0 - nonzero / max(sample_n, 1.0),
-                    "underflow_at_scale": under / max(nonzero, 1.0),
-                    "grad_abs_max": amax,
-                    "loss_scale": self._scale,
-                    "underflow_mass_at_scale": v[7] / v[8] if v[8] > 0 else 0.0,
+                    Reading.GRAD_NORM: norm,
+                    Reading.NAN: nan,
+                    Reading.POSINF: pos,
+                    Reading.NEGINF: neg,
+                    Reading.ZERO_SHARE: 1.0 - nonzero / max(sample_n, 1.0),
+                    Reading.UNDERFLOW_AT_SCALE: under / max(nonzero, 1.0),
+                    Reading.GRAD_ABS_MAX: amax,
+                    Reading.LOSS_SCALE: self._scale,
+                    Reading.UNDERFLOW_MASS_AT_SCALE: v[7] / v[8] if v[8] > 0 else 0.0,
                 }
             )
         else:
@@ -854,8 +857,8 @@ class Instruments:
             self.update_rows.append(
                 {
                     **base,
-                    "lost_update_share": lost / wanted if wanted else 0.0,
-                    "update_to_weight": delta / weight if weight else (math.inf if delta else 0.0),
+                    Reading.LOST_UPDATE_SHARE: lost / wanted if wanted else 0.0,
+                    Reading.UPDATE_TO_WEIGHT: delta / weight if weight else (math.inf if delta else 0.0),
                 }
             )
 
@@ -863,19 +866,23 @@ class Instruments:
     def frames(self) -> dict[str, pd.DataFrame]:
         """The four tables: forward, activation_grads, param_grads, updates."""
         return {
-            "forward": pd.DataFrame(self.forward_rows),
-            "activation_grads": pd.DataFrame(self.activation_grad_rows),
-            "param_grads": pd.DataFrame(self.param_rows),
-            "updates": pd.DataFrame(self.update_rows),
+            Table.FORWARD: pd.DataFrame(self.forward_rows),
+            Table.ACTIVATION_GRADS: pd.DataFrame(self.activation_grad_rows),
+            Table.PARAM_GRADS: pd.DataFrame(self.param_rows),
+            Table.UPDATES: pd.DataFrame(self.update_rows),
         }
 
     def first_nonfinite_forward(self) -> dict[str, Any] | None:
         """The first module (execution order) whose output is non-finite while its inputs are finite."""
-        bad = [r for r in self.forward_rows if (r["nan"] or r["posinf"] or r["neginf"]) and r["inputs_finite"]]
+        bad = [
+            r
+            for r in self.forward_rows
+            if (r[Reading.NAN] or r[Reading.POSINF] or r[Reading.NEGINF]) and r[Reading.INPUTS_FINITE]
+        ]
         if not bad:
             return None
-        first_step = min(r["step"] for r in bad)
-        return min((r for r in bad if r["step"] == first_step), key=lambda r: r["order"])
+        first_step = min(r[Reading.STEP] for r in bad)
+        return min((r for r in bad if r[Reading.STEP] == first_step), key=lambda r: r[Reading.ORDER])
 
 
 UNMEASURED_SHARES = {
@@ -961,15 +968,15 @@ def precision_map(
         trained = [p for p in params if p.requires_grad and id(p) in held]
         rows.append(
             {
-                "module": name or "<root>",
-                "type": type(module).__name__,
-                "library": type(module).__module__.split(".")[0] in LIBRARY_PACKAGES,
-                "compute_dtype": compute_dtypes.get(name or "<root>"),
-                "param_dtypes": _dtype_names(params),
-                "buffer_dtypes": _dtype_names(buffers),
-                "optimizer_state_dtypes": ",".join(state_dtypes) or None,
-                "trained_param_dtypes": _dtype_names(trained),
-                "frozen": bool(params) and not trained,
+                Inventory.MODULE: name or "<root>",
+                Inventory.TYPE: type(module).__name__,
+                Inventory.LIBRARY: type(module).__module__.split(".")[0] in LIBRARY_PACKAGES,
+                Inventory.COMPUTE_DTYPE: compute_dtypes.get(name or "<root>"),
+                Inventory.PARAM_DTYPES: _dtype_names(params),
+                Inventory.BUFFER_DTYPES: _dtype_names(buffers),
+                Inventory.OPTIMIZER_STATE_DTYPES: ",".join(state_dtypes) or None,
+                Inventory.TRAINED_PARAM_DTYPES: _dtype_names(trained),
+                Inventory.FROZEN: bool(params) and not trained,
             }
         )
     return pd.DataFrame(rows)

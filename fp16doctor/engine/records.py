@@ -55,6 +55,70 @@ RECORD_COLUMNS = [
 ``micro_step``: no optimizer step was attempted (gradient accumulation); ``optimizer_stepped``: the weights moved."""
 
 
+class Table:
+    """The probe's instrument tables (``ProbeSummary.tables``), by name: one row per module or parameter and step."""
+
+    FORWARD = "forward"
+    """Each module's output (and its inputs') range and non-finite counts."""
+    ACTIVATION_GRADS = "activation_grads"
+    """The gradient flowing into each module's output, at the loss scale."""
+    PARAM_GRADS = "param_grads"
+    """Each parameter's gradient: its norm, range, zero and underflow shares."""
+    UPDATES = "updates"
+    """Each parameter's optimizer update against its weight, and the share of it that rounding lost."""
+
+
+class Reading:
+    """The columns of the instrument tables (:class:`Table`), by name: readers index them with these."""
+
+    STEP = "step"
+    MODULE = "module"
+    """The module's dotted path (``<root>`` for the model itself): forward and activation-gradient rows."""
+    PARAM = "param"
+    """The parameter's dotted name: parameter-gradient and update rows."""
+    DTYPE = "dtype"
+    ORDER = "order"
+    """The module's place in the step's execution order."""
+    NUMEL = "numel"
+    ABS_MAX = "abs_max"
+    NAN = "nan"
+    POSINF = "posinf"
+    NEGINF = "neginf"
+    INPUTS_FINITE = "inputs_finite"
+    INPUT_ABS_MAX = "input_abs_max"
+    LOSS_SCALE = "loss_scale"
+    GRAD_NORM = "grad_norm"
+    ZERO_SHARE = "zero_share"
+    UNDERFLOW_AT_SCALE = "underflow_at_scale"
+    GRAD_ABS_MAX = "grad_abs_max"
+    UNDERFLOW_MASS_AT_SCALE = "underflow_mass_at_scale"
+    LOST_UPDATE_SHARE = "lost_update_share"
+    """The share of the update's elements that rounding to the weight's dtype lost (the weight did not move)."""
+    UPDATE_TO_WEIGHT = "update_to_weight"
+    """The update's norm over the weight's."""
+    NONFINITE = (NAN, POSINF, NEGINF)
+    """The columns counting non-finite elements, by kind."""
+
+
+class Inventory:
+    """The columns of the module inventory (one row per module: how it is stored, computed and trained)."""
+
+    MODULE = "module"
+    TYPE = "type"
+    """The module's class name."""
+    LIBRARY = "library"
+    """The class comes from a library (torch, transformers...), not the user's code."""
+    COMPUTE_DTYPE = "compute_dtype"
+    PARAM_DTYPES = "param_dtypes"
+    """Comma-joined dtypes of the module's own parameters; None where it has none."""
+    BUFFER_DTYPES = "buffer_dtypes"
+    OPTIMIZER_STATE_DTYPES = "optimizer_state_dtypes"
+    TRAINED_PARAM_DTYPES = "trained_param_dtypes"
+    """The dtypes of the parameters an optimizer trains."""
+    FROZEN = "frozen"
+    """It has parameters and no optimizer trains any."""
+
+
 @dataclass
 class StepRecord:
     """One row of a probe's record (see ``RECORD_COLUMNS``)."""

@@ -22,7 +22,10 @@ from ..engine.probe import Probe, Workbench
 from ..engine.rng import seed_everything
 from ..tensors import FP16_MAX, FP16_MIN_SUBNORMAL, grad_values
 from ..userfile.modules import module_names
-from .records import ScaleWindow  # re-exported: the record types' old home
+from .records import (
+    GradientColumn,
+    ScaleWindow,  # re-exported: the record types' old home
+)
 from .thresholds import KEEP_MASS, NEGLIGIBLE_RMS
 
 KEEP = KEEP_MASS
@@ -233,7 +236,13 @@ def predicted_underflow(capture: GradientCapture, scale: float) -> pd.DataFrame:
         mass = float(nonzero[flushed].sum() / nonzero.sum()) if nonzero.numel() else 0.0
         kind, name = key.split(":", 1)
         rows.append(
-            {"kind": kind, "name": name, "scale": scale, "predicted_underflow": share, "predicted_underflow_mass": mass}
+            {
+                GradientColumn.KIND: kind,
+                GradientColumn.NAME: name,
+                GradientColumn.SCALE: scale,
+                GradientColumn.PREDICTED_UNDERFLOW: share,
+                GradientColumn.PREDICTED_UNDERFLOW_MASS: mass,
+            }
         )
     return pd.DataFrame(rows)
 
@@ -263,21 +272,24 @@ def scale_window(capture: GradientCapture, keep: float = KEEP) -> ScaleWindow:
         kind, name = key.split(":", 1)
         rows.append(
             {
-                "kind": kind,
-                "name": name,
-                "quantile_small": small,
-                "abs_max": largest,
-                "min_scale": FP16_MIN_SUBNORMAL / small,
-                "max_scale": FP16_MAX / largest,
-                "rms": float(a.double().pow(2).mean().sqrt()),
+                GradientColumn.KIND: kind,
+                GradientColumn.NAME: name,
+                GradientColumn.QUANTILE_SMALL: small,
+                GradientColumn.ABS_MAX: largest,
+                GradientColumn.MIN_SCALE: FP16_MIN_SUBNORMAL / small,
+                GradientColumn.MAX_SCALE: FP16_MAX / largest,
+                GradientColumn.RMS: float(a.double().pow(2).mean().sqrt()),
             }
         )
     frame = pd.DataFrame(rows)
     if frame.empty:
         return ScaleWindow(frame, 1.0, 2.0**24)
-    frame["negligible"] = frame["rms"] < NEGLIGIBLE_RMS * frame.groupby("kind")["rms"].transform("median")
-    signal = frame[~frame["negligible"]]
-    return ScaleWindow(frame, float(signal["min_scale"].max()), float(frame["max_scale"].min()))
+    typical = frame.groupby(GradientColumn.KIND)[GradientColumn.RMS].transform("median")
+    frame[GradientColumn.NEGLIGIBLE] = frame[GradientColumn.RMS] < NEGLIGIBLE_RMS * typical
+    signal = frame[~frame[GradientColumn.NEGLIGIBLE]]
+    return ScaleWindow(
+        frame, float(signal[GradientColumn.MIN_SCALE].max()), float(frame[GradientColumn.MAX_SCALE].min())
+    )
 
 
 def _underflow_row(key: str, g32: torch.Tensor, g16: torch.Tensor) -> dict[str, Any]:
@@ -286,14 +298,15 @@ def _underflow_row(key: str, g32: torch.Tensor, g16: torch.Tensor) -> dict[str, 
     lost = wanted & (g16 == 0)
     kind, name = key.split(":", 1)
     magnitude = g32.abs().double()
+    flushed_mass = float(magnitude[lost].sum() / magnitude.sum()) if bool(wanted.any()) else 0.0
     return {
-        "kind": kind,
-        "name": name,
-        "observed_underflow": float(lost.sum()) / max(int(wanted.sum()), 1),
+        GradientColumn.KIND: kind,
+        GradientColumn.NAME: name,
+        GradientColumn.OBSERVED_UNDERFLOW: float(lost.sum()) / max(int(wanted.sum()), 1),
         # The share of the gradient's L1 mass that flushed: entries far below the rest (a
         # sharp softmax's tails, a key bias's exact-zero gradient in rounding noise) carry none.
-        "observed_underflow_mass": float(magnitude[lost].sum() / magnitude.sum()) if bool(wanted.any()) else 0.0,
-        "rms": float(magnitude.pow(2).mean().sqrt()) if magnitude.numel() else 0.0,
+        GradientColumn.OBSERVED_UNDERFLOW_MASS: flushed_mass,
+        GradientColumn.RMS: float(magnitude.pow(2).mean().sqrt()) if magnitude.numel() else 0.0,
     }
 
 
@@ -345,7 +358,12 @@ def observed_underflow(
     del amp
     snap = None  # the closure's cell keeps it otherwise: the snapshot's memory goes back now
     rows = [
-        {"kind": row["kind"], "name": row["name"], "scale": low.scale, **row}
+        {
+            GradientColumn.KIND: row[GradientColumn.KIND],
+            GradientColumn.NAME: row[GradientColumn.NAME],
+            GradientColumn.SCALE: low.scale,
+            **row,
+        }
         for key in reference.tensors
         if (row := compared.get(key)) is not None
     ]
@@ -354,6 +372,6 @@ def observed_underflow(
         return frame
     # A gradient many orders below the other tensors' of its kind is zero in exact arithmetic
     # (a key bias under softmax's shift invariance) and rounding noise in fp32: its flushing is no loss.
-    typical = frame.groupby("kind")["rms"].transform("median")
-    frame["negligible"] = frame["rms"] < NEGLIGIBLE_RMS * typical
+    typical = frame.groupby(GradientColumn.KIND)[GradientColumn.RMS].transform("median")
+    frame[GradientColumn.NEGLIGIBLE] = frame[GradientColumn.RMS] < NEGLIGIBLE_RMS * typical
     return frame

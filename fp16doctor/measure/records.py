@@ -3,7 +3,8 @@ the exception a probe raised.
 
 Kept apart from the measuring code (:mod:`.localise`, :mod:`.numerics`, which drive the probe) so that
 whatever only reads these records (the rules and their hand-built cases, the renderers) loads neither the
-probe nor its instruments. Only the standard library and pandas here.
+probe nor its instruments. Only the standard library, pandas and the probe's plain records here (whose
+table and column names are re-exported for the renderers, which sit above the engine).
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pandas as pd
+
+from ..engine.records import Column as Column
+from ..engine.records import Inventory as Inventory
+from ..engine.records import Reading as Reading
+from ..engine.records import Table as Table
 
 INFINITE_AT_ZERO = frozenset(
     {
@@ -38,6 +44,30 @@ OMITTED_WHEN_NONE = "fp16doctor_omitted_when_none"
 """A field's metadata key: its JSON key is left out while it is None (the findings' ``omitted_when_none``)."""
 FP16_MAX_VALUE = 65504.0
 """fp16's largest finite value (``fp16doctor.tensors.FP16_MAX``, repeated: this module loads no torch)."""
+
+
+class GradientColumn:
+    """The columns of the per-tensor gradient tables (the scale window's, observed and predicted underflow), by
+    name: one row per gradient tensor, keyed by (kind, name)."""
+
+    KIND = "kind"
+    """``activation`` or ``param``: a module output's gradient or a parameter's."""
+    NAME = "name"
+    ABS_MAX = "abs_max"
+    RMS = "rms"
+    NEGLIGIBLE = "negligible"
+    """The gradient is rounding noise, many orders below its kind's median RMS: its flushing is no loss."""
+    QUANTILE_SMALL = "quantile_small"
+    MIN_SCALE = "min_scale"
+    MAX_SCALE = "max_scale"
+    SCALE = "scale"
+    OBSERVED_UNDERFLOW = "observed_underflow"
+    """The share of FP32's nonzero elements that are zero in AMP's gradient."""
+    OBSERVED_UNDERFLOW_MASS = "observed_underflow_mass"
+    """The share of FP32's gradient L1 mass that is zero in AMP's."""
+    PREDICTED_UNDERFLOW = "predicted_underflow"
+    """The share of the gradient's nonzero elements that would flush to zero at the loss scale."""
+    PREDICTED_UNDERFLOW_MASS = "predicted_underflow_mass"
 
 
 @dataclass(frozen=True)
@@ -186,15 +216,17 @@ class ScaleWindow:
         if predicted is None or not len(predicted):
             return 0.0
         frame = self.per_tensor
-        if frame is not None and len(frame) and "negligible" in frame:
+        if frame is not None and len(frame) and GradientColumn.NEGLIGIBLE in frame:
             noise = set(
                 zip(
-                    frame.loc[frame["negligible"].astype(bool), "kind"],
-                    frame.loc[frame["negligible"].astype(bool), "name"],
+                    frame.loc[frame[GradientColumn.NEGLIGIBLE].astype(bool), GradientColumn.KIND],
+                    frame.loc[frame[GradientColumn.NEGLIGIBLE].astype(bool), GradientColumn.NAME],
                 )
             )
-            predicted = predicted[[(k, n) not in noise for k, n in zip(predicted["kind"], predicted["name"])]]
-        return float(predicted["predicted_underflow_mass"].max()) if len(predicted) else 0.0
+            predicted = predicted[
+                [(k, n) not in noise for k, n in zip(predicted[GradientColumn.KIND], predicted[GradientColumn.NAME])]
+            ]
+        return float(predicted[GradientColumn.PREDICTED_UNDERFLOW_MASS].max()) if len(predicted) else 0.0
 
     def recommended(self) -> float:
         """A power of two inside the window, 8x below the top for headroom (gradients grow in training)."""

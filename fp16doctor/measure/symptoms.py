@@ -39,7 +39,7 @@ from typing import Any
 
 import pandas as pd
 
-from ..engine.records import Column
+from ..engine.records import Column, Reading
 from .records import ExceptionInfo
 from .thresholds import (
     BF16_FACTOR,
@@ -173,9 +173,9 @@ def excess_skips(profile: dict[str, Any]) -> bool:
 
 def lost_update_share(updates: pd.DataFrame | None) -> float | None:
     """Mean share of updates lost (gradient non-zero, weight unchanged) over every parameter and step."""
-    if updates is None or updates.empty or "lost_update_share" not in updates:
+    if updates is None or updates.empty or Reading.LOST_UPDATE_SHARE not in updates:
         return None
-    return float(updates["lost_update_share"].mean())
+    return float(updates[Reading.LOST_UPDATE_SHARE].mean())
 
 
 def loss_by_batch(records: pd.DataFrame) -> dict[int, float]:

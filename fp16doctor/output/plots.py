@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from ..diagnosis.findings import ModuleGap
+from ..measure.records import Column, Reading, Table
 from ..tensors import FP16_MAX, FP16_MIN_NORMAL, FP16_MIN_SUBNORMAL
 
 MAX_ROWS = 40
@@ -89,7 +90,7 @@ def loss_curves(curves: dict[str, pd.DataFrame], x_label: str = "step") -> Figur
     fig, ax = _new()
     marked = 0
     for name, records in curves.items():
-        steps, losses = records["step"].tolist(), [float(v) for v in records["loss"]]
+        steps, losses = records[Column.STEP].tolist(), [float(v) for v in records[Column.LOSS]]
         ax.plot(steps, _finite(losses), label=name, color=COLOURS.get(name), linewidth=1.4)
         bad = [s for s, v in zip(steps, losses) if not math.isfinite(v)]
         marked += len(bad)
@@ -120,7 +121,7 @@ def loss_curves(curves: dict[str, pd.DataFrame], x_label: str = "step") -> Figur
 def loss_scale(records: pd.DataFrame, window: tuple[float, float] | None = None) -> Figure:
     """The loss scale over steps (log scale), skipped steps marked, the derived safe window shaded."""
     fig, ax = _new()
-    steps, scales = records["step"].tolist(), [float(v) for v in records["loss_scale"]]
+    steps, scales = records[Column.STEP].tolist(), [float(v) for v in records[Column.LOSS_SCALE]]
     ax.step(steps, scales, where="post", color=COLOURS["amp"], label="loss scale")
     skipped = [(s, v) for s, v, k in zip(steps, scales, records["skipped"].astype(bool)) if k]
     if skipped:
@@ -149,10 +150,10 @@ NONFINITE_AT = 4 * FP16_MAX
 def _per_module_max(table: pd.DataFrame | None) -> pd.Series:
     """Per module, the largest finite ``abs_max`` over the steps; ``inf`` for a module finite at no step (its
     rows' ``abs_max`` are NaN or inf), which would otherwise drop out of the plot it is the point of."""
-    if table is None or table.empty or "module" not in table:
+    if table is None or table.empty or Reading.MODULE not in table:
         return pd.Series(dtype=float)
-    finite = table["abs_max"].astype(float).replace([math.inf, -math.inf], math.nan)
-    return table.assign(abs_max=finite).groupby("module", sort=False)["abs_max"].max().fillna(math.inf)
+    finite = table[Reading.ABS_MAX].astype(float).replace([math.inf, -math.inf], math.nan)
+    return table.assign(abs_max=finite).groupby(Reading.MODULE, sort=False)[Reading.ABS_MAX].max().fillna(math.inf)
 
 
 def activation_ranges(forward: pd.DataFrame | None, backward: pd.DataFrame | None) -> Figure:
@@ -218,7 +219,7 @@ def activation_ranges(forward: pd.DataFrame | None, backward: pd.DataFrame | Non
 
 def underflow_heatmap(param_grads: pd.DataFrame | None) -> Figure | None:
     """Layer x step: the share of each gradient's mass that flushes to zero at the step's scale."""
-    column = "underflow_mass_at_scale"
+    column = Reading.UNDERFLOW_MASS_AT_SCALE
     if param_grads is None or param_grads.empty or column not in param_grads:
         return None
     grid = param_grads.pivot_table(index="param", columns="step", values=column, aggfunc="max", sort=False).fillna(0.0)
@@ -271,9 +272,9 @@ def grad_norms(curves: dict[str, pd.DataFrame]) -> Figure:
     """Global gradient norm per step (unscaled) for each run."""
     fig, ax = _new()
     for name, records in curves.items():
-        values = [float(v) for v in records["grad_norm"]]
+        values = [float(v) for v in records[Column.GRAD_NORM]]
         ax.plot(
-            records["step"].tolist(),
+            records[Column.STEP].tolist(),
             [v if math.isfinite(v) and v > 0 else math.nan for v in values],
             label=name,
             color=COLOURS.get(name),
@@ -326,10 +327,10 @@ def diagnosis_figures(diagnosis: Any) -> list[Figure]:
     if ev.amp is not None and ev.amp.scaler_enabled:
         figures.append(loss_scale(ev.amp.records, (ev.window.low, ev.window.high) if ev.window is not None else None))
     tables = ev.amp.tables if ev.amp is not None else {}
-    if tables.get("forward") is not None and not tables["forward"].empty:
-        figures.append(activation_ranges(tables.get("forward"), tables.get("activation_grads")))
+    if tables.get(Table.FORWARD) is not None and not tables[Table.FORWARD].empty:
+        figures.append(activation_ranges(tables.get(Table.FORWARD), tables.get(Table.ACTIVATION_GRADS)))
     optional = [
-        underflow_heatmap(tables.get("param_grads")),
+        underflow_heatmap(tables.get(Table.PARAM_GRADS)),
         module_gap((ev.gap.ranked_modules or []) if ev.gap is not None else []),
     ]
     figures += [f for f in optional if f is not None]

@@ -8,7 +8,7 @@ from typing import Any
 
 import pandas as pd
 
-from ...engine.records import Column
+from ...engine.records import Column, Inventory, Reading, Table
 from ...measure.records import ROOT, FlushedConstant, Localisation
 from ...tensors import FP16_MAX
 from ..findings import Evidence, ProbeSummary
@@ -36,26 +36,26 @@ def fp32_losses(ev: Evidence, min_steps: int) -> list[float] | None:
 def module_abs_max(summary: ProbeSummary | None, module: str) -> float | None:
     """Largest forward output magnitude of ``module`` over the probe (None if not recorded, or non-finite at every
     step: a non-finite output's ``abs_max`` is NaN, not measured)."""
-    rows = _forward_rows(summary, module, "abs_max")
-    peak = float(rows["abs_max"].max()) if rows is not None and len(rows) else math.nan  # pandas' max skips NaN
+    rows = _forward_rows(summary, module, Reading.ABS_MAX)
+    peak = float(rows[Reading.ABS_MAX].max()) if rows is not None and len(rows) else math.nan  # pandas' max skips NaN
     return None if math.isnan(peak) else peak
 
 
 def _forward_rows(summary: ProbeSummary | None, module: str, column: str) -> pd.DataFrame | None:
     """The probe's forward-table rows of ``module``, or None where the table or its ``column`` was not recorded."""
-    if summary is None or "forward" not in summary.tables or summary.tables["forward"].empty:
+    if summary is None or Table.FORWARD not in summary.tables or summary.tables[Table.FORWARD].empty:
         return None
-    rows = summary.tables["forward"]
-    return rows[rows["module"] == module] if column in rows else None
+    rows = summary.tables[Table.FORWARD]
+    return rows[rows[Reading.MODULE] == module] if column in rows else None
 
 
 def model_input_peak(summary: ProbeSummary | None) -> float | None:
     """The largest magnitude among the floating positional inputs the model's forward was called with (its root
     module's inputs) over the probe; None where not recorded."""
-    rows = _forward_rows(summary, ROOT, "input_abs_max")
+    rows = _forward_rows(summary, ROOT, Reading.INPUT_ABS_MAX)
     if rows is None:
         return None
-    peak = float(rows["input_abs_max"].max()) if len(rows) else math.nan
+    peak = float(rows[Reading.INPUT_ABS_MAX].max()) if len(rows) else math.nan
     # 0: no floating input was recorded (a model called with keyword arguments only, whose forward hook sees
     # no positional ones): unknown, not small
     return None if math.isnan(peak) or peak == 0.0 else peak
@@ -82,7 +82,7 @@ def half_param_modules(summary: ProbeSummary | None) -> pd.DataFrame:
     if summary is None:
         return pd.DataFrame()
     table = summary.precision
-    mask = table["trained_param_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))
+    mask = table[Inventory.TRAINED_PARAM_DTYPES].fillna("").str.contains("|".join(LOW_DTYPES))
     return table[mask]
 
 
@@ -91,7 +91,7 @@ def half_optimizer_state_modules(summary: ProbeSummary | None) -> pd.DataFrame:
     if summary is None:
         return pd.DataFrame()
     table = summary.precision
-    return table[table["optimizer_state_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))]
+    return table[table[Inventory.OPTIMIZER_STATE_DTYPES].fillna("").str.contains("|".join(LOW_DTYPES))]
 
 
 def stores_half_training_state(ev: Evidence) -> bool:
@@ -162,7 +162,9 @@ def _precision_column(ev: Evidence, column: str) -> dict[str, Any]:
     amp = ev.amp
     if amp is None or amp.precision is None or amp.precision.empty or column not in amp.precision:
         return {}
-    return {("" if m == ROOT else str(m)): value for m, value in zip(amp.precision["module"], amp.precision[column])}
+    return {
+        ("" if m == ROOT else str(m)): value for m, value in zip(amp.precision[Inventory.MODULE], amp.precision[column])
+    }
 
 
 def module_types(ev: Evidence) -> dict[str, str]:
@@ -181,7 +183,7 @@ def class_members(path: str, types: dict[str, str]) -> list[str]:
 
 def library_modules(ev: Evidence) -> set[str]:
     """The paths of the AMP probe's modules whose class comes from a library (``nn.Linear``): not code the user edits."""
-    return {path for path, library in _precision_column(ev, "library").items() if bool(library)}
+    return {path for path, library in _precision_column(ev, Inventory.LIBRARY).items() if bool(library)}
 
 
 CONTAINERS = ("Sequential", "ModuleList", "ModuleDict")

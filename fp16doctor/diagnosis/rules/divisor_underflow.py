@@ -25,6 +25,7 @@ from typing import ClassVar
 import pandas as pd
 
 from ...config import overrides_patch
+from ...engine.records import Reading, Table
 from ...measure.records import OUTSIDE_MODEL, ROOT, Localisation
 from ...tensors import FP16_MAX
 from .. import rule_cases as fx
@@ -146,7 +147,7 @@ def _operator(loc: Localisation) -> str:
 
 
 def _fp32_forward(module: str, abs_max: float) -> ProbeSummary:
-    return fx.probe("fp32", tables={"forward": pd.DataFrame([{"module": module, "abs_max": abs_max}])})
+    return fx.probe("fp32", tables={Table.FORWARD: pd.DataFrame([{Reading.MODULE: module, Reading.ABS_MAX: abs_max}])})
 
 
 @dataclass(frozen=True)

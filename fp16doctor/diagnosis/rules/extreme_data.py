@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import pandas as pd
 
+from ...engine.records import Reading, Table
 from ...measure.thresholds import EXTREME_INPUT
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, evidence_of
@@ -66,7 +67,12 @@ class ExtremeData(Rule):
             data=[fx.field(abs_max=5e4, extreme=300)],
             amp=fx.probe(record=fx.records(skipped=[0, 1])),
             fp32=fx.probe(
-                "fp32", tables={"forward": pd.DataFrame([{"module": "<root>", "abs_max": 3.0, "input_abs_max": 0.0}])}
+                "fp32",
+                tables={
+                    Table.FORWARD: pd.DataFrame(
+                        [{Reading.MODULE: "<root>", Reading.ABS_MAX: 3.0, Reading.INPUT_ABS_MAX: 0.0}]
+                    )
+                },
             ),
             localisation=fx.localisation("forward", "0", "aten::addmm", [(-5e4, 5e4)]),
         ),
@@ -80,7 +86,12 @@ class ExtremeData(Rule):
             data=[fx.field(abs_max=3.2e5, extreme=300)],
             amp=fx.probe(record=fx.records(skipped=[0, 1])),
             fp32=fx.probe(
-                "fp32", tables={"forward": pd.DataFrame([{"module": "<root>", "abs_max": 3.2e5, "input_abs_max": 4.1}])}
+                "fp32",
+                tables={
+                    Table.FORWARD: pd.DataFrame(
+                        [{Reading.MODULE: "<root>", Reading.ABS_MAX: 3.2e5, Reading.INPUT_ABS_MAX: 4.1}]
+                    )
+                },
             ),
             localisation=fx.localisation("forward", "<root>", "aten::add", [(-6e4, 6e4)]),
         ),

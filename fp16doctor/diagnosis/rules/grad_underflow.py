@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 from ...config import scaler_patch
 from ...engine.records import Column
+from ...measure.records import GradientColumn
 from ...measure.thresholds import UNDERFLOW_ALARM
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, Severity
@@ -137,15 +138,15 @@ class GradUnderflow(Rule):
         if ev.amp is None or ev.amp.first_nonfinite_loss is not None:
             return []  # a forward that overflows zeroes gradients for other reasons
         observed = ev.observed_underflow
-        if "negligible" in observed:
-            observed = observed[~observed["negligible"].astype(bool)]  # rounding noise of an exact-zero gradient
+        if GradientColumn.NEGLIGIBLE in observed:  # rounding noise of an exact-zero gradient
+            observed = observed[~observed[GradientColumn.NEGLIGIBLE].astype(bool)]
         if observed.empty:
             return []
-        observed = observed.sort_values("observed_underflow_mass", ascending=False)
+        observed = observed.sort_values(GradientColumn.OBSERVED_UNDERFLOW_MASS, ascending=False)
         worst = observed.iloc[0]
-        if worst["observed_underflow_mass"] <= UNDERFLOW_ALARM:
+        if worst[GradientColumn.OBSERVED_UNDERFLOW_MASS] <= UNDERFLOW_ALARM:
             return []
-        flagged = observed[observed["observed_underflow_mass"] > UNDERFLOW_ALARM]
+        flagged = observed[observed[GradientColumn.OBSERVED_UNDERFLOW_MASS] > UNDERFLOW_ALARM]
         patch = scale_patch(ev)
         configured = ev.config.scaler.init_scale if ev.config.scaler.enabled else None
         window = ev.window
@@ -197,10 +198,10 @@ class GradUnderflow(Rule):
                 + ": the layers they feed can stop learning",
                 GradUnderflowEvidence(
                     worst=WorstFlush(
-                        kind=worst["kind"],
-                        name=worst["name"],
-                        observed_underflow=float(worst["observed_underflow"]),
-                        observed_underflow_mass=float(worst["observed_underflow_mass"]),
+                        kind=worst[GradientColumn.KIND],
+                        name=worst[GradientColumn.NAME],
+                        observed_underflow=float(worst[GradientColumn.OBSERVED_UNDERFLOW]),
+                        observed_underflow_mass=float(worst[GradientColumn.OBSERVED_UNDERFLOW_MASS]),
                     ),
                     tensors_over_5pct=len(flagged),
                     scaler_enabled=ev.config.scaler.enabled,

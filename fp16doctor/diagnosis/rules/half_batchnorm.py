@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...config import overrides_patch
+from ...engine.records import Inventory
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Severity
 from . import Rule
@@ -61,24 +62,24 @@ class HalfBatchnorm(Rule):
         if ev.amp is None:
             return []
         table = ev.amp.precision
-        norms = table[table["type"].map(is_norm) & ~table["frozen"].astype(bool)]
+        norms = table[table[Inventory.TYPE].map(is_norm) & ~table[Inventory.FROZEN].astype(bool)]
         stored_half = norms[
-            norms["param_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))
-            | norms["buffer_dtypes"].fillna("").str.contains("|".join(LOW_DTYPES))
+            norms[Inventory.PARAM_DTYPES].fillna("").str.contains("|".join(LOW_DTYPES))
+            | norms[Inventory.BUFFER_DTYPES].fillna("").str.contains("|".join(LOW_DTYPES))
         ]
         if stored_half.empty:
             return []
-        names = stored_half["module"].tolist()
+        names = stored_half[Inventory.MODULE].tolist()
         return [
             self.finding(
                 f"{len(names)} normalisation layer(s) stored in half precision: {', '.join(names[:5])}; their running "
                 "statistics and weights keep fp16's 3 digits and range, which can make the loss drift or overflow",
                 HalfNormEvidence(
                     modules=names,
-                    types=stored_half["type"].tolist(),
-                    param_dtypes=stored_half["param_dtypes"].tolist(),
-                    buffer_dtypes=stored_half["buffer_dtypes"].tolist(),
-                    compute_dtypes=stored_half["compute_dtype"].tolist(),
+                    types=stored_half[Inventory.TYPE].tolist(),
+                    param_dtypes=stored_half[Inventory.PARAM_DTYPES].tolist(),
+                    buffer_dtypes=stored_half[Inventory.BUFFER_DTYPES].tolist(),
+                    compute_dtypes=stored_half[Inventory.COMPUTE_DTYPE].tolist(),
                 ),
                 Fix(
                     "Keep normalisation layers (weights and running statistics) in fp32; autocast feeds them correctly.",

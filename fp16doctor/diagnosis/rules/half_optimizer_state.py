@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...config import overrides_patch
+from ...engine.records import Inventory
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind, Severity, omitted_when_none
 from . import Rule
@@ -65,9 +66,9 @@ class HalfOptimizerState(Rule):
             return []
         loc = ev.localisation
         evidence = HalfOptimizerStateEvidence(
-            modules=half["module"].tolist()[:12],
-            state_dtypes=sorted(set(",".join(half["optimizer_state_dtypes"]).split(","))),
-            param_dtypes=sorted(set(",".join(half["param_dtypes"].fillna("")).split(",")) - {""}),
+            modules=half[Inventory.MODULE].tolist()[:12],
+            state_dtypes=sorted(set(",".join(half[Inventory.OPTIMIZER_STATE_DTYPES]).split(","))),
+            param_dtypes=sorted(set(",".join(half[Inventory.PARAM_DTYPES].fillna("")).split(",")) - {""}),
             first_nonfinite_phase=loc.phase if loc is not None else None,
             operator=loc.operator if loc is not None else None,
             step=loc.step if loc is not None else None,

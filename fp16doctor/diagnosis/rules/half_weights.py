@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ...config import overrides_patch
+from ...engine.records import Inventory, Reading, Table
 from ...measure.records import ExceptionInfo
 from ...measure.thresholds import HALF_WEIGHTS_LOST_SHARE
 from .. import rule_cases as fx
@@ -87,12 +88,15 @@ class HalfWeights(Rule):
         if half.empty and (not unscale_error or len(all_half)):
             return []  # nothing half, or only normalisation layers (half-batchnorm's case)
         lost = 0.0
-        updates = amp.tables.get("updates") if amp else None
+        updates = amp.tables.get(Table.UPDATES) if amp else None
         if updates is not None and not updates.empty:
-            lost = float(updates.loc[updates["dtype"].isin(["float16", "bfloat16"]), "lost_update_share"].max() or 0.0)
-        dtypes = sorted(set(",".join(half["trained_param_dtypes"]).split(","))) if len(half) else ["float16"]
+            lost = float(
+                updates.loc[updates[Reading.DTYPE].isin(["float16", "bfloat16"]), Reading.LOST_UPDATE_SHARE].max()
+                or 0.0
+            )
+        dtypes = sorted(set(",".join(half[Inventory.TRAINED_PARAM_DTYPES]).split(","))) if len(half) else ["float16"]
         evidence = HalfWeightsEvidence(
-            modules=half["module"].tolist()[:12],
+            modules=half[Inventory.MODULE].tolist()[:12],
             module_count=int(len(half)),
             param_dtypes=dtypes,
             max_lost_update_share=lost,

@@ -28,6 +28,7 @@ from ...engine.probe import (
 from ...engine.progress import StepProgress
 from ...engine.records import Column, StepRecord
 from ...engine.rng import seed_everything
+from ...measure.records import GradientColumn
 from ...measure.symptoms import (
     Symptom,
     first_nonfinite,
@@ -228,9 +229,9 @@ def worst_underflow(observed: pd.DataFrame | None) -> float:
     """The largest share of a tensor's gradient mass that flushed to zero, negligible gradients left out."""
     if observed is None or observed.empty:
         return 0.0
-    if "negligible" in observed:
-        observed = observed[~observed["negligible"].astype(bool)]
-    return float(observed["observed_underflow_mass"].max()) if len(observed) else 0.0
+    if GradientColumn.NEGLIGIBLE in observed:
+        observed = observed[~observed[GradientColumn.NEGLIGIBLE].astype(bool)]
+    return float(observed[GradientColumn.OBSERVED_UNDERFLOW_MASS].max()) if len(observed) else 0.0
 
 
 def same_state_gap(ctx: StageContext, config: DoctorConfig, step: int) -> float:

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from ...engine.probe import DEFAULT_INSTRUMENTS, Probe
-from ...engine.records import Column, StepRecord
+from ...engine.records import Column, Reading, StepRecord
 from ...measure.thresholds import LR_TRAJECTORY_GROWTH, RECURRING_SKIPS
 from ..findings import LrPause, LrPeak, LrSchedule, LrTrajectory, ProbeSummary, StageName, StageReport, StageStatus
 from .context import EVENT_LEAD, StageContext, bad_step
@@ -203,8 +203,8 @@ def _pause(ctx: StageContext, trajectory: LrTrajectory, lrs: list[float]) -> LrP
         pause_step=event,
         finite_at_peak=at_peak["finite"],
         finite_before_peak=before["finite"],
-        update_to_weight_at_peak=at_peak["update_to_weight"],
-        update_to_weight_before_peak=before.get("update_to_weight", 0.0),
+        update_to_weight_at_peak=at_peak[Reading.UPDATE_TO_WEIGHT],
+        update_to_weight_before_peak=before.get(Reading.UPDATE_TO_WEIGHT, 0.0),
         activation_max_at_peak=at_peak["activation_max"],
         activation_max_before_peak=before.get("activation_max", 0.0),
         lr_cap=cap,
@@ -270,9 +270,9 @@ def _instrumented_steps(
     finite = _survived(records) if stop_at_fault else all(_finite_record(r) for r in records)
     return {
         "finite": finite and weights_finite,
-        "update_to_weight": max((u["update_to_weight"] for u in updates), default=0.0),
+        Reading.UPDATE_TO_WEIGHT: max((u[Reading.UPDATE_TO_WEIGHT] for u in updates), default=0.0),
         # NaN where no finite magnitude was measured (a row of another probe's instruments): left out
-        "activation_max": max((f["abs_max"] for f in forward if not math.isnan(f["abs_max"])), default=0.0),
+        "activation_max": max((f[Reading.ABS_MAX] for f in forward if not math.isnan(f[Reading.ABS_MAX])), default=0.0),
     }
 
 
