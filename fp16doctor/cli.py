@@ -21,7 +21,7 @@ from .config import parse_memory_size
 from .errors import EXIT_FINDINGS, EXIT_OK, DoctorError
 from .files import atomic_write_text
 from .output.progress import DiagnosisProgress, TrainingProgress
-from .output.streams import print_json, print_json_error, stdout_for_json_only
+from .output.streams import print_json, print_json_error, stdout_for_json_only, whole_line_to_stderr
 
 if TYPE_CHECKING:  # the commands import what they run on first use: --help and --version stay light
     import pandas as pd
@@ -559,10 +559,10 @@ def watch(
         )
 
         def tell(alarm: Alarm) -> None:
-            print(alarm.pointer(), file=sys.stderr, flush=True)
+            whole_line_to_stderr(alarm.pointer())
 
         def note(text: str) -> None:
-            print(f"fp16doctor: warning: {text}.", file=sys.stderr, flush=True)
+            whole_line_to_stderr(f"fp16doctor: warning: {text}.")
 
         return watch_script(target, options, on_alarm=tell, on_note=note)
 

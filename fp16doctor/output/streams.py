@@ -24,6 +24,13 @@ def print_json(payload: dict[str, Any]) -> None:
     stream.flush()
 
 
+def whole_line_to_stderr(text: str) -> None:
+    """One line, written in one call: under torchrun every rank shares stderr, and ``print`` writes the text and
+    its newline separately, so another rank's line could land between them."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def print_json_error(message: str, hint: str | None, location: str | None, exit_code: int) -> None:
     """``--json``'s one object when the command fails: why, and the exit code it ends with."""
     print_json({"error": {"message": message, "hint": hint, "location": location, "exit_code": exit_code}})
