@@ -5,13 +5,12 @@ fresh CLI process; the capsule cases run a watched script (or loop), then diagno
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, diagnose_ci, run_cli
 
 from fp16doctor.diagnosis.stages.lr_peak import growth_before
 from fp16doctor.live.stepstate import StepStart, StepStartKeeper
@@ -20,11 +19,10 @@ FILES = ROOT / "tests" / "training_files"
 SCRIPTS = ROOT / "tests" / "scripts"
 
 
-@functools.cache
 def diagnosed(name: str) -> dict:
-    proc = run_cli("diagnose", FILES / name, "--ci", "--json")
+    proc = diagnose_ci(FILES / name)
     assert proc.returncode == 1, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
-    return json.loads(proc.stdout)
+    return proc.report()
 
 
 def stage(report: dict, name: str) -> dict:

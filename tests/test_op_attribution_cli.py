@@ -10,7 +10,7 @@ import json
 
 import pandas as pd
 import pytest
-from conftest import ROOT, run_cli
+from conftest import ROOT, diagnose_ci, run_cli
 
 FILE = ROOT / "tests" / "training_files" / "zone_load_bf16.py"
 
@@ -21,10 +21,11 @@ def line_of(marker: str) -> int:
 
 @pytest.fixture(scope="module")
 def diagnosis(tmp_path_factory):
+    proc = diagnose_ci(FILE)
+    assert proc.returncode == 1 and proc.fix_config is not None, proc.stderr[-3000:]
     fixed = tmp_path_factory.mktemp("zone") / "fixed.yaml"
-    proc = run_cli("diagnose", FILE, "--ci", "--json", "--fix-config", fixed)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    return json.loads(proc.stdout), fixed
+    fixed.write_text(proc.fix_config)
+    return proc.report(), fixed
 
 
 def stage(report: dict, name: str) -> dict:
