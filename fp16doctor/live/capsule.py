@@ -25,6 +25,7 @@ from .. import __version__
 from ..errors import TrainingFileError
 from ..files import atomic_write_text
 from ..userfile.batches import iter_tensors, map_tensors
+from ..userfile.compiled import CompileOptions
 from .stepstate import StateReport
 
 CAPSULE_FORMAT = 2
@@ -166,9 +167,10 @@ def write_manifest(
     loss_finding: str | None = None,
     loss: LossRecord | None = None,
     start: ReplayStart | None = None,
+    compiled: CompileOptions | None = None,
 ) -> None:
     """What a reader checks first: the format, the files, which replay the capsule supports, what the watch saw
-    of the step's loss and of the state it started from. Written last."""
+    of the step's loss and of the state it started from, how the model was compiled. Written last."""
     manifest = {
         "format": CAPSULE_FORMAT,
         "fp16doctor": __version__,
@@ -178,6 +180,7 @@ def write_manifest(
         "loss_finding": loss_finding,
         **(loss or LossRecord(None)).to_json(),
         **(start or ReplayStart()).to_json(),
+        "compiled": compiled.to_json() if compiled is not None else None,
     }
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2))
 
@@ -215,6 +218,21 @@ def check_capsule(folder: Path) -> dict[str, Any]:
 
 def replay_note(manifest: dict[str, Any]) -> str:
     """What a capsule diagnosis replays, and what it cannot verify."""
+    return _replayed(manifest) + _compiled_note(manifest.get("compiled"))
+
+
+def _compiled_note(compiled: dict[str, Any] | None) -> str:
+    if not compiled:
+        return ""
+    how = ", ".join(f"{k} {compiled[k]}" for k in ("backend", "mode", "dynamic") if compiled.get(k) is not None)
+    return (
+        f"; the watched model ran compiled (torch.compile: {how}) and the replay runs it eager, whose half-precision "
+        "rounding is not the compiled program's (inductor keeps element-wise chains in fp32 and rounds only what it "
+        "stores): a fault only the eager replay shows may not be the run's"
+    )
+
+
+def _replayed(manifest: dict[str, Any]) -> str:
     step = manifest.get("step")
     if manifest.get("loss_finding"):
         return (

@@ -55,7 +55,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..engine.ddp import half_precision_comm_hooks
 from ..tensors import dtype_name
 from ..userfile.batches import iter_tensors
-from ..userfile.modules import unwrapped
+from ..userfile.compiled import CompileRecorder, compiled_in_place
+from ..userfile.modules import compiled_call, unwrapped
 from .local_grads import LocalGradients
 from .ranks import (
     RankRow,
@@ -79,6 +80,14 @@ OUTPUT_GRAD_LIMIT = 1 << 24
 (an LM's logits, batch x sequence x vocabulary, are too large to hold on every step)."""
 
 _PATCH_LOCK = threading.Lock()
+COMPILED_STEP = (
+    "the model's forward ran inside a compiled function, where the watch cannot see its inputs: compile the model "
+    "(torch.compile(model) or model.compile()) rather than the step, or watch the run uncompiled "
+    "(TORCHDYNAMO_DISABLE=1)"
+)
+"""Why a step compiled as one function has no capsule."""
+_GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
+"""What ``OptimizedModule`` warns while the watch's own global module hooks are installed (not the script's)."""
 _active: TrainingObserver | None = None
 
 
@@ -166,6 +175,15 @@ class TrainingObserver:
         self._steps: dict[int, int] = {}
         self._roots: list[torch.nn.Module] = []
         self._models: list[torch.nn.Module] = []
+        self._hook_sites: list[torch.nn.Module] = []
+        """Where each found model's own hooks go: the model, or for a compiled one the wrapper whose call runs the
+        compiled program (its hooks run eager, outside the graph: no guard, no graph break)."""
+        self._discovering = False
+        self._compiled_seen = False
+        """A compiled model was called: the global module hooks then stay installed (idle once every model is
+        found), because removing them changes what dynamo guarded on and recompiles the model."""
+        self._compiles = CompileRecorder(self)
+        self._warning_filter: Any = None
         self._calls: list[ModelCall] = []
         self._losses: list[torch.Tensor] = []
         self._last_scaled: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -260,24 +278,31 @@ class TrainingObserver:
                 torch.optim.Optimizer, "zero_grad", _observed_zero_grad(vars(torch.optim.Optimizer)["zero_grad"])
             )
             self._patch(torch.nn.Module, "zero_grad", _observed_zero_grad(vars(torch.nn.Module)["zero_grad"]))
+            self._patch(torch, "compile", self._compiles.observed(vars(torch)["compile"]))
+            warnings.filterwarnings("ignore", message=_GLOBAL_HOOKS_WARNING)
+            self._warning_filter = warnings.filters[0]
             group = _fsdp2_param_group()
             if group is not None:
                 self._patch(group, "post_backward", _observed_post_backward(vars(group)["post_backward"]))
             self._handles = [register_optimizer_step_pre_hook(self._optimizer_pre_step)]
-            self._handles += [m.register_forward_hook(self._model_forward, with_kwargs=True) for m in self._models]
+            self._handles += [m.register_forward_hook(self._model_forward, with_kwargs=True) for m in self._hook_sites]
             for root in self._roots:
                 self._own.watch(root)
-            self._handles += [m.register_forward_pre_hook(self._model_pre_forward) for m in self._models]
+            self._handles += [m.register_forward_pre_hook(self._model_pre_forward) for m in self._hook_sites]
             self._discover(bool(self._unmatched) or not self._models)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         global _active
         with _PATCH_LOCK:
-            for handle in self._handles + self._module_hooks:
+            for handle in self._handles:
                 handle.remove()
+            _remove_global_hooks(self._module_hooks)
             self._handles, self._module_hooks = [], []
             self._own.remove()
+            if self._warning_filter in warnings.filters:  # an "ignore" left no registry entry to clear
+                warnings.filters.remove(self._warning_filter)  # type: ignore[attr-defined]
+            self._warning_filter = None
             unsaid, self._unsaid = self._unsaid, []
             for alarm in unsaid:  # a script that stepped but never reached update()
                 self.on_alarm(alarm)
@@ -314,21 +339,26 @@ class TrainingObserver:
 
     # --- the model's forward ----------------------------------------------------------------------------
     def _discover(self, on: bool) -> None:
-        """Global module hooks on (looking for the outermost modules the training runs) or off (every model found)."""
-        if on and not self._module_hooks:
+        """Global module hooks on (looking for the outermost modules the training runs) or off (every model found).
+
+        Off, they are removed, but for a compiled model: there they stay, idle."""
+        if on and not self._discovering:
             self._depth = 0
+        self._discovering = on
+        if on and not self._module_hooks:
             self._module_hooks = [
                 torch.nn.modules.module.register_module_forward_pre_hook(self._global_pre_forward),
                 torch.nn.modules.module.register_module_forward_hook(
                     self._global_forward, with_kwargs=True, always_call=True
                 ),
             ]
-        elif not on:
-            for handle in self._module_hooks:
-                handle.remove()
+        elif not on and not self._compiled_seen:
+            _remove_global_hooks(self._module_hooks)
             self._module_hooks = []
 
     def _global_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or not self._discovering:  # traced by dynamo: a no-op, guarding on nothing
+            return
         if self._depth == 0 and not any(unwrapped(module) is m for m in self._models):  # a found model's own hook
             self._model_pre_forward(module, args)
         self._depth += 1
@@ -347,12 +377,15 @@ class TrainingObserver:
             self.failed("keeping of the state the forward writes", exc)
 
     def _global_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or not self._discovering:
+            return
         self._depth -= 1
         if self._depth != 0 or self.failure is not None:
             return
         try:
             if not any(module is m for m in self._roots) and any(True for _ in module.parameters()):
                 self._roots.append(module)
+                self._compiled_seen = self._compiled_seen or compiled_call(module) is not None
                 self._own.watch(module)  # before its first backward: a DDP or FSDP1 model's own gradients
             if not any(unwrapped(module) is m for m in self._models):  # a found model's own hook records it
                 self._record_forward(module, args, kwargs, output)
@@ -434,11 +467,32 @@ class TrainingObserver:
         model = unwrapped(module)
         return any(w.model is model and w.history and w.history[-1].skipped for w in self.watches.values())
 
-    def _adopt(self, model: torch.nn.Module) -> None:
+    def _adopt(self, model: torch.nn.Module, outer: torch.nn.Module) -> None:
         """Found the model: hook it alone (the global module hooks go once no optimizer waits for its model)."""
         self._models.append(model)
-        self._handles.append(model.register_forward_hook(self._model_forward, with_kwargs=True))
-        self._handles.append(model.register_forward_pre_hook(self._model_pre_forward))
+        if compiled_in_place(model):  # its hooks would run inside its compiled program: observed around it
+            return
+        site = outer if compiled_call(outer) is not None else model
+        self._hook_sites.append(site)
+        self._handles.append(site.register_forward_hook(self._model_forward, with_kwargs=True))
+        self._handles.append(site.register_forward_pre_hook(self._model_pre_forward))
+
+    def call_starts(self, module: torch.nn.Module, args: Any) -> None:
+        """A module compiled in place is called (outside its compiled program): what its hooks would do."""
+        if _active is not self:
+            return
+        if any(module is m for m in self._models):
+            self._model_pre_forward(module, args)
+        else:
+            self._global_pre_forward(module, args)
+
+    def call_ends(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if _active is not self:
+            return
+        if any(module is m for m in self._models):
+            self._model_forward(module, args, kwargs, output)
+        else:
+            self._global_forward(module, args, kwargs, output)
 
     # --- the optimizer step ------------------------------------------------------------------------------
     def scaler_step(self, scaler: GradScaler, optimizer: torch.optim.Optimizer) -> None:
@@ -578,6 +632,9 @@ class TrainingObserver:
                 names: dict[Any, str] = {p: clean_name(n) for n, p in model.named_parameters()}
                 watch.name_parameters({**names, **{flat: flat_label(held) for flat, held in flats.values()}})
             watch.step_state = self._step_states.setdefault(id(watch.model), StepStartKeeper())
+            watch.compiled = self._compiles.options_of(outer) if outer is not None else None
+            if outer is None and self._compiles.functions_compiled:
+                watch.unseen_forward = COMPILED_STEP
             self.watches[key] = watch
         return self.watches[key]
 
@@ -593,7 +650,7 @@ class TrainingObserver:
             return holder, None
         model = unwrapped(outer)
         if model not in self._models:
-            self._adopt(model)
+            self._adopt(model, outer)
             self._own.watch(outer)
             half = half_precision_comm_hooks(outer)
             if half:
@@ -781,6 +838,15 @@ class TrainingObserver:
 
     def _step_of_last(self) -> int:
         return self._last_step[0].history[-1].step if self._last_step and self._last_step[0].history else -1
+
+
+def _remove_global_hooks(handles: list[Any]) -> None:
+    """Remove global module hooks, and the with-kwargs mark of each: the pinned torch's handle leaves it behind
+    (measured), and ``OptimizedModule`` then warns of global hooks on every call after."""
+    with_kwargs = getattr(torch.nn.modules.module, "_global_forward_hooks_with_kwargs", {})
+    for handle in handles:
+        handle.remove()
+        with_kwargs.pop(handle.id, None)
 
 
 def _warn(text: str) -> None:

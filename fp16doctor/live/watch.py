@@ -37,6 +37,7 @@ from ..engine.rng import callers_rng_kept, rng_state
 from ..files import atomic_torch_save, atomic_write_text
 from ..tensors import dtype_name, grad_values, norms
 from ..userfile.batches import map_tensors
+from ..userfile.compiled import CompileOptions
 from .capsule import (
     CAPSULE_FORMAT,
     LossRecord,
@@ -173,6 +174,10 @@ class Watch:
         """Each rank holds a shard of the model: the gradient numbers are the rank's shard's."""
         self.no_capsule: str | None = None
         """Why this watch writes no capsule (a sharded model's state is spread over the ranks); None: it writes them."""
+        self.compiled: CompileOptions | None = None
+        """How the model's program was compiled (None: it ran eager); its capsule records it."""
+        self.unseen_forward = "the watch saw no forward of the model in this step"
+        """Why no capsule, where the watch saw none of the step's forwards (they hold the batches it replays)."""
         self.step_state = StepStartKeeper()
         """The state the model's forward writes to, as the current step found it (:mod:`.stepstate`); the observer
         of ``fp16doctor watch`` gives the watch the keeper its forward hooks have filled since the step began."""
@@ -249,6 +254,9 @@ class Watch:
         without one (the alarm still stops the run), never the training broken."""
         if self.no_capsule is not None:
             alarm.no_capsule = self.no_capsule
+            return
+        if not self._batches:  # nothing to replay the step on
+            alarm.no_capsule = self.unseen_forward
             return
         try:
             alarm.capsule = self.write_capsule(optimizer, scaler, numbers)
@@ -423,6 +431,7 @@ class Watch:
                 step_state=written if start is not None else None,
                 history_finite=all(h.loss is None or math.isfinite(h.loss) for h in self.history[:-1]),
             ),
+            compiled=self.compiled,
         )
         return folder
 

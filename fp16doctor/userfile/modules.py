@@ -21,6 +21,24 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
+def compiled_call(module: torch.nn.Module) -> object | None:
+    """What ``torch.compile`` returned for the program a call of ``module`` runs: its ``OptimizedModule``, or the
+    compiled ``_call_impl`` of a module compiled in place (``Module.compile()``), through parallel wrappers; None:
+    the call runs eager."""
+    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    while True:
+        if type(module).__name__ == "OptimizedModule" and isinstance(
+            getattr(module, "_orig_mod", None), torch.nn.Module
+        ):
+            return module
+        in_place = getattr(module, "_compiled_call_impl", None)
+        if in_place is not None:
+            return in_place
+        if not isinstance(module, parallel):
+            return None
+        module = module.module
+
+
 def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
     """Every module of the user's model that takes Python hooks, by its path (the root: ``<root>``). A parallel
     wrapper is left out; so is a TorchScript module and what it contains (it refuses hooks: its inside is

@@ -1,0 +1,182 @@
+"""What a watched script compiles, and how: ``torch.compile`` observed while the watch runs.
+
+A capsule of a compiled model records the options it was compiled with (backend, mode, dynamic, fullgraph, the
+inductor options), because the compiled program's numerics are not the eager ones: inductor computes fp16/bf16
+element-wise chains in fp32 registers and rounds only what it stores. ``torch.compile`` itself is wrapped, not
+``OptimizedModule``, so that ``torch.compile(model)``, ``@torch.compile(mode=...)`` and ``Module.compile()`` are all
+seen, and the compiled program is the one torch builds: the wrapper only passes the call on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..config import COMPILE_BACKENDS, CompileConfig
+from .modules import compiled_call
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The arguments a script gave ``torch.compile``, as a capsule's manifest records them."""
+
+    backend: str = "inductor"
+    """The backend's name (a custom backend: its function's qualified name)."""
+    mode: str | None = None
+    """``default``, ``reduce-overhead``, ``max-autotune`` ...; None: not given (inductor's default)."""
+    dynamic: bool | None = None
+    """Dynamic shapes: True, False, or None (dynamo decides after a recompile)."""
+    fullgraph: bool = False
+    """Whether a graph break is an error."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The inductor options given (values that are not JSON numbers, strings or booleans are written as text)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "mode": self.mode,
+            "dynamic": self.dynamic,
+            "fullgraph": self.fullgraph,
+            "options": self.options,
+        }
+
+    @classmethod
+    def from_call(cls, kwargs: dict[str, Any]) -> CompileOptions:
+        backend = kwargs.get("backend") or "inductor"
+        return cls(
+            backend=backend if isinstance(backend, str) else _callable_name(backend),
+            mode=kwargs.get("mode"),
+            dynamic=kwargs.get("dynamic"),
+            fullgraph=bool(kwargs.get("fullgraph", False)),
+            options={str(k): _plain(v) for k, v in (kwargs.get("options") or {}).items()},
+        )
+
+
+def _callable_name(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (bool, int, float, str)) or value is None else repr(value)
+
+
+class EagerAround:
+    """A module compiled in place (``Module.compile()``), its compiled call with the watch's observation of the call
+    around it, eager. The module's own hooks, and the global ones, run inside the compiled ``_call_impl``, where
+    dynamo traces them: only around it can the watch see the call's inputs and outputs without entering the graph.
+    """
+
+    def __init__(self, module: torch.nn.Module, program: Callable[..., Any], observer: CallObserver) -> None:
+        self._module = weakref.ref(module)  # the module holds this: no cycle keeping it alive
+        self.program = program
+        self.observer = observer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        if module is None:
+            return self.program(*args, **kwargs)
+        self.observer.call_starts(module, args)
+        output = self.program(*args, **kwargs)
+        self.observer.call_ends(module, args, kwargs, output)
+        return output
+
+
+class CallObserver(Protocol):
+    """What observes a call around a compiled program (a no-op once the watch has ended)."""
+
+    def call_starts(self, module: torch.nn.Module, args: Any) -> None: ...
+
+    def call_ends(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None: ...
+
+
+def _in_place_owner(model: Any) -> torch.nn.Module | None:
+    """The module ``Module.compile()`` compiles: ``torch.compile`` is given its bound ``_call_impl``."""
+    owner = getattr(model, "__self__", None)
+    if isinstance(owner, torch.nn.Module) and getattr(model, "__func__", None) is torch.nn.Module._call_impl:
+        return owner
+    return None
+
+
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """Whether the watch observes ``module``'s calls around its in-place compiled program."""
+    return isinstance(getattr(module, "_compiled_call_impl", None), EagerAround)
+
+
+class CompileRecorder:
+    """The options of every ``torch.compile`` call the script made while watched, by what each call returned."""
+
+    def __init__(self, observer: CallObserver | None = None) -> None:
+        """``observer``: told of every call of a module compiled in place (the watch); None: such a module is left
+        as torch compiled it."""
+        self._options: weakref.WeakKeyDictionary[Any, CompileOptions] = weakref.WeakKeyDictionary()
+        self._observer = observer
+        self.functions_compiled = False
+        """A function (not a module) was compiled: a training step, whose model calls run inside its graph."""
+
+    def observed(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``torch.compile``, recording its options; a decorator form (no model yet) is recorded when applied."""
+
+        @functools.wraps(original)
+        def compile_observed(model: Any = None, **kwargs: Any) -> Any:
+            result = original(model, **kwargs)
+            if model is None:
+                return result
+            owner = _in_place_owner(model)
+            if owner is not None and self._observer is not None:
+                result = EagerAround(owner, result, self._observer)
+            elif not isinstance(model, torch.nn.Module):
+                self.functions_compiled = True
+            self._remember(result, CompileOptions.from_call(kwargs))
+            return result
+
+        return compile_observed
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[CompileRecorder]:
+        """``torch.compile`` observed inside the block (a training file's ``model()``)."""
+        original = vars(torch)["compile"]
+        torch.compile = self.observed(original)
+        try:
+            yield self
+        finally:
+            torch.compile = original
+
+    def _remember(self, compiled: Any, options: CompileOptions) -> None:
+        try:
+            self._options[compiled] = options
+        except TypeError:  # a result that takes no weak reference: nothing to look up later
+            pass
+
+    def options_of(self, module: torch.nn.Module) -> CompileOptions | None:
+        """How the compiled program a call of ``module`` runs was compiled; None: it is not compiled. A program
+        compiled before the watch began has the backend ``unknown``."""
+        program = compiled_call(module)
+        if program is None:
+            return None
+        return self._options.get(program) or CompileOptions(backend="unknown")
+
+
+def compiled_program(
+    model: torch.nn.Module, program: torch.nn.Module | None, settings: CompileConfig, recorded: CompileOptions | None
+) -> torch.nn.Module:
+    """What a compiled probe calls: ``model()``'s own compiled module where the settings change nothing (the
+    user's program, a custom backend included), else ``model`` compiled with them over what ``model()`` compiled
+    with (a backend given by name; a custom one is replaced by inductor where the settings name none)."""
+    if program is not None and settings.as_model_compiles:
+        return program
+    named = recorded is not None and recorded.backend in COMPILE_BACKENDS
+    backend = settings.backend or (recorded.backend if recorded is not None and named else "inductor")
+    mode = settings.mode if settings.mode is not None else (recorded.mode if recorded is not None else None)
+    options: dict[str, Any] | None = (
+        {"emulate_precision_casts": True} if settings.emulate_precision_casts and backend == "inductor" else None
+    )
+    dynamic = recorded.dynamic if recorded is not None else None
+    compiled = torch.compile(model, backend=backend, mode=mode, dynamic=dynamic, options=options)
+    assert isinstance(compiled, torch.nn.Module)  # torch.compile of a module is its OptimizedModule
+    return compiled
