@@ -112,6 +112,51 @@ class OverridesConfig:
     )
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+"""The backends a diagnosis compiles with: inductor (torch.compile's default), and the two that localise a
+compiled-only fault (``aot_eager``: dynamo's graph and AOT autograd's, run eagerly; ``eager``: dynamo's graph)."""
+
+
+@dataclass
+class CompileConfig:
+    """How a compiled training is compiled (``torch.compile``). By default, as ``model()`` compiles it: a diagnosis
+    then runs its AMP probe compiled too, beside the instrumented eager one, and compares them."""
+
+    enabled: bool | None = field(
+        default=None,
+        metadata=_doc(
+            "Run the AMP probe compiled as well: null (as model() does: compiled when it returns a compiled module), "
+            "true (torch.compile the module model() returns), false (eager only)."
+        ),
+    )
+    backend: str | None = field(
+        default=None,
+        metadata=_doc(
+            "The backend: " + " | ".join(COMPILE_BACKENDS) + "; null: the one model() compiles with (else inductor)."
+        ),
+    )
+    mode: str | None = field(
+        default=None,
+        metadata=_doc("torch.compile's mode (default, max-autotune ...); null: the one model() compiles with."),
+    )
+    emulate_precision_casts: bool = field(
+        default=False,
+        metadata=_doc(
+            "Inductor rounds every intermediate to the dtype eager would store it in (its emulate_precision_casts "
+            "option): the compiled numerics then follow eager's."
+        ),
+    )
+
+    def validate(self) -> None:
+        if self.backend is not None:
+            _require(self.backend in COMPILE_BACKENDS, "compile.backend", " | ".join(COMPILE_BACKENDS) + " or null")
+
+    @property
+    def as_model_compiles(self) -> bool:
+        """Nothing changed from what model() compiles: its own compiled module is the program."""
+        return self.backend is None and self.mode is None and not self.emulate_precision_casts
+
+
 @dataclass
 class DoctorConfig:
     """Everything a probe, a diagnosis or a training run needs to know."""
@@ -132,6 +177,9 @@ class DoctorConfig:
     overrides: OverridesConfig = field(
         default_factory=OverridesConfig, metadata=_doc("Runtime fixes applied by the doctor's loop.")
     )
+    compile: CompileConfig = field(
+        default_factory=CompileConfig, metadata=_doc("torch.compile settings of a compiled training.")
+    )
 
     def validate(self) -> None:
         _require(self.steps >= 1, "steps", "an integer >= 1")
@@ -145,6 +193,7 @@ class DoctorConfig:
         if self.overrides.max_lr is not None:
             _require(self.overrides.max_lr > 0, "overrides.max_lr", "a number > 0 or null")
         self.scaler.validate()
+        self.compile.validate()
 
     def to_dict(self) -> dict[str, Any]:
         """A plain nested dict (what YAML and JSON hold)."""
@@ -164,6 +213,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; accept only lossless conversions."""
     if tp == "float | None" or tp == (float | None):
         return None if value is None else _coerce(value, float, key)
+    if tp == "str | None" or tp == (str | None):
+        return None if value is None else _coerce(value, str, key)
+    if tp == "bool | None" or tp == (bool | None):
+        return None if value is None else _coerce(value, bool, key)
     if tp in ("list[str]", list[str]):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"config key '{key}' must be a list of strings, got {value!r}.")

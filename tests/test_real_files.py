@@ -54,10 +54,10 @@ def test_spawned_dataloader_workers_import_the_files_dataset_class():
     assert code == 0 and report["verdict"] == "healthy", stderr[-2000:]
 
 
-def test_a_compiled_model_is_run_uncompiled_and_the_user_is_told():
+def test_a_compiled_model_is_probed_eager_and_compiled_and_the_user_is_told():
     code, report, stderr = diagnose_json("compiled.py")
     assert code == 0 and any("torch.compile" in note for note in report["notes"])
-    assert "uncompiled" in " ".join(stderr.split())  # on stderr, so --json stays one object on stdout
+    assert "runs compiled too" in " ".join(stderr.split())  # on stderr, so --json stays one object on stdout
 
 
 def test_static_hand_rolled_loss_scaling_is_never_healthy():

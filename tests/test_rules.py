@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SAMPLES, diagnosed
+from conftest import ROOT, SAMPLES, diagnosed
 
 from fp16doctor.diagnosis import fixed_config
 from fp16doctor.diagnosis.findings import EvidenceRecord
 from fp16doctor.diagnosis.rules import all_rules
 
 CONTRACT_CODES = {
+    "compiled-divergence",
     "nonfinite-data",
     "extreme-data",
     "fp32-divergence",
@@ -45,6 +46,7 @@ CONTRACT_CODES = {
     "capsule-state",
 }
 RULES = all_rules()
+TRAINING_FILES = ROOT / "tests" / "training_files"
 HEALTHY = ["mlp.py", "cnn_batchnorm.py", "transformer_encoder.py"]
 
 
@@ -64,9 +66,11 @@ def test_every_rule_documents_itself_and_has_a_sample():
         if not never_an_error and rule.fires_on and not rule.capsule_only:
             # (a cause only the intervention search names has training files instead; one only a capsule shows,
             # watched scripts)
-            assert rule.triggers, rule.code
+            assert rule.triggers or rule.training_files, rule.code
         for sample in rule.triggers + rule.passes:
             assert (SAMPLES / sample).is_file(), sample
+        for name in rule.training_files:
+            assert (TRAINING_FILES / name).is_file(), name
 
 
 TRIGGERS = [(r.code, s) for r in RULES for s in r.triggers]

@@ -67,6 +67,7 @@ class StageName(Code):
     LR_PEAK = "LR schedule peak"
     PRECISION_GAP = "precision-gap search"
     BF16 = "bf16 check"
+    COMPILED = "compiled"
     VERIFYING = "verifying fixes"
     """What the progress display shows while the fixes are tried (the report names it ``fix verification``)."""
     FIX_VERIFICATION = "fix verification"
@@ -539,6 +540,62 @@ class LrPeak:
         return out
 
 
+class CompiledOutcome(Code):
+    """How the compiled training's AMP probe compares with the eager one (stage ``compiled``)."""
+
+    AGREE = "agree"
+    """Both healthy, or both unhealthy: the diagnosis stands for both."""
+    EAGER_ONLY = "eager-only"
+    """Only eager fails: the compiled training, as it runs, is healthy (the compiler's fp32 registers remove it)."""
+    COMPILED_ONLY = "compiled-only"
+    """Only the compiled training fails or drifts: ``compiled-divergence``."""
+
+
+@dataclass(frozen=True)
+class BackendTrial:
+    """The compiled AMP probe with one backend (or setting) instead of the training's."""
+
+    backend: str
+    """``eager`` (dynamo's graph, run eagerly), ``aot_eager`` (and AOT autograd's), ``inductor``, or a setting."""
+    symptoms: list[str]
+    """The symptom codes it measured against FP32 (empty: healthy)."""
+    config_patch: dict[str, Any] = field(default_factory=dict)
+    """The config patch it ran with."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"backend": self.backend, "symptoms": self.symptoms, "config_patch": self.config_patch}
+
+
+@dataclass
+class CompiledComparison:
+    """What the compiled stage measured: the compiled AMP probe beside the eager one, against the same FP32."""
+
+    compiled_with: dict[str, Any]
+    """How model() compiles (backend, mode, dynamic, fullgraph, options) as torch.compile was called."""
+    outcome: CompiledOutcome
+    eager_symptoms: list[Symptom]
+    compiled_symptoms: list[Symptom]
+    compiled: ProbeSummary
+    """The compiled probe's records (no instruments: a compiled graph hides the modules)."""
+    probe_seconds: float
+    """The compiled probe's wall time, its compilation included."""
+    compile_seconds: float
+    """Its first step's time beyond the median of the others: what compiling the forward and backward took."""
+    backends: list[BackendTrial] = field(default_factory=list)
+    """Only the compiled training fails: the backends tried, from the least compiled up, to localise the fault."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "compiled_with": self.compiled_with,
+            "outcome": str(self.outcome),
+            "eager_symptoms": [s.code for s in self.eager_symptoms],
+            "compiled_symptoms": [s.code for s in self.compiled_symptoms],
+            "probe_seconds": round(self.probe_seconds, 2),
+            "compile_seconds": round(self.compile_seconds, 2),
+            "backends": [b.to_json() for b in self.backends],
+        }
+
+
 @dataclass
 class ModuleGap:
     """One module's share of a same-state gap: the relative error its output adds over its input's, AMP
@@ -725,6 +782,8 @@ class Evidence:
     recommended_scaler: dict[str, Any] | None = None
     lr_peak: LrPeak | None = None
     gap: GapSearch | None = None
+    compiled: CompiledComparison | None = None
+    """The compiled training beside the eager one, where the training compiles."""
     bf16_supported: bool = True
     symptoms: list[Symptom] = field(default_factory=list)
     """The measured symptoms (:class:`fp16doctor.measure.symptoms.Symptom`) of the AMP probe against FP32."""

@@ -23,6 +23,7 @@ from ..userfile.spec import TrainingSpec
 from .findings import (
     SEVERITIES,
     CapsuleReplay,
+    CompiledOutcome,
     CorrectedConfig,
     Diagnosis,
     Evidence,
@@ -213,6 +214,9 @@ def _triage(
         evidence.symptoms = measured_symptoms(
             ctx, config, evidence.amp, evidence.fp32, evidence.gap.gap if evidence.gap else None
         )
+    compiled = evidence.compiled
+    if compiled is not None and compiled.outcome == CompiledOutcome.COMPILED_ONLY:
+        evidence.symptoms = list(compiled.compiled_symptoms)  # the training as it runs: compiled
     findings, suppressors = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
     findings = verify_findings(findings, evidence, verifier, hidden_by(suppressors))
@@ -247,6 +251,8 @@ def _triage(
     ).timed(time.perf_counter() - searched)
     if unexplained:
         findings.append(unexplained_finding(unexplained, evidence, search))
+    if compiled is not None and compiled.outcome == CompiledOutcome.EAGER_ONLY:
+        findings = only_eager_fails(findings, evidence)
     findings = rank(findings)
     corrected = verify_corrected(findings, evidence, verifier)
     ran = corrected is not None or any(f.verification is not None and f.verification.tried for f in findings)
@@ -317,6 +323,19 @@ def complete_with_scale(finding: Finding, intervention: Any, ev: Evidence, verif
         fix=replace(finding.fix, summary=summary, config_patch=dict(completed.config_patch)),
         title=finding.title + f" (together with {also})",
     )
+
+
+def only_eager_fails(findings: list[Finding], ev: Evidence) -> list[Finding]:
+    """The compiled training, as it runs, is healthy where only the eager one fails: what the triage found in eager
+    is said as warnings (where the eager path would fail, and its fix), and the symptoms are marked eager's."""
+    for symptom in ev.symptoms:
+        symptom.measured["eager_only"] = True
+    return [
+        replace(f, severity=Severity.WARNING, title=f"eager only: {f.title} (the compiled training is healthy)")
+        if f.severity == Severity.ERROR
+        else f
+        for f in findings
+    ]
 
 
 def demote_unrepairing(findings: list[Finding]) -> list[Finding]:

@@ -52,6 +52,8 @@ class Intervention:
     config_patch: dict[str, Any] = field(default_factory=dict)
     batches: Callable[[list[Any]], list[Any]] | None = None
     """For data causes: the batches with the offending rows dropped or the field standardised."""
+    compiled: bool = False
+    """The AMP probe calls the model compiled (a fix to how the training compiles: the eager probe is healthy)."""
 
     def size(self, current: dict[str, Any]) -> int:
         """How big a change this is against the ``current`` config: settings it changes (a module list
@@ -183,7 +185,7 @@ class Verifier:
             ctx.bench.batches = intervention.batches(self.ctx.bench.batches)
         instruments = symptom_instruments()
         with ctx.progress.planned(self.planned_steps(intervention)):
-            amp = run_mode(ctx, "amp", config, instruments=instruments)
+            amp = run_mode(ctx, "amp", config, instruments=instruments, compiled=intervention.compiled)
             fp32 = run_mode(ctx, "fp32", config, instruments=instruments) if intervention.touches_fp32 else self.ev.fp32
             assert fp32 is not None, "verification runs after the FP32 baseline stage"
             gap = None

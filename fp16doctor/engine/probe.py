@@ -51,8 +51,9 @@ from ..precision.recording import (
 from ..precision.session import PrecisionSession
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import map_tensors, to_device
+from ..userfile.compiled import compiled_program
 from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
-from ..userfile.spec import TrainingSpec, build_model, draw_batches, user_frame
+from ..userfile.spec import TrainingSpec, build_model, build_model_and_program, draw_batches, user_frame
 from .instruments import InstrumentOptions, Instruments
 from .kept import owned_copy, release_memory, tensor_bytes
 from .microbatch import CHECKED_BATCHES, UNSPLIT, MicroBatchPlan, plan_micro_batches
@@ -237,11 +238,15 @@ class Probe:
         instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS,
         hold_scheduler_on_retry: bool = True,
         batch_plan: MicroBatchPlan | None = None,
+        compiled: bool = False,
     ):
         """``align_on_taken_steps``: a skipped step retries the same batch with the same RNG, the scheduler
         held (``compare``'s alignment); ``hold_scheduler_on_retry=False`` lets the scheduler step on a skip as
         the user's loop does, so an alignment removes the lag of skipped steps but not the schedule's.
-        ``batch_plan``: how the steps cut their batches into micro-batches (None: the workbench's plan for this mode)."""
+        ``batch_plan``: how the steps cut their batches into micro-batches (None: the workbench's plan for this mode).
+        ``compiled``: the steps call the model compiled, as ``config.compile`` says (:func:`compiled_program`), where
+        the training compiles (``model()`` returns a compiled module, or ``compile.enabled``); the probe's own
+        bookkeeping (state, instruments) stays on the eager module, whose parameters the program shares."""
         self.batch_plan = batch_plan if batch_plan is not None else bench.micro_batch_plan(mode)
         """Planned before anything of this probe is built: planning's throw-away probes are never alive beside it."""
         self.bench = bench
@@ -257,6 +262,8 @@ class Probe:
         self.records: list[StepRecord] = []
         self.failed: StepRecord | None = None
         self.instruments: Instruments | None = None
+        self._program: torch.nn.Module | None = None
+        """``model()``'s own ``torch.compile`` wrapper of :attr:`model` (None: it returned an eager module)."""
         self.micro_batch_watchers: list[Callable[[], None]] = []
         """Told after each micro-batch's backward in a micro-batched step (the instruments are told first): who
         watches a step's tensors a micro-batch at a time (:func:`~fp16doctor.measure.numerics.capture_gradients`)."""
@@ -266,6 +273,8 @@ class Probe:
             self._session.keep_lines_in_fp32(config.overrides.fp32_lines, self.device.type)
         with self._precision(), NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext():
             self.model = self._build_model()
+            self.step_model = self._step_model(compiled)
+            """What the steps call: :attr:`model`, or the program compiled from it."""
             self.optimizer_arg = self._build_optimizers()
             """What ``train_step`` and ``scheduler()`` receive: one optimizer, or the file's tuple/list/dict of them."""
             self.optimizers = ProbeOptimizers(
@@ -319,7 +328,8 @@ class Probe:
 
     def _build_model(self) -> torch.nn.Module:
         seed_everything(self.config.seed)
-        model = build_model(self.spec).to(self.device)
+        model, self._program = build_model_and_program(self.spec)
+        model = model.to(self.device)
         if self.mode == "fp32" or self.config.overrides.fp32_weights:
             model.float()
         keep_modules_in_fp32(model, self.config.overrides.fp32_modules, self.device.type)
@@ -339,6 +349,12 @@ class Probe:
             for name, tensor in state.items():
                 tensor.copy_(reference[name])
         return model.train()
+
+    def _step_model(self, compiled: bool) -> torch.nn.Module:
+        settings = self.config.compile
+        if not compiled or not (settings.enabled or (settings.enabled is None and self.spec.compiled is not None)):
+            return self.model
+        return compiled_program(self.model, self._program, settings, self.spec.compiled)
 
     def _build_optimizers(self) -> Any:
         """The file's ``optimizers(model)`` (one, or a tuple/list/dict), its ``optimizer(params)``, or the default AdamW."""
@@ -405,10 +421,10 @@ class Probe:
     def _run_step(self, batch: Any) -> Any:
         with self._runtime_fixes_active(), self.optimizers:  # optimizers the step creates itself are found as they step
             if self.spec.train_step is not None:
-                return self.spec.train_step(self.model, batch, self.optimizer_arg, self.scaler, self.autocast)
+                return self.spec.train_step(self.step_model, batch, self.optimizer_arg, self.scaler, self.autocast)
             if self.batch_plan.split:
                 return micro_batched_step(
-                    self.model,
+                    self.step_model,
                     self.batch_plan.pieces(batch),
                     self.optimizer,
                     self.scaler,
@@ -418,7 +434,7 @@ class Probe:
                     after_backward=self._micro_batch_done,
                 )
             return canonical_step(
-                self.model,
+                self.step_model,
                 batch,
                 self.optimizer,
                 self.scaler,
@@ -447,7 +463,7 @@ class Probe:
         precision, its runtime fixes and autocast), with its graph; nothing steps. What planning measures."""
         batch = to_device(batch, self.device, torch.float32 if self.mode == "fp32" else None)
         with self._precision(), self._runtime_fixes_active(), self.autocast():
-            return self._loss_fn()(self.model, batch)
+            return self._loss_fn()(self.step_model, batch)
 
     @contextlib.contextmanager
     def _runtime_fixes_active(self) -> Iterator[None]:

@@ -32,14 +32,16 @@ from typing import Any
 import torch
 
 from ..errors import TrainingFileError
+from .compiled import CompileOptions, CompileRecorder
 
 MARKER = "__fp16doctor_training_file__"
 """Attribute set on a loaded training module: its resolved path (a reload under the same name is ours)."""
 
 REQUIRED = ("model", "data")
 COMPILED_NOTE = (
-    "model() returns a torch.compile'd module: the doctor runs the module it wraps, uncompiled (eager), "
-    "so that its instruments can see every submodule and aten operator; backend='eager' gives the same numerics."
+    "model() returns a torch.compile'd module: the instrumented probes run the module it wraps eager, so that "
+    "their instruments see every submodule and aten operator, and the AMP probe runs compiled too, as the "
+    "training does (stage 'compiled'): the diagnosis is of the compiled training"
 )
 OPTIONAL_CALLABLES = ("loss", "optimizer", "optimizers", "scheduler", "train_step")
 NEAR_MISSES = {
@@ -88,6 +90,8 @@ class TrainingSpec:
     """``optimizers(model)``: a tuple, list or dict of optimizers (several need a ``train_step``), instead of ``optimizer``."""
     notes: list[str] = field(default_factory=list)
     """Things the user should know about how the doctor ran their file (printed once, in yellow)."""
+    compiled: CompileOptions | None = None
+    """How ``model()`` compiles the module it returns (``torch.compile``, seen as ``model()`` ran); None: eager."""
     near_misses: dict[str, dict[str, str]] = field(default_factory=dict)
     """Per contract name the file does not define (``loss``, ``train_step``): the callables the file defines
     at its top level whose names look like it (:data:`NEAR_MISSES`), each with its signature. The doctor
@@ -280,18 +284,21 @@ def _import_as_module(path: Path) -> types.ModuleType:
     return module
 
 
-def uncompiled(model: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
-    """The module a ``torch.compile`` wrapper holds, and whether there was one.
+def uncompiled(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The module a ``torch.compile`` wrapper holds, and the wrapper (None: there was none). A module compiled in
+    place (``Module.compile()``) is made eager again; its compiled program is not kept (a compiled probe compiles
+    it anew, with the options recorded).
 
-    The doctor measures the eager module: its instruments hook every submodule
-    and its tracer follows every aten operator, which a compiled graph hides,
-    and the numerics of AMP are the eager ops' (``backend="eager"`` runs exactly
-    them; inductor fuses some of them, rounding less often, never more).
+    The doctor's instrumented probes measure the eager module: its instruments hook every submodule and its
+    tracer follows every aten operator, which a compiled graph hides. A compiled probe runs the wrapper beside
+    them, because inductor's numerics are not eager's (it keeps element-wise chains in fp32 registers).
     """
     inner = getattr(model, "_orig_mod", None)
     if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule":
-        return inner, True
-    return model, False
+        return inner, model
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        model._compiled_call_impl = None
+    return model, None
 
 
 def missing_file_hint(exc: BaseException, hint: str) -> str:
@@ -306,9 +313,17 @@ def missing_file_hint(exc: BaseException, hint: str) -> str:
 
 
 def build_model(spec: TrainingSpec) -> torch.nn.Module:
-    """Call ``model()`` and check it returned a Module."""
+    """Call ``model()`` and check it returned a Module: the eager module (a compiled one's inside)."""
+    return build_model_and_program(spec)[0]
+
+
+def build_model_and_program(spec: TrainingSpec) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """Call ``model()`` and check it returned a Module: the eager module, and the ``torch.compile`` wrapper it came
+    in (None: eager, or compiled in place). How it was compiled is kept on the spec."""
+    recorder = CompileRecorder()
     try:
-        model = spec.model()
+        with recorder.recording():
+            model = spec.model()
     except Exception as exc:  # noqa: BLE001
         raise TrainingFileError(
             f"model() raised {type(exc).__name__}: {exc}",
@@ -321,10 +336,12 @@ def build_model(spec: TrainingSpec) -> torch.nn.Module:
             hint="Return the module itself (e.g. `return nn.Sequential(...)`).",
             location=f"{spec.path}:{inspect.unwrap(spec.model).__code__.co_firstlineno}",
         )
-    model, compiled = uncompiled(model)
-    if compiled:
+    options = recorder.options_of(model)
+    model, program = uncompiled(model)
+    if options is not None:
+        spec.compiled = options
         spec.note(COMPILED_NOTE)
-    return model
+    return model, program
 
 
 def draw_batches(spec: TrainingSpec, count: int) -> list[Any]:

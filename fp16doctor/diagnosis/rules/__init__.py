@@ -60,6 +60,9 @@ class Rule:
     declares each in its file). Its fields are the finding's JSON evidence keys (the docs' reference reads it)."""
     verifiable: ClassVar[bool] = True
     """Whether the fix's config patch can repair the training (false for data causes and model bugs)."""
+    training_files: ClassVar[tuple[str, ...]] = ()
+    """The tests' training files (tests/training_files/) whose top cause is this rule's, where no sample model
+    shows it (a compiled training's fault needs a compiler: its files are the tests')."""
     capsule_only: ClassVar[bool] = False
     """The rule reads what only a watch's capsule records: its end-to-end cases are watched scripts, not sample
     models (``triggers`` stays empty)."""

@@ -2,7 +2,8 @@
 
 The order is the expert's: data, FP32 baseline, AMP as configured,
 localisation of the first bad step, the loss-scale sweep, the pause at the LR
-schedule's peak, the precision-gap search, the bf16 check. A stage that cannot
+schedule's peak, the precision-gap search, the bf16 check, and where the training compiles, its compiled AMP
+probe beside the eager one. A stage that cannot
 add anything is skipped with the reason; the FP32 and AMP probes always run.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from ..findings import StageName, StageReport
 from .amp import stage_amp
 from .bf16 import stage_bf16
+from .compiled import stage_compiled
 from .context import StageContext, measured_symptoms, run_mode, same_state_gap
 from .data import stage_data
 from .fp32 import stage_fp32
@@ -40,6 +42,7 @@ STAGES: list[Stage] = [
     Stage(StageName.LR_PEAK, stage_lr_peak),
     Stage(StageName.PRECISION_GAP, stage_precision_gap),
     Stage(StageName.BF16, stage_bf16),
+    Stage(StageName.COMPILED, stage_compiled),
 ]
 
 __all__ = ["STAGES", "Stage", "StageContext", "measured_symptoms", "run_mode", "same_state_gap"]

@@ -124,11 +124,12 @@ def run_mode(
     steps: int | None = None,
     before_step: Callable[[Probe], None] | None = None,
     instruments: InstrumentOptions | None = DEFAULT_INSTRUMENTS,
+    compiled: bool = False,
 ) -> ProbeSummary:
     """Run a fresh probe of ``mode`` (with the instruments the rules read, :data:`DEFAULT_INSTRUMENTS`, unless
     told others: the report's AMP probe takes the plots' too, a probe whose tables nothing reads none) and
-    summarise it."""
-    probe = ctx.bench.probe(mode, config or ctx.config, instruments=instruments)
+    summarise it. ``compiled``: the steps call the model compiled (:class:`~fp16doctor.engine.probe.Probe`)."""
+    probe = ctx.bench.probe(mode, config or ctx.config, instruments=instruments, compiled=compiled)
     steps = steps or ctx.evidence.steps
     try:
         with ctx.progress.planned(steps):

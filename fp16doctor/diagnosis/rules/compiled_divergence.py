@@ -1,0 +1,177 @@
+"""Only the compiled training fails or drifts: the compiler computes something eager does not.
+
+The compiled AMP probe (the model as ``model()`` compiles it) fails or drifts from FP32 where the eager AMP probe,
+from the same weights and batches, is healthy. The fault is made by the compilation: a backend's lowering or
+pass, a fusion that computes in another precision, or dynamo's capture. It is localised by backend, from the
+least compiled up: ``eager`` (dynamo's graph, run eagerly), ``aot_eager`` (and AOT autograd's decompositions),
+then the training's own backend (and inductor, where the training's is a custom one). The per-operator comparison
+of the compiled graph with eager is not made.
+
+Evidence: how the model is compiled, the compiled and eager symptoms, each backend tried and what it measured,
+and the layer the fault is made in. The fix is the least change that repaired the compiled probe, measured:
+inductor with ``emulate_precision_casts`` (its rounding made to follow eager's), inductor in place of a custom
+backend, ``aot_eager``, or the model kept eager; the verification runs the compiled probe with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ...measure.symptoms import Symptom
+from .. import rule_cases as fx
+from ..findings import (
+    BackendTrial,
+    CompiledComparison,
+    CompiledOutcome,
+    Evidence,
+    EvidenceRecord,
+    Finding,
+    Fix,
+)
+from . import Rule
+
+EAGER_PATCH: dict[str, Any] = {"compile": {"enabled": False}}
+"""Keep the model eager: what repairs where every compiled variant fails (eager is healthy, measured)."""
+
+
+@dataclass(frozen=True)
+class CompiledDivergenceEvidence(EvidenceRecord):
+    """The compiled training's failure beside the healthy eager one, and where the compilation makes it."""
+
+    compiled_with: dict[str, Any]
+    """How model() compiles the model (torch.compile's backend, mode, dynamic, fullgraph, options)."""
+    compiled_symptoms: list[str]
+    """What the compiled AMP probe measured against FP32."""
+    eager_symptoms: list[str]
+    """What the eager AMP probe measured (empty: healthy)."""
+    backends: list[BackendTrial]
+    """The compiled probe with each backend or setting tried instead of the training's, and its symptoms."""
+    made_in: str
+    """Where the fault is made: dynamo's graph capture, AOT autograd, or the training's backend."""
+
+
+def comparison_case(backends: list[BackendTrial], outcome: CompiledOutcome = CompiledOutcome.COMPILED_ONLY) -> Evidence:
+    """A compiled-stage comparison: eager healthy, the compiled probe non-finite (unless ``outcome`` says else)."""
+    nonfinite = Symptom("nonfinite", "AMP's loss is non-finite from step 0", step=0)
+    ev = fx.evidence()
+    ev.compiled = CompiledComparison(
+        compiled_with={"backend": "inductor", "mode": None, "dynamic": None, "fullgraph": False, "options": {}},
+        outcome=outcome,
+        eager_symptoms=[nonfinite] if outcome == CompiledOutcome.EAGER_ONLY else [],
+        compiled_symptoms=[nonfinite] if outcome == CompiledOutcome.COMPILED_ONLY else [],
+        compiled=fx.probe("amp", record=fx.records(skipped=range(10), nonfinite_loss=range(10))),
+        probe_seconds=5.0,
+        compile_seconds=4.0,
+        backends=backends,
+    )
+    return ev
+
+
+HEALTHY_LOWER = [BackendTrial("eager", []), BackendTrial("aot_eager", [])]
+
+
+class CompiledDivergence(Rule):
+    code = "compiled-divergence"
+    order = 88
+    evidence_type: ClassVar[type[EvidenceRecord]] = CompiledDivergenceEvidence
+    explains = ("nonfinite", "skips", "trajectory-drift", "amp-exception", "lost-updates")
+    training_files = ("compiled_custom_backend.py",)
+    fires_on = (
+        lambda: comparison_case(
+            [
+                *HEALTHY_LOWER,
+                BackendTrial("inductor, emulate_precision_casts", [], {"compile": {"emulate_precision_casts": True}}),
+            ]
+        ),
+        lambda: comparison_case([BackendTrial("eager", ["nonfinite"]), BackendTrial("aot_eager", ["nonfinite"])]),
+    )
+    quiet_on = (
+        lambda: comparison_case([], CompiledOutcome.EAGER_ONLY),
+        lambda: comparison_case([], CompiledOutcome.AGREE),
+    )
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        comparison = ev.compiled
+        if comparison is None or comparison.outcome != CompiledOutcome.COMPILED_ONLY:
+            return []
+        own = str(comparison.compiled_with.get("backend", "inductor"))
+        made_in = _made_in(comparison.backends, own)
+        fix = _least_repairing(comparison.backends, own)
+        symptoms = ", ".join(s.code for s in comparison.compiled_symptoms)
+        return [
+            self.finding(
+                f"Only the compiled training fails ({symptoms}); eager AMP on the same weights and batches is "
+                f"healthy: the fault is made in {made_in}",
+                CompiledDivergenceEvidence(
+                    compiled_with=comparison.compiled_with,
+                    compiled_symptoms=[s.code for s in comparison.compiled_symptoms],
+                    eager_symptoms=[s.code for s in comparison.eager_symptoms],
+                    backends=list(comparison.backends),
+                    made_in=made_in,
+                ),
+                fix,
+            )
+        ]
+
+    def intervention(self, finding: Finding, ev: Evidence) -> Any:
+        """The fix tried on the compiled probe (the eager one is healthy already)."""
+        from ..verify import Intervention
+
+        patch = finding.fix.config_patch
+        return Intervention("the compiled probe with " + _patch_words(patch), config_patch=patch, compiled=True)
+
+
+def _made_in(backends: list[BackendTrial], own: str) -> str:
+    failing = {b.backend: bool(b.symptoms) for b in backends}
+    if failing.get("eager"):
+        return "dynamo's graph capture (backend eager, dynamo's graph run eagerly, fails too)"
+    if failing.get("aot_eager"):
+        return "AOT autograd's graph (backend aot_eager fails; eager does not)"
+    return f"the {own} backend's compilation (backends eager and aot_eager are healthy)"
+
+
+FIXES = (
+    (
+        "inductor, emulate_precision_casts",
+        "Keep inductor with emulate_precision_casts: its fused kernels then round "
+        "every intermediate to the dtype eager stores it in.",
+        "torch.compile(model, options={'emulate_precision_casts': True})",
+    ),
+    (
+        "inductor",
+        "Compile with inductor instead of the custom backend: inductor computes this training as eager "
+        "does, within rounding (measured).",
+        "torch.compile(model)  # backend='inductor', the default",
+    ),
+    (
+        "aot_eager",
+        "Compile with backend='aot_eager' (dynamo's and AOT autograd's graphs, run eagerly) until the "
+        "backend's fault is fixed.",
+        "torch.compile(model, backend='aot_eager')",
+    ),
+    (
+        "eager",
+        "Compile with backend='eager' (dynamo's graph only, run eagerly) until the backend's fault is fixed.",
+        "torch.compile(model, backend='eager')",
+    ),
+)
+"""(trial, fix, code), in the order they are preferred: the least change from the training's own compilation."""
+
+
+def _least_repairing(backends: list[BackendTrial], own: str) -> Fix:
+    healthy = {b.backend: b for b in backends if not b.symptoms}
+    for trial, summary, code in FIXES:
+        if trial in healthy and trial != own:
+            return Fix(summary, code=code, config_patch=dict(healthy[trial].config_patch))
+    return Fix(
+        "Keep the model eager (no torch.compile, or torch.compiler.disable on it): every compiled variant tried "
+        "fails, and eager AMP is healthy.",
+        code="model = build_model()  # not torch.compile(build_model())",
+        config_patch=EAGER_PATCH,
+    )
+
+
+def _patch_words(patch: dict[str, Any]) -> str:
+    settings = patch.get("compile", {})
+    return ", ".join(f"compile.{k}={v}" for k, v in settings.items()) or "no change"

@@ -1,0 +1,129 @@
+"""Stage 9, the compiled training: where the training compiles, its AMP probe runs compiled too, as the user runs it.
+
+The instrumented probes run the eager module (a compiled graph hides the modules and the aten operators), but the
+compiled program's numerics are not eager's: inductor computes fp16/bf16 element-wise chains and reductions in fp32
+registers and rounds only what it stores, and a compiler can miscompile. So the compiled AMP probe, from the same
+weights and batches, is compared with the eager one against the same FP32 baseline:
+
+* both healthy or both failing: the diagnosis stands for both;
+* only eager fails: the training as it runs is healthy (the triage then says where eager would fail, as warnings);
+* only the compiled training fails: ``compiled-divergence``, localised by backend, from the least compiled up:
+  ``eager`` (dynamo's graph capture), ``aot_eager`` (and AOT autograd's decompositions), then the training's own
+  backend, and inductor where the training's is a custom one. The per-operator comparison of a graph is not made.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from ...measure.symptoms import Symptom, probe_symptoms
+from ...userfile.spec import TrainingSpec
+from ..findings import (
+    BackendTrial,
+    CompiledComparison,
+    CompiledOutcome,
+    ProbeSummary,
+    StageName,
+    StageReport,
+    StageStatus,
+)
+from .context import StageContext, probe_details, probe_sentence, run_mode
+
+LOCALISING_BACKENDS = ("eager", "aot_eager")
+"""The backends tried first where only the compiled training fails: the least compiled first."""
+
+
+def training_compiles(spec: TrainingSpec, enabled: bool | None) -> bool:
+    """Whether the training runs compiled: as ``compile.enabled`` says, or (null) as ``model()`` returns it."""
+    return enabled if enabled is not None else spec.compiled is not None
+
+
+def stage_compiled(ctx: StageContext) -> StageReport:
+    spec, ev = ctx.bench.spec, ctx.evidence
+    if not training_compiles(spec, ctx.config.compile.enabled):
+        return StageReport(StageName.COMPILED, StageStatus.SKIPPED, "the training is not compiled")
+    assert ev.amp is not None, "the compiled stage runs after the eager AMP probe"
+    compiled, probe_seconds, compile_seconds = _timed_compiled_probe(ctx, {})
+    bf16 = ctx.config.dtype == "bfloat16"
+    eager_symptoms = probe_symptoms(ev.amp, ev.fp32, None, bf16=bf16)
+    compiled_symptoms = probe_symptoms(compiled, ev.fp32, None, bf16=bf16)
+    outcome = _outcome(eager_symptoms, compiled_symptoms)
+    comparison = CompiledComparison(
+        compiled_with=(spec.compiled.to_json() if spec.compiled is not None else {"backend": "inductor"}),
+        outcome=outcome,
+        eager_symptoms=eager_symptoms,
+        compiled_symptoms=compiled_symptoms,
+        compiled=compiled,
+        probe_seconds=probe_seconds,
+        compile_seconds=compile_seconds,
+    )
+    if outcome == CompiledOutcome.COMPILED_ONLY:
+        comparison.backends = localise_by_backend(ctx, comparison)
+    ev.compiled = comparison
+    details = {**probe_details(compiled), **comparison.to_json()}
+    return StageReport(StageName.COMPILED, StageStatus.RAN, _sentence(comparison), details=details)
+
+
+def _outcome(eager: list[Symptom], compiled: list[Symptom]) -> CompiledOutcome:
+    if bool(eager) == bool(compiled):
+        return CompiledOutcome.AGREE
+    return CompiledOutcome.EAGER_ONLY if eager else CompiledOutcome.COMPILED_ONLY
+
+
+def _timed_compiled_probe(ctx: StageContext, patch: dict[str, Any]) -> tuple[ProbeSummary, float, float]:
+    """The compiled AMP probe (with ``patch`` on the config), its wall time and its compilation's (the first
+    step's time beyond the median of the others: dynamo and the backend compile the forward and backward there)."""
+    starts: list[float] = []
+    began = time.perf_counter()
+    config = ctx.with_config(patch) if patch else None
+    summary = run_mode(
+        ctx, "amp", config, instruments=None, compiled=True, before_step=lambda _: starts.append(time.perf_counter())
+    )
+    ended = time.perf_counter()
+    steps = [b - a for a, b in zip(starts, [*starts[1:], ended])]
+    compile_seconds = max(steps[0] - statistics.median(steps[1:]), 0.0) if len(steps) > 1 else 0.0
+    return summary, ended - began, compile_seconds
+
+
+def localise_by_backend(ctx: StageContext, comparison: CompiledComparison) -> list[BackendTrial]:
+    """The compiled probe with each less compiled backend, then inductor where the training's own backend is
+    another (a custom one): the first healthy one above a failing one names where the fault is made."""
+    own = str(comparison.compiled_with.get("backend", "inductor"))
+    backends = [b for b in LOCALISING_BACKENDS if b != own] + (
+        ["inductor"] if own not in ("inductor", "unknown") else []
+    )
+    bf16 = ctx.config.dtype == "bfloat16"
+    trials: list[BackendTrial] = []
+    for backend in backends:
+        patch: dict[str, Any] = {"compile": {"backend": backend}}
+        summary, _, _ = _timed_compiled_probe(ctx, patch)
+        symptoms = [s.code for s in probe_symptoms(summary, ctx.evidence.fp32, None, bf16=bf16)]
+        trials.append(BackendTrial(backend, symptoms, patch))
+    if own == "inductor":  # inductor's rounding made to follow eager's: the fix that keeps inductor
+        patch = {"compile": {"emulate_precision_casts": True}}
+        summary, _, _ = _timed_compiled_probe(ctx, patch)
+        symptoms = [s.code for s in probe_symptoms(summary, ctx.evidence.fp32, None, bf16=bf16)]
+        trials.append(BackendTrial("inductor, emulate_precision_casts", symptoms, patch))
+    return trials
+
+
+def _sentence(comparison: CompiledComparison) -> str:
+    compiled = probe_sentence(comparison.compiled)
+    timing = (
+        f"compiled probe {comparison.probe_seconds:.1f} s, of which compilation ~{comparison.compile_seconds:.1f} s"
+    )
+    if comparison.outcome == CompiledOutcome.AGREE:
+        verdict = "compiled and eager agree" + (
+            f" ({', '.join(s.code for s in comparison.compiled_symptoms)})" if comparison.compiled_symptoms else ""
+        )
+    elif comparison.outcome == CompiledOutcome.EAGER_ONLY:
+        verdict = (
+            "only eager fails ("
+            + ", ".join(s.code for s in comparison.eager_symptoms)
+            + "): the training as it runs, compiled, is healthy"
+        )
+    else:
+        verdict = "only the compiled training fails (" + ", ".join(s.code for s in comparison.compiled_symptoms) + ")"
+    return f"{verdict}; {compiled} ({timing})"

@@ -1,0 +1,94 @@
+"""`diagnose` on compiled trainings (inductor on CPU, with the image's C compiler), in fresh CLI processes: the AMP
+probe runs compiled beside the eager one, and the diagnosis is of the training as it runs. An overflow only eager
+makes is no fault of the compiled training (warnings say where eager would fail); a fault only the compiled program
+makes is `compiled-divergence`, localised by backend and repaired, verified, by the least change to how it compiles.
+And the pieces that decide which probe compiles, in this process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ROOT, diagnose_ci, run_cli
+
+from fp16doctor.config import CompileConfig, build_config
+from fp16doctor.diagnosis.stages.compiled import training_compiles
+from fp16doctor.userfile.compiled import CompileOptions, compiled_program
+from fp16doctor.userfile.spec import uncompiled
+
+FILES = ROOT / "tests" / "training_files"
+
+
+def stage(report: dict, name: str) -> dict:
+    return next(s for s in report["stages"] if s["name"] == name)
+
+
+def test_an_overflow_only_eager_makes_is_no_fault_of_the_compiled_training():
+    """A hand-written RMSNorm squares fp16 activations past 256 into inf in eager; inductor squares and averages in
+    fp32 registers. The training as it runs (compiled) is healthy; eager's fault is a warning that names it."""
+    proc = diagnose_ci(FILES / "compiled_hand_rmsnorm.py")
+    report = proc.report()
+    assert proc.returncode == 0 and report["verdict"] == "healthy", proc.stderr[-3000:]
+    compiled = stage(report, "compiled")
+    assert compiled["status"] == "ran" and compiled["details"]["outcome"] == "eager-only"
+    assert compiled["details"]["compiled_symptoms"] == [] and compiled["details"]["eager_symptoms"]
+    warnings = [f for f in report["findings"] if f["title"].startswith("eager only: ")]
+    assert warnings and all(f["severity"] == "warning" for f in warnings)
+    assert any("norm" in f["title"] for f in warnings)  # where eager would fail
+    assert all(s["measured"]["eager_only"] for s in report["symptoms"])
+
+
+def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_repaired():
+    """A custom backend's one-pass half-precision LayerNorm (injected on purpose: the pinned torch's own lowerings
+    do not misbehave here) makes NaN where eager, aot_eager and inductor are healthy."""
+    proc = diagnose_ci(FILES / "compiled_custom_backend.py")
+    report = proc.report()
+    assert proc.returncode == 1 and report["verdict"] == "unhealthy", proc.stderr[-3000:]
+    top = report["findings"][0]
+    assert top["cause"] == "compiled-divergence" and top["severity"] == "error"
+    evidence = top["evidence"]
+    assert evidence["compiled_with"]["backend"].endswith("fusing_backend")
+    assert evidence["eager_symptoms"] == [] and "nonfinite" in evidence["compiled_symptoms"]
+    assert {b["backend"]: b["symptoms"] for b in evidence["backends"]} == {"eager": [], "aot_eager": [], "inductor": []}
+    assert "fusing_backend backend's compilation" in evidence["made_in"]
+    assert top["fix"]["config_patch"] == {"compile": {"backend": "inductor"}}
+    assert top["verification"]["repaired"] and top["verification"]["tried"].startswith("the compiled probe")
+    assert "compile:" in proc.fix_config and "backend: inductor" in proc.fix_config
+
+
+def test_the_corrected_config_of_a_compiled_only_fault_is_healthy_again(tmp_path):
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(diagnose_ci(FILES / "compiled_custom_backend.py").fix_config)
+    again = run_cli("diagnose", FILES / "compiled_custom_backend.py", "--ci", "--json", "--config", fixed)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+
+
+def test_a_file_compiled_with_the_eager_backend_agrees_with_eager():
+    report = diagnose_ci(FILES / "compiled.py").report()
+    assert stage(report, "compiled")["details"]["outcome"] == "agree"
+    assert any("the AMP probe runs compiled too" in note for note in report["notes"])
+
+
+def test_an_eager_training_compiles_only_where_the_config_asks():
+    class Spec:
+        compiled = None
+
+    compiled_spec = Spec()
+    compiled_spec.compiled = CompileOptions()
+    assert not training_compiles(Spec(), None) and training_compiles(compiled_spec, None)
+    assert training_compiles(Spec(), True) and not training_compiles(compiled_spec, False)
+    assert build_config({"compile": {"enabled": True, "backend": "aot_eager"}}).compile.backend == "aot_eager"
+    with pytest.raises(Exception, match="compile.backend"):
+        build_config({"compile": {"backend": "tvm"}})
+
+
+def test_the_compiled_program_is_the_users_own_unless_the_settings_change_it():
+    net = torch.nn.Linear(2, 2)
+    program = torch.compile(net, backend="eager")
+    inner, wrapper = uncompiled(program)
+    assert inner is net and wrapper is program
+    assert compiled_program(inner, wrapper, CompileConfig(), CompileOptions(backend="eager")) is program
+    changed = compiled_program(inner, wrapper, CompileConfig(backend="aot_eager"), CompileOptions(backend="eager"))
+    assert changed is not program and changed._orig_mod is net
+    in_place = torch.nn.Linear(2, 2)
+    in_place.compile(backend="eager")
+    assert uncompiled(in_place) == (in_place, None) and in_place._compiled_call_impl is None  # eager again
