@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, run_cli
 
+from fp16doctor.live.capsule import replay_backend, replay_note
 from fp16doctor.live.observe import COMPILED_STEP
 from fp16doctor.userfile.compiled import CompileOptions, CompileRecorder, EagerAround, compiled_in_place
 from fp16doctor.userfile.modules import compiled_call
@@ -36,15 +37,15 @@ def test_a_compiled_script_runs_as_without_the_watch_with_no_extra_graph_or_grap
 
 
 @pytest.mark.slow
-def test_a_compiled_models_capsule_records_how_it_was_compiled_and_its_eager_replay_says_so(tmp_path):
-    args = ("--in-place", "--mode", "max-autotune-no-cudagraphs", "--poison-step", "2")
+def test_a_compiled_models_capsule_records_how_it_was_compiled_and_is_replayed_both_ways(tmp_path):
+    args = ("--in-place", "--mode", "default", "--poison-step", "2")
     watched = run_cli("watch", "--capsule-dir", "caps", SCRIPT, *args, cwd=tmp_path)
     assert watched.returncode == 1 and "nonfinite at optimizer step 2" in watched.stderr, watched.stderr[-3000:]
     capsule = tmp_path / "caps" / "step_00000002"
     manifest = json.loads((capsule / "manifest.json").read_text())
     assert manifest["compiled"] == {
         "backend": "inductor",
-        "mode": "max-autotune-no-cudagraphs",
+        "mode": "default",
         "dynamic": False,
         "fullgraph": False,
         "options": {},
@@ -52,7 +53,9 @@ def test_a_compiled_models_capsule_records_how_it_was_compiled_and_its_eager_rep
     diagnosis = run_cli("diagnose", "--ci", "--json", "--capsule", capsule)
     report = json.loads(diagnosis.stdout)
     assert report["findings"][0]["cause"] == "nonfinite-data", diagnosis.stderr[-3000:]
-    assert any("ran compiled (torch.compile: backend inductor, mode max-autotune" in n for n in report["notes"])
+    assert any("ran compiled (torch.compile: backend inductor, mode default" in n for n in report["notes"])
+    compiled = next(s for s in report["stages"] if s["name"] == "compiled")
+    assert compiled["status"] == "ran" and compiled["details"]["outcome"] == "agree"  # the replay, compiled and eager
 
 
 @pytest.mark.slow
@@ -99,3 +102,10 @@ def test_each_form_of_torch_compile_is_recorded_by_what_the_model_call_runs(monk
     assert calls.seen == [("starts", in_place), ("ends", torch.Size([1, 3]))]
     torch.compile(mode="default")(lambda x: x + 1)  # the decorator form, applied to a step function
     assert recorder.functions_compiled
+
+
+def test_a_capsule_replays_a_custom_backend_with_inductor_and_says_so():
+    assert replay_backend("aot_eager") == "aot_eager" and replay_backend("train.fusing_backend") == "inductor"
+    note = replay_note({"step": 3, "replay": "output-grads", "compiled": {"backend": "train.fusing_backend"}})
+    assert "replayed both ways" in note and "its backend is not stored: replayed with inductor" in note
+    assert "compiled" not in replay_note({"step": 3, "replay": "output-grads", "compiled": None})

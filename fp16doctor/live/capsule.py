@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..config import COMPILE_BACKENDS
 from ..errors import TrainingFileError
 from ..files import atomic_write_text
 from ..userfile.batches import iter_tensors, map_tensors
@@ -225,10 +226,28 @@ def _compiled_note(compiled: dict[str, Any] | None) -> str:
     if not compiled:
         return ""
     how = ", ".join(f"{k} {compiled[k]}" for k in ("backend", "mode", "dynamic") if compiled.get(k) is not None)
+    replayed = replay_backend(str(compiled.get("backend")))
+    instead = "" if replayed == compiled.get("backend") else f" (its backend is not stored: replayed with {replayed})"
     return (
-        f"; the watched model ran compiled (torch.compile: {how}) and the replay runs it eager, whose half-precision "
-        "rounding is not the compiled program's (inductor keeps element-wise chains in fp32 and rounds only what it "
-        "stores): a fault only the eager replay shows may not be the run's"
+        f"; the watched model ran compiled (torch.compile: {how}), and the step is replayed both ways, compiled"
+        f"{instead} and eager: the compiled stage compares them"
+    )
+
+
+def replay_backend(backend: str) -> str:
+    """The backend a capsule replays a compiled model with: the run's, where torch names it; inductor for a custom
+    backend (a function of the script, not stored) or one the watch did not see."""
+    return backend if backend in COMPILE_BACKENDS else "inductor"
+
+
+def _compiled_return(compiled: CompileOptions | None) -> str:
+    """What the capsule's ``model()`` returns: the module, compiled as the run compiled it."""
+    if compiled is None:
+        return "net"
+    options = {k: v for k, v in compiled.options.items() if isinstance(v, (bool, int, float, str))}
+    return (
+        f"torch.compile(net, backend={replay_backend(compiled.backend)!r}, mode={compiled.mode!r}, "
+        f"dynamic={compiled.dynamic!r}, options={options or None!r})"
     )
 
 
@@ -387,8 +406,11 @@ def loss(model, batch):
 '''
 
 
-def capsule_training_file(numbers: Any, config: dict[str, Any], framework: str, replay: str) -> str:
-    """A training file that rebuilds the capsule: the model as trained, the optimizer state, the step's batches."""
+def capsule_training_file(
+    numbers: Any, config: dict[str, Any], framework: str, replay: str, compiled: CompileOptions | None = None
+) -> str:
+    """A training file that rebuilds the capsule: the model as trained (compiled as it was: the diagnosis then
+    replays it both ways), the optimizer state, the step's batches."""
     head = textwrap.dedent(f'''\
         """Replay capsule written by fp16doctor's watch at optimizer step {numbers.step} ({framework}).
 
@@ -414,7 +436,7 @@ def capsule_training_file(numbers: Any, config: dict[str, Any], framework: str, 
         def model():
             net = torch.load(HERE / "model.pt", weights_only=False)
             net.load_state_dict(STATE["model"])
-            return net
+            return {_compiled_return(compiled)}
 
 
         def data():

@@ -419,7 +419,9 @@ class Watch:
         config = capsule_config(numbers, scaler, len(batches), dtype)
         replay = "output-grads" if output_grads is not None else self.framework
         atomic_write_text(folder / "config.json", json.dumps(config, indent=2))
-        atomic_write_text(folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay))
+        atomic_write_text(
+            folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay, self.compiled)
+        )
         output_dtypes = {dtype_name(g.dtype) for grads, _ in self.output_grads for g in grads if g is not None}
         write_manifest(
             folder,
