@@ -53,6 +53,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paired import iqr  # noqa: E402
 
 from fp16doctor.config import build_config
 from fp16doctor.engine.instruments import InstrumentOptions, Instruments
@@ -163,14 +165,6 @@ class Samples:
 
     def block_medians(self, name: str) -> list[float]:
         return [statistics.median(block) for block in self.blocks[name]]
-
-
-def iqr(values: list[float]) -> float:
-    """Interquartile range (inclusive quartiles: defined from two values on)."""
-    if len(values) < 2:
-        return float("inf")
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q3 - q1
 
 
 def run_block(

@@ -26,12 +26,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paired import iqr, residual_mlp  # noqa: E402
+
 TARGET = 1.05
-
-
-def iqr(values: list[float]) -> float:
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q3 - q1
 
 
 def main() -> None:
@@ -42,7 +40,6 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     import torch
-    from torch import nn
     from torch._dynamo.utils import counters
 
     from fp16doctor.live.observe import TrainingObserver
@@ -50,17 +47,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(256)
-            self.mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.mlp(self.norm(x))
-
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), *[Block() for _ in range(4)], nn.Linear(256, 10))
+    model = residual_mlp()
     compiled = torch.compile(model, dynamic=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cpu")

@@ -30,14 +30,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paired import iqr, residual_mlp  # noqa: E402
+
 TARGET = 1.05
-
-
-def iqr(values: list[float]) -> float:
-    if len(values) < 2:
-        return float("inf")
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q3 - q1
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -45,7 +41,6 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
     import torch.distributed as dist
-    from torch import nn
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -56,17 +51,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(256)
-            self.mlp = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.mlp(self.norm(x))
-
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), *[Block() for _ in range(4)], nn.Linear(256, 10))
+    model = residual_mlp()
     policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     for block in model[1:5]:
         fully_shard(block, mp_policy=policy)
