@@ -26,7 +26,9 @@ def run_python(*args, cwd):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", [[], ["--in-place"]], ids=["torch.compile(model)", "model.compile()"])
+@pytest.mark.parametrize(
+    "how", [[], ["--in-place"], ["--compile-blocks"]], ids=["torch.compile(model)", "model.compile()", "each block"]
+)
 def test_a_compiled_script_runs_as_without_the_watch_with_no_extra_graph_or_graph_break(tmp_path, how):
     plain = run_python(SCRIPT, *how, cwd=tmp_path)
     watched = run_cli("watch", SCRIPT, *how, cwd=tmp_path)
@@ -85,6 +87,9 @@ class Calls:
     def call_ends(self, module, args, kwargs, output):
         self.seen.append(("ends", output.shape))
 
+    def call_raised(self, module):
+        self.seen.append(("raised", module))
+
 
 def test_each_form_of_torch_compile_is_recorded_by_what_the_model_call_runs(monkeypatch):
     calls = Calls()
@@ -100,6 +105,9 @@ def test_each_form_of_torch_compile_is_recorded_by_what_the_model_call_runs(monk
     assert recorder.options_of(in_place).backend == "eager" and not recorder.functions_compiled
     in_place(torch.ones(1, 2))  # compiled with the eager backend: runs at once, observed around the program
     assert calls.seen == [("starts", in_place), ("ends", torch.Size([1, 3]))]
+    with pytest.raises(RuntimeError):
+        in_place(torch.ones(1, 5))  # a wrong shape: the call raises inside the program, and is told so
+    assert calls.seen[-2:] == [("starts", in_place), ("raised", in_place)]
     torch.compile(mode="default")(lambda x: x + 1)  # the decorator form, applied to a step function
     assert recorder.functions_compiled
 

@@ -30,7 +30,7 @@ from ..measure.symptoms import (
 )
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import iter_tensors, map_named_tensors
-from .findings import Evidence, Finding, Verification
+from .findings import CompiledOutcome, Evidence, Finding, Verification
 
 if TYPE_CHECKING:
     from ..engine.instruments import InstrumentOptions
@@ -184,16 +184,22 @@ class Verifier:
             ctx.bench = copy.copy(self.ctx.bench)
             ctx.bench.batches = intervention.batches(self.ctx.bench.batches)
         instruments = symptom_instruments()
+        compiled = intervention.compiled or self._compiled_only()
         with ctx.progress.planned(self.planned_steps(intervention)):
-            amp = run_mode(ctx, "amp", config, instruments=instruments, compiled=intervention.compiled)
+            amp = run_mode(ctx, "amp", config, instruments=instruments, compiled=compiled)
             fp32 = run_mode(ctx, "fp32", config, instruments=instruments) if intervention.touches_fp32 else self.ev.fp32
             assert fp32 is not None, "verification runs after the FP32 baseline stage"
             gap = None
             if self._measures_gap():
                 assert self.measure_gap is not None and self.ev.gap is not None
                 gap = self.measure_gap(config, self.ev.gap.worst_step)
-            symptoms, aligned = measured_outcome(ctx, config, amp, fp32, gap)
+            symptoms, aligned = measured_outcome(ctx, config, amp, fp32, gap, compiled)
         return Outcome(amp=amp.records, fp32=fp32.records, symptoms=symptoms, aligned_amp=aligned)
+
+    def _compiled_only(self) -> bool:
+        """Only the compiled training fails: every fix is tried on it (the eager one is healthy already)."""
+        comparison = self.ev.compiled
+        return comparison is not None and comparison.outcome == CompiledOutcome.COMPILED_ONLY
 
     def _measures_gap(self) -> bool:
         return (

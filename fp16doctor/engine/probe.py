@@ -273,8 +273,7 @@ class Probe:
             self._session.keep_lines_in_fp32(config.overrides.fp32_lines, self.device.type)
         with self._precision(), NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext():
             self.model = self._build_model()
-            self.step_model = self._step_model(compiled)
-            """What the steps call: :attr:`model`, or the program compiled from it."""
+            self._compiled_model = self._compiled(compiled)
             self.optimizer_arg = self._build_optimizers()
             """What ``train_step`` and ``scheduler()`` receive: one optimizer, or the file's tuple/list/dict of them."""
             self.optimizers = ProbeOptimizers(
@@ -350,10 +349,16 @@ class Probe:
                 tensor.copy_(reference[name])
         return model.train()
 
-    def _step_model(self, compiled: bool) -> torch.nn.Module:
+    @property
+    def step_model(self) -> torch.nn.Module:
+        """What the steps call: :attr:`model` (as a caller may have wrapped it since: ``train``'s DDP), or the
+        program compiled from it."""
+        return self._compiled_model if self._compiled_model is not None else self.model
+
+    def _compiled(self, compiled: bool) -> torch.nn.Module | None:
         settings = self.config.compile
         if not compiled or not (settings.enabled or (settings.enabled is None and self.spec.compiled is not None)):
-            return self.model
+            return None
         return compiled_program(self.model, self._program, settings, self.spec.compiled)
 
     def _build_optimizers(self) -> Any:

@@ -227,7 +227,14 @@ def _compiled_note(compiled: dict[str, Any] | None) -> str:
         return ""
     how = ", ".join(f"{k} {compiled[k]}" for k in ("backend", "mode", "dynamic") if compiled.get(k) is not None)
     replayed = replay_backend(str(compiled.get("backend")))
-    instead = "" if replayed == compiled.get("backend") else f" (its backend is not stored: replayed with {replayed})"
+    backend = compiled.get("backend")
+    instead = (
+        ""
+        if replayed == backend
+        else f" (its backend, compiled before the watch began, was not seen: replayed with {replayed})"
+        if backend == "unknown"
+        else f" (its backend is not stored: replayed with {replayed})"
+    )
     return (
         f"; the watched model ran compiled (torch.compile: {how}), and the step is replayed both ways, compiled"
         f"{instead} and eager: the compiled stage compares them"

@@ -86,8 +86,29 @@ COMPILED_STEP = (
     "(TORCHDYNAMO_DISABLE=1)"
 )
 """Why a step compiled as one function has no capsule."""
+
+
+class _ActiveObserver:
+    """Where a module compiled in place reports its calls: the observer watching now, if any (a later watch of
+    the same process included; the module keeps no observer alive)."""
+
+    def call_starts(self, module: torch.nn.Module, args: Any) -> None:
+        if _active is not None and _active.watching:
+            _active.call_starts(module, args)
+
+    def call_raised(self, module: torch.nn.Module) -> None:
+        if _active is not None and _active.watching:
+            _active.call_raised(module)
+
+    def call_ends(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if _active is not None and _active.watching:
+            _active.call_ends(module, args, kwargs, output)
+
+
+_ACTIVE_OBSERVER = _ActiveObserver()
 _GLOBAL_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks on modules"
-"""What ``OptimizedModule`` warns while the watch's own global module hooks are installed (not the script's)."""
+"""What ``OptimizedModule`` warns while the watch's global module hooks are installed (silenced while it watches:
+the same warning for a script's own global hooks is silenced too)."""
 _active: TrainingObserver | None = None
 
 
@@ -182,7 +203,7 @@ class TrainingObserver:
         self._compiled_seen = False
         """A compiled model was called: the global module hooks then stay installed (idle once every model is
         found), because removing them changes what dynamo guarded on and recompiles the model."""
-        self._compiles = CompileRecorder(self)
+        self._compiles = CompileRecorder(_ACTIVE_OBSERVER)
         self._warning_filter: Any = None
         self._calls: list[ModelCall] = []
         self._losses: list[torch.Tensor] = []
@@ -341,18 +362,20 @@ class TrainingObserver:
     def _discover(self, on: bool) -> None:
         """Global module hooks on (looking for the outermost modules the training runs) or off (every model found).
 
-        Off, they are removed, but for a compiled model: there they stay, idle."""
+        Off, they are removed, but where anything was compiled: there they stay, idle (entered again, the watch
+        puts them back idle), because installing or removing them changes what dynamo guarded on."""
         if on and not self._discovering:
             self._depth = 0
         self._discovering = on
-        if on and not self._module_hooks:
+        keep = on or self._compiled_seen or self._compiles.compiled_any
+        if keep and not self._module_hooks:
             self._module_hooks = [
                 torch.nn.modules.module.register_module_forward_pre_hook(self._global_pre_forward),
                 torch.nn.modules.module.register_module_forward_hook(
                     self._global_forward, with_kwargs=True, always_call=True
                 ),
             ]
-        elif not on and not self._compiled_seen:
+        elif not keep:
             _remove_global_hooks(self._module_hooks)
             self._module_hooks = []
 
@@ -479,16 +502,17 @@ class TrainingObserver:
 
     def call_starts(self, module: torch.nn.Module, args: Any) -> None:
         """A module compiled in place is called (outside its compiled program): what its hooks would do."""
-        if _active is not self:
-            return
         if any(module is m for m in self._models):
             self._model_pre_forward(module, args)
         else:
             self._global_pre_forward(module, args)
 
+    def call_raised(self, module: torch.nn.Module) -> None:
+        """The call raised: no output to record, and the discovery's depth goes back (what ``always_call`` does)."""
+        if not any(module is m for m in self._models) and self._discovering and self._depth > 0:
+            self._depth -= 1
+
     def call_ends(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if _active is not self:
-            return
         if any(module is m for m in self._models):
             self._model_forward(module, args, kwargs, output)
         else:

@@ -82,7 +82,11 @@ class EagerAround:
         if module is None:
             return self.program(*args, **kwargs)
         self.observer.call_starts(module, args)
-        output = self.program(*args, **kwargs)
+        try:
+            output = self.program(*args, **kwargs)
+        except BaseException:
+            self.observer.call_raised(module)
+            raise
         self.observer.call_ends(module, args, kwargs, output)
         return output
 
@@ -91,6 +95,8 @@ class CallObserver(Protocol):
     """What observes a call around a compiled program (a no-op once the watch has ended)."""
 
     def call_starts(self, module: torch.nn.Module, args: Any) -> None: ...
+
+    def call_raised(self, module: torch.nn.Module) -> None: ...
 
     def call_ends(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None: ...
 
@@ -130,7 +136,7 @@ class CompileRecorder:
             owner = _in_place_owner(model)
             if owner is not None and self._observer is not None:
                 result = EagerAround(owner, result, self._observer)
-            elif not isinstance(model, torch.nn.Module):
+            elif not isinstance(model, torch.nn.Module) and not kwargs.get("disable"):
                 self.functions_compiled = True
             self._remember(result, CompileOptions.from_call(kwargs))
             return result
@@ -146,6 +152,11 @@ class CompileRecorder:
             yield self
         finally:
             torch.compile = original
+
+    @property
+    def compiled_any(self) -> bool:
+        """Something was compiled while watched: a model, a submodule, a function."""
+        return len(self._options) > 0 or self.functions_compiled
 
     def _remember(self, compiled: Any, options: CompileOptions) -> None:
         try:
@@ -176,6 +187,8 @@ def compiled_program(
     options: dict[str, Any] | None = (
         {"emulate_precision_casts": True} if settings.emulate_precision_casts and backend == "inductor" else None
     )
+    if options is not None:
+        mode = None  # torch.compile takes a mode or options, not both: the emulation is what is tried
     dynamic = recorded.dynamic if recorded is not None else None
     compiled = torch.compile(model, backend=backend, mode=mode, dynamic=dynamic, options=options)
     assert isinstance(compiled, torch.nn.Module)  # torch.compile of a module is its OptimizedModule

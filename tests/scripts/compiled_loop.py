@@ -15,6 +15,7 @@ parser.add_argument("--poison-step", type=int, default=-1)
 parser.add_argument("--mode", default=None)
 parser.add_argument("--in-place", action="store_true", help="model.compile() instead of torch.compile(model)")
 parser.add_argument("--compile-step", action="store_true", help="compile the forward and loss as one function")
+parser.add_argument("--compile-blocks", action="store_true", help="compile each block, the model around them eager")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -50,6 +51,10 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 scaler = torch.amp.GradScaler("cpu")
 if args.in_place:
     model.compile(mode=args.mode, dynamic=False)
+    step_model = model
+elif args.compile_blocks:
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, mode=args.mode, dynamic=False)
     step_model = model
 elif not args.compile_step:
     step_model = torch.compile(model, mode=args.mode, dynamic=False)

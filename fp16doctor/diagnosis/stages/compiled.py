@@ -18,7 +18,7 @@ import statistics
 import time
 from typing import Any
 
-from ...measure.symptoms import Symptom, probe_symptoms
+from ...measure.symptoms import Symptom
 from ...userfile.spec import TrainingSpec
 from ..findings import (
     BackendTrial,
@@ -29,7 +29,8 @@ from ..findings import (
     StageReport,
     StageStatus,
 )
-from .context import StageContext, probe_details, probe_sentence, run_mode
+from ..verify import symptom_instruments
+from .context import StageContext, measured_symptoms, probe_details, probe_sentence, run_mode
 
 LOCALISING_BACKENDS = ("eager", "aot_eager")
 """The backends tried first where only the compiled training fails: the least compiled first."""
@@ -46,9 +47,8 @@ def stage_compiled(ctx: StageContext) -> StageReport:
         return StageReport(StageName.COMPILED, StageStatus.SKIPPED, "the training is not compiled")
     assert ev.amp is not None, "the compiled stage runs after the eager AMP probe"
     compiled, probe_seconds, compile_seconds = _timed_compiled_probe(ctx, {})
-    bf16 = ctx.config.dtype == "bfloat16"
-    eager_symptoms = probe_symptoms(ev.amp, ev.fp32, None, bf16=bf16)
-    compiled_symptoms = probe_symptoms(compiled, ev.fp32, None, bf16=bf16)
+    eager_symptoms = measured_symptoms(ctx, ctx.config, ev.amp, ev.fp32, None)
+    compiled_symptoms = measured_symptoms(ctx, ctx.config, compiled, ev.fp32, None, compiled=True)
     outcome = _outcome(eager_symptoms, compiled_symptoms)
     comparison = CompiledComparison(
         compiled_with=(spec.compiled.to_json() if spec.compiled is not None else {"backend": "inductor"}),
@@ -78,8 +78,13 @@ def _timed_compiled_probe(ctx: StageContext, patch: dict[str, Any]) -> tuple[Pro
     starts: list[float] = []
     began = time.perf_counter()
     config = ctx.with_config(patch) if patch else None
-    summary = run_mode(
-        ctx, "amp", config, instruments=None, compiled=True, before_step=lambda _: starts.append(time.perf_counter())
+    summary = run_mode(  # the updates the steps make are measured (lost updates): no module hook, no graph break
+        ctx,
+        "amp",
+        config,
+        instruments=symptom_instruments(),
+        compiled=True,
+        before_step=lambda _: starts.append(time.perf_counter()),
     )
     ended = time.perf_counter()
     steps = [b - a for a, b in zip(starts, [*starts[1:], ended])]
@@ -94,18 +99,15 @@ def localise_by_backend(ctx: StageContext, comparison: CompiledComparison) -> li
     backends = [b for b in LOCALISING_BACKENDS if b != own] + (
         ["inductor"] if own not in ("inductor", "unknown") else []
     )
-    bf16 = ctx.config.dtype == "bfloat16"
-    trials: list[BackendTrial] = []
-    for backend in backends:
-        patch: dict[str, Any] = {"compile": {"backend": backend}}
-        summary, _, _ = _timed_compiled_probe(ctx, patch)
-        symptoms = [s.code for s in probe_symptoms(summary, ctx.evidence.fp32, None, bf16=bf16)]
-        trials.append(BackendTrial(backend, symptoms, patch))
+    patches: list[tuple[str, dict[str, Any]]] = [(b, {"compile": {"backend": b}}) for b in backends]
     if own == "inductor":  # inductor's rounding made to follow eager's: the fix that keeps inductor
-        patch = {"compile": {"emulate_precision_casts": True}}
+        patches.append(("inductor, emulate_precision_casts", {"compile": {"emulate_precision_casts": True}}))
+    trials: list[BackendTrial] = []
+    for name, patch in patches:
         summary, _, _ = _timed_compiled_probe(ctx, patch)
-        symptoms = [s.code for s in probe_symptoms(summary, ctx.evidence.fp32, None, bf16=bf16)]
-        trials.append(BackendTrial("inductor, emulate_precision_casts", symptoms, patch))
+        config = ctx.with_config(patch)
+        symptoms = [s.code for s in measured_symptoms(ctx, config, summary, ctx.evidence.fp32, None, compiled=True)]
+        trials.append(BackendTrial(name, symptoms, patch))
     return trials
 
 

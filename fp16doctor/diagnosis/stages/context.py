@@ -242,14 +242,24 @@ def same_state_gap(ctx: StageContext, config: DoctorConfig, step: int) -> float:
 
 
 def measured_symptoms(
-    ctx: StageContext, config: DoctorConfig, amp: ProbeSummary | None, fp32: ProbeSummary | None, gap: float | None
+    ctx: StageContext,
+    config: DoctorConfig,
+    amp: ProbeSummary | None,
+    fp32: ProbeSummary | None,
+    gap: float | None,
+    compiled: bool = False,
 ) -> list[Symptom]:
     """The symptoms of an AMP probe against FP32 (:func:`measured_outcome`'s)."""
-    return measured_outcome(ctx, config, amp, fp32, gap)[0]
+    return measured_outcome(ctx, config, amp, fp32, gap, compiled)[0]
 
 
 def measured_outcome(
-    ctx: StageContext, config: DoctorConfig, amp: ProbeSummary | None, fp32: ProbeSummary | None, gap: float | None
+    ctx: StageContext,
+    config: DoctorConfig,
+    amp: ProbeSummary | None,
+    fp32: ProbeSummary | None,
+    gap: float | None,
+    compiled: bool = False,
 ) -> tuple[list[Symptom], pd.DataFrame | None]:
     """The symptoms of an AMP probe against FP32 (:func:`fp16doctor.measure.symptoms.probe_symptoms`): the verdict's
     and every fix's verification; with the records of the aligned AMP run where one was measured (below), else None.
@@ -257,7 +267,8 @@ def measured_outcome(
     A trajectory drift after skipped steps is measured again on an AMP run aligned on the steps taken (a
     skipped batch retried with the same RNG; the scheduler still steps on a skip, as the user's loop does):
     a run that skipped k steps is k updates behind on other batches, and on a short probe that lag alone can
-    look like a drift. What remains aligned is precision's, or the schedule's.
+    look like a drift. What remains aligned is precision's, or the schedule's. ``compiled``: ``amp`` is a compiled
+    probe's, and so is the aligned run.
     """
     if amp is None:
         return [], None
@@ -265,7 +276,9 @@ def measured_outcome(
     found = probe_symptoms(amp, fp32, gap, bf16=bf16)
     if fp32 is None or not amp.skip_steps or not any(s.code == "trajectory-drift" for s in found):
         return found, None
-    aligned = ctx.bench.probe("amp", config, align_on_taken_steps=True, instruments=None, hold_scheduler_on_retry=False)
+    aligned = ctx.bench.probe(
+        "amp", config, align_on_taken_steps=True, instruments=None, hold_scheduler_on_retry=False, compiled=compiled
+    )
     try:
         records = aligned.run(ctx.evidence.steps)
     finally:
