@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from . import watch
-    from .api import Comparison, Diagnosis, Watching, compare, corrected_config, diagnose, load
+    from .api import CheckpointStart, Comparison, Diagnosis, Watching, compare, corrected_config, diagnose, load
     from .errors import DoctorError
 
 _HOMES = {
@@ -24,12 +24,14 @@ _HOMES = {
     "load": ".api",
     "Diagnosis": ".api",
     "Comparison": ".api",
+    "CheckpointStart": ".api",
     "Watching": ".api",
     "DoctorError": ".errors",
 }
 """Each public name and the module that defines it. ``watch`` is the callable module :mod:`fp16doctor.watch`."""
 
 __all__ = [
+    "CheckpointStart",
     "Comparison",
     "Diagnosis",
     "DoctorError",

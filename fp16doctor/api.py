@@ -36,12 +36,14 @@ from .errors import DoctorError
 from .live.capsule import check_capsule, recorded_loss_evidence, replay_note
 from .measure.compare import DEFAULT_DIVERGENCE, DEFAULT_TOLERANCE, Comparison
 from .measure.compare import compare as run_compare
+from .userfile.checkpoint import load_checkpoint
 from .userfile.spec import TrainingSpec, load_training_file
 from .watch import Watching, watch
 
 __all__ = [
     "Comparison",
     "Diagnosis",
+    "CheckpointStart",
     "LoadedTraining",
     "Watching",
     "compare",
@@ -122,6 +124,29 @@ def capsule_replay(manifest: dict[str, Any]) -> CapsuleReplay:
     )
 
 
+@dataclass(frozen=True)
+class CheckpointStart:
+    """Where the probes start: a checkpoint a run left (``--from-checkpoint``), instead of ``model()``'s
+    initialisation."""
+
+    path: PathLike
+    """A ``torch.save`` file, a Lightning ``.ckpt`` or a Hugging Face ``checkpoint-N/`` folder."""
+    step: int | None = None
+    """The optimizer step the data continues from (None: the checkpoint's own)."""
+    trust: bool = False
+    """Unpickle more than tensors and plain containers (the file runs code when loaded: trusted files only)."""
+
+
+def start_from_checkpoint(loaded: LoadedTraining, start: CheckpointStart | None) -> LoadedTraining:
+    """The training with every probe starting from the checkpoint's state (a note says which)."""
+    if start is None:
+        return loaded
+    trained = load_checkpoint(Path(start.path), start.step, start.trust)
+    loaded.spec.start = trained
+    loaded.spec.note(f"the probes start from the {trained.describe()}, and the data continues at step {trained.step}")
+    return loaded
+
+
 def load_target(target: CapsuleTarget, config_file: PathLike | None = None, **config: Any) -> LoadedTraining:
     """Load what a diagnosis runs: the training file (a capsule's replay noted on it) with its config."""
     loaded = load(target.training_file, config_file, **config)
@@ -142,6 +167,7 @@ def diagnose(
     on_stage: Callable[[str], None] | None = None,
     on_probe_step: ProbeStepHook | None = None,
     own_process: bool = False,
+    from_checkpoint: CheckpointStart | None = None,
     **config: Any,
 ) -> Diagnosis:
     """Run the triage on a training file (or a watch's capsule) and return the ranked diagnosis.
@@ -149,9 +175,12 @@ def diagnose(
     ``ci``: the smoke check (fewer steps, narrower searches). ``max_memory``: bytes the diagnosis may hold.
     ``plots``: record what the report's plots draw. ``on_stage``/``on_probe_step``: progress callbacks.
     ``own_process``: the process is the diagnosis's alone (the CLI), so it may tune the allocator.
+    ``from_checkpoint``: every probe starts from a checkpoint's trained state.
     The diagnosis's :attr:`~fp16doctor.diagnosis.findings.Diagnosis.user_layers` is what
     :func:`corrected_config` starts from.
     """
+    if capsule is not None and from_checkpoint is not None:
+        raise DoctorError("give a capsule or a checkpoint, not both: each is the state the probes start from.")
     target = capsule_target(capsule, training_file)
     options = DiagnoseOptions(
         ci=ci,
@@ -162,7 +191,8 @@ def diagnose(
         capsule=target.replay,
         plots=plots,
     )
-    return diagnose_loaded(load_target(target, config_file, **config), options, on_stage, on_probe_step)
+    loaded = start_from_checkpoint(load_target(target, config_file, **config), from_checkpoint)
+    return diagnose_loaded(loaded, options, on_stage, on_probe_step)
 
 
 def diagnose_loaded(
@@ -191,6 +221,7 @@ def compare(
     config_file: PathLike | None = None,
     on_mode: Callable[[str], None] | None = None,
     on_ready: Callable[[LoadedTraining], None] | None = None,
+    from_checkpoint: CheckpointStart | None = None,
     **config: Any,
 ) -> Comparison:
     """Run precisions side by side from identical weights and batches (FP32 is always the reference).
@@ -203,7 +234,7 @@ def compare(
     if unknown:
         raise DoctorError(f"unknown mode(s) {', '.join(unknown)}.", hint="Modes are fp32, amp and bf16.")
     return_large_blocks_on_free()  # one probe per mode, one after another
-    loaded = load(training_file, config_file, **config)
+    loaded = start_from_checkpoint(load(training_file, config_file, **config), from_checkpoint)
     if on_ready is not None:
         on_ready(loaded)
     bench = Workbench(loaded.spec, loaded.config)

@@ -121,6 +121,29 @@ MaxMemory = Annotated[
         "every kept state in the folder).",
     ),
 ]
+FromCheckpoint = Annotated[
+    Path | None,
+    typer.Option(
+        "--from-checkpoint",
+        help="Start every probe from a checkpoint's trained state: a torch.save dict, a Lightning .ckpt or a "
+        "Hugging Face checkpoint-N folder (model, optimizer, scaler, scheduler); the data continues from its step.",
+    ),
+]
+FromStep = Annotated[
+    int | None,
+    typer.Option(
+        "--from-step",
+        min=0,
+        help="With --from-checkpoint: the step the data continues from (default: the checkpoint's).",
+    ),
+]
+TrustCheckpoint = Annotated[
+    bool,
+    typer.Option(
+        "--trust-checkpoint",
+        help="Load a checkpoint that pickles more than tensors (it runs code when loaded: trusted files only).",
+    ),
+]
 Force = Annotated[
     bool,
     typer.Option(
@@ -163,6 +186,17 @@ def guarded(debug: bool, job: Callable[[], int], json_errors: bool = False) -> N
             print_json_error(f"internal error: {type(exc).__name__}: {exc}", None, None, EXIT_INTERNAL)
         raise typer.Exit(EXIT_INTERNAL) from None
     raise typer.Exit(code)
+
+
+def checkpoint_start(path: Path | None, step: int | None, trust: bool) -> Any:
+    """The API's :class:`~fp16doctor.api.CheckpointStart` of the --from-checkpoint flags (None without one)."""
+    from .api import CheckpointStart
+
+    if path is None:
+        if step is not None or trust:
+            raise DoctorError("--from-step and --trust-checkpoint go with --from-checkpoint.")
+        return None
+    return CheckpointStart(path, step, trust)
 
 
 def check_writable(path: Path, force: bool) -> None:
@@ -220,6 +254,9 @@ def compare(
     ] = None,
     html: HtmlFile = None,
     wide: Wide = False,
+    from_checkpoint: FromCheckpoint = None,
+    from_step: FromStep = None,
+    trust_checkpoint: TrustCheckpoint = False,
     force: Force = False,
     debug: Debug = False,
 ) -> None:
@@ -243,6 +280,7 @@ def compare(
                 config_file=config,
                 on_ready=lambda loaded: notes.extend(loaded.spec.notes),
                 on_mode=lambda m: status.update(f"running the {m} probe"),
+                from_checkpoint=checkpoint_start(from_checkpoint, from_step, trust_checkpoint),
                 **flags(steps=steps, seed=seed, device=device, dtype=dtype),
             )
         show_notes(notes)
@@ -313,6 +351,9 @@ def diagnose(
     max_nonfinite: MaxNonfinite = 20,
     nproc: Nproc = 1,
     max_memory: MaxMemory = None,
+    from_checkpoint: FromCheckpoint = None,
+    from_step: FromStep = None,
+    trust_checkpoint: TrustCheckpoint = False,
     force: Force = False,
     debug: Debug = False,
 ) -> None:
@@ -320,6 +361,7 @@ def diagnose(
 
     With --train: then run the corrected training; exit 0 when it reaches its last step, 1 when it stops.
     With --capsule DIR: diagnose the saved state and batch of a watched run (see docs/watch.md).
+    With --from-checkpoint PATH: every probe starts from a checkpoint's trained state.
     """
     given = training_file
 
@@ -337,7 +379,11 @@ def diagnose(
         for path in (report, fix_config, junit, html, figures_folder(report) if report is not None else None):
             if path is not None:
                 check_writable(path, force)
+        start = checkpoint_start(from_checkpoint, from_step, trust_checkpoint)
+        if start is not None and capsule is not None:
+            raise DoctorError("give --capsule or --from-checkpoint, not both: each is the state the probes start from.")
         loaded = api.load_target(target, config, **flags(steps=steps, seed=seed, device=device, dtype=dtype))
+        loaded = api.start_from_checkpoint(loaded, start)
         options = DiagnoseOptions(
             ci=ci,
             scan_batches=scan_batches,

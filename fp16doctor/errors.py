@@ -56,6 +56,10 @@ class DoctorError(Exception):
         return " - ".join(parts)
 
 
+class CheckpointError(DoctorError):
+    """A checkpoint that cannot start the probes: unreadable, of no known layout, or not of this model."""
+
+
 class TrainingFileError(DoctorError):
     """The training file is missing, broken, or breaks the contract."""
 

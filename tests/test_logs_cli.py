@@ -44,8 +44,9 @@ def test_a_loss_spike_after_the_lr_jump_names_the_schedule_and_the_checkpoint_be
     (finding,) = report["findings"]
     assert finding["cause"] == "lr-schedule-peak" and finding["evidence"]["event_step"] == 31
     assert 31 < finding["evidence"]["trouble_step"] <= 41
-    assert finding["next_command"].startswith("fp16doctor watch")
-    assert f"resume the run from {hf_runs / 'jump' / 'checkpoint-20'} (step 20" in finding["next_reason"]
+    checkpoint = hf_runs / "jump" / "checkpoint-20"
+    assert finding["next_command"].endswith(f"--from-checkpoint {checkpoint} --from-step 20")
+    assert f"start the diagnosis from {checkpoint} (step 20" in finding["next_reason"]
     html = tmp_path / "jump.html"
     proc = run_cli("logs", hf_runs / "jump" / "checkpoint-40" / "trainer_state.json", "--html", html)
     assert proc.returncode == 1 and "lr-peak-trouble" in proc.stdout and "checkpoint-20" in proc.stdout

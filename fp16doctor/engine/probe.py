@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 
 from ..config import DoctorConfig
-from ..errors import DoctorError, TrainingFileError, first_line
+from ..errors import CheckpointError, DoctorError, TrainingFileError, first_line
 from ..precision.autocast_policy import autocast_factory
 from ..precision.fp32_mode import NeutraliseHalfCasts, full_precision
 from ..precision.overrides import (
@@ -51,6 +51,7 @@ from ..precision.recording import (
 from ..precision.session import PrecisionSession
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import map_tensors, to_device
+from ..userfile.checkpoint import TrainedStart
 from ..userfile.compiled import compiled_program
 from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
 from ..userfile.spec import TrainingSpec, build_model, build_model_and_program, draw_batches, user_frame
@@ -125,6 +126,17 @@ class ProbeSnapshot:
     step was a micro-step: the next one adds to them); None otherwise (the next step starts afresh)."""
 
 
+def load_trained_weights(model: torch.nn.Module, start: TrainedStart) -> None:
+    """The checkpoint's weights into ``model`` (a shape that differs is bad input, naming the tensor)."""
+    try:
+        model.load_state_dict(start.model_state_for(model.state_dict().keys()))
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"the checkpoint '{start.source}' does not fit this model: {first_line(exc)}",
+            hint="--from-checkpoint takes a checkpoint of the model that model() builds (same shapes).",
+        ) from exc
+
+
 class Workbench:
     """The shared ground of all probes of one command: spec, config, batches, initial weights."""
 
@@ -153,6 +165,8 @@ class Workbench:
         seed_everything(self.config.seed)
         with full_precision():
             model = build_model(self.spec)
+        if self.spec.start is not None:
+            load_trained_weights(model, self.spec.start)
         self.parameter_shapes = [tuple(p.shape) for p in model.parameters()]
         """The shapes of ``model().parameters()`` in order (for dry runs of the user's optimizer and scheduler)."""
         return {
@@ -298,6 +312,8 @@ class Probe:
             enabled=self.settings.scaler_enabled,
         )
         self.scaler.names = {id(opt): name for name, opt in self.optimizers.by_name.items()}
+        if self.spec.start is not None:
+            self._resume(self.spec.start, scaler=config.scaler == bench.config.scaler)
         self._watch = OptimizerWatch(self.optimizers.all(), self.scaler)
         self._session.observe_clipping(
             ClipObserver(self.scaler, tuple(self.optimizers.all()), config.overrides.unscale_before_clip),
@@ -310,6 +326,24 @@ class Probe:
         seed_everything(config.seed)  # dropout and friends draw the same numbers in every mode
 
     # --- construction -------------------------------------------------------------------------
+    def _resume(self, start: TrainedStart, scaler: bool) -> None:
+        """Take up the trained state a checkpoint holds (the weights are the workbench's reference already): the
+        optimizer's moments, the scheduler's position and, unless this probe tries other scaler settings (the
+        sweep, a fix), the scaler's scale and growth tracker."""
+        optimizers = self.optimizers.all()
+        try:
+            if start.optimizer is not None and len(optimizers) == 1:
+                optimizers[0].load_state_dict(copy.deepcopy(start.optimizer))
+            if start.scheduler is not None and len(self.schedulers) == 1:
+                self.schedulers[0].load_state_dict(copy.deepcopy(start.scheduler))
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(
+                f"the checkpoint's optimizer or scheduler state does not fit the file's ({first_line(exc)}).",
+                hint="--from-checkpoint takes a checkpoint of the training this file defines (its optimizer too).",
+            ) from exc
+        if scaler and start.scaler is not None and self.scaler.is_enabled():
+            self.scaler.load_state_dict(start.scaler)
+
     def _runtime_fixes(self) -> list[Any]:
         """The torch-function modes that ``config.overrides`` keep active during every step."""
         if self.mode == "fp32":

@@ -14,6 +14,8 @@ from .records import Checkpoint, History, LogEvent, LogSource
 
 WATCH_RERUN = "fp16doctor watch YOUR_TRAINING_SCRIPT.py ARGS"
 """The placeholder the next command names the training file by: a log does not say which file trained."""
+FROM_CHECKPOINT = "fp16doctor diagnose YOUR_TRAINING_FILE.py --from-checkpoint {path} --from-step {step}"
+"""The next command where a checkpoint lies before the trouble (the training file: the doctor's contract)."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,13 @@ def next_step(finding: LogFinding, history: History) -> LogFinding:
         )
     checkpoint = nearest_before(history.checkpoints, finding.first_step)
     if checkpoint is not None:
-        # diagnose cannot start from a trained state yet: the watch, resumed from there, captures the bad step
         return with_next(
             finding,
-            WATCH_RERUN,
-            f"resume the run from {checkpoint.path} (step {checkpoint.step}, the newest checkpoint before the trouble "
-            f"at step {finding.first_step}) under the watch: it stops at the first bad step and writes a replay "
-            "capsule for diagnose --capsule",
+            FROM_CHECKPOINT.format(path=checkpoint.path, step=checkpoint.step),
+            f"start the diagnosis from {checkpoint.path} (step {checkpoint.step}, the newest checkpoint before the "
+            f"trouble at step {finding.first_step}): its probes take up the trained state, and the data goes on "
+            f"from there; or resume the run from it under the watch ({WATCH_RERUN}), which stops at the first bad "
+            "step and writes a replay capsule",
         )
     return with_next(
         finding,

@@ -24,7 +24,7 @@ import keyword
 import sys
 import traceback
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import TrainingFileError
+from .checkpoint import TrainedStart
 from .compiled import CompileOptions, CompileRecorder
 
 MARKER = "__fp16doctor_training_file__"
@@ -80,7 +81,7 @@ class TrainingSpec:
     path: Path
     module: types.ModuleType
     model: Callable[[], torch.nn.Module]
-    data: Callable[[], Iterable[Any]]
+    data: Callable[..., Iterable[Any]]
     loss: Callable[..., torch.Tensor] | None
     optimizer: Callable[..., torch.optim.Optimizer] | None
     scheduler: Callable[..., Any] | None
@@ -92,6 +93,8 @@ class TrainingSpec:
     """Things the user should know about how the doctor ran their file (printed once, in yellow)."""
     compiled: CompileOptions | None = None
     """How ``model()`` compiles the module it returns (``torch.compile``, seen as ``model()`` ran); None: eager."""
+    start: TrainedStart | None = None
+    """The trained state every probe starts from (``--from-checkpoint``); None: from ``model()``'s initialisation."""
     near_misses: dict[str, dict[str, str]] = field(default_factory=dict)
     """Per contract name the file does not define (``loss``, ``train_step``): the callables the file defines
     at its top level whose names look like it (:data:`NEAR_MISSES`), each with its signature. The doctor
@@ -344,13 +347,35 @@ def build_model_and_program(spec: TrainingSpec) -> tuple[torch.nn.Module, torch.
     return model, program
 
 
+def _data_from(spec: TrainingSpec, step: int) -> Iterator[Any]:
+    """The file's batches from optimizer step ``step`` on: ``data(start_step=step)`` where ``data`` takes it, else
+    ``data()`` advanced past ``step`` batches, a new pass over it for each epoch it runs out."""
+    if step and "start_step" in inspect.signature(spec.data).parameters:
+        return iter(spec.data(start_step=step))
+    source = spec.data()
+    if step and isinstance(source, Sized) and len(source) > 0:
+        step %= len(source)
+    batches, passed = iter(source), 0
+    while passed < step:
+        if next(batches, _END) is _END:
+            if passed == 0:
+                return iter(())
+            step, passed, batches = step % passed, 0, iter(spec.data())  # one epoch: passed batches
+            continue
+        passed += 1
+    return itertools.chain(batches, spec.data()) if step else batches  # past the epoch's end: the next epoch
+
+
+_END = object()
+
+
 def draw_batches(spec: TrainingSpec, count: int) -> list[Any]:
     """Draw ``count`` batches once (cycling a shorter iterable) so every probe replays the same data."""
     from .batches import check_batch, detach_copy
 
     try:
-        source = spec.data()
-        first = list(itertools.islice(iter(source), count))
+        source = _data_from(spec, spec.start.step if spec.start is not None else 0)
+        first = list(itertools.islice(source, count))
     except Exception as exc:  # noqa: BLE001
         raise TrainingFileError(
             f"data() raised {type(exc).__name__}: {exc}",

@@ -63,8 +63,8 @@ class LogFinding:
     evidence: PatternEvidence
     """The pattern's own record of the numbers it read (per pattern: "Evidence by pattern")."""
     next_command: str = ""
-    """What to run next: ``diagnose --capsule`` for a capsule's history, else ``watch`` (resumed from the checkpoint
-    nearest before ``first_step`` when one is beside the logs: ``next_reason`` names it)."""
+    """What to run next: ``diagnose --capsule`` for a capsule's history, ``diagnose --from-checkpoint`` with the
+    checkpoint nearest before ``first_step`` when one is beside the logs, else ``watch``."""
     next_reason: str = ""
     """Why that command."""
 

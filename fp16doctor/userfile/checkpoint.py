@@ -1,0 +1,194 @@
+"""A trained state the probes start from: a checkpoint a failed run left (``diagnose --from-checkpoint``).
+
+Some faults need a trained state: a loss scale grown to 2^20 after thousands of clean steps, weights grown large,
+an optimizer's second moments near zero. Probes that start from initialisation never see them. A checkpoint holds
+that state; every probe then starts from its model, optimizer, scaler and scheduler state, and the data continues
+from its step.
+
+Layouts read:
+
+* a ``torch.save`` dict with the usual keys (``model``/``state_dict``/``model_state_dict``, ``optimizer``,
+  ``scaler``, ``lr_scheduler``/``scheduler``, ``step``/``global_step``), or a bare state dict of the model;
+* a Hugging Face ``Trainer`` checkpoint folder (``checkpoint-N/``: ``model.safetensors`` or ``pytorch_model.bin``,
+  ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``trainer_state.json``);
+* a Lightning ``.ckpt`` (``state_dict``, ``optimizer_states``, ``lr_schedulers``, the ``MixedPrecision`` scaler
+  state, ``global_step``).
+
+Loading is safe: ``torch.load(..., weights_only=True)``. A checkpoint that pickles more than tensors and plain
+containers is refused with the global it needs, unless the user trusts it (``--trust-checkpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+
+MODEL_KEYS = ("model", "state_dict", "model_state_dict", "model_state", "net", "module")
+OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "optimizer_states")
+SCALER_KEYS = ("scaler", "grad_scaler", "scaler_state_dict", "amp", "MixedPrecision", "native_amp_scaling_state")
+SCHEDULER_KEYS = ("lr_scheduler", "scheduler", "scheduler_state_dict", "lr_schedulers")
+STEP_KEYS = ("global_step", "step", "iteration", "iter")
+HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+
+
+@dataclass
+class TrainedStart:
+    """The trained state every probe starts from, and the step the data continues from."""
+
+    source: Path
+    layout: str
+    """``torch.save dict``, ``state dict``, ``Hugging Face checkpoint`` or ``Lightning checkpoint``."""
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None
+    scaler: dict[str, Any] | None
+    scheduler: dict[str, Any] | None
+    step: int
+    """The optimizer step the checkpoint was taken at (``--from-step`` where given): the data continues there."""
+
+    def model_state_for(self, expected: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The model's weights under the keys the file's model has: the checkpoint's, less a wrapper's prefix
+        (``module.`` of DDP, ``_orig_mod.`` of torch.compile, ``model.`` of a LightningModule)."""
+        wanted = set(expected)
+        prefix = _prefix(set(self.model), wanted)
+        if prefix is None:
+            missing = sorted(wanted - set(self.model))
+            unexpected = sorted(set(self.model) - wanted)
+            raise CheckpointError(
+                f"the checkpoint '{self.source}' does not hold this model's weights: missing {_few(missing)}; "
+                f"unexpected {_few(unexpected)}.",
+                hint="--from-checkpoint takes a checkpoint of the model that model() builds (same architecture).",
+            )
+        return {
+            k[len(prefix) :]: v for k, v in self.model.items() if k.startswith(prefix) and k[len(prefix) :] in wanted
+        }
+
+    def describe(self) -> str:
+        parts = ["model"] + [name for name, state in self._parts() if state is not None]
+        return f"{self.layout} {self.source} at step {self.step} ({', '.join(parts)})"
+
+    def _parts(self) -> list[tuple[str, Any]]:
+        return [("optimizer", self.optimizer), ("scaler", self.scaler), ("scheduler", self.scheduler)]
+
+
+def _prefix(found: set[str], wanted: set[str]) -> str | None:
+    """The prefix that maps the checkpoint's keys onto every key the model has ("" when they match)."""
+    if wanted <= found:
+        return ""
+    counts = Counter(k[: -len(w)] for k in found for w in wanted if k.endswith("." + w) or k == w)
+    for prefix, _ in counts.most_common(5):
+        if all(prefix + w in found for w in wanted):
+            return prefix
+    return None
+
+
+def _few(keys: list[str]) -> str:
+    if not keys:
+        return "none"
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
+def load_checkpoint(path: Path, from_step: int | None = None, trust: bool = False) -> TrainedStart:
+    """Read a checkpoint (file or Hugging Face folder) into the state the probes start from."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint '{path}' does not exist.", hint="Check the path given to --from-checkpoint.")
+    start = _hf_folder(path, trust) if path.is_dir() else _from_file(path, trust)
+    if from_step is not None:
+        start.step = from_step
+    return start
+
+
+def _load(path: Path, trust: bool) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not trust)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"the checkpoint '{path}' holds more than tensors and plain containers, which weights_only loading "
+            f"refuses ({str(exc).splitlines()[0]}).",
+            hint="If you trust the file (it runs code when unpickled), pass --trust-checkpoint.",
+        ) from exc
+    except (RuntimeError, OSError, EOFError) as exc:
+        raise CheckpointError(f"cannot read the checkpoint '{path}': {exc}", hint="Is it a torch.save file?") from exc
+
+
+def _from_file(path: Path, trust: bool) -> TrainedStart:
+    saved = _load(path, trust)
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"the checkpoint '{path}' holds a {type(saved).__name__}, not a dict.",
+            hint="Save a dict: torch.save({'model': model.state_dict(), 'optimizer': ..., 'step': ...}, path).",
+        )
+    if saved and all(isinstance(v, torch.Tensor) for v in saved.values()):
+        return TrainedStart(path, "state dict", saved, None, None, None, 0)
+    model = _first(saved, MODEL_KEYS)
+    if not isinstance(model, dict):
+        raise CheckpointError(
+            f"the checkpoint '{path}' has no model weights under any of {', '.join(MODEL_KEYS)} (its keys: "
+            f"{_few(sorted(map(str, saved)))}).",
+            hint="Save the model's state_dict() under 'model'.",
+        )
+    lightning = "optimizer_states" in saved or "pytorch-lightning_version" in saved
+    return TrainedStart(
+        path,
+        "Lightning checkpoint" if lightning else "torch.save dict",
+        model,
+        _one(_first(saved, OPTIMIZER_KEYS)),
+        _one(_first(saved, SCALER_KEYS)),
+        _one(_first(saved, SCHEDULER_KEYS)),
+        int(_first(saved, STEP_KEYS) or 0),
+    )
+
+
+def _first(saved: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    return next((saved[k] for k in keys if saved.get(k) is not None), None)
+
+
+def _one(state: Any) -> dict[str, Any] | None:
+    """A state dict, or the first of a list of them (Lightning keeps one per optimizer and scheduler)."""
+    if isinstance(state, list):
+        state = state[0] if state else None
+    return state if isinstance(state, dict) else None
+
+
+def _hf_folder(path: Path, trust: bool) -> TrainedStart:
+    weights = next((path / name for name in HF_WEIGHTS if (path / name).is_file()), None)
+    if weights is None:
+        raise CheckpointError(
+            f"the folder '{path}' holds no {' or '.join(HF_WEIGHTS)}.",
+            hint="Give a Hugging Face checkpoint-N folder, or a torch.save / Lightning .ckpt file.",
+        )
+    model = _safetensors(weights) if weights.suffix == ".safetensors" else _load(weights, trust)
+    parts = {
+        name: _load(path / f"{name}.pt", trust) if (path / f"{name}.pt").is_file() else None
+        for name in ("optimizer", "scaler", "scheduler")
+    }
+    state = path / "trainer_state.json"
+    step = int(json.loads(state.read_text()).get("global_step", 0)) if state.is_file() else 0
+    return TrainedStart(
+        path,
+        "Hugging Face checkpoint",
+        model,
+        _one(parts["optimizer"]),
+        _one(parts["scaler"]),
+        _one(parts["scheduler"]),
+        step,
+    )
+
+
+def _safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors.torch import load_file
+    except ImportError as exc:
+        raise CheckpointError(
+            f"reading '{path}' needs the safetensors package.", hint="pip install safetensors"
+        ) from exc
+    state: dict[str, torch.Tensor] = load_file(str(path))
+    return state

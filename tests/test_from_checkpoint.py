@@ -1,0 +1,142 @@
+"""`diagnose --from-checkpoint`: every probe starts from the trained state a run left, in fresh CLI processes. A
+fault only a trained state shows (a regression head whose outputs grew past 65504) is found from the checkpoint
+where the same file from initialisation is healthy; a checkpoint of another model, or one that needs more than
+weights-only loading, is bad input with one message. And the layouts it reads (torch.save, Lightning, a real
+Hugging Face Trainer's checkpoint folder) and the data's continuation, in this process."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, diagnose_ci, run_cli
+
+from fp16doctor.userfile.checkpoint import load_checkpoint
+from fp16doctor.userfile.spec import draw_batches, load_training_file
+
+FILE = ROOT / "tests" / "training_files" / "pretrained_price_head.py"
+
+
+def train_price_model(path):
+    """The file's model trained as such a run trains it: its head fitted by least squares on the features (a
+    linear probe), then AdamW steps; saved as people save checkpoints."""
+    spec = importlib.util.spec_from_file_location("price", FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    net = module.model()
+    optimizer = module.optimizer(net.parameters())
+    x, y = (torch.cat(parts) for parts in zip(*module.data()))
+    with torch.no_grad():
+        features = net[:-1](x)
+        solution = torch.linalg.lstsq(torch.cat([features, torch.ones(len(x), 1)], 1), y).solution
+        net[-1].weight.copy_(solution[:-1].T)
+        net[-1].bias.copy_(solution[-1])
+    for _ in range(3):
+        optimizer.zero_grad()
+        module.loss(net, (x, y)).backward()
+        optimizer.step()
+    scaler = torch.amp.GradScaler("cpu")
+    torch.save(
+        {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "step": 500},
+        path,
+    )
+    return float(net(x).detach().abs().max())
+
+
+def test_a_fault_only_the_trained_state_shows_is_found_from_its_checkpoint(tmp_path):
+    checkpoint = tmp_path / "step_500.pt"
+    assert train_price_model(checkpoint) > 65504  # the trained head's outputs: past fp16's range
+    assert diagnose_ci(FILE).returncode == 0  # from initialisation: healthy
+    proc = run_cli("diagnose", FILE, "--ci", "--json", "--from-checkpoint", checkpoint)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    top = report["findings"][0]
+    assert top["cause"] == "activation-overflow" and "'4'" in top["title"]  # the head, model[4]
+    assert any("torch.save dict" in n and "step 500" in n and "scaler" in n for n in report["notes"])
+
+
+def test_a_checkpoint_of_another_model_is_bad_input_naming_the_keys(tmp_path):
+    other = tmp_path / "other.pt"
+    torch.save({"model": torch.nn.Linear(3, 3).state_dict()}, other)
+    proc = run_cli("diagnose", FILE, "--ci", "--from-checkpoint", other)
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and "does not hold this model's weights" in text, proc.stderr[-2000:]
+    assert "missing 0.bias, 0.weight" in text and "unexpected bias, weight" in text
+
+
+def test_a_checkpoint_that_pickles_objects_needs_the_users_trust(tmp_path):
+    """Training scripts often save their argparse arguments beside the weights: weights-only loading refuses the
+    Namespace, and the message says how to load it anyway."""
+    spec = load_training_file(FILE)
+    pickled = tmp_path / "with_args.pt"
+    torch.save({"model": spec.model().state_dict(), "args": argparse.Namespace(lr=0.1, epochs=3)}, pickled)
+    refused = run_cli("compare", FILE, "--steps", "2", "--from-checkpoint", pickled)
+    assert refused.returncode == 2 and "--trust-checkpoint" in " ".join(refused.stderr.split()), refused.stderr
+    trusted = run_cli("compare", FILE, "--steps", "2", "--json", "--from-checkpoint", pickled, "--trust-checkpoint")
+    assert trusted.returncode in (0, 1), trusted.stderr[-2000:]  # loaded: the comparison ran
+
+
+def test_a_lightning_checkpoint_is_read_through_its_module_prefix_and_list_of_states(tmp_path):
+    net = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    net(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "epoch=0-step=40.ckpt"
+    torch.save(
+        {
+            "state_dict": {f"layer.{k}": v for k, v in net.state_dict().items()},
+            "optimizer_states": [optimizer.state_dict()],
+            "lr_schedulers": [],
+            "MixedPrecision": torch.amp.GradScaler("cpu", init_scale=2.0**20).state_dict(),
+            "global_step": 40,
+            "pytorch-lightning_version": "2.5.0",
+        },
+        path,
+    )
+    start = load_checkpoint(path)
+    assert start.layout == "Lightning checkpoint" and start.step == 40 and start.scaler["scale"] == 2.0**20
+    assert start.optimizer is not None and start.scheduler is None
+    assert set(start.model_state_for(["weight", "bias"])) == {"weight", "bias"}  # "layer." taken off
+    assert load_checkpoint(path, from_step=12).step == 12
+
+
+@pytest.mark.slow
+def test_a_real_hugging_face_trainer_checkpoint_folder_is_read(tmp_path):
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+    from history_runs import Tagger, train_hf
+
+    train_hf(tmp_path / "run", steps=20)
+    start = load_checkpoint(tmp_path / "run" / "checkpoint-20")
+    assert start.layout == "Hugging Face checkpoint" and start.step == 20
+    assert start.optimizer is not None and start.scheduler is not None  # optimizer.pt, scheduler.pt
+    model = Tagger()
+    model.load_state_dict(start.model_state_for(model.state_dict().keys()))
+    assert torch.equal(model.net[0].weight, start.model["net.0.weight"])
+
+
+def test_the_data_continues_at_the_checkpoints_step(tmp_path):
+    taking = tmp_path / "takes_step.py"
+    taking.write_text(
+        "import torch\nfrom torch import nn\n\ndef model():\n    return nn.Linear(1, 1)\n\n"
+        "def data(start_step=0):\n    return [torch.full((2, 1), float(start_step + i)) for i in range(3)]\n"
+    )
+    plain = tmp_path / "plain.py"
+    plain.write_text(
+        "import torch\nfrom torch import nn\n\ndef model():\n    return nn.Linear(1, 1)\n\n"
+        "def data():\n    return (torch.full((2, 1), float(i)) for i in range(4))\n"
+    )
+    for path, expected in ((taking, [7.0, 8.0, 9.0]), (plain, [3.0, 0.0, 1.0])):  # 7 = 1 epoch of 4 + 3
+        spec = load_training_file(path)
+        spec.start = load_checkpoint(_saved(tmp_path, spec), from_step=7)
+        assert [float(b[0, 0]) for b in draw_batches(spec, 3)] == expected, path.name
+
+
+def _saved(tmp_path, spec):
+    path = tmp_path / "state.pt"
+    torch.save({"model": spec.model().state_dict(), "step": 0}, path)
+    return path
