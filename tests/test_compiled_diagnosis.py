@@ -11,8 +11,7 @@ import torch
 from conftest import ROOT, diagnose_ci, run_cli
 
 from fp16doctor.config import CompileConfig, build_config
-from fp16doctor.diagnosis.stages.compiled import training_compiles
-from fp16doctor.userfile.compiled import CompileOptions, compiled_program
+from fp16doctor.userfile.compiled import CompileOptions, compiled_program, training_compiles
 from fp16doctor.userfile.spec import uncompiled
 
 FILES = ROOT / "tests" / "training_files"
@@ -69,13 +68,10 @@ def test_a_file_compiled_with_the_eager_backend_agrees_with_eager():
 
 
 def test_an_eager_training_compiles_only_where_the_config_asks():
-    class Spec:
-        compiled = None
-
-    compiled_spec = Spec()
-    compiled_spec.compiled = CompileOptions()
-    assert not training_compiles(Spec(), None) and training_compiles(compiled_spec, None)
-    assert training_compiles(Spec(), True) and not training_compiles(compiled_spec, False)
+    eager, compiled = None, CompileOptions()  # how model() compiled: not at all, or with the defaults
+    assert not training_compiles(CompileConfig(), eager) and training_compiles(CompileConfig(), compiled)
+    assert training_compiles(CompileConfig(enabled=True), eager)
+    assert not training_compiles(CompileConfig(enabled=False), compiled)
     assert build_config({"compile": {"enabled": True, "backend": "aot_eager"}}).compile.backend == "aot_eager"
     with pytest.raises(Exception, match="compile.backend"):
         build_config({"compile": {"backend": "tvm"}})

@@ -52,7 +52,7 @@ from ..precision.session import PrecisionSession
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import map_tensors, to_device
 from ..userfile.checkpoint import TrainedStart
-from ..userfile.compiled import compiled_program
+from ..userfile.compiled import compiled_program, training_compiles
 from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
 from ..userfile.spec import TrainingSpec, build_model, build_model_and_program, draw_batches, user_frame
 from .instruments import InstrumentOptions, Instruments
@@ -390,10 +390,9 @@ class Probe:
         return self._compiled_model if self._compiled_model is not None else self.model
 
     def _compiled(self, compiled: bool) -> torch.nn.Module | None:
-        settings = self.config.compile
-        if not compiled or not (settings.enabled or (settings.enabled is None and self.spec.compiled is not None)):
+        if not compiled or not training_compiles(self.config.compile, self.spec.compiled):
             return None
-        return compiled_program(self.model, self._program, settings, self.spec.compiled)
+        return compiled_program(self.model, self._program, self.config.compile, self.spec.compiled)
 
     def _build_optimizers(self) -> Any:
         """The file's ``optimizers(model)`` (one, or a tuple/list/dict), its ``optimizer(params)``, or the default AdamW."""

@@ -173,6 +173,12 @@ class CompileRecorder:
         return self._options.get(program) or CompileOptions(backend="unknown")
 
 
+def training_compiles(settings: CompileConfig, recorded: CompileOptions | None) -> bool:
+    """Whether the training runs compiled: as ``compile.enabled`` says, or (null) as ``model()`` returns it
+    (``recorded``: how it compiled, None where it returned an eager module)."""
+    return settings.enabled if settings.enabled is not None else recorded is not None
+
+
 def compiled_program(
     model: torch.nn.Module, program: torch.nn.Module | None, settings: CompileConfig, recorded: CompileOptions | None
 ) -> torch.nn.Module:

@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import torch
 
+PARALLEL_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+"""The wrappers whose ``.module`` runs the model the user wrote."""
+
+
+def compile_wrapper_inner(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) holds; None: ``module`` is no such wrapper."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if type(module).__name__ == "OptimizedModule" and isinstance(inner, torch.nn.Module) else None
+
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The user's own model inside the wrappers that run it: (Distributed)DataParallel and ``torch.compile``'s
     ``OptimizedModule``, however nested. Its names are the ones the user knows, and its class the one a capsule
     rebuilds."""
-    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
     while True:
-        inner = model.module if isinstance(model, parallel) else getattr(model, "_orig_mod", None)
+        inner = model.module if isinstance(model, PARALLEL_WRAPPERS) else getattr(model, "_orig_mod", None)
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
@@ -25,16 +33,13 @@ def compiled_call(module: torch.nn.Module) -> object | None:
     """What ``torch.compile`` returned for the program a call of ``module`` runs: its ``OptimizedModule``, or the
     compiled ``_call_impl`` of a module compiled in place (``Module.compile()``), through parallel wrappers; None:
     the call runs eager."""
-    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
     while True:
-        if type(module).__name__ == "OptimizedModule" and isinstance(
-            getattr(module, "_orig_mod", None), torch.nn.Module
-        ):
+        if compile_wrapper_inner(module) is not None:
             return module
         in_place = getattr(module, "_compiled_call_impl", None)
         if in_place is not None:
             return in_place
-        if not isinstance(module, parallel):
+        if not isinstance(module, PARALLEL_WRAPPERS):
             return None
         module = module.module
 

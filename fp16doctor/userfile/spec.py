@@ -34,6 +34,7 @@ import torch
 from ..errors import TrainingFileError
 from .checkpoint import TrainedStart
 from .compiled import CompileOptions, CompileRecorder
+from .modules import compile_wrapper_inner
 
 MARKER = "__fp16doctor_training_file__"
 """Attribute set on a loaded training module: its resolved path (a reload under the same name is ours)."""
@@ -296,8 +297,8 @@ def uncompiled(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module
     tracer follows every aten operator, which a compiled graph hides. A compiled probe runs the wrapper beside
     them, because inductor's numerics are not eager's (it keeps element-wise chains in fp32 registers).
     """
-    inner = getattr(model, "_orig_mod", None)
-    if isinstance(inner, torch.nn.Module) and type(model).__name__ == "OptimizedModule":
+    inner = compile_wrapper_inner(model)
+    if inner is not None:
         return inner, model
     if getattr(model, "_compiled_call_impl", None) is not None:
         model._compiled_call_impl = None

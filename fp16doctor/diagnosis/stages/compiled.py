@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from ...measure.symptoms import Symptom
-from ...userfile.spec import TrainingSpec
+from ...userfile.compiled import training_compiles
 from ..findings import (
     BackendTrial,
     CompiledComparison,
@@ -36,14 +36,9 @@ LOCALISING_BACKENDS = ("eager", "aot_eager")
 """The backends tried first where only the compiled training fails: the least compiled first."""
 
 
-def training_compiles(spec: TrainingSpec, enabled: bool | None) -> bool:
-    """Whether the training runs compiled: as ``compile.enabled`` says, or (null) as ``model()`` returns it."""
-    return enabled if enabled is not None else spec.compiled is not None
-
-
 def stage_compiled(ctx: StageContext) -> StageReport:
     spec, ev = ctx.bench.spec, ctx.evidence
-    if not training_compiles(spec, ctx.config.compile.enabled):
+    if not training_compiles(ctx.config.compile, spec.compiled):
         return StageReport(StageName.COMPILED, StageStatus.SKIPPED, "the training is not compiled")
     assert ev.amp is not None, "the compiled stage runs after the eager AMP probe"
     compiled, probe_seconds, compile_seconds = _timed_compiled_probe(ctx, {})
