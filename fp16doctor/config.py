@@ -211,12 +211,9 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; accept only lossless conversions."""
-    if tp == "float | None" or tp == (float | None):
-        return None if value is None else _coerce(value, float, key)
-    if tp == "str | None" or tp == (str | None):
-        return None if value is None else _coerce(value, str, key)
-    if tp == "bool | None" or tp == (bool | None):
-        return None if value is None else _coerce(value, bool, key)
+    for base in (float, str, bool):  # an optional scalar: null, or the scalar
+        if tp in (f"{base.__name__} | None", base | None):
+            return None if value is None else _coerce(value, base, key)
     if tp in ("list[str]", list[str]):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"config key '{key}' must be a list of strings, got {value!r}.")
