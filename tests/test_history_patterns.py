@@ -168,3 +168,25 @@ def test_a_healthy_history_has_no_finding(steps):
         lr=lambda s: 1e-3 * min(1.0, (s + 1) / 100),
     )
     assert classify(healthy) == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "command"),
+    [
+        ("hf", "checkpoint-8", "fp16doctor diagnose YOUR_TRAINING_FILE.py --from-checkpoint"),
+        ("fp16doctor", "step_8.pt", "fp16doctor diagnose YOUR_TRAINING_FILE.py --from-checkpoint"),
+        ("deepspeed", "global_step8", "fp16doctor watch"),  # a layout diagnose does not read: the watch, from it
+    ],
+)
+def test_the_next_command_starts_the_diagnosis_from_a_checkpoint_it_can_read(tmp_path, kind, name, command):
+    import dataclasses
+
+    from fp16doctor.history.records import Checkpoint
+    from fp16doctor.history.report import next_step
+
+    run = dataclasses.replace(
+        history(20, loss=lambda s: NAN if s == 12 else 1.0), checkpoints=[Checkpoint(tmp_path / name, 8, kind)]
+    )
+    (found,) = NonfiniteLoss().check(run)
+    told = next_step(found, run)
+    assert told.next_command.startswith(command) and str(tmp_path / name) in told.next_command + told.next_reason

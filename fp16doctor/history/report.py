@@ -16,6 +16,9 @@ WATCH_RERUN = "fp16doctor watch YOUR_TRAINING_SCRIPT.py ARGS"
 """The placeholder the next command names the training file by: a log does not say which file trained."""
 FROM_CHECKPOINT = "fp16doctor diagnose YOUR_TRAINING_FILE.py --from-checkpoint {path} --from-step {step}"
 """The next command where a checkpoint lies before the trouble (the training file: the doctor's contract)."""
+STARTS_DIAGNOSIS = ("hf", "lightning", "fp16doctor")
+"""The checkpoint layouts ``diagnose --from-checkpoint`` reads (a Hugging Face folder, a Lightning ``.ckpt``, a
+``torch.save`` dict such as ``fp16doctor train``'s); DeepSpeed's, Megatron-LM's and fairseq's are not read yet."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def next_step(finding: LogFinding, history: History) -> LogFinding:
             "the capsule holds the state and batch of the step the watch stopped at: its diagnosis replays it",
         )
     checkpoint = nearest_before(history.checkpoints, finding.first_step)
-    if checkpoint is not None:
+    if checkpoint is not None and checkpoint.kind in STARTS_DIAGNOSIS:
         return with_next(
             finding,
             FROM_CHECKPOINT.format(path=checkpoint.path, step=checkpoint.step),
@@ -86,6 +89,14 @@ def next_step(finding: LogFinding, history: History) -> LogFinding:
             f"trouble at step {finding.first_step}): its probes take up the trained state, and the data goes on "
             f"from there; or resume the run from it under the watch ({WATCH_RERUN}), which stops at the first bad "
             "step and writes a replay capsule",
+        )
+    if checkpoint is not None:
+        return with_next(
+            finding,
+            WATCH_RERUN,
+            f"resume the run from {checkpoint.path} (step {checkpoint.step}, the newest checkpoint before the trouble "
+            f"at step {finding.first_step}) under the watch: it stops at the first bad step and writes a replay "
+            f"capsule for diagnose --capsule (diagnose --from-checkpoint does not read {checkpoint.kind} checkpoints)",
         )
     return with_next(
         finding,
