@@ -24,6 +24,11 @@ SAMPLES = ROOT / "sample_models"
 
 # CI has 2 cores: one thread per xdist worker (two workers share them), two in a single process
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # ...and one in every fresh process a worker starts (the CLI, scripts, torchrun's ranks inherit it): each would
+    # otherwise take a thread per core, and OpenMP threads spinning on cores the other worker's process holds make
+    # two diagnoses side by side on 2 cores take 7 times as long as one alone.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
