@@ -82,6 +82,10 @@ class HistoryError(DoctorError):
     file, a corrupt JSON or CSV."""
 
 
+class RankTimeoutError(DoctorError):
+    """A parallel run in which no rank moved for ``--rank-timeout`` seconds: stopped, with where each rank was."""
+
+
 class ScriptError(DoctorError):
     """A script or module given to ``fp16doctor watch`` cannot be started: Python's message and exit code."""
 

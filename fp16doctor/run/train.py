@@ -160,7 +160,11 @@ class Trainer:
 
     # --- distributed -------------------------------------------------------------------------------
     def _wrap_ddp(self) -> None:
-        """DistributedDataParallel over the probe's model: gradients are all-reduced in their dtype (fp32 master grads)."""
+        """The file's ``parallelize()`` over the probe's model, or DistributedDataParallel: gradients are all-reduced
+        in their dtype (fp32 master grads) unless the training registers a hook."""
+        if self.spec.parallelize is not None:  # the training's own topology
+            self.probe.model = self.spec.parallelize(self.inner_model)
+            return
         device_ids = [self.probe.device.index or 0] if self.probe.device.type == "cuda" else None
         self.probe.model = torch.nn.parallel.DistributedDataParallel(self.inner_model, device_ids=device_ids)
 

@@ -45,7 +45,7 @@ COMPILED_NOTE = (
     "their instruments see every submodule and aten operator, and the AMP probe runs compiled too, as the "
     "training does (stage 'compiled'): the diagnosis is of the compiled training"
 )
-OPTIONAL_CALLABLES = ("loss", "optimizer", "optimizers", "scheduler", "train_step")
+OPTIONAL_CALLABLES = ("loss", "optimizer", "optimizers", "scheduler", "train_step", "parallelize")
 NEAR_MISSES = {
     "loss": (
         "loss_fn",
@@ -90,6 +90,9 @@ class TrainingSpec:
     config: dict[str, Any]
     optimizers: Callable[..., Any] | None = None
     """``optimizers(model)``: a tuple, list or dict of optimizers (several need a ``train_step``), instead of ``optimizer``."""
+    parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+    """``parallelize(model)``: the model wrapped as the training's ranks wrap it (DDP, FSDP), for ``--nproc``; None:
+    DistributedDataParallel."""
     notes: list[str] = field(default_factory=list)
     """Things the user should know about how the doctor ran their file (printed once, in yellow)."""
     compiled: CompileOptions | None = None

@@ -1,0 +1,316 @@
+"""The training as it runs parallelised: probes under torchrun, for ``diagnose --nproc N``.
+
+Every rank builds the probes from the same seeded weights and takes, of every N consecutive batches, its own one
+(as ``train --nproc`` does), wraps the model as the training file's ``parallelize(model)`` does (DDP when the file
+defines none) and steps it. Three passes run, each from the initial weights:
+
+* ``fp32``: the FP32 baseline in the same topology, its gradients reduced in fp32;
+* ``as_run``: AMP as configured, the reduction as the training makes it (its communication hook), measured
+  against the same reduction in fp32 (:mod:`.reduction`);
+* ``fp32_reduce``: the same AMP training with its reduction made in fp32: the fix, tried.
+
+Rank 0 writes the passes' records (the loss averaged over the ranks: the global batch's), the reduction tables
+and every rank's fingerprint to ``result.pkl``. Each rank writes where it is to ``rank{r}.json`` as it goes: the
+launching process stops a run in which no rank moved for ``rank_timeout`` seconds, and says where each was.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from ..config import DoctorConfig, build_config
+from ..errors import DoctorError, RankTimeoutError, TrainingFileError, first_line
+from ..files import atomic_write_bytes, atomic_write_text
+from ..userfile.modules import PARALLEL_WRAPPERS
+from ..userfile.spec import load_training_file, user_frame
+from .probe import Probe, Workbench
+from .reduction import ReductionMeter
+
+PASSES = (("fp32", "fp32", True), ("as_run", None, False), ("fp32_reduce", None, True))
+"""(name, mode (None: the diagnosed AMP mode), the reduction made in fp32)."""
+
+
+@dataclass(frozen=True)
+class ParallelRequest:
+    """What every rank runs: the training file, the resolved config, the steps and the AMP mode."""
+
+    training_file: str
+    config: dict[str, Any]
+    steps: int
+    mode: str
+    """``amp`` (fp16) or ``bf16``: the low-precision mode the diagnosis probes."""
+
+
+@dataclass
+class ParallelPass:
+    """One pass's measurement, on rank 0."""
+
+    records: pd.DataFrame
+    """The probe's step records (rank 0's), the loss the mean over the ranks."""
+    reduction: pd.DataFrame
+    """Per parameter: the reduction against fp32 (:meth:`~.reduction.ReductionMeter.table`); empty where the
+    topology is not DDP (FSDP's reduce-scatter is not measured)."""
+    fingerprints: list[dict[str, float]]
+    """Per rank, after the pass: the parameters' sum and absolute sum, the loss scale and the skipped steps."""
+
+
+@dataclass
+class ParallelResult:
+    """The three passes of a parallel run, and its topology."""
+
+    world: int
+    topology: str
+    """The class of what ``parallelize()`` returned (``DistributedDataParallel`` by default)."""
+    parallelized_by: str
+    """``parallelize()`` (the training file's) or ``DistributedDataParallel`` (the doctor's default)."""
+    hooks: list[str]
+    """The communication hooks the training registers (empty: DDP's default all-reduce)."""
+    passes: dict[str, ParallelPass] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+# --- the launching side ----------------------------------------------------------------------------------
+def run_parallel(
+    request: ParallelRequest, world: int, workdir: Path, rank_timeout: float, poll_seconds: float = 0.5
+) -> ParallelResult:
+    """torchrun with ``world`` processes of this module; the result rank 0 wrote. A rank's bad input is raised here
+    as its :class:`DoctorError`; a run in which no rank moved for ``rank_timeout`` s is stopped."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    launch = workdir / "launch.json"
+    atomic_write_text(launch, json.dumps({**asdict(request), "rank_timeout": rank_timeout}))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    command += ["-m", "fp16doctor.engine.parallel_rank", str(launch)]
+    began = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    output = _wait_moving(proc, workdir, world, rank_timeout, poll_seconds)
+    _raise_rank_error(workdir, world, proc.returncode, output)
+    with open(workdir / "result.pkl", "rb") as handle:
+        result: ParallelResult = pickle.load(handle)
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def _wait_moving(proc: subprocess.Popen[bytes], workdir: Path, world: int, timeout: float, poll: float) -> str:
+    """Wait for torchrun, stopping it where no rank moved for ``timeout`` s (each rank's file is its heartbeat)."""
+    assert proc.stdout is not None
+    os.set_blocking(proc.stdout.fileno(), False)
+    chunks: list[bytes] = []
+    last_move = time.monotonic()
+    seen = 0.0
+    while proc.poll() is None:
+        time.sleep(poll)
+        chunks.append(proc.stdout.read() or b"")
+        moved = max((_mtime(workdir / f"rank{r}.json") for r in range(world)), default=0.0)
+        if moved > seen:
+            seen, last_move = moved, time.monotonic()
+        if time.monotonic() - last_move > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RankTimeoutError(
+                f"the {world}-process run stopped moving: no rank moved for {timeout:.0f} s. "
+                + "; ".join(_where(workdir, r) for r in range(world))
+                + ".",
+                hint="A rank that never reaches a collective the others wait in (a rank-dependent branch, a "
+                "rank that stalls) hangs them all; --rank-timeout sets how long the doctor waits.",
+            )
+    os.set_blocking(proc.stdout.fileno(), True)
+    chunks.append(proc.stdout.read() or b"")
+    return b"".join(chunks).decode(errors="replace")
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _where(workdir: Path, rank: int) -> str:
+    try:
+        state = json.loads((workdir / f"rank{rank}.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return f"rank {rank} never started"
+    return f"rank {rank} was in {state['where']}"
+
+
+def _raise_rank_error(workdir: Path, world: int, returncode: int, output: str) -> None:
+    for rank in range(world):
+        path = workdir / f"error{rank}.json"
+        if path.exists():
+            error = json.loads(path.read_text())
+            raise TrainingFileError(
+                f"rank {rank}: {error['message']}", hint=error.get("hint", ""), location=error.get("location")
+            )
+    if returncode != 0 or not (workdir / "result.pkl").exists():
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        raise DoctorError(
+            f"the parallel run failed (torchrun exit code {returncode}):\n{tail}",
+            hint="Run the diagnosis without --nproc to see whether the training fails in one process too.",
+        )
+
+
+# --- each rank ---------------------------------------------------------------------------------------------
+class Rank:
+    """One torchrun process: its place, its heartbeat file and its own groups."""
+
+    def __init__(self, workdir: Path, timeout: float):
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.workdir = workdir
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.distributed.init_process_group(
+            "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout)
+        )
+        self.group = torch.distributed.new_group(backend="gloo")  # the doctor's own collectives, never DDP's
+
+    def at(self, where: str) -> None:
+        """Say where this rank is (the launcher's heartbeat)."""
+        atomic_write_text(self.workdir / f"rank{self.rank}.json", json.dumps({"where": where}))
+
+    def any(self, flag: bool) -> bool:
+        value = torch.tensor([1.0 if flag else 0.0])
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return bool(value.item() > 0)
+
+    def mean(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(tensor, group=self.group)
+        return (tensor / self.world).tolist()
+
+    def gather(self, item: dict[str, float]) -> list[dict[str, float]]:
+        items: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(items, item, group=self.group)
+        return items
+
+
+def main(argv: list[str]) -> int:
+    launch = Path(argv[0])
+    request_fields = json.loads(launch.read_text())
+    timeout = float(request_fields.pop("rank_timeout"))
+    request = ParallelRequest(**request_fields)
+    rank = Rank(launch.parent, timeout)
+    try:
+        rank.at("loading the training file")
+        result = run_passes(request, rank)
+        if rank.rank == 0:
+            atomic_write_bytes(launch.parent / "result.pkl", pickle.dumps(result))
+        rank.at("done")
+        return 0
+    except DoctorError as exc:
+        error = {"message": exc.message, "hint": exc.hint, "location": exc.location}
+        atomic_write_text(launch.parent / f"error{rank.rank}.json", json.dumps(error))
+        return 2
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_passes(request: ParallelRequest, rank: Rank) -> ParallelResult:
+    spec = load_training_file(request.training_file)
+    config = build_config(request.config)
+    bench = Workbench(spec, config, batch_count=request.steps * rank.world)
+    bench.batches = bench.batches[rank.rank :: rank.world]  # of every N consecutive batches, this rank's own
+    result: ParallelResult | None = None
+    for name, mode, repair in PASSES:
+        probe = bench.probe(mode or request.mode, config, instruments=None)
+        meter = ReductionMeter({id(p): n for n, p in probe.model.named_parameters()}, repair=repair)
+        try:
+            topology = _parallelize(spec, probe, meter, rank, name)
+            result = result or ParallelResult(rank.world, type(topology).__name__, _by(spec), list(meter.hook_names))
+            result.passes[name] = _run_pass(probe, meter, rank, name, request.steps)
+        finally:
+            probe.close()
+    assert result is not None
+    return result
+
+
+def _by(spec: Any) -> str:
+    return "parallelize()" if spec.parallelize is not None else "DistributedDataParallel"
+
+
+def _parallelize(spec: Any, probe: Probe, meter: ReductionMeter, rank: Rank, name: str) -> torch.nn.Module:
+    """Wrap the probe's model as the training does; its DDP's reduction measured (or made in fp32)."""
+    rank.at(f"parallelize() ({name} pass)")
+    model = probe.model
+    if _already_parallel(model):
+        raise TrainingFileError(
+            f"model() returns a {type(model).__name__}: under --nproc the doctor wraps the model itself.",
+            hint="Return the plain model from model() and wrap it in parallelize(model) -> model, as your "
+            "training does (DDP, FSDP); without parallelize() the doctor uses DistributedDataParallel.",
+        )
+    with meter.around_registration():
+        if spec.parallelize is None:
+            wrapped: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            wrapped = _call_parallelize(spec, model)
+    if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        meter.attach(wrapped)
+    probe.model = wrapped
+    return wrapped
+
+
+def _already_parallel(model: torch.nn.Module) -> bool:
+    """DDP, DataParallel, FSDP1 or a ``fully_shard``-ed module (FSDP2 swaps the class for an ``FSDP...`` one)."""
+    return isinstance(model, PARALLEL_WRAPPERS) or any(
+        "FSDP" in cls.__name__ or cls.__name__ == "FullyShardedDataParallel" for cls in type(model).__mro__
+    )
+
+
+def _call_parallelize(spec: Any, model: torch.nn.Module) -> torch.nn.Module:
+    try:
+        wrapped = spec.parallelize(model)
+    except DoctorError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code: its error, at its line
+        raise TrainingFileError(
+            f"parallelize() raised {type(exc).__name__}: {first_line(exc)}",
+            location=user_frame(exc, spec.path),
+            hint="parallelize(model) receives the plain model on this rank's device and returns it wrapped.",
+        ) from exc
+    if not isinstance(wrapped, torch.nn.Module):
+        raise TrainingFileError(f"parallelize() returned {type(wrapped).__name__}, not a torch.nn.Module.")
+    return wrapped
+
+
+def _run_pass(probe: Probe, meter: ReductionMeter, rank: Rank, name: str, steps: int) -> ParallelPass:
+    with meter.around_registration():  # a hook the training's step registers itself is measured too
+        for step in range(steps):
+            rank.at(f"step {step} of the {name} pass (its forward, backward and gradient reduction)")
+            meter.step = step
+            probe.step()
+            if rank.any(probe.failed is not None):  # every rank stops where one stopped
+                break
+    rank.at(f"comparing the ranks after the {name} pass")
+    records = probe.frame()
+    if len(records):
+        records["loss"] = rank.mean([float(v) for v in records["loss"].fillna(float("nan"))])
+    return ParallelPass(records, meter.table(), rank.gather(_fingerprint(probe)))
+
+
+def _fingerprint(probe: Probe) -> dict[str, float]:
+    params = torch.cat([p.detach().double().reshape(-1).cpu() for p in probe.model.parameters()])
+    scaler = probe.scaler
+    return {
+        "param_sum": float(params.sum()),
+        "param_abs_sum": float(params.abs().sum()),
+        "loss_scale": float(scaler.get_scale()) if scaler.is_enabled() else 1.0,
+        "skipped": float(sum(1 for r in probe.records if r.skipped)),
+    }
+
+
+def request_for(training_file: Path, config: DoctorConfig, steps: int) -> ParallelRequest:
+    mode = "bf16" if config.dtype == "bfloat16" else "amp"
+    return ParallelRequest(str(Path(training_file).resolve()), config.to_dict(), steps, mode)
