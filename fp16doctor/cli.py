@@ -104,7 +104,16 @@ MaxNonfinite = Annotated[
 ]
 Nproc = Annotated[
     int,
-    typer.Option("--nproc", min=1, help="Processes (torchrun + DistributedDataParallel; gloo on CPU, nccl on CUDA)."),
+    typer.Option(
+        "--nproc",
+        min=1,
+        help="Processes under torchrun (gloo on CPU, nccl on CUDA), the model wrapped by the file's parallelize() "
+        "or DistributedDataParallel: diagnose's parallel stage, and the corrected training.",
+    ),
+]
+RankTimeout = Annotated[
+    float,
+    typer.Option("--rank-timeout", min=1, help="Seconds with no rank moving after which a parallel run is stopped."),
 ]
 HtmlFile = Annotated[
     Path | None, typer.Option("--html", help="Write a self-contained HTML report with plots (inline SVG, no network).")
@@ -350,6 +359,7 @@ def diagnose(
     on_nonfinite: OnNonfinite = "skip",
     max_nonfinite: MaxNonfinite = 20,
     nproc: Nproc = 1,
+    rank_timeout: RankTimeout = 300.0,
     max_memory: MaxMemory = None,
     from_checkpoint: FromCheckpoint = None,
     from_step: FromStep = None,
@@ -392,6 +402,8 @@ def diagnose(
             recorded_loss_finding=target.recorded_loss_finding,
             capsule=target.replay,
             plots=report is not None or html is not None,
+            nproc=nproc,
+            rank_timeout=rank_timeout,
         )
         with DiagnosisProgress(err, stage_names()) as progress:
             result = api.diagnose_loaded(loaded, options, on_stage=progress.stage, on_probe_step=progress.probe_step)

@@ -18,6 +18,7 @@ from fp16doctor.diagnosis.rules import all_rules
 
 CONTRACT_CODES = {
     "compiled-divergence",
+    "half-precision-reduce",
     "nonfinite-data",
     "extreme-data",
     "fp32-divergence",

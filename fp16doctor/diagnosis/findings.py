@@ -68,6 +68,7 @@ class StageName(Code):
     PRECISION_GAP = "precision-gap search"
     BF16 = "bf16 check"
     COMPILED = "compiled"
+    PARALLEL = "parallel"
     VERIFYING = "verifying fixes"
     """What the progress display shows while the fixes are tried (the report names it ``fix verification``)."""
     FIX_VERIFICATION = "fix verification"
@@ -596,6 +597,90 @@ class CompiledComparison:
         }
 
 
+REDUCTION_ERROR_WORTH_SAYING = 1e-2
+"""A reduction whose result is further than this from the same reduction in fp32 (relative, in a parameter's
+gradient) loses more than rounding does: fp16's own rounding of a gradient is 2^-11 (about 5e-4)."""
+
+
+@dataclass
+class ParallelComparison:
+    """What the parallel stage measured under torchrun: the training as it runs parallelised (``as_run``), the same
+    with its gradient reduction made in fp32 (``fp32_reduce``), both against the FP32 baseline in that topology."""
+
+    world: int
+    topology: str
+    """The class of what ``parallelize()`` returns (``DistributedDataParallel`` by default)."""
+    parallelized_by: str
+    """``parallelize()`` (the training file's), or ``DistributedDataParallel`` (the doctor's default)."""
+    hooks: list[str]
+    """The communication hooks the training registers (empty: DDP's default all-reduce, in the gradients' dtype)."""
+    symptoms: list[Symptom]
+    """What the parallel AMP training, as it runs, measured against the parallel FP32 baseline."""
+    repaired_symptoms: list[Symptom]
+    """The same with the reduction made in fp32."""
+    single_process_symptoms: list[str]
+    """What the single-process triage measured (the codes): a fault there too shows everywhere."""
+    reduction: pd.DataFrame
+    """Per parameter of the as-run pass: ``name``, ``module``, ``numel``, ``relative_error`` (the worst step's
+    ‖reduced − fp32 reduced‖ / ‖fp32 reduced‖; inf where it made an inf or NaN), ``nonfinite_steps``,
+    ``first_nonfinite_step`` and ``local_max`` (the largest |local gradient| handed to it, scaled as reduced).
+    Empty where the topology is not DDP: FSDP's reduce-scatter is not measured."""
+    ranks_agree: bool
+    """Every rank ended every pass with the same parameters (sum and absolute sum), loss scale and skips."""
+    records: dict[str, pd.DataFrame] = field(default_factory=dict)
+    """The passes' step records (``fp32``, ``as_run``, ``fp32_reduce``; rank 0's, the loss averaged over ranks)."""
+    seconds: float = 0.0
+
+    @property
+    def parallel_only(self) -> bool:
+        """The parallel training fails where the single-process one is healthy: the fault needs the ranks."""
+        return bool(self.symptoms) and not self.single_process_symptoms
+
+    @property
+    def measured_reduction(self) -> bool:
+        return len(self.reduction) > 0
+
+    def worst(self) -> pd.Series | None:
+        """The parameter whose reduction strays furthest from fp32 (None: not measured)."""
+        if not self.measured_reduction:
+            return None
+        ordered = self.reduction.sort_values(["nonfinite_steps", "relative_error"], ascending=False, kind="stable")
+        return ordered.iloc[0]
+
+    @property
+    def reduction_faulty(self) -> bool:
+        worst = self.worst()
+        return worst is not None and (
+            worst["nonfinite_steps"] > 0 or worst["relative_error"] > REDUCTION_ERROR_WORTH_SAYING
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        worst = self.worst()
+        return {
+            "world": self.world,
+            "topology": self.topology,
+            "parallelized_by": self.parallelized_by,
+            "hooks": self.hooks,
+            "symptoms": [s.code for s in self.symptoms],
+            "repaired_symptoms": [s.code for s in self.repaired_symptoms],
+            "parallel_only": self.parallel_only,
+            "ranks_agree": self.ranks_agree,
+            "reduction_measured": self.measured_reduction,
+            "worst_reduction": None
+            if worst is None
+            else {k: _plain(worst[k]) for k in ("name", "module", "relative_error", "nonfinite_steps", "local_max")},
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def _plain(value: Any) -> Any:
+    """A pandas scalar as JSON takes it (an inf relative error stays a string: JSON has no inf)."""
+    if isinstance(value, str):
+        return value
+    number = float(value)
+    return number if math.isfinite(number) else str(number)
+
+
 @dataclass
 class ModuleGap:
     """One module's share of a same-state gap: the relative error its output adds over its input's, AMP
@@ -784,6 +869,8 @@ class Evidence:
     gap: GapSearch | None = None
     compiled: CompiledComparison | None = None
     """The compiled training beside the eager one, where the training compiles."""
+    parallel: ParallelComparison | None = None
+    """The training parallelised under torchrun (``--nproc``), beside the single-process triage."""
     bf16_supported: bool = True
     symptoms: list[Symptom] = field(default_factory=list)
     """The measured symptoms (:class:`fp16doctor.measure.symptoms.Symptom`) of the AMP probe against FP32."""

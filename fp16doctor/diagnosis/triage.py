@@ -84,6 +84,11 @@ class DiagnoseOptions:
     gradients' ranges and the parameter gradients' underflow mass they show (:data:`PLOT_INSTRUMENTS`). Off, those
     tables are empty and :func:`fp16doctor.output.plots.diagnosis_figures` leaves what they show out (the
     activation-range plot's backward series, the underflow heatmap)."""
+    nproc: int = 1
+    """Ranks for the parallel stage (``--nproc``): the training parallelised under torchrun, as ``parallelize()``
+    wraps it (DDP by default); 1 skips it."""
+    rank_timeout: float = 300.0
+    """Seconds the parallel stage waits while no rank moves (``--rank-timeout``) before it stops the run."""
     own_process: bool = False
     """The process is the diagnosis's own (the CLI's command): it may set glibc's mmap threshold to the model's
     tensor size (:func:`~fp16doctor.engine.kept.state_block_threshold`). A library caller's allocator is left alone."""
@@ -133,6 +138,8 @@ def diagnose(
             ),
             ci=options.ci,
             plots=options.plots,
+            nproc=options.nproc,
+            rank_timeout=options.rank_timeout,
             states=keeper.kept(),
             fault_snapshots=keeper.kept(),
             amp_snapshots=keeper.kept(),
@@ -217,6 +224,7 @@ def _triage(
     compiled = evidence.compiled
     if compiled is not None and compiled.outcome == CompiledOutcome.COMPILED_ONLY:
         evidence.symptoms = list(compiled.compiled_symptoms)  # the training as it runs: compiled
+    evidence.symptoms = with_parallel_symptoms(evidence)
     findings, suppressors = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
     findings = verify_findings(findings, evidence, verifier, hidden_by(suppressors))
@@ -229,7 +237,7 @@ def _triage(
     findings = [f for f in findings if f.cause not in hidden or repair_rank(f) == 0]
     findings, unexplained = explain_symptoms(findings, evidence)
     search, search_unfit, searched = None, None, time.perf_counter()
-    if unexplained:
+    if unexplained and not parallel_only(evidence):  # the search's probes run in this one process
         announce(SEARCHING)
         try:
             search = InterventionSearch(ctx, verifier, unexplained).run()
@@ -267,6 +275,20 @@ def _triage(
     )
     stages.append(search_stage)
     return Diagnosis(findings=findings, stages=stages, evidence=evidence, notes=list(spec.notes), corrected=corrected)
+
+
+def with_parallel_symptoms(evidence: Evidence) -> list[Symptom]:
+    """The symptoms the diagnosis stands on: the single-process ones, and what only the parallel training shows."""
+    parallel = evidence.parallel
+    if parallel is None:
+        return evidence.symptoms
+    seen = {s.code for s in evidence.symptoms}
+    return [*evidence.symptoms, *(s for s in parallel.symptoms if s.code not in seen)]
+
+
+def parallel_only(evidence: Evidence) -> bool:
+    """Only the parallel training fails: the single-process probes the search tries fixes on are healthy."""
+    return evidence.parallel is not None and evidence.parallel.parallel_only
 
 
 def verify_findings(findings: list[Finding], ev: Evidence, verifier: Verifier, hidden: set[str]) -> list[Finding]:

@@ -54,6 +54,9 @@ class Intervention:
     """For data causes: the batches with the offending rows dropped or the field standardised."""
     compiled: bool = False
     """The AMP probe calls the model compiled (a fix to how the training compiles: the eager probe is healthy)."""
+    measured: Outcome | None = None
+    """Already tried where the fault shows (the parallel stage runs the fix under torchrun, in the same launch as
+    the training it repairs): the verification reads it instead of running a probe in this process."""
 
     def size(self, current: dict[str, Any]) -> int:
         """How big a change this is against the ``current`` config: settings it changes (a module list
@@ -177,6 +180,8 @@ class Verifier:
         """The AMP probe (and FP32 where the intervention changes it) with the intervention applied."""
         from .stages.context import measured_outcome, run_mode
 
+        if intervention.measured is not None:
+            return intervention.measured
         config = self.ctx.with_config(intervention.config_patch)
         ctx = self.ctx
         if intervention.batches is not None:
@@ -211,7 +216,7 @@ class Verifier:
     def planned_steps(self, intervention: Intervention | None) -> int:
         """The probe steps :meth:`run` takes for ``intervention`` (its progress estimate): the AMP probe, the
         FP32 one where the intervention changes it, the same-state pair where a gap is measured."""
-        if intervention is None:
+        if intervention is None or intervention.measured is not None:
             return 0
         steps = self.ev.steps * (2 if intervention.touches_fp32 else 1)
         return steps + (2 if self._measures_gap() else 0)

@@ -3,7 +3,7 @@
 The order is the expert's: data, FP32 baseline, AMP as configured,
 localisation of the first bad step, the loss-scale sweep, the pause at the LR
 schedule's peak, the precision-gap search, the bf16 check, and where the training compiles, its compiled AMP
-probe beside the eager one. A stage that cannot
+probe beside the eager one, and with ``--nproc`` the training parallelised under torchrun. A stage that cannot
 add anything is skipped with the reason; the FP32 and AMP probes always run.
 """
 
@@ -22,6 +22,7 @@ from .fp32 import stage_fp32
 from .localisation import stage_localise
 from .loss_scale import stage_scale
 from .lr_peak import stage_lr_peak
+from .parallel import stage_parallel
 from .precision_gap import stage_precision_gap
 
 
@@ -43,6 +44,7 @@ STAGES: list[Stage] = [
     Stage(StageName.PRECISION_GAP, stage_precision_gap),
     Stage(StageName.BF16, stage_bf16),
     Stage(StageName.COMPILED, stage_compiled),
+    Stage(StageName.PARALLEL, stage_parallel),
 ]
 
 __all__ = ["STAGES", "Stage", "StageContext", "measured_symptoms", "run_mode", "same_state_gap"]

@@ -53,6 +53,10 @@ class StageContext:
     ci: bool = False
     plots: bool = False
     """The report's plots will be drawn: the AMP stage's probe carries :data:`PLOT_INSTRUMENTS`."""
+    nproc: int = 1
+    """The ranks the parallel stage runs (``--nproc``; 1: it is skipped)."""
+    rank_timeout: float = 300.0
+    """Seconds the parallel stage waits while no rank moves before it stops the run (``--rank-timeout``)."""
     states: MutableMapping[int, dict[str, torch.Tensor]] = field(default_factory=lambda: StateKeeper().kept())
     """FP32 trajectory weights by step, shared by the stages that evaluate the same states (a diagnosis run
     gives :class:`fp16doctor.engine.kept.KeptStates`: in host memory within its budget, else on disk)."""

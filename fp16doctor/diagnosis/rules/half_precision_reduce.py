@@ -1,0 +1,173 @@
+"""The ranks reduce their gradients in half precision, and the reduction, not any rank, breaks the training.
+
+A DDP communication hook such as ``fp16_compress_hook`` casts each bucket of fp32 master gradients to fp16 before
+the all-reduce. A gradient no rank's fp16 backward ever stored (a parameter kept in fp32, gradients accumulated over
+micro-batches, the loss scale on top) can pass 65504 in that cast, and the GradScaler then skips every step until
+its scale has fallen far enough; gradients below fp16's subnormals (training without a loss scale, as in bf16)
+flush to zero. In one process nothing of this shows.
+
+Evidence: the parallel stage's measurement under torchrun, the reduction as the training makes it against the same
+reduction in fp32, parameter by parameter: the worst parameter and its module, its relative error (inf where the
+reduction made an inf or NaN from finite local gradients), the largest local gradient handed to it, the hooks and
+the world size. An error where the parallel training shows a symptom that the same training with its reduction in
+fp32 does not (the fix, tried under torchrun on the same weights and batches); a warning where the reduction is
+measurably worse than fp32's rounding but the probe's steps show no symptom yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pandas as pd
+
+from ...measure.symptoms import Symptom
+from .. import rule_cases as fx
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, ParallelComparison, Severity
+from . import Rule
+
+FIX = Fix(
+    "Reduce the gradients in fp32: remove the compression hook (DDP's default all-reduce averages the fp32 master "
+    "gradients), or for FSDP set MixedPrecisionPolicy(reduce_dtype=torch.float32).",
+    code="ddp = DistributedDataParallel(model)  # without ddp.register_comm_hook(None, fp16_compress_hook)",
+)
+
+
+@dataclass(frozen=True)
+class HalfPrecisionReduceEvidence(EvidenceRecord):
+    """The parallel stage's measurement of the gradient reduction against the same reduction in fp32."""
+
+    world: int
+    """The ranks the parallel stage ran."""
+    topology: str
+    """What ``parallelize()`` returned (``DistributedDataParallel`` by default)."""
+    hooks: list[str]
+    """The communication hooks the training registers."""
+    parameter: str
+    """The parameter whose reduced gradient strays furthest from the fp32 reduction."""
+    module: str
+    relative_error: float | str
+    """Its worst step's relative error against the fp32 reduction ("inf": the reduction made an inf or NaN)."""
+    nonfinite_steps: int
+    """Steps where its reduced gradient was not finite while every rank's local gradient was."""
+    local_max: float
+    """The largest |local gradient| a rank handed to its reduction (scaled by the loss scale, as reduced)."""
+    parallel_symptoms: list[str]
+    """What the parallel training measured against the parallel FP32 baseline."""
+    repaired_symptoms: list[str]
+    """What it measured with the reduction made in fp32."""
+    parallel_only: bool
+    """The single-process triage is healthy: the fault needs the ranks."""
+
+
+def reduction_case(
+    error: float, nonfinite: int, symptoms: list[str], repaired: list[str], single: list[str] | None = None
+) -> Evidence:
+    """A parallel stage's comparison: two ranks, fp16_compress_hook, the head's weight as the worst parameter."""
+    ev = fx.evidence()
+    table = pd.DataFrame(
+        [
+            ("head.weight", "head", 64, error, nonfinite, 8.0e5, 0 if nonfinite else None),
+            ("trunk.0.weight", "trunk.0", 1536, 3e-4, 0, 12.0, None),
+        ],
+        columns=["name", "module", "numel", "relative_error", "nonfinite_steps", "local_max", "first_nonfinite_step"],
+    )
+    ev.parallel = ParallelComparison(
+        world=2,
+        topology="DistributedDataParallel",
+        parallelized_by="parallelize()",
+        hooks=["fp16_compress_hook"],
+        symptoms=[Symptom(code, f"{code} with 2 ranks") for code in symptoms],
+        repaired_symptoms=[Symptom(code, f"{code} with 2 ranks") for code in repaired],
+        single_process_symptoms=single or [],
+        reduction=table,
+        ranks_agree=True,
+    )
+    ev.symptoms = list(ev.parallel.symptoms)
+    return ev
+
+
+class HalfPrecisionReduce(Rule):
+    code = "half-precision-reduce"
+    order = 86
+    evidence_type: ClassVar[type[EvidenceRecord]] = HalfPrecisionReduceEvidence
+    explains = ("nonfinite", "skips", "trajectory-drift", "lost-updates")
+    verifiable = False
+    """The fix is a change to parallelize() (no config patch); it is verified by the parallel stage's fp32-reduction pass."""
+    training_files = ("bf16_prices_fp16_hook.py",)
+    nothing_to_try = "the parallel stage did not run the training with its reduction in fp32"
+    fires_on = (
+        lambda: reduction_case(float("inf"), 6, ["skips", "trajectory-drift"], []),
+        lambda: reduction_case(0.4, 0, ["trajectory-drift"], []),
+        lambda: reduction_case(0.05, 0, [], []),  # measurably worse than rounding, no symptom yet: a warning
+    )
+    quiet_on = (
+        lambda: reduction_case(4e-4, 0, [], []),  # fp16's rounding only
+        lambda: reduction_case(4e-4, 0, ["nonfinite"], ["nonfinite"], ["nonfinite"]),  # a fault of every process
+    )
+
+    def check(self, ev: Evidence) -> list[Finding]:
+        parallel = ev.parallel
+        if parallel is None or not parallel.reduction_faulty:
+            return []
+        worst = parallel.worst()
+        assert worst is not None
+        repairs = bool(parallel.symptoms) and not parallel.repaired_symptoms
+        evidence = HalfPrecisionReduceEvidence(
+            world=parallel.world,
+            topology=parallel.topology,
+            hooks=list(parallel.hooks),
+            parameter=str(worst["name"]),
+            module=str(worst["module"]),
+            relative_error=_error(worst["relative_error"]),
+            nonfinite_steps=int(worst["nonfinite_steps"]),
+            local_max=float(worst["local_max"]),
+            parallel_symptoms=[s.code for s in parallel.symptoms],
+            repaired_symptoms=[s.code for s in parallel.repaired_symptoms],
+            parallel_only=parallel.parallel_only,
+        )
+        title = _title(parallel, evidence)
+        if repairs:
+            return [self.finding(title, evidence, FIX)]
+        return [
+            self.finding(
+                title + "; the probe's steps show no symptom of it yet", evidence, FIX, severity=Severity.WARNING
+            )
+        ]
+
+    def intervention(self, finding: Finding, ev: Evidence) -> Any:
+        """The parallel stage's third pass: the same training, its reduction made in fp32, already measured."""
+        from ..verify import Intervention, Outcome
+
+        parallel = ev.parallel
+        if parallel is None or "fp32_reduce" not in parallel.records:
+            return None
+        outcome = Outcome(
+            amp=parallel.records["fp32_reduce"],
+            fp32=parallel.records["fp32"],
+            symptoms=list(parallel.repaired_symptoms),
+        )
+        return Intervention(
+            f"the {parallel.world}-rank training with its gradient reduction in fp32 (under torchrun)",
+            measured=outcome,
+        )
+
+
+def _error(value: Any) -> float | str:
+    number = float(value)
+    return number if number != float("inf") else "inf"
+
+
+def _title(parallel: ParallelComparison, evidence: HalfPrecisionReduceEvidence) -> str:
+    by = " and ".join(parallel.hooks) or f"{parallel.topology}'s reduction"
+    if evidence.nonfinite_steps:
+        what = (
+            f"{by} turns {evidence.parameter}'s finite gradients (up to {evidence.local_max:.3g} as reduced) into "
+            f"inf or NaN on {evidence.nonfinite_steps} step(s): fp16 cannot hold them"
+        )
+    else:
+        what = (
+            f"{by} reduces {evidence.parameter}'s gradient {float(evidence.relative_error):.1%} away from the same "
+            "reduction in fp32"
+        )
+    return f"{what} ({parallel.world} ranks)"

@@ -1,0 +1,107 @@
+"""Stage 10, the parallel training: with ``--nproc N``, the training runs as its ranks run it, under torchrun.
+
+A single process does not show what the ranks compute together: a gradient reduction in half precision (DDP's
+compression hooks), what one rank's batch does to all of them, ranks that drift apart. So the AMP probe runs under
+torchrun (gloo on CPU, nccl on CUDA) with the model wrapped as the training file's ``parallelize(model)`` wraps it
+(DDP by default), every rank taking its own batches, from the same weights (:mod:`fp16doctor.engine.parallel`):
+
+* the FP32 baseline in the same topology, its reduction in fp32;
+* the training as it runs, its reduction measured against the same reduction in fp32, parameter by parameter;
+* the same with its reduction made in fp32: the fix, tried on the same weights and batches.
+
+The ranks are compared after every pass. The reduction is measured for DDP (its communication hook, whichever it
+is); FSDP's reduce-scatter is not measured yet, and the stage says so.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from ...engine.parallel import ParallelResult, request_for, run_parallel
+from ...measure.symptoms import Symptom, baseline_symptoms, measure
+from ..findings import ParallelComparison, StageName, StageReport, StageStatus
+from .context import StageContext, measured_symptoms
+
+
+def stage_parallel(ctx: StageContext) -> StageReport:
+    if ctx.nproc <= 1:
+        return StageReport(StageName.PARALLEL, StageStatus.SKIPPED, "one process (--nproc N runs the ranks)")
+    ev = ctx.evidence
+    request = request_for(ctx.bench.spec.path, ctx.config, ev.steps)
+    with tempfile.TemporaryDirectory(prefix="fp16doctor-parallel-") as folder:
+        result = run_parallel(request, ctx.nproc, Path(folder), ctx.rank_timeout)
+    single = measured_symptoms(ctx, ctx.config, ev.amp, ev.fp32, None)
+    ev.parallel = comparison_of(result, [s.code for s in single], bf16=ctx.config.dtype == "bfloat16")
+    return StageReport(StageName.PARALLEL, StageStatus.RAN, _sentence(ev.parallel), details=ev.parallel.to_json())
+
+
+def comparison_of(result: ParallelResult, single: list[str], bf16: bool) -> ParallelComparison:
+    fp32 = result.passes["fp32"].records
+    passes = result.passes
+    return ParallelComparison(
+        world=result.world,
+        topology=result.topology,
+        parallelized_by=result.parallelized_by,
+        hooks=result.hooks,
+        symptoms=_symptoms(passes["as_run"].records, fp32, bf16, result.world),
+        repaired_symptoms=_symptoms(passes["fp32_reduce"].records, fp32, bf16, result.world),
+        single_process_symptoms=single,
+        reduction=_with_modules(passes["as_run"].reduction),
+        ranks_agree=all(_agree(p.fingerprints) for p in passes.values()),
+        records={name: p.records for name, p in passes.items()},
+        seconds=result.seconds,
+    )
+
+
+def _symptoms(records: pd.DataFrame, fp32: pd.DataFrame, bf16: bool, world: int) -> list[Symptom]:
+    """The symptoms of a parallel pass against the parallel FP32 baseline, each saying it was measured on the ranks."""
+    found = baseline_symptoms(fp32) + measure(records, fp32, bf16=bf16)
+    return [
+        Symptom(s.code, f"with {world} ranks: {s.description}", {**s.measured, "ranks": world}, s.step) for s in found
+    ]
+
+
+def _with_modules(table: pd.DataFrame) -> pd.DataFrame:
+    """The reduction table with each parameter's module (its name without the last part)."""
+    table = table.copy()
+    table.insert(1, "module", [name.rpartition(".")[0] or name for name in table["name"]])
+    return table
+
+
+def _agree(fingerprints: list[dict[str, float]]) -> bool:
+    """Every rank's fingerprint equals rank 0's (NaN equal to NaN: ranks whose weights all went NaN agree)."""
+    first = fingerprints[0]
+    return all(all(_same(f[key], first[key]) for key in first) for f in fingerprints[1:])
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+def _sentence(comparison: ParallelComparison) -> str:
+    hooks = ", ".join(comparison.hooks) or "DDP's default all-reduce"
+    where = f"{comparison.world} ranks, {comparison.topology} by {comparison.parallelized_by}, {hooks}"
+    if comparison.symptoms:
+        verdict = "the parallel training fails (" + ", ".join(s.code for s in comparison.symptoms) + ")"
+        verdict += "; only when parallelised" if comparison.parallel_only else "; in one process too"
+        if not comparison.repaired_symptoms:
+            verdict += "; healthy with the reduction in fp32"
+    else:
+        verdict = "the parallel training is healthy"
+    worst = comparison.worst()
+    if worst is None:
+        reduction = f"the reduction is not measured for {comparison.topology}"
+    else:
+        error = worst["relative_error"]
+        reduction = (
+            f"the reduction's worst error against fp32 is {error:.2g} ({worst['name']})"
+            if error != float("inf")
+            else f"the reduction made an inf or NaN in {worst['name']} at step {int(worst['first_nonfinite_step'])} "
+            f"from finite local gradients (up to {worst['local_max']:.3g})"
+        )
+    ranks = "the ranks agree" if comparison.ranks_agree else "the ranks disagree"
+    return f"{verdict}; {reduction}; {ranks} ({where}; {comparison.seconds:.1f} s)"

@@ -1,0 +1,138 @@
+"""``diagnose --nproc N``: the training parallelised under torchrun (gloo on CPU), as its ranks run it.
+
+Fresh CLI processes on training files written as DDP users write them: a ``parallelize(model)`` that registers
+PyTorch's fp16 compression hook, DDP's default wrapping, a ``parallelize()`` that raises, a ``model()`` that wraps
+itself when a process group exists, a rank that stalls.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from conftest import ROOT, SAMPLES, diagnose_ci, run_cli
+
+FILES = ROOT / "tests" / "training_files"
+
+
+def _stage(report: dict, name: str) -> dict:
+    return next(s for s in report["stages"] if s["name"] == name)
+
+
+def test_an_fp16_hook_under_bf16_training_fails_only_parallelised_and_an_fp32_reduction_repairs_it():
+    proc = diagnose_ci(FILES / "bf16_prices_fp16_hook.py", "--nproc", "2")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    report = proc.report()
+    top = report["findings"][0]
+    assert top["cause"] == "half-precision-reduce" and top["severity"] == "error", top
+    evidence = top["evidence"]
+    assert evidence["hooks"] == ["fp16_compress_hook"] and evidence["world"] == 2
+    assert evidence["relative_error"] == "inf" and evidence["nonfinite_steps"] >= 1
+    assert evidence["local_max"] > 65504  # a gradient fp16 cannot hold, handed to the fp16 cast
+    assert evidence["parallel_only"] is True  # one process is healthy: the fault needs the ranks
+    assert top["verification"]["repaired"] is True and top["verification"]["symptoms_after"] == []
+    measured = [s for s in report["symptoms"] if s["symptom"] == "nonfinite"]
+    assert measured and measured[0]["measured"]["ranks"] == 2
+    stage = _stage(report, "parallel")
+    assert stage["status"] == "ran" and stage["details"]["parallelized_by"] == "parallelize()"
+
+
+def test_an_overflow_the_scaler_absorbs_as_calibration_is_a_warning_with_its_measurement():
+    """fp16 + GradScaler, an fp32 head: the hook's cast overflows while the scale settles from 65536 (7 skips
+    PyTorch's calibration would make anyway), no symptom in the probe's steps: a warning, measured."""
+    proc = diagnose_ci(FILES / "fp32_head_compressed.py", "--nproc", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warning = next(f for f in proc.report()["findings"] if f["cause"] == "half-precision-reduce")
+    assert warning["severity"] == "warning"
+    assert warning["evidence"]["module"] == "head" and warning["evidence"]["nonfinite_steps"] >= 1
+
+
+def test_ddp_by_default_is_healthy_and_its_fp32_reduction_matches_the_reference():
+    proc = diagnose_ci(SAMPLES / "mlp.py", "--nproc", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    details = _stage(proc.report(), "parallel")["details"]
+    assert details["topology"] == "DistributedDataParallel" and details["parallelized_by"] == "DistributedDataParallel"
+    assert details["hooks"] == [] and details["ranks_agree"] is True and details["symptoms"] == []
+    worst = details["worst_reduction"]
+    assert details["reduction_measured"] and math.isfinite(worst["relative_error"])
+    assert worst["relative_error"] < 1e-5  # fp32 against fp32: summation order only
+
+
+def test_a_parallelize_that_raises_exits_2_with_the_ranks_error_and_its_line(training_file):
+    path = training_file(
+        """
+        import torch
+        from torch import nn
+
+        def model():
+            return nn.Linear(8, 2)
+
+        def data():
+            return [(torch.randn(4, 8), torch.tensor([0, 1, 0, 1]))] * 4
+
+        def parallelize(model):
+            mesh = {"dp": 2}
+            return nn.parallel.DistributedDataParallel(model, device_ids=[mesh["tp"]])
+        """
+    )
+    proc = run_cli("diagnose", path, "--ci", "--nproc", "2")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "parallelize() raised KeyError" in proc.stderr and f"{path}:13" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_model_that_wraps_itself_under_a_process_group_is_pointed_at_parallelize(training_file):
+    path = training_file(
+        """
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+
+        def model():
+            net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+            return nn.parallel.DistributedDataParallel(net) if dist.is_initialized() else net
+
+        def data():
+            return [(torch.randn(4, 8), torch.tensor([0, 1, 0, 1]))] * 4
+        """
+    )
+    proc = run_cli("diagnose", path, "--ci", "--nproc", "2")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "model() returns a DistributedDataParallel" in proc.stderr and "parallelize(model)" in proc.stderr
+
+
+def test_a_rank_that_stalls_is_stopped_after_the_rank_timeout_with_where_each_rank_was(training_file):
+    path = training_file(
+        """
+        import time
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+
+        def model():
+            return nn.Linear(8, 2)
+
+        def data():
+            return [(torch.randn(4, 8), torch.tensor([0, 1, 0, 1]))] * 4
+
+        def parallelize(model):
+            if dist.get_rank() == 1:
+                time.sleep(600)  # a rank-dependent stall: rank 0 waits for it in DDP's first broadcast
+            return nn.parallel.DistributedDataParallel(model)
+        """
+    )
+    proc = run_cli("diagnose", path, "--ci", "--nproc", "2", "--rank-timeout", "15", timeout=200)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no rank moved for 15 s" in proc.stderr
+    assert "rank 1 was in parallelize()" in proc.stderr and "rank 0 was in parallelize()" in proc.stderr
+
+
+def test_train_nproc_trains_in_the_topology_parallelize_builds(tmp_path):
+    """The corrected training runs as the file's parallelize() wraps the model: its hook is there, and reported."""
+    proc = run_cli(
+        "train", FILES / "bf16_prices_fp16_hook.py", "--nproc", "2", "--steps", "3", "--run-dir", tmp_path / "run"
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [f["cause"] for f in summary["findings"]] == ["ddp-half-allreduce"]
+    assert "fp16_compress_hook" in summary["findings"][0]["title"]
