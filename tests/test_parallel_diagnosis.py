@@ -37,6 +37,20 @@ def test_an_fp16_hook_under_bf16_training_fails_only_parallelised_and_an_fp32_re
     assert stage["status"] == "ran" and stage["details"]["parallelized_by"] == "parallelize()"
 
 
+def test_fsdp2_reducing_in_fp16_is_measured_on_each_ranks_shard_and_reduce_dtype_fp32_repairs_it():
+    proc = diagnose_ci(FILES / "fsdp2_fp16_reduce_prices.py", "--nproc", "2")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    report = proc.report()
+    top = report["findings"][0]
+    assert top["cause"] == "half-precision-reduce" and top["severity"] == "error", top
+    assert top["evidence"]["relative_error"] == "inf" and top["evidence"]["local_max"] > 65504
+    assert "reduce_dtype=torch.float32" in top["fix"]["code"]
+    assert top["verification"]["repaired"] is True
+    details = _stage(report, "parallel")["details"]
+    assert details["topology"].startswith("FSDP") and details["policy"]["reduce_dtype"] == "float16"
+    assert details["policy"]["param_dtype"] == "bfloat16"
+
+
 def test_an_overflow_the_scaler_absorbs_as_calibration_is_a_warning_with_its_measurement():
     """fp16 + GradScaler, an fp32 head: the hook's cast overflows while the scale settles from 65536 (7 skips
     PyTorch's calibration would make anyway), no symptom in the probe's steps: a warning, measured."""

@@ -614,6 +614,8 @@ class ParallelComparison:
     """``parallelize()`` (the training file's), or ``DistributedDataParallel`` (the doctor's default)."""
     hooks: list[str]
     """The communication hooks the training registers (empty: DDP's default all-reduce, in the gradients' dtype)."""
+    policy: dict[str, Any] | None
+    """FSDP's mixed-precision policy, its dtypes by name (``reduce_dtype``: "float16"); None for DDP."""
     symptoms: list[Symptom]
     """What the parallel AMP training, as it runs, measured against the parallel FP32 baseline."""
     repaired_symptoms: list[Symptom]
@@ -630,6 +632,17 @@ class ParallelComparison:
     records: dict[str, pd.DataFrame] = field(default_factory=dict)
     """The passes' step records (``fp32``, ``as_run``, ``fp32_reduce``; rank 0's, the loss averaged over ranks)."""
     seconds: float = 0.0
+
+    @property
+    def half_precision_reduction(self) -> str | None:
+        """What makes the reduction in half precision, in words: a compression hook, or FSDP's ``reduce_dtype``."""
+        half = [h for h in self.hooks if "fp16" in h or "bf16" in h]
+        reduce_dtype = (self.policy or {}).get("reduce_dtype")
+        if half:
+            return " and ".join(half)
+        if reduce_dtype in ("float16", "bfloat16"):
+            return f"reduce_dtype=torch.{reduce_dtype}"
+        return None
 
     @property
     def parallel_only(self) -> bool:
@@ -661,6 +674,7 @@ class ParallelComparison:
             "topology": self.topology,
             "parallelized_by": self.parallelized_by,
             "hooks": self.hooks,
+            "policy": self.policy,
             "symptoms": [s.code for s in self.symptoms],
             "repaired_symptoms": [s.code for s in self.repaired_symptoms],
             "parallel_only": self.parallel_only,

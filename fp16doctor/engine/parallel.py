@@ -78,6 +78,9 @@ class ParallelResult:
     """``parallelize()`` (the training file's) or ``DistributedDataParallel`` (the doctor's default)."""
     hooks: list[str]
     """The communication hooks the training registers (empty: DDP's default all-reduce)."""
+    policy: dict[str, Any] | None = None
+    """FSDP's mixed-precision policy (``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``
+    for FSDP2; FSDP1's ``MixedPrecision`` fields), None for DDP or no policy."""
     passes: dict[str, ParallelPass] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -224,12 +227,22 @@ def run_passes(request: ParallelRequest, rank: Rank) -> ParallelResult:
     bench = Workbench(spec, config, batch_count=request.steps * rank.world)
     bench.batches = bench.batches[rank.rank :: rank.world]  # of every N consecutive batches, this rank's own
     result: ParallelResult | None = None
+    policies: list[dict[str, Any] | None] = []
     for name, mode, repair in PASSES:
-        probe = bench.probe(mode or request.mode, config, instruments=None)
-        meter = ReductionMeter({id(p): n for n, p in probe.model.named_parameters()}, repair=repair)
+        meter = ReductionMeter(repair=repair)
+
+        def wrap(model: torch.nn.Module, meter: ReductionMeter = meter, name: str = name) -> torch.nn.Module:
+            wrapped = _parallelize(spec, model, meter, rank, name)
+            policies.append(policy_of(wrapped))
+            if name == "fp32":
+                full_precision_policies(wrapped)
+            return wrapped
+
+        probe = bench.probe(mode or request.mode, config, instruments=None, parallelize=wrap)
         try:
-            topology = _parallelize(spec, probe, meter, rank, name)
-            result = result or ParallelResult(rank.world, type(topology).__name__, _by(spec), list(meter.hook_names))
+            result = result or ParallelResult(
+                rank.world, type(probe.model).__name__, _by(spec), list(meter.hook_names), policies[0]
+            )
             result.passes[name] = _run_pass(probe, meter, rank, name, request.steps)
         finally:
             probe.close()
@@ -241,16 +254,17 @@ def _by(spec: Any) -> str:
     return "parallelize()" if spec.parallelize is not None else "DistributedDataParallel"
 
 
-def _parallelize(spec: Any, probe: Probe, meter: ReductionMeter, rank: Rank, name: str) -> torch.nn.Module:
-    """Wrap the probe's model as the training does; its DDP's reduction measured (or made in fp32)."""
+def _parallelize(spec: Any, model: torch.nn.Module, meter: ReductionMeter, rank: Rank, name: str) -> torch.nn.Module:
+    """Wrap the probe's model as the training does, before its optimizers are made (FSDP shards the parameters
+    they must hold); its DDP's reduction measured (or made in fp32)."""
     rank.at(f"parallelize() ({name} pass)")
-    model = probe.model
     if _already_parallel(model):
         raise TrainingFileError(
             f"model() returns a {type(model).__name__}: under --nproc the doctor wraps the model itself.",
             hint="Return the plain model from model() and wrap it in parallelize(model) -> model, as your "
             "training does (DDP, FSDP); without parallelize() the doctor uses DistributedDataParallel.",
         )
+    meter.names = {id(p): n for n, p in model.named_parameters()}
     with meter.around_registration():
         if spec.parallelize is None:
             wrapped: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
@@ -258,7 +272,6 @@ def _parallelize(spec: Any, probe: Probe, meter: ReductionMeter, rank: Rank, nam
             wrapped = _call_parallelize(spec, model)
     if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         meter.attach(wrapped)
-    probe.model = wrapped
     return wrapped
 
 
@@ -301,7 +314,8 @@ def _run_pass(probe: Probe, meter: ReductionMeter, rank: Rank, name: str, steps:
 
 
 def _fingerprint(probe: Probe) -> dict[str, float]:
-    params = torch.cat([p.detach().double().reshape(-1).cpu() for p in probe.model.parameters()])
+    """What every rank must agree on: the whole parameters (gathered from FSDP's shards), the scale, the skips."""
+    params = torch.cat([_whole(p).detach().double().reshape(-1).cpu() for p in probe.model.parameters()])
     scaler = probe.scaler
     return {
         "param_sum": float(params.sum()),
@@ -309,6 +323,52 @@ def _fingerprint(probe: Probe) -> dict[str, float]:
         "loss_scale": float(scaler.get_scale()) if scaler.is_enabled() else 1.0,
         "skipped": float(sum(1 for r in probe.records if r.skipped)),
     }
+
+
+def policy_of(model: torch.nn.Module) -> dict[str, Any] | None:
+    """FSDP2's ``MixedPrecisionPolicy`` or FSDP1's ``MixedPrecision`` of a wrapped model, its dtypes as strings."""
+    get_state = getattr(model, "_get_fsdp_state", None)
+    policy = (
+        getattr(get_state(), "_mp_policy", None) if callable(get_state) else getattr(model, "mixed_precision", None)
+    )
+    if policy is None:
+        return None
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype", "cast_forward_inputs")
+    found = {name: getattr(policy, name) for name in fields if hasattr(policy, name)}
+    return {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v for k, v in found.items()}
+
+
+def full_precision_policies(model: torch.nn.Module) -> None:
+    """The FP32 baseline in the training's own topology: every ``fully_shard``-ed module's ``MixedPrecisionPolicy``
+    made fp32 (parameters, reduction and outputs in the parameters' own dtype). FSDP2 reads the policy into its
+    parameters' dtypes lazily, at the first forward, so replacing it before then is as if the user had passed none.
+    FSDP1's ``MixedPrecision`` is applied at wrapping and stays (its reduction is not measured either)."""
+    fp32 = _fsdp2_default_policy()
+    if fp32 is None:
+        return
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if not callable(get_state):
+            continue
+        state = get_state()
+        state._mp_policy = fp32
+        group = getattr(state, "_fsdp_param_group", None)
+        if group is not None:
+            group.mp_policy = fp32
+
+
+def _fsdp2_default_policy() -> Any:
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return None
+    return MixedPrecisionPolicy()
+
+
+def _whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: a sharded DTensor gathered (a collective every rank makes in the same order)."""
+    full_tensor = getattr(param, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else param
 
 
 def request_for(training_file: Path, config: DoctorConfig, steps: int) -> ParallelRequest:

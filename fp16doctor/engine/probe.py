@@ -253,6 +253,7 @@ class Probe:
         hold_scheduler_on_retry: bool = True,
         batch_plan: MicroBatchPlan | None = None,
         compiled: bool = False,
+        parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     ):
         """``align_on_taken_steps``: a skipped step retries the same batch with the same RNG, the scheduler
         held (``compare``'s alignment); ``hold_scheduler_on_retry=False`` lets the scheduler step on a skip as
@@ -260,7 +261,9 @@ class Probe:
         ``batch_plan``: how the steps cut their batches into micro-batches (None: the workbench's plan for this mode).
         ``compiled``: the steps call the model compiled, as ``config.compile`` says (:func:`compiled_program`), where
         the training compiles (``model()`` returns a compiled module, or ``compile.enabled``); the probe's own
-        bookkeeping (state, instruments) stays on the eager module, whose parameters the program shares."""
+        bookkeeping (state, instruments) stays on the eager module, whose parameters the program shares.
+        ``parallelize``: wraps the built model before the optimizers are made (FSDP replaces the parameters with
+        their shards, which the optimizers must hold): :attr:`model` is then the wrapped model."""
         self.batch_plan = batch_plan if batch_plan is not None else bench.micro_batch_plan(mode)
         """Planned before anything of this probe is built: planning's throw-away probes are never alive beside it."""
         self.bench = bench
@@ -287,6 +290,8 @@ class Probe:
             self._session.keep_lines_in_fp32(config.overrides.fp32_lines, self.device.type)
         with self._precision(), NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext():
             self.model = self._build_model()
+            if parallelize is not None:
+                self.model = parallelize(self.model)
             self._compiled_model = self._compiled(compiled)
             self.optimizer_arg = self._build_optimizers()
             """What ``train_step`` and ``scheduler()`` receive: one optimizer, or the file's tuple/list/dict of them."""

@@ -26,11 +26,29 @@ from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, ParallelComparison, Severity
 from . import Rule
 
-FIX = Fix(
+DDP_FIX = Fix(
     "Reduce the gradients in fp32: remove the compression hook (DDP's default all-reduce averages the fp32 master "
-    "gradients), or for FSDP set MixedPrecisionPolicy(reduce_dtype=torch.float32).",
+    "gradients in fp32).",
     code="ddp = DistributedDataParallel(model)  # without ddp.register_comm_hook(None, fp16_compress_hook)",
 )
+
+
+def _fsdp_fix(policy: dict[str, Any]) -> Fix:
+    """FSDP's policy with its reduction in fp32, its parameters' dtype kept as the training has it."""
+    param_dtype = policy.get("param_dtype")
+    keep = f"param_dtype=torch.{param_dtype}, " if param_dtype else ""
+    return Fix(
+        "Reduce the gradients in fp32: set reduce_dtype=torch.float32 in the MixedPrecisionPolicy (the parameters "
+        "may stay in param_dtype).",
+        code=f"fully_shard(module, mp_policy=MixedPrecisionPolicy({keep}reduce_dtype=torch.float32))",
+    )
+
+
+def _fix(parallel: ParallelComparison) -> Fix:
+    return _fsdp_fix(parallel.policy) if parallel.policy is not None else DDP_FIX
+
+
+FP16_MAX = 65504.0
 
 
 @dataclass(frozen=True)
@@ -47,7 +65,8 @@ class HalfPrecisionReduceEvidence(EvidenceRecord):
     """The parameter whose reduced gradient strays furthest from the fp32 reduction."""
     module: str
     relative_error: float | str
-    """Its worst step's relative error against the fp32 reduction ("inf": the reduction made an inf or NaN)."""
+    """Its worst step's relative error against the fp32 reduction ("inf": the reduction made an inf or NaN; "not
+    measured": a topology whose reduction the stage does not measure)."""
     nonfinite_steps: int
     """Steps where its reduced gradient was not finite while every rank's local gradient was."""
     local_max: float
@@ -61,7 +80,12 @@ class HalfPrecisionReduceEvidence(EvidenceRecord):
 
 
 def reduction_case(
-    error: float, nonfinite: int, symptoms: list[str], repaired: list[str], single: list[str] | None = None
+    error: float,
+    nonfinite: int,
+    symptoms: list[str],
+    repaired: list[str],
+    single: list[str] | None = None,
+    hooks: list[str] | None = None,
 ) -> Evidence:
     """A parallel stage's comparison: two ranks, fp16_compress_hook, the head's weight as the worst parameter."""
     ev = fx.evidence()
@@ -76,7 +100,8 @@ def reduction_case(
         world=2,
         topology="DistributedDataParallel",
         parallelized_by="parallelize()",
-        hooks=["fp16_compress_hook"],
+        hooks=["fp16_compress_hook"] if hooks is None else hooks,
+        policy=None,
         symptoms=[Symptom(code, f"{code} with 2 ranks") for code in symptoms],
         repaired_symptoms=[Symptom(code, f"{code} with 2 ranks") for code in repaired],
         single_process_symptoms=single or [],
@@ -100,16 +125,19 @@ class HalfPrecisionReduce(Rule):
         lambda: reduction_case(float("inf"), 6, ["skips", "trajectory-drift"], []),
         lambda: reduction_case(0.4, 0, ["trajectory-drift"], []),
         lambda: reduction_case(0.05, 0, [], []),  # measurably worse than rounding, no symptom yet: a warning
+        lambda: reduction_case(4e-4, 0, [], []),  # an fp16 hook within rounding: the fact and its headroom, a warning
     )
     quiet_on = (
-        lambda: reduction_case(4e-4, 0, [], []),  # fp16's rounding only
-        lambda: reduction_case(4e-4, 0, ["nonfinite"], ["nonfinite"], ["nonfinite"]),  # a fault of every process
+        lambda: reduction_case(1e-7, 0, [], [], hooks=[]),  # DDP's default reduction in fp32
+        lambda: reduction_case(1e-7, 0, ["nonfinite"], ["nonfinite"], ["nonfinite"], hooks=[]),  # every process fails
     )
 
     def check(self, ev: Evidence) -> list[Finding]:
         parallel = ev.parallel
-        if parallel is None or not parallel.reduction_faulty:
+        if parallel is None or not (parallel.reduction_faulty or parallel.half_precision_reduction):
             return []
+        if not parallel.measured_reduction:
+            return [self._unmeasured(parallel)]
         worst = parallel.worst()
         assert worst is not None
         repairs = bool(parallel.symptoms) and not parallel.repaired_symptoms
@@ -126,14 +154,33 @@ class HalfPrecisionReduce(Rule):
             repaired_symptoms=[s.code for s in parallel.repaired_symptoms],
             parallel_only=parallel.parallel_only,
         )
-        title = _title(parallel, evidence)
+        fix = _fix(parallel)
         if repairs:
-            return [self.finding(title, evidence, FIX)]
-        return [
-            self.finding(
-                title + "; the probe's steps show no symptom of it yet", evidence, FIX, severity=Severity.WARNING
-            )
-        ]
+            return [self.finding(_title(parallel, evidence), evidence, fix)]
+        if parallel.reduction_faulty:
+            title = _title(parallel, evidence) + "; the probe's steps show no symptom of it yet"
+        else:
+            title = _headroom(parallel, evidence)
+        return [self.finding(title, evidence, fix, severity=Severity.WARNING)]
+
+    def _unmeasured(self, parallel: ParallelComparison) -> Finding:
+        """A half-precision reduction the stage could not measure (FSDP1's flat parameters): the fact, a warning."""
+        evidence = HalfPrecisionReduceEvidence(
+            world=parallel.world,
+            topology=parallel.topology,
+            hooks=list(parallel.hooks),
+            parameter="",
+            module="",
+            relative_error="not measured",
+            nonfinite_steps=0,
+            local_max=0.0,
+            parallel_symptoms=[s.code for s in parallel.symptoms],
+            repaired_symptoms=[s.code for s in parallel.repaired_symptoms],
+            parallel_only=parallel.parallel_only,
+        )
+        title = f"The gradients are reduced in half precision ({parallel.half_precision_reduction}); the reduction "
+        title += f"of {parallel.topology} is not measured"
+        return self.finding(title, evidence, _fix(parallel), severity=Severity.WARNING)
 
     def intervention(self, finding: Finding, ev: Evidence) -> Any:
         """The parallel stage's third pass: the same training, its reduction made in fp32, already measured."""
@@ -158,8 +205,20 @@ def _error(value: Any) -> float | str:
     return number if number != float("inf") else "inf"
 
 
+def _headroom(parallel: ParallelComparison, evidence: HalfPrecisionReduceEvidence) -> str:
+    """A half-precision reduction measured within rounding of fp32: the fact, and fp16's headroom left."""
+    what = f"The gradients are reduced in half precision ({parallel.half_precision_reduction}), measured within "
+    what += f"{float(evidence.relative_error):.1g} of fp32 over {parallel.world} ranks"
+    if (parallel.policy or {}).get("reduce_dtype") == "float16" or any("fp16" in h for h in parallel.hooks):
+        headroom = FP16_MAX / evidence.local_max if evidence.local_max > 0 else float("inf")
+        what += (
+            f"; the largest local gradient, {evidence.local_max:.3g} as reduced, leaves {headroom:.3g}x of fp16's range"
+        )
+    return what
+
+
 def _title(parallel: ParallelComparison, evidence: HalfPrecisionReduceEvidence) -> str:
-    by = " and ".join(parallel.hooks) or f"{parallel.topology}'s reduction"
+    by = parallel.half_precision_reduction or f"{parallel.topology}'s reduction"
     if evidence.nonfinite_steps:
         what = (
             f"{by} turns {evidence.parameter}'s finite gradients (up to {evidence.local_max:.3g} as reduced) into "

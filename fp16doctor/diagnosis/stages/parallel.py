@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -47,6 +48,7 @@ def comparison_of(result: ParallelResult, single: list[str], bf16: bool) -> Para
         topology=result.topology,
         parallelized_by=result.parallelized_by,
         hooks=result.hooks,
+        policy=result.policy,
         symptoms=_symptoms(passes["as_run"].records, fp32, bf16, result.world),
         repaired_symptoms=_symptoms(passes["fp32_reduce"].records, fp32, bf16, result.world),
         single_process_symptoms=single,
@@ -82,8 +84,16 @@ def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
+def _policy_reduction(policy: dict[str, Any] | None) -> str:
+    """How the gradients are reduced where no hook is registered: FSDP's ``reduce_dtype``, or DDP's default."""
+    if policy is None:
+        return "DDP's default all-reduce"
+    reduce_dtype = policy.get("reduce_dtype")
+    return f"reduce_dtype=torch.{reduce_dtype}" if reduce_dtype else "reduced in the parameters' dtype"
+
+
 def _sentence(comparison: ParallelComparison) -> str:
-    hooks = ", ".join(comparison.hooks) or "DDP's default all-reduce"
+    hooks = ", ".join(comparison.hooks) or _policy_reduction(comparison.policy)
     where = f"{comparison.world} ranks, {comparison.topology} by {comparison.parallelized_by}, {hooks}"
     if comparison.symptoms:
         verdict = "the parallel training fails (" + ", ".join(s.code for s in comparison.symptoms) + ")"
