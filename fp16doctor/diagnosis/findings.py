@@ -626,7 +626,7 @@ class ParallelComparison:
     """Per parameter of the as-run pass: ``name``, ``module``, ``numel``, ``relative_error`` (the worst step's
     ‖reduced − fp32 reduced‖ / ‖fp32 reduced‖; inf where it made an inf or NaN), ``nonfinite_steps``,
     ``first_nonfinite_step`` and ``local_max`` (the largest |local gradient| handed to it, scaled as reduced).
-    Empty where the topology is not DDP: FSDP's reduce-scatter is not measured."""
+    Empty where the topology's reduction is not measured (FSDP1's flat parameters)."""
     ranks_agree: bool
     """Every rank ended every pass with the same parameters (sum and absolute sum), loss scale and skips."""
     records: dict[str, pd.DataFrame] = field(default_factory=dict)

@@ -62,7 +62,7 @@ class ParallelPass:
     """The probe's step records (rank 0's), the loss the mean over the ranks."""
     reduction: pd.DataFrame
     """Per parameter: the reduction against fp32 (:meth:`~.reduction.ReductionMeter.table`); empty where the
-    topology is not DDP (FSDP's reduce-scatter is not measured)."""
+    topology's reduction is not measured (FSDP1's flat parameters)."""
     fingerprints: list[dict[str, float]]
     """Per rank, after the pass: the parameters' sum and absolute sum, the loss scale and the skipped steps."""
 

@@ -10,7 +10,8 @@ torchrun (gloo on CPU, nccl on CUDA) with the model wrapped as the training file
 * the same with its reduction made in fp32: the fix, tried on the same weights and batches.
 
 The ranks are compared after every pass. The reduction is measured for DDP (its communication hook, whichever it
-is); FSDP's reduce-scatter is not measured yet, and the stage says so.
+is) and FSDP2 (each parameter group's reduce-scatter, in its policy's ``reduce_dtype``); FSDP1's flat-parameter
+reduce-scatter is not measured yet, and the finding says so.
 """
 
 from __future__ import annotations
