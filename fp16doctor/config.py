@@ -157,6 +157,50 @@ class CompileConfig:
         return self.backend is None and self.mode is None and not self.emulate_precision_casts
 
 
+SHARDED_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class ShardingConfig:
+    """The ranks of a sharded training (FSDP2's ``fully_shard`` with a ``MixedPrecisionPolicy``), emulated in one
+    process: what a capsule of a sharded run replays. Each optimizer step takes ``world`` x ``micro_batches``
+    batches, rank r the r-th run of ``micro_batches`` of them (see :mod:`fp16doctor.engine.emulated_ranks`)."""
+
+    world: int = field(
+        default=1, metadata=_doc("Ranks to emulate in one process; 1: none (the training as one process runs it).")
+    )
+    micro_batches: int = field(
+        default=1, metadata=_doc("Micro-batches each rank accumulates per optimizer step, each its own backward.")
+    )
+    param_dtype: str | None = field(
+        default=None,
+        metadata=_doc(
+            "The policy's param_dtype: the parameters themselves are cast to it for the forward and backward (every "
+            "op runs in it); null: the parameters' own dtype. " + " | ".join(SHARDED_DTYPES) + " or null."
+        ),
+    )
+    reduce_dtype: str | None = field(
+        default=None,
+        metadata=_doc(
+            "The policy's reduce_dtype: the ranks' gradients are divided by the world size and summed in it; null: "
+            "in param_dtype (FSDP's default). " + " | ".join(SHARDED_DTYPES) + " or null."
+        ),
+    )
+
+    def validate(self) -> None:
+        _require(self.world >= 1, "sharding.world", "an integer >= 1")
+        _require(self.micro_batches >= 1, "sharding.micro_batches", "an integer >= 1")
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            _require(
+                value is None or value in SHARDED_DTYPES, f"sharding.{key}", " | ".join(SHARDED_DTYPES) + " or null"
+            )
+
+    @property
+    def emulated(self) -> bool:
+        return self.world > 1
+
+
 @dataclass
 class DoctorConfig:
     """Everything a probe, a diagnosis or a training run needs to know."""
@@ -180,6 +224,10 @@ class DoctorConfig:
     compile: CompileConfig = field(
         default_factory=CompileConfig, metadata=_doc("torch.compile settings of a compiled training.")
     )
+    sharding: ShardingConfig = field(
+        default_factory=ShardingConfig,
+        metadata=_doc("The ranks of a sharded training, emulated in one process (a sharded run's capsule)."),
+    )
 
     def validate(self) -> None:
         _require(self.steps >= 1, "steps", "an integer >= 1")
@@ -194,6 +242,7 @@ class DoctorConfig:
             _require(self.overrides.max_lr > 0, "overrides.max_lr", "a number > 0 or null")
         self.scaler.validate()
         self.compile.validate()
+        self.sharding.validate()
 
     def to_dict(self) -> dict[str, Any]:
         """A plain nested dict (what YAML and JSON hold)."""
@@ -321,6 +370,11 @@ def overrides_patch(**values: Any) -> dict[str, Any]:
 def scaler_patch(**values: Any) -> dict[str, Any]:
     """A config patch of the GradScaler's settings, checked against :class:`ScalerConfig`."""
     return {"scaler": _checked(ScalerConfig, values, "scaler.")}
+
+
+def sharding_patch(**values: Any) -> dict[str, Any]:
+    """A config patch of the emulated ranks' policy, checked against :class:`ShardingConfig`."""
+    return {"sharding": _checked(ShardingConfig, values, "sharding.")}
 
 
 def config_patch(*sections: Mapping[str, Any], **values: Any) -> dict[str, Any]:

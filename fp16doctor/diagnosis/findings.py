@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import pandas as pd
 
 from ..config import DoctorConfig
+from ..engine.emulated_ranks import ReductionReading
 from ..engine.records import Column
 from ..files import jsonable
 from ..measure.datascan import FieldScan
@@ -431,6 +432,9 @@ class ProbeSummary:
     """Per iteration, the GradScaler and optimizer calls naming the optimizer each acts on (``step(D)``, ``D.step()``)."""
     skips_by_optimizer: dict[str, int] = field(default_factory=dict)
     """Steps the scaler skipped, per optimizer (by the probe's name for it)."""
+    emulated_reduction: ReductionReading | None = None
+    """What the emulated ranks' gradient reductions did (``config.sharding``, a sharded run's capsule); None where
+    no rank was emulated."""
 
     @property
     def exception(self) -> ExceptionInfo | None:

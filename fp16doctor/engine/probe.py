@@ -55,6 +55,7 @@ from ..userfile.checkpoint import TrainedStart
 from ..userfile.compiled import compiled_program, training_compiles
 from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
 from ..userfile.spec import TrainingSpec, build_model, build_model_and_program, draw_batches, user_frame
+from .emulated_ranks import ReductionReading, emulated_ranks_step
 from .instruments import InstrumentOptions, Instruments
 from .kept import owned_copy, release_memory, tensor_bytes
 from .microbatch import CHECKED_BATCHES, UNSPLIT, MicroBatchPlan, plan_micro_batches
@@ -264,6 +265,11 @@ class Probe:
         bookkeeping (state, instruments) stays on the eager module, whose parameters the program shares.
         ``parallelize``: wraps the built model before the optimizers are made (FSDP replaces the parameters with
         their shards, which the optimizers must hold): :attr:`model` is then the wrapped model."""
+        if config.sharding.emulated and bench.spec.train_step is not None:
+            raise TrainingFileError(
+                "sharding.world > 1 emulates the ranks with the doctor's own step, and the file defines train_step().",
+                hint="Emulated ranks replay a sharded run's capsule; set sharding.world to 1 for a file with its own step.",
+            )
         self.batch_plan = batch_plan if batch_plan is not None else bench.micro_batch_plan(mode)
         """Planned before anything of this probe is built: planning's throw-away probes are never alive beside it."""
         self.bench = bench
@@ -278,6 +284,8 @@ class Probe:
         self.cursor = 0
         self.records: list[StepRecord] = []
         self.failed: StepRecord | None = None
+        self.reduction_reading = ReductionReading()
+        """What the emulated ranks' gradient reductions did (``config.sharding``; empty where no rank is emulated)."""
         self.instruments: Instruments | None = None
         self._program: torch.nn.Module | None = None
         """``model()``'s own ``torch.compile`` wrapper of :attr:`model` (None: it returned an eager module)."""
@@ -461,8 +469,34 @@ class Probe:
 
         return checked_loss
 
+    def _batch_at_cursor(self) -> tuple[int, Any]:
+        """The workbench's batch at the data cursor, and its index; with emulated ranks, the step's run of
+        ``world`` x ``micro_batches`` batches (a list, rank by rank) and the index of its first."""
+        batches = self.bench.batches
+        sharding = self.config.sharding
+        if not sharding.emulated:
+            index = self.cursor % len(batches)
+            return index, batches[index]
+        count = sharding.world * sharding.micro_batches
+        first = (self.cursor * count) % len(batches)
+        return first, [batches[(first + i) % len(batches)] for i in range(count)]
+
     def _run_step(self, batch: Any) -> Any:
         with self._runtime_fixes_active(), self.optimizers:  # optimizers the step creates itself are found as they step
+            if self.config.sharding.emulated:
+                return emulated_ranks_step(
+                    self.step_model,
+                    batch,
+                    self.optimizer,
+                    self.scaler,
+                    self.autocast,
+                    self._loss_fn(),
+                    self.config.sharding,
+                    self.config.max_grad_norm,
+                    reading=self.reduction_reading,
+                    step=self.iteration,
+                    policy_dtypes=self.mode != "fp32",  # the FP32 baseline: the same ranks, no half precision
+                )
             if self.spec.train_step is not None:
                 return self.spec.train_step(self.step_model, batch, self.optimizer_arg, self.scaler, self.autocast)
             if self.batch_plan.split:
@@ -489,7 +523,7 @@ class Probe:
     def next_micro_batch_rows(self) -> list[int] | None:
         """The rows of each micro-batch the next :meth:`step` (on the workbench's batch at the data cursor) cuts
         its batch into, in order; None when it takes the batch whole (one micro-batch, or a ``train_step``)."""
-        if self.spec.train_step is not None or not self.batch_plan.split:
+        if self.spec.train_step is not None or not self.batch_plan.split or self.config.sharding.emulated:
             return None
         rows = self.batch_plan.piece_rows(self.bench.batches[self.cursor % len(self.bench.batches)])
         return rows if rows is not None and len(rows) > 1 else None
@@ -529,8 +563,7 @@ class Probe:
 
     def _step(self, batch: Any, batch_index: int | None) -> StepRecord:
         if batch is None:
-            batch_index = self.cursor % len(self.bench.batches)
-            batch = self.bench.batches[batch_index]
+            batch_index, batch = self._batch_at_cursor()
         batch_index = self.cursor if batch_index is None else batch_index
         batch = to_device(batch, self.device, torch.float32 if self.mode == "fp32" else None)
         lr = float(self.optimizer.param_groups[0]["lr"])

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..engine.emulated_ranks import reducing
 from ..engine.kept import StateKeeper
 from ..engine.probe import Probe, ProbeSnapshot, Workbench
 from ..tensors import FP16_MAX
@@ -509,6 +510,8 @@ class NonFiniteTracer(TorchDispatchMode):
     def _phase(self) -> str:
         if self.context.in_optimizer:
             return "optimizer"
+        if reducing():
+            return "reduction"
         if torch._C._current_graph_task_id() != -1:
             return "backward"
         return "forward" if self.context.stack else "loss"
@@ -517,7 +520,7 @@ class NonFiniteTracer(TorchDispatchMode):
         phase = self._phase()
         if phase == "backward":
             return self.context.backward_module or OUTSIDE_MODEL  # no module output reached yet: the loss's backward
-        if phase == "optimizer":
+        if phase in ("optimizer", "reduction"):
             return None
         return self.context.stack[-1] if self.context.stack else OUTSIDE_MODEL
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..engine.emulated_ranks import REDUCTION
 from ..engine.records import Column as Column
 from ..engine.records import Inventory as Inventory
 from ..engine.records import Reading as Reading
@@ -147,7 +148,7 @@ class Localisation:
     def place(self) -> str:
         """Where, as prose reads it: ``module '6' (forward)``, ``the optimizer``. Module names are quoted: a
         Sequential's children are numbers ("in 6" reads as a count)."""
-        outside = {"optimizer": "the optimizer", "data": "the data", "loss": "the loss"}
+        outside = {"optimizer": "the optimizer", "data": "the data", "loss": "the loss", "reduction": REDUCTION}
         if not self.module:
             return outside.get(self.phase, f"the {self.phase}")
         if self.module == OUTSIDE_MODEL:

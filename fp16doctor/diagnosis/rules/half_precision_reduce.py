@@ -16,11 +16,12 @@ measurably worse than fp32's rounding but the probe's steps show no symptom yet.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import pandas as pd
 
+from ...config import sharding_patch
 from ...measure.symptoms import Symptom
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, ParallelComparison, Severity
@@ -79,6 +80,41 @@ class HalfPrecisionReduceEvidence(EvidenceRecord):
     """The single-process triage is healthy: the fault needs the ranks."""
 
 
+@dataclass(frozen=True)
+class EmulatedReduceEvidence(EvidenceRecord):
+    """The reduction of a sharded run's ranks, emulated in one process (``config.sharding``: a sharded capsule's
+    replay), as it ran: where it made an inf or NaN from every rank's finite local gradients."""
+
+    world: int
+    """The ranks emulated."""
+    param_dtype: str | None
+    """The policy's param_dtype (null: the parameters' own dtype)."""
+    reduce_dtype: str | None
+    """The policy's reduce_dtype (null: param_dtype's)."""
+    parameter: str
+    """The parameter whose reduced gradient the reduction made non-finite most often."""
+    module: str
+    nonfinite_steps: list[int]
+    """The AMP probe's steps where the reduction made its gradient non-finite from finite local ones."""
+    local_max: float
+    """The largest finite |local gradient| a rank handed the reduction (scaled by the loss scale, as reduced)."""
+
+
+def emulated_case(nonfinite_steps: list[int], symptoms: list[str]) -> Evidence:
+    """A sharded capsule's replay: two emulated ranks reducing in fp16, the head's bias broken by the reduction."""
+    from ...engine.emulated_ranks import ReductionReading
+
+    reading = ReductionReading(
+        local_max={"head.bias": 7.8e4, "trunk.weight": 12.0},
+        nonfinite_steps={"head.bias": nonfinite_steps} if nonfinite_steps else {},
+    )
+    ev = fx.evidence(amp=fx.probe(emulated_reduction=reading))
+    ev.config.sharding.world = 2
+    ev.config.sharding.param_dtype, ev.config.sharding.reduce_dtype = "bfloat16", "float16"
+    ev.symptoms = [Symptom(code, code) for code in symptoms]
+    return ev
+
+
 def reduction_case(
     error: float,
     nonfinite: int,
@@ -126,15 +162,19 @@ class HalfPrecisionReduce(Rule):
         lambda: reduction_case(0.4, 0, ["trajectory-drift"], []),
         lambda: reduction_case(0.05, 0, [], []),  # measurably worse than rounding, no symptom yet: a warning
         lambda: reduction_case(4e-4, 0, [], []),  # an fp16 hook within rounding: the fact and its headroom, a warning
+        lambda: emulated_case([0, 1], ["skips"]),  # a sharded capsule's emulated ranks
     )
     quiet_on = (
         lambda: reduction_case(1e-7, 0, [], [], hooks=[]),  # DDP's default reduction in fp32
         lambda: reduction_case(1e-7, 0, ["nonfinite"], ["nonfinite"], ["nonfinite"], hooks=[]),  # every process fails
+        lambda: emulated_case([], ["nonfinite"]),  # emulated ranks whose own gradients were already non-finite
     )
 
     def check(self, ev: Evidence) -> list[Finding]:
         parallel = ev.parallel
-        if parallel is None or not (parallel.reduction_faulty or parallel.half_precision_reduction):
+        if parallel is None:
+            return self._emulated(ev)
+        if not (parallel.reduction_faulty or parallel.half_precision_reduction):
             return []
         if not parallel.measured_reduction:
             return [self._unmeasured(parallel)]
@@ -163,6 +203,33 @@ class HalfPrecisionReduce(Rule):
             title = _headroom(parallel, evidence)
         return [self.finding(title, evidence, fix, severity=Severity.WARNING)]
 
+    def _emulated(self, ev: Evidence) -> list[Finding]:
+        """The emulated ranks of a sharded capsule: the reduction broke gradients every rank held finite."""
+        reading = ev.amp.emulated_reduction if ev.amp is not None else None
+        worst = reading.worst() if reading is not None else None
+        if reading is None or worst is None:
+            return []
+        sharding = ev.config.sharding
+        evidence = EmulatedReduceEvidence(
+            world=sharding.world,
+            param_dtype=sharding.param_dtype,
+            reduce_dtype=sharding.reduce_dtype,
+            parameter=worst,
+            module=worst.rpartition(".")[0],
+            nonfinite_steps=list(reading.nonfinite_steps[worst]),
+            local_max=reading.local_max.get(worst, 0.0),
+        )
+        policy = {"param_dtype": sharding.param_dtype, "reduce_dtype": sharding.reduce_dtype}
+        by = f"reduce_dtype=torch.{sharding.reduce_dtype or sharding.param_dtype}"
+        title = (
+            f"{by} turns {worst}'s finite gradients (up to {evidence.local_max:.3g} as reduced) into inf or NaN on "
+            f"{len(evidence.nonfinite_steps)} step(s) of the {sharding.world} ranks' reduction, emulated in one process"
+        )
+        fix = replace(_fsdp_fix(policy), config_patch=sharding_patch(reduce_dtype="float32"))
+        measured = {s.code for s in ev.symptoms} & set(self.explains)
+        severity = None if measured else Severity.WARNING
+        return [self.finding(title if measured else title + "; no symptom measured", evidence, fix, severity=severity)]
+
     def _unmeasured(self, parallel: ParallelComparison) -> Finding:
         """A half-precision reduction the stage could not measure (FSDP1's flat parameters): the fact, a warning."""
         evidence = HalfPrecisionReduceEvidence(
@@ -183,9 +250,12 @@ class HalfPrecisionReduce(Rule):
         return self.finding(title, evidence, _fix(parallel), severity=Severity.WARNING)
 
     def intervention(self, finding: Finding, ev: Evidence) -> Any:
-        """The parallel stage's third pass: the same training, its reduction made in fp32, already measured."""
+        """The parallel stage's third pass: the same training, its reduction made in fp32, already measured; for
+        emulated ranks, the config patch that makes their reduction fp32."""
         from ..verify import Intervention, Outcome
 
+        if finding.fix.config_patch:
+            return super().intervention(finding, ev)
         parallel = ev.parallel
         if parallel is None or "fp32_reduce" not in parallel.records:
             return None

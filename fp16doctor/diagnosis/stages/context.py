@@ -118,6 +118,7 @@ def summarise(probe: Probe) -> ProbeSummary:
         scaler_calls=[list(r.trace.scaler_calls) if r.trace else [] for r in probe.records],
         optimizer_calls=[list(r.trace.calls) if r.trace else [] for r in probe.records],
         skips_by_optimizer=probe.skips_by_optimizer(),
+        emulated_reduction=probe.reduction_reading if probe.config.sharding.emulated else None,
     )
 
 

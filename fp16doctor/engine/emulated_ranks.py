@@ -1,0 +1,186 @@
+"""The ranks of a sharded training, emulated in one process: a step as FSDP2 computes it across its ranks.
+
+FSDP2 (``fully_shard`` with a ``MixedPrecisionPolicy``) does three things to a step that one process under autocast
+does not, and a replay that leaves them out proves nothing about the run:
+
+* it casts the **parameters themselves** to ``param_dtype`` for the forward and backward: every op runs in that
+  dtype, not only those autocast casts (a norm's ``1e-8`` epsilon is 0 in fp16), and each rank's gradients come out
+  in it;
+* it **reduces** the ranks' gradients in ``reduce_dtype`` (``param_dtype`` where none is set): each rank's gradient
+  is cast to it, then, in fp16, divided by a pre-factor before the sum and by a post-factor after it (their product
+  the world size, the pre-factor about its square root); in fp32 and bf16 the ranks' gradients are averaged;
+* the fp32 master parameters receive the mean, and the optimizer steps them.
+
+Rank r takes the r-th run of ``micro_batches`` of the step's batches, each micro-batch its own forward and backward
+(the rank's gradients accumulating in the parameters' dtype), as the run's ranks took them. The FP32 baseline runs
+the same ranks with no policy (``policy_dtypes=False``). The policy's casts are FSDP's, not the training's code:
+no torch-function mode of the doctor's (the FP32 baseline's, a runtime fix's) rewrites them.
+
+What the reduction did is read as it runs (:class:`ReductionReading`): per parameter, the largest finite |local
+gradient| handed to it (scaled, as reduced), and the steps where every rank's local gradient was finite and the
+reduced one is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import ShardingConfig
+from ..userfile.loop import LossFn
+
+REDUCTION = "the ranks' gradient reduction (emulated)"
+"""Where an op of the emulated reduction runs, as a localisation names it (phase ``reduction``, no module)."""
+
+_reducing = False
+
+
+def reducing() -> bool:
+    """Whether the emulated ranks' gradient reduction is running now: an overflow there is the reduction's, not
+    the loss computation's (the localisation's phase ``reduction``)."""
+    return _reducing
+
+
+@contextmanager
+def _reduction() -> Iterator[None]:
+    global _reducing
+    _reducing = True
+    try:
+        yield
+    finally:
+        _reducing = False
+
+
+@dataclass
+class ReductionReading:
+    """What the emulated reductions did, per parameter, over the steps taken."""
+
+    local_max: dict[str, float] = field(default_factory=dict)
+    """The largest finite |local gradient| any rank handed the reduction (scaled by the loss scale, as reduced)."""
+    nonfinite_steps: dict[str, list[int]] = field(default_factory=dict)
+    """The steps where every rank's local gradient was finite and the reduced one is not."""
+    local_nonfinite_steps: dict[str, list[int]] = field(default_factory=dict)
+    """The steps where a rank's own local gradient was already non-finite (its batch, not the reduction)."""
+
+    def worst(self) -> str | None:
+        """The parameter the reduction broke most often (ties: the largest local gradient), None where it broke none."""
+        broken = [name for name, steps in self.nonfinite_steps.items() if steps]
+        if not broken:
+            return None
+        return max(broken, key=lambda n: (len(self.nonfinite_steps[n]), self.local_max.get(n, 0.0)))
+
+
+def divide_factors(world: int, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    """FSDP2's (pre, post) division of a reduction over ``world`` ranks: in fp16 about the square root of the world
+    size before the sum and the rest after it, against overflow; in fp32 and bf16 the average, all after."""
+    if reduce_dtype != torch.float16:
+        return 1.0, float(world)
+    pre = 1
+    while world % pre == 0 and world / pre > pre:
+        pre *= 2
+    return float(pre), world / pre
+
+
+def emulated_ranks_step(
+    model: torch.nn.Module,
+    batches: list[Any],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    autocast: Callable[[], Any],
+    loss_fn: LossFn,
+    sharding: ShardingConfig,
+    max_grad_norm: float | None = None,
+    reading: ReductionReading | None = None,
+    step: int = 0,
+    policy_dtypes: bool = True,
+) -> torch.Tensor:
+    """One optimizer step of ``sharding.world`` ranks on ``batches`` (``world`` x ``micro_batches`` of them, rank
+    by rank); the loss returned is the ranks' mean (the global batch's), summed over a rank's micro-batches."""
+    optimizer.zero_grad(set_to_none=True)
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    param_dtype = _dtype(sharding.param_dtype) if policy_dtypes else None
+    reduce_dtype = _dtype(sharding.reduce_dtype) if policy_dtypes else None
+    reduced: dict[str, torch.Tensor] = {}
+    local_bad: set[str] = set()
+    total: torch.Tensor | None = None
+    for rank in range(sharding.world):
+        mine = batches[rank * sharding.micro_batches : (rank + 1) * sharding.micro_batches]
+        # This rank's unsharded parameters: leaves of their own, in param_dtype, so that its gradients are its own
+        # and in the dtype FSDP reduces them from.
+        with torch._C.DisableTorchFunction():
+            leaves = {name: p.detach().to(param_dtype or p.dtype).requires_grad_(True) for name, p in params}
+        with _parameters_replaced(model, leaves):
+            for batch in mine:
+                with autocast():
+                    loss = loss_fn(model, batch)
+                scaler.scale(loss).backward()
+                total = loss.detach().float() if total is None else total + loss.detach().float()
+        with _reduction():
+            for name, leaf in leaves.items():
+                if leaf.grad is not None:
+                    reduced[name] = _add_rank(reduced.get(name), leaf.grad, reduce_dtype, sharding.world, reading, name)
+                    if not bool(torch.isfinite(leaf.grad).all()):
+                        local_bad.add(name)
+    if reading is not None:
+        for name in sorted(local_bad):
+            reading.local_nonfinite_steps.setdefault(name, []).append(step)
+    with _reduction(), torch._C.DisableTorchFunction():
+        for name, p in params:
+            if name in reduced:
+                _, post = divide_factors(sharding.world, reduced[name].dtype)
+                p.grad = (reduced[name] / post).to(p.dtype)
+                if reading is not None and name not in local_bad and not bool(torch.isfinite(p.grad).all()):
+                    reading.nonfinite_steps.setdefault(name, []).append(step)
+    # From here on as in one process: unscale before anything reads gradient magnitudes, then step (skipped on
+    # inf/NaN: one process sees every rank's reduced gradient, as FSDP2's DTensor found-inf does), then the scale.
+    scaler.unscale_(optimizer)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    assert total is not None, "a step needs at least one batch"
+    return total / sharding.world
+
+
+def _add_rank(
+    so_far: torch.Tensor | None,
+    grad: torch.Tensor,
+    reduce_dtype: torch.dtype | None,
+    world: int,
+    reading: ReductionReading | None,
+    name: str,
+) -> torch.Tensor:
+    """One rank's gradient added to the reduction: cast to the reduction's dtype (the gradient's own where the policy
+    sets none), then pre-divided, as FSDP2 does."""
+    if reading is not None:
+        _read_local(reading, name, grad)
+    dtype = reduce_dtype or grad.dtype
+    pre, _ = divide_factors(world, dtype)
+    with torch._C.DisableTorchFunction():
+        part = grad.to(dtype) / pre
+    return part if so_far is None else so_far + part
+
+
+def _read_local(reading: ReductionReading, name: str, grad: torch.Tensor) -> None:
+    """The largest finite |local gradient| handed to the reduction so far."""
+    finite = torch.isfinite(grad)
+    top = float(grad.detach().abs().float().where(finite, 0.0).max()) if grad.numel() else 0.0
+    reading.local_max[name] = max(reading.local_max.get(name, 0.0), top)
+
+
+@contextmanager
+def _parameters_replaced(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The model's parameters swapped for ``tensors`` (by name) while the block runs, then put back: the loss code
+    calls the model as it always does. ``functional_call``'s own swap, which the loss code could not reach."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with _reparametrize_module(model, tensors):
+        yield
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
