@@ -121,6 +121,7 @@ def capsule_replay(manifest: dict[str, Any]) -> CapsuleReplay:
         history_finite=bool(manifest.get("history_finite")),
         restored=list(written.get("restored") or []),
         uncaptured=list(written.get("uncaptured") or []),
+        skipped_before=int(manifest.get("skipped_before") or 0),
     )
 
 

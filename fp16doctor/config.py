@@ -187,6 +187,14 @@ class ShardingConfig:
         ),
     )
 
+    autocast: bool = field(
+        default=True,
+        metadata=_doc(
+            "The ranks ran their forward under autocast; false: the policy's param_dtype alone set every op's dtype "
+            "(an FSDP training without autocast), and the AMP probe's autocast is left off."
+        ),
+    )
+
     def validate(self) -> None:
         _require(self.world >= 1, "sharding.world", "an integer >= 1")
         _require(self.micro_batches >= 1, "sharding.micro_batches", "an integer >= 1")

@@ -28,7 +28,8 @@ FSDP_LM = SCRIPTS / "fsdp_lm.py"
 DDP = SCRIPTS / "ddp_loop.py"
 NUMBER = r"(?:[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?|nan|-?inf)"
 RECORD = re.compile(rf"rank (\d) (step \d+ loss {NUMBER} scale {NUMBER}|final weights {NUMBER})")
-SHARDED_CAPSULE = "No capsule: capsules of sharded models are not written yet"
+FSDP1_CAPSULE = "No capsule: capsules of FSDP1 models are not written yet"
+RANKS_CAPSULE = "Capsule: {}/ranks_step_{:08d}. Diagnose it: fp16doctor diagnose --capsule {}/ranks_step_{:08d}"
 
 INJECTED_FAILURE = """
 import os
@@ -102,11 +103,15 @@ def test_fsdp2_fp16_with_a_sharded_scaler_runs_as_unwatched_and_names_the_rank_a
         watched,
         "fp16doctor: nonfinite at optimizer step 4 on rank 1: the loss is nan; rank 1's own gradients were non-finite "
         "before the ranks reduced them (micro-batch 0, first module head (head.bias)); rank 0's were finite: a batch "
-        f"of rank 1's, not the reduction. {SHARDED_CAPSULE}",
+        f"of rank 1's, not the reduction. {RANKS_CAPSULE.format('caps', 4, 'caps', 4)}",
         times=1,
     )
-    assert said(watched, "fp16doctor: stopped at optimizer step 4 on rank 0: rank 1 raised an alarm.", times=1)
-    assert not (tmp_path / "caps").exists()
+    assert said(
+        watched,
+        f"fp16doctor: stopped at optimizer step 4 on rank 0: rank 1 raised an alarm. {RANKS_CAPSULE.format('caps', 4, 'caps', 4)}",
+        times=1,
+    )
+    assert [p.name for p in (tmp_path / "caps").iterdir()] == ["ranks_step_00000004"]  # one capsule for every rank
 
 
 def test_fsdp2_bf16_without_a_scaler_runs_as_unwatched(tmp_path):
@@ -177,7 +182,7 @@ def test_fsdp1_with_a_plain_gradscaler_lets_the_ranks_disagree_on_an_overflow_in
         "in flat parameter (embed.weight, mix.weight, ..., lm_head.bias)); rank 1's own gradients were non-finite "
         "before the ranks reduced them (micro-batch 0, first module lm_head (lm_head.weight)); rank 0's were finite: "
         "a batch of rank 1's, not the reduction; the reduced gradients are non-finite in rank 1's shard only (first in "
-        f"lm_head.weight), and only rank 1 skipped. {SHARDED_CAPSULE}",
+        f"lm_head.weight), and only rank 1 skipped. {FSDP1_CAPSULE}",
         times=1,
     )
     assert "skip-streak at optimizer step 3 on rank 0" not in proc.stderr  # rank 0 stepped
@@ -197,7 +202,7 @@ def test_fsdp2_makes_even_a_plain_gradscalers_skip_decision_global(tmp_path):
         "rank 1's own gradients were non-finite before the ranks reduced them (micro-batch 0, first module lm_head "
         "(lm_head.weight)); rank 0's were finite: a batch of rank 1's, not the reduction; the reduced gradients are "
         "non-finite in rank 0's shard only (first in lm_head.weight), and every rank skipped: the skip decision was "
-        f"global. {SHARDED_CAPSULE}"
+        f"global. {RANKS_CAPSULE.format('fp16doctor_capsules', 3, 'fp16doctor_capsules', 3)}"
     )
     assert said(
         proc,

@@ -848,6 +848,9 @@ class CapsuleReplay:
     nonfinite_state: list[str] = field(default_factory=list)
     """Entries of the model state the replay starts from that hold inf or NaN (measured when the diagnosis loads
     the capsule)."""
+    skipped_before: int = 0
+    """The optimizer steps the watched run skipped in a row just before the capsule's: the replay's scaler resumes
+    that streak, its leading skips are no calibration."""
 
 
 @dataclass

@@ -41,6 +41,7 @@ from .interventions import InterventionSearch, SearchResult
 from .memory import memory_plan
 from .rules import UnexplainedEvidence
 from .rules.fp32_divergence import FP32_NONFINITE, Fp32Divergence, TriedOnFp32
+from .sharded import as_sharded
 from .stages import STAGES, Stage, StageContext, measured_symptoms, same_state_gap
 from .verify import Verifier, repair_rank, with_recommended_scale
 
@@ -261,7 +262,7 @@ def _triage(
         findings.append(unexplained_finding(unexplained, evidence, search))
     if compiled is not None and compiled.outcome == CompiledOutcome.EAGER_ONLY:
         findings = only_eager_fails(findings, evidence)
-    findings = rank(findings)
+    findings = [as_sharded(f, evidence.config.sharding) for f in rank(findings)]
     corrected = verify_corrected(findings, evidence, verifier)
     ran = corrected is not None or any(f.verification is not None and f.verification.tried for f in findings)
     stages.append(

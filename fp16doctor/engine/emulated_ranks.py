@@ -23,6 +23,7 @@ reduced one is not.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from ..config import ShardingConfig
+from ..userfile.batches import map_tensors
 from ..userfile.loop import LossFn
 
 REDUCTION = "the ranks' gradient reduction (emulated)"
@@ -97,13 +99,19 @@ def emulated_ranks_step(
     reading: ReductionReading | None = None,
     step: int = 0,
     policy_dtypes: bool = True,
+    fp32_modules: tuple[str, ...] = (),
 ) -> torch.Tensor:
     """One optimizer step of ``sharding.world`` ranks on ``batches`` (``world`` x ``micro_batches`` of them, rank
-    by rank); the loss returned is the ranks' mean (the global batch's), summed over a rank's micro-batches."""
+    by rank); the loss returned is the ranks' mean (the global batch's), summed over a rank's micro-batches.
+
+    ``fp32_modules`` (``overrides.fp32_modules``) are sharded with a policy of their own, as FSDP2 keeps a module in
+    fp32: ``fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=<the
+    root's param_dtype>))``: their parameters stay fp32 and their outputs go back to the root's dtype."""
     optimizer.zero_grad(set_to_none=True)
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     param_dtype = _dtype(sharding.param_dtype) if policy_dtypes else None
     reduce_dtype = _dtype(sharding.reduce_dtype) if policy_dtypes else None
+    kept = tuple(f"{path}." for path in fp32_modules)
     reduced: dict[str, torch.Tensor] = {}
     local_bad: set[str] = set()
     total: torch.Tensor | None = None
@@ -112,10 +120,13 @@ def emulated_ranks_step(
         # This rank's unsharded parameters: leaves of their own, in param_dtype, so that its gradients are its own
         # and in the dtype FSDP reduces them from.
         with torch._C.DisableTorchFunction():
-            leaves = {name: p.detach().to(param_dtype or p.dtype).requires_grad_(True) for name, p in params}
-        with _parameters_replaced(model, leaves):
+            leaves = {
+                name: p.detach().to(p.dtype if name.startswith(kept) else param_dtype or p.dtype).requires_grad_(True)
+                for name, p in params
+            }
+        with _parameters_replaced(model, leaves), _outputs_cast(model, fp32_modules, param_dtype):
             for batch in mine:
-                with autocast():
+                with autocast() if sharding.autocast else contextlib.nullcontext():
                     loss = loss_fn(model, batch)
                 scaler.scale(loss).backward()
                 total = loss.detach().float() if total is None else total + loss.detach().float()
@@ -180,6 +191,25 @@ def _parameters_replaced(model: torch.nn.Module, tensors: dict[str, torch.Tensor
 
     with _reparametrize_module(model, tensors):
         yield
+
+
+@contextmanager
+def _outputs_cast(model: torch.nn.Module, paths: tuple[str, ...], dtype: torch.dtype | None) -> Iterator[None]:
+    """The outputs of the modules at ``paths`` cast to ``dtype`` (FSDP's ``output_dtype``) while the block runs."""
+    if dtype is None or not paths:
+        yield
+        return
+
+    def cast(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        with torch._C.DisableTorchFunction():
+            return map_tensors(output, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+    handles = [model.get_submodule(path).register_forward_hook(cast) for path in paths]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

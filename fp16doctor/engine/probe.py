@@ -469,7 +469,7 @@ class Probe:
 
         return checked_loss
 
-    def _batch_at_cursor(self) -> tuple[int, Any]:
+    def batch_at_cursor(self) -> tuple[int, Any]:
         """The workbench's batch at the data cursor, and its index; with emulated ranks, the step's run of
         ``world`` x ``micro_batches`` batches (a list, rank by rank) and the index of its first."""
         batches = self.bench.batches
@@ -496,6 +496,7 @@ class Probe:
                     reading=self.reduction_reading,
                     step=self.iteration,
                     policy_dtypes=self.mode != "fp32",  # the FP32 baseline: the same ranks, no half precision
+                    fp32_modules=tuple(self.config.overrides.fp32_modules),
                 )
             if self.spec.train_step is not None:
                 return self.spec.train_step(self.step_model, batch, self.optimizer_arg, self.scaler, self.autocast)
@@ -563,7 +564,7 @@ class Probe:
 
     def _step(self, batch: Any, batch_index: int | None) -> StepRecord:
         if batch is None:
-            batch_index, batch = self._batch_at_cursor()
+            batch_index, batch = self.batch_at_cursor()
         batch_index = self.cursor if batch_index is None else batch_index
         batch = to_device(batch, self.device, torch.float32 if self.mode == "fp32" else None)
         lr = float(self.optimizer.param_groups[0]["lr"])

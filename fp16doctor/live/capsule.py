@@ -45,9 +45,11 @@ def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
-def capsule_folder(base: Path, step: int, rank: int | None) -> Path:
-    """A new folder for this alarm: ``step_N`` (``rankR_step_N`` under torchrun), never an earlier capsule's."""
+def capsule_folder(base: Path, step: int, rank: int | None, every_rank: bool = False) -> Path:
+    """A new folder for this alarm: ``step_N`` (``rankR_step_N`` under torchrun; ``ranks_step_N`` for one the ranks
+    write together), never an earlier capsule's."""
     name = f"step_{step:08d}" if rank is None else f"rank{rank}_step_{step:08d}"
+    name = f"ranks_step_{step:08d}" if every_rank else name
     folder, n = base / name, 1
     while folder.exists():
         n += 1
@@ -145,6 +147,22 @@ def recorded_loss_evidence(manifest: dict[str, Any]) -> str | None:
 
 
 @dataclass(frozen=True)
+class CapsuleContents:
+    """What a capsule stores of the step, on the host: the model to pickle, the state it starts from, the batches."""
+
+    module: torch.nn.Module
+    """The module ``model.pt`` pickles (the user's classes, nothing of the watch's or a wrapper's)."""
+    model_state: dict[str, Any]
+    optimizer_state: dict[str, Any]
+    """As ``Optimizer.state_dict`` keys it (by position), what the capsule's optimizer loads."""
+    batches: list[Any]
+    output_grads: list[list[torch.Tensor | None]] | None
+    import_paths: list[str]
+    sharding: dict[str, Any] | None = None
+    """The ``sharding`` config its replay emulates the ranks with (a sharded run's capsule); None: one process."""
+
+
+@dataclass(frozen=True)
 class ReplayStart:
     """What the watch recorded about the state the capsule's step starts from, kept in the manifest."""
 
@@ -153,11 +171,14 @@ class ReplayStart:
     (:mod:`.stepstate`); None where the watch saw no forward of the step (nothing was kept)."""
     history_finite: bool | None = None
     """Every step the watch checked before this one had a finite loss (None: not recorded)."""
+    skipped_before: int = 0
+    """The optimizer steps skipped in a row just before this one: the replay's scaler continues that streak."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step_state": self.step_state.to_json() if self.step_state is not None else None,
             "history_finite": self.history_finite,
+            "skipped_before": self.skipped_before,
         }
 
 
@@ -169,9 +190,11 @@ def write_manifest(
     loss: LossRecord | None = None,
     start: ReplayStart | None = None,
     compiled: CompileOptions | None = None,
+    sharding: dict[str, Any] | None = None,
 ) -> None:
     """What a reader checks first: the format, the files, which replay the capsule supports, what the watch saw
-    of the step's loss and of the state it started from, how the model was compiled. Written last."""
+    of the step's loss and of the state it started from, how the model was compiled, the ranks it emulates (a
+    sharded run's). Written last."""
     manifest = {
         "format": CAPSULE_FORMAT,
         "fp16doctor": __version__,
@@ -182,6 +205,7 @@ def write_manifest(
         **(loss or LossRecord(None)).to_json(),
         **(start or ReplayStart()).to_json(),
         "compiled": compiled.to_json() if compiled is not None else None,
+        "sharding": sharding,
     }
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2))
 

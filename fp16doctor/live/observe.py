@@ -46,6 +46,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,6 +72,7 @@ from .ranks import (
     ranks_text,
     total_checksum,
 )
+from .sharded_capsule import NO_MEETING, TOGETHER, capture_together
 from .sharding import Topology, clean_name, first_nonfinite_part, flat_label, flat_parameters, local_part, topology
 from .stepstate import StepStartKeeper
 from .watch import Alarm, Watch, WatchOptions, first_line
@@ -163,7 +165,7 @@ class StepFacts:
 
 RANK_TIMEOUT = "rank-timeout"
 """The stop of a rank that waited too long for the others in the watch's own all-gather."""
-SHARDED_CAPSULE = "capsules of sharded models are not written yet (each rank holds only its shard of the state)"
+FSDP1_CAPSULE = "capsules of FSDP1 models are not written yet (each rank holds only its shard of a flat parameter)"
 
 
 def torchrun_rank() -> int | None:
@@ -579,6 +581,8 @@ class TrainingObserver:
             return
         if facts.own == 1:
             alarm.message += f"; {self._own_story(facts)}"
+        if alarm.no_capsule == TOGETHER:
+            alarm.no_capsule = NO_MEETING
         self.on_alarm(alarm)
         if self.options.stop_on_alarm:
             raise WatchStopped(alarm)
@@ -646,7 +650,9 @@ class TrainingObserver:
             shape = topology(outer if outer is not None else model, _world_size())
             self._topologies[id(watch)] = shape
             watch.sharded = shape.sharded
-            watch.no_capsule = SHARDED_CAPSULE if shape.sharded else None
+            watch.no_capsule = (
+                (TOGETHER if shape.wrapper == "fully_shard" else FSDP1_CAPSULE) if shape.sharded else None
+            )
             if shape.replicated and outer is not None:
                 ignored = set(getattr(outer, "parameters_to_ignore", None) or ())
                 self._replicated[id(watch)] = [(n, p) for n, p in model.named_parameters() if n not in ignored]
@@ -712,6 +718,7 @@ class TrainingObserver:
         elif self.watching:
             with self.guard("comparison of the ranks"):
                 self._compare(table, scaler, checksums, step)
+        capsule = self._capsule_together(table, scaler)
         self._say_unsaid(table)
         self._last_step = None
         stopping = [rank for rank, row in enumerate(table) if row.stop] or (
@@ -722,8 +729,30 @@ class TrainingObserver:
                 "stopped", step, f"{ranks_text(stopping)} raised an alarm", rank=self.rank
             )
             if self._pending_stop is None:
+                alarm.capsule, alarm.no_capsule = capsule
                 self.on_alarm(alarm)
             raise WatchStopped(alarm)
+
+    def _capsule_together(self, table: list[RankRow], scaler: GradScaler) -> tuple[Path | None, str | None]:
+        """Where a rank of a sharded run alarmed at this step, its capsule, captured by every rank together
+        (:mod:`.sharded_capsule`): its folder or why there is none, set on this rank's alarms of the step. Every
+        rank decides from the same table, so that all make its collectives or none."""
+        last = self._last_step
+        if last is None or not any(row.alarmed or row.stop for row in table) or any(row.failed for row in table):
+            return None, None
+        watch, optimizer, calls, _ = last
+        if watch.no_capsule != TOGETHER:
+            return None, None
+        try:
+            capsule = capture_together(
+                watch, optimizer, scaler, calls, [row.skipped for row in table], self._autocast_dtype is not None
+            )
+        except Exception as exc:  # noqa: BLE001 - the watch's own failure: the training goes on
+            capsule = None, f"capturing it failed ({type(exc).__name__}: {first_line(exc)})"
+        for alarm in self._unsaid:
+            if alarm.no_capsule == TOGETHER:
+                alarm.capsule, alarm.no_capsule = capsule
+        return capsule
 
     def _row(self, scaler: GradScaler) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What this rank says (device tensors: read in the all-gather's one transfer), and its parameters'

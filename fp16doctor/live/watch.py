@@ -40,6 +40,7 @@ from ..userfile.batches import map_tensors
 from ..userfile.compiled import CompileOptions
 from .capsule import (
     CAPSULE_FORMAT,
+    CapsuleContents,
     LossRecord,
     ReplayStart,
     capsule_config,
@@ -409,15 +410,47 @@ class Watch:
     def _write_capsule(self, optimizer: torch.optim.Optimizer, scaler: Any, numbers: StepNumbers) -> Path:
         folder = capsule_folder(Path(self.options.capsule_dir), numbers.step, self.rank)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the user's optimizer
-        cls = type(inner)
-        enabled = scaler is not None and scaler.is_enabled()
         batches, output_grads = replay_inputs(self._batches, self.output_grads, numbers.loss_scale)
         start = self.step_state.start
         with start.restored(self.model) if start is not None else contextlib.nullcontext(StateReport()) as written:
-            self._save_model(folder, inner, cls, scaler, enabled, numbers, batches, output_grads)
+            contents = CapsuleContents(
+                module=detached_module(self.model),
+                model_state=map_tensors(dict(self.model.state_dict()), cpu_copy),
+                optimizer_state=map_tensors(inner.state_dict(), cpu_copy),
+                batches=batches,
+                output_grads=output_grads,
+                import_paths=import_roots(self.model),
+            )
+            self._save_model(folder, inner, scaler, numbers, contents)
+        self._write_replay(folder, scaler, numbers, contents, written if start is not None else None)
+        return folder
+
+    def write_ranks_capsule(
+        self, optimizer: torch.optim.Optimizer, scaler: Any, numbers: StepNumbers, contents: CapsuleContents
+    ) -> Path:
+        """The capsule the ranks of a sharded run captured together (rank 0 writes it: see
+        :mod:`.sharded_capsule`): ``contents`` holds every rank's batches and the gathered state."""
+        with callers_rng_kept():
+            folder = capsule_folder(Path(self.options.capsule_dir), numbers.step, self.rank, every_rank=True)
+            self._save_model(folder, getattr(optimizer, "optimizer", optimizer), scaler, numbers, contents)
+            self._write_replay(folder, scaler, numbers, contents, None)
+            return folder
+
+    def _write_replay(
+        self,
+        folder: Path,
+        scaler: Any,
+        numbers: StepNumbers,
+        contents: CapsuleContents,
+        written: StateReport | None,
+    ) -> None:
+        """config.json, train_capsule.py and, last, the manifest."""
+        enabled = scaler is not None and scaler.is_enabled()
         dtype = self.dtype or ("float16" if enabled else "bfloat16")
-        config = capsule_config(numbers, scaler, len(batches), dtype)
-        replay = "output-grads" if output_grads is not None else self.framework
+        config = capsule_config(numbers, scaler, len(contents.batches), dtype)
+        if contents.sharding is not None:
+            config["sharding"] = contents.sharding
+        replay = "output-grads" if contents.output_grads is not None else self.framework
         atomic_write_text(folder / "config.json", json.dumps(config, indent=2))
         atomic_write_text(
             folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay, self.compiled)
@@ -427,40 +460,40 @@ class Watch:
             folder,
             numbers.step,
             replay,
-            loss_gradient_finding(numbers.loss, output_grads),
+            loss_gradient_finding(numbers.loss, contents.output_grads),
             LossRecord(numbers.loss, sorted(self._loss_dtypes), sorted(output_dtypes)),
             ReplayStart(
-                step_state=written if start is not None else None,
+                step_state=written,
                 history_finite=all(h.loss is None or math.isfinite(h.loss) for h in self.history[:-1]),
+                skipped_before=skip_streak_before(self.history),
             ),
             compiled=self.compiled,
+            sharding=contents.sharding,
         )
-        return folder
 
     def _save_model(
         self,
         folder: Path,
         inner: torch.optim.Optimizer,
-        cls: type,
         scaler: Any,
-        enabled: bool,
         numbers: StepNumbers,
-        batches: list[Any],
-        output_grads: Any,
+        contents: CapsuleContents,
     ) -> None:
         """capsule.pt and model.pt: the model as it is now (its written state put back by the caller)."""
+        cls = type(inner)
+        enabled = scaler is not None and scaler.is_enabled()
         state = {
             "format": CAPSULE_FORMAT,
             "framework": self.framework,
             "step": numbers.step,
             "rank": self.rank,
-            "model": map_tensors(dict(self.model.state_dict()), cpu_copy),
-            "optimizer": map_tensors(inner.state_dict(), cpu_copy),
+            "model": contents.model_state,
+            "optimizer": contents.optimizer_state,
             "optimizer_class": f"{cls.__module__}.{cls.__qualname__}",
             "optimizer_defaults": constructor_settings(inner),
             "scaler": scaler.state_dict() if enabled else None,
-            "batches": batches,
-            "output_grads": output_grads,
+            "batches": contents.batches,
+            "output_grads": contents.output_grads,
             "rng": rng_state(),
             "loss": numbers.loss,
             "loss_scale": numbers.loss_scale,
@@ -469,10 +502,20 @@ class Watch:
                 "message": self.alarm.message if self.alarm else "",
             },
             "history": [asdict(h) for h in self.history[-50:]],
-            "import_paths": import_roots(self.model),
+            "import_paths": contents.import_paths,
         }
         atomic_torch_save(folder / "capsule.pt", state)
-        atomic_torch_save(folder / "model.pt", detached_module(self.model), pickle_module=cloudpickle)
+        atomic_torch_save(folder / "model.pt", contents.module, pickle_module=cloudpickle)
+
+
+def skip_streak_before(history: list[StepNumbers]) -> int:
+    """The steps skipped in a row just before the last one checked."""
+    streak = 0
+    for numbers in reversed(history[:-1]):
+        if not numbers.skipped:
+            break
+        streak += 1
+    return streak
 
 
 def first_line(exc: BaseException) -> str:

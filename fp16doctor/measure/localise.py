@@ -578,9 +578,13 @@ def trace_step(
         handles.append(optimizer.register_step_pre_hook(optimizer_on))
         handles.append(optimizer.register_step_post_hook(optimizer_off))
     step = probe.iteration
-    if batch_index is None:
-        batch_index = probe.cursor % len(probe.bench.batches) if batch is None else probe.cursor
-    bad_field = _nonfinite_field(batch if batch is not None else probe.bench.batches[batch_index])
+    stepped = batch
+    if batch is None:
+        index, stepped = probe.batch_at_cursor()
+        batch_index = index if batch_index is None else batch_index
+    elif batch_index is None:
+        batch_index = probe.cursor
+    bad_field = _nonfinite_field(stepped)
     if bad_field is not None:  # the values came in with the data: no operator made them
         for h in handles:
             h.remove()

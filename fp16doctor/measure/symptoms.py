@@ -143,12 +143,17 @@ def skip_runs(steps: list[int]) -> list[list[int]]:
     return runs
 
 
-def skip_profile(records: pd.DataFrame) -> dict[str, Any]:
-    """Skips before the first step taken (calibration) and after it, over attempted optimizer steps."""
+def skip_profile(records: pd.DataFrame, skipped_before: int = 0) -> dict[str, Any]:
+    """Skips before the first step taken (calibration) and after it, over attempted optimizer steps.
+
+    ``skipped_before``: the steps the run had skipped in a row just before the record's first (a capsule's replay
+    resumes the scaler where the watched run left it): leading skips continue that streak, not a calibration."""
     tried = attempts(records[records[Column.EXCEPTION_TYPE].isna()])
     skipped = tried[Column.SKIPPED].astype(bool).tolist()
     steps = [int(s) for s, bad in zip(tried[Column.STEP], skipped) if bad]
     leading = next((i for i, bad in enumerate(skipped) if not bad), len(skipped))
+    if leading:
+        leading += skipped_before
     after = skipped[leading:]
     return {
         "attempted": len(skipped),
@@ -254,7 +259,9 @@ def baseline_symptoms(fp32: pd.DataFrame | None) -> list[Symptom]:
     ]
 
 
-def probe_symptoms(amp: Any, fp32: Any, same_state_gap: float | None = None, bf16: bool = False) -> list[Symptom]:
+def probe_symptoms(
+    amp: Any, fp32: Any, same_state_gap: float | None = None, bf16: bool = False, skipped_before: int = 0
+) -> list[Symptom]:
     """All symptoms of an AMP probe summary against the FP32 one (``.records``/``.tables``): the baseline's own
     failure first, then :func:`measure`. What diagnose's verdict and every fix's verification are measured with."""
     fp32_records = fp32.records if fp32 is not None else None
@@ -265,6 +272,7 @@ def probe_symptoms(amp: Any, fp32: Any, same_state_gap: float | None = None, bf1
         fp32.tables.get("updates") if fp32 is not None else None,
         same_state_gap=same_state_gap,
         bf16=bf16,
+        skipped_before=skipped_before,
     )
 
 
@@ -275,8 +283,10 @@ def measure(
     fp32_updates: pd.DataFrame | None = None,
     same_state_gap: float | None = None,
     bf16: bool = False,
+    skipped_before: int = 0,
 ) -> list[Symptom]:
-    """Every symptom the low-precision record ``mode`` shows against the FP32 record (see the module docstring)."""
+    """Every symptom the low-precision record ``mode`` shows against the FP32 record (see the module docstring);
+    ``skipped_before``: the streak of skips a capsule's run had made before its step (:func:`skip_profile`)."""
     found: list[Symptom] = []
     fp32_failed = fp32 is not None and (exception_of(fp32) is not None or first_nonfinite(fp32) is not None)
     exception = exception_of(mode)
@@ -308,13 +318,18 @@ def measure(
                 bad,
             )
         )
-    profile = skip_profile(mode)
+    profile = skip_profile(mode, skipped_before)
     if excess_skips(profile):
+        streak = (
+            f", continuing the {skipped_before} the run skipped in a row before"
+            if profile["leading"] > profile[Column.SKIPPED]
+            else ""
+        )
         found.append(
             Symptom(
                 SymptomCode.SKIPS,
                 f"the GradScaler skipped {profile[Column.SKIPPED]} of {profile['attempted']} optimizer steps "
-                f"({profile['leading']} before the first step taken, {profile['after_settling']} after it)",
+                f"({profile['leading']} before the first step taken{streak}, {profile['after_settling']} after it)",
                 {k: profile[k] for k in ("attempted", "skipped", "leading", "after_settling", "after_share")}
                 | {"skipped_steps": profile["skipped_steps"][:30]},
                 profile["skipped_steps"][0],

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .. import rule_cases as fx
-from ..findings import Evidence, EvidenceRecord, Finding, Fix, RepairKind, evidence_of
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, RepairKind, evidence_of, omitted_when_none
+from ..sharded import batch_place, ranks_of
 from ..verify import Intervention, drop_rows
 from . import Rule
 
@@ -30,6 +31,8 @@ class NonfiniteDataEvidence(EvidenceRecord):
     batches: list[int]
     """The first twenty batches that carry non-finite values."""
     batches_affected: int
+    ranks: list[int] | None = omitted_when_none()
+    """The ranks whose micro-batches those are, where the replay emulates a sharded run's ranks (its capsule)."""
 
 
 class NonfiniteData(Rule):
@@ -74,9 +77,10 @@ class NonfiniteData(Rule):
                 continue
             first = field.first_nonfinite or {}
             batches = field.nonfinite_batches
+            where = batch_place(first.get("batch"), ev.config.sharding)
             findings.append(
                 self.finding(
-                    f"Field '{field.field}' holds {field.nan} NaN and {field.posinf + field.neginf} inf values (first: batch {first.get('batch')}, position {first.get('position')})",
+                    f"Field '{field.field}' holds {field.nan} NaN and {field.posinf + field.neginf} inf values (first: {where}, position {first.get('position')})",
                     NonfiniteDataEvidence(
                         field=field.field,
                         nan=field.nan,
@@ -85,6 +89,7 @@ class NonfiniteData(Rule):
                         first=first,
                         batches=batches[:20],
                         batches_affected=len(batches),
+                        ranks=ranks_of(batches, ev.config.sharding),
                     ),
                     Fix(
                         f"Clean or filter the data: batch(es) {batches[:10]} of field '{field.field}' carry non-finite values.",

@@ -278,7 +278,8 @@ def measured_outcome(
     if amp is None:
         return [], None
     bf16 = config.dtype == "bfloat16"
-    found = probe_symptoms(amp, fp32, gap, bf16=bf16)
+    capsule = ctx.evidence.capsule
+    found = probe_symptoms(amp, fp32, gap, bf16=bf16, skipped_before=capsule.skipped_before if capsule else 0)
     if fp32 is None or not amp.skip_steps or not any(s.code == "trajectory-drift" for s in found):
         return found, None
     aligned = ctx.bench.probe(

@@ -1,0 +1,276 @@
+"""Capsules of sharded runs: the alarming step of an FSDP2 training, captured by every rank together.
+
+No rank holds the whole state of a ``fully_shard``-ed model, so no rank can write its capsule alone. The ranks
+meet in ``GradScaler.update()`` every step (:mod:`.ranks`); where one of them raised an alarm, they write it there,
+together:
+
+* the whole model and optimizer state, gathered to rank 0 on the CPU with ``torch.distributed.checkpoint``'s
+  state-dict API (``full_state_dict=True, cpu_offload=True``);
+* every rank's micro-batches of the step and the gradients that reached its outputs (a ``gather_object`` to rank 0);
+* the world size and the policy (``param_dtype``, ``reduce_dtype``), as the capsule's ``sharding`` config, which
+  ``diagnose --capsule`` replays with the ranks emulated in one process (:mod:`fp16doctor.engine.emulated_ranks`).
+
+Only a step that every rank skipped starts from the state the ranks hold in ``update()`` (the optimizer did not
+move it): a step that was applied has left no copy of its starting state, and gets no capsule, with that reason.
+The model itself is stored as a plain module of the user's classes (FSDP's class swap, hooks and state taken off),
+so the capsule rebuilds in a process with no process group.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .capsule import cpu_copy
+
+FSDP_ATTRIBUTES = ("_fsdp", "_is_fsdp", "__composable_api_state_key")
+"""The attributes ``fully_shard`` sets on a module (its state, its marks), left out of the plain copy."""
+HOOK_MARKS = {
+    "_forward_pre_hooks_with_kwargs": "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs": "_forward_hooks",
+    "_forward_hooks_always_called": "_forward_hooks",
+}
+"""Tables keyed by a hook's id that say how to call it: kept only for the hooks kept."""
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """What one rank holds of the alarming step, on the host: its micro-batches (with ``replay_index`` numbering
+    its own output gradients) and those gradients (None where the watch saw none)."""
+
+    batches: list[Any]
+    output_grads: list[list[torch.Tensor | None]] | None
+
+
+def policy_dtypes(model: torch.nn.Module) -> dict[str, str | None]:
+    """The root ``fully_shard`` state's ``param_dtype`` and ``reduce_dtype``, by name (None: not set)."""
+    get_state = getattr(model, "_get_fsdp_state", None)
+    policy = getattr(get_state(), "_mp_policy", None) if callable(get_state) else None
+
+    def name(dtype: Any) -> str | None:
+        return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
+
+    return {
+        "param_dtype": name(getattr(policy, "param_dtype", None)),
+        "reduce_dtype": name(getattr(policy, "reduce_dtype", None)),
+    }
+
+
+def applied_on(skipped: list[bool]) -> str | None:
+    """Why the ranks cannot capture a step some of them applied, or None where every rank skipped it."""
+    applied = [r for r, was_skipped in enumerate(skipped) if not was_skipped]
+    if not applied:
+        return None
+    return (
+        f"the step was applied on rank(s) {', '.join(map(str, applied))}: the state it started from is gone (a "
+        "sharded capsule is written for a step every rank skipped)"
+    )
+
+
+def uneven(micro_batches: list[int]) -> str | None:
+    """Why the ranks' batches cannot be replayed rank by rank, or None."""
+    if len(set(micro_batches)) == 1 and micro_batches[0]:
+        return None
+    return f"the ranks' micro-batches of the step do not pair up ({micro_batches} seen per rank)"
+
+
+def gathered_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The whole model and optimizer state on rank 0's CPU (empty on the other ranks): a collective."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    return dict(model_state), dict(optimizer_state)
+
+
+def gather_steps(mine: RankStep) -> list[RankStep] | None:
+    """Every rank's :class:`RankStep`, on rank 0 (None on the others): a collective."""
+    everyone: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    return everyone
+
+
+def flattened(steps: list[RankStep]) -> tuple[list[Any], list[list[torch.Tensor | None]] | None]:
+    """The ranks' micro-batches rank by rank (rank r's are the r-th run), their ``replay_index`` renumbered into
+    the one list of output gradients; the gradients None unless every rank has them."""
+    from .capsule import REPLAY_INDEX
+
+    batches: list[Any] = []
+    grads: list[list[torch.Tensor | None]] = []
+    complete = all(step.output_grads is not None for step in steps)
+    for step in steps:
+        for index, batch in enumerate(step.batches):
+            if complete and isinstance(batch, dict) and REPLAY_INDEX in batch:
+                batch = {**batch, REPLAY_INDEX: torch.tensor(len(grads) + index)}
+            batches.append(batch)
+        if complete and step.output_grads is not None:
+            grads += step.output_grads
+    return batches, grads if complete else None
+
+
+def indexed_optimizer_state(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """``torch.distributed.checkpoint``'s optimizer state (keyed by parameter name) keyed as ``Optimizer.state_dict``
+    keys it, by position in ``names`` (the plain model's parameters, in their order): what the capsule's optimizer
+    loads."""
+    position = {name: index for index, name in enumerate(names)}
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [position[n] for n in group["params"]]}
+        for group in state.get("param_groups", [])
+    ]
+    moments = {position[name]: value for name, value in state.get("state", {}).items() if name in position}
+    return {"state": moments, "param_groups": groups}
+
+
+def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A copy of ``model`` as the user's classes build it: each ``fully_shard``-ed module back in its own class,
+    its parameters the whole ``state`` (plain tensors on the CPU), without FSDP's hooks and state and without the
+    watch's own hooks: what ``model.pt`` pickles."""
+    prefix_of = {module: name for name, module in model.named_modules()}
+    copies: dict[int, torch.nn.Module] = {}
+
+    def rebuild(module: torch.nn.Module) -> torch.nn.Module:
+        if id(module) in copies:
+            return copies[id(module)]
+        # made without __init__ (FSDP's class builds the original class anew in __new__), then filled with the
+        # module's own attributes
+        clone: torch.nn.Module = object.__new__(_user_class(type(module)))
+        clone.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith(FSDP_ATTRIBUTES)})
+        prefix = prefix_of.get(module, "")
+        clone._parameters = {
+            name: None if p is None else torch.nn.Parameter(state[_join(prefix, name)].clone(), p.requires_grad)
+            for name, p in module._parameters.items()
+        }
+        clone._buffers = {name: None if b is None else cpu_copy(b) for name, b in module._buffers.items()}
+        _drop_foreign_hooks(module, clone)
+        clone._modules = {name: None if m is None else rebuild(m) for name, m in module._modules.items()}
+        copies[id(module)] = clone
+        return clone
+
+    return rebuild(model)
+
+
+def _drop_foreign_hooks(module: torch.nn.Module, clone: torch.nn.Module) -> None:
+    """``clone``'s hook tables without FSDP's hooks and the watch's (and their with-kwargs and always-called marks)."""
+    for name, table in module.__dict__.items():
+        if name.endswith("_hooks") and isinstance(table, dict):
+            clone.__dict__[name] = OrderedDict((k, h) for k, h in table.items() if not _foreign(h))
+    for mark, table in HOOK_MARKS.items():
+        if isinstance(module.__dict__.get(mark), dict):
+            kept = clone.__dict__.get(table, {})
+            clone.__dict__[mark] = OrderedDict((k, v) for k, v in module.__dict__[mark].items() if k in kept)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _user_class(cls: type) -> type:
+    """The class ``fully_shard`` swapped out (it makes ``FSDP<Class>(FSDPModule, Class)``), or ``cls`` itself."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - builds without distributed
+        return cls
+    if not issubclass(cls, FSDPModule):
+        return cls
+    return next(base for base in cls.__mro__[1:] if not issubclass(base, FSDPModule) and base is not object)
+
+
+def _foreign(hook: Any) -> bool:
+    """A hook FSDP or fp16doctor registered: neither belongs in the user's module."""
+    function = getattr(hook, "__func__", hook)
+    function = getattr(function, "func", function)  # functools.partial
+    module = str(getattr(function, "__module__", ""))
+    return module.startswith(("fp16doctor.", "torch.distributed."))
+
+
+TOGETHER = "the ranks write it together in GradScaler.update()"
+"""A sharded watch's placeholder until the ranks meet: replaced there by the capsule, or by why there is none."""
+NO_MEETING = (
+    "a sharded model's capsule is written by every rank together in GradScaler.update(), and this loop has no "
+    "GradScaler"
+)
+
+
+def capture_together(
+    watch: Any, optimizer: torch.optim.Optimizer, scaler: Any, calls: list[Any], skipped: list[bool], autocast: bool
+) -> tuple[Path | None, str | None]:
+    """Every rank's part of the step's capsule, written by rank 0; on every rank, its folder or why there is none.
+
+    A collective: every rank calls it at the same ``update()`` with the same ``skipped`` (the ranks' table), so that
+    every rank makes the same collectives or none. ``autocast``: the ranks ran their forward under autocast."""
+    from .capsule import replay_inputs
+
+    reason = applied_on(skipped)
+    if reason is not None:
+        return None, reason
+    numbers = watch.history[-1]
+    try:
+        batches, grads = replay_inputs(
+            [c.batch for c in calls], [(c.grads, c.scaled) for c in calls], numbers.loss_scale
+        )
+        mine = RankStep(batches, grads)
+    except Exception:  # noqa: BLE001 - the watch's own failure: the rank still takes part, with nothing
+        mine = RankStep([], None)
+    steps = gather_steps(mine)
+    model_state, optimizer_state = gathered_state(watch.model, optimizer)
+    result: list[Any] = [None]
+    if dist.get_rank() == 0:
+        assert steps is not None
+        parts = _Parts(steps, model_state, optimizer_state, autocast)
+        result[0] = _write(watch, optimizer, scaler, numbers, parts)
+    dist.broadcast_object_list(result, src=0)
+    folder, why = result[0]
+    return (Path(folder) if folder else None), why
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """What rank 0 holds after the collectives."""
+
+    steps: list[RankStep]
+    model_state: dict[str, Any]
+    optimizer_state: dict[str, Any]
+    autocast: bool
+
+
+def _write(
+    watch: Any, optimizer: torch.optim.Optimizer, scaler: Any, numbers: Any, parts: _Parts
+) -> tuple[str | None, str | None]:
+    """On rank 0: the capsule from every rank's part (its folder), or why none."""
+    from .capsule import CapsuleContents, import_roots
+
+    reason = uneven([len(s.batches) for s in parts.steps])
+    if reason is not None:
+        return None, reason
+    try:
+        module = plain_module(watch.model, parts.model_state)
+        names = [name for name, _ in module.named_parameters()]
+        batches, grads = flattened(parts.steps)
+        contents = CapsuleContents(
+            module=module,
+            model_state=parts.model_state,
+            optimizer_state=indexed_optimizer_state(parts.optimizer_state, names),
+            batches=batches,
+            output_grads=grads,
+            import_paths=import_roots(module),
+            sharding={
+                "world": len(parts.steps),
+                "micro_batches": len(parts.steps[0].batches),
+                **policy_dtypes(watch.model),
+                "autocast": parts.autocast,
+            },
+        )
+        return str(watch.write_ranks_capsule(optimizer, scaler, numbers, contents)), None
+    except Exception as exc:  # noqa: BLE001 - the watch's own failure, never the training's
+        text = str(exc).strip()
+        return None, f"writing it failed ({type(exc).__name__}: {text.splitlines()[0] if text else ''})"

@@ -1,0 +1,93 @@
+"""The ranks of a sharded training emulated in one process (``config.sharding``): FSDP2's arithmetic, checked
+against the same step computed by hand, and what the reduction reading records."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from fp16doctor.config import ShardingConfig, build_config
+from fp16doctor.engine.emulated_ranks import ReductionReading, divide_factors, emulated_ranks_step
+from fp16doctor.errors import ConfigError
+
+
+def mse(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+
+
+def _step(model, batches, sharding, policy=True, reading=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    return emulated_ranks_step(
+        model, batches, optimizer, scaler, contextlib.nullcontext, mse, sharding, reading=reading, policy_dtypes=policy
+    )
+
+
+@pytest.mark.parametrize(
+    ("world", "dtype", "factors"),
+    [(2, torch.float16, (2.0, 1.0)), (4, torch.float16, (2.0, 2.0)), (8, torch.float16, (4.0, 2.0))]
+    + [(4, torch.float32, (1.0, 4.0)), (4, torch.bfloat16, (1.0, 4.0))],
+)
+def test_fp16_divides_before_and_after_the_sum_as_fsdp2_does_the_others_average(world, dtype, factors):
+    assert divide_factors(world, dtype) == factors
+
+
+def test_two_ranks_in_fp32_step_on_the_mean_of_their_own_gradients():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    by_hand = nn.Linear(3, 1)
+    by_hand.load_state_dict(model.state_dict())
+    batches = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(2)]
+    with torch.no_grad():
+        mean_loss = sum(float(mse(by_hand, b)) for b in batches) / 2  # the global batch's, before the step
+    loss = _step(model, batches, ShardingConfig(world=2))
+    grads = []
+    for batch in batches:
+        by_hand.zero_grad()
+        mse(by_hand, batch).backward()
+        grads.append([p.grad.clone() for p in by_hand.parameters()])
+    with torch.no_grad():
+        for p, g0, g1 in zip(by_hand.parameters(), *grads):
+            p -= 0.1 * (g0 + g1) / 2
+    for ours, theirs in zip(model.parameters(), by_hand.parameters()):
+        torch.testing.assert_close(ours, theirs)
+    assert float(loss) == pytest.approx(mean_loss)
+
+
+def test_an_fp16_reduction_breaks_a_gradient_every_rank_held_finite_and_the_reading_says_which():
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.zero_()
+    big = (torch.full((4, 2), 300.0), torch.full((4, 1), -300.0))  # d loss / d w = 2 * 900 * 300: past 65504
+    reading = ReductionReading()
+    _step(model, [big, big], ShardingConfig(world=2, reduce_dtype="float16"), reading=reading)
+    assert reading.worst() == "weight" and reading.nonfinite_steps["weight"] == [0]
+    assert reading.local_max["weight"] > 65504 and not reading.local_nonfinite_steps
+    assert not torch.isfinite(model.weight).all()  # no scaler: the step applied what the reduction made
+
+    fp32 = nn.Linear(2, 1)
+    fp32.load_state_dict({"weight": torch.ones(1, 2), "bias": torch.zeros(1)})
+    _step(fp32, [big, big], ShardingConfig(world=2, reduce_dtype="float16"), policy=False)
+    assert torch.isfinite(fp32.weight).all()  # the FP32 baseline: the same ranks, no policy
+
+
+def test_param_dtype_casts_the_parameters_so_every_op_runs_in_it():
+    seen = []
+    model = nn.Linear(2, 2)
+    model.register_forward_hook(lambda m, args, out: seen.append((m.weight.dtype, out.dtype)))
+    batch = (torch.randn(3, 2).half(), torch.randn(3, 2))
+    _step(model, [batch, batch], ShardingConfig(world=2, param_dtype="float16"))
+    assert seen == [(torch.float16, torch.float16)] * 2 and model.weight.dtype == torch.float32  # master stays fp32
+
+
+def test_the_sharding_keys_are_checked():
+    assert build_config({"sharding": {"world": 2, "param_dtype": "bfloat16"}}).sharding.emulated
+    with pytest.raises(ConfigError, match="sharding.reduce_dtype"):
+        build_config({"sharding": {"reduce_dtype": "half"}})
+    with pytest.raises(ConfigError, match="sharding.world"):
+        build_config({"sharding": {"world": 0}})

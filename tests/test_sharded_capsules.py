@@ -1,0 +1,95 @@
+"""Capsules of sharded runs, end to end: an FSDP2 script watched under torchrun (2 processes, gloo on CPU) alarms,
+every rank captures the step together into one ``ranks_step_N`` capsule, and ``diagnose --capsule`` in a fresh
+process replays that step with the ranks emulated in one process (the policy as FSDP2 applies it) and names the
+fault each script was written to have, with its fix verified on the replay:
+
+* one rank's bad batch (a NaN in rank 1's features): the data, in rank 1's part of the step;
+* gradients reduce-scattered in fp16 that overflow although every rank's own gradients are finite: the reduction,
+  repaired by ``reduce_dtype=float32``;
+* ``param_dtype=torch.float16`` without autocast, where a hand-written RMSNorm's ``1e-8`` epsilon is 0: a fault only
+  the cast parameters show (with fp32 parameters the same training is finite), repaired by keeping the norm in fp32
+  as FSDP2 does it, a policy of its own.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+from test_watch_sharded import FSDP2, SCRIPTS, outcome, torchrun
+
+pytestmark = pytest.mark.slow
+
+RMSNORM = SCRIPTS / "fsdp2_rmsnorm.py"
+
+
+def watched_capsule(tmp_path, script, *args):
+    """Run ``script`` watched; the one capsule the ranks wrote together."""
+    proc = torchrun(tmp_path, script, *args, watch=["--capsule-dir", "caps"])
+    assert proc.returncode == 1, outcome(proc)
+    capsules = sorted((tmp_path / "caps").iterdir())
+    assert len(capsules) == 1 and capsules[0].name.startswith("ranks_step_"), outcome(proc)
+    assert proc.stderr.count(f"Capsule: caps/{capsules[0].name}.") == 2, outcome(proc)  # every rank's alarm line
+    return capsules[0]
+
+
+def diagnosed(capsule):
+    proc = run_cli("diagnose", "--ci", "--json", "--capsule", capsule, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_one_ranks_bad_batch_is_replayed_from_the_ranks_capsule_and_its_data_named(tmp_path):
+    capsule = watched_capsule(tmp_path, FSDP2, "--poison-rank", "1", "--poison-step", "2")
+    config = json.loads((capsule / "config.json").read_text())
+    assert config["sharding"] == {
+        "world": 2,
+        "micro_batches": 1,
+        "param_dtype": "float16",
+        "reduce_dtype": "float32",
+        "autocast": False,
+    }
+    top = diagnosed(capsule)["findings"][0]
+    assert top["cause"] == "nonfinite-data" and top["severity"] == "error", top
+    assert top["evidence"]["ranks"] == [1], top["evidence"]  # rank 1's part of the step, not rank 0's
+    assert "(rank 1's micro-batch 0)" in top["title"]
+    assert top["verification"]["repaired"] is True
+
+
+def test_an_fp16_reduce_scatter_that_overflows_is_replayed_and_reduce_dtype_fp32_repairs_it(tmp_path):
+    capsule = watched_capsule(
+        tmp_path, FSDP2, "--param-dtype", "float32", "--reduce-dtype", "float16", "--feature-scale", "1e4",
+        "--steps", "12",
+    )  # fmt: skip
+    manifest = json.loads((capsule / "manifest.json").read_text())
+    assert manifest["skipped_before"] >= 1 and manifest["sharding"]["reduce_dtype"] == "float16"
+    report = diagnosed(capsule)
+    top = report["findings"][0]
+    assert top["cause"] == "half-precision-reduce" and top["severity"] == "error", top
+    evidence = top["evidence"]
+    assert evidence["world"] == 2 and evidence["reduce_dtype"] == "float16" and evidence["nonfinite_steps"]
+    assert evidence["local_max"] > 65504  # a gradient every rank held finite, past fp16's range as reduced
+    assert top["fix"]["config_patch"] == {"sharding": {"reduce_dtype": "float32"}}
+    assert "reduce_dtype=torch.float32" in top["fix"]["code"]
+    assert top["verification"]["repaired"] is True
+    localisation = next(s for s in report["stages"] if s["name"] == "localisation")
+    assert "the ranks' gradient reduction" in localisation["summary"]
+
+
+def test_an_epsilon_fp16_param_dtype_flushes_is_replayed_from_the_capsule_and_the_norm_kept_in_fp32(tmp_path):
+    fp32 = torchrun(tmp_path, RMSNORM, "--param-dtype", "float32", "--steps", "8")
+    assert fp32.returncode == 0 and "nan" not in fp32.stdout, outcome(fp32)  # the same training, fp32 parameters
+    capsule = watched_capsule(tmp_path, RMSNORM)
+    report = diagnosed(capsule)
+    top = report["findings"][0]
+    assert top["cause"] == "constant-out-of-range" and top["severity"] == "error", top
+    assert top["evidence"]["module"] == "norm" and top["evidence"]["constant"] == 1e-8
+    assert top["evidence"]["constant_in_dtype"] == 0 and top["evidence"]["dtype"] == "float16"
+    assert top["verification"]["repaired"] is True
+    assert (
+        "fully_shard(model.get_submodule('norm'), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, "
+        "output_dtype=torch.float16))" in top["fix"]["code"]
+    )
+    fp32_stage = next(s for s in report["stages"] if s["name"] == "fp32 baseline")
+    assert "non-finite" not in fp32_stage["summary"]  # the ranks without the policy: finite
