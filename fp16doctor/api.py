@@ -153,6 +153,7 @@ def load_target(target: CapsuleTarget, config_file: PathLike | None = None, **co
     loaded = load(target.training_file, config_file, **config)
     if target.replay_note is not None:
         loaded.spec.note(target.replay_note)
+        loaded.spec.replays_capsule = True
     return loaded
 
 

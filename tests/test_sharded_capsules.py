@@ -86,6 +86,7 @@ def test_an_epsilon_fp16_param_dtype_flushes_is_replayed_from_the_capsule_and_th
     assert top["cause"] == "constant-out-of-range" and top["severity"] == "error", top
     assert top["evidence"]["module"] == "norm" and top["evidence"]["constant"] == 1e-8
     assert top["evidence"]["constant_in_dtype"] == 0 and top["evidence"]["dtype"] == "float16"
+    assert top["evidence"]["location"].startswith(str(RMSNORM))  # the script's line, not the capsule's own file
     assert top["verification"]["repaired"] is True
     assert (
         "fully_shard(model.get_submodule('norm'), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, "

@@ -664,7 +664,8 @@ class Probe:
     def _exception_record(
         self, exc: Exception, batch_index: int, lr: float, scale: float, trace: StepTrace
     ) -> StepRecord:
-        location = user_frame(exc, self.spec.path) or _outside_torch_frame(exc)
+        own = None if self.spec.replays_capsule else user_frame(exc, self.spec.path)  # a capsule's file is ours
+        location = own or _outside_torch_frame(exc)
         self.iteration += 1
         return StepRecord(
             step=self.iteration - 1,

@@ -551,7 +551,8 @@ def trace_step(
         context.stack.append(names[module])
 
     hooked: dict[int, torch.Tensor] = {}  # by id; holding the tensor keeps its id from being reused this step
-    tracer = NonFiniteTracer(context, {id(p): (p, n) for n, p in probe.model.named_parameters()}, Path(probe.spec.path))
+    own = None if probe.spec.replays_capsule else Path(probe.spec.path)  # a capsule's file is the doctor's
+    tracer = NonFiniteTracer(context, {id(p): (p, n) for n, p in probe.model.named_parameters()}, own)
 
     def pop(module: torch.nn.Module, args: Any, output: Any) -> None:
         if context.stack:

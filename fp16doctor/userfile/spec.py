@@ -104,6 +104,10 @@ class TrainingSpec:
     at its top level whose names look like it (:data:`NEAR_MISSES`), each with its signature. The doctor
     ignored them and used its default; the diagnosis reads this through its evidence and warns."""
 
+    replays_capsule: bool = False
+    """The file is a watch capsule's ``train_capsule.py``: the doctor wrote it, so none of its lines is the user's
+    code (where an op is called from is named by the model's own lines)."""
+
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
