@@ -158,6 +158,7 @@ class CompileConfig:
 
 
 SHARDED_DTYPES = ("float32", "float16", "bfloat16")
+SHARDED_WRAPPERS = ("fully_shard", "ddp")
 
 
 @dataclass
@@ -187,6 +188,14 @@ class ShardingConfig:
         ),
     )
 
+    wrapper: str = field(
+        default="fully_shard",
+        metadata=_doc(
+            "How the ranks reduce: fully_shard (FSDP2: in fp16 divided by about the square root of the world size "
+            "before the sum and the rest after it) or ddp (a compression hook: each rank's gradient cast to "
+            "reduce_dtype, divided by the world size, then summed)."
+        ),
+    )
     autocast: bool = field(
         default=True,
         metadata=_doc(
@@ -198,6 +207,7 @@ class ShardingConfig:
     def validate(self) -> None:
         _require(self.world >= 1, "sharding.world", "an integer >= 1")
         _require(self.micro_batches >= 1, "sharding.micro_batches", "an integer >= 1")
+        _require(self.wrapper in SHARDED_WRAPPERS, "sharding.wrapper", " | ".join(SHARDED_WRAPPERS))
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(self, key)
             _require(

@@ -36,6 +36,10 @@ def test_fp16_divides_before_and_after_the_sum_as_fsdp2_does_the_others_average(
     assert divide_factors(world, dtype) == factors
 
 
+def test_a_ddp_compression_hook_divides_by_the_world_size_before_the_sum():
+    assert divide_factors(4, torch.float16, "ddp") == (4.0, 1.0)
+
+
 def test_two_ranks_in_fp32_step_on_the_mean_of_their_own_gradients():
     torch.manual_seed(0)
     model = nn.Linear(3, 1)

@@ -22,6 +22,7 @@ from test_watch_sharded import FSDP2, SCRIPTS, outcome, torchrun
 pytestmark = pytest.mark.slow
 
 RMSNORM = SCRIPTS / "fsdp2_rmsnorm.py"
+DDP_PRICES = SCRIPTS / "ddp_prices.py"
 
 
 def watched_capsule(tmp_path, script, *args):
@@ -46,6 +47,7 @@ def test_one_ranks_bad_batch_is_replayed_from_the_ranks_capsule_and_its_data_nam
     assert config["sharding"] == {
         "world": 2,
         "micro_batches": 1,
+        "wrapper": "fully_shard",
         "param_dtype": "float16",
         "reduce_dtype": "float32",
         "autocast": False,
@@ -94,3 +96,21 @@ def test_an_epsilon_fp16_param_dtype_flushes_is_replayed_from_the_capsule_and_th
     )
     fp32_stage = next(s for s in report["stages"] if s["name"] == "fp32 baseline")
     assert "non-finite" not in fp32_stage["summary"]  # the ranks without the policy: finite
+
+
+def test_a_ddp_run_with_an_fp16_compression_hook_is_captured_by_every_rank_with_the_hooks_reduction(tmp_path):
+    """Replicated weights, but a reduction only the ranks make together: one capsule of every rank's batch, whose
+    replay reduces as the hook does (cast to fp16, divided by the world size, summed)."""
+    capsule = watched_capsule(tmp_path, DDP_PRICES)
+    sharding = json.loads((capsule / "config.json").read_text())["sharding"]
+    assert sharding == {
+        "world": 2,
+        "micro_batches": 1,
+        "wrapper": "ddp",
+        "param_dtype": None,
+        "reduce_dtype": "float16",
+        "autocast": True,
+    }
+    report = diagnosed(capsule)
+    localisation = next(s for s in report["stages"] if s["name"] == "localisation")
+    assert localisation["status"] == "ran" and report["symptoms"]  # the replay fails as the run did

@@ -11,6 +11,9 @@ does not, and a replay that leaves them out proves nothing about the run:
   the world size, the pre-factor about its square root); in fp32 and bf16 the ranks' gradients are averaged;
 * the fp32 master parameters receive the mean, and the optimizer steps them.
 
+A DDP compression hook (``fp16_compress_hook``) is emulated the same way with ``wrapper="ddp"``: the parameters stay
+fp32, each rank's gradient is cast to the hook's dtype and divided by the world size before the sum.
+
 Rank r takes the r-th run of ``micro_batches`` of the step's batches, each micro-batch its own forward and backward
 (the rank's gradients accumulating in the parameters' dtype), as the run's ranks took them. The FP32 baseline runs
 the same ranks with no policy (``policy_dtypes=False``). The policy's casts are FSDP's, not the training's code:
@@ -76,9 +79,12 @@ class ReductionReading:
         return max(broken, key=lambda n: (len(self.nonfinite_steps[n]), self.local_max.get(n, 0.0)))
 
 
-def divide_factors(world: int, reduce_dtype: torch.dtype) -> tuple[float, float]:
-    """FSDP2's (pre, post) division of a reduction over ``world`` ranks: in fp16 about the square root of the world
-    size before the sum and the rest after it, against overflow; in fp32 and bf16 the average, all after."""
+def divide_factors(world: int, reduce_dtype: torch.dtype, wrapper: str = "fully_shard") -> tuple[float, float]:
+    """The (pre, post) division of a reduction over ``world`` ranks. FSDP2's: in fp16 about the square root of the
+    world size before the sum and the rest after it, against overflow; in fp32 and bf16 the average, all after. A
+    DDP compression hook's (``fp16_compress_hook``): all of it before the sum, after the cast."""
+    if wrapper == "ddp":
+        return float(world), 1.0
     if reduce_dtype != torch.float16:
         return 1.0, float(world)
     pre = 1
@@ -133,7 +139,7 @@ def emulated_ranks_step(
         with _reduction():
             for name, leaf in leaves.items():
                 if leaf.grad is not None:
-                    reduced[name] = _add_rank(reduced.get(name), leaf.grad, reduce_dtype, sharding.world, reading, name)
+                    reduced[name] = _add_rank(reduced.get(name), leaf.grad, reduce_dtype, sharding, reading, name)
                     if not bool(torch.isfinite(leaf.grad).all()):
                         local_bad.add(name)
     if reading is not None:
@@ -142,7 +148,7 @@ def emulated_ranks_step(
     with _reduction(), torch._C.DisableTorchFunction():
         for name, p in params:
             if name in reduced:
-                _, post = divide_factors(sharding.world, reduced[name].dtype)
+                _, post = divide_factors(sharding.world, reduced[name].dtype, sharding.wrapper)
                 p.grad = (reduced[name] / post).to(p.dtype)
                 if reading is not None and name not in local_bad and not bool(torch.isfinite(p.grad).all()):
                     reading.nonfinite_steps.setdefault(name, []).append(step)
@@ -161,7 +167,7 @@ def _add_rank(
     so_far: torch.Tensor | None,
     grad: torch.Tensor,
     reduce_dtype: torch.dtype | None,
-    world: int,
+    sharding: ShardingConfig,
     reading: ReductionReading | None,
     name: str,
 ) -> torch.Tensor:
@@ -170,7 +176,7 @@ def _add_rank(
     if reading is not None:
         _read_local(reading, name, grad)
     dtype = reduce_dtype or grad.dtype
-    pre, _ = divide_factors(world, dtype)
+    pre, _ = divide_factors(sharding.world, dtype, sharding.wrapper)
     with torch._C.DisableTorchFunction():
         part = grad.to(dtype) / pre
     return part if so_far is None else so_far + part

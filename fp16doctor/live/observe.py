@@ -72,7 +72,7 @@ from .ranks import (
     ranks_text,
     total_checksum,
 )
-from .sharded_capsule import NO_MEETING, TOGETHER, capture_together
+from .sharded_capsule import NO_MEETING, TOGETHER, capture_together, ddp_hook_dtype, policy_dtypes
 from .sharding import Topology, clean_name, first_nonfinite_part, flat_label, flat_parameters, local_part, topology
 from .stepstate import StepStartKeeper
 from .watch import Alarm, Watch, WatchOptions, first_line
@@ -650,9 +650,7 @@ class TrainingObserver:
             shape = topology(outer if outer is not None else model, _world_size())
             self._topologies[id(watch)] = shape
             watch.sharded = shape.sharded
-            watch.no_capsule = (
-                (TOGETHER if shape.wrapper == "fully_shard" else FSDP1_CAPSULE) if shape.sharded else None
-            )
+            watch.no_capsule = _capsule_plan(shape)
             if shape.replicated and outer is not None:
                 ignored = set(getattr(outer, "parameters_to_ignore", None) or ())
                 self._replicated[id(watch)] = [(n, p) for n, p in model.named_parameters() if n not in ignored]
@@ -744,15 +742,23 @@ class TrainingObserver:
         if watch.no_capsule != TOGETHER:
             return None, None
         try:
-            capsule = capture_together(
-                watch, optimizer, scaler, calls, [row.skipped for row in table], self._autocast_dtype is not None
-            )
+            reduction = self._reduction_of(watch)
+            capsule = capture_together(watch, optimizer, scaler, calls, [row.skipped for row in table], reduction)
         except Exception as exc:  # noqa: BLE001 - the watch's own failure: the training goes on
             capsule = None, f"capturing it failed ({type(exc).__name__}: {first_line(exc)})"
         for alarm in self._unsaid:
             if alarm.no_capsule == TOGETHER:
                 alarm.capsule, alarm.no_capsule = capsule
         return capsule
+
+    def _reduction_of(self, watch: Watch) -> dict[str, Any]:
+        """How the ranks computed and reduced, as a sharded capsule's ``sharding`` config says it."""
+        shape = self._topologies.get(id(watch))
+        autocast = self._autocast_dtype is not None
+        if shape is not None and shape.wrapper == "DistributedDataParallel":
+            hooks = [h.strip() for h in (shape.half_reduction or "").split(",")]
+            return {"wrapper": "ddp", "param_dtype": None, "reduce_dtype": ddp_hook_dtype(hooks), "autocast": autocast}
+        return {"wrapper": "fully_shard", **policy_dtypes(watch.model), "autocast": autocast}
 
     def _row(self, scaler: GradScaler) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What this rank says (device tensors: read in the all-gather's one transfer), and its parameters'
@@ -905,6 +911,15 @@ def _remove_global_hooks(handles: list[Any]) -> None:
 def _warn(text: str) -> None:
     """Where no one was given to tell: a Python warning."""
     warnings.warn(f"fp16doctor: {text}", RuntimeWarning, stacklevel=2)
+
+
+def _capsule_plan(shape: Topology) -> str | None:
+    """Who writes a capsule of this topology: each alarming rank alone (None), every rank together
+    (:data:`TOGETHER`: an FSDP2 model's state is spread over the ranks; a DDP reduction in half precision is made
+    by all of them), or nobody (why not)."""
+    if shape.wrapper == "fully_shard" or (shape.wrapper == "DistributedDataParallel" and shape.half_reduction):
+        return TOGETHER
+    return FSDP1_CAPSULE if shape.sharded else None
 
 
 def _world_size() -> int:

@@ -47,6 +47,16 @@ class RankStep:
     output_grads: list[list[torch.Tensor | None]] | None
 
 
+def ddp_hook_dtype(hooks: list[str]) -> str | None:
+    """The dtype a DDP compression hook reduces in, by its name (``fp16_compress_hook``: float16), or None."""
+    for hook in hooks:
+        if "bf16" in hook:
+            return "bfloat16"
+        if "fp16" in hook:
+            return "float16"
+    return None
+
+
 def policy_dtypes(model: torch.nn.Module) -> dict[str, str | None]:
     """The root ``fully_shard`` state's ``param_dtype`` and ``reduce_dtype``, by name (None: not set)."""
     get_state = getattr(model, "_get_fsdp_state", None)
@@ -202,12 +212,18 @@ NO_MEETING = (
 
 
 def capture_together(
-    watch: Any, optimizer: torch.optim.Optimizer, scaler: Any, calls: list[Any], skipped: list[bool], autocast: bool
+    watch: Any,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    calls: list[Any],
+    skipped: list[bool],
+    reduction: dict[str, Any],
 ) -> tuple[Path | None, str | None]:
     """Every rank's part of the step's capsule, written by rank 0; on every rank, its folder or why there is none.
 
     A collective: every rank calls it at the same ``update()`` with the same ``skipped`` (the ranks' table), so that
-    every rank makes the same collectives or none. ``autocast``: the ranks ran their forward under autocast."""
+    every rank makes the same collectives or none. ``reduction``: the ``sharding`` config keys that say how the ranks
+    computed and reduced (``wrapper``, ``param_dtype``, ``reduce_dtype``, ``autocast``)."""
     from .capsule import replay_inputs
 
     reason = applied_on(skipped)
@@ -226,7 +242,7 @@ def capture_together(
     result: list[Any] = [None]
     if dist.get_rank() == 0:
         assert steps is not None
-        parts = _Parts(steps, model_state, optimizer_state, autocast)
+        parts = _Parts(steps, model_state, optimizer_state, reduction)
         result[0] = _write(watch, optimizer, scaler, numbers, parts)
     dist.broadcast_object_list(result, src=0)
     folder, why = result[0]
@@ -240,7 +256,7 @@ class _Parts:
     steps: list[RankStep]
     model_state: dict[str, Any]
     optimizer_state: dict[str, Any]
-    autocast: bool
+    reduction: dict[str, Any]
 
 
 def _write(
@@ -263,12 +279,7 @@ def _write(
             batches=batches,
             output_grads=grads,
             import_paths=import_roots(module),
-            sharding={
-                "world": len(parts.steps),
-                "micro_batches": len(parts.steps[0].batches),
-                **policy_dtypes(watch.model),
-                "autocast": parts.autocast,
-            },
+            sharding={"world": len(parts.steps), "micro_batches": len(parts.steps[0].batches), **parts.reduction},
         )
         return str(watch.write_ranks_capsule(optimizer, scaler, numbers, contents)), None
     except Exception as exc:  # noqa: BLE001 - the watch's own failure, never the training's

@@ -220,12 +220,14 @@ class HalfPrecisionReduce(Rule):
             local_max=reading.local_max.get(worst, 0.0),
         )
         policy = {"param_dtype": sharding.param_dtype, "reduce_dtype": sharding.reduce_dtype}
-        by = f"reduce_dtype=torch.{sharding.reduce_dtype or sharding.param_dtype}"
+        dtype = sharding.reduce_dtype or sharding.param_dtype
+        ddp = sharding.wrapper == "ddp"
+        by = f"DDP's compression hook ({dtype})" if ddp else f"reduce_dtype=torch.{dtype}"
         title = (
             f"{by} turns {worst}'s finite gradients (up to {evidence.local_max:.3g} as reduced) into inf or NaN on "
             f"{len(evidence.nonfinite_steps)} step(s) of the {sharding.world} ranks' reduction, emulated in one process"
         )
-        fix = replace(_fsdp_fix(policy), config_patch=sharding_patch(reduce_dtype="float32"))
+        fix = replace(DDP_FIX if ddp else _fsdp_fix(policy), config_patch=sharding_patch(reduce_dtype="float32"))
         measured = {s.code for s in ev.symptoms} & set(self.explains)
         severity = None if measured else Severity.WARNING
         return [self.finding(title if measured else title + "; no symptom measured", evidence, fix, severity=severity)]
