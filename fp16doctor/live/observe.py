@@ -165,6 +165,9 @@ class StepFacts:
 
 RANK_TIMEOUT = "rank-timeout"
 """The stop of a rank that waited too long for the others in the watch's own all-gather."""
+SHARDED_DISAGREEMENT = (
+    "a sharded model's capsule is written for an alarm raised before the step, not for ranks that disagree in update()"
+)
 FSDP1_CAPSULE = "capsules of FSDP1 models are not written yet (each rank holds only its shard of a flat parameter)"
 
 
@@ -887,13 +890,28 @@ class TrainingObserver:
                 watch.record_loss(loss)
             if watch.alarm is None:
                 watch.alarm = alarm
-            watch.capsule_for(alarm, optimizer, scaler, watch.history[-1])
+            self._capsule_alone(watch, alarm, optimizer, scaler)
             watch.forget_step()
         if "rank-disagreement" in self.options.alarms:
             self.alarms.append(alarm)
             self.on_alarm(alarm)
             if self._pending_stop is None:
                 self._pending_stop = alarm
+
+    def _capsule_alone(self, watch: Watch, alarm: Alarm, optimizer: torch.optim.Optimizer, scaler: GradScaler) -> None:
+        """The capsule of an alarm the ranks raise in ``update()`` from their table (a disagreement), which the
+        writing rank writes alone: a replicated model's state is whole on every rank, even where its alarms raised
+        before the step are captured by every rank together (a reduction in half precision)."""
+        plan = watch.no_capsule
+        shape = self._topologies.get(id(watch))
+        if plan == TOGETHER and shape is not None and shape.replicated:
+            watch.no_capsule = None
+        try:
+            watch.capsule_for(alarm, optimizer, scaler, watch.history[-1])
+        finally:
+            watch.no_capsule = plan
+        if alarm.no_capsule == TOGETHER:
+            alarm.no_capsule = SHARDED_DISAGREEMENT
 
     def _step_of_last(self) -> int:
         return self._last_step[0].history[-1].step if self._last_step and self._last_step[0].history else -1
