@@ -51,6 +51,33 @@ def test_fsdp2_reducing_in_fp16_is_measured_on_each_ranks_shard_and_reduce_dtype
     assert details["policy"]["param_dtype"] == "bfloat16"
 
 
+def test_an_fp16_reduce_scatter_within_range_is_measured_at_2_and_4_ranks_and_reported_as_its_growth():
+    """FSDP2, bf16 parameters, reduce_dtype=torch.float16, gradients far inside fp16's range: the reduction only
+    rounds. Its worst error is measured at --nproc's 2 ranks and again at 4, in the stage and the finding alike."""
+    proc = diagnose_ci(FILES / "fsdp2_fp16_reduce_rounding.py", "--nproc", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = proc.report()
+    details = _stage(report, "parallel")["details"]
+    growth = details["growth"]
+    assert sorted(growth) == ["2", "4"], growth
+    # the 2-rank entry is the stage's own measurement, the 4-rank one a run of its own
+    assert growth["2"]["relative_error"] == details["worst_reduction"]["relative_error"]
+    assert growth["2"]["parameter"] == details["worst_reduction"]["name"]
+    fp32_rounding = 2.0**-23  # what an fp32 reduction's summation order alone can leave
+    for world in ("2", "4"):
+        error = growth[world]["relative_error"]
+        assert isinstance(error, float) and math.isfinite(error), growth
+        assert fp32_rounding < error < 1e-2, growth  # fp16's rounding: above fp32's, no overflow
+        assert growth[world]["nonfinite_steps"] == 0 and 0 < growth[world]["local_max"] < 65504
+    warning = next(f for f in report["findings"] if f["cause"] == "half-precision-reduce")
+    assert warning["severity"] == "warning"
+    evidence = warning["evidence"]
+    assert evidence["growth"] == {world: growth[world]["relative_error"] for world in ("2", "4")}
+    # FSDP2 pre-divides by 2 at 2 ranks: the sum of two halves peaks at the largest local gradient
+    assert evidence["reduction_peak"] == evidence["local_max"]
+    assert math.isclose(evidence["headroom"], 65504 / evidence["local_max"])
+
+
 def test_an_overflow_the_scaler_absorbs_as_calibration_is_a_warning_with_its_measurement():
     """fp16 + GradScaler, an fp32 head: the hook's cast overflows while the scale settles from 65536 (7 skips
     PyTorch's calibration would make anyway), no symptom in the probe's steps: a warning, measured."""

@@ -601,9 +601,50 @@ class CompiledComparison:
         }
 
 
+HALF_DTYPES = ("float16", "bfloat16")
+
 REDUCTION_ERROR_WORTH_SAYING = 1e-2
 """A reduction whose result is further than this from the same reduction in fp32 (relative, in a parameter's
 gradient) loses more than rounding does: fp16's own rounding of a gradient is 2^-11 (about 5e-4)."""
+
+
+@dataclass(frozen=True)
+class ReductionAtWorld:
+    """The as-run reduction's worst parameter at one world size: the reduction's growth with the ranks."""
+
+    world: int
+    parameter: str = ""
+    """The parameter whose reduced gradient strays furthest from the fp32 reduction at this world size."""
+    module: str = ""
+    relative_error: float = 0.0
+    """Its worst step's relative error against the fp32 reduction (inf: the reduction made an inf or NaN)."""
+    nonfinite_steps: int = 0
+    local_max: float = 0.0
+    """The largest |local gradient| a rank handed to the reduction (scaled, as reduced)."""
+    not_measured: str | None = None
+    """Why this world size was not measured (the machine, or the run's own error); None where it was."""
+
+    @classmethod
+    def of(cls, world: int, worst: pd.Series) -> ReductionAtWorld:
+        return cls(
+            world,
+            str(worst["name"]),
+            str(worst["module"]),
+            float(worst["relative_error"]),
+            int(worst["nonfinite_steps"]),
+            float(worst["local_max"]),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        if self.not_measured is not None:
+            return {"not_measured": self.not_measured}
+        return {
+            "parameter": self.parameter,
+            "module": self.module,
+            "relative_error": _plain(self.relative_error),
+            "nonfinite_steps": self.nonfinite_steps,
+            "local_max": self.local_max,
+        }
 
 
 @dataclass
@@ -636,17 +677,45 @@ class ParallelComparison:
     records: dict[str, pd.DataFrame] = field(default_factory=dict)
     """The passes' step records (``fp32``, ``as_run``, ``fp32_reduce``; rank 0's, the loss averaged over ranks)."""
     seconds: float = 0.0
+    scaler_enabled: bool | None = None
+    """Whether the parallel AMP pass scaled its loss (the doctor's GradScaler: fp16 with ``scaler.enabled``)."""
+    growth: dict[int, ReductionAtWorld] = field(default_factory=dict)
+    """The as-run reduction's worst parameter per world size: ``world``'s own and the other of 2 and 4, where the
+    reduction is in half precision and the machine runs that many ranks."""
 
     @property
     def half_precision_reduction(self) -> str | None:
-        """What makes the reduction in half precision, in words: a compression hook, or FSDP's ``reduce_dtype``."""
+        """What makes the reduction in half precision, in words: a compression hook, FSDP's ``reduce_dtype``, or
+        its ``param_dtype`` where ``reduce_dtype`` is unset (FSDP then reduces the gradients in their dtype)."""
         half = [h for h in self.hooks if "fp16" in h or "bf16" in h]
-        reduce_dtype = (self.policy or {}).get("reduce_dtype")
         if half:
             return " and ".join(half)
-        if reduce_dtype in ("float16", "bfloat16"):
-            return f"reduce_dtype=torch.{reduce_dtype}"
+        policy = self.policy or {}
+        if policy.get("reduce_dtype") in HALF_DTYPES:
+            return f"reduce_dtype=torch.{policy['reduce_dtype']}"
+        if policy.get("reduce_dtype") is None and policy.get("param_dtype") in HALF_DTYPES:
+            return f"param_dtype=torch.{policy['param_dtype']} with reduce_dtype unset"
         return None
+
+    @property
+    def reduce_dtype(self) -> str | None:
+        """The dtype the gradients are reduced in, by name: a compression hook's, FSDP's ``reduce_dtype`` (or its
+        ``param_dtype`` where unset); None: the gradients' own (fp32 master gradients)."""
+        for hook in self.hooks:
+            for short, name in (("fp16", "float16"), ("bf16", "bfloat16")):
+                if short in hook:
+                    return name
+        policy = self.policy or {}
+        return policy.get("reduce_dtype") or policy.get("param_dtype")
+
+    @property
+    def micro_batches(self) -> int:
+        """Backward passes per optimizer step in the parallel AMP pass (1: no gradient accumulation)."""
+        records = self.records.get("as_run")
+        if records is None or not len(records) or Column.MICRO_STEP not in records:
+            return 1
+        attempted = int((~records[Column.MICRO_STEP].astype(bool)).sum())
+        return max(1, round(len(records) / attempted)) if attempted else len(records)
 
     @property
     def parallel_only(self) -> bool:
@@ -687,6 +756,9 @@ class ParallelComparison:
             "worst_reduction": None
             if worst is None
             else {k: _plain(worst[k]) for k in ("name", "module", "relative_error", "nonfinite_steps", "local_max")},
+            "scaler_enabled": self.scaler_enabled,
+            "micro_batches": self.micro_batches,
+            "growth": {str(world): self.growth[world].to_json() for world in sorted(self.growth)},
             "seconds": round(self.seconds, 2),
         }
 

@@ -52,6 +52,8 @@ class ParallelRequest:
     steps: int
     mode: str
     """``amp`` (fp16) or ``bf16``: the low-precision mode the diagnosis probes."""
+    passes: tuple[str, ...] = tuple(name for name, _, _ in PASSES)
+    """The passes to run: all three, or only ``as_run`` where a run at another world size measures its reduction."""
 
 
 @dataclass
@@ -81,6 +83,8 @@ class ParallelResult:
     policy: dict[str, Any] | None = None
     """FSDP's mixed-precision policy (``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``
     for FSDP2; FSDP1's ``MixedPrecision`` fields), None for DDP or no policy."""
+    scaler_enabled: bool | None = None
+    """Whether the AMP pass's GradScaler (the doctor's own, as the probe runs it) scaled the loss."""
     passes: dict[str, ParallelPass] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -204,7 +208,7 @@ def main(argv: list[str]) -> int:
     launch = Path(argv[0])
     request_fields = json.loads(launch.read_text())
     timeout = float(request_fields.pop("rank_timeout"))
-    request = ParallelRequest(**request_fields)
+    request = ParallelRequest(**{**request_fields, "passes": tuple(request_fields["passes"])})
     rank = Rank(launch.parent, timeout)
     try:
         rank.at("loading the training file")
@@ -229,6 +233,8 @@ def run_passes(request: ParallelRequest, rank: Rank) -> ParallelResult:
     result: ParallelResult | None = None
     policies: list[dict[str, Any] | None] = []
     for name, mode, repair in PASSES:
+        if name not in request.passes:
+            continue
         meter = ReductionMeter(repair=repair)
 
         def wrap(model: torch.nn.Module, meter: ReductionMeter = meter, name: str = name) -> torch.nn.Module:
@@ -244,6 +250,8 @@ def run_passes(request: ParallelRequest, rank: Rank) -> ParallelResult:
                 rank.world, type(probe.model).__name__, _by(spec), list(meter.hook_names), policies[0]
             )
             result.passes[name] = _run_pass(probe, meter, rank, name, request.steps)
+            if name == "as_run":
+                result.scaler_enabled = bool(probe.scaler.is_enabled())
         finally:
             probe.close()
     assert result is not None
@@ -369,6 +377,24 @@ def _whole(param: torch.Tensor) -> torch.Tensor:
     """A parameter whole: a sharded DTensor gathered (a collective every rank makes in the same order)."""
     full_tensor = getattr(param, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else param
+
+
+GROWTH_WORLDS = (2, 4)
+"""The world sizes at which the reduction's error is measured, beside ``--nproc``'s."""
+
+
+def growth_worlds(world: int) -> tuple[list[int], dict[int, str]]:
+    """The world sizes of :data:`GROWTH_WORLDS` other than ``world`` that this machine runs, and why the others not.
+
+    On CPU every one runs: gloo's processes share the cores (four ranks on two cores are slower, not wrong, and the
+    growth run is one pass of a few steps). On CUDA each rank needs a GPU of its own (nccl cannot put two ranks of
+    one group on one device), so a world larger than the GPUs is not run."""
+    others = [w for w in GROWTH_WORLDS if w != world]
+    if not torch.cuda.is_available():
+        return others, {}
+    gpus = torch.cuda.device_count()
+    skipped = {w: f"{w} ranks need {w} GPUs, this machine has {gpus}" for w in others if w > gpus}
+    return [w for w in others if w not in skipped], skipped
 
 
 def request_for(training_file: Path, config: DoctorConfig, steps: int) -> ParallelRequest:

@@ -9,7 +9,9 @@ flush to zero. In one process nothing of this shows.
 Evidence: the parallel stage's measurement under torchrun, the reduction as the training makes it against the same
 reduction in fp32, parameter by parameter: the worst parameter and its module, its relative error (inf where the
 reduction made an inf or NaN from finite local gradients), the largest local gradient handed to it, the hooks and
-the world size. An error where the parallel training shows a symptom that the same training with its reduction in
+the world size, the same worst error at the other of 2 and 4 ranks (its growth), and for an fp16 reduction the
+largest value it is predicted to hold (the largest local gradient, summed over the ranks after FSDP2's pre-divide
+factor) against 65504. An error where the parallel training shows a symptom that the same training with its reduction in
 fp32 does not (the fix, tried under torchrun on the same weights and batches); a warning where the reduction is
 measurably worse than fp32's rounding but the probe's steps show no symptom yet.
 """
@@ -24,7 +26,16 @@ import pandas as pd
 from ...config import sharding_patch
 from ...measure.symptoms import Symptom
 from .. import rule_cases as fx
-from ..findings import Evidence, EvidenceRecord, Finding, Fix, ParallelComparison, Severity
+from ..findings import (
+    Evidence,
+    EvidenceRecord,
+    Finding,
+    Fix,
+    ParallelComparison,
+    ReductionAtWorld,
+    Severity,
+    omitted_when_none,
+)
 from . import Rule
 
 DDP_FIX = Fix(
@@ -50,6 +61,14 @@ def _fix(parallel: ParallelComparison) -> Fix:
 
 
 FP16_MAX = 65504.0
+
+FSDP2_FP16_REDUCE = {
+    "param_dtype": "bfloat16",
+    "reduce_dtype": "float16",
+    "output_dtype": "float32",
+    "cast_forward_inputs": True,
+}
+"""The cases' FSDP2 policy: bf16 parameters, the gradients reduce-scattered in fp16."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +97,46 @@ class HalfPrecisionReduceEvidence(EvidenceRecord):
     """What it measured with the reduction made in fp32."""
     parallel_only: bool
     """The single-process triage is healthy: the fault needs the ranks."""
+    growth: dict[str, float | str]
+    """World size -> the worst parameter's relative error there ("inf": an inf or NaN; "not measured: ..." where the
+    machine or that run did not allow it): the world size's own and the other of 2 and 4 (half-precision
+    reductions only)."""
+    reduction_peak: float | None = omitted_when_none()
+    """fp16 reductions: the largest magnitude the reduction is predicted to hold, from the largest local gradient,
+    the world size and the divide factors (FSDP2 casts each rank's gradient to fp16, divides it by a pre-divide
+    factor and sums over the ranks: local_max x world / predivide; DDP's fp16_compress_hook casts it and divides by
+    the world size before the sum: local_max)."""
+    headroom: float | None = omitted_when_none()
+    """fp16 reductions: 65504 / reduction_peak, the factor the gradients may still grow by before the reduction
+    overflows (below 1: it overflows)."""
+
+
+def fsdp2_predivide(world: int) -> int:
+    """The factor FSDP2 divides each rank's gradients by before an fp16 reduce-scatter (the rest after it): about
+    sqrt(world), a power of two, so neither the sum overflows nor the parts underflow. PyTorch 2.13's
+    ``_get_gradient_divide_factors`` for a reduce_dtype other than fp32 and bf16, without a divide factor of the
+    user's: 2 for 2 and 4 ranks, 4 for 8."""
+    pre = 1
+    while world % pre == 0 and world / pre > pre:
+        pre *= 2
+    return pre
+
+
+def reduction_peak(parallel: ParallelComparison, local_max: float) -> float | None:
+    """The largest magnitude an fp16 reduction holds, predicted from the largest local gradient (None: not fp16)."""
+    if parallel.reduce_dtype != "float16":
+        return None
+    if parallel.policy is not None and not parallel.hooks:  # FSDP: cast, pre-divide, sum over the ranks
+        return local_max * max(1.0, parallel.world / fsdp2_predivide(parallel.world))
+    return local_max  # a compression hook: cast, divided by the world size, summed
+
+
+def _growth(parallel: ParallelComparison) -> dict[str, float | str]:
+    return {str(world): _at(parallel.growth[world]) for world in sorted(parallel.growth)}
+
+
+def _at(at: ReductionAtWorld) -> float | str:
+    return f"not measured: {at.not_measured}" if at.not_measured is not None else _error(at.relative_error)
 
 
 @dataclass(frozen=True)
@@ -122,12 +181,14 @@ def reduction_case(
     repaired: list[str],
     single: list[str] | None = None,
     hooks: list[str] | None = None,
+    policy: dict[str, Any] | None = None,
+    local_max: float = 8.0e5,
 ) -> Evidence:
     """A parallel stage's comparison: two ranks, fp16_compress_hook, the head's weight as the worst parameter."""
     ev = fx.evidence()
     table = pd.DataFrame(
         [
-            ("head.weight", "head", 64, error, nonfinite, 8.0e5, 0 if nonfinite else None),
+            ("head.weight", "head", 64, error, nonfinite, local_max, 0 if nonfinite else None),
             ("trunk.0.weight", "trunk.0", 1536, 3e-4, 0, 12.0, None),
         ],
         columns=["name", "module", "numel", "relative_error", "nonfinite_steps", "local_max", "first_nonfinite_step"],
@@ -136,8 +197,8 @@ def reduction_case(
         world=2,
         topology="DistributedDataParallel",
         parallelized_by="parallelize()",
-        hooks=["fp16_compress_hook"] if hooks is None else hooks,
-        policy=None,
+        hooks=(["fp16_compress_hook"] if policy is None else []) if hooks is None else hooks,
+        policy=policy,
         symptoms=[Symptom(code, f"{code} with 2 ranks") for code in symptoms],
         repaired_symptoms=[Symptom(code, f"{code} with 2 ranks") for code in repaired],
         single_process_symptoms=single or [],
@@ -163,11 +224,17 @@ class HalfPrecisionReduce(Rule):
         lambda: reduction_case(0.05, 0, [], []),  # measurably worse than rounding, no symptom yet: a warning
         lambda: reduction_case(4e-4, 0, [], []),  # an fp16 hook within rounding: the fact and its headroom, a warning
         lambda: emulated_case([0, 1], ["skips"]),  # a sharded capsule's emulated ranks
+        # FSDP2 reducing in fp16 within rounding: its headroom, after the pre-divide factor, a warning
+        lambda: reduction_case(4e-4, 0, [], [], policy=FSDP2_FP16_REDUCE, local_max=0.5),
+        # FSDP2 with reduce_dtype unset reduces in param_dtype: bf16 here, a warning
+        lambda: reduction_case(2e-3, 0, [], [], policy={**FSDP2_FP16_REDUCE, "reduce_dtype": None}),
     )
     quiet_on = (
         lambda: reduction_case(1e-7, 0, [], [], hooks=[]),  # DDP's default reduction in fp32
         lambda: reduction_case(1e-7, 0, ["nonfinite"], ["nonfinite"], ["nonfinite"], hooks=[]),  # every process fails
         lambda: emulated_case([], ["nonfinite"]),  # emulated ranks whose own gradients were already non-finite
+        # FSDP2 whose policy reduces in fp32: nothing in half precision
+        lambda: reduction_case(1e-7, 0, [], [], policy={**FSDP2_FP16_REDUCE, "reduce_dtype": "float32"}),
     )
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -193,6 +260,8 @@ class HalfPrecisionReduce(Rule):
             parallel_symptoms=[s.code for s in parallel.symptoms],
             repaired_symptoms=[s.code for s in parallel.repaired_symptoms],
             parallel_only=parallel.parallel_only,
+            growth=_growth(parallel),
+            **_peak(parallel, float(worst["local_max"])),
         )
         fix = _fix(parallel)
         if repairs:
@@ -246,6 +315,7 @@ class HalfPrecisionReduce(Rule):
             parallel_symptoms=[s.code for s in parallel.symptoms],
             repaired_symptoms=[s.code for s in parallel.repaired_symptoms],
             parallel_only=parallel.parallel_only,
+            growth={},
         )
         title = f"The gradients are reduced in half precision ({parallel.half_precision_reduction}); the reduction "
         title += f"of {parallel.topology} is not measured"
@@ -277,15 +347,28 @@ def _error(value: Any) -> float | str:
     return number if number != float("inf") else "inf"
 
 
+def _peak(parallel: ParallelComparison, local_max: float) -> dict[str, float | None]:
+    peak = reduction_peak(parallel, local_max)
+    headroom = FP16_MAX / peak if peak else None
+    return {"reduction_peak": peak, "headroom": headroom}
+
+
 def _headroom(parallel: ParallelComparison, evidence: HalfPrecisionReduceEvidence) -> str:
-    """A half-precision reduction measured within rounding of fp32: the fact, and fp16's headroom left."""
+    """A half-precision reduction measured within rounding of fp32: the fact, its growth, fp16's headroom left."""
     what = f"The gradients are reduced in half precision ({parallel.half_precision_reduction}), measured within "
     what += f"{float(evidence.relative_error):.1g} of fp32 over {parallel.world} ranks"
-    if (parallel.policy or {}).get("reduce_dtype") == "float16" or any("fp16" in h for h in parallel.hooks):
-        headroom = FP16_MAX / evidence.local_max if evidence.local_max > 0 else float("inf")
-        what += (
-            f"; the largest local gradient, {evidence.local_max:.3g} as reduced, leaves {headroom:.3g}x of fp16's range"
-        )
+    others = [
+        f"{float(error):.1g} over {world}"
+        for world, error in evidence.growth.items()
+        if int(world) != parallel.world and not isinstance(error, str)
+    ]
+    if others:
+        what += " (" + ", ".join(others) + ")"
+    if evidence.reduction_peak is not None and evidence.headroom is not None:
+        summed = evidence.reduction_peak != evidence.local_max
+        what += f"; the largest local gradient, {evidence.local_max:.3g} as reduced"
+        what += f", summed over the ranks after FSDP's pre-divide to {evidence.reduction_peak:.3g}," if summed else ","
+        what += f" leaves {evidence.headroom:.3g}x of fp16's range"
     return what
 
 

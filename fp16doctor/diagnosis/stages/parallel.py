@@ -12,10 +12,16 @@ torchrun (gloo on CPU, nccl on CUDA) with the model wrapped as the training file
 The ranks are compared after every pass. The reduction is measured for DDP (its communication hook, whichever it
 is) and FSDP2 (each parameter group's reduce-scatter, in its policy's ``reduce_dtype``); FSDP1's flat-parameter
 reduce-scatter is not measured yet, and the finding says so.
+
+Where the reduction is in half precision, its growth with the ranks is measured too: the training as it runs, alone
+(no FP32 baseline, no repair), at the other of 2 and 4 ranks, its reduction against fp32 as above. A half-precision
+sum's error grows with its terms, but FSDP2 divides the gradients before an fp16 reduce-scatter, so how it grows is
+measured, not assumed. On CUDA a world larger than the GPUs is not run (:func:`~fp16doctor.engine.parallel.growth_worlds`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
 from pathlib import Path
@@ -23,9 +29,10 @@ from typing import Any
 
 import pandas as pd
 
-from ...engine.parallel import ParallelResult, request_for, run_parallel
+from ...engine.parallel import ParallelRequest, ParallelResult, growth_worlds, request_for, run_parallel
+from ...errors import DoctorError, first_line
 from ...measure.symptoms import Symptom, baseline_symptoms, measure
-from ..findings import ParallelComparison, StageName, StageReport, StageStatus
+from ..findings import ParallelComparison, ReductionAtWorld, StageName, StageReport, StageStatus
 from .context import StageContext, measured_symptoms
 
 
@@ -36,9 +43,46 @@ def stage_parallel(ctx: StageContext) -> StageReport:
     request = request_for(ctx.bench.spec.path, ctx.config, ev.steps)
     with tempfile.TemporaryDirectory(prefix="fp16doctor-parallel-") as folder:
         result = run_parallel(request, ctx.nproc, Path(folder), ctx.rank_timeout)
-    single = measured_symptoms(ctx, ctx.config, ev.amp, ev.fp32, None)
-    ev.parallel = comparison_of(result, [s.code for s in single], bf16=ctx.config.dtype == "bfloat16")
+        single = measured_symptoms(ctx, ctx.config, ev.amp, ev.fp32, None)
+        ev.parallel = comparison_of(result, [s.code for s in single], bf16=ctx.config.dtype == "bfloat16")
+        if ev.parallel.half_precision_reduction and ev.parallel.measured_reduction:
+            growth, seconds = _growth(request, ctx.nproc, Path(folder), ctx.rank_timeout)
+            ev.parallel.growth.update(growth)
+            ev.parallel.seconds += seconds
     return StageReport(StageName.PARALLEL, StageStatus.RAN, _sentence(ev.parallel), details=ev.parallel.to_json())
+
+
+def _growth(
+    request: ParallelRequest, world: int, folder: Path, rank_timeout: float
+) -> tuple[dict[int, ReductionAtWorld], float]:
+    """The as-run reduction at the other world sizes of 2 and 4: that pass alone, its reduction measured. A run
+    that fails there (a batch count the data lacks, a shape FSDP cannot shard so) is said, not raised: the
+    diagnosis at ``world`` ranks stands."""
+    runs, skipped = growth_worlds(world)
+    found = {w: ReductionAtWorld(w, not_measured=why) for w, why in skipped.items()}
+    alone = dataclasses.replace(request, passes=("as_run",))
+    seconds = 0.0
+    for other in runs:
+        try:
+            result = run_parallel(alone, other, folder / f"growth{other}", rank_timeout)
+        except DoctorError as exc:
+            found[other] = ReductionAtWorld(other, not_measured=first_line(exc))
+            continue
+        seconds += result.seconds
+        table = _with_modules(result.passes["as_run"].reduction)
+        worst = _worst(table)
+        found[other] = (
+            ReductionAtWorld.of(other, worst)
+            if worst is not None
+            else ReductionAtWorld(other, not_measured="no gradient was reduced")
+        )
+    return found, seconds
+
+
+def _worst(table: pd.DataFrame) -> pd.Series | None:
+    if not len(table):
+        return None
+    return table.sort_values(["nonfinite_steps", "relative_error"], ascending=False, kind="stable").iloc[0]
 
 
 def comparison_of(result: ParallelResult, single: list[str], bf16: bool) -> ParallelComparison:
@@ -57,7 +101,14 @@ def comparison_of(result: ParallelResult, single: list[str], bf16: bool) -> Para
         ranks_agree=all(_agree(p.fingerprints) for p in passes.values()),
         records={name: p.records for name, p in passes.items()},
         seconds=result.seconds,
+        scaler_enabled=result.scaler_enabled,
+        growth=_own_growth(result),
     )
+
+
+def _own_growth(result: ParallelResult) -> dict[int, ReductionAtWorld]:
+    worst = _worst(_with_modules(result.passes["as_run"].reduction))
+    return {} if worst is None else {result.world: ReductionAtWorld.of(result.world, worst)}
 
 
 def _symptoms(records: pd.DataFrame, fp32: pd.DataFrame, bf16: bool, world: int) -> list[Symptom]:
@@ -115,4 +166,19 @@ def _sentence(comparison: ParallelComparison) -> str:
             f"from finite local gradients (up to {worst['local_max']:.3g})"
         )
     ranks = "the ranks agree" if comparison.ranks_agree else "the ranks disagree"
-    return f"{verdict}; {reduction}; {ranks} ({where}; {comparison.seconds:.1f} s)"
+    return f"{verdict}; {reduction}{_growth_words(comparison)}; {ranks} ({where}; {comparison.seconds:.1f} s)"
+
+
+def _growth_words(comparison: ParallelComparison) -> str:
+    """The reduction's worst error at the other world sizes measured: ", 3.1e-04 at 4 ranks (fc)"."""
+    parts = []
+    for world, at in sorted(comparison.growth.items()):
+        if world == comparison.world:
+            continue
+        if at.not_measured is not None:
+            parts.append(f"not measured at {world} ranks ({at.not_measured})")
+        elif math.isinf(at.relative_error):
+            parts.append(f"an inf or NaN at {world} ranks ({at.parameter})")
+        else:
+            parts.append(f"{at.relative_error:.2g} at {world} ranks ({at.parameter})")
+    return ", " + ", ".join(parts) if parts else ""
