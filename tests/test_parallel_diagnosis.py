@@ -78,6 +78,26 @@ def test_an_fp16_reduce_scatter_within_range_is_measured_at_2_and_4_ranks_and_re
     assert math.isclose(evidence["headroom"], 65504 / evidence["local_max"])
 
 
+def test_fsdp2_fp16_params_without_a_scaler_and_half_outputs_are_warnings_on_a_healthy_run():
+    """FSDP2 casting the parameters to fp16, no GradScaler, output_dtype unset, gradients fp16 holds: the
+    measurement is healthy, so the policy's facts are warnings and the exit code is 0."""
+    proc = diagnose_ci(FILES / "fsdp2_fp16_params_no_scaler.py", "--nproc", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = proc.report()
+    details = _stage(report, "parallel")["details"]
+    assert details["symptoms"] == [] and details["ranks_agree"] is True and details["scaler_enabled"] is False
+    assert details["growth"].keys() == {"2"}  # an fp32 reduction: no run at 4 ranks
+    found = {f["cause"]: f for f in report["findings"]}
+    assert all(f["severity"] != "error" for f in report["findings"]), found
+    unscaled = found["fp16-params-unscaled"]
+    assert unscaled["severity"] == "warning" and unscaled["evidence"]["why_unscaled"] == "scaler.enabled is false"
+    assert "GradScaler" in unscaled["fix"]["summary"]
+    outputs = found["half-outputs"]
+    assert outputs["evidence"]["param_dtype"] == "float16" and outputs["evidence"]["output_dtype"] is None
+    assert "output_dtype=torch.float32" in outputs["fix"]["code"]
+    assert "half-precision-reduce" not in found
+
+
 def test_an_overflow_the_scaler_absorbs_as_calibration_is_a_warning_with_its_measurement():
     """fp16 + GradScaler, an fp32 head: the hook's cast overflows while the scale settles from 65536 (7 skips
     PyTorch's calibration would make anyway), no symptom in the probe's steps: a warning, measured."""

@@ -19,6 +19,10 @@ from fp16doctor.diagnosis.rules import all_rules
 CONTRACT_CODES = {
     "compiled-divergence",
     "half-precision-reduce",
+    "fp16-params-unscaled",
+    "half-outputs",
+    "half-cast-inputs",
+    "bf16-accumulation",
     "nonfinite-data",
     "extreme-data",
     "fp32-divergence",

@@ -28,7 +28,17 @@ from ..measure.records import (
     ScaleWindow,
     SiteShare,
 )
-from .findings import Evidence, GapSearch, LrPause, LrPeak, LrSchedule, ProbeSummary, Repair, RepairKind
+from .findings import (
+    Evidence,
+    GapSearch,
+    LrPause,
+    LrPeak,
+    LrSchedule,
+    ParallelComparison,
+    ProbeSummary,
+    Repair,
+    RepairKind,
+)
 
 PRECISION_COLUMNS = [
     Inventory.MODULE,
@@ -308,4 +318,49 @@ def attribution(*sites: SiteShare, unmatched: int = 0) -> OperatorAttribution:
         operators=4 * len(sites),
         unmatched=unmatched,
         sites=list(sites),
+    )
+
+
+FSDP2_POLICY = {
+    "param_dtype": "bfloat16",
+    "reduce_dtype": "float32",
+    "output_dtype": "float32",
+    "cast_forward_inputs": True,
+}
+"""A healthy FSDP2 policy: bf16 compute, an fp32 reduction, fp32 outputs, the inputs cast (FSDP2's default)."""
+
+
+def parallel(
+    policy: dict[str, Any] | None = None,
+    scaler_enabled: bool = True,
+    micro_steps: int = 1,
+    world: int = 2,
+    hooks: list[str] | None = None,
+) -> ParallelComparison:
+    """A healthy parallel stage under FSDP2 (``FSDP2_POLICY`` with ``policy``'s entries on top): its fp32-close
+    reduction, the ranks agreeing, ``micro_steps`` backward passes per optimizer step."""
+    rows = []
+    for i in range(10 * micro_steps):
+        micro = (i + 1) % micro_steps != 0
+        rows.append({Column.MICRO_STEP: micro, Column.OPTIMIZER_STEPPED: not micro})
+    as_run = records(steps=10 * micro_steps)
+    as_run[Column.MICRO_STEP] = [r[Column.MICRO_STEP] for r in rows]
+    as_run[Column.OPTIMIZER_STEPPED] = [r[Column.OPTIMIZER_STEPPED] for r in rows]
+    table = pd.DataFrame(
+        [("0.weight", "0", 256, 1e-7, 0, 0.5, None)],
+        columns=["name", "module", "numel", "relative_error", "nonfinite_steps", "local_max", "first_nonfinite_step"],
+    )
+    return ParallelComparison(
+        world=world,
+        topology="FSDPSequential",
+        parallelized_by="parallelize()",
+        hooks=hooks or [],
+        policy={**FSDP2_POLICY, **(policy or {})},
+        symptoms=[],
+        repaired_symptoms=[],
+        single_process_symptoms=[],
+        reduction=table,
+        ranks_agree=True,
+        records={"as_run": as_run},
+        scaler_enabled=scaler_enabled,
     )

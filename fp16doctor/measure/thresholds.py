@@ -113,3 +113,8 @@ STALL_ROWS = 10
 """The rows a stall needs (and the steps: ``STALL_STEPS``) before the doctor calls the loss stalled."""
 STALL_STEPS = 50
 """The optimizer steps a stall needs to span."""
+
+BF16_SUMMED_TERMS = 4
+"""bf16-accumulation: a sum of n bf16-rounded terms is off by up to (n - 1) x 2^-8 of its magnitude (bf16's unit
+roundoff, half its spacing 2^-7 above 1.0: notes, "Formats"); from 4 terms on that bound passes the 1e-2 a reduction
+must stay within (``REDUCTION_ERROR_WORTH_SAYING``: fp16's own rounding is 5e-4)."""
