@@ -95,3 +95,41 @@ def test_the_sharding_keys_are_checked():
         build_config({"sharding": {"reduce_dtype": "half"}})
     with pytest.raises(ConfigError, match="sharding.world"):
         build_config({"sharding": {"world": 0}})
+
+
+def test_a_tied_head_runs_in_param_dtype_with_its_embedding_and_both_uses_reach_the_gradient():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(5, 4)
+            self.head = nn.Linear(4, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, tokens):
+            return self.head(self.embed(tokens)).float()
+
+    seen = []
+    model = Tied()
+    model.head.register_forward_hook(lambda m, args, out: seen.append(m.weight.dtype))
+    batch = (torch.tensor([[1, 2]]), torch.zeros(1, 2, 5))
+    _step(model, [batch, batch], ShardingConfig(world=2, param_dtype="bfloat16"))
+    assert seen == [torch.bfloat16] * 2
+
+
+def test_a_capsules_recorded_streak_lengthens_the_leading_skips_and_nothing_else():
+    import pandas as pd
+
+    from fp16doctor.measure.symptoms import skip_profile
+
+    records = pd.DataFrame(
+        {
+            "step": range(6),
+            "skipped": [True, False, False, True, False, False],
+            "exception_type": [None] * 6,
+            "micro_step": [False] * 6,
+            "optimizer_stepped": [False, True, True, False, True, True],
+        }
+    )
+    alone, resumed = skip_profile(records), skip_profile(records, skipped_before=3)
+    assert (alone["leading"], resumed["leading"]) == (1, 4)
+    assert resumed["after_settling"] == alone["after_settling"] == 1 and resumed["settled"]

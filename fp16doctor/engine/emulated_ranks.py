@@ -195,7 +195,7 @@ def _parameters_replaced(model: torch.nn.Module, tensors: dict[str, torch.Tensor
     calls the model as it always does. ``functional_call``'s own swap, which the loss code could not reach."""
     from torch.nn.utils.stateless import _reparametrize_module
 
-    with _reparametrize_module(model, tensors):
+    with _reparametrize_module(model, tensors, tie_weights=True):  # a tied head follows its embedding
         yield
 
 

@@ -127,13 +127,16 @@ class ReductionMeter:
 
         def post_backward(group: Any, *args: Any, **kwargs: Any) -> Any:
             held = [(fp, grad) for fp in group.fsdp_params if (grad := _unsharded_grad(fp)) is not None]
-            if not held:
+            if not held or not getattr(group, "reduce_grads", True):  # gradient sync off: this backward reduces nothing
                 return original(group, *args, **kwargs)
             local = torch.cat([grad.detach().float().reshape(-1) for _, grad in held])
             before = [_shard_grad(fp) for fp, _ in held]
             before = [b.detach().float().clone() if b is not None else None for b in before]
             reference, tops = meter._fp32_mean(local, [grad.numel() for _, grad in held])
             result = original(group, *args, **kwargs)
+            event = getattr(group, "_post_reduce_event", None)  # on a GPU the shard is written on its own stream
+            if event is not None:
+                torch.cuda.current_stream().wait_event(event)
             meter._read_shards(held, before, reference, local, tops)
             return result
 

@@ -18,6 +18,7 @@ so the capsule rebuilds in a process with no process group.
 
 from __future__ import annotations
 
+import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,6 +236,7 @@ def capture_together(
             [c.batch for c in calls], [(c.grads, c.scaled) for c in calls], numbers.loss_scale
         )
         mine = RankStep(batches, grads)
+        pickle.dumps(mine)  # what gather_object will send: a part that cannot travel fails here, not mid-collective
     except Exception:  # noqa: BLE001 - the watch's own failure: the rank still takes part, with nothing
         mine = RankStep([], None)
     steps = gather_steps(mine)

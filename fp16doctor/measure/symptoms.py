@@ -151,18 +151,16 @@ def skip_profile(records: pd.DataFrame, skipped_before: int = 0) -> dict[str, An
     tried = attempts(records[records[Column.EXCEPTION_TYPE].isna()])
     skipped = tried[Column.SKIPPED].astype(bool).tolist()
     steps = [int(s) for s, bad in zip(tried[Column.STEP], skipped) if bad]
-    leading = next((i for i, bad in enumerate(skipped) if not bad), len(skipped))
-    if leading:
-        leading += skipped_before
-    after = skipped[leading:]
+    own = next((i for i, bad in enumerate(skipped) if not bad), len(skipped))
+    after = skipped[own:]
     return {
         "attempted": len(skipped),
         "skipped": len(steps),
         "skipped_steps": steps,
-        "leading": leading,
+        "leading": own + skipped_before if own else 0,
         "after_settling": sum(after),
         "after_share": sum(after) / len(after) if after else 0.0,
-        "settled": leading < len(skipped),
+        "settled": own < len(skipped),
     }
 
 

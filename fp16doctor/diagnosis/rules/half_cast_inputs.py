@@ -20,12 +20,11 @@ from typing import ClassVar
 import pandas as pd
 
 from ...engine.records import Reading, Table
+from ...tensors import FP16_MAX
 from .. import rule_cases as fx
 from ..findings import Evidence, EvidenceRecord, Finding, Fix, Severity
 from . import Rule
 from ._helpers import model_input_peak
-
-FP16_MAX = 65504.0
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import pandas as pd
 
 from ...config import sharding_patch
 from ...measure.symptoms import Symptom
+from ...tensors import FP16_MAX
 from .. import rule_cases as fx
 from ..findings import (
     Evidence,
@@ -59,8 +60,6 @@ def _fsdp_fix(policy: dict[str, Any]) -> Fix:
 def _fix(parallel: ParallelComparison) -> Fix:
     return _fsdp_fix(parallel.policy) if parallel.policy is not None else DDP_FIX
 
-
-FP16_MAX = 65504.0
 
 FSDP2_FP16_REDUCE = {
     "param_dtype": "bfloat16",
