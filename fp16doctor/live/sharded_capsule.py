@@ -60,16 +60,10 @@ def ddp_hook_dtype(hooks: list[str]) -> str | None:
 
 def policy_dtypes(model: torch.nn.Module) -> dict[str, str | None]:
     """The root ``fully_shard`` state's ``param_dtype`` and ``reduce_dtype``, by name (None: not set)."""
-    get_state = getattr(model, "_get_fsdp_state", None)
-    policy = getattr(get_state(), "_mp_policy", None) if callable(get_state) else None
+    from ..engine.parallel import policy_of  # the diagnosis's engine: loaded only when a capsule is written
 
-    def name(dtype: Any) -> str | None:
-        return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else None
-
-    return {
-        "param_dtype": name(getattr(policy, "param_dtype", None)),
-        "reduce_dtype": name(getattr(policy, "reduce_dtype", None)),
-    }
+    policy = policy_of(model) or {}
+    return {"param_dtype": policy.get("param_dtype"), "reduce_dtype": policy.get("reduce_dtype")}
 
 
 def applied_on(skipped: list[bool]) -> str | None:

@@ -22,8 +22,10 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import pandas as pd
+import torch
 
 from ...config import sharding_patch
+from ...engine.emulated_ranks import divide_factors
 from ...measure.symptoms import Symptom
 from ...tensors import FP16_MAX
 from .. import rule_cases as fx
@@ -110,23 +112,13 @@ class HalfPrecisionReduceEvidence(EvidenceRecord):
     overflows (below 1: it overflows)."""
 
 
-def fsdp2_predivide(world: int) -> int:
-    """The factor FSDP2 divides each rank's gradients by before an fp16 reduce-scatter (the rest after it): about
-    sqrt(world), a power of two, so neither the sum overflows nor the parts underflow. PyTorch 2.13's
-    ``_get_gradient_divide_factors`` for a reduce_dtype other than fp32 and bf16, without a divide factor of the
-    user's: 2 for 2 and 4 ranks, 4 for 8."""
-    pre = 1
-    while world % pre == 0 and world / pre > pre:
-        pre *= 2
-    return pre
-
-
 def reduction_peak(parallel: ParallelComparison, local_max: float) -> float | None:
     """The largest magnitude an fp16 reduction holds, predicted from the largest local gradient (None: not fp16)."""
     if parallel.reduce_dtype != "float16":
         return None
     if parallel.policy is not None and not parallel.hooks:  # FSDP: cast, pre-divide, sum over the ranks
-        return local_max * max(1.0, parallel.world / fsdp2_predivide(parallel.world))
+        pre, _ = divide_factors(parallel.world, torch.float16)  # FSDP2's, as the emulated ranks divide
+        return local_max * max(1.0, parallel.world / pre)
     return local_max  # a compression hook: cast, divided by the world size, summed
 
 
