@@ -20,6 +20,7 @@ file's ``CONFIG`` and a ``config_file``, as the CLI's flags are. Bad input raise
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +31,12 @@ from .diagnosis.findings import CapsuleReplay, Diagnosis
 from .diagnosis.triage import DiagnoseOptions, fixed_config
 from .diagnosis.triage import diagnose as run_triage
 from .engine.kept import return_large_blocks_on_free
+from .engine.parallel import request_for
 from .engine.probe import Workbench
 from .engine.progress import ProbeStepHook
 from .errors import DoctorError
 from .live.capsule import check_capsule, recorded_loss_evidence, replay_note
-from .measure.compare import DEFAULT_DIVERGENCE, DEFAULT_TOLERANCE, Comparison
+from .measure.compare import DEFAULT_DIVERGENCE, DEFAULT_TOLERANCE, Comparison, compare_ranks
 from .measure.compare import compare as run_compare
 from .userfile.checkpoint import load_checkpoint
 from .userfile.spec import TrainingSpec, load_training_file
@@ -224,20 +226,35 @@ def compare(
     on_mode: Callable[[str], None] | None = None,
     on_ready: Callable[[LoadedTraining], None] | None = None,
     from_checkpoint: CheckpointStart | None = None,
+    nproc: int = 1,
+    rank_timeout: float = 300.0,
     **config: Any,
 ) -> Comparison:
     """Run precisions side by side from identical weights and batches (FP32 is always the reference).
 
     ``modes``: ``fp32``, ``amp`` (as configured), ``bf16``. Healthy when every aligned loss is within
     ``tolerance`` of FP32's (x8 for bf16); ``divergence`` marks the first step past it. ``on_ready`` is told the
-    loaded training before the probes start (the CLI shows its notes).
+    loaded training before the probes start (the CLI shows its notes). ``nproc`` > 1: then the same modes run on
+    that many ranks under torchrun, as the training file's ``parallelize()`` wraps the model, compared with each
+    other (``Comparison.ranks``); a rank that does not move for ``rank_timeout`` s stops the run.
     """
     unknown = sorted(set(modes) - {"fp32", "amp", "bf16"})
     if unknown:
         raise DoctorError(f"unknown mode(s) {', '.join(unknown)}.", hint="Modes are fp32, amp and bf16.")
+    if nproc > 1 and from_checkpoint is not None:
+        raise DoctorError("--from-checkpoint is not run on the ranks yet: give --nproc or --from-checkpoint, not both.")
     return_large_blocks_on_free()  # one probe per mode, one after another
     loaded = start_from_checkpoint(load(training_file, config_file, **config), from_checkpoint)
     if on_ready is not None:
         on_ready(loaded)
     bench = Workbench(loaded.spec, loaded.config)
-    return run_compare(bench, list(modes), tolerance=tolerance, divergence=divergence, on_mode=on_mode)
+    modes = ["fp32"] + [m for m in dict.fromkeys(modes) if m != "fp32"]
+    single = run_compare(bench, modes, tolerance=tolerance, divergence=divergence, on_mode=on_mode)
+    if nproc <= 1:
+        return single
+    if on_mode is not None:
+        on_mode(f"{', '.join(modes)} on {nproc} ranks")
+    request = request_for(loaded.spec.path, loaded.config, loaded.config.steps, compared=tuple(modes))
+    with tempfile.TemporaryDirectory(prefix="fp16doctor-compare-") as folder:
+        ranks = compare_ranks(request, nproc, Path(folder), rank_timeout, loaded.config, tolerance, divergence)
+    return single.with_ranks(ranks)

@@ -266,10 +266,15 @@ def compare(
     from_checkpoint: FromCheckpoint = None,
     from_step: FromStep = None,
     trust_checkpoint: TrustCheckpoint = False,
+    nproc: Nproc = 1,
+    rank_timeout: RankTimeout = 300.0,
     force: Force = False,
     debug: Debug = False,
 ) -> None:
-    """Run precisions side by side from identical weights and batches. Exit 0 healthy, 1 drift/diverged, 2 bad input."""
+    """Run precisions side by side from identical weights and batches. Exit 0 healthy, 1 drift/diverged, 2 bad input.
+
+    With --nproc N: then the same modes on N ranks under torchrun, as the file's parallelize() wraps the model.
+    """
 
     def job() -> int:
         from . import api
@@ -290,6 +295,8 @@ def compare(
                 on_ready=lambda loaded: notes.extend(loaded.spec.notes),
                 on_mode=lambda m: status.update(f"running the {m} probe"),
                 from_checkpoint=checkpoint_start(from_checkpoint, from_step, trust_checkpoint),
+                nproc=nproc,
+                rank_timeout=rank_timeout,
                 **flags(steps=steps, seed=seed, device=device, dtype=dtype),
             )
         show_notes(notes)

@@ -197,3 +197,25 @@ def test_train_nproc_trains_in_the_topology_parallelize_builds(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert [f["cause"] for f in summary["findings"]] == ["ddp-half-allreduce"]
     assert "fp16_compress_hook" in summary["findings"][0]["title"]
+
+
+def test_compare_nproc_runs_the_modes_on_the_ranks_and_tells_a_fault_only_the_ranks_show():
+    """One process is healthy; on 2 ranks the fp16 compression hook overflows and the scaler skips: the ranks'
+    comparison says so, beside the single process's, and the exit code is the worse of the two."""
+    proc = run_cli("compare", FILES / "bf16_prices_fp16_hook.py", "--nproc", "2", "--steps", "4", "--json")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["verdict_by_mode"]["amp"] == "healthy"
+    ranks = report["ranks"]
+    assert ranks["world"] == 2 and ranks["hooks"] == ["fp16_compress_hook"] and ranks["ranks_agree"] is True
+    on_ranks = ranks["comparison"]
+    assert on_ranks["verdict_by_mode"]["amp"] != "healthy" and on_ranks["skipped_steps"]["amp"] > 0
+    assert report["verdict"] == on_ranks["verdict"]
+    assert [row["step"] for row in on_ranks["steps"]] == [0, 1, 2, 3]  # aligned on steps taken, as one process is
+
+
+def test_compare_nproc_on_a_healthy_ddp_training_is_healthy_on_the_ranks_too():
+    proc = run_cli("compare", SAMPLES / "mlp.py", "--nproc", "2", "--steps", "3")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "On 2 ranks" in proc.stdout and "DistributedDataParallel (the doctor's default)" in proc.stdout
+    assert "the ranks agree" in proc.stdout

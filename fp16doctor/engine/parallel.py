@@ -16,8 +16,10 @@ launching process stops a run in which no rank moved for ``rank_timeout`` second
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
+import math
 import os
 import pickle
 import signal
@@ -40,7 +42,9 @@ from .probe import Probe, Workbench
 from .reduction import ReductionMeter
 
 PASSES = (("fp32", "fp32", True), ("as_run", None, False), ("fp32_reduce", None, True))
-"""(name, mode (None: the diagnosed AMP mode), the reduction made in fp32)."""
+"""(name, mode (None: the diagnosed AMP mode), the reduction made in fp32): the diagnosis's passes."""
+COMPARED_PASSES = (("amp", "amp", False), ("bf16", "bf16", False))
+"""``compare --nproc``'s modes beside ``fp32``, each a pass of its own, its reduction as the training makes it."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,11 @@ class ParallelRequest:
     mode: str
     """``amp`` (fp16) or ``bf16``: the low-precision mode the diagnosis probes."""
     passes: tuple[str, ...] = tuple(name for name, _, _ in PASSES)
-    """The passes to run: all three, or only ``as_run`` where a run at another world size measures its reduction."""
+    """The passes to run: all three, only ``as_run`` where a run at another world size measures its reduction, or
+    ``compare``'s modes (``fp32``, ``amp``, ``bf16``)."""
+    aligned: bool = False
+    """Run each pass aligned on optimizer steps taken (a skipped step retries its batch), as ``compare`` does: the
+    passes are then compared step by step."""
 
 
 @dataclass
@@ -232,7 +240,7 @@ def run_passes(request: ParallelRequest, rank: Rank) -> ParallelResult:
     bench.batches = bench.batches[rank.rank :: rank.world]  # of every N consecutive batches, this rank's own
     result: ParallelResult | None = None
     policies: list[dict[str, Any] | None] = []
-    for name, mode, repair in PASSES:
+    for name, mode, repair in PASSES + COMPARED_PASSES:
         if name not in request.passes:
             continue
         meter = ReductionMeter(repair=repair)
@@ -244,13 +252,15 @@ def run_passes(request: ParallelRequest, rank: Rank) -> ParallelResult:
                 full_precision_policies(wrapped)
             return wrapped
 
-        probe = bench.probe(mode or request.mode, config, instruments=None, parallelize=wrap)
+        probe = bench.probe(
+            mode or request.mode, config, instruments=None, parallelize=wrap, align_on_taken_steps=request.aligned
+        )
         try:
             result = result or ParallelResult(
                 rank.world, type(probe.model).__name__, _by(spec), list(meter.hook_names), policies[0]
             )
             result.passes[name] = _run_pass(probe, meter, rank, name, request.steps)
-            if name == "as_run":
+            if name in ("as_run", "amp"):
                 result.scaler_enabled = bool(probe.scaler.is_enabled())
         finally:
             probe.close()
@@ -307,12 +317,18 @@ def _call_parallelize(spec: Any, model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _run_pass(probe: Probe, meter: ReductionMeter, rank: Rank, name: str, steps: int) -> ParallelPass:
+    """``steps`` steps; aligned, until that many optimizer steps were taken (at most as many tries as ``compare``'s
+    own probes make), stopping at a non-finite loss as they do. Every rank stops where one stopped."""
+    limit = 2 * steps + 32 if probe.align else steps
+    taken = 0
     with meter.around_registration():  # a hook the training's step registers itself is measured too
-        for step in range(steps):
+        for step in range(limit):
             rank.at(f"step {step} of the {name} pass (its forward, backward and gradient reduction)")
             meter.step = step
-            probe.step()
-            if rank.any(probe.failed is not None):  # every rank stops where one stopped
+            record = probe.step()
+            taken += 0 if record.skipped else 1
+            stop = probe.failed is not None or (probe.align and (record.nonfinite_loss or taken >= steps))
+            if rank.any(stop):
                 break
     rank.at(f"comparing the ranks after the {name} pass")
     records = probe.frame()
@@ -331,6 +347,16 @@ def _fingerprint(probe: Probe) -> dict[str, float]:
         "loss_scale": float(scaler.get_scale()) if scaler.is_enabled() else 1.0,
         "skipped": float(sum(1 for r in probe.records if r.skipped)),
     }
+
+
+def fingerprints_agree(fingerprints: list[dict[str, float]]) -> bool:
+    """Every rank's fingerprint equals rank 0's (NaN equal to NaN: ranks whose weights all went NaN agree)."""
+    first = fingerprints[0]
+    return all(all(_same(f[key], first[key]) for key in first) for f in fingerprints[1:])
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def policy_of(model: torch.nn.Module) -> dict[str, Any] | None:
@@ -397,6 +423,10 @@ def growth_worlds(world: int) -> tuple[list[int], dict[int, str]]:
     return [w for w in others if w not in skipped], skipped
 
 
-def request_for(training_file: Path, config: DoctorConfig, steps: int) -> ParallelRequest:
+def request_for(
+    training_file: Path, config: DoctorConfig, steps: int, compared: tuple[str, ...] | None = None
+) -> ParallelRequest:
+    """The diagnosis's passes, or with ``compared`` (``compare``'s modes) those, aligned."""
     mode = "bf16" if config.dtype == "bfloat16" else "amp"
-    return ParallelRequest(str(Path(training_file).resolve()), config.to_dict(), steps, mode)
+    request = ParallelRequest(str(Path(training_file).resolve()), config.to_dict(), steps, mode)
+    return request if compared is None else dataclasses.replace(request, passes=compared, aligned=True)

@@ -9,15 +9,18 @@ actually taken. The skips are reported, not hidden.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pandas as pd
 
 from ..config import DoctorConfig
 from ..engine.instruments import InstrumentOptions
+from ..engine.parallel import ParallelRequest, fingerprints_agree, run_parallel
 from ..engine.probe import DEFAULT_INSTRUMENTS, Workbench
 from ..engine.records import Column
 from ..errors import MemoryLimitError, one_line, smaller_run_hint
@@ -88,10 +91,18 @@ class Comparison:
     """The worst mode's verdict: ``healthy`` < ``drift`` < ``unstable`` < ``diverged``."""
     verdict_by_mode: dict[str, str] = field(default_factory=dict)
     """Per mode other than fp32, its verdict."""
+    ranks: RanksComparison | None = None
+    """With ``--nproc N``: the same modes run as the training's ranks run them, compared with each other; then
+    ``verdict`` is the worse of the single process's and the ranks'."""
 
     @property
     def healthy(self) -> bool:
-        return self.verdict == "healthy"
+        return self.verdict == "healthy" and (self.ranks is None or self.ranks.ranks_agree)
+
+    def with_ranks(self, ranks: RanksComparison) -> Comparison:
+        """This single-process comparison with the ranks' beside it, the verdict the worse of the two."""
+        worst = max(self.verdict, ranks.comparison.verdict, key=VERDICTS.index)
+        return dataclasses.replace(self, ranks=ranks, verdict=worst)
 
     def to_json(self) -> dict[str, Any]:
         rows = []
@@ -113,7 +124,7 @@ class Comparison:
                 else:
                     row[mode] = None
             rows.append(row)
-        return {
+        out = {
             "modes": self.modes,
             "steps": rows,
             "max_rel_dev": {m: _num(v) for m, v in self.max_rel_dev.items()},
@@ -130,6 +141,76 @@ class Comparison:
             "tolerance": self.tolerance,
             "divergence_tolerance": self.divergence,
         }
+        if self.ranks is not None:
+            out["ranks"] = self.ranks.to_json()
+        return out
+
+
+@dataclass
+class RanksComparison:
+    """``compare --nproc N``: every mode run under torchrun as the training's ranks run it (its ``parallelize()``,
+    DDP by default), each rank taking every N-th batch, the loss the mean over the ranks; the modes compared with
+    the same topology's FP32 run, step by step, as a single process's are."""
+
+    JSON_KEY_DOCS: ClassVar[dict[str, str]] = {
+        "comparison": "The ranks' comparison, in the shape of the single process's (its ``steps``, ``verdict``, ...).",
+    }
+
+    world: int
+    """The ranks run (``--nproc``)."""
+    topology: str
+    """The class of what ``parallelize()`` returned (``DistributedDataParallel`` by default)."""
+    parallelized_by: str
+    """``parallelize()`` (the training file's) or ``DistributedDataParallel`` (the doctor's default)."""
+    hooks: list[str]
+    """The communication hooks the training registers (empty: DDP's default all-reduce)."""
+    policy: dict[str, Any] | None
+    """FSDP's mixed-precision policy, its dtypes as strings; None for DDP."""
+    comparison: Comparison
+    ranks_agree: bool
+    """Whether every rank ended every mode with the same weights, loss scale and skipped steps."""
+    seconds: float
+    """The torchrun run's wall time."""
+
+    def only_parallel(self, single: Comparison) -> list[str]:
+        """The modes that fail or drift on the ranks but are healthy in one process."""
+        return [
+            mode
+            for mode, verdict in self.comparison.verdict_by_mode.items()
+            if mode != "fp32" and verdict != "healthy" and single.verdict_by_mode.get(mode) == "healthy"
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "world": self.world,
+            "topology": self.topology,
+            "parallelized_by": self.parallelized_by,
+            "hooks": self.hooks,
+            "policy": self.policy,
+            "ranks_agree": self.ranks_agree,
+            "seconds": self.seconds,
+            "comparison": self.comparison.to_json(),
+        }
+
+
+def compare_ranks(
+    request: ParallelRequest,
+    world: int,
+    workdir: Path,
+    rank_timeout: float,
+    config: DoctorConfig,
+    tolerance: float = DEFAULT_TOLERANCE,
+    divergence: float = DEFAULT_DIVERGENCE,
+) -> RanksComparison:
+    """Run ``request``'s passes (``compare``'s modes, aligned) on ``world`` ranks and compare them with their fp32."""
+    result = run_parallel(request, world, workdir, rank_timeout)
+    modes = list(request.passes)
+    trajectories = {mode: aligned_trajectory(mode, result.passes[mode].records) for mode in modes}
+    comparison = compare_trajectories(trajectories, modes, request.steps, config, tolerance, divergence)
+    agree = all(fingerprints_agree(p.fingerprints) for p in result.passes.values())
+    return RanksComparison(
+        world, result.topology, result.parallelized_by, result.hooks, result.policy, comparison, agree, result.seconds
+    )
 
 
 def _num(value: Any) -> float | None:
@@ -140,7 +221,7 @@ def _num(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _align(mode: str, frame: pd.DataFrame) -> ModeTrajectory:
+def aligned_trajectory(mode: str, frame: pd.DataFrame) -> ModeTrajectory:
     """Group attempts by aligned step: the entry of step k is its taken attempt, else its last one."""
     aligned: list[dict[str, Any]] = []
     pending_skips = 0
@@ -196,6 +277,18 @@ def compare(
         if on_mode is not None:
             on_mode(mode)
         trajectories[mode] = run_aligned(bench, mode, config, steps, instruments, max_iterations)
+    return compare_trajectories(trajectories, modes, steps, config, tolerance, divergence)
+
+
+def compare_trajectories(
+    trajectories: dict[str, ModeTrajectory],
+    modes: list[str],
+    steps: int,
+    config: DoctorConfig,
+    tolerance: float = DEFAULT_TOLERANCE,
+    divergence: float = DEFAULT_DIVERGENCE,
+) -> Comparison:
+    """Score trajectories already run (``fp32``, the reference, first in ``modes``) against fp32's."""
     reference_steps = trajectories["fp32"].aligned
     ref_nonfinite = next((k for k, e in enumerate(reference_steps) if not e["finite"]), None)
     result = Comparison(
@@ -244,7 +337,7 @@ def run_aligned(
             raise MemoryLimitError(
                 f"the {mode} run ran out of memory ({one_line(exc)}).", hint=smaller_run_hint("Compare")
             ) from exc
-        trajectory = _align(mode, records)
+        trajectory = aligned_trajectory(mode, records)
         trajectory.skipped_by_optimizer = probe.skips_by_optimizer()
         if probe.instruments is not None:
             first = probe.instruments.first_nonfinite_forward()

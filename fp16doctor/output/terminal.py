@@ -14,7 +14,7 @@ from rich.table import Table
 from ..diagnosis.findings import Diagnosis, Finding, StageStatus, Verification
 from ..diagnosis.verify import verification_status
 from ..files import jsonable
-from ..measure.compare import Comparison
+from ..measure.compare import VERDICTS, Comparison, RanksComparison
 from .formatting import exact_numbers, fitted_code, healthy_headline, human, shown_evidence
 from .patches import contradicted_settings, reference_to_corrected
 
@@ -55,7 +55,37 @@ def _step_columns(result: Comparison, width: int, wide: bool) -> list[tuple[str,
 
 
 def render_comparison(result: Comparison, console: Console, wide: bool = False) -> None:
-    """A compact summary per mode first, then the step table fitted to the terminal (``wide``: everything)."""
+    """A compact summary per mode first, then the step table fitted to the terminal (``wide``: everything); with
+    ``--nproc``, the ranks' comparison after it in the same shape, and whether the ranks agree."""
+    _render_modes(result, console, wide)
+    ranks = result.ranks
+    if ranks is None:
+        return
+    console.rule(f"On {ranks.world} ranks")
+    console.print(f"[dim]{_topology_words(ranks)}; {ranks.seconds:.1f} s[/]")
+    _render_modes(ranks.comparison, console, wide)
+    agreement = "[green]the ranks agree[/]" if ranks.ranks_agree else "[bold red]the ranks disagree[/]"
+    console.print(f"{agreement} on the weights, the loss scale and the skipped steps after every mode.")
+    only = ranks.only_parallel(result)
+    if only:
+        console.print(f"[bold yellow]only when parallelised[/]: {', '.join(only)} is healthy in one process.")
+
+
+def _topology_words(ranks: RanksComparison) -> str:
+    reduced = ", ".join(ranks.hooks) or (
+        "DDP's default all-reduce"
+        if ranks.policy is None
+        else f"reduce_dtype={ranks.policy.get('reduce_dtype') or ranks.policy.get('param_dtype') or 'float32'}"
+    )
+    wrapped = (
+        f"{ranks.topology} (the doctor's default)"
+        if ranks.parallelized_by == ranks.topology
+        else f"{ranks.topology} by {ranks.parallelized_by}"
+    )
+    return f"{wrapped}, {reduced}; each rank takes one batch of every {ranks.world}"
+
+
+def _render_modes(result: Comparison, console: Console, wide: bool) -> None:
     summary = Table(title="Summary per mode", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("mode", "verdict", "worst dev", "at step", "first > div", "skips"):
         summary.add_column(column, no_wrap=True)
@@ -125,8 +155,10 @@ def render_comparison(result: Comparison, console: Console, wide: bool = False) 
 
 
 def _verdict_line(result: Comparison) -> str:
-    style = VERDICT_STYLE[result.verdict]
-    if result.verdict == "healthy":
+    """This comparison's own verdict (not the worse of it and the ranks')."""
+    verdict = max(result.verdict_by_mode.values(), key=VERDICTS.index, default="healthy")
+    style = VERDICT_STYLE[verdict]
+    if verdict == "healthy":
         return f"[{style}]healthy[/]: every mode stays within tolerance of fp32."
     parts = []
     for mode, verdict in result.verdict_by_mode.items():
@@ -144,7 +176,7 @@ def _verdict_line(result: Comparison) -> str:
             )
         elif verdict == "unstable":
             parts.append(f"{mode}: " + "; ".join(s.description for s in result.trajectories[mode].symptoms))
-    return f"[{style}]{result.verdict}[/]: " + "; ".join(parts)
+    return f"[{style}]{verdict}[/]: " + "; ".join(parts)
 
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}

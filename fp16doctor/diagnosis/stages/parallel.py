@@ -29,7 +29,14 @@ from typing import Any
 
 import pandas as pd
 
-from ...engine.parallel import ParallelRequest, ParallelResult, growth_worlds, request_for, run_parallel
+from ...engine.parallel import (
+    ParallelRequest,
+    ParallelResult,
+    fingerprints_agree,
+    growth_worlds,
+    request_for,
+    run_parallel,
+)
 from ...errors import DoctorError, first_line
 from ...measure.symptoms import Symptom, baseline_symptoms, measure
 from ..findings import ParallelComparison, ReductionAtWorld, StageName, StageReport, StageStatus
@@ -98,7 +105,7 @@ def comparison_of(result: ParallelResult, single: list[str], bf16: bool) -> Para
         repaired_symptoms=_symptoms(passes["fp32_reduce"].records, fp32, bf16, result.world),
         single_process_symptoms=single,
         reduction=_with_modules(passes["as_run"].reduction),
-        ranks_agree=all(_agree(p.fingerprints) for p in passes.values()),
+        ranks_agree=all(fingerprints_agree(p.fingerprints) for p in passes.values()),
         records={name: p.records for name, p in passes.items()},
         seconds=result.seconds,
         scaler_enabled=result.scaler_enabled,
@@ -124,16 +131,6 @@ def _with_modules(table: pd.DataFrame) -> pd.DataFrame:
     table = table.copy()
     table.insert(1, "module", [name.rpartition(".")[0] or name for name in table["name"]])
     return table
-
-
-def _agree(fingerprints: list[dict[str, float]]) -> bool:
-    """Every rank's fingerprint equals rank 0's (NaN equal to NaN: ranks whose weights all went NaN agree)."""
-    first = fingerprints[0]
-    return all(all(_same(f[key], first[key]) for key in first) for f in fingerprints[1:])
-
-
-def _same(a: float, b: float) -> bool:
-    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _policy_reduction(policy: dict[str, Any] | None) -> str:
