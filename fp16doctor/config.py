@@ -203,6 +203,22 @@ class ShardingConfig:
             "(an FSDP training without autocast), and the AMP probe's autocast is left off."
         ),
     )
+    sync_each_micro_batch: bool = field(
+        default=True,
+        metadata=_doc(
+            "The ranks reduce their gradients after every micro-batch's backward (FSDP2's and DDP's default), each "
+            "reduction's result accumulated in the parameters' own dtype; false: gradient sync off until the last "
+            "micro-batch (set_requires_gradient_sync(False), no_sync()), the micro-batches accumulated in param_dtype "
+            "and reduced once."
+        ),
+    )
+    cast_forward_inputs: bool = field(
+        default=True,
+        metadata=_doc(
+            "The policy's cast_forward_inputs (FSDP2's default true): the model's floating-point inputs are cast to "
+            "param_dtype, and those of a module kept in fp32 (overrides.fp32_modules) to float32."
+        ),
+    )
 
     def validate(self) -> None:
         _require(self.world >= 1, "sharding.world", "an integer >= 1")

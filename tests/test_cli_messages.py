@@ -82,3 +82,13 @@ def test_diagnose_of_a_faulty_sample_exits_1_and_names_its_cause(sample):
     assert result.exit_code == 1, result.output
     payload = json.loads(result.stdout)
     assert payload["verdict"] == "unhealthy" and payload["findings"][0]["cause"] == "nonfinite-data"
+
+
+def test_train_refuses_emulated_ranks_and_points_at_nproc(tmp_path):
+    """sharding.world > 1 replays a sharded step in one process; training so would not be the run it imitates."""
+    config = tmp_path / "sharded.yaml"
+    config.write_text("sharding:\n  world: 2\n")
+    result = invoke("train", SAMPLES / "mlp.py", "--config", config, "--run-dir", tmp_path / "run", "--steps", "2")
+    assert result.exit_code == 2, result.output
+    assert "sharding.world is 2" in result.output and "--nproc" in result.output
+    assert not (tmp_path / "run" / "metrics.csv").exists()

@@ -133,3 +133,69 @@ def test_a_capsules_recorded_streak_lengthens_the_leading_skips_and_nothing_else
     alone, resumed = skip_profile(records), skip_profile(records, skipped_before=3)
     assert (alone["leading"], resumed["leading"]) == (1, 4)
     assert resumed["after_settling"] == alone["after_settling"] == 1 and resumed["settled"]
+
+
+def test_bf16_tried_on_emulated_ranks_makes_the_policys_fp16_dtypes_bf16_so_the_ops_run_in_bf16():
+    """Under FSDP the policy casts the parameters: bf16 autocast over fp16 parameters still overflows, so the bf16
+    candidate changes the policy too, and its fix is said as an FSDP2 policy."""
+    from fp16doctor.config import merge
+    from fp16doctor.diagnosis.findings import Finding, Fix
+    from fp16doctor.diagnosis.sharded import as_sharded, bf16_patch
+
+    sharded = {"sharding": {"world": 2, "param_dtype": "float16", "reduce_dtype": "float16"}}
+    patch = bf16_patch(build_config(sharded).sharding)
+    assert patch["dtype"] == "bfloat16" and patch["scaler"] == {"enabled": False}
+    assert patch["sharding"] == {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}
+    assert "sharding" not in bf16_patch(ShardingConfig())  # one process: autocast's dtype is the whole change
+    patched = build_config(merge(sharded, patch)).sharding
+
+    def overflowing_step(sharding):
+        model = nn.Linear(4, 4, bias=False)
+        nn.init.constant_(model.weight, 300.0)
+        batch = (torch.full((2, 4), 300.0), torch.zeros(2, 4))
+        _step(model, [batch, batch], sharding)
+        return model.weight
+
+    assert not torch.isfinite(overflowing_step(build_config(sharded).sharding)).all()  # 4 * 300 * 300 > 65504
+    assert torch.isfinite(overflowing_step(patched)).all()
+    finding = Finding("activation-overflow", "error", "overflow", None, Fix("Train in bf16.", config_patch=patch))
+    code = as_sharded(finding, build_config(sharded).sharding).fix.code
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)" in code
+
+
+def test_the_models_inputs_are_cast_to_param_dtype_and_a_kept_modules_to_fp32_as_fsdp2_casts_forward_inputs():
+    seen = {}
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    for name, module in model.named_children():
+        module.register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, args[0].dtype))
+    batch = (torch.randn(3, 2), torch.randn(3, 2))  # fp32, as a DataLoader hands it
+    sharding = ShardingConfig(world=2, param_dtype="float16", autocast=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    emulated_ranks_step(
+        model, [batch, batch], optimizer, scaler, contextlib.nullcontext, mse, sharding, fp32_modules=("1",)
+    )
+    assert seen == {"0": torch.float16, "1": torch.float32}
+    off = ShardingConfig(world=2, param_dtype="float16", autocast=False, cast_forward_inputs=False)
+    with pytest.raises(RuntimeError, match="dtype"):  # as FSDP2 without the cast: an fp32 input to fp16 weights
+        _step(nn.Linear(2, 2), [batch, batch], off)
+
+
+@pytest.mark.parametrize("sync_each, finite", [(True, True), (False, False)])
+def test_micro_batches_are_reduced_one_by_one_into_fp32_unless_sync_waits_for_the_last(sync_each, finite):
+    """Two micro-batches of gradient 4e4 each: reduced after each backward (FSDP2's default), each result lands in
+    the fp32 sharded gradient (8e4, finite); with sync off they first add up in fp16 on the rank, past 65504."""
+    model = nn.Linear(1, 1, bias=False)
+    batch = torch.full((1, 1), 4e4)
+    sharding = ShardingConfig(world=2, micro_batches=2, param_dtype="float16", sync_each_micro_batch=sync_each)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    reading = ReductionReading()
+    emulated_ranks_step(
+        model, [batch] * 4, optimizer, scaler, contextlib.nullcontext, lambda m, b: m(b).sum(), sharding, reading=reading
+    )
+    assert bool(torch.isfinite(model.weight.grad).all()) is finite
+    if finite:
+        assert model.weight.grad.item() == pytest.approx(8e4, rel=1e-3)  # the mean over ranks, summed over micro-batches
+    else:
+        assert reading.local_nonfinite_steps == {"weight": [0]}  # the rank's own accumulation overflowed

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..config import config_patch, overrides_patch, scaler_patch
+from ..config import overrides_patch, scaler_patch
 from ..engine.records import Column, Reading, Table
 from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
 from ..measure.records import ROOT
@@ -48,6 +48,7 @@ from ..measure.thresholds import EXTREME_INPUT, EXTREME_ROWS_SHARE
 from ..tensors import FP16_MAX
 from .findings import Evidence, Repair, RepairKind, Verification
 from .rules._helpers import class_members, library_modules, module_types, role_members, stores_half_training_state
+from .sharded import bf16_patch
 from .stages import StageContext, same_state_gap
 from .verify import Intervention, Verifier, drop_rows, recommended_init_scale, standardise, with_recommended_scale
 
@@ -580,11 +581,8 @@ class InterventionSearch:
                 )
 
     def _bf16(self) -> Candidate:
-        return Candidate(
-            "bf16",
-            Intervention("bfloat16 instead of float16", config_patch(scaler_patch(enabled=False), dtype="bfloat16")),
-            screen="range",
-        )
+        patch = bf16_patch(self.ev.config.sharding)
+        return Candidate("bf16", Intervention("bfloat16 instead of float16", patch), screen="range")
 
     def _forward_overflow(self, modules: list[str]) -> bool:
         """Whether the AMP run's forward outputs of ``modules`` (or of modules inside them) left fp16's range."""

@@ -10,15 +10,34 @@ it (:mod:`fp16doctor.engine.emulated_ranks`).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
-from ..config import ShardingConfig
+from ..config import ShardingConfig, config_patch, merge, scaler_patch, sharding_patch
 from .findings import Finding
+
+
+def bf16_patch(sharding: ShardingConfig) -> dict[str, Any]:
+    """Training in bf16: autocast's dtype, no loss scaling; with emulated ranks, the policy's fp16 dtypes made bf16
+    too. FSDP's policy casts the parameters themselves, so with ``param_dtype`` fp16 kept every op would still run in
+    fp16 and "bf16" would be tried as a change that changes nothing."""
+    patch = config_patch(scaler_patch(enabled=False), dtype="bfloat16")
+    if not sharding.emulated:
+        return patch
+    halves = {key: "bfloat16" for key in ("param_dtype", "reduce_dtype") if getattr(sharding, key) == "float16"}
+    return merge(patch, sharding_patch(**halves)) if halves else patch
 
 
 def as_sharded(finding: Finding, sharding: ShardingConfig) -> Finding:
     """``finding`` with its fix's code in FSDP2's terms where the replay emulated sharded ranks; else itself."""
+    if not sharding.emulated:
+        return finding
+    policy = finding.fix.config_patch.get("sharding", {})
+    if finding.fix.config_patch.get("dtype") == "bfloat16" and "param_dtype" in policy:
+        dtypes = ", ".join(f"{key}=torch.{policy[key]}" for key in ("param_dtype", "reduce_dtype") if key in policy)
+        code = f"fully_shard(model, mp_policy=MixedPrecisionPolicy({dtypes}))  # and no GradScaler: bf16 needs none"
+        return replace(finding, fix=replace(finding.fix, code=code))
     modules = finding.fix.config_patch.get("overrides", {}).get("fp32_modules")
-    if not sharding.emulated or not modules:
+    if not modules:
         return finding
     back = f", output_dtype=torch.{sharding.param_dtype}" if sharding.param_dtype else ""
     lines = [

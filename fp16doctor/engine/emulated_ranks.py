@@ -118,7 +118,10 @@ def emulated_ranks_step(
     param_dtype = _dtype(sharding.param_dtype) if policy_dtypes else None
     reduce_dtype = _dtype(sharding.reduce_dtype) if policy_dtypes else None
     kept = tuple(f"{path}." for path in fp32_modules)
-    reduced: dict[str, torch.Tensor] = {}
+    # One reduction per micro-batch where the ranks reduce after every backward (FSDP2's default), else one of the
+    # gradients each rank accumulated unsharded over its micro-batches (gradient sync off until the last).
+    reductions = sharding.micro_batches if sharding.sync_each_micro_batch else 1
+    reduced: list[dict[str, torch.Tensor]] = [{} for _ in range(reductions)]
     local_bad: set[str] = set()
     total: torch.Tensor | None = None
     for rank in range(sharding.world):
@@ -130,26 +133,33 @@ def emulated_ranks_step(
                 name: p.detach().to(p.dtype if name.startswith(kept) else param_dtype or p.dtype).requires_grad_(True)
                 for name, p in params
             }
-        with _parameters_replaced(model, leaves), _outputs_cast(model, fp32_modules, param_dtype):
-            for batch in mine:
+        casts = (
+            _inputs_cast(model, fp32_modules, param_dtype) if sharding.cast_forward_inputs else contextlib.nullcontext()
+        )
+        with _parameters_replaced(model, leaves), casts, _outputs_cast(model, fp32_modules, param_dtype):
+            for micro, batch in enumerate(mine):
                 with autocast() if sharding.autocast else contextlib.nullcontext():
                     loss = loss_fn(model, batch)
                 scaler.scale(loss).backward()
                 total = loss.detach().float() if total is None else total + loss.detach().float()
-        with _reduction():
-            for name, leaf in leaves.items():
-                if leaf.grad is not None:
-                    reduced[name] = _add_rank(reduced.get(name), leaf.grad, reduce_dtype, sharding, reading, name)
-                    if not bool(torch.isfinite(leaf.grad).all()):
-                        local_bad.add(name)
+                if reductions > 1 or micro == len(mine) - 1:
+                    _hand_over(
+                        leaves, reduced[micro if reductions > 1 else 0], local_bad, reduce_dtype, sharding, reading
+                    )
     if reading is not None:
         for name in sorted(local_bad):
             reading.local_nonfinite_steps.setdefault(name, []).append(step)
     with _reduction(), torch._C.DisableTorchFunction():
         for name, p in params:
-            if name in reduced:
-                _, post = divide_factors(sharding.world, reduced[name].dtype, sharding.wrapper)
-                p.grad = (reduced[name] / post).to(p.dtype)
+            # each reduction's result lands in the sharded gradient, in the parameter's own dtype, where FSDP2
+            # accumulates over the micro-batches
+            parts = [
+                (sums[name] / divide_factors(sharding.world, sums[name].dtype, sharding.wrapper)[1]).to(p.dtype)
+                for sums in reduced
+                if name in sums
+            ]
+            if parts:
+                p.grad = torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
                 if reading is not None and name not in local_bad and not bool(torch.isfinite(p.grad).all()):
                     reading.nonfinite_steps.setdefault(name, []).append(step)
     # From here on as in one process: unscale before anything reads gradient magnitudes, then step (skipped on
@@ -161,6 +171,25 @@ def emulated_ranks_step(
     scaler.update()
     assert total is not None, "a step needs at least one batch"
     return total / sharding.world
+
+
+def _hand_over(
+    leaves: dict[str, torch.Tensor],
+    sums: dict[str, torch.Tensor],
+    local_bad: set[str],
+    reduce_dtype: torch.dtype | None,
+    sharding: ShardingConfig,
+    reading: ReductionReading | None,
+) -> None:
+    """A rank's gradients so far added to a reduction, then cleared (the next micro-batch's start from zero)."""
+    with _reduction():
+        for name, leaf in leaves.items():
+            if leaf.grad is None:
+                continue
+            sums[name] = _add_rank(sums.get(name), leaf.grad, reduce_dtype, sharding, reading, name)
+            if not bool(torch.isfinite(leaf.grad).all()):
+                local_bad.add(name)
+            leaf.grad = None
 
 
 def _add_rank(
@@ -197,6 +226,31 @@ def _parameters_replaced(model: torch.nn.Module, tensors: dict[str, torch.Tensor
 
     with _reparametrize_module(model, tensors, tie_weights=True):  # a tied head follows its embedding
         yield
+
+
+@contextmanager
+def _inputs_cast(model: torch.nn.Module, kept: tuple[str, ...], param_dtype: torch.dtype | None) -> Iterator[None]:
+    """FSDP2's ``cast_forward_inputs``: the root's floating-point inputs cast to ``param_dtype``, and those of each
+    module at ``kept`` (sharded with an fp32 policy of its own) to float32, while the block runs."""
+    if param_dtype is None:
+        yield
+        return
+
+    def cast_to(dtype: torch.dtype) -> Callable[..., Any]:
+        def cast(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+            with torch._C.DisableTorchFunction():
+                change = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+                return map_tensors(args, change), map_tensors(kwargs, change)
+
+        return cast
+
+    targets = [(model, param_dtype)] + [(model.get_submodule(path), torch.float32) for path in kept]
+    handles = [m.register_forward_pre_hook(cast_to(dtype), with_kwargs=True) for m, dtype in targets]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextmanager

@@ -58,12 +58,17 @@ def ddp_hook_dtype(hooks: list[str]) -> str | None:
     return None
 
 
-def policy_dtypes(model: torch.nn.Module) -> dict[str, str | None]:
-    """The root ``fully_shard`` state's ``param_dtype`` and ``reduce_dtype``, by name (None: not set)."""
+def policy_dtypes(model: torch.nn.Module) -> dict[str, Any]:
+    """The root ``fully_shard`` state's ``param_dtype`` and ``reduce_dtype``, by name (None: not set), and its
+    ``cast_forward_inputs``."""
     from ..engine.parallel import policy_of  # the diagnosis's engine: loaded only when a capsule is written
 
     policy = policy_of(model) or {}
-    return {"param_dtype": policy.get("param_dtype"), "reduce_dtype": policy.get("reduce_dtype")}
+    return {
+        "param_dtype": policy.get("param_dtype"),
+        "reduce_dtype": policy.get("reduce_dtype"),
+        "cast_forward_inputs": bool(policy.get("cast_forward_inputs", True)),
+    }
 
 
 def applied_on(skipped: list[bool]) -> str | None:

@@ -30,6 +30,14 @@ def run_training(
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
     """One process in this one (``on_step`` told each step's record), or ``nproc`` under torchrun."""
+    if config.sharding.emulated:
+        # Emulated ranks replay one step of a sharded run to diagnose it; a training trained so would run every
+        # rank's batch in one process, in the doctor's imitation of the wrapper rather than the wrapper itself.
+        raise DoctorError(
+            f"sharding.world is {config.sharding.world}: the emulated ranks replay a sharded run's step for the "
+            "diagnosis, they do not train.",
+            hint="Train sharded for real with --nproc N and the file's parallelize(model), and sharding.world: 1.",
+        )
     if nproc == 1:
         return Trainer(spec, config, options).run(on_step)
     return train_distributed(config, options, nproc, training_file)
