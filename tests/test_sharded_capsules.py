@@ -50,6 +50,7 @@ def test_one_ranks_bad_batch_is_replayed_from_the_ranks_capsule_and_its_data_nam
         "wrapper": "fully_shard",
         "param_dtype": "float16",
         "reduce_dtype": "float32",
+        "cast_forward_inputs": True,
         "autocast": False,
     }
     top = diagnosed(capsule)["findings"][0]
