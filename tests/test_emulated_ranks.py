@@ -192,10 +192,19 @@ def test_micro_batches_are_reduced_one_by_one_into_fp32_unless_sync_waits_for_th
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     reading = ReductionReading()
     emulated_ranks_step(
-        model, [batch] * 4, optimizer, scaler, contextlib.nullcontext, lambda m, b: m(b).sum(), sharding, reading=reading
+        model,
+        [batch] * 4,
+        optimizer,
+        scaler,
+        contextlib.nullcontext,
+        lambda m, b: m(b).sum(),
+        sharding,
+        reading=reading,
     )
     assert bool(torch.isfinite(model.weight.grad).all()) is finite
     if finite:
-        assert model.weight.grad.item() == pytest.approx(8e4, rel=1e-3)  # the mean over ranks, summed over micro-batches
+        assert model.weight.grad.item() == pytest.approx(
+            8e4, rel=1e-3
+        )  # the mean over ranks, summed over micro-batches
     else:
         assert reading.local_nonfinite_steps == {"weight": [0]}  # the rank's own accumulation overflowed

@@ -19,6 +19,8 @@ import pytest
 from conftest import run_cli
 from test_watch_sharded import FSDP2, SCRIPTS, outcome, torchrun
 
+from fp16doctor.userfile.spec import load_training_file
+
 pytestmark = pytest.mark.slow
 
 RMSNORM = SCRIPTS / "fsdp2_rmsnorm.py"
@@ -81,9 +83,13 @@ def test_an_fp16_reduce_scatter_that_overflows_is_replayed_and_reduce_dtype_fp32
 
 
 def test_an_epsilon_fp16_param_dtype_flushes_is_replayed_from_the_capsule_and_the_norm_kept_in_fp32(tmp_path):
-    fp32 = torchrun(tmp_path, RMSNORM, "--param-dtype", "float32", "--steps", "8")
+    """The MLP is activation-checkpointed, as torchtitan does before fully_shard: the checkpoint's keys leave the
+    wrapper's name out, and the rebuilt model keeps the wrapper."""
+    fp32 = torchrun(tmp_path, RMSNORM, "--param-dtype", "float32", "--steps", "8", "--checkpoint-mlp")
     assert fp32.returncode == 0 and "nan" not in fp32.stdout, outcome(fp32)  # the same training, fp32 parameters
-    capsule = watched_capsule(tmp_path, RMSNORM)
+    capsule = watched_capsule(tmp_path, RMSNORM, "--checkpoint-mlp")
+    rebuilt = load_training_file(capsule / "train_capsule.py").model()
+    assert "mlp._checkpoint_wrapped_module.0.weight" in dict(rebuilt.named_parameters())
     report = diagnosed(capsule)
     top = report["findings"][0]
     assert top["cause"] == "constant-out-of-range" and top["severity"] == "error", top

@@ -103,10 +103,26 @@ def gathered_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return dict(model_state), dict(optimizer_state)
 
 
+_OBJECT_GROUPS: dict[Any, Any] = {}
+"""Per default process group, the gloo group the capsule's object collectives use where the default is not gloo."""
+
+
+def object_group() -> Any:
+    """The group to send pickled objects in: the default one under gloo, else a gloo group of the same ranks, made
+    once (every rank reaches it together, in the update where they capture). Object collectives on nccl would
+    copy every pickle to a GPU and rely on the current device being each rank's own."""
+    default = dist.group.WORLD
+    if dist.get_backend(default) == "gloo":
+        return None
+    if default not in _OBJECT_GROUPS:
+        _OBJECT_GROUPS[default] = dist.new_group(backend="gloo")
+    return _OBJECT_GROUPS[default]
+
+
 def gather_steps(mine: RankStep) -> list[RankStep] | None:
     """Every rank's :class:`RankStep`, on rank 0 (None on the others): a collective."""
     everyone: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
+    dist.gather_object(mine, everyone, dst=0, group=object_group())
     return everyone
 
 
@@ -141,10 +157,26 @@ def indexed_optimizer_state(state: dict[str, Any], names: list[str]) -> dict[str
     return {"state": moments, "param_groups": groups}
 
 
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+"""The names wrappers add to a parameter's path (activation checkpointing, ``torch.compile``, FSDP1), which
+``torch.distributed.checkpoint`` leaves out of its keys."""
+
+
+def checkpoint_key(model: torch.nn.Module, name: str) -> str:
+    """The key ``torch.distributed.checkpoint``'s state dicts give ``model``'s parameter ``name``: its own
+    ``_get_fqns`` where this torch has it, else the name without the wrappers' segments."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+
+        return next(iter(_get_fqns(model, name)))
+    except Exception:  # noqa: BLE001 - a private helper: without it, the segments it is known to drop
+        return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
 def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A copy of ``model`` as the user's classes build it: each ``fully_shard``-ed module back in its own class,
-    its parameters the whole ``state`` (plain tensors on the CPU), without FSDP's hooks and state and without the
-    watch's own hooks: what ``model.pt`` pickles."""
+    its parameters the whole ``state`` (plain tensors on the CPU, keyed as ``torch.distributed.checkpoint`` keys
+    them), without FSDP's hooks and state and without the watch's own hooks: what ``model.pt`` pickles."""
     prefix_of = {module: name for name, module in model.named_modules()}
     copies: dict[int, torch.nn.Module] = {}
 
@@ -157,7 +189,9 @@ def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torc
         clone.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith(FSDP_ATTRIBUTES)})
         prefix = prefix_of.get(module, "")
         clone._parameters = {
-            name: None if p is None else torch.nn.Parameter(state[_join(prefix, name)].clone(), p.requires_grad)
+            name: None
+            if p is None
+            else torch.nn.Parameter(state[checkpoint_key(model, _join(prefix, name))].clone(), p.requires_grad)
             for name, p in module._parameters.items()
         }
         clone._buffers = {name: None if b is None else cpu_copy(b) for name, b in module._buffers.items()}
@@ -245,7 +279,7 @@ def capture_together(
         assert steps is not None
         parts = _Parts(steps, model_state, optimizer_state, reduction)
         result[0] = _write(watch, optimizer, scaler, numbers, parts)
-    dist.broadcast_object_list(result, src=0)
+    dist.broadcast_object_list(result, src=0, group=object_group())
     folder, why = result[0]
     return (Path(folder) if folder else None), why
 
@@ -271,11 +305,11 @@ def _write(
         return None, reason
     try:
         module = plain_module(watch.model, parts.model_state)
-        names = [name for name, _ in module.named_parameters()]
+        names = [checkpoint_key(watch.model, name) for name, _ in module.named_parameters()]
         batches, grads = flattened(parts.steps)
         contents = CapsuleContents(
             module=module,
-            model_state=parts.model_state,
+            model_state=module.state_dict(),  # keyed as the rebuilt module loads it, wrappers and all
             optimizer_state=indexed_optimizer_state(parts.optimizer_state, names),
             batches=batches,
             output_grads=grads,

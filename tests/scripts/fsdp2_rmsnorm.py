@@ -6,6 +6,8 @@ parameters (autocast, or ``--param-dtype float32``) the epsilon keeps that finit
 parameters themselves, every op runs in fp16, where ``1e-8`` is 0, and ``0 * rsqrt(0)`` is NaN.
 
 ``--pad-step K``: from step K on, every rank's batches carry padded sequences (before it, full length ones).
+``--checkpoint-mlp``: the MLP under activation checkpointing (``checkpoint_wrapper``, as torchtitan applies it before
+``fully_shard``), which adds ``_checkpoint_wrapped_module`` to its parameters' names.
 """
 
 import argparse
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -57,12 +60,15 @@ def main():
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--param-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     parser.add_argument("--pad-step", type=int, default=3)
+    parser.add_argument("--checkpoint-mlp", action="store_true")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = TinyLM()
+    if args.checkpoint_mlp:
+        model.mlp = checkpoint_wrapper(model.mlp)
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, args.param_dtype), reduce_dtype=torch.float32)
     fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
