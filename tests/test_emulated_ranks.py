@@ -208,3 +208,30 @@ def test_micro_batches_are_reduced_one_by_one_into_fp32_unless_sync_waits_for_th
         )  # the mean over ranks, summed over micro-batches
     else:
         assert reading.local_nonfinite_steps == {"weight": [0]}  # the rank's own accumulation overflowed
+
+
+def test_each_step_of_emulated_ranks_takes_batches_of_its_own(training_file):
+    """world x micro_batches batches a step, drawn for every step: the ranks never see a batch twice in a run."""
+    from fp16doctor.engine.probe import Workbench
+    from fp16doctor.userfile.spec import load_training_file
+
+    path = training_file(
+        """
+        import torch
+        def model():
+            return torch.nn.Linear(2, 1)
+        def data():
+            for i in range(100):
+                yield torch.full((1, 2), float(i)), torch.zeros(1, 1)
+        """
+    )
+    config = build_config({"steps": 3, "device": "cpu", "sharding": {"world": 2, "micro_batches": 2}})
+    bench = Workbench(load_training_file(path), config)
+    probe = bench.probe("fp32", config, instruments=None)
+    seen = []
+    for _ in range(3):
+        index, batches = probe.batch_at_cursor()
+        seen += [int(x[0, 0]) for x, _ in batches]
+        probe.step()
+    probe.close()
+    assert seen == list(range(12))

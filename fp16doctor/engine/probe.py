@@ -151,7 +151,9 @@ class Workbench:
         self.config = config
         self.device = resolve_device(config.device)
         seed_everything(config.seed)
-        self.batches = draw_batches(spec, batch_count or config.steps)
+        # emulated ranks take world x micro-batches batches a step: each step its own, as the ranks' would be
+        per_step = config.sharding.world * config.sharding.micro_batches
+        self.batches = draw_batches(spec, batch_count or config.steps * per_step)
         self._initial_state: dict[str, torch.Tensor] | None = self._reference_state()
         self._kept_reference: MutableMapping[int, Any] | None = None
         self.model_bytes = tensor_bytes(self._initial_state)
