@@ -386,8 +386,8 @@ def full_precision_policies(model: torch.nn.Module) -> None:
             continue
         state = get_state()
         state._mp_policy = fp32
-        group = getattr(state, "_fsdp_param_group", None)
-        if group is not None:
+        # every group of the state: a grouped fully_shard([a, b]) holds several, and the singular property refuses
+        for group in getattr(state, "_fsdp_param_groups", []):
             group.mp_policy = fp32
 
 
