@@ -147,9 +147,23 @@ class CompileConfig:
         ),
     )
 
+    fallback_ops: list[str] = field(
+        default_factory=list,
+        metadata=_doc(
+            "ATen operators inductor runs as their ATen kernels instead of lowering them (aten.rsqrt, ...): what "
+            "keeps a miscompiled lowering out of the compiled program (torch._inductor.lowering.make_fallback)."
+        ),
+    )
+
     def validate(self) -> None:
         if self.backend is not None:
             _require(self.backend in COMPILE_BACKENDS, "compile.backend", " | ".join(COMPILE_BACKENDS) + " or null")
+        for name in self.fallback_ops:
+            _require(
+                isinstance(name, str) and name.startswith("aten.") and name.count(".") in (1, 2),
+                "compile.fallback_ops",
+                "a list of ATen operator names such as aten.rsqrt",
+            )
 
     @property
     def as_model_compiles(self) -> bool:

@@ -54,6 +54,42 @@ def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_rep
     assert "compile:" in proc.fix_config and "backend: inductor" in proc.fix_config
 
 
+def test_a_miscompiling_inductor_lowering_is_bisected_to_its_operator_and_left_to_aten():
+    """A "fast" rsqrt lowering registered in the process (injected on purpose: the pinned torch's own lowerings do
+    not misbehave here) flushes a LayerNorm's 1e-12 epsilon to 0. eager and aot_eager are healthy, inductor is not,
+    and emulate_precision_casts does not help: PyTorch's compiler bisector names the lowering and its node, and
+    leaving aten.rsqrt to its ATen kernel, the rest of inductor as it was, repairs it, measured."""
+    proc = diagnose_ci(FILES / "compiled_inductor_lowering.py")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    top = proc.report()["findings"][0]
+    assert top["cause"] == "compiled-divergence" and top["severity"] == "error", top
+    bisection = top["evidence"]["bisection"]
+    assert bisection["backend"] == "inductor" and bisection["subsystem"] == "lowerings", bisection
+    assert bisection["operator"] == "aten.rsqrt" and bisection["applied_to"].startswith("rsqrt")
+    assert isinstance(bisection["application"], int) and bisection["runs"] > 1
+    assert "compiler bisector puts it in inductor's lowerings" in top["evidence"]["made_in"]
+    tried = {b["backend"]: b["symptoms"] for b in top["evidence"]["backends"]}
+    assert tried["aot_eager"] == [] and tried["inductor, emulate_precision_casts"]  # rounding is not the fault
+    assert tried["inductor, aten.rsqrt left to ATen"] == []
+    assert top["fix"]["config_patch"] == {"compile": {"fallback_ops": ["aten.rsqrt"]}}
+    assert "make_fallback(torch.ops.aten.rsqrt)" in top["fix"]["code"]
+    assert top["verification"]["repaired"] is True
+
+
+def test_operators_left_to_aten_replace_inductors_lowerings_only_while_the_block_runs():
+    from torch._inductor.lowering import lowerings
+
+    from fp16doctor.userfile.compiled import inductor_fallbacks
+
+    own = lowerings[torch.ops.aten.rsqrt.default]
+    with inductor_fallbacks(["aten.rsqrt"]):
+        assert lowerings[torch.ops.aten.rsqrt.default] is not own
+        assert lowerings[torch.ops.aten.sqrt.default] is not None
+    assert lowerings[torch.ops.aten.rsqrt.default] is own
+    with pytest.raises(Exception, match="compile.fallback_ops"):
+        build_config({"compile": {"fallback_ops": ["rsqrt"]}})
+
+
 def test_the_corrected_config_of_a_compiled_only_fault_is_healthy_again(tmp_path):
     fixed = tmp_path / "fixed.yaml"
     fixed.write_text(diagnose_ci(FILES / "compiled_custom_backend.py").fix_config)

@@ -571,6 +571,43 @@ class BackendTrial:
         return {"backend": self.backend, "symptoms": self.symptoms, "config_patch": self.config_patch}
 
 
+@dataclass(frozen=True)
+class CompilerBisection:
+    """What PyTorch's compiler bisector (``torch._inductor.compiler_bisector``) found, running the compiled AMP probe
+    again and again: the backend that makes the fault, then the subsystem (a group of passes, a setting, the
+    lowerings), then how many of its applications it takes."""
+
+    backend: str | None
+    """The first backend of ``eager``, ``aot_eager``, ``aot_eager_decomp_partition``, ``inductor`` that fails; None
+    where the bisector found every one healthy (the fault did not recur)."""
+    subsystem: str | None = None
+    """Within it: ``lowerings``, ``post_grad_passes``, a setting such as ``emulate_precision_casts`` ...; None where
+    it could not tell."""
+    application: int | None = None
+    """The subsystem's application that makes the fault (its n-th lowering, its n-th pass); None for a setting."""
+    applied_to: str | None = None
+    """What that application worked on: the graph node a lowering lowered (its name, ``rsqrt_1``), or the pass."""
+    operator: str | None = None
+    """For a lowering, its ATen operator where the node's name says it (``aten.rsqrt``)."""
+    runs: int = 0
+    """The compiled probes the bisection ran."""
+    seconds: float = 0.0
+    not_run: str | None = None
+    """Why no bisection ran (this torch has no bisector, the bisector's own error); None where it ran."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "subsystem": self.subsystem,
+            "application": self.application,
+            "applied_to": self.applied_to,
+            "operator": self.operator,
+            "runs": self.runs,
+            "seconds": round(self.seconds, 2),
+            "not_run": self.not_run,
+        }
+
+
 @dataclass
 class CompiledComparison:
     """What the compiled stage measured: the compiled AMP probe beside the eager one, against the same FP32."""
@@ -588,6 +625,8 @@ class CompiledComparison:
     """Its first step's time beyond the median of the others: what compiling the forward and backward took."""
     backends: list[BackendTrial] = field(default_factory=list)
     """Only the compiled training fails: the backends tried, from the least compiled up, to localise the fault."""
+    bisection: CompilerBisection | None = None
+    """Only inductor fails (``aot_eager`` healthy): where in inductor, by PyTorch's compiler bisector."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -598,6 +637,7 @@ class CompiledComparison:
             "probe_seconds": round(self.probe_seconds, 2),
             "compile_seconds": round(self.compile_seconds, 2),
             "backends": [b.to_json() for b in self.backends],
+            "bisection": self.bisection.to_json() if self.bisection is not None else None,
         }
 
 

@@ -52,7 +52,7 @@ from ..precision.session import PrecisionSession
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import map_tensors, to_device
 from ..userfile.checkpoint import TrainedStart
-from ..userfile.compiled import compiled_program, training_compiles
+from ..userfile.compiled import compiled_program, inductor_fallbacks, training_compiles
 from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
 from ..userfile.spec import TrainingSpec, build_model, build_model_and_program, draw_batches, user_frame
 from .emulated_ranks import ReductionReading, emulated_ranks_step
@@ -547,10 +547,13 @@ class Probe:
 
     @contextlib.contextmanager
     def _runtime_fixes_active(self) -> Iterator[None]:
-        """The torch-function modes of ``config.overrides`` (:meth:`_runtime_fixes`), entered together."""
+        """The torch-function modes of ``config.overrides`` (:meth:`_runtime_fixes`), entered together; a compiled
+        probe's operators left to ATen (``compile.fallback_ops``) while it compiles and runs."""
         with contextlib.ExitStack() as stack:
             for mode in self._step_modes:
                 stack.enter_context(mode)
+            if self._compiled_model is not None:
+                stack.enter_context(inductor_fallbacks(self.config.compile.fallback_ops))
             yield
 
     def step(self, batch: Any = None, batch_index: int | None = None) -> StepRecord:

@@ -199,3 +199,52 @@ def compiled_program(
     compiled = torch.compile(model, backend=backend, mode=mode, dynamic=dynamic, options=options)
     assert isinstance(compiled, torch.nn.Module)  # torch.compile of a module is its OptimizedModule
     return compiled
+
+
+def aten_operator(name: str) -> Any:
+    """``aten.rsqrt`` (or ``aten.rsqrt.default``) as its operator; None where this torch has no such operator."""
+    parts = name.split(".")
+    if len(parts) not in (2, 3) or parts[0] != "aten":
+        return None
+    packet = getattr(torch.ops.aten, parts[1], None)
+    if packet is None or len(parts) == 2:
+        return packet
+    return getattr(packet, parts[2], None)
+
+
+@contextlib.contextmanager
+def inductor_fallbacks(names: list[str]) -> Iterator[None]:
+    """While the block runs, inductor leaves the operators ``names`` to their ATen kernels instead of lowering them
+    (as ``torch._inductor.lowering.make_fallback`` does), then its own lowerings come back. Inductor's compiled-graph
+    caches are off meanwhile (:func:`graph_caches_off`)."""
+    if not names:
+        yield
+        return
+    from torch._inductor.lowering import fallback_handler, lowerings
+
+    targets = [op for op in (aten_operator(n) for n in names) if op is not None]
+    overloads = [getattr(t, o) for t in targets if hasattr(t, "overloads") for o in t.overloads()]
+    overloads += [t for t in targets if not hasattr(t, "overloads")]
+    saved = {op: lowerings[op] for op in overloads if op in lowerings}
+    with graph_caches_off():
+        try:
+            for op in saved:
+                lowerings[op] = fallback_handler(op, add_to_fallback_set=False)
+            yield
+        finally:
+            lowerings.update(saved)
+
+
+@contextlib.contextmanager
+def graph_caches_off() -> Iterator[None]:
+    """Inductor's and AOT autograd's caches of compiled graphs off while the block runs: their keys hold the graph
+    and the settings, not the lowerings in place nor the compiler bisector's state, so a program compiled before
+    would come back. The kernels' own cache stays: a kernel is keyed by its source."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    with (
+        inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        yield

@@ -4,13 +4,15 @@ The compiled AMP probe (the model as ``model()`` compiles it) fails or drifts fr
 from the same weights and batches, is healthy. The fault is made by the compilation: a backend's lowering or
 pass, a fusion that computes in another precision, or dynamo's capture. It is localised by backend, from the
 least compiled up: ``eager`` (dynamo's graph, run eagerly), ``aot_eager`` (and AOT autograd's decompositions),
-then the training's own backend (and inductor, where the training's is a custom one). The per-operator comparison
-of the compiled graph with eager is not made.
+then the training's own backend (and inductor, where the training's is a custom one). Where only inductor fails,
+PyTorch's compiler bisector names the subsystem and the application in it (a lowering's graph node, so its ATen
+operator). The per-operator comparison of the compiled graph's values with eager's is not made.
 
 Evidence: how the model is compiled, the compiled and eager symptoms, each backend tried and what it measured,
 and the layer the fault is made in. The fix is the least change that repaired the compiled probe, measured:
-inductor with ``emulate_precision_casts`` (its rounding made to follow eager's), inductor in place of a custom
-backend, ``aot_eager``, or the model kept eager; the verification runs the compiled probe with it.
+the bisected lowering's operator left to its ATen kernel (``compile.fallback_ops``), inductor with
+``emulate_precision_casts`` (its rounding made to follow eager's), inductor in place of a custom backend,
+``aot_eager``, or the model kept eager; the verification runs the compiled probe with it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..findings import (
     BackendTrial,
     CompiledComparison,
     CompiledOutcome,
+    CompilerBisection,
     Evidence,
     EvidenceRecord,
     Finding,
@@ -49,9 +52,15 @@ class CompiledDivergenceEvidence(EvidenceRecord):
     """The compiled probe with each backend or setting tried instead of the training's, and its symptoms."""
     made_in: str
     """Where the fault is made: dynamo's graph capture, AOT autograd, or the training's backend."""
+    bisection: CompilerBisection | None = None
+    """Only inductor fails: the subsystem and application PyTorch's compiler bisector found."""
 
 
-def comparison_case(backends: list[BackendTrial], outcome: CompiledOutcome = CompiledOutcome.COMPILED_ONLY) -> Evidence:
+def comparison_case(
+    backends: list[BackendTrial],
+    outcome: CompiledOutcome = CompiledOutcome.COMPILED_ONLY,
+    bisection: CompilerBisection | None = None,
+) -> Evidence:
     """A compiled-stage comparison: eager healthy, the compiled probe non-finite (unless ``outcome`` says else)."""
     nonfinite = Symptom("nonfinite", "AMP's loss is non-finite from step 0", step=0)
     ev = fx.evidence()
@@ -64,6 +73,7 @@ def comparison_case(backends: list[BackendTrial], outcome: CompiledOutcome = Com
         probe_seconds=5.0,
         compile_seconds=4.0,
         backends=backends,
+        bisection=bisection,
     )
     return ev
 
@@ -76,7 +86,7 @@ class CompiledDivergence(Rule):
     order = 88
     evidence_type: ClassVar[type[EvidenceRecord]] = CompiledDivergenceEvidence
     explains = ("nonfinite", "skips", "trajectory-drift", "amp-exception", "lost-updates")
-    training_files = ("compiled_custom_backend.py",)
+    training_files = ("compiled_custom_backend.py", "compiled_inductor_lowering.py")
     fires_on = (
         lambda: comparison_case(
             [
@@ -85,6 +95,16 @@ class CompiledDivergence(Rule):
             ]
         ),
         lambda: comparison_case([BackendTrial("eager", ["nonfinite"]), BackendTrial("aot_eager", ["nonfinite"])]),
+        lambda: comparison_case(  # a lowering the bisector found, its operator left to ATen: healthy
+            [
+                *HEALTHY_LOWER,
+                BackendTrial(
+                    "inductor, emulate_precision_casts", ["nonfinite"], {"compile": {"emulate_precision_casts": True}}
+                ),
+                BackendTrial("inductor, aten.rsqrt left to ATen", [], {"compile": {"fallback_ops": ["aten.rsqrt"]}}),
+            ],
+            bisection=CompilerBisection("inductor", "lowerings", 3, "rsqrt", "aten.rsqrt", runs=22),
+        ),
     )
     quiet_on = (
         lambda: comparison_case([], CompiledOutcome.EAGER_ONLY),
@@ -96,7 +116,7 @@ class CompiledDivergence(Rule):
         if comparison is None or comparison.outcome != CompiledOutcome.COMPILED_ONLY:
             return []
         own = str(comparison.compiled_with.get("backend", "inductor"))
-        made_in = _made_in(comparison.backends, own)
+        made_in = _made_in(comparison.backends, own) + _bisected(comparison.bisection)
         fix = _least_repairing(comparison.backends, own)
         symptoms = ", ".join(s.code for s in comparison.compiled_symptoms)
         return [
@@ -109,6 +129,7 @@ class CompiledDivergence(Rule):
                     eager_symptoms=[s.code for s in comparison.eager_symptoms],
                     backends=list(comparison.backends),
                     made_in=made_in,
+                    bisection=comparison.bisection,
                 ),
                 fix,
             )
@@ -159,8 +180,34 @@ FIXES = (
 """(trial, fix, code), in the order they are preferred: the least change from the training's own compilation."""
 
 
+def _bisected(bisection: CompilerBisection | None) -> str:
+    """``: its lowerings, the 5th (graph node rsqrt_1, aten.rsqrt), by PyTorch's compiler bisector``."""
+    if bisection is None or bisection.backend is None or bisection.subsystem is None:
+        return ""
+    where = f"; PyTorch's compiler bisector puts it in {bisection.backend}'s {bisection.subsystem}"
+    if bisection.application is not None:
+        where += f", application {bisection.application}"
+    if bisection.applied_to:
+        where += f" (graph node {bisection.applied_to}" + (f", {bisection.operator})" if bisection.operator else ")")
+    return where
+
+
+def _fallback_fix(trial: BackendTrial) -> Fix:
+    operator = trial.config_patch["compile"]["fallback_ops"][0]
+    return Fix(
+        f"Keep {operator} out of inductor's lowerings: inductor then runs it as its ATen kernel, and compiles the "
+        "rest as before (measured healthy).",
+        code=f"from torch._inductor.lowering import make_fallback\nmake_fallback(torch.ops.{operator})  # before "
+        "the first compiled call",
+        config_patch=dict(trial.config_patch),
+    )
+
+
 def _least_repairing(backends: list[BackendTrial], own: str) -> Fix:
     healthy = {b.backend: b for b in backends if not b.symptoms}
+    for candidate in healthy.values():
+        if candidate.config_patch.get("compile", {}).get("fallback_ops"):
+            return _fallback_fix(candidate)
     for trial, summary, code in FIXES:
         if trial in healthy and trial != own:
             return Fix(summary, code=code, config_patch=dict(healthy[trial].config_patch))

@@ -9,21 +9,31 @@ weights and batches, is compared with the eager one against the same FP32 baseli
 * only eager fails: the training as it runs is healthy (the triage then says where eager would fail, as warnings);
 * only the compiled training fails: ``compiled-divergence``, localised by backend, from the least compiled up:
   ``eager`` (dynamo's graph capture), ``aot_eager`` (and AOT autograd's decompositions), then the training's own
-  backend, and inductor where the training's is a custom one. The per-operator comparison of a graph is not made.
+  backend, and inductor where the training's is a custom one. Where only inductor fails, PyTorch's compiler
+  bisector then runs the compiled probe again and again to find the subsystem (a group of passes, a setting, the
+  lowerings) and the application in it that makes the fault: a lowering's graph node names its ATen operator, and
+  that operator left to its ATen kernel (``compile.fallback_ops``) is tried as the fix that keeps inductor.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import statistics
 import time
 from typing import Any
 
+import torch
+
+from ...errors import first_line
 from ...measure.symptoms import Symptom
-from ...userfile.compiled import training_compiles
+from ...userfile.compiled import aten_operator, graph_caches_off, training_compiles
 from ..findings import (
     BackendTrial,
     CompiledComparison,
     CompiledOutcome,
+    CompilerBisection,
     ProbeSummary,
     StageName,
     StageReport,
@@ -56,6 +66,9 @@ def stage_compiled(ctx: StageContext) -> StageReport:
     )
     if outcome == CompiledOutcome.COMPILED_ONLY:
         comparison.backends = localise_by_backend(ctx, comparison)
+        if _only_inductor_fails(comparison):
+            comparison.bisection = bisect_compiler(ctx)
+            comparison.backends += _fallback_trial(ctx, comparison.bisection)
     ev.compiled = comparison
     details = {**probe_details(compiled), **comparison.to_json()}
     return StageReport(StageName.COMPILED, StageStatus.RAN, _sentence(comparison), details=details)
@@ -104,6 +117,75 @@ def localise_by_backend(ctx: StageContext, comparison: CompiledComparison) -> li
         symptoms = [s.code for s in measured_symptoms(ctx, config, summary, ctx.evidence.fp32, None, compiled=True)]
         trials.append(BackendTrial(name, symptoms, patch))
     return trials
+
+
+def _only_inductor_fails(comparison: CompiledComparison) -> bool:
+    """The training compiles with inductor, and AOT autograd's graph run eagerly is healthy: inside inductor."""
+    if comparison.compiled_with.get("backend", "inductor") != "inductor":
+        return False
+    return any(b.backend == "aot_eager" and not b.symptoms for b in comparison.backends)
+
+
+def bisect_compiler(ctx: StageContext) -> CompilerBisection:
+    """PyTorch's compiler bisector over the compiled AMP probe: healthy or not, as the stage measures it. Each run
+    compiles anew (dynamo reset, inductor's caches off: the bisector changes what their keys do not hold)."""
+    try:
+        from torch._inductor.compiler_bisector import CompilerBisector
+    except ImportError:
+        return CompilerBisection(None, not_run="this torch has no compiler bisector")
+    runs = 0
+
+    def healthy() -> bool:
+        nonlocal runs
+        runs += 1
+        torch._dynamo.reset()
+        summary, _, _ = _timed_compiled_probe(ctx, {})
+        return not measured_symptoms(ctx, ctx.config, summary, ctx.evidence.fp32, None, compiled=True)
+
+    began = time.perf_counter()
+    # the bisector says where it is on stdout, which is the diagnosis's own (its JSON)
+    with graph_caches_off(), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            result = CompilerBisector.do_bisect(healthy)
+        except Exception as exc:  # noqa: BLE001 - the bisector's own failure: said, the localisation stands
+            return CompilerBisection(
+                None, runs=runs, not_run=f"the bisector raised {type(exc).__name__}: {first_line(exc)}"
+            )
+        finally:
+            torch._dynamo.reset()
+    seconds = time.perf_counter() - began
+    if result is None:
+        return CompilerBisection(None, runs=runs, seconds=seconds)
+    applied_to = result.debug_info if result.subsystem == "lowerings" else None
+    return CompilerBisection(
+        result.backend,
+        result.subsystem,
+        result.bisect_number if result.subsystem != result.debug_info else None,
+        applied_to,
+        _operator_of(applied_to),
+        runs,
+        seconds,
+    )
+
+
+def _operator_of(node: str | None) -> str | None:
+    """The ATen operator of a lowered graph node, from its name (``rsqrt_1`` is a call of ``aten.rsqrt``)."""
+    if not node:
+        return None
+    name = "aten." + re.sub(r"_\d+$", "", node.strip())
+    return name if aten_operator(name) is not None else None
+
+
+def _fallback_trial(ctx: StageContext, bisection: CompilerBisection) -> list[BackendTrial]:
+    """The bisected lowering's operator left to its ATen kernel, the rest of inductor as it was: measured."""
+    if bisection.operator is None:
+        return []
+    patch = {"compile": {"fallback_ops": [bisection.operator]}}
+    torch._dynamo.reset()
+    summary, _, _ = _timed_compiled_probe(ctx, patch)
+    config = ctx.with_config(patch)
+    symptoms = [s.code for s in measured_symptoms(ctx, config, summary, ctx.evidence.fp32, None, compiled=True)]
+    return [BackendTrial(f"inductor, {bisection.operator} left to ATen", symptoms, patch)]
 
 
 def _sentence(comparison: CompiledComparison) -> str:
