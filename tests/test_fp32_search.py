@@ -248,6 +248,21 @@ def test_what_the_watch_cannot_undo_is_reported_and_only_written_tensors_are_cop
     assert report.uncaptured == ["seen"] and "cache" in report.restored
 
 
+def test_the_keepers_slots_are_found_again_when_a_forward_adds_state_and_only_then():
+    """A step's two reads walk the slots found before; an attribute a forward adds is found at the next step."""
+    model = Memory()
+    keeper = StepStartKeeper()
+    keeper.begin(model)
+    model(torch.ones(1, 2))
+    keeper.end(model)
+    slots = keeper.slots.of(model)
+    assert keeper.slots.of(model) is slots  # nothing changed in number: the same list, no walk of the tree
+    model.lin.running = torch.zeros(2)  # state a later forward creates
+    assert "lin.running" in {key for key, *_ in keeper.slots.of(model)}
+    keeper.begin(model)
+    assert keeper.start is not None and "lin.running" in keeper.start.held
+
+
 def test_a_weight_view_whose_storage_a_sharding_wrapper_freed_is_no_state_and_is_never_read():
     """FSDP1 keeps a module's weight as a plain tensor attribute viewing its flat parameter, and frees that storage
     between forwards: copying the view would read freed memory."""

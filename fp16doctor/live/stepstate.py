@@ -58,21 +58,61 @@ class StateReport:
         return {"restored": self.restored, "uncaptured": self.uncaptured}
 
 
-def _state(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, str, Any, bool]]:
-    """(key, module, name, value, is_buffer) of every buffer and non-parameter attribute of the model's modules."""
+Slot = tuple[str, torch.nn.Module, str, bool]
+"""(key, module, name, is_buffer): where a piece of state lives."""
+
+
+def _slots(model: torch.nn.Module) -> list[Slot]:
+    """Every buffer and public attribute of the model's modules: where state may be, whatever it holds now."""
+    found: list[Slot] = []
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
-        for name, buffer in module._buffers.items():
-            if buffer is not None:
-                yield prefix + name, module, name, buffer, True
-        for name, value in vars(module).items():
-            if name.startswith("_") or name in SKIPPED or isinstance(value, torch.nn.Module):
-                continue
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                if _holds_its_elements(value):
-                    yield prefix + name, module, name, value, False
-            elif isinstance(value, PLAIN + CONTAINERS):
-                yield prefix + name, module, name, value, False
+        found += [(prefix + name, module, name, True) for name in module._buffers]
+        found += [(prefix + name, module, name, False) for name in vars(module) if not name.startswith("_")]
+    return found
+
+
+def _state(
+    model: torch.nn.Module, slots: list[Slot] | None = None
+) -> Iterator[tuple[str, torch.nn.Module, str, Any, bool]]:
+    """(key, module, name, value, is_buffer) of every buffer and non-parameter attribute of the model's modules
+    (at ``slots``, where the caller knows them already)."""
+    for key, module, name, buffer in _slots(model) if slots is None else slots:
+        if buffer:
+            value = module._buffers.get(name)
+            if value is not None:
+                yield key, module, name, value, True
+            continue
+        value = module.__dict__.get(name)
+        if name in SKIPPED or isinstance(value, torch.nn.Module):
+            continue
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            if _holds_its_elements(value):
+                yield key, module, name, value, False
+        elif isinstance(value, PLAIN + CONTAINERS):
+            yield key, module, name, value, False
+
+
+class StateSlots:
+    """A model's :func:`_slots`, found again only when a module's attributes, buffers or submodules change in
+    number: a step's two reads of its state then walk a list instead of the module tree and every ``__dict__``."""
+
+    def __init__(self) -> None:
+        self._model: torch.nn.Module | None = None
+        self._modules: list[torch.nn.Module] = []
+        self._shape: list[tuple[int, int, int]] = []
+        self._slots: list[Slot] = []
+
+    def of(self, model: torch.nn.Module) -> list[Slot]:
+        if model is not self._model or self._shape != self._shape_now():
+            self._model = model
+            self._modules = list(model.modules())
+            self._shape = self._shape_now()
+            self._slots = _slots(model)
+        return self._slots
+
+    def _shape_now(self) -> list[tuple[int, int, int]]:
+        return [(len(m.__dict__), len(m._buffers), len(m._modules)) for m in self._modules]
 
 
 def _holds_its_elements(tensor: torch.Tensor) -> bool:
@@ -95,11 +135,11 @@ class StepStart:
     held: dict[str, Held]
 
     @classmethod
-    def take(cls, model: torch.nn.Module, copied: set[str] | None) -> StepStart:
+    def take(cls, model: torch.nn.Module, copied: set[str] | None, slots: list[Slot] | None = None) -> StepStart:
         """References (and versions) of every piece of state; a copy of the tensors in ``copied`` (None: all)."""
         held: dict[str, Held] = {}
         with torch.no_grad():
-            for key, _, _, value, _ in _state(model):
+            for key, _, _, value, _ in _state(model, slots):
                 if isinstance(value, torch.Tensor):
                     copy = value.detach().clone() if copied is None or key in copied else None
                     held[key] = Held(value, value._version, copy)
@@ -109,11 +149,11 @@ class StepStart:
                     held[key] = Held(value)
         return cls(held)
 
-    def written_in_place(self, model: torch.nn.Module) -> set[str]:
+    def written_in_place(self, model: torch.nn.Module, slots: list[Slot] | None = None) -> set[str]:
         """The tensors the forward wrote in place since (the same object, a later version)."""
         return {
             key
-            for key, _, _, value, _ in _state(model)
+            for key, _, _, value, _ in _state(model, slots)
             if isinstance(value, torch.Tensor)
             and key in self.held
             and self.held[key].value is value
@@ -185,15 +225,16 @@ class StepStartKeeper:
         self.written: set[str] | None = None
         """The tensors forwards wrote in place so far; None before the first step was checked."""
         self.start: StepStart | None = None
+        self.slots = StateSlots()
 
     def begin(self, model: torch.nn.Module) -> None:
         """The step's first forward is about to run (a no-op while a start is held)."""
         if self.start is None:
-            self.start = StepStart.take(model, self.written)
+            self.start = StepStart.take(model, self.written, self.slots.of(model))
 
     def end(self, model: torch.nn.Module) -> StepStart | None:
         """The step was checked: learn what its forward wrote in place; hand over its start."""
         start, self.start = self.start, None
         if start is not None:
-            self.written = (self.written or set()) | start.written_in_place(model)
+            self.written = (self.written or set()) | start.written_in_place(model, self.slots.of(model))
         return start
