@@ -28,9 +28,10 @@ CONTAINERS = (list, tuple, dict, set)
 """Attribute values the watch cannot copy cheaply: a change is reported, not undone."""
 SKIPPED = frozenset({"training"})
 """Attributes that are no state written in forward (``train()``/``eval()`` sets ``training``)."""
+KEPT = PLAIN + CONTAINERS
 
 
-@dataclass
+@dataclass(slots=True)
 class Held:
     """One piece of state as the step found it."""
 
@@ -89,7 +90,7 @@ def _state(
         if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
             if _holds_its_elements(value):
                 yield key, module, name, value, False
-        elif isinstance(value, PLAIN + CONTAINERS):
+        elif isinstance(value, KEPT):
             yield key, module, name, value, False
 
 
