@@ -117,6 +117,35 @@ def test_a_real_hugging_face_trainer_checkpoint_folder_is_read(tmp_path):
     model = Tagger()
     model.load_state_dict(start.model_state_for(model.state_dict().keys()))
     assert torch.equal(model.net[0].weight, start.model["net.0.weight"])
+    assert start.rng is not None and start.rng["cpu"].dtype == torch.uint8  # rng_state.pth, NumPy's state and all
+    assert {"python", "numpy"} <= set(start.rng) and "random generators" in start.describe()
+
+
+def test_every_probe_draws_on_from_the_generators_the_checkpoint_kept(tmp_path, training_file):
+    """Dropout in a probe started from a checkpoint draws what the training would have drawn next."""
+    from fp16doctor import api
+    from fp16doctor.engine.probe import Workbench
+
+    path = training_file(
+        """
+        import torch
+        def model():
+            return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+        def data():
+            return [(torch.randn(8, 4), torch.randn(8, 4)) for _ in range(4)]
+        """
+    )
+    torch.manual_seed(1234)
+    torch.rand(7)  # the training drew something
+    kept = torch.get_rng_state()
+    state = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).state_dict()
+    torch.save({"model": state, "step": 3, "rng_state": {"cpu": kept}}, tmp_path / "ckpt.pt")
+    start = api.CheckpointStart(tmp_path / "ckpt.pt")
+    loaded = api.start_from_checkpoint(api.load(path, steps=2, device="cpu"), start)
+    for mode in ("fp32", "amp"):
+        probe = Workbench(loaded.spec, loaded.config).probe(mode, instruments=None)
+        assert torch.equal(torch.get_rng_state(), kept), mode
+        probe.close()
 
 
 def test_the_data_continues_at_the_checkpoints_step(tmp_path):

@@ -62,7 +62,7 @@ from .microbatch import CHECKED_BATCHES, UNSPLIT, MicroBatchPlan, plan_micro_bat
 from .optimizers import ProbeOptimizers, flat_schedulers, named_optimizers
 from .progress import StepProgress
 from .records import RECORD_COLUMNS, StepRecord  # re-exported: the record types' old home
-from .rng import rng_state, seed_everything, set_rng_state
+from .rng import rng_state, seed_everything, set_rng_state, set_training_rng
 
 MODES = ("fp32", "amp", "bf16")
 REFERENCE_KEY = -1
@@ -339,6 +339,8 @@ class Probe:
         if instruments is not None:
             self.instrument(instruments)
         seed_everything(config.seed)  # dropout and friends draw the same numbers in every mode
+        if self.spec.start is not None and self.spec.start.rng is not None:
+            set_training_rng(self.spec.start.rng)  # and the numbers the training would have drawn next
 
     # --- construction -------------------------------------------------------------------------
     def _resume(self, start: TrainedStart, scaler: bool) -> None:

@@ -56,3 +56,16 @@ def callers_rng_kept() -> Iterator[None]:
         yield
     finally:
         set_rng_state(saved)
+
+
+def set_training_rng(state: dict[str, Any]) -> None:
+    """The generators a training's checkpoint kept (:attr:`~fp16doctor.userfile.checkpoint.TrainedStart.rng`):
+    torch's CPU generator, and Python's and NumPy's where it kept them, as Hugging Face's Trainer saves them."""
+    torch.set_rng_state(state["cpu"])
+    python = state.get("python")
+    if isinstance(python, (tuple, list)) and len(python) == 3:
+        version, internal, gauss = python
+        random.setstate((version, tuple(internal), gauss))
+    numpy_state = state.get("numpy")
+    if isinstance(numpy_state, (tuple, list)) and len(numpy_state) == 5:
+        np.random.set_state(tuple(numpy_state))

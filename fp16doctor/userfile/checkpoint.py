@@ -37,7 +37,10 @@ OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "optimizer_state
 SCALER_KEYS = ("scaler", "grad_scaler", "scaler_state_dict", "amp", "MixedPrecision", "native_amp_scaling_state")
 SCHEDULER_KEYS = ("lr_scheduler", "scheduler", "scheduler_state_dict", "lr_schedulers")
 STEP_KEYS = ("global_step", "step", "iteration", "iter")
+RNG_KEYS = ("rng_state", "rng_states", "rng")
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+HF_RNG = ("rng_state.pth", "rng_state_0.pth")
+"""Hugging Face's Trainer saves each process's generators beside the weights (rank 0's first)."""
 
 
 @dataclass
@@ -53,6 +56,9 @@ class TrainedStart:
     scheduler: dict[str, Any] | None
     step: int
     """The optimizer step the checkpoint was taken at (``--from-step`` where given): the data continues there."""
+    rng: dict[str, Any] | None = None
+    """The training's random generators when it was saved, as Hugging Face's ``rng_state.pth`` keeps them (``cpu``:
+    torch's CPU generator; ``python``, ``numpy`` where kept); None where the checkpoint holds none."""
 
     def model_state_for(self, expected: Iterable[str]) -> dict[str, torch.Tensor]:
         """The model's weights under the keys the file's model has: the checkpoint's, less a wrapper's prefix
@@ -73,6 +79,7 @@ class TrainedStart:
 
     def describe(self) -> str:
         parts = ["model"] + [name for name, state in self._parts() if state is not None]
+        parts += ["random generators"] if self.rng is not None else []
         return f"{self.layout} {self.source} at step {self.step} ({', '.join(parts)})"
 
     def _parts(self) -> list[tuple[str, Any]]:
@@ -144,6 +151,7 @@ def _from_file(path: Path, trust: bool) -> TrainedStart:
         _one(_first(saved, SCALER_KEYS)),
         _one(_first(saved, SCHEDULER_KEYS)),
         int(_first(saved, STEP_KEYS) or 0),
+        _rng_of(_first(saved, RNG_KEYS)),
     )
 
 
@@ -172,6 +180,7 @@ def _hf_folder(path: Path, trust: bool) -> TrainedStart:
     }
     state = path / "trainer_state.json"
     step = int(json.loads(state.read_text()).get("global_step", 0)) if state.is_file() else 0
+    rng = next((path / name for name in HF_RNG if (path / name).is_file()), None)
     return TrainedStart(
         path,
         "Hugging Face checkpoint",
@@ -180,7 +189,28 @@ def _hf_folder(path: Path, trust: bool) -> TrainedStart:
         _one(parts["scaler"]),
         _one(parts["scheduler"]),
         step,
+        _rng_of(_load_rng(rng, trust)) if rng is not None else None,
     )
+
+
+def _load_rng(path: Path, trust: bool) -> Any:
+    """A generators file: NumPy's state is an array, which weights_only loading takes only once allowed by name."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # NumPy 2 renamed it
+    allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), core.multiarray._reconstruct]
+    with torch.serialization.safe_globals(allowed):
+        return _load(path, trust)
+
+
+def _rng_of(saved: Any) -> dict[str, Any] | None:
+    """The generators a checkpoint kept, where it kept torch's CPU generator (under ``cpu`` or ``torch``)."""
+    if not isinstance(saved, dict):
+        return None
+    cpu = saved.get("cpu", saved.get("torch"))
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8:
+        return None
+    return {"cpu": cpu, **{k: saved[k] for k in ("python", "numpy") if k in saved}}
 
 
 def _safetensors(path: Path) -> dict[str, torch.Tensor]:
