@@ -14,7 +14,18 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from . import watch
-    from .api import CheckpointStart, Comparison, Diagnosis, Watching, compare, corrected_config, diagnose, load
+    from .api import (
+        CheckpointStart,
+        Comparison,
+        Diagnosis,
+        ServeCheck,
+        Watching,
+        compare,
+        corrected_config,
+        diagnose,
+        load,
+        serve_check,
+    )
     from .errors import DoctorError
 
 _HOMES = {
@@ -24,6 +35,8 @@ _HOMES = {
     "load": ".api",
     "Diagnosis": ".api",
     "Comparison": ".api",
+    "ServeCheck": ".api",
+    "serve_check": ".api",
     "CheckpointStart": ".api",
     "Watching": ".api",
     "DoctorError": ".errors",
@@ -34,10 +47,12 @@ __all__ = [
     "CheckpointStart",
     "Comparison",
     "Diagnosis",
+    "ServeCheck",
     "DoctorError",
     "Watching",
     "__version__",
     "compare",
+    "serve_check",
     "corrected_config",
     "diagnose",
     "load",

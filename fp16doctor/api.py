@@ -32,19 +32,25 @@ from .diagnosis.triage import DiagnoseOptions, fixed_config
 from .diagnosis.triage import diagnose as run_triage
 from .engine.kept import return_large_blocks_on_free
 from .engine.parallel import request_for
-from .engine.probe import Workbench
+from .engine.probe import Workbench, load_trained_weights
 from .engine.progress import ProbeStepHook
+from .engine.rng import seed_everything
 from .errors import DoctorError
 from .live.capsule import check_capsule, recorded_loss_evidence, replay_note
 from .measure.compare import DEFAULT_DIVERGENCE, DEFAULT_TOLERANCE, Comparison, compare_ranks
 from .measure.compare import compare as run_compare
+from .measure.serving import DEFAULT_TOLERANCE as DEFAULT_SERVING_TOLERANCE
+from .measure.serving import ServeCheck, fresh_copies
+from .measure.serving import serve_check as run_serve_check
 from .userfile.checkpoint import load_checkpoint
-from .userfile.spec import TrainingSpec, load_training_file
+from .userfile.loop import default_loss
+from .userfile.spec import TrainingSpec, build_model_and_program, draw_batches, load_training_file
 from .watch import Watching, watch
 
 __all__ = [
     "Comparison",
     "Diagnosis",
+    "ServeCheck",
     "CheckpointStart",
     "LoadedTraining",
     "Watching",
@@ -52,6 +58,7 @@ __all__ = [
     "corrected_config",
     "diagnose",
     "load",
+    "serve_check",
     "watch",
 ]
 
@@ -258,3 +265,26 @@ def compare(
     with tempfile.TemporaryDirectory(prefix="fp16doctor-compare-") as folder:
         ranks = compare_ranks(request, nproc, Path(folder), rank_timeout, loaded.config, tolerance, divergence)
     return single.with_ranks(ranks)
+
+
+def serve_check(
+    training_file: PathLike,
+    *,
+    tolerance: float = DEFAULT_SERVING_TOLERANCE,
+    batches: int = 4,
+    checkpoint: CheckpointStart | None = None,
+    config_file: PathLike | None = None,
+    **config: Any,
+) -> ServeCheck:
+    """The trained model served in half precision (``model.half()``, fp16 autocast, bf16) against FP32, on the
+    file's first ``batches`` batches; where fp16 serving fails, the smallest set of modules to keep in fp32,
+    verified. The model is ``model()``'s (in eval mode), with a ``checkpoint``'s weights where one is given."""
+    if batches < 1:
+        raise DoctorError("--batches must be at least 1.")
+    loaded = load(training_file, config_file, **config)
+    seed_everything(loaded.config.seed)
+    model, _ = build_model_and_program(loaded.spec)  # the eager module: serving exports the module, not its graph
+    if checkpoint is not None:
+        load_trained_weights(model, load_checkpoint(Path(checkpoint.path), checkpoint.step, checkpoint.trust))
+    drawn = draw_batches(loaded.spec, batches)
+    return run_serve_check(fresh_copies(model), drawn, loaded.spec.loss or default_loss, tolerance)

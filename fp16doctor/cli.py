@@ -682,6 +682,55 @@ def logs(
         guarded(debug, job, json_errors=json_)
 
 
+# --- serve-check: the trained model served in half precision ------------------------------------------------------
+
+
+@app.command("serve-check")
+def serve_check(
+    training_file: TrainingFile,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option("--checkpoint", help="The trained weights to serve (torch.save, Lightning .ckpt, HF folder)."),
+    ] = None,
+    tolerance: Annotated[
+        float,
+        typer.Option(
+            "--tolerance", help="Safe when every output's deviation from FP32 is within this share of its size."
+        ),
+    ] = 1e-2,
+    batches: Annotated[int, typer.Option("--batches", min=1, help="Batches of data() to serve.")] = 4,
+    config: ConfigFile = None,
+    seed: Seed = None,
+    trust_checkpoint: TrustCheckpoint = False,
+    json_: Json = False,
+    debug: Debug = False,
+) -> None:
+    """Serve the trained model in fp16 (model.half()), fp16 autocast and bf16 against FP32; where fp16 fails, the
+    modules to keep in fp32, verified. Exit 0 safe in fp16, 1 unsafe, 2 bad input."""
+
+    def job() -> int:
+        from . import api
+        from .output.serving import render_serve_check
+
+        start = api.CheckpointStart(checkpoint, trust=trust_checkpoint) if checkpoint is not None else None
+        result = api.serve_check(
+            training_file,
+            tolerance=tolerance,
+            batches=batches,
+            checkpoint=start,
+            config_file=config,
+            **flags(seed=seed),
+        )
+        if json_:
+            print_json(result.to_json())
+        else:
+            render_serve_check(result, out)
+        return EXIT_OK if result.safe else EXIT_FINDINGS
+
+    with stdout_for_json_only(json_):
+        guarded(debug, job, json_errors=json_)
+
+
 @app.command()
 def rules() -> None:
     """List the cause codes with what each rule looks for."""

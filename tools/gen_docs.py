@@ -823,6 +823,12 @@ def json_page() -> str:
         documented.add(comparison)
         compare_part = section(comparison, "`compare --json`: Comparison", name="comparison") + drain()
 
+    serve_part: list[str] = []
+    serving = getattr(fp16doctor, "ServeCheck", None)
+    if serving is not None:
+        documented.add(serving)
+        serve_part = section(serving, "`serve-check --json`: ServeCheck", name="servecheck") + drain()
+
     logs_part = logs_json_part(section, drain, documented)
 
     error_rows = [
@@ -847,6 +853,7 @@ def json_page() -> str:
         *diagnosis_part,
         *evidence_part,
         *compare_part,
+        *serve_part,
         *logs_part,
         "",
         "## Bad input under `--json` {#error}",

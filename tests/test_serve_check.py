@@ -1,0 +1,86 @@
+"""``serve-check``: the trained model served in half precision against FP32, on models whose fp16 serving breaks
+in different ways (logits past 65504, an input normalisation that overflows, a regression head at a large scale),
+each of which must get a keep-set that repairs it, and a healthy model that must be called safe. In process through
+the API, and once as a user runs it, in a fresh CLI process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ROOT, SAMPLES, run_cli
+from typer.testing import CliRunner
+
+import fp16doctor
+from fp16doctor.cli import app
+
+SERVING = ROOT / "tests" / "serving"
+
+
+@pytest.mark.parametrize(
+    "name, kept, past_range",
+    [
+        ("logits_past_fp16.py", ["head"], "head"),  # logits past 65504 from an fp32-trained head
+        ("kelvin_input_norm.py", ["norm"], None),  # 300 * 300 inside the norm: no output past the range in fp32
+        ("price_head.py", ["head"], "head"),  # prices of 2e5 scaled by an fp16 buffer
+    ],
+)
+def test_a_model_whose_fp16_serving_breaks_gets_the_keep_set_that_repairs_it(name, kept, past_range):
+    result = fp16doctor.serve_check(SERVING / name)
+    assert not result.safe and not result.modes["fp16"].finite
+    assert result.modes["fp16-autocast"].within(result.tolerance)  # as trained, with AMP: fine
+    assert result.keep is not None and result.keep.verified and result.keep.modules == kept
+    assert result.keep.rel_dev <= result.tolerance
+    overflowing = list(result.overflowing["module"])
+    assert (past_range in overflowing) if past_range else overflowing == []
+    assert result.keep.first_nonfinite == kept[0]
+    report = result.to_json()
+    assert report["verdict"] == "unsafe" and report["keep_fp32"]["modules"] == kept
+    json.dumps(report, allow_nan=False)  # JSON without NaN or inf
+
+
+def test_a_healthy_model_is_safe_to_serve_in_fp16_and_needs_no_keep_set():
+    result = fp16doctor.serve_check(SAMPLES / "mlp.py")
+    assert result.safe and result.keep is None
+    assert all(mode.finite for mode in result.modes.values())
+    assert result.to_json()["verdict"] == "safe"
+
+
+def test_parameters_fp16_cannot_hold_are_named_with_their_counts(training_file):
+    path = training_file(
+        """
+        import torch
+        def model():
+            net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+            with torch.no_grad():
+                net[0].weight[0, 0] = 1e5     # past 65504
+                net[1].weight[0, :2] = 1e-9   # below fp16's smallest subnormal
+            return net
+        def data():
+            return [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(2)]
+        """
+    )
+    result = fp16doctor.serve_check(path, batches=2)
+    rows = {row["name"]: row for row in result.cast_parameters.to_dict("records")}
+    assert rows["0.weight"]["overflow"] == 1 and rows["1.weight"]["flushed"] == 2
+    # module 0's fp32 outputs (about 1e5) cannot be handed to module 1 in fp16 either: both stay fp32
+    assert result.keep is not None and result.keep.verified and result.keep.modules == ["0", "1"]
+
+
+def test_serve_check_from_the_command_line_exits_1_with_the_keep_set_and_0_when_safe():
+    proc = run_cli("serve-check", SERVING / "price_head.py", "--json")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["verdict"] == "unsafe" and report["keep_fp32"]["modules"] == ["head"]
+    assert report["overflowing_modules"][0]["module"] == "head" and report["overflowing_modules"][0]["max_abs"] > 65504
+    shown = CliRunner().invoke(app, ["serve-check", str(SAMPLES / "mlp.py")], env={"COLUMNS": "160"})
+    assert shown.exit_code == 0 and "safe in fp16" in shown.output
+
+
+def test_a_checkpoint_of_another_model_is_bad_input(tmp_path):
+    torch.save({"model": {"weight": torch.zeros(3)}}, tmp_path / "other.pt")
+    shown = CliRunner().invoke(
+        app, ["serve-check", str(SAMPLES / "mlp.py"), "--checkpoint", str(tmp_path / "other.pt")]
+    )
+    assert shown.exit_code == 2 and "does not hold this model's weights" in " ".join(shown.output.split())
