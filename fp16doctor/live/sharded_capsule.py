@@ -18,6 +18,8 @@ so the capsule rebuilds in a process with no process group.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -46,6 +48,18 @@ class RankStep:
 
     batches: list[Any]
     output_grads: list[list[torch.Tensor | None]] | None
+    loss: float | None = None
+    """The loss this rank's step optimised (its own micro-batches'), as its watch measured it."""
+
+
+def ranks_loss(steps: list[RankStep]) -> float | None:
+    """The step's loss over the ranks, as the capsule records it: the first rank's non-finite loss where one is
+    (a NaN on rank 1 is the run's NaN, whatever rank 0 saw), else the ranks' mean (the global batch's loss)."""
+    losses = [s.loss for s in steps if s.loss is not None]
+    if not losses:
+        return None
+    bad = next((loss for loss in losses if not math.isfinite(loss)), None)
+    return bad if bad is not None else sum(losses) / len(losses)
 
 
 def ddp_hook_dtype(hooks: list[str]) -> str | None:
@@ -268,17 +282,17 @@ def capture_together(
         batches, grads = replay_inputs(
             [c.batch for c in calls], [(c.grads, c.scaled) for c in calls], numbers.loss_scale
         )
-        mine = RankStep(batches, grads)
+        mine = RankStep(batches, grads, numbers.loss)
         pickle.dumps(mine)  # what gather_object will send: a part that cannot travel fails here, not mid-collective
     except Exception:  # noqa: BLE001 - the watch's own failure: the rank still takes part, with nothing
-        mine = RankStep([], None)
+        mine = RankStep([], None, numbers.loss)
     steps = gather_steps(mine)
     model_state, optimizer_state = gathered_state(watch.model, optimizer)
     result: list[Any] = [None]
     if dist.get_rank() == 0:
         assert steps is not None
         parts = _Parts(steps, model_state, optimizer_state, reduction)
-        result[0] = _write(watch, optimizer, scaler, numbers, parts)
+        result[0] = _write(watch, optimizer, scaler, dataclasses.replace(numbers, loss=ranks_loss(steps)), parts)
     dist.broadcast_object_list(result, src=0, group=object_group())
     folder, why = result[0]
     return (Path(folder) if folder else None), why
