@@ -42,6 +42,7 @@ from .measure.compare import compare as run_compare
 from .measure.serving import DEFAULT_TOLERANCE as DEFAULT_SERVING_TOLERANCE
 from .measure.serving import ServeCheck, fresh_copies
 from .measure.serving import serve_check as run_serve_check
+from .measure.speed import TIMED_STEPS, WARMUP_STEPS, SpeedReport, measure_speed
 from .userfile.checkpoint import load_checkpoint
 from .userfile.loop import default_loss
 from .userfile.spec import TrainingSpec, build_model_and_program, draw_batches, load_training_file
@@ -51,6 +52,7 @@ __all__ = [
     "Comparison",
     "Diagnosis",
     "ServeCheck",
+    "SpeedReport",
     "CheckpointStart",
     "LoadedTraining",
     "Watching",
@@ -59,10 +61,12 @@ __all__ = [
     "diagnose",
     "load",
     "serve_check",
+    "speed",
     "watch",
 ]
 
 PathLike = str | Path
+SPEED_STEPS = TIMED_STEPS + WARMUP_STEPS
 
 
 @dataclass(frozen=True)
@@ -288,3 +292,12 @@ def serve_check(
         load_trained_weights(model, load_checkpoint(Path(checkpoint.path), checkpoint.step, checkpoint.trust))
     drawn = draw_batches(loaded.spec, batches)
     return run_serve_check(fresh_copies(model), drawn, loaded.spec.loss or default_loss, tolerance)
+
+
+def speed(training_file: PathLike, *, config_file: PathLike | None = None, **config: Any) -> SpeedReport:
+    """The training file's own step timed in FP32 and AMP, one AMP step's operators counted (half-precision FLOP
+    share, casts, misaligned matrix products, host synchronisations, element-wise operators, the optimizer's
+    kind), and the changes those call for, ranked."""
+    loaded = load(training_file, config_file, **config)
+    bench = Workbench(loaded.spec, loaded.config, batch_count=SPEED_STEPS)
+    return measure_speed(bench, loaded.spec.path)

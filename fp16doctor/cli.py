@@ -682,6 +682,38 @@ def logs(
         guarded(debug, job, json_errors=json_)
 
 
+# --- speed: is AMP faster here -------------------------------------------------------------------------------------
+
+
+@app.command()
+def speed(
+    training_file: TrainingFile,
+    config: ConfigFile = None,
+    seed: Seed = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    json_: Json = False,
+    debug: Debug = False,
+) -> None:
+    """The training step timed in FP32 and AMP, one AMP step's operators counted, and what would make AMP faster,
+    ranked. Exit 0 (it reports; nothing fails), 2 bad input."""
+
+    def job() -> int:
+        from . import api
+        from .output.speed import render_speed
+
+        with err.status("timing FP32 and AMP, then counting one AMP step's operators"):
+            report = api.speed(training_file, config_file=config, **flags(seed=seed, device=device, dtype=dtype))
+        if json_:
+            print_json(report.to_json())
+        else:
+            render_speed(report, out)
+        return EXIT_OK
+
+    with stdout_for_json_only(json_):
+        guarded(debug, job, json_errors=json_)
+
+
 # --- serve-check: the trained model served in half precision ------------------------------------------------------
 
 

@@ -824,10 +824,14 @@ def json_page() -> str:
         compare_part = section(comparison, "`compare --json`: Comparison", name="comparison") + drain()
 
     serve_part: list[str] = []
-    serving = getattr(fp16doctor, "ServeCheck", None)
-    if serving is not None:
-        documented.add(serving)
-        serve_part = section(serving, "`serve-check --json`: ServeCheck", name="servecheck") + drain()
+    for name, command, anchor_name in (
+        ("SpeedReport", "speed", "speedreport"),
+        ("ServeCheck", "serve-check", "servecheck"),
+    ):
+        record = getattr(fp16doctor, name, None)
+        if record is not None:
+            documented.add(record)
+            serve_part += section(record, f"`{command} --json`: {name}", name=anchor_name) + drain()
 
     logs_part = logs_json_part(section, drain, documented)
 

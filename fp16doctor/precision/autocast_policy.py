@@ -205,6 +205,16 @@ def _unpack(saved: Any, outer: Callable[[Any], torch.Tensor] | None = None) -> t
     return low.float().as_strided(saved.size, saved.stride, saved.offset)
 
 
+_EMULATING = threading.local()
+
+
+def emulated_low_dtype() -> torch.dtype | None:
+    """Inside an emulated low-precision product on this thread (its rounding casts and its fp32 product): the
+    low dtype it stands for; else None. What counts a step's operators tells the emulation's work from the
+    training's by it."""
+    return getattr(_EMULATING, "dtype", None)
+
+
 def _make_kernel(op: Any, policy: str) -> Callable[..., Any]:
     """A Python kernel for the AutocastCPU key implementing ``policy`` for ``op``."""
 
@@ -227,12 +237,14 @@ def _make_kernel(op: Any, policy: str) -> Callable[..., Any]:
             # Round inputs to the low dtype, compute with fp32 accumulation, round the result:
             # the numerics of a tensor-core GEMM/convolution, at fp32 CPU speed.
             rounded = RoundedInputs(low)
-            args, kwargs = cast_args(args, kwargs, rounded.round)
+            outer, _EMULATING.dtype = emulated_low_dtype(), low
             try:
+                args, kwargs = cast_args(args, kwargs, rounded.round)
                 with rounded.saved_in_low_precision():
                     out = op(*args, **kwargs)
             finally:
                 rounded.release()  # the graph keeps the hooks (and so this object) as long as it stands
+                _EMULATING.dtype = outer
             return _map(out, lambda t: t.to(low) if _eligible(t) else t)
 
     return kernel

@@ -1,0 +1,382 @@
+"""``speed``: is AMP faster here, and if not, which of its two conditions fails.
+
+Mixed precision speeds a step up when the half-precision matrix products fit the tensor cores (dimensions that are
+multiples of 8, matrices not tiny) and when most of the step runs in half precision (no swarm of small element-wise
+ops, no casts back and forth, no host synchronisations). The training file's own step (its loss, its optimizer, its
+scaler, as the probes run it) is:
+
+* **timed**, FP32 and AMP side by side, the median of a few steps after warm-up; on CUDA with CUDA's clock and its
+  peak memory, on a CPU by the wall clock, labelled as not predicting a GPU;
+* **counted**, exactly and on any machine, on one AMP step under a dispatch mode that sees every aten operator of
+  the forward, the backward and the optimizer step: the FLOPs that run in half precision and those autocast leaves
+  in fp32 (by operator), the casts with their bytes, the half-precision matrix products whose dimensions are not
+  multiples of 8 (with the module that ran them), the host synchronisations with the line of the training file that
+  asked for them, the element-wise operators with the bytes they move, and whether the optimizer is fused.
+
+The doctor's own bookkeeping inside the probe's step (its loss read, its finite checks) is in the counts of
+operators too; host synchronisations are counted only where a line of the training file asked for them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+from torch.utils.module_tracker import ModuleTracker
+
+from ..precision.autocast_policy import emulated_low_dtype
+
+aten = torch.ops.aten
+HALF = (torch.float16, torch.bfloat16)
+GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._convolution}
+SYNCS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_consecutive}
+"""Operators whose result the host waits for: ``.item()``, ``float(t)``, ``if t:``, printing a tensor, ``nonzero``,
+boolean indexing (a data-dependent size)."""
+TENSOR_CORE_MULTIPLE = 8
+"""fp16/bf16 matrix dimensions tensor cores take whole: multiples of 8 (of 64 for the best tiles)."""
+SMALL_OPS_WORTH_FUSING = 12
+"""A module running this many element-wise operators a step is a swarm worth fusing."""
+TIMED_STEPS = 6
+WARMUP_STEPS = 2
+
+
+@dataclass
+class StepCounts:
+    """What one AMP step ran, operator by operator (device-independent)."""
+
+    flops_half: int = 0
+    flops_fp32: int = 0
+    fp32_ops: Counter[str] = field(default_factory=Counter)
+    """FLOPs of the operators that ran in fp32 under autocast, by operator."""
+    casts: int = 0
+    cast_bytes: int = 0
+    elementwise: int = 0
+    elementwise_bytes: int = 0
+    misaligned: list[dict[str, Any]] = field(default_factory=list)
+    """Half-precision matrix products with a dimension that is not a multiple of 8: ``op``, ``module``, ``shape``,
+    ``flops``."""
+    syncs: Counter[str] = field(default_factory=Counter)
+    """Host synchronisations per line of the training file (``file:line  code``)."""
+    elementwise_by_module: Counter[str] = field(default_factory=Counter)
+    """Element-wise operators per module of the model (forward and backward), the optimizer's under ``(outside)``."""
+
+    @property
+    def half_share(self) -> float:
+        total = self.flops_half + self.flops_fp32
+        return self.flops_half / total if total else 0.0
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts every aten operator of what runs inside it (see :class:`StepCounts`); ``user_file``: the training
+    file, whose lines a host synchronisation is charged to."""
+
+    def __init__(self, user_file: Path, low: torch.dtype | None = None):
+        super().__init__()
+        self.user_file = str(user_file.resolve())
+        self.low = low
+        """The AMP dtype: on a CPU the doctor emulates half-precision products in fp32 on rounded inputs."""
+        self.counts = StepCounts()
+        self.modules = ModuleTracker()
+
+    def __enter__(self) -> StepCounter:
+        self.modules.__enter__()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.modules.__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            self._count(func, args, kwargs, out)
+        except Exception:  # noqa: BLE001 - an operator the counts cannot read is left out, the step goes on
+            pass
+        return out
+
+    def _count(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        packet = func.overloadpacket
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        floating = [t for t in inputs if t.is_floating_point()]
+        emulated = emulated_low_dtype()
+        dtype = emulated or (floating[0].dtype if floating else None)
+        if packet in SYNCS:
+            self._sync()
+        if emulated is not None and packet is aten._to_copy:
+            return  # the emulation's own rounding: a GPU's tensor core reads half precision as it is
+        if packet in GEMMS and dtype not in HALF and self._holds_low(floating):
+            dtype = self.low  # a product's backward in the emulation: fp32 tensors holding half-precision values
+        if packet is aten._to_copy and floating and outputs and outputs[0].dtype != floating[0].dtype:
+            self.counts.casts += 1
+            self.counts.cast_bytes += outputs[0].nbytes
+        if packet in flop_registry:
+            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            if dtype in HALF:
+                self.counts.flops_half += flops
+                if packet in GEMMS:
+                    self._gemm(packet, floating, flops)
+            else:
+                self.counts.flops_fp32 += flops
+                self.counts.fp32_ops[packet.__name__] += flops
+        elif torch.Tag.pointwise in func.tags and outputs:
+            self.counts.elementwise += 1
+            self.counts.elementwise_bytes += sum(t.nbytes for t in inputs + outputs)
+            self.counts.elementwise_by_module[self._module() or "(outside)"] += 1
+
+    def _holds_low(self, tensors: list[torch.Tensor]) -> bool:
+        """Every floating input holds only values the AMP dtype holds exactly (and so came from it)."""
+        if self.low is None or not tensors:
+            return False
+        return all(bool(torch.equal(t, t.to(self.low).to(t.dtype))) for t in tensors)
+
+    def _gemm(self, packet: Any, tensors: list[torch.Tensor], flops: int) -> None:
+        dims = _gemm_dims(packet, tensors)
+        if dims and any(d % TENSOR_CORE_MULTIPLE for d in dims.values()):
+            module = self._module() or "(model)"
+            self.counts.misaligned.append({"op": packet.__name__, "module": module, "shape": dims, "flops": flops})
+
+    def _module(self) -> str:
+        """The deepest module running now, by its path in the model ("" for the root or none)."""
+        deepest = max((p for p in self.modules.parents if p != "Global"), key=len, default="")
+        return deepest.partition(".")[2]  # the tracker names the root by its class
+
+    def _sync(self) -> None:
+        frames = [f for f in traceback.extract_stack() if f.filename == self.user_file]
+        if frames:
+            frame = frames[-1]
+            self.counts.syncs[f"{Path(frame.filename).name}:{frame.lineno}  {(frame.line or '').strip()}"] += 1
+
+
+def _gemm_dims(packet: Any, tensors: list[torch.Tensor]) -> dict[str, int] | None:
+    """The dimensions a tensor core tiles: M, K, N of a matrix product (the batch left out), channels of a conv."""
+    if packet in (aten.convolution, aten._convolution) and len(tensors) >= 2:
+        weight = tensors[1]
+        return {"out_channels": weight.shape[0], "in_channels": weight.shape[1]}
+    mats = tensors[-2:] if packet in (aten.addmm, aten.baddbmm) else tensors[:2]
+    if len(mats) < 2 or mats[0].dim() < 2 or mats[1].dim() < 2:
+        return None
+    return {"M": mats[0].shape[-2], "K": mats[0].shape[-1], "N": mats[1].shape[-1]}
+
+
+@dataclass
+class Advice:
+    """One change, ranked by its estimated effect, with the arithmetic shown."""
+
+    what: str
+    """The change, naming its layer or line."""
+    why: str
+    """What was counted, with its share."""
+    effect: float
+    """Its estimated share of the step's work (0..1): the larger, the earlier it is listed."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"what": self.what, "why": self.why, "effect": round(self.effect, 4)}
+
+
+@dataclass
+class SpeedReport:
+    """What ``speed`` measured and counted; the CLI renders it."""
+
+    JSON_KEY_DOCS: ClassVar[dict[str, str]] = {
+        "timing": "Per mode (``fp32``, ``amp``): ``step_ms`` (median), ``peak_memory_bytes`` (CUDA only, else "
+        "null), and ``device``; on a CPU the times do not predict a GPU's.",
+        "half_flop_share": "The share of the AMP step's FLOPs (matrix products, convolutions) run in fp16/bf16.",
+        "fp32_ops": "The operators autocast left in fp32, with their FLOPs.",
+        "misaligned_gemms": "Half-precision matrix products with a dimension not a multiple of 8: ``op``, "
+        "``module``, ``shape``, ``flops``.",
+        "host_syncs": "Host synchronisations per AMP step by line of the training file: ``line``, ``count``.",
+        "casts": "Casts between floating dtypes in the AMP step: ``count``, ``bytes``.",
+        "elementwise": "Element-wise operators in the AMP step: ``count``, ``bytes`` moved, ``by_module``.",
+        "speedup": "FP32's step time over AMP's (above 1: AMP is faster); null where either is missing.",
+    }
+
+    device: str
+    """Where the step ran: ``cuda`` or ``cpu``."""
+    timing: dict[str, dict[str, Any]]
+    counts: StepCounts
+    optimizer: dict[str, Any]
+    """``optimizers``: per optimizer, ``name``, ``class``, ``fused``, ``foreach``."""
+    advice: list[Advice]
+    """The changes the counts call for, largest estimated effect first."""
+
+    @property
+    def speedup(self) -> float | None:
+        fp32, amp = self.timing.get("fp32", {}).get("step_ms"), self.timing.get("amp", {}).get("step_ms")
+        return fp32 / amp if fp32 and amp else None
+
+    def misaligned_table(self) -> pd.DataFrame:
+        return pd.DataFrame(self.counts.misaligned, columns=["op", "module", "shape", "flops"])
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.counts
+        return {
+            "device": self.device,
+            "timing": self.timing,
+            "speedup": self.speedup,
+            "half_flop_share": round(c.half_share, 4),
+            "fp32_ops": dict(c.fp32_ops.most_common()),
+            "casts": {"count": c.casts, "bytes": c.cast_bytes},
+            "elementwise": {
+                "count": c.elementwise,
+                "bytes": c.elementwise_bytes,
+                "by_module": dict(c.elementwise_by_module.most_common()),
+            },
+            "misaligned_gemms": c.misaligned,
+            "host_syncs": [{"line": line, "count": n} for line, n in c.syncs.most_common()],
+            "optimizer": self.optimizer,
+            "advice": [a.to_json() for a in self.advice],
+        }
+
+
+def time_steps(probe: Any, device: torch.device) -> dict[str, Any]:
+    """The median step time of ``probe`` after warm-up, and on CUDA its peak memory."""
+    for _ in range(WARMUP_STEPS):
+        probe.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(TIMED_STEPS):
+        began = time.perf_counter()
+        probe.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - began)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"step_ms": statistics.median(times) * 1e3, "peak_memory_bytes": peak, "device": device.type}
+
+
+def optimizer_kinds(optimizers: dict[str, torch.optim.Optimizer]) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": name,
+            "class": type(opt).__name__,
+            "fused": bool(opt.defaults.get("fused")),
+            "foreach": opt.defaults.get("foreach"),
+        }
+        for name, opt in optimizers.items()
+    ]
+
+
+def advise(counts: StepCounts, optimizers: list[dict[str, Any]]) -> list[Advice]:
+    """The changes the counts call for, ranked by their estimated share of the step's work."""
+    found: list[Advice] = []
+    total_flops = max(counts.flops_half + counts.flops_fp32, 1)
+    for module, sizes, flops in _misaligned_by_module(counts.misaligned):
+        padding = ", ".join(f"{size} to {_padded(size)}" for size in sizes)
+        found.append(
+            Advice(
+                f"pad the dimension(s) {padding} of module '{module}'",
+                f"its half-precision products (forward and backward) have dimension(s) {', '.join(map(str, sizes))}, "
+                f"not multiples of {TENSOR_CORE_MULTIPLE}: tensor cores cannot take them whole "
+                f"({flops / total_flops:.0%} of the step's FLOPs)",
+                flops / total_flops,
+            )
+        )
+    for line, n in counts.syncs.most_common():
+        found.append(
+            Advice(
+                f"move the host synchronisation at {line.split('  ')[0]} out of the step",
+                f"`{line.split('  ', 1)[-1]}` waits for the device {n} time(s) a step: every queued kernel must "
+                "finish first",
+                0.05 * n,
+            )
+        )
+    for module, n in counts.elementwise_by_module.most_common(3):
+        if module != "(outside)" and n >= SMALL_OPS_WORTH_FUSING:
+            found.append(
+                Advice(
+                    f"fuse module '{module}' (torch.compile it, or a fused kernel)",
+                    f"it runs {n} element-wise operators a step (forward and backward), each a kernel of its own "
+                    "that reads and writes its whole tensor",
+                    n / max(counts.elementwise, 1) * 0.1,
+                )
+            )
+    for opt in optimizers:
+        if not opt["fused"]:
+            found.append(
+                Advice(
+                    f"{opt['class']}(..., fused=True)",
+                    f"optimizer '{opt['name']}' is not fused: its update runs as many small element-wise kernels "
+                    f"({counts.elementwise} element-wise operators in the step, {counts.elementwise_bytes / 2**20:.1f} "
+                    "MiB moved)",
+                    0.02,
+                )
+            )
+    if counts.flops_fp32 and counts.flops_fp32 / total_flops > 0.2:
+        top = ", ".join(f"{op} ({flops / total_flops:.0%})" for op, flops in counts.fp32_ops.most_common(3))
+        found.append(
+            Advice(
+                "run more of the step in half precision",
+                f"{counts.flops_fp32 / total_flops:.0%} of the FLOPs stay in fp32 under autocast: {top}",
+                counts.flops_fp32 / total_flops,
+            )
+        )
+    return sorted(found, key=lambda a: -a.effect)
+
+
+def _misaligned_by_module(misaligned: list[dict[str, Any]]) -> list[tuple[str, list[int], int]]:
+    """Per module: its dimensions that are not multiples of 8, and its misaligned products' FLOPs, largest first."""
+    sizes: dict[str, set[int]] = {}
+    flops: Counter[str] = Counter()
+    for gemm in misaligned:
+        sizes.setdefault(gemm["module"], set()).update(d for d in gemm["shape"].values() if d % TENSOR_CORE_MULTIPLE)
+        flops[gemm["module"]] += gemm["flops"]
+    return [(module, sorted(sizes[module]), total) for module, total in flops.most_common(5)]
+
+
+def _padded(size: int) -> int:
+    """The size to pad to: a multiple of 64 for a large dimension (a vocabulary of 50257 to 50304), else of 8."""
+    step = 64 if size >= 512 else TENSOR_CORE_MULTIPLE
+    return math.ceil(size / step) * step
+
+
+def measure_speed(bench: Any, user_file: Path) -> SpeedReport:
+    """Time FP32 and AMP on ``bench`` (a :class:`~fp16doctor.engine.probe.Workbench` with enough batches), then
+    count one AMP step's operators, and advise."""
+    timing: dict[str, dict[str, Any]] = {}
+    device = "cpu"
+    for mode in ("fp32", "amp"):
+        probe = bench.probe(mode, instruments=None)
+        try:
+            timing[mode] = time_steps(probe, probe.device)
+            device = probe.device.type
+            _raise_failure(probe)
+        finally:
+            probe.close()
+    probe = bench.probe("amp", instruments=None)
+    try:
+        probe.step()  # the optimizer's state made, the scaler calibrated: the counted step is a steady one
+        with StepCounter(user_file, probe.settings.low_dtype) as counter:
+            probe.step()
+        _raise_failure(probe)
+        optimizers = optimizer_kinds(probe.optimizers.by_name)
+    finally:
+        probe.close()
+    return SpeedReport(device, timing, counter.counts, {"optimizers": optimizers}, advise(counter.counts, optimizers))
+
+
+def _raise_failure(probe: Any) -> None:
+    from ..errors import TrainingFileError
+
+    failed = probe.failed
+    if failed is not None:
+        raise TrainingFileError(
+            f"the training step raised {failed.exception_type}: {failed.exception}",
+            location=failed.exception_location,
+            hint="speed times the step as the training runs it: it must run.",
+        )
