@@ -283,6 +283,10 @@ def compare(
         for path in (csv, html):
             if path is not None:
                 check_writable(path, force)
+        if html is not None and nproc > 1:
+            raise DoctorError(
+                "--html draws one process's comparison, not the ranks'.", hint="With --nproc, use --json (its ranks)."
+            )
         modes = [m for m, on in (("fp32", fp32), ("amp", amp), ("bf16", bf16)) if on] or ["fp32", "amp"]
         notes: list[str] = []
         with err.status("preparing: drawing batches, building the model") as status:
@@ -301,7 +305,11 @@ def compare(
             )
         show_notes(notes)
         if csv is not None:
-            write_csv(csv, {m: t.records for m, t in result.trajectories.items()})
+            frames = {m: t.records for m, t in result.trajectories.items()}
+            if result.ranks is not None:  # the ranks' modes beside the single process's
+                world = result.ranks.world
+                frames |= {f"{m} on {world} ranks": t.records for m, t in result.ranks.comparison.trajectories.items()}
+            write_csv(csv, frames)
         if html is not None:
             from .output.html import comparison_html
 

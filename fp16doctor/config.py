@@ -222,8 +222,8 @@ class ShardingConfig:
         metadata=_doc(
             "The ranks reduce their gradients after every micro-batch's backward (FSDP2's and DDP's default), each "
             "reduction's result accumulated in the parameters' own dtype; false: gradient sync off until the last "
-            "micro-batch (set_requires_gradient_sync(False), no_sync()), the micro-batches accumulated in param_dtype "
-            "and reduced once."
+            "micro-batch (set_requires_gradient_sync(False), no_sync()), the micro-batches accumulated unsharded in "
+            "reduce_dtype (in param_dtype where it is null) and reduced once."
         ),
     )
     cast_forward_inputs: bool = field(

@@ -92,3 +92,8 @@ def test_train_refuses_emulated_ranks_and_points_at_nproc(tmp_path):
     assert result.exit_code == 2, result.output
     assert "sharding.world is 2" in result.output and "--nproc" in result.output
     assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+def test_compare_html_with_nproc_is_refused_before_anything_runs(tmp_path):
+    result = invoke("compare", SAMPLES / "mlp.py", "--nproc", "2", "--html", tmp_path / "c.html")
+    assert result.exit_code == 2 and "--json" in result.output and not (tmp_path / "c.html").exists()

@@ -88,6 +88,8 @@ def test_operators_left_to_aten_replace_inductors_lowerings_only_while_the_block
     assert lowerings[torch.ops.aten.rsqrt.default] is own
     with pytest.raises(Exception, match="compile.fallback_ops"):
         build_config({"compile": {"fallback_ops": ["rsqrt"]}})
+    with pytest.raises(Exception, match="aten.rsqrtt"), inductor_fallbacks(["aten.rsqrtt"]):  # misspelt
+        pass
 
 
 def test_the_corrected_config_of_a_compiled_only_fault_is_healthy_again(tmp_path):

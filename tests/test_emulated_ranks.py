@@ -181,13 +181,22 @@ def test_the_models_inputs_are_cast_to_param_dtype_and_a_kept_modules_to_fp32_as
         _step(nn.Linear(2, 2), [batch, batch], off)
 
 
-@pytest.mark.parametrize("sync_each, finite", [(True, True), (False, False)])
-def test_micro_batches_are_reduced_one_by_one_into_fp32_unless_sync_waits_for_the_last(sync_each, finite):
+@pytest.mark.parametrize(
+    "sync_each, reduce_dtype, finite", [(True, None, True), (False, None, False), (False, "float32", True)]
+)
+def test_micro_batches_are_reduced_one_by_one_into_fp32_unless_sync_waits_for_the_last(sync_each, reduce_dtype, finite):
     """Two micro-batches of gradient 4e4 each: reduced after each backward (FSDP2's default), each result lands in
-    the fp32 sharded gradient (8e4, finite); with sync off they first add up in fp16 on the rank, past 65504."""
+    the fp32 sharded gradient (8e4, finite); with sync off they first add up on the rank, in fp16 past 65504, but in
+    an fp32 reduce_dtype (FSDP2's unsharded accumulated gradient) within range."""
     model = nn.Linear(1, 1, bias=False)
     batch = torch.full((1, 1), 4e4)
-    sharding = ShardingConfig(world=2, micro_batches=2, param_dtype="float16", sync_each_micro_batch=sync_each)
+    sharding = ShardingConfig(
+        world=2,
+        micro_batches=2,
+        param_dtype="float16",
+        reduce_dtype=reduce_dtype,
+        sync_each_micro_batch=sync_each,
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     reading = ReductionReading()

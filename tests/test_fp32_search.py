@@ -259,8 +259,10 @@ def test_the_keepers_slots_are_found_again_when_a_forward_adds_state_and_only_th
     assert keeper.slots.of(model) is slots  # nothing changed in number: the same list, no walk of the tree
     model.lin.running = torch.zeros(2)  # state a later forward creates
     assert "lin.running" in {key for key, *_ in keeper.slots.of(model)}
+    model.lin = torch.nn.BatchNorm1d(2)  # a submodule replaced in place: the same counts, other state
+    assert "lin.running_mean" in {key for key, *_ in keeper.slots.of(model)}
     keeper.begin(model)
-    assert keeper.start is not None and "lin.running" in keeper.start.held
+    assert keeper.start is not None and "lin.running_mean" in keeper.start.held
 
 
 def test_a_weight_view_whose_storage_a_sharding_wrapper_freed_is_no_state_and_is_never_read():

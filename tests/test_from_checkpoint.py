@@ -169,3 +169,19 @@ def _saved(tmp_path, spec):
     path = tmp_path / "state.pt"
     torch.save({"model": spec.model().state_dict(), "step": 0}, path)
     return path
+
+
+def test_generators_saved_under_numpy_1_load_and_an_unreadable_file_is_no_generators(tmp_path):
+    import numpy as np
+
+    from fp16doctor.userfile.checkpoint import _load_rng, _rng_of
+
+    state = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state()}
+    torch.save(state, tmp_path / "rng.pth", _use_new_zipfile_serialization=False)
+    legacy = (tmp_path / "rng.pth").read_bytes().replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+    assert legacy != (tmp_path / "rng.pth").read_bytes()  # the file names NumPy 1's module now
+    (tmp_path / "legacy.pth").write_bytes(legacy)
+    loaded = _rng_of(_load_rng(tmp_path / "legacy.pth", trust=False))
+    assert loaded is not None and torch.equal(loaded["cpu"], state["cpu"])
+    (tmp_path / "broken.pth").write_bytes(b"not a pickle")
+    assert _rng_of(_load_rng(tmp_path / "broken.pth", trust=False)) is None

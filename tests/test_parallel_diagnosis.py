@@ -214,8 +214,9 @@ def test_compare_nproc_runs_the_modes_on_the_ranks_and_tells_a_fault_only_the_ra
     assert [row["step"] for row in on_ranks["steps"]] == [0, 1, 2, 3]  # aligned on steps taken, as one process is
 
 
-def test_compare_nproc_on_a_healthy_ddp_training_is_healthy_on_the_ranks_too():
-    proc = run_cli("compare", SAMPLES / "mlp.py", "--nproc", "2", "--steps", "3")
+def test_compare_nproc_on_a_healthy_ddp_training_is_healthy_on_the_ranks_too(tmp_path):
+    proc = run_cli("compare", SAMPLES / "mlp.py", "--nproc", "2", "--steps", "3", "--csv", tmp_path / "steps.csv")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "amp on 2 ranks" in (tmp_path / "steps.csv").read_text()  # the ranks' records beside one process's
     assert "On 2 ranks" in proc.stdout and "DistributedDataParallel (the doctor's default)" in proc.stdout
     assert "the ranks agree" in proc.stdout

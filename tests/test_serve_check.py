@@ -84,3 +84,17 @@ def test_a_checkpoint_of_another_model_is_bad_input(tmp_path):
         app, ["serve-check", str(SAMPLES / "mlp.py"), "--checkpoint", str(tmp_path / "other.pt")]
     )
     assert shown.exit_code == 2 and "does not hold this model's weights" in " ".join(shown.output.split())
+
+
+def test_a_model_whose_own_forward_raises_is_bad_input_with_one_message(training_file):
+    path = training_file(
+        """
+        import torch
+        def model():
+            return torch.nn.Linear(4, 2)
+        def data():
+            return [(torch.randn(8, 3), torch.randint(0, 2, (8,)))]  # 3 features for a model of 4
+        """
+    )
+    shown = CliRunner().invoke(app, ["serve-check", str(path)])
+    assert shown.exit_code == 2 and "FP32 forward raised RuntimeError" in " ".join(shown.output.split())

@@ -127,7 +127,6 @@ def test_a_ddp_run_with_an_fp16_compression_hook_is_captured_by_every_rank_with_
 def test_the_capsules_loss_is_a_ranks_non_finite_one_else_the_ranks_mean():
     from fp16doctor.live.sharded_capsule import RankStep, ranks_loss
 
-    assert ranks_loss([RankStep([], None, 2.0), RankStep([], None, float("nan"))]) != ranks_loss([])
     assert math.isnan(ranks_loss([RankStep([], None, 2.0), RankStep([], None, float("nan"))]))
     assert ranks_loss([RankStep([], None, 2.0), RankStep([], None, 4.0)]) == 3.0
     assert ranks_loss([RankStep([], None, None)]) is None

@@ -136,15 +136,17 @@ def emulated_ranks_step(
         casts = (
             _inputs_cast(model, fp32_modules, param_dtype) if sharding.cast_forward_inputs else contextlib.nullcontext()
         )
+        held: dict[str, torch.Tensor] = {}  # with sync off: the micro-batches' gradients so far, unsharded
         with _parameters_replaced(model, leaves), casts, _outputs_cast(model, fp32_modules, param_dtype):
             for micro, batch in enumerate(mine):
                 with autocast() if sharding.autocast else contextlib.nullcontext():
                     loss = loss_fn(model, batch)
                 scaler.scale(loss).backward()
                 total = loss.detach().float() if total is None else total + loss.detach().float()
+                _accumulate(leaves, held, reduce_dtype if reductions == 1 and len(mine) > 1 else None)
                 if reductions > 1 or micro == len(mine) - 1:
                     _hand_over(
-                        leaves, reduced[micro if reductions > 1 else 0], local_bad, reduce_dtype, sharding, reading
+                        held, reduced[micro if reductions > 1 else 0], local_bad, reduce_dtype, sharding, reading
                     )
     if reading is not None:
         for name in sorted(local_bad):
@@ -173,8 +175,23 @@ def emulated_ranks_step(
     return total / sharding.world
 
 
+def _accumulate(
+    leaves: dict[str, torch.Tensor], held: dict[str, torch.Tensor], reduce_dtype: torch.dtype | None
+) -> None:
+    """A micro-batch's gradients moved off the leaves into ``held``. ``reduce_dtype`` is given where gradient sync
+    is off over several micro-batches: FSDP2 then accumulates them unsharded in it (its
+    ``unsharded_accumulated_grad``); else (None, or no policy dtype) in ``param_dtype``, the leaves' own."""
+    with _reduction(), torch._C.DisableTorchFunction():
+        for name, leaf in leaves.items():
+            if leaf.grad is None:
+                continue
+            grad = leaf.grad if reduce_dtype is None else leaf.grad.to(reduce_dtype)
+            held[name] = grad if name not in held else held[name] + grad
+            leaf.grad = None
+
+
 def _hand_over(
-    leaves: dict[str, torch.Tensor],
+    held: dict[str, torch.Tensor],
     sums: dict[str, torch.Tensor],
     local_bad: set[str],
     reduce_dtype: torch.dtype | None,
@@ -183,13 +200,11 @@ def _hand_over(
 ) -> None:
     """A rank's gradients so far added to a reduction, then cleared (the next micro-batch's start from zero)."""
     with _reduction():
-        for name, leaf in leaves.items():
-            if leaf.grad is None:
-                continue
-            sums[name] = _add_rank(sums.get(name), leaf.grad, reduce_dtype, sharding, reading, name)
-            if not bool(torch.isfinite(leaf.grad).all()):
+        for name, grad in held.items():
+            sums[name] = _add_rank(sums.get(name), grad, reduce_dtype, sharding, reading, name)
+            if not bool(torch.isfinite(grad).all()):
                 local_bad.add(name)
-            leaf.grad = None
+        held.clear()
 
 
 def _add_rank(

@@ -386,9 +386,18 @@ def full_precision_policies(model: torch.nn.Module) -> None:
             continue
         state = get_state()
         state._mp_policy = fp32
-        # every group of the state: a grouped fully_shard([a, b]) holds several, and the singular property refuses
-        for group in getattr(state, "_fsdp_param_groups", []):
+        for group in _param_groups(state):
             group.mp_policy = fp32
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: every one where this torch keeps several (a grouped
+    ``fully_shard([a, b])``, whose singular property refuses), else its one group (older torch)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def _fsdp2_default_policy() -> Any:

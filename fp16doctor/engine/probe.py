@@ -152,7 +152,7 @@ class Workbench:
         self.device = resolve_device(config.device)
         seed_everything(config.seed)
         # emulated ranks take world x micro-batches batches a step: each step its own, as the ranks' would be
-        per_step = config.sharding.world * config.sharding.micro_batches
+        per_step = config.sharding.world * config.sharding.micro_batches if config.sharding.emulated else 1
         self.batches = draw_batches(spec, batch_count or config.steps * per_step)
         self._initial_state: dict[str, torch.Tensor] | None = self._reference_state()
         self._kept_reference: MutableMapping[int, Any] | None = None
@@ -409,6 +409,10 @@ class Probe:
     def _compiled(self, compiled: bool) -> torch.nn.Module | None:
         if not compiled or not training_compiles(self.config.compile, self.spec.compiled):
             return None
+        if self.config.compile.fallback_ops:
+            # dynamo reuses a graph compiled for another instance of the same class without looking at inductor's
+            # lowerings: this probe's graphs are compiled anew with its fallbacks, and dropped when it closes
+            torch._dynamo.reset()
         return compiled_program(self.model, self._program, self.config.compile, self.spec.compiled)
 
     def _build_optimizers(self) -> Any:
@@ -810,6 +814,8 @@ class Probe:
         if self.instruments is not None:
             self.instruments.detach()
         self.optimizers.on_found = None  # a bound method of this probe: the cycle that kept closed probes alive
+        if self._compiled_model is not None and self.config.compile.fallback_ops:
+            torch._dynamo.reset()  # no later probe reuses a graph lowered with this one's fallbacks
 
 
 def outputs_in_float64(module: torch.nn.Module, args: Any, output: Any) -> Any:

@@ -95,13 +95,14 @@ def _state(
 
 
 class StateSlots:
-    """A model's :func:`_slots`, found again only when a module's attributes, buffers or submodules change in
-    number: a step's two reads of its state then walk a list instead of the module tree and every ``__dict__``."""
+    """A model's :func:`_slots`, found again only when a module's attributes or buffers change in number or its
+    submodules change: a step's two reads of its state then walk a list instead of the module tree and every
+    ``__dict__``."""
 
     def __init__(self) -> None:
         self._model: torch.nn.Module | None = None
         self._modules: list[torch.nn.Module] = []
-        self._shape: list[tuple[int, int, int]] = []
+        self._shape: list[tuple[int, int, tuple[int, ...]]] = []
         self._slots: list[Slot] = []
 
     def of(self, model: torch.nn.Module) -> list[Slot]:
@@ -112,8 +113,10 @@ class StateSlots:
             self._slots = _slots(model)
         return self._slots
 
-    def _shape_now(self) -> list[tuple[int, int, int]]:
-        return [(len(m.__dict__), len(m._buffers), len(m._modules)) for m in self._modules]
+    def _shape_now(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Per module: its attributes' and buffers' counts and its children (by identity: a submodule replaced in
+        place keeps the counts)."""
+        return [(len(m.__dict__), len(m._buffers), tuple(map(id, m._modules.values()))) for m in self._modules]
 
 
 def _holds_its_elements(tensor: torch.Tensor) -> bool:

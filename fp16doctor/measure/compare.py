@@ -93,7 +93,8 @@ class Comparison:
     """Per mode other than fp32, its verdict."""
     ranks: RanksComparison | None = None
     """With ``--nproc N``: the same modes run as the training's ranks run them, compared with each other; then
-    ``verdict`` is the worse of the single process's and the ranks'."""
+    ``verdict`` is the worse of the single process's and the ranks' (``unstable`` at least where the ranks
+    disagree)."""
 
     @property
     def healthy(self) -> bool:
@@ -101,7 +102,8 @@ class Comparison:
 
     def with_ranks(self, ranks: RanksComparison) -> Comparison:
         """This single-process comparison with the ranks' beside it, the verdict the worse of the two."""
-        worst = max(self.verdict, ranks.comparison.verdict, key=VERDICTS.index)
+        disagreeing = "healthy" if ranks.ranks_agree else "unstable"  # ranks that drift apart train no one model
+        worst = max(self.verdict, ranks.comparison.verdict, disagreeing, key=VERDICTS.index)
         return dataclasses.replace(self, ranks=ranks, verdict=worst)
 
     def to_json(self) -> dict[str, Any]:

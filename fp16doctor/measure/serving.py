@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import pandas as pd
 import torch
 
+from ..precision.autocast_policy import cuda_policy_on_cpu
 from ..tensors import FP16_MAX
 from ..userfile.batches import iter_tensors, map_tensors, to_device
 
@@ -65,8 +66,11 @@ class ModeResult:
 
     @property
     def rel_dev(self) -> float:
-        """The largest relative deviation of any output (inf where the mode raised)."""
-        return float(self.outputs["rel_dev"].max()) if len(self.outputs) else math.inf
+        """The largest relative deviation of any floating output (inf where the mode raised; 0 where the model
+        returns no floating output, which no precision changes)."""
+        if self.error is not None:
+            return math.inf
+        return float(self.outputs["rel_dev"].max()) if len(self.outputs) else 0.0
 
     @property
     def finite(self) -> bool:
@@ -309,13 +313,26 @@ def serve_check(
 ) -> ServeCheck:
     """Serve ``build()``'s model in each half-precision way against FP32, and where fp16 fails, find the modules
     to keep in fp32. ``build`` makes the trained model in fp32, in eval mode, anew for each way."""
-    reference = served_outputs(build(), batches, loss_fn, None)
+    reference = _reference(build, batches, loss_fn)
     overflowing, flushing = module_ranges(build(), batches, loss_fn)
     modes = {mode: _serve(mode, build, batches, loss_fn, reference) for mode in SERVING_MODES}
     result = ServeCheck(tolerance, len(batches), modes, overflowing, flushing, parameter_casts(build()))
     if not result.safe:
         result.keep = search_keep_set(build, batches, loss_fn, reference, tolerance, overflowing)
     return result
+
+
+def _reference(build: Callable[[], torch.nn.Module], batches: list[Any], loss_fn: LossFn) -> list[Any]:
+    """FP32's outputs: the model as the training file calls it must run, or it is the file's error (exit 2)."""
+    from ..errors import TrainingFileError
+
+    try:
+        return served_outputs(build(), batches, loss_fn, None)
+    except Exception as exc:  # noqa: BLE001 - the user's code: its error, said as bad input
+        raise TrainingFileError(
+            f"the model's FP32 forward raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}",
+            hint="serve-check calls the model as loss(model, batch) does, on the CPU, in eval mode, without gradients.",
+        ) from exc
 
 
 def _serve(
@@ -327,8 +344,8 @@ def _serve(
             outputs = served_outputs(model.half(), batches, loss_fn, torch.float16)
         elif mode == "bf16":
             outputs = served_outputs(model.to(torch.bfloat16), batches, loss_fn, torch.bfloat16)
-        else:
-            with torch.autocast("cpu", dtype=torch.float16):
+        else:  # autocast with CUDA's op lists, as the training ran on a GPU (CPU autocast's lists are shorter)
+            with cuda_policy_on_cpu(), torch.autocast("cpu", dtype=torch.float16):
                 outputs = served_outputs(model, batches, loss_fn, None)
     except Exception as exc:  # noqa: BLE001 - the model's own error in this precision: measured, not a crash
         return ModeResult(

@@ -194,13 +194,25 @@ def _hf_folder(path: Path, trust: bool) -> TrainedStart:
 
 
 def _load_rng(path: Path, trust: bool) -> Any:
-    """A generators file: NumPy's state is an array, which weights_only loading takes only once allowed by name."""
+    """A generators file: NumPy's state is an array, which weights_only loading takes only once allowed by name
+    (NumPy 2's module path, and NumPy 1's that older files pickle). A file that still cannot be read is no
+    generators, not a checkpoint that cannot be used: the probes then draw from the seed."""
     import numpy as np
 
     core = getattr(np, "_core", None) or np.core  # NumPy 2 renamed it
-    allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), core.multiarray._reconstruct]
-    with torch.serialization.safe_globals(allowed):
-        return _load(path, trust)
+    reconstruct = core.multiarray._reconstruct
+    allowed: list[Any] = [
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+        reconstruct,
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+    ]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return _load(path, trust)
+    except CheckpointError:
+        return None
 
 
 def _rng_of(saved: Any) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import COMPILE_BACKENDS, CompileConfig
+from ..errors import ConfigError
 from .modules import compiled_call
 
 
@@ -222,7 +223,13 @@ def inductor_fallbacks(names: list[str]) -> Iterator[None]:
         return
     from torch._inductor.lowering import fallback_handler, lowerings
 
-    targets = [op for op in (aten_operator(n) for n in names) if op is not None]
+    unknown = [name for name in names if aten_operator(name) is None]
+    if unknown:
+        raise ConfigError(
+            f"config key 'compile.fallback_ops' names no ATen operator of this torch: {', '.join(unknown)}.",
+            hint="Name them as torch.ops spells them: aten.rsqrt, aten.native_layer_norm.",
+        )
+    targets = [aten_operator(name) for name in names]
     overloads = [getattr(t, o) for t in targets if hasattr(t, "overloads") for o in t.overloads()]
     overloads += [t for t in targets if not hasattr(t, "overloads")]
     saved = {op: lowerings[op] for op in overloads if op in lowerings}
