@@ -36,7 +36,7 @@ import torch
 from ..config import DoctorConfig, build_config
 from ..errors import DoctorError, RankTimeoutError, TrainingFileError, first_line
 from ..files import atomic_write_bytes, atomic_write_text
-from ..userfile.modules import PARALLEL_WRAPPERS
+from ..userfile.modules import PARALLEL_WRAPPERS, fsdp2_param_groups
 from ..userfile.spec import load_training_file, user_frame
 from .probe import Probe, Workbench
 from .reduction import ReductionMeter
@@ -386,18 +386,8 @@ def full_precision_policies(model: torch.nn.Module) -> None:
             continue
         state = get_state()
         state._mp_policy = fp32
-        for group in _param_groups(state):
+        for group in fsdp2_param_groups(state):
             group.mp_policy = fp32
-
-
-def _param_groups(state: Any) -> list[Any]:
-    """An FSDP2 state's parameter groups: every one where this torch keeps several (a grouped
-    ``fully_shard([a, b])``, whose singular property refuses), else its one group (older torch)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [group] if group is not None else []
 
 
 def _fsdp2_default_policy() -> Any:

@@ -17,6 +17,7 @@ import torch
 
 from ..engine.ddp import half_precision_comm_hooks
 from ..tensors import dtype_name
+from ..userfile.modules import fsdp2_param_groups
 
 HALF = (torch.float16, torch.bfloat16)
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -78,7 +79,7 @@ def fully_shard_groups(model: torch.nn.Module) -> list[Any]:
     groups = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            groups += list(getattr(module._get_fsdp_state(), "_fsdp_param_groups", []))
+            groups += fsdp2_param_groups(module._get_fsdp_state())
     return groups
 
 

@@ -6,6 +6,8 @@ so that each sees the same modules: a parallel wrapper's inside, no TorchScript 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 PARALLEL_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
@@ -58,3 +60,13 @@ def module_names(model: torch.nn.Module) -> dict[torch.nn.Module, str]:
             continue
         names[module] = name or "<root>"
     return names
+
+
+def fsdp2_param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: every one where this torch keeps several (a grouped
+    ``fully_shard([a, b])``, whose singular property refuses), else its one group (older torch)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
