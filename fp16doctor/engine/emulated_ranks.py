@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..config import ShardingConfig
-from ..userfile.batches import map_tensors
+from ..userfile.batches import floats_to
 from ..userfile.loop import LossFn
 
 REDUCTION = "the ranks' gradient reduction (emulated)"
@@ -254,8 +254,7 @@ def _inputs_cast(model: torch.nn.Module, kept: tuple[str, ...], param_dtype: tor
     def cast_to(dtype: torch.dtype) -> Callable[..., Any]:
         def cast(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
             with torch._C.DisableTorchFunction():
-                change = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-                return map_tensors(args, change), map_tensors(kwargs, change)
+                return floats_to(args, dtype), floats_to(kwargs, dtype)
 
         return cast
 
@@ -277,7 +276,7 @@ def _outputs_cast(model: torch.nn.Module, paths: tuple[str, ...], dtype: torch.d
 
     def cast(module: torch.nn.Module, args: Any, output: Any) -> Any:
         with torch._C.DisableTorchFunction():
-            return map_tensors(output, lambda t: t.to(dtype) if t.is_floating_point() else t)
+            return floats_to(output, dtype)
 
     handles = [model.get_submodule(path).register_forward_hook(cast) for path in paths]
     try:

@@ -50,7 +50,7 @@ from ..precision.recording import (
 )
 from ..precision.session import PrecisionSession
 from ..tensors import OUT_OF_MEMORY
-from ..userfile.batches import map_tensors, to_device
+from ..userfile.batches import floats_to, to_device
 from ..userfile.checkpoint import TrainedStart
 from ..userfile.compiled import compiled_program, inductor_fallbacks, training_compiles
 from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
@@ -821,7 +821,7 @@ class Probe:
 def outputs_in_float64(module: torch.nn.Module, args: Any, output: Any) -> Any:
     """A forward hook: the model's floating outputs in float64, so that the loss computed from them runs in float64
     (``overrides.loss_in_fp64``; autocast leaves float64 alone)."""
-    return map_tensors(output, lambda t: t.double() if t.is_floating_point() else t)
+    return floats_to(output, torch.float64)
 
 
 def metric_driven(scheduler: Any) -> bool:

@@ -37,7 +37,7 @@ import torch
 
 from ..precision.autocast_policy import cuda_policy_on_cpu
 from ..tensors import FP16_MAX
-from ..userfile.batches import iter_tensors, map_tensors, to_device
+from ..userfile.batches import floats_to, iter_tensors, map_tensors, to_device
 
 SERVING_MODES = ("fp16", "fp16-autocast", "bf16")
 """The half-precision ways of serving compared with FP32."""
@@ -255,8 +255,7 @@ def kept_in_fp32(model: torch.nn.Module, names: list[str], source: torch.nn.Modu
 
 def _cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
     def cast(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-        change = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-        return map_tensors(args, change), map_tensors(kwargs, change)
+        return floats_to(args, dtype), floats_to(kwargs, dtype)
 
     return cast
 

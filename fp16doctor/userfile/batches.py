@@ -45,6 +45,11 @@ def map_named_tensors(batch: Any, fn: Callable[[str, torch.Tensor], torch.Tensor
     return batch
 
 
+def floats_to(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with its floating tensors cast to ``dtype``; other tensors and leaves as they are."""
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
 def map_tensors_of(original: Mapping, mapped: dict) -> Mapping:
     """``mapped`` in ``original``'s dict type where it can be rebuilt (OrderedDict, ModelOutput-like), with a
     ``state_dict``'s ``_metadata`` (module versions ``load_state_dict`` reads) carried over."""
