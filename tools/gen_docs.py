@@ -340,7 +340,7 @@ class Resolved:
     """The record's method the value comes from (``evidence_json``), when it does."""
 
 
-WRAPPERS = {"jsonable", "round", "list", "dict", "sorted", "tuple", "_num", "float", "int", "str", "bool", "abs"}
+WRAPPERS = {"jsonable", "round", "list", "dict", "sorted", "tuple", "json_number", "float", "int", "str", "bool", "abs"}
 """Calls that serialise their first argument without changing what it means."""
 
 

@@ -115,21 +115,23 @@ class Comparison:
                 if k < len(entries):
                     entry = entries[k]
                     row[mode] = {
-                        "loss": _num(entry[Column.LOSS]),
-                        "grad_norm": _num(entry[Column.GRAD_NORM]),
+                        "loss": json_number(entry[Column.LOSS]),
+                        "grad_norm": json_number(entry[Column.GRAD_NORM]),
                         "loss_scale": entry[Column.LOSS_SCALE],
                         "skipped_before": entry["skipped_before"],
                         "finite": entry["finite"],
                     }
                     if mode != "fp32":
-                        row[mode]["rel_dev"] = _num(self.rel_dev[mode][k]) if k < len(self.rel_dev[mode]) else None
+                        row[mode]["rel_dev"] = (
+                            json_number(self.rel_dev[mode][k]) if k < len(self.rel_dev[mode]) else None
+                        )
                 else:
                     row[mode] = None
             rows.append(row)
         out = {
             "modes": self.modes,
             "steps": rows,
-            "max_rel_dev": {m: _num(v) for m, v in self.max_rel_dev.items()},
+            "max_rel_dev": {m: json_number(v) for m, v in self.max_rel_dev.items()},
             "first_divergent_step": self.first_divergent_step,
             "verdict": self.verdict,
             "verdict_by_mode": self.verdict_by_mode,
@@ -215,7 +217,7 @@ def compare_ranks(
     )
 
 
-def _num(value: Any) -> float | None:
+def json_number(value: Any) -> float | None:
     """JSON has no NaN or inf: non-finite numbers become null (the row's ``finite`` says so)."""
     if value is None:
         return None

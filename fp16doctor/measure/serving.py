@@ -38,6 +38,7 @@ import torch
 from ..precision.autocast_policy import cuda_policy_on_cpu
 from ..tensors import FP16_MAX
 from ..userfile.batches import floats_to, iter_tensors, map_tensors, to_device
+from .compare import json_number
 
 SERVING_MODES = ("fp16", "fp16-autocast", "bf16")
 """The half-precision ways of serving compared with FP32."""
@@ -83,10 +84,12 @@ class ModeResult:
     def to_json(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
-            "rel_dev": _num(self.rel_dev),
+            "rel_dev": json_number(self.rel_dev),
             "finite": self.finite,
             "error": self.error,
-            "outputs": [{k: _num(v) if isinstance(v, float) else v for k, v in r.items()} for r in _rows(self.outputs)],
+            "outputs": [
+                {k: json_number(v) if isinstance(v, float) else v for k, v in r.items()} for r in _rows(self.outputs)
+            ],
         }
 
 
@@ -109,7 +112,7 @@ class KeepSet:
         return {
             "modules": self.modules,
             "verified": self.verified,
-            "rel_dev": _num(self.rel_dev),
+            "rel_dev": json_number(self.rel_dev),
             "tried": self.tried,
             "first_nonfinite": self.first_nonfinite,
         }
@@ -169,12 +172,8 @@ def _rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, float):
-        return _num(value)
+        return json_number(value)
     return value.item() if hasattr(value, "item") else value
-
-
-def _num(value: float) -> float | None:
-    return value if math.isfinite(value) else None
 
 
 # --- running the model ---------------------------------------------------------------------------------
