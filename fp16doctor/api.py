@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 PathLike = str | Path
-SPEED_STEPS = TIMED_STEPS + WARMUP_STEPS
+SPEED_STEPS = WARMUP_STEPS + TIMED_STEPS + 1  # and the counted step
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import pandas as pd
 import torch
 
+from ..errors import TrainingFileError
 from ..precision.autocast_policy import cuda_policy_on_cpu
 from ..tensors import FP16_MAX
 from ..userfile.batches import floats_to, iter_tensors, map_tensors, to_device
@@ -322,8 +323,6 @@ def serve_check(
 
 def _reference(build: Callable[[], torch.nn.Module], batches: list[Any], loss_fn: LossFn) -> list[Any]:
     """FP32's outputs: the model as the training file calls it must run, or it is the file's error (exit 2)."""
-    from ..errors import TrainingFileError
-
     try:
         return served_outputs(build(), batches, loss_fn, None)
     except Exception as exc:  # noqa: BLE001 - the user's code: its error, said as bad input

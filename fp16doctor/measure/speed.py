@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 from torch.utils.module_tracker import ModuleTracker
 
+from ..errors import TrainingFileError
 from ..precision.autocast_policy import emulated_low_dtype
 
 aten = torch.ops.aten
@@ -347,32 +348,26 @@ def _padded(size: int) -> int:
 
 def measure_speed(bench: Any, user_file: Path) -> SpeedReport:
     """Time FP32 and AMP on ``bench`` (a :class:`~fp16doctor.engine.probe.Workbench` with enough batches), then
-    count one AMP step's operators, and advise."""
+    count one more step of the timed AMP probe, a steady one (its optimizer's state made, its scaler calibrated),
+    and advise."""
     timing: dict[str, dict[str, Any]] = {}
-    device = "cpu"
     for mode in ("fp32", "amp"):
         probe = bench.probe(mode, instruments=None)
         try:
             timing[mode] = time_steps(probe, probe.device)
-            device = probe.device.type
             _raise_failure(probe)
+            if mode == "amp":
+                with StepCounter(user_file, probe.settings.low_dtype) as counter:
+                    probe.step()
+                _raise_failure(probe)
+                optimizers = optimizer_kinds(probe.optimizers.by_name)
+                device = probe.device.type
         finally:
             probe.close()
-    probe = bench.probe("amp", instruments=None)
-    try:
-        probe.step()  # the optimizer's state made, the scaler calibrated: the counted step is a steady one
-        with StepCounter(user_file, probe.settings.low_dtype) as counter:
-            probe.step()
-        _raise_failure(probe)
-        optimizers = optimizer_kinds(probe.optimizers.by_name)
-    finally:
-        probe.close()
     return SpeedReport(device, timing, counter.counts, {"optimizers": optimizers}, advise(counter.counts, optimizers))
 
 
 def _raise_failure(probe: Any) -> None:
-    from ..errors import TrainingFileError
-
     failed = probe.failed
     if failed is not None:
         raise TrainingFileError(
