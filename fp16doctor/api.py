@@ -37,7 +37,7 @@ from .engine.progress import ProbeStepHook
 from .engine.rng import seed_everything
 from .errors import DoctorError
 from .live.capsule import check_capsule, recorded_loss_evidence, replay_note
-from .measure.compare import DEFAULT_DIVERGENCE, DEFAULT_TOLERANCE, Comparison, compare_ranks
+from .measure.compare import DEFAULT_DIVERGENCE, DEFAULT_TOLERANCE, Comparison, compare_ranks, compared_modes
 from .measure.compare import compare as run_compare
 from .measure.serving import DEFAULT_TOLERANCE as DEFAULT_SERVING_TOLERANCE
 from .measure.serving import ServeCheck, fresh_copies
@@ -259,7 +259,7 @@ def compare(
     if on_ready is not None:
         on_ready(loaded)
     bench = Workbench(loaded.spec, loaded.config)
-    modes = ["fp32"] + [m for m in dict.fromkeys(modes) if m != "fp32"]
+    modes = compared_modes(modes)
     single = run_compare(bench, modes, tolerance=tolerance, divergence=divergence, on_mode=on_mode)
     if nproc <= 1:
         return single

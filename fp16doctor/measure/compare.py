@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -273,7 +273,7 @@ def compare(
     """
     config = config or bench.config
     steps = steps or config.steps
-    modes = ["fp32"] + [m for m in dict.fromkeys(modes) if m != "fp32"]
+    modes = compared_modes(modes)
     trajectories = {"fp32": reference} if reference is not None else {}
     for mode in modes:
         if mode in trajectories:
@@ -282,6 +282,11 @@ def compare(
             on_mode(mode)
         trajectories[mode] = run_aligned(bench, mode, config, steps, instruments, max_iterations)
     return compare_trajectories(trajectories, modes, steps, config, tolerance, divergence)
+
+
+def compared_modes(modes: Sequence[str]) -> list[str]:
+    """The modes as a comparison runs them: ``fp32`` (the reference) first, each mode once."""
+    return ["fp32"] + [m for m in dict.fromkeys(modes) if m != "fp32"]
 
 
 def compare_trajectories(
