@@ -110,13 +110,15 @@ def localise_by_backend(ctx: StageContext, comparison: CompiledComparison) -> li
     patches: list[tuple[str, dict[str, Any]]] = [(b, {"compile": {"backend": b}}) for b in backends]
     if own == "inductor":  # inductor's rounding made to follow eager's: the fix that keeps inductor
         patches.append(("inductor, emulate_precision_casts", {"compile": {"emulate_precision_casts": True}}))
-    trials: list[BackendTrial] = []
-    for name, patch in patches:
-        summary, _, _ = _timed_compiled_probe(ctx, patch)
-        config = ctx.with_config(patch)
-        symptoms = [s.code for s in measured_symptoms(ctx, config, summary, ctx.evidence.fp32, None, compiled=True)]
-        trials.append(BackendTrial(name, symptoms, patch))
-    return trials
+    return [_trial(ctx, name, patch) for name, patch in patches]
+
+
+def _trial(ctx: StageContext, name: str, patch: dict[str, Any]) -> BackendTrial:
+    """The compiled AMP probe with ``patch`` on the config, and the symptoms it measured against FP32."""
+    summary, _, _ = _timed_compiled_probe(ctx, patch)
+    config = ctx.with_config(patch)
+    symptoms = [s.code for s in measured_symptoms(ctx, config, summary, ctx.evidence.fp32, None, compiled=True)]
+    return BackendTrial(name, symptoms, patch)
 
 
 def _only_inductor_fails(comparison: CompiledComparison) -> bool:
@@ -180,12 +182,8 @@ def _fallback_trial(ctx: StageContext, bisection: CompilerBisection) -> list[Bac
     """The bisected lowering's operator left to its ATen kernel, the rest of inductor as it was: measured."""
     if bisection.operator is None:
         return []
-    patch = {"compile": {"fallback_ops": [bisection.operator]}}
-    torch._dynamo.reset()
-    summary, _, _ = _timed_compiled_probe(ctx, patch)
-    config = ctx.with_config(patch)
-    symptoms = [s.code for s in measured_symptoms(ctx, config, summary, ctx.evidence.fp32, None, compiled=True)]
-    return [BackendTrial(f"inductor, {bisection.operator} left to ATen", symptoms, patch)]
+    patch = {"compile": {"fallback_ops": [bisection.operator]}}  # the probe compiles anew with it (its own reset)
+    return [_trial(ctx, f"inductor, {bisection.operator} left to ATen", patch)]
 
 
 def _sentence(comparison: CompiledComparison) -> str:
