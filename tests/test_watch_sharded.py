@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -51,7 +52,9 @@ def torchrun(tmp_path, script, *args, watch=None, pythonpath=()):
     if watch is not None:
         command += ["-m", "fp16doctor", "watch", *watch]
     path = os.pathsep.join([*map(str, pythonpath), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    inputs = set(tmp_path.iterdir())
     for _ in range(LAUNCHES):
+        _remove_outputs(tmp_path, inputs)  # a launch taken again starts as the first did: no capsule of it left over
         proc = subprocess.run(
             list(map(str, [*command, script, *args])),
             capture_output=True,
@@ -63,6 +66,11 @@ def torchrun(tmp_path, script, *args, watch=None, pythonpath=()):
         if not any(crash in proc.stderr for crash in NATIVE_RANK_CRASHES):
             break
     return proc
+
+
+def _remove_outputs(folder, inputs):
+    for path in set(folder.iterdir()) - inputs:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 NATIVE_RANK_CRASHES = ("Signal 11 (SIGSEGV)", "terminate called without an active exception")
