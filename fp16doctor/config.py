@@ -155,6 +155,15 @@ class CompileConfig:
         ),
     )
 
+    eager_modules: list[str] = field(
+        default_factory=list,
+        metadata=_doc(
+            "Submodules (as named_modules() names them, from the module model() compiles) that run eagerly inside "
+            "the compiled program, the rest compiled as before: torch.compiler.disable on their forward. What keeps "
+            "a miscompiled region out of the compiled program."
+        ),
+    )
+
     def validate(self) -> None:
         if self.backend is not None:
             _require(self.backend in COMPILE_BACKENDS, "compile.backend", " | ".join(COMPILE_BACKENDS) + " or null")
@@ -164,6 +173,14 @@ class CompileConfig:
                 "compile.fallback_ops",
                 "a list of ATen operator names such as aten.rsqrt",
             )
+        for name in self.eager_modules:
+            _require(isinstance(name, str) and name != "", "compile.eager_modules", "a list of submodule names")
+
+    @property
+    def compiles_anew(self) -> bool:
+        """The compiled program differs from one built without these settings in what dynamo's and inductor's
+        caches do not key on (lowerings in place, a submodule's forward disabled): a probe compiles it anew."""
+        return bool(self.fallback_ops or self.eager_modules)
 
     @property
     def as_model_compiles(self) -> bool:

@@ -47,11 +47,37 @@ def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_rep
     evidence = top["evidence"]
     assert evidence["compiled_with"]["backend"].endswith("fusing_backend")
     assert evidence["eager_symptoms"] == [] and "nonfinite" in evidence["compiled_symptoms"]
-    assert {b["backend"]: b["symptoms"] for b in evidence["backends"]} == {"eager": [], "aot_eager": [], "inductor": []}
-    assert "fusing_backend backend's compilation" in evidence["made_in"]
-    assert top["fix"]["config_patch"] == {"compile": {"backend": "inductor"}}
+    tried = {b["backend"]: b["symptoms"] for b in evidence["backends"]}
+    assert tried == {"eager": [], "aot_eager": [], "inductor": [], "input_norm run eagerly": []}
+    assert "fusing_backend backend's compilation" in evidence["made_in"] and "within input_norm" in evidence["made_in"]
+    # the least change: the backend kept, the one region it gets wrong run eagerly (a leaf: no smaller region)
+    assert top["fix"]["config_patch"] == {"compile": {"eager_modules": ["input_norm"]}}
+    assert "torch.compiler.disable(region.forward)" in top["fix"]["code"]
     assert top["verification"]["repaired"] and top["verification"]["tried"].startswith("the compiled probe")
-    assert "compile:" in proc.fix_config and "backend: inductor" in proc.fix_config
+    assert "eager_modules:\n  - input_norm" in proc.fix_config
+
+
+def test_a_region_run_eagerly_keeps_the_rest_compiled_and_a_name_the_model_has_not_is_a_config_error():
+    """The fix's code, as the user writes it: the custom backend's compiled program, with input_norm run eagerly,
+    is finite where the whole program compiled is not."""
+    from fp16doctor.errors import ConfigError
+    from fp16doctor.userfile.compiled import run_eagerly
+    from fp16doctor.userfile.spec import load_training_file
+
+    spec = load_training_file(FILES / "compiled_custom_backend.py")
+    x = next(iter(spec.data()))[0]
+    finite = {}
+    for names in ([], ["input_norm"]):
+        torch._dynamo.reset()
+        program = spec.model()
+        run_eagerly(program._orig_mod, names)
+        with torch.autocast("cpu", dtype=torch.float16):
+            finite[tuple(names)] = bool(program(x).isfinite().all())
+    torch._dynamo.reset()
+    assert finite == {(): False, ("input_norm",): True}
+    with pytest.raises(ConfigError, match="compile.eager_modules") as raised:
+        run_eagerly(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["blocks.0"])
+    assert "its children: 0" in raised.value.hint
 
 
 def test_a_miscompiling_inductor_lowering_is_bisected_to_its_operator_and_left_to_aten():
@@ -126,3 +152,28 @@ def test_the_compiled_program_is_the_users_own_unless_the_settings_change_it():
     in_place = torch.nn.Linear(2, 2)
     in_place.compile(backend="eager")
     assert uncompiled(in_place) == (in_place, None) and in_place._compiled_call_impl is None  # eager again
+
+
+def test_the_region_search_descends_into_the_first_child_that_repairs_within_its_budget(monkeypatch):
+    """The search's walk, its compiled probes stood in for by a tree where only regions holding blocks.1.norm
+    repair: each level tried in order, the first repairing child entered, the last healthy trial the smallest."""
+    from fp16doctor.diagnosis.findings import BackendTrial
+    from fp16doctor.diagnosis.stages import compiled as stage_module
+
+    tree = {"": ["embed", "blocks", "head"], "blocks": ["blocks.0", "blocks.1"], "blocks.1": ["blocks.1.norm"]}
+    tree["blocks.1.norm"] = []
+
+    def trial(ctx, name, patch):
+        region = patch["compile"]["eager_modules"][0]
+        return BackendTrial(name, [] if "blocks.1.norm".startswith(region) else ["nonfinite"], patch)
+
+    monkeypatch.setattr(stage_module, "_trial", trial)
+    monkeypatch.setattr(stage_module, "_children", lambda ctx, name: tree[name])
+    found = stage_module.search_eager_region(None)
+    assert [t.backend for t in found] == [
+        "embed run eagerly", "blocks run eagerly", "blocks.0 run eagerly", "blocks.1 run eagerly",
+        "blocks.1.norm run eagerly",
+    ]  # fmt: skip
+    assert [t.backend for t in found if not t.symptoms][-1] == "blocks.1.norm run eagerly"
+    monkeypatch.setattr(stage_module, "REGION_TRIALS", 3)
+    assert len(stage_module.search_eager_region(None)) == 3  # the budget ends it: blocks is the region found

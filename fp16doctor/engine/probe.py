@@ -52,7 +52,7 @@ from ..precision.session import PrecisionSession
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import floats_to, to_device
 from ..userfile.checkpoint import TrainedStart
-from ..userfile.compiled import compiled_program, inductor_fallbacks, training_compiles
+from ..userfile.compiled import compiled_program, inductor_fallbacks, run_eagerly, training_compiles
 from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
 from ..userfile.spec import TrainingSpec, build_model, build_model_and_program, draw_batches, user_frame
 from .emulated_ranks import ReductionReading, emulated_ranks_step
@@ -409,10 +409,11 @@ class Probe:
     def _compiled(self, compiled: bool) -> torch.nn.Module | None:
         if not compiled or not training_compiles(self.config.compile, self.spec.compiled):
             return None
-        if self.config.compile.fallback_ops:
+        if self.config.compile.compiles_anew:
             # dynamo reuses a graph compiled for another instance of the same class without looking at inductor's
-            # lowerings: this probe's graphs are compiled anew with its fallbacks, and dropped when it closes
+            # lowerings or a submodule's forward: this probe's graphs are compiled anew, and dropped when it closes
             torch._dynamo.reset()
+        run_eagerly(self.model, self.config.compile.eager_modules)
         return compiled_program(self.model, self._program, self.config.compile, self.spec.compiled)
 
     def _build_optimizers(self) -> Any:
@@ -814,8 +815,8 @@ class Probe:
         if self.instruments is not None:
             self.instruments.detach()
         self.optimizers.on_found = None  # a bound method of this probe: the cycle that kept closed probes alive
-        if self._compiled_model is not None and self.config.compile.fallback_ops:
-            torch._dynamo.reset()  # no later probe reuses a graph lowered with this one's fallbacks
+        if self._compiled_model is not None and self.config.compile.compiles_anew:
+            torch._dynamo.reset()  # no later probe reuses a graph compiled with this one's fallbacks or eager regions
 
 
 def outputs_in_float64(module: torch.nn.Module, args: Any, output: Any) -> Any:

@@ -202,6 +202,22 @@ def compiled_program(
     return compiled
 
 
+def run_eagerly(model: torch.nn.Module, names: list[str]) -> None:
+    """The submodules ``names`` of ``model`` run eagerly inside any program compiled from it: their forward under
+    ``torch.compiler.disable`` (dynamo breaks the graph at their call and runs them as eager does), the rest
+    compiled as before. A name ``model`` has not is a config error that lists the names it has."""
+    for name in names:
+        try:
+            region = model.get_submodule(name)
+        except AttributeError:
+            children = ", ".join(n for n, _ in model.named_children()) or "none"
+            raise ConfigError(
+                f"config key 'compile.eager_modules' names {name!r}, which the model has not.",
+                hint=f"Name submodules as model.named_modules() does (its children: {children}).",
+            ) from None
+        region.forward = torch.compiler.disable(region.forward)
+
+
 def aten_operator(name: str) -> Any:
     """``aten.rsqrt`` (or ``aten.rsqrt.default``) as its operator; None where this torch has no such operator."""
     parts = name.split(".")

@@ -11,8 +11,9 @@ operator). The per-operator comparison of the compiled graph's values with eager
 Evidence: how the model is compiled, the compiled and eager symptoms, each backend tried and what it measured,
 and the layer the fault is made in. The fix is the least change that repaired the compiled probe, measured:
 the bisected lowering's operator left to its ATen kernel (``compile.fallback_ops``), inductor with
-``emulate_precision_casts`` (its rounding made to follow eager's), inductor in place of a custom backend,
-``aot_eager``, or the model kept eager; the verification runs the compiled probe with it.
+``emulate_precision_casts`` (its rounding made to follow eager's), the smallest submodule run eagerly inside the
+compiled program (``compile.eager_modules``: ``torch.compiler.disable`` on its forward), inductor in place of a
+custom backend, ``aot_eager``, or the model kept eager; the verification runs the compiled probe with it.
 """
 
 from __future__ import annotations
@@ -60,12 +61,14 @@ def comparison_case(
     backends: list[BackendTrial],
     outcome: CompiledOutcome = CompiledOutcome.COMPILED_ONLY,
     bisection: CompilerBisection | None = None,
+    compiled_with: str = "inductor",
 ) -> Evidence:
-    """A compiled-stage comparison: eager healthy, the compiled probe non-finite (unless ``outcome`` says else)."""
+    """A compiled-stage comparison: eager healthy, the compiled probe non-finite (unless ``outcome`` says else),
+    the model compiled with the backend ``compiled_with``."""
     nonfinite = Symptom("nonfinite", "AMP's loss is non-finite from step 0", step=0)
     ev = fx.evidence()
     ev.compiled = CompiledComparison(
-        compiled_with={"backend": "inductor", "mode": None, "dynamic": None, "fullgraph": False, "options": {}},
+        compiled_with={"backend": compiled_with, "mode": None, "dynamic": None, "fullgraph": False, "options": {}},
         outcome=outcome,
         eager_symptoms=[nonfinite] if outcome == CompiledOutcome.EAGER_ONLY else [],
         compiled_symptoms=[nonfinite] if outcome == CompiledOutcome.COMPILED_ONLY else [],
@@ -95,6 +98,16 @@ class CompiledDivergence(Rule):
             ]
         ),
         lambda: comparison_case([BackendTrial("eager", ["nonfinite"]), BackendTrial("aot_eager", ["nonfinite"])]),
+        lambda: comparison_case(  # a custom backend: the region run eagerly keeps it, preferred to a backend swap
+            [
+                *HEALTHY_LOWER,
+                BackendTrial("inductor", [], {"compile": {"backend": "inductor"}}),
+                BackendTrial("embed run eagerly", ["nonfinite"], {"compile": {"eager_modules": ["embed"]}}),
+                BackendTrial("blocks run eagerly", [], {"compile": {"eager_modules": ["blocks"]}}),
+                BackendTrial("blocks.0 run eagerly", [], {"compile": {"eager_modules": ["blocks.0"]}}),
+            ],
+            compiled_with="team.fusing_backend",
+        ),
         lambda: comparison_case(  # a lowering the bisector found, its operator left to ATen: healthy
             [
                 *HEALTHY_LOWER,
@@ -116,7 +129,7 @@ class CompiledDivergence(Rule):
         if comparison is None or comparison.outcome != CompiledOutcome.COMPILED_ONLY:
             return []
         own = str(comparison.compiled_with.get("backend", "inductor"))
-        made_in = _made_in(comparison.backends, own) + _bisected(comparison.bisection)
+        made_in = _made_in(comparison.backends, own) + _bisected(comparison.bisection) + _region(comparison.backends)
         fix = _least_repairing(comparison.backends, own)
         symptoms = ", ".join(s.code for s in comparison.compiled_symptoms)
         return [
@@ -152,32 +165,30 @@ def _made_in(backends: list[BackendTrial], own: str) -> str:
     return f"the {own} backend's compilation (backends eager and aot_eager are healthy)"
 
 
-FIXES = (
-    (
-        "inductor, emulate_precision_casts",
+EMULATION = "inductor, emulate_precision_casts"
+FIXES = {
+    EMULATION: (
         "Keep inductor with emulate_precision_casts: its fused kernels then round "
         "every intermediate to the dtype eager stores it in.",
         "torch.compile(model, options={'emulate_precision_casts': True})",
     ),
-    (
-        "inductor",
+    "inductor": (
         "Compile with inductor instead of the custom backend: inductor computes this training as eager "
         "does, within rounding (measured).",
         "torch.compile(model)  # backend='inductor', the default",
     ),
-    (
-        "aot_eager",
+    "aot_eager": (
         "Compile with backend='aot_eager' (dynamo's and AOT autograd's graphs, run eagerly) until the "
         "backend's fault is fixed.",
         "torch.compile(model, backend='aot_eager')",
     ),
-    (
-        "eager",
+    "eager": (
         "Compile with backend='eager' (dynamo's graph only, run eagerly) until the backend's fault is fixed.",
         "torch.compile(model, backend='eager')",
     ),
-)
-"""(trial, fix, code), in the order they are preferred: the least change from the training's own compilation."""
+}
+"""Per trial: (fix, code). The backend swaps are preferred in this order: the least change from the training's
+own compilation first."""
 
 
 def _bisected(bisection: CompilerBisection | None) -> str:
@@ -192,8 +203,16 @@ def _bisected(bisection: CompilerBisection | None) -> str:
     return where
 
 
+def _region(backends: list[BackendTrial]) -> str:
+    """``; within input_norm (run eagerly, the rest compiled, the training is healthy)``: the smallest region found."""
+    regions = [b for b in backends if not b.symptoms and _setting(b, "eager_modules")]
+    if not regions:
+        return ""
+    return f"; within {_setting(regions[-1], 'eager_modules')[0]} (run eagerly, the rest compiled, it is healthy)"
+
+
 def _fallback_fix(trial: BackendTrial) -> Fix:
-    operator = trial.config_patch["compile"]["fallback_ops"][0]
+    operator = _setting(trial, "fallback_ops")[0]
     return Fix(
         f"Keep {operator} out of inductor's lowerings: inductor then runs it as its ATen kernel, and compiles the "
         "rest as before (measured healthy).",
@@ -203,14 +222,43 @@ def _fallback_fix(trial: BackendTrial) -> Fix:
     )
 
 
+def _region_fix(trial: BackendTrial, own: str) -> Fix:
+    region = _setting(trial, "eager_modules")[0]
+    return Fix(
+        f"Run {region} eagerly inside the compiled program (torch.compiler.disable on its forward): the compiler "
+        f"gets that region wrong, and the rest of the model stays compiled with {own} (measured healthy).",
+        code=f"region = model.get_submodule({region!r})  # model: the module you torch.compile\n"
+        "region.forward = torch.compiler.disable(region.forward)  # before the first compiled call",
+        config_patch=dict(trial.config_patch),
+    )
+
+
+def _named_fix(trial: BackendTrial) -> Fix:
+    summary, code = FIXES[trial.backend]
+    return Fix(summary, code=code, config_patch=dict(trial.config_patch))
+
+
+def _setting(trial: BackendTrial, key: str) -> Any:
+    return trial.config_patch.get("compile", {}).get(key)
+
+
 def _least_repairing(backends: list[BackendTrial], own: str) -> Fix:
-    healthy = {b.backend: b for b in backends if not b.symptoms}
-    for candidate in healthy.values():
-        if candidate.config_patch.get("compile", {}).get("fallback_ops"):
-            return _fallback_fix(candidate)
-    for trial, summary, code in FIXES:
-        if trial in healthy and trial != own:
-            return Fix(summary, code=code, config_patch=dict(healthy[trial].config_patch))
+    """The healthy trial that changes the training's compilation least: an operator left to ATen, inductor's
+    precision emulation, the smallest region run eagerly (the last one the search found), another backend, and
+    last no compilation at all."""
+    healthy = [b for b in backends if not b.symptoms]
+    by_name = {b.backend: b for b in healthy}
+    fallbacks = [b for b in healthy if _setting(b, "fallback_ops")]
+    if fallbacks:
+        return _fallback_fix(fallbacks[0])
+    if EMULATION in by_name:
+        return _named_fix(by_name[EMULATION])
+    regions = [b for b in healthy if _setting(b, "eager_modules")]
+    if regions:
+        return _region_fix(regions[-1], own)
+    for name in FIXES:
+        if name in by_name and name != own:
+            return _named_fix(by_name[name])
     return Fix(
         "Keep the model eager (no torch.compile, or torch.compiler.disable on it): every compiled variant tried "
         "fails, and eager AMP is healthy.",

@@ -13,6 +13,9 @@ weights and batches, is compared with the eager one against the same FP32 baseli
   bisector then runs the compiled probe again and again to find the subsystem (a group of passes, a setting, the
   lowerings) and the application in it that makes the fault: a lowering's graph node names its ATen operator, and
   that operator left to its ATen kernel (``compile.fallback_ops``) is tried as the fix that keeps inductor.
+  Where nothing that keeps the training's backend whole repairs, the smallest submodule whose running eagerly
+  repairs (``compile.eager_modules``, ``torch.compiler.disable`` on its forward) is searched for: the region the
+  compiler gets wrong, the rest of the model compiled as before.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ def stage_compiled(ctx: StageContext) -> StageReport:
         if _only_inductor_fails(comparison):
             comparison.bisection = bisect_compiler(ctx)
             comparison.backends += _fallback_trial(ctx, comparison.bisection)
+        if not any(_keeps_the_compilation(b) for b in comparison.backends):
+            comparison.backends += search_eager_region(ctx)
     ev.compiled = comparison
     details = {**probe_details(compiled), **comparison.to_json()}
     return StageReport(StageName.COMPILED, StageStatus.RAN, _sentence(comparison), details=details)
@@ -184,6 +189,47 @@ def _fallback_trial(ctx: StageContext, bisection: CompilerBisection) -> list[Bac
         return []
     patch = {"compile": {"fallback_ops": [bisection.operator]}}  # the probe compiles anew with it (its own reset)
     return [_trial(ctx, f"inductor, {bisection.operator} left to ATen", patch)]
+
+
+REGION_TRIALS = 8
+"""At most this many compiled probes search for the region to run eagerly: each compiles the program anew."""
+
+
+def _keeps_the_compilation(trial: BackendTrial) -> bool:
+    """A healthy trial that changes only a setting of the training's own backend (an operator left to ATen,
+    inductor's precision emulation): a smaller change than any region run eagerly, so no region is searched."""
+    settings = trial.config_patch.get("compile", {})
+    return not trial.symptoms and bool(settings) and "backend" not in settings and "enabled" not in settings
+
+
+def search_eager_region(ctx: StageContext) -> list[BackendTrial]:
+    """The smallest submodule whose running eagerly (``compile.eager_modules``) repairs the compiled probe, the
+    rest compiled as before: each child of the model tried in turn, then the children of the first that repairs,
+    down to a module none of whose children repairs alone. Every trial is kept as evidence; the last healthy one
+    is the region."""
+    trials: list[BackendTrial] = []
+    candidates = _children(ctx, "")
+    while candidates and len(trials) < REGION_TRIALS:
+        repaired = None
+        for name in candidates[: REGION_TRIALS - len(trials)]:
+            trials.append(_trial(ctx, f"{name} run eagerly", {"compile": {"eager_modules": [name]}}))
+            if not trials[-1].symptoms:
+                repaired = name
+                break
+        if repaired is None:
+            break
+        candidates = _children(ctx, repaired)
+    return trials
+
+
+def _children(ctx: StageContext, name: str) -> list[str]:
+    """The qualified names of the children of the model's submodule ``name`` ("" is the model)."""
+    probe = ctx.bench.probe("amp", ctx.config, instruments=None)
+    try:
+        prefix = f"{name}." if name else ""
+        return [prefix + child for child, _ in probe.model.get_submodule(name).named_children()]
+    finally:
+        probe.close()
 
 
 def _sentence(comparison: CompiledComparison) -> str:
