@@ -701,6 +701,8 @@ def speed(
     device: Device = None,
     dtype: Dtype = None,
     json_: Json = False,
+    html: HtmlFile = None,
+    force: Force = False,
     debug: Debug = False,
 ) -> None:
     """The training step timed in FP32 and AMP, one AMP step's operators counted, and what would make AMP faster,
@@ -710,12 +712,20 @@ def speed(
         from . import api
         from .output.speed import render_speed
 
+        if html is not None:
+            check_writable(html, force)
         with err.status("timing FP32 and AMP, then counting one AMP step's operators"):
             report = api.speed(training_file, config_file=config, **flags(seed=seed, device=device, dtype=dtype))
+        if html is not None:
+            from .output.html import speed_html
+
+            atomic_write_text(html, speed_html(report, str(training_file)))
         if json_:
             print_json(report.to_json())
         else:
             render_speed(report, out)
+            if html is not None:
+                out.print(f"[dim]HTML report written to {html}[/]")
         return EXIT_OK
 
     with stdout_for_json_only(json_):

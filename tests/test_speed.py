@@ -53,3 +53,26 @@ def test_speed_from_the_command_line_prints_one_json_object_and_exits_0():
     assert report["device"] == "cpu" and report["timing"]["amp"]["step_ms"] > 0
     assert report["timing"]["amp"]["peak_memory_bytes"] is None  # measured only on CUDA
     assert report["half_flop_share"] == 1.0 and report["host_syncs"] == []
+
+
+def test_speed_html_draws_the_breakdown_the_json_counts_and_never_overwrites_a_file(tmp_path):
+    page = tmp_path / "speed.html"
+    proc = run_cli("speed", SLOW, "--json", "--html", page)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report, html = json.loads(proc.stdout), page.read_text()
+    total = report["half_flop_share"]  # every product runs in half precision here: the bars split it
+    misaligned = _data(html, "half-misaligned-share")
+    assert abs(_data(html, "half-aligned-share") + misaligned - total) < 1e-3
+    flops = sum(g["flops"] for g in report["misaligned_gemms"])
+    assert misaligned > 0.5 and abs(misaligned - flops / sum(report["flops"].values())) < 1e-3
+    assert int(_data(html, "advice")) == len(report["advice"]) == html.count("<li><b>")
+    assert "<svg" in html and "<script" not in html and "http" not in html.split("<svg")[0]
+    page.write_text("mine")
+    refused = run_cli("speed", SLOW, "--html", page)
+    assert refused.returncode == 2 and page.read_text() == "mine" and "--force" in refused.stderr
+
+
+def _data(html, name):
+    import re
+
+    return float(re.search(rf'data-{name}="([^"]+)"', html).group(1))

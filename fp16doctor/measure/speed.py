@@ -195,6 +195,8 @@ class SpeedReport:
     JSON_KEY_DOCS: ClassVar[dict[str, str]] = {
         "timing": "Per mode (``fp32``, ``amp``): ``step_ms`` (median), ``peak_memory_bytes`` (CUDA only, else "
         "null), and ``device``; on a CPU the times do not predict a GPU's.",
+        "flops": "The AMP step's FLOPs (matrix products, convolutions) by the precision they ran in: ``half``, "
+        "``fp32``.",
         "half_flop_share": "The share of the AMP step's FLOPs (matrix products, convolutions) run in fp16/bf16.",
         "fp32_ops": "The operators autocast left in fp32, with their FLOPs.",
         "misaligned_gemms": "Half-precision matrix products with a dimension not a multiple of 8: ``op``, "
@@ -228,6 +230,7 @@ class SpeedReport:
             "device": self.device,
             "timing": self.timing,
             "speedup": self.speedup,
+            "flops": {"half": c.flops_half, "fp32": c.flops_fp32},
             "half_flop_share": round(c.half_share, 4),
             "fp32_ops": dict(c.fp32_ops.most_common()),
             "casts": {"count": c.casts, "bytes": c.cast_bytes},

@@ -19,7 +19,7 @@ from ..files import jsonable
 from .formatting import exact_numbers, healthy_headline, human, shown_evidence
 from .markdown import corrected_text
 from .patches import contradicted_settings, reference_to_corrected
-from .plots import Figure, comparison_figures, diagnosis_figures
+from .plots import Figure, comparison_figures, diagnosis_figures, speed_breakdown
 
 STYLE = """
 :root { --err: #c62828; --warn: #b26a00; --info: #1565c0; --ok: #2e7d32; --muted: #666; }
@@ -204,6 +204,46 @@ def comparison_html(result: Any, training_file: str) -> str:
         _table(rows, ["mode", "verdict", "worst deviation", "first step past tolerance", "skipped", "symptoms"]),
     ]
     return _page(f"fp16doctor compare: {training_file}", header, comparison_figures(result), body)
+
+
+def speed_html(report: Any, training_file: str) -> str:
+    """A ``speed`` report as one self-contained HTML page: the times, the breakdown plot, the advice and the counts
+    behind it."""
+    fp32, amp = report.timing["fp32"], report.timing["amp"]
+    label = "" if report.device == "cuda" else " (on a CPU: the times do not predict a GPU)"
+    speedup = f", AMP {human(report.speedup)}x fp32's speed" if report.speedup else ""
+    header = (
+        f'<h1>fp16doctor speed</h1><p class="verdict">step: fp32 {human(fp32["step_ms"])} ms, AMP '
+        f"{human(amp['step_ms'])} ms{_e(speedup)}{_e(label)}</p>"
+        f'<p class="meta"><code>{_e(training_file)}</code> · device {_e(report.device)}</p>'
+    )
+    advice = "".join(f"<li><b>{_e(a.what)}</b>: {_e(a.why)}</li>" for a in report.advice)
+    c = report.counts
+    body = [
+        "<h2>What would make AMP faster</h2>",
+        f"<ol>{advice}</ol>"
+        if advice
+        else "<p>Nothing to change: the step runs in half precision, aligned and without host waits.</p>",
+        "<h2>Counted on one AMP step</h2>",
+        _table(
+            [
+                ["half-precision share of the FLOPs", human(c.half_share, percent=True)],
+                ["casts", f"{c.casts} ({c.cast_bytes / 2**20:.2f} MiB)"],
+                ["element-wise operators", f"{c.elementwise} ({c.elementwise_bytes / 2**20:.2f} MiB moved)"],
+                ["host synchronisations", sum(c.syncs.values())],
+            ]
+        ),
+    ]
+    if c.misaligned:
+        rows = report.misaligned_table().values.tolist()
+        body += ["<h3>Misaligned half-precision products</h3>", _table(rows, ["op", "module", "shape", "flops"])]
+    if c.syncs:
+        rows = [[line, n] for line, n in c.syncs.most_common()]
+        body += ["<h3>Host synchronisations</h3>", _table(rows, ["line", "a step"])]
+    if c.elementwise_by_module:
+        rows = [[module, n] for module, n in c.elementwise_by_module.most_common(10)]
+        body += ["<h3>Element-wise operators by module</h3>", _table(rows, ["module", "operators"])]
+    return _page(f"fp16doctor speed: {training_file}", header, [speed_breakdown(report)], body)
 
 
 def write_figures(figures: list[Figure], folder: Any) -> list[tuple[Figure, str]]:

@@ -349,3 +349,47 @@ def comparison_figures(result: Any) -> list[Figure]:
     if scaled:
         figures.insert(1, loss_scale(scaled[0].records))
     return figures
+
+
+def _shortened(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def speed_breakdown(report: Any) -> Figure:
+    """Where the AMP step's work goes: its FLOPs by how they run (half precision on aligned shapes, half precision
+    on shapes tensor cores cannot take whole, fp32 by operator), beside each piece of advice's estimated share."""
+    c = report.counts
+    total = max(c.flops_half + c.flops_fp32, 1)
+    misaligned = min(sum(int(g["flops"]) for g in c.misaligned), c.flops_half)
+    shares = {"half precision, aligned": (c.flops_half - misaligned) / total}
+    if misaligned:
+        shares["half precision, misaligned"] = misaligned / total
+    shares |= {f"fp32: {op}": flops / total for op, flops in c.fp32_ops.most_common(5)}
+    advice = {_shortened(f"{n}. {a.what}", 48): a.effect for n, a in enumerate(report.advice, 1)}
+    fig, (flops_ax, advice_ax) = _pyplot().subplots(
+        2, 1, figsize=(8.0, 1.8 + 0.3 * (len(shares) + max(len(advice), 1))), constrained_layout=True
+    )
+    colours = ["#2ca02c" if n == 0 else COLOURS["amp"] for n in range(len(shares))]  # the first: aligned
+    flops_ax.barh(list(shares), [100 * v for v in shares.values()], color=colours)
+    flops_ax.invert_yaxis()
+    flops_ax.set_xlim(0, 100)
+    flops_ax.set_xlabel("share of the AMP step's FLOPs (%)")
+    if advice:
+        advice_ax.barh(list(advice), [100 * v for v in advice.values()], color=COLOURS["fp32"])
+        advice_ax.invert_yaxis()
+        advice_ax.set_xlabel("estimated share of the step's work (%)")
+    else:
+        advice_ax.text(0.5, 0.5, "nothing to change", ha="center", va="center", transform=advice_ax.transAxes)
+        advice_ax.set_axis_off()
+    return Figure(
+        "plot-speed",
+        "Where the AMP step's work goes, and what each change addresses",
+        "Green runs in half precision on shapes tensor cores take whole; red is what AMP cannot speed up as it "
+        "stands. Below, the advice by its estimated share, the largest first.",
+        _svg(fig),
+        {
+            "half_aligned_share": round(shares["half precision, aligned"], 4),
+            "half_misaligned_share": round(misaligned / total, 4),
+            "advice": len(advice),
+        },
+    )
