@@ -99,7 +99,7 @@ def test_a_lightning_checkpoint_is_read_through_its_module_prefix_and_list_of_st
     )
     start = load_checkpoint(path)
     assert start.layout == "Lightning checkpoint" and start.step == 40 and start.scaler["scale"] == 2.0**20
-    assert start.optimizer is not None and start.scheduler is None
+    assert len(start.optimizers) == 1 and start.schedulers == []
     assert set(start.model_state_for(["weight", "bias"])) == {"weight", "bias"}  # "layer." taken off
     assert load_checkpoint(path, from_step=12).step == 12
 
@@ -113,7 +113,7 @@ def test_a_real_hugging_face_trainer_checkpoint_folder_is_read(tmp_path):
     train_hf(tmp_path / "run", steps=20)
     start = load_checkpoint(tmp_path / "run" / "checkpoint-20")
     assert start.layout == "Hugging Face checkpoint" and start.step == 20
-    assert start.optimizer is not None and start.scheduler is not None  # optimizer.pt, scheduler.pt
+    assert len(start.optimizers) == len(start.schedulers) == 1  # optimizer.pt, scheduler.pt
     model = Tagger()
     model.load_state_dict(start.model_state_for(model.state_dict().keys()))
     assert torch.equal(model.net[0].weight, start.model["net.0.weight"])
@@ -185,3 +185,58 @@ def test_generators_saved_under_numpy_1_load_and_an_unreadable_file_is_no_genera
     assert loaded is not None and torch.equal(loaded["cpu"], state["cpu"])
     (tmp_path / "broken.pth").write_bytes(b"not a pickle")
     assert _rng_of(_load_rng(tmp_path / "broken.pth", trust=False)) is None
+
+
+def test_a_gans_checkpoint_gives_each_optimizer_and_scheduler_its_own_state_and_a_misfit_is_refused(tmp_path):
+    """Lightning keeps one state per optimizer, in configure_optimizers' order: each of the file's optimizers
+    (and schedulers) takes up its own, in the order optimizers(model) returns them, or by the names of a dict. A
+    checkpoint with another count of optimizers is of another training: refused, not trained on fresh moments."""
+    from fp16doctor.config import build_config
+    from fp16doctor.engine.probe import Workbench
+    from fp16doctor.errors import CheckpointError
+
+    spec = load_training_file(ROOT / "tests" / "training_files" / "gan_two_optimizers.py")
+    gan = spec.model()
+    trained = spec.optimizers(gan)
+    schedulers = spec.scheduler(trained)
+    for k, opt in enumerate(trained):  # moments of its own in each: the generator's and the discriminator's differ
+        ((k + 1) * sum(p.sum() for p in opt.param_groups[0]["params"])).backward()
+        opt.step()
+    for scheduler in schedulers:
+        for _ in range(10):
+            scheduler.step()
+    ckpt = {
+        "state_dict": gan.state_dict(),
+        "optimizer_states": [opt.state_dict() for opt in trained],
+        "lr_schedulers": [s.state_dict() for s in schedulers],
+        "global_step": 10,
+        "pytorch-lightning_version": "2.5.0",
+    }
+    torch.save(ckpt, tmp_path / "gan.ckpt")
+    spec.start = load_checkpoint(tmp_path / "gan.ckpt")
+    assert "2 optimizers" in spec.start.describe() and "2 schedulers" in spec.start.describe()
+    probe = Workbench(spec, build_config({"steps": 2}, {"device": "cpu"})).probe("amp", instruments=None)
+    for mine, saved in zip(probe.optimizers.all(), trained):
+        assert torch.equal(_first_moment(mine), _first_moment(saved))
+    assert [s.last_epoch for s in probe.schedulers] == [10, 10]
+    probe.close()
+    generator, discriminator = ckpt["optimizer_states"]
+    torch.save({"model": gan.state_dict(), "optimizers": {"g": generator, "d": discriminator}}, tmp_path / "n.pt")
+    named = load_checkpoint(tmp_path / "n.pt")
+    by_name = named.optimizer_states_for(["d", "g"])  # a file whose optimizers(model) returns {"d": ..., "g": ...}
+    assert _first_moment_of(generator) != _first_moment_of(discriminator)
+    assert [_first_moment_of(s) for s in by_name] == [_first_moment_of(discriminator), _first_moment_of(generator)]
+    with pytest.raises(CheckpointError, match="named g, d; the file makes 2 optimizer"):
+        named.optimizer_states_for(["optimizers[0]", "optimizers[1]"])
+    torch.save({**ckpt, "optimizer_states": ckpt["optimizer_states"][:1]}, tmp_path / "one.ckpt")
+    spec.start = load_checkpoint(tmp_path / "one.ckpt")
+    with pytest.raises(CheckpointError, match="holds 1 optimizer state.*makes 2 optimizer"):
+        Workbench(spec, build_config({"steps": 2}, {"device": "cpu"})).probe("amp", instruments=None)
+
+
+def _first_moment(optimizer):
+    return next(iter(optimizer.state_dict()["state"].values()))["exp_avg"]
+
+
+def _first_moment_of(state):
+    return next(iter(state["state"].values()))["exp_avg"].tolist()

@@ -347,12 +347,13 @@ class Probe:
         """Take up the trained state a checkpoint holds (the weights are the workbench's reference already): the
         optimizer's moments, the scheduler's position and, unless this probe tries other scaler settings (the
         sweep, a fix), the scaler's scale and growth tracker."""
-        optimizers = self.optimizers.all()
+        states = start.optimizer_states_for(list(self.optimizers.by_name))
         try:
-            if start.optimizer is not None and len(optimizers) == 1:
-                optimizers[0].load_state_dict(copy.deepcopy(start.optimizer))
-            if start.scheduler is not None and len(self.schedulers) == 1:
-                self.schedulers[0].load_state_dict(copy.deepcopy(start.scheduler))
+            for optimizer, state in zip(self.optimizers.all(), states or []):
+                optimizer.load_state_dict(copy.deepcopy(state))
+            if len(start.schedulers) == len(self.schedulers):  # in the order the training made them
+                for scheduler, state in zip(self.schedulers, start.schedulers):
+                    scheduler.load_state_dict(copy.deepcopy(state))
         except (ValueError, KeyError, RuntimeError) as exc:
             raise CheckpointError(
                 f"the checkpoint's optimizer or scheduler state does not fit the file's ({first_line(exc)}).",

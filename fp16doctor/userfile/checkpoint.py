@@ -7,12 +7,13 @@ from its step.
 
 Layouts read:
 
-* a ``torch.save`` dict with the usual keys (``model``/``state_dict``/``model_state_dict``, ``optimizer``,
-  ``scaler``, ``lr_scheduler``/``scheduler``, ``step``/``global_step``), or a bare state dict of the model;
+* a ``torch.save`` dict with the usual keys (``model``/``state_dict``/``model_state_dict``, ``optimizer`` or
+  ``optimizers`` (one state, a list, or a dict by name), ``scaler``, ``lr_scheduler``/``scheduler``,
+  ``step``/``global_step``), or a bare state dict of the model;
 * a Hugging Face ``Trainer`` checkpoint folder (``checkpoint-N/``: ``model.safetensors`` or ``pytorch_model.bin``,
   ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``trainer_state.json``);
-* a Lightning ``.ckpt`` (``state_dict``, ``optimizer_states``, ``lr_schedulers``, the ``MixedPrecision`` scaler
-  state, ``global_step``).
+* a Lightning ``.ckpt`` (``state_dict``, every one of ``optimizer_states`` and ``lr_schedulers``, the
+  ``MixedPrecision`` scaler state, ``global_step``).
 
 Loading is safe: ``torch.load(..., weights_only=True)``. A checkpoint that pickles more than tensors and plain
 containers is refused with the global it needs, unless the user trusts it (``--trust-checkpoint``).
@@ -33,9 +34,9 @@ import torch
 from ..errors import CheckpointError
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "model_state", "net", "module")
-OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "optimizer_states")
+OPTIMIZER_KEYS = ("optimizer", "optimizers", "optimizer_state_dict", "optim", "optimizer_states")
 SCALER_KEYS = ("scaler", "grad_scaler", "scaler_state_dict", "amp", "MixedPrecision", "native_amp_scaling_state")
-SCHEDULER_KEYS = ("lr_scheduler", "scheduler", "scheduler_state_dict", "lr_schedulers")
+SCHEDULER_KEYS = ("lr_scheduler", "scheduler", "schedulers", "scheduler_state_dict", "lr_schedulers")
 STEP_KEYS = ("global_step", "step", "iteration", "iter")
 RNG_KEYS = ("rng_state", "rng_states", "rng")
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
@@ -51,9 +52,13 @@ class TrainedStart:
     layout: str
     """``torch.save dict``, ``state dict``, ``Hugging Face checkpoint`` or ``Lightning checkpoint``."""
     model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any] | None
+    optimizers: list[dict[str, Any]] | dict[str, dict[str, Any]]
+    """Every optimizer state the checkpoint holds: in the order the training made its optimizers (Lightning's
+    ``optimizer_states``, a list, or one), or by name (a dict of states, named as ``optimizers(model)`` names
+    them); empty: none."""
     scaler: dict[str, Any] | None
-    scheduler: dict[str, Any] | None
+    schedulers: list[dict[str, Any]]
+    """Every scheduler state, in the order the training made its schedulers."""
     step: int
     """The optimizer step the checkpoint was taken at (``--from-step`` where given): the data continues there."""
     rng: dict[str, Any] | None = None
@@ -77,13 +82,35 @@ class TrainedStart:
             k[len(prefix) :]: v for k, v in self.model.items() if k.startswith(prefix) and k[len(prefix) :] in wanted
         }
 
+    def optimizer_states_for(self, names: list[str]) -> list[dict[str, Any]] | None:
+        """The state of each of the file's optimizers (``names``, in the order it makes them): by name where the
+        checkpoint names them, else in order; None where it holds none. A checkpoint whose states do not pair
+        with the file's optimizers is a checkpoint of another training: fresh moments would hide what the trained
+        ones cause."""
+        if not self.optimizers:
+            return None
+        if isinstance(self.optimizers, dict):
+            missing = [n for n in names if n not in self.optimizers]
+            if not missing:
+                return [self.optimizers[n] for n in names]
+            held = f"optimizer states named {', '.join(self.optimizers)}"
+        elif len(self.optimizers) == len(names):
+            return list(self.optimizers)
+        else:
+            held = f"{len(self.optimizers)} optimizer state(s)"
+        raise CheckpointError(
+            f"the checkpoint '{self.source}' holds {held}; the file makes {len(names)} optimizer(s): "
+            f"{', '.join(names)}.",
+            hint="--from-checkpoint takes a checkpoint of the training this file defines: one optimizer state per "
+            "optimizer, in the order optimizers(model) returns them (or under the same names).",
+        )
+
     def describe(self) -> str:
-        parts = ["model"] + [name for name, state in self._parts() if state is not None]
+        counted = [("optimizer", len(self.optimizers)), ("scheduler", len(self.schedulers))]
+        parts = ["model"] + [name if n == 1 else f"{n} {name}s" for name, n in counted if n]
+        parts += ["scaler"] if self.scaler is not None else []
         parts += ["random generators"] if self.rng is not None else []
         return f"{self.layout} {self.source} at step {self.step} ({', '.join(parts)})"
-
-    def _parts(self) -> list[tuple[str, Any]]:
-        return [("optimizer", self.optimizer), ("scaler", self.scaler), ("scheduler", self.scheduler)]
 
 
 def _prefix(found: set[str], wanted: set[str]) -> str | None:
@@ -134,7 +161,7 @@ def _from_file(path: Path, trust: bool) -> TrainedStart:
             hint="Save a dict: torch.save({'model': model.state_dict(), 'optimizer': ..., 'step': ...}, path).",
         )
     if saved and all(isinstance(v, torch.Tensor) for v in saved.values()):
-        return TrainedStart(path, "state dict", saved, None, None, None, 0)
+        return TrainedStart(path, "state dict", saved, [], None, [], 0)
     model = _first(saved, MODEL_KEYS)
     if not isinstance(model, dict):
         raise CheckpointError(
@@ -147,9 +174,9 @@ def _from_file(path: Path, trust: bool) -> TrainedStart:
         path,
         "Lightning checkpoint" if lightning else "torch.save dict",
         model,
-        _one(_first(saved, OPTIMIZER_KEYS)),
+        _optimizer_states(_first(saved, OPTIMIZER_KEYS)),
         _one(_first(saved, SCALER_KEYS)),
-        _one(_first(saved, SCHEDULER_KEYS)),
+        _states(_first(saved, SCHEDULER_KEYS)),
         int(_first(saved, STEP_KEYS) or 0),
         _rng_of(_first(saved, RNG_KEYS)),
     )
@@ -160,10 +187,28 @@ def _first(saved: dict[str, Any], keys: tuple[str, ...]) -> Any:
 
 
 def _one(state: Any) -> dict[str, Any] | None:
-    """A state dict, or the first of a list of them (Lightning keeps one per optimizer and scheduler)."""
+    """A state dict (a scaler's), or the first of a list of them."""
     if isinstance(state, list):
         state = state[0] if state else None
     return state if isinstance(state, dict) else None
+
+
+def _states(value: Any) -> list[dict[str, Any]]:
+    """State dicts in the order they were saved: a list of them (Lightning keeps one per optimizer and
+    scheduler), or one."""
+    states = value if isinstance(value, (list, tuple)) else [value]
+    return [s for s in states if isinstance(s, dict)]
+
+
+def _optimizer_states(value: Any) -> list[dict[str, Any]] | dict[str, dict[str, Any]]:
+    """:func:`_states`, or where ``value`` maps names to optimizer states (``{"generator": ..., ...}``) those."""
+    if isinstance(value, dict) and value and all(_is_optimizer_state(v) for v in value.values()):
+        return {str(k): v for k, v in value.items()}
+    return _states(value)
+
+
+def _is_optimizer_state(value: Any) -> bool:
+    return isinstance(value, dict) and "param_groups" in value and "state" in value
 
 
 def _hf_folder(path: Path, trust: bool) -> TrainedStart:
@@ -185,9 +230,9 @@ def _hf_folder(path: Path, trust: bool) -> TrainedStart:
         path,
         "Hugging Face checkpoint",
         model,
-        _one(parts["optimizer"]),
+        _optimizer_states(parts["optimizer"]),
         _one(parts["scaler"]),
-        _one(parts["scheduler"]),
+        _states(parts["scheduler"]),
         step,
         _rng_of(_load_rng(rng, trust)) if rng is not None else None,
     )
