@@ -240,7 +240,8 @@ class ShardingConfig:
             "The ranks reduce their gradients after every micro-batch's backward (FSDP2's and DDP's default), each "
             "reduction's result accumulated in the parameters' own dtype; false: gradient sync off until the last "
             "micro-batch (set_requires_gradient_sync(False), no_sync()), the micro-batches accumulated unsharded in "
-            "reduce_dtype (in param_dtype where it is null) and reduced once."
+            "reduce_dtype (in param_dtype where it is null; under DDP in the parameters' dtype) and reduced once. "
+            "A watched run's capsule records which its training did."
         ),
     )
     cast_forward_inputs: bool = field(

@@ -219,6 +219,24 @@ def test_micro_batches_are_reduced_one_by_one_into_fp32_unless_sync_waits_for_th
         assert reading.local_nonfinite_steps == {"weight": [0]}  # the rank's own accumulation overflowed
 
 
+@pytest.mark.parametrize("wrapper, finite", [("ddp", True), ("fully_shard", False)])
+def test_with_sync_off_ddp_adds_micro_batches_up_in_fp32_and_its_hook_compresses_the_sum(wrapper, finite):
+    """Micro-batch gradients +7e4 and -7e4 with an fp16 reduction and sync off until the last: DDP adds them up in
+    .grad (fp32: 0) and its compression hook casts the sum; FSDP2 keeps them unsharded in its fp16 reduce_dtype,
+    where 7e4 is already inf."""
+    model = nn.Linear(1, 1, bias=False)
+    plus, minus = torch.full((1, 1), 7e4), torch.full((1, 1), -7e4)
+    sharding = ShardingConfig(
+        world=2, micro_batches=2, wrapper=wrapper, reduce_dtype="float16", sync_each_micro_batch=False, autocast=False
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    emulated_ranks_step(
+        model, [plus, minus] * 2, optimizer, scaler, contextlib.nullcontext, lambda m, b: m(b).sum(), sharding
+    )
+    assert bool(torch.isfinite(model.weight.grad).all()) is finite
+
+
 def test_each_step_of_emulated_ranks_takes_batches_of_its_own(training_file):
     """world x micro_batches batches a step, drawn for every step: the ranks never see a batch twice in a run."""
     from fp16doctor.engine.probe import Workbench

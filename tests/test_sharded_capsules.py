@@ -55,12 +55,26 @@ def test_one_ranks_bad_batch_is_replayed_from_the_ranks_capsule_and_its_data_nam
         "reduce_dtype": "float32",
         "cast_forward_inputs": True,
         "autocast": False,
+        "sync_each_micro_batch": True,
     }
     top = diagnosed(capsule)["findings"][0]
     assert top["cause"] == "nonfinite-data" and top["severity"] == "error", top
     assert top["evidence"]["ranks"] == [1], top["evidence"]  # rank 1's part of the step, not rank 0's
     assert "(rank 1's micro-batch 0)" in top["title"]
     assert top["verification"]["repaired"] is True
+
+
+def test_micro_batches_accumulated_with_sync_off_are_recorded_so_and_one_ranks_bad_one_is_replayed(tmp_path):
+    """Gradient sync off until the last micro-batch (set_requires_gradient_sync): the capsule says so itself, and
+    its replay accumulates each rank's micro-batches before the one reduction, as the run did."""
+    capsule = watched_capsule(
+        tmp_path, FSDP2, "--poison-rank", "1", "--poison-step", "2", "--micro-batches", "2", "--sync-last-only"
+    )
+    sharding = json.loads((capsule / "config.json").read_text())["sharding"]
+    assert sharding["micro_batches"] == 2 and sharding["sync_each_micro_batch"] is False, sharding
+    top = diagnosed(capsule)["findings"][0]
+    assert top["cause"] == "nonfinite-data" and top["evidence"]["ranks"] == [1], top
+    assert "(rank 1's micro-batch 0)" in top["title"] and top["verification"]["repaired"] is True
 
 
 def test_an_fp16_reduce_scatter_that_overflows_is_replayed_and_reduce_dtype_fp32_repairs_it(tmp_path):
@@ -118,6 +132,7 @@ def test_a_ddp_run_with_an_fp16_compression_hook_is_captured_by_every_rank_with_
         "param_dtype": None,
         "reduce_dtype": "float16",
         "autocast": True,
+        "sync_each_micro_batch": True,
     }
     report = diagnosed(capsule)
     localisation = next(s for s in report["stages"] if s["name"] == "localisation")

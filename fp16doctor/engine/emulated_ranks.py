@@ -143,7 +143,7 @@ def emulated_ranks_step(
                     loss = loss_fn(model, batch)
                 scaler.scale(loss).backward()
                 total = loss.detach().float() if total is None else total + loss.detach().float()
-                _accumulate(leaves, held, reduce_dtype if reductions == 1 and len(mine) > 1 else None)
+                _accumulate(leaves, held, _accumulated_in(sharding, reduce_dtype, reductions, len(mine)))
                 if reductions > 1 or micro == len(mine) - 1:
                     _hand_over(
                         held, reduced[micro if reductions > 1 else 0], local_bad, reduce_dtype, sharding, reading
@@ -284,6 +284,15 @@ def _outputs_cast(model: torch.nn.Module, paths: tuple[str, ...], dtype: torch.d
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _accumulated_in(
+    sharding: ShardingConfig, reduce_dtype: torch.dtype | None, reductions: int, micro_batches: int
+) -> torch.dtype | None:
+    """The dtype a rank adds its unreduced micro-batches up in (None: as computed). FSDP2 keeps them unsharded in
+    ``reduce_dtype``; DDP in ``.grad``, the parameters' dtype, and its hook compresses only the sum."""
+    unreduced = reductions == 1 and micro_batches > 1
+    return reduce_dtype if unreduced and sharding.wrapper == "fully_shard" else None
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

@@ -73,7 +73,16 @@ from .ranks import (
     total_checksum,
 )
 from .sharded_capsule import NO_MEETING, TOGETHER, capture_together, ddp_hook_dtype, policy_dtypes
-from .sharding import Topology, clean_name, first_nonfinite_part, flat_label, flat_parameters, local_part, topology
+from .sharding import (
+    Topology,
+    clean_name,
+    first_nonfinite_part,
+    flat_label,
+    flat_parameters,
+    gradient_sync_on,
+    local_part,
+    topology,
+)
 from .stepstate import StepStartKeeper
 from .watch import Alarm, Watch, WatchOptions, first_line
 
@@ -132,6 +141,9 @@ class ModelCall:
     scaled: bool = False
     hooked: bool = False
     """Its outputs' gradients were asked for: none arriving means this forward fed no loss (a ``.detach()``-ed use)."""
+    synced: bool = True
+    """Its backward reduces the gradients across the ranks: False under DDP's ``no_sync()`` or FSDP2's
+    ``set_requires_gradient_sync(False)`` (micro-batches accumulated unreduced)."""
 
     def fed_no_loss(self) -> bool:
         return self.hooked and all(g is None for g in self.grads)
@@ -435,6 +447,8 @@ class TrainingObserver:
             return
         self._autocast_dtype = self._autocast_dtype or autocast_dtype()
         call = ModelCall(unwrapped(module), {"args": tuple(args), "kwargs": dict(kwargs or {})})
+        if self.rank is not None:  # under torchrun: whether this micro-batch's gradients are reduced at once
+            call.synced = gradient_sync_on(module)
         outputs = [t for _, t in iter_tensors(output)]
         call.grads = [None] * len(outputs)
         if sum(t.numel() for t in outputs) <= OUTPUT_GRAD_LIMIT or self._armed(module):
@@ -745,7 +759,7 @@ class TrainingObserver:
         if watch.no_capsule != TOGETHER:
             return None, None
         try:
-            reduction = self._reduction_of(watch)
+            reduction = self._reduction_of(watch, calls)
             capsule = capture_together(watch, optimizer, scaler, calls, [row.skipped for row in table], reduction)
         except Exception as exc:  # noqa: BLE001 - the watch's own failure: the training goes on
             capsule = None, f"capturing it failed ({type(exc).__name__}: {first_line(exc)})"
@@ -754,14 +768,18 @@ class TrainingObserver:
                 alarm.capsule, alarm.no_capsule = capsule
         return capsule
 
-    def _reduction_of(self, watch: Watch) -> dict[str, Any]:
-        """How the ranks computed and reduced, as a sharded capsule's ``sharding`` config says it."""
+    def _reduction_of(self, watch: Watch, calls: list[ModelCall]) -> dict[str, Any]:
+        """How the ranks computed and reduced, as a sharded capsule's ``sharding`` config says it: with several
+        micro-batches, whether each was reduced at its backward or only the last (sync off before it)."""
         shape = self._topologies.get(id(watch))
-        autocast = self._autocast_dtype is not None
+        common = {
+            "autocast": self._autocast_dtype is not None,
+            "sync_each_micro_batch": all(c.synced for c in calls[:-1]),
+        }
         if shape is not None and shape.wrapper == "DistributedDataParallel":
             hooks = [h.strip() for h in (shape.half_reduction or "").split(",")]
-            return {"wrapper": "ddp", "param_dtype": None, "reduce_dtype": ddp_hook_dtype(hooks), "autocast": autocast}
-        return {"wrapper": "fully_shard", **policy_dtypes(watch.model), "autocast": autocast}
+            return {"wrapper": "ddp", "param_dtype": None, "reduce_dtype": ddp_hook_dtype(hooks), **common}
+        return {"wrapper": "fully_shard", **policy_dtypes(watch.model), **common}
 
     def _row(self, scaler: GradScaler) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What this rank says (device tensors: read in the all-gather's one transfer), and its parameters'

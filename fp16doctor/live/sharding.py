@@ -83,6 +83,19 @@ def fully_shard_groups(model: torch.nn.Module) -> list[Any]:
     return groups
 
 
+def gradient_sync_on(model: torch.nn.Module) -> bool:
+    """Whether the backward of ``model``'s forward now reduces its gradients across the ranks: False inside DDP's
+    ``no_sync()``, or after FSDP2's ``set_requires_gradient_sync(False)`` (a training that accumulates micro-batches
+    unreduced and reduces the last one only). Read at the forward, where both are set for the backward to come."""
+    ddp = getattr(model, "require_backward_grad_sync", None)
+    if isinstance(ddp, bool):
+        return ddp
+    get_state = getattr(model, "_get_fsdp_state", None)
+    groups = fsdp2_param_groups(get_state()) if callable(get_state) else []
+    groups = groups or fully_shard_groups(model)  # a root holding no parameters of its own: its first group's
+    return bool(getattr(groups[0], "reduce_grads", True)) if groups else True
+
+
 def _fsdp2_reduce_dtype(group: Any) -> torch.dtype | None:
     """The dtype a group's gradients are reduce-scattered in: ``reduce_dtype``, else the compute dtype."""
     policy = group.mp_policy

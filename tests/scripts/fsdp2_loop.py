@@ -6,6 +6,8 @@ MixedPrecisionPolicy, AdamW over the sharded (DTensor) parameters, the model cla
 gradients communicated in fp16 (with the scaler).
 ``--feature-scale S``: raw features S times larger (unnormalised measurements).
 ``--poison-rank R --poison-step K``: rank R's batch of step K carries a NaN feature (one broken shard of the data).
+``--micro-batches M``: each step accumulates M micro-batches (the poisoned one is the first);
+``--sync-last-only``: with gradient sync off until the last of them (``set_requires_gradient_sync``).
 """
 
 import argparse
@@ -51,6 +53,8 @@ def main():
     parser.add_argument("--scaler", default="sharded", choices=["sharded", "plain"])
     parser.add_argument("--poison-rank", type=int, default=-1)
     parser.add_argument("--poison-step", type=int, default=-1)
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--sync-last-only", action="store_true")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -72,13 +76,16 @@ def main():
 
     g = torch.Generator().manual_seed(1000 + rank)
     for step in range(args.steps):
-        x, y = torch.randn(16, 12, generator=g) * args.feature_scale, torch.randint(0, 5, (16,), generator=g)
-        if rank == args.poison_rank and step == args.poison_step:
-            x[3, 2] = float("nan")
         optimizer.zero_grad(set_to_none=True)
-        logits = model(x)
-        loss = F.cross_entropy(logits.float(), y)
-        scaler.scale(loss).backward()
+        for micro in range(args.micro_batches):
+            x, y = torch.randn(16, 12, generator=g) * args.feature_scale, torch.randint(0, 5, (16,), generator=g)
+            if rank == args.poison_rank and step == args.poison_step and micro == 0:
+                x[3, 2] = float("nan")
+            if args.sync_last_only:
+                model.set_requires_gradient_sync(micro == args.micro_batches - 1)
+            logits = model(x)
+            loss = F.cross_entropy(logits.float(), y) / args.micro_batches
+            scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         print(f"rank {rank} step {step} loss {loss.item()!r} scale {scaler.get_scale()!r}", flush=True)
