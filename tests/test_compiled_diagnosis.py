@@ -6,6 +6,8 @@ And the pieces that decide which probe compiles, in this process."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import ROOT, diagnose_ci, run_cli
@@ -177,3 +179,20 @@ def test_the_region_search_descends_into_the_first_child_that_repairs_within_its
     assert [t.backend for t in found if not t.symptoms][-1] == "blocks.1.norm run eagerly"
     monkeypatch.setattr(stage_module, "REGION_TRIALS", 3)
     assert len(stage_module.search_eager_region(None)) == 3  # the budget ends it: blocks is the region found
+
+
+def test_train_trains_the_compiled_program_and_the_corrected_config_trains_it_finite(tmp_path):
+    """`train` runs the training as it runs, compiled: the custom backend's NaN at every step, the eager replay of
+    the first finite (the compiled program makes it), and the diagnosis's corrected config (input_norm run eagerly)
+    trains finite. The replay runs eager without leaving the compiled program eager for the steps after it."""
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(diagnose_ci(FILES / "compiled_custom_backend.py").fix_config)
+    runs = {}
+    for name, extra in (("as-is", []), ("corrected", ["--config", fixed])):
+        proc = run_cli("train", FILES / "compiled_custom_backend.py", *extra, "--run-dir", tmp_path / name)
+        assert proc.returncode in (0, 1), proc.stderr[-3000:]
+        assert "train runs the model compiled" in " ".join(proc.stderr.split())
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    assert runs["as-is"]["nonfinite"] == runs["as-is"]["steps"] > 1  # every step, not only the one replayed
+    assert "the compiled program makes the fault" in runs["as-is"]["first_nonfinite"]["explanation"]
+    assert runs["corrected"]["nonfinite"] == 0 and runs["corrected"]["status"] == "completed"

@@ -17,6 +17,7 @@ the op that produced the cast's input (e.g. ``aten::mm``), as a GPU would.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -603,8 +604,13 @@ def trace_step(
             output=_describe_bad(tensor),
             note="the batch itself holds non-finite values",
         )
+    # A compiled probe's step runs eager under the tracer (dynamo then neither traces the tracer's mode nor decides,
+    # for the rest of the run, to leave the program eager): its operators are eager's, as the tracer names them.
+    eager = (
+        torch.compiler.set_stance("force_eager") if probe.step_model is not probe.model else contextlib.nullcontext()
+    )
     try:
-        with tracer:
+        with tracer, eager:
             probe.step(batch, batch_index)
     finally:
         for h in handles:

@@ -43,6 +43,7 @@ from ..files import atomic_torch_save, atomic_write_text, jsonable
 from ..measure.localise import trace_step
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import check_batch
+from ..userfile.compiled import training_compiles
 from ..userfile.spec import TrainingSpec
 
 KEEP_CHECKPOINTS = 3
@@ -139,6 +140,13 @@ def checkpoint_paths(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "checkpoints").glob("step_*.pt"))
 
 
+COMPILED_TRAINING = "train runs the model compiled, as model() and the config's compile settings compile it"
+EAGER_RANKS = (
+    "train --nproc runs the model eager on the ranks: compiling the parallelised model is not covered yet, so a "
+    "fault or fix that only the compiled program shows is not trained here"
+)
+
+
 class Trainer:
     """One process's training run (rank ``dist.rank`` of ``dist.world``)."""
 
@@ -150,7 +158,13 @@ class Trainer:
         self.run_dir = Path(options.run_dir)
         self.mode = "bf16" if config.dtype == "bfloat16" else "amp"
         self.bench = Workbench(spec, config, batch_count=1)  # initial weights as the diagnosis saw them
-        self.probe: Probe = self.bench.probe(self.mode, config, instruments=None)
+        # A compiled training trains compiled, as its compile settings say (the corrected config's among them): its
+        # numerics are the compiled program's, not eager's. The ranks of --nproc train the wrapped model eager.
+        self.probe: Probe = self.bench.probe(self.mode, config, instruments=None, compiled=self.dist.world == 1)
+        if self.probe.step_model is not self.probe.model:
+            spec.note(COMPILED_TRAINING)
+        elif self.dist.world > 1 and training_compiles(config.compile, spec.compiled):
+            spec.note(EAGER_RANKS)
         self.inner_model = self.probe.model
         if self.dist.world > 1:
             self._wrap_ddp()
@@ -402,7 +416,7 @@ class Trainer:
             first = instruments.first_nonfinite_forward()
             report["localisation"] = localisation.to_json() if localisation else None
             report["first_nonfinite_module"] = first
-            report["explanation"] = self._explain(row, localisation)
+            report["explanation"] = self._explain(row, localisation, self.probe.step_model is not self.probe.model)
         finally:
             if self.probe.instruments is not None:
                 self.probe.instruments.detach()
@@ -415,7 +429,12 @@ class Trainer:
         return report
 
     @staticmethod
-    def _explain(row: dict[str, Any], localisation: Any) -> str:
+    def _explain(row: dict[str, Any], localisation: Any, compiled: bool) -> str:
+        if localisation is None and compiled:  # the operator tracer replays the step eager
+            return (
+                "the eager replay stayed finite: the compiled program makes the fault (fp16doctor diagnose localises "
+                "it in its compiled stage)"
+            )
         if localisation is None:
             return "the replay stayed finite: a non-deterministic fault"
         where = f"{localisation.operator} in {localisation.module} ({localisation.phase})"
