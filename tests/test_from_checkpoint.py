@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import sys
 
 import pytest
@@ -76,6 +77,7 @@ def test_a_checkpoint_that_pickles_objects_needs_the_users_trust(tmp_path):
     torch.save({"model": spec.model().state_dict(), "args": argparse.Namespace(lr=0.1, epochs=3)}, pickled)
     refused = run_cli("compare", FILE, "--steps", "2", "--from-checkpoint", pickled)
     assert refused.returncode == 2 and "--trust-checkpoint" in " ".join(refused.stderr.split()), refused.stderr
+    assert "(argparse.Namespace)" in refused.stderr and "\x1b" not in refused.stderr  # the global, no terminal codes
     trusted = run_cli("compare", FILE, "--steps", "2", "--json", "--from-checkpoint", pickled, "--trust-checkpoint")
     assert trusted.returncode in (0, 1), trusted.stderr[-2000:]  # loaded: the comparison ran
 
@@ -100,7 +102,7 @@ def test_a_lightning_checkpoint_is_read_through_its_module_prefix_and_list_of_st
     start = load_checkpoint(path)
     assert start.layout == "Lightning checkpoint" and start.step == 40 and start.scaler["scale"] == 2.0**20
     assert len(start.optimizers) == 1 and start.schedulers == []
-    assert set(start.model_state_for(["weight", "bias"])) == {"weight", "bias"}  # "layer." taken off
+    assert set(start.model_state_for(net.state_dict())) == {"weight", "bias"}  # "layer." taken off
     assert load_checkpoint(path, from_step=12).step == 12
 
 
@@ -115,7 +117,7 @@ def test_a_real_hugging_face_trainer_checkpoint_folder_is_read(tmp_path):
     assert start.layout == "Hugging Face checkpoint" and start.step == 20
     assert len(start.optimizers) == len(start.schedulers) == 1  # optimizer.pt, scheduler.pt
     model = Tagger()
-    model.load_state_dict(start.model_state_for(model.state_dict().keys()))
+    model.load_state_dict(start.model_state_for(model.state_dict()))
     assert torch.equal(model.net[0].weight, start.model["net.0.weight"])
     assert start.rng is not None and start.rng["cpu"].dtype == torch.uint8  # rng_state.pth, NumPy's state and all
     assert {"python", "numpy"} <= set(start.rng) and "random generators" in start.describe()
@@ -240,3 +242,68 @@ def _first_moment(optimizer):
 
 def _first_moment_of(state):
     return next(iter(state["state"].values()))["exp_avg"].tolist()
+
+
+def test_weights_of_a_larger_model_or_under_two_prefixes_or_of_other_shapes_are_refused(tmp_path):
+    """The model's keys inside a checkpoint of a larger model, the same keys under two prefixes (an EMA copy beside
+    the student), shapes that differ: each a checkpoint of another model, never loaded as far as it goes."""
+    from fp16doctor.errors import CheckpointError
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    larger = torch.nn.Sequential(*net, torch.nn.Linear(4, 2)).state_dict()
+    cases = {
+        "larger": ({"model": larger}, "unexpected 3.bias, 3.weight"),
+        "two": ({"model": {**_prefixed(net, "ema."), **_prefixed(net, "student.")}}, "several prefixes ('ema."),
+        "wrapped": ({"model": {**_prefixed(net, "module."), "module.3.weight": torch.ones(1)}}, "module.3.weight"),
+        "shapes": ({"model": torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+                    .state_dict()}, "0.weight: [32, 8] in the checkpoint, [16, 8] in the model"),
+    }  # fmt: skip
+    for name, (saved, said) in cases.items():
+        torch.save(saved, tmp_path / f"{name}.pt")
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            load_checkpoint(tmp_path / f"{name}.pt").model_state_for(net.state_dict())
+    torch.save({"model": _prefixed(net, "module.")}, tmp_path / "ddp.pt")
+    assert set(load_checkpoint(tmp_path / "ddp.pt").model_state_for(net.state_dict())) == set(net.state_dict())
+    (tmp_path / "trainer_state.json").write_text('{"global_step": 3}')
+    for trust in (False, True):  # not a checkpoint at all: trusting it changes nothing, and is not suggested
+        with pytest.raises(CheckpointError, match="is not a checkpoint torch.load reads") as raised:
+            load_checkpoint(tmp_path / "trainer_state.json", trust=trust)
+        assert "--trust-checkpoint" not in raised.value.hint
+
+
+def _prefixed(module, prefix):
+    return {prefix + k: v for k, v in module.state_dict().items()}
+
+
+def test_optimizer_groups_that_differ_are_named_and_an_unused_scheduler_state_is_said(tmp_path, training_file):
+    """Hugging Face's Trainer splits the parameters into two groups (weight decay, none): a file whose optimizer
+    has one gets the groups named, not load_state_dict's complaint; a scheduler state the file has no scheduler for
+    is said to be left, not listed as taken up."""
+    from fp16doctor.config import build_config
+    from fp16doctor.engine.probe import Workbench
+    from fp16doctor.errors import CheckpointError
+
+    path = training_file(
+        """
+        import torch
+        def model():
+            return torch.nn.Linear(4, 2)
+        def data():
+            return [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(4)]
+        """
+    )
+    spec = load_training_file(path)
+    net = spec.model()
+    split = torch.optim.AdamW([{"params": [net.weight]}, {"params": [net.bias], "weight_decay": 0.0}])
+    schedule = torch.optim.lr_scheduler.StepLR(split, 5).state_dict()
+    torch.save({"model": net.state_dict(), "optimizer": split.state_dict(), "scheduler": schedule}, tmp_path / "a.pt")
+    spec.start = load_checkpoint(tmp_path / "a.pt")
+    config = build_config({"steps": 2}, {"device": "cpu"})
+    with pytest.raises(CheckpointError, match=re.escape("2 parameter group(s) of [1, 1] parameters; the file's has 1")):
+        Workbench(spec, config).probe("amp", instruments=None)
+    one = torch.optim.AdamW(net.parameters())
+    torch.save({"model": net.state_dict(), "optimizer": one.state_dict(), "scheduler": schedule}, tmp_path / "b.pt")
+    spec.start = load_checkpoint(tmp_path / "b.pt", from_step=30)
+    Workbench(spec, config).probe("amp", instruments=None).close()
+    assert any("scheduler state (1) is not taken up" in note for note in spec.notes)
+    assert "saved at step 0" in spec.start.describe() and spec.start.step == 30

@@ -127,10 +127,23 @@ class ProbeSnapshot:
     step was a micro-step: the next one adds to them); None otherwise (the next step starts afresh)."""
 
 
+def _check_param_groups(name: str, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """A saved optimizer state fits only an optimizer with as many parameter groups, of as many parameters each."""
+    saved = [len(group.get("params", [])) for group in state.get("param_groups", [])]
+    mine = [len(group["params"]) for group in optimizer.param_groups]
+    if saved != mine:
+        raise CheckpointError(
+            f"the checkpoint's state of optimizer '{name}' has {len(saved)} parameter group(s) of {saved} "
+            f"parameters; the file's has {len(mine)} of {mine}.",
+            hint="Build the optimizer with the same parameter groups the training used (Hugging Face's Trainer "
+            "makes two: the parameters with weight decay, and the biases and norms without).",
+        )
+
+
 def load_trained_weights(model: torch.nn.Module, start: TrainedStart) -> None:
     """The checkpoint's weights into ``model`` (a shape that differs is bad input, naming the tensor)."""
     try:
-        model.load_state_dict(start.model_state_for(model.state_dict().keys()))
+        model.load_state_dict(start.model_state_for(model.state_dict()))
     except RuntimeError as exc:
         raise CheckpointError(
             f"the checkpoint '{start.source}' does not fit this model: {first_line(exc)}",
@@ -348,12 +361,19 @@ class Probe:
         optimizer's moments, the scheduler's position and, unless this probe tries other scaler settings (the
         sweep, a fix), the scaler's scale and growth tracker."""
         states = start.optimizer_states_for(list(self.optimizers.by_name))
+        for (name, optimizer), state in zip(self.optimizers.by_name.items(), states or []):
+            _check_param_groups(name, optimizer, state)
         try:
             for optimizer, state in zip(self.optimizers.all(), states or []):
                 optimizer.load_state_dict(copy.deepcopy(state))
             if len(start.schedulers) == len(self.schedulers):  # in the order the training made them
                 for scheduler, state in zip(self.schedulers, start.schedulers):
                     scheduler.load_state_dict(copy.deepcopy(state))
+            elif start.schedulers:
+                self.spec.note(
+                    f"the checkpoint's scheduler state ({len(start.schedulers)}) is not taken up: the file makes "
+                    f"{len(self.schedulers)} scheduler(s); the probes' learning rate follows the file's"
+                )
         except (ValueError, KeyError, RuntimeError) as exc:
             raise CheckpointError(
                 f"the checkpoint's optimizer or scheduler state does not fit the file's ({first_line(exc)}).",

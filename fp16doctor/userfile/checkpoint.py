@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import pickle
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,27 +59,55 @@ class TrainedStart:
     schedulers: list[dict[str, Any]]
     """Every scheduler state, in the order the training made its schedulers."""
     step: int
-    """The optimizer step the checkpoint was taken at (``--from-step`` where given): the data continues there."""
+    """The optimizer step the data continues from: the checkpoint's own (``--from-step`` where given)."""
     rng: dict[str, Any] | None = None
     """The training's random generators when it was saved, as Hugging Face's ``rng_state.pth`` keeps them (``cpu``:
     torch's CPU generator; ``python``, ``numpy`` where kept); None where the checkpoint holds none."""
+    saved_step: int | None = None
+    """The step the checkpoint says it was taken at (None: it says none)."""
 
-    def model_state_for(self, expected: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The model's weights under the keys the file's model has: the checkpoint's, less a wrapper's prefix
-        (``module.`` of DDP, ``_orig_mod.`` of torch.compile, ``model.`` of a LightningModule)."""
+    def model_state_for(self, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's weights under the keys the file's model has (``expected``: its state dict): the
+        checkpoint's, less one wrapper's prefix (``module.`` of DDP, ``_orig_mod.`` of torch.compile, ``model.`` of
+        a LightningModule). Keys the model lacks under that prefix, several prefixes that would fit, and shapes
+        that differ are a checkpoint of another model."""
         wanted = set(expected)
-        prefix = _prefix(set(self.model), wanted)
-        if prefix is None:
-            missing = sorted(wanted - set(self.model))
-            unexpected = sorted(set(self.model) - wanted)
+        prefixes = _prefixes(set(self.model), wanted)
+        if len(prefixes) != 1:
+            raise self._misfit(wanted, prefixes)
+        prefix = prefixes[0]
+        under = {k[len(prefix) :] for k in self.model if k.startswith(prefix)}
+        if under - wanted:
+            raise self._misfit(wanted, prefixes, unexpected=sorted(prefix + k for k in under - wanted))
+        state = {k: self.model[prefix + k] for k in wanted}
+        differ = [
+            f"{k}: {list(state[k].shape)} in the checkpoint, {list(expected[k].shape)} in the model"
+            for k in sorted(wanted)
+            if isinstance(state[k], torch.Tensor) and state[k].shape != expected[k].shape
+        ]
+        if differ:
             raise CheckpointError(
-                f"the checkpoint '{self.source}' does not hold this model's weights: missing {_few(missing)}; "
-                f"unexpected {_few(unexpected)}.",
-                hint="--from-checkpoint takes a checkpoint of the model that model() builds (same architecture).",
+                f"the checkpoint '{self.source}' does not fit this model's shapes ({_few(differ)}).",
+                hint="--from-checkpoint takes a checkpoint of the model that model() builds (same shapes).",
             )
-        return {
-            k[len(prefix) :]: v for k, v in self.model.items() if k.startswith(prefix) and k[len(prefix) :] in wanted
-        }
+        return state
+
+    def _misfit(
+        self, wanted: set[str], prefixes: list[str], unexpected: list[str] | None = None
+    ) -> CheckpointError:
+        if len(prefixes) > 1:
+            return CheckpointError(
+                f"the checkpoint '{self.source}' holds this model's weights under several prefixes "
+                f"({', '.join(repr(p) for p in prefixes)}): which one trained is not known.",
+                hint="Save the one model's state_dict() under 'model'.",
+            )
+        missing = sorted(wanted - set(self.model)) if unexpected is None else []
+        unexpected = unexpected if unexpected is not None else sorted(set(self.model) - wanted)
+        return CheckpointError(
+            f"the checkpoint '{self.source}' does not hold this model's weights: missing {_few(missing)}; "
+            f"unexpected {_few(unexpected)}.",
+            hint="--from-checkpoint takes a checkpoint of the model that model() builds (same architecture).",
+        )
 
     def optimizer_states_for(self, names: list[str]) -> list[dict[str, Any]] | None:
         """The state of each of the file's optimizers (``names``, in the order it makes them): by name where the
@@ -106,22 +133,22 @@ class TrainedStart:
         )
 
     def describe(self) -> str:
+        """``torch.save dict ckpt.pt, saved at step 12 (model, optimizer, scaler)``: what the checkpoint holds."""
         counted = [("optimizer", len(self.optimizers)), ("scheduler", len(self.schedulers))]
         parts = ["model"] + [name if n == 1 else f"{n} {name}s" for name, n in counted if n]
         parts += ["scaler"] if self.scaler is not None else []
         parts += ["random generators"] if self.rng is not None else []
-        return f"{self.layout} {self.source} at step {self.step} ({', '.join(parts)})"
+        saved = self.saved_step if self.saved_step is not None else self.step
+        return f"{self.layout} {self.source}, saved at step {saved} ({', '.join(parts)})"
 
 
-def _prefix(found: set[str], wanted: set[str]) -> str | None:
-    """The prefix that maps the checkpoint's keys onto every key the model has ("" when they match)."""
+def _prefixes(found: set[str], wanted: set[str]) -> list[str]:
+    """Every prefix under which the checkpoint holds each key the model has (``""`` where they match as they are):
+    a wrapper's (``module.``), or a LightningModule's attribute (``model.``); several where it holds more models."""
     if wanted <= found:
-        return ""
+        return [""]
     counts = Counter(k[: -len(w)] for k in found for w in wanted if k.endswith("." + w) or k == w)
-    for prefix, _ in counts.most_common(5):
-        if all(prefix + w in found for w in wanted):
-            return prefix
-    return None
+    return sorted(prefix for prefix, _ in counts.most_common(5) if all(prefix + w in found for w in wanted))
 
 
 def _few(keys: list[str]) -> str:
@@ -135,6 +162,7 @@ def load_checkpoint(path: Path, from_step: int | None = None, trust: bool = Fals
     if not path.exists():
         raise CheckpointError(f"checkpoint '{path}' does not exist.", hint="Check the path given to --from-checkpoint.")
     start = _hf_folder(path, trust) if path.is_dir() else _from_file(path, trust)
+    start.saved_step = start.step
     if from_step is not None:
         start.step = from_step
     return start
@@ -144,13 +172,29 @@ def _load(path: Path, trust: bool) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust)
     except pickle.UnpicklingError as exc:
+        needed = [] if trust else _unsafe_globals(path)
+        if not needed:  # no global it would take: not a file torch.save wrote
+            raise CheckpointError(
+                f"'{path}' is not a checkpoint torch.load reads ({type(exc).__name__}).",
+                hint="--from-checkpoint takes a file torch.save wrote (a .pt, .pth, .bin or Lightning .ckpt), or a "
+                "Hugging Face checkpoint-N folder.",
+            ) from exc
         raise CheckpointError(
-            f"the checkpoint '{path}' holds more than tensors and plain containers, which weights_only loading "
-            f"refuses ({str(exc).splitlines()[0]}).",
+            f"the checkpoint '{path}' holds more than tensors and plain containers ({', '.join(needed)}), which "
+            "weights_only loading refuses.",
             hint="If you trust the file (it runs code when unpickled), pass --trust-checkpoint.",
         ) from exc
     except (RuntimeError, OSError, EOFError) as exc:
         raise CheckpointError(f"cannot read the checkpoint '{path}': {exc}", hint="Is it a torch.save file?") from exc
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    """The globals a checkpoint needs beyond what weights_only loading takes (``argparse.Namespace``), as torch
+    reads them off the file without loading it; none for a file that is no torch.save checkpoint."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except (ValueError, RuntimeError, OSError, pickle.UnpicklingError):
+        return []
 
 
 def _from_file(path: Path, trust: bool) -> TrainedStart:
