@@ -307,3 +307,37 @@ def test_optimizer_groups_that_differ_are_named_and_an_unused_scheduler_state_is
     Workbench(spec, config).probe("amp", instruments=None).close()
     assert any("scheduler state (1) is not taken up" in note for note in spec.notes)
     assert "saved at step 0" in spec.start.describe() and spec.start.step == 30
+
+
+def test_the_schedules_dry_run_starts_where_the_checkpoint_left_it(tmp_path, training_file):
+    """StepLR(5, 0.5) saved at step 12: the probes go on at 0.01 x 0.5^2, halving again 3 steps later; the LR
+    stage's schedule is that one, not the schedule from initialisation."""
+    import fp16doctor
+    from fp16doctor import api
+
+    path = training_file(
+        """
+        import torch
+        CONFIG = {"steps": 6, "lr": 0.01}
+        def model():
+            torch.manual_seed(0)
+            return torch.nn.Linear(4, 2)
+        def data():
+            g = torch.Generator().manual_seed(0)
+            return [(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)) for _ in range(40)]
+        def scheduler(optimizer):
+            return torch.optim.lr_scheduler.StepLR(optimizer, 5, 0.5)
+        """
+    )
+    spec = load_training_file(path)
+    net = spec.model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    schedule = spec.scheduler(optimizer)
+    for _ in range(12):
+        optimizer.step()
+        schedule.step()
+    state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict()}
+    torch.save({**state, "step": 12}, tmp_path / "ts.pt")
+    report = fp16doctor.diagnose(path, ci=True, device="cpu", from_checkpoint=api.CheckpointStart(tmp_path / "ts.pt"))
+    lrs = report.evidence.lr_peak.schedule.lrs if report.evidence.lr_peak is not None else None
+    assert lrs is not None and lrs[:5] == pytest.approx([0.0025, 0.0025, 0.0025, 0.00125, 0.00125])

@@ -92,9 +92,7 @@ class TrainedStart:
             )
         return state
 
-    def _misfit(
-        self, wanted: set[str], prefixes: list[str], unexpected: list[str] | None = None
-    ) -> CheckpointError:
+    def _misfit(self, wanted: set[str], prefixes: list[str], unexpected: list[str] | None = None) -> CheckpointError:
         if len(prefixes) > 1:
             return CheckpointError(
                 f"the checkpoint '{self.source}' holds this model's weights under several prefixes "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import warnings
@@ -28,6 +29,7 @@ from ...engine.probe import (
 from ...engine.progress import StepProgress
 from ...engine.records import Column, StepRecord
 from ...engine.rng import seed_everything
+from ...errors import CheckpointError
 from ...measure.records import GradientColumn
 from ...measure.symptoms import (
     Symptom,
@@ -37,6 +39,7 @@ from ...measure.symptoms import (
     relative_deviation,
     skip_profile,
 )
+from ...userfile.checkpoint import TrainedStart
 from ..findings import Evidence, ProbeSummary
 
 EVENT_LEAD = 3
@@ -403,6 +406,8 @@ def scheduler_lrs(ctx: StageContext) -> list[float] | None:
     )  # the first optimizer's learning rate, as the records show
     if not schedulers or any(metric_driven(s) for s in schedulers):
         return None
+    if spec.start is not None:  # the probes take up a checkpoint's schedule: so does its dry run
+        _resume_schedule(spec.start, optimizer, schedulers)
     lrs = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)  # no optimizer steps in a dry run
@@ -414,6 +419,21 @@ def scheduler_lrs(ctx: StageContext) -> list[float] | None:
             except Exception:  # noqa: BLE001 - e.g. OneCycleLR past its total_steps: the probes show it as the user's error
                 break
     return lrs
+
+
+def _resume_schedule(start: TrainedStart, optimizers: dict[str, Any], schedulers: list[Any]) -> None:
+    """The dry run's optimizers and schedulers where the checkpoint left them: each group's learning rate (a
+    chained scheduler multiplies the current one) and each scheduler's position, as the probes restore them."""
+    try:
+        states = start.optimizer_states_for(list(optimizers)) or []
+    except CheckpointError:  # the probes refuse it with the message; the dry run needs none
+        return
+    for optimizer, state in zip(optimizers.values(), states):
+        for group, saved in zip(optimizer.param_groups, state.get("param_groups", [])):
+            group.update({key: saved[key] for key in ("lr", "initial_lr") if key in saved})
+    if len(start.schedulers) == len(schedulers):
+        for scheduler, saved in zip(schedulers, start.schedulers):
+            scheduler.load_state_dict(copy.deepcopy(saved))
 
 
 def _scheduler_steps(ctx: StageContext) -> int:
