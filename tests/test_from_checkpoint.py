@@ -311,7 +311,8 @@ def test_optimizer_groups_that_differ_are_named_and_an_unused_scheduler_state_is
 
 def test_the_schedules_dry_run_starts_where_the_checkpoint_left_it(tmp_path, training_file):
     """StepLR(5, 0.5) saved at step 12: the probes go on at 0.01 x 0.5^2, halving again 3 steps later; the LR
-    stage's schedule is that one, not the schedule from initialisation."""
+    stage's schedule is that one, not the schedule from initialisation. The loss-scale stage's underflow is at the
+    scale the checkpoint's scaler had."""
     import fp16doctor
     from fp16doctor import api
 
@@ -337,7 +338,10 @@ def test_the_schedules_dry_run_starts_where_the_checkpoint_left_it(tmp_path, tra
         optimizer.step()
         schedule.step()
     state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict()}
-    torch.save({**state, "step": 12}, tmp_path / "ts.pt")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0).state_dict()
+    torch.save({**state, "scaler": scaler, "step": 12}, tmp_path / "ts.pt")
     report = fp16doctor.diagnose(path, ci=True, device="cpu", from_checkpoint=api.CheckpointStart(tmp_path / "ts.pt"))
     lrs = report.evidence.lr_peak.schedule.lrs if report.evidence.lr_peak is not None else None
     assert lrs is not None and lrs[:5] == pytest.approx([0.0025, 0.0025, 0.0025, 0.00125, 0.00125])
+    sweep = next(s for s in report.stages if s.name == "loss-scale sweep")
+    assert "at the checkpoint's scale 1024" in sweep.summary  # the scale the AMP probe started at

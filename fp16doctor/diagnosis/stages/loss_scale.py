@@ -49,7 +49,8 @@ def stage_scale(ctx: StageContext) -> StageReport:
         del reference  # freed before observed_underflow and the sweep build their probes
         ev.observed_underflow = observed_underflow(ctx.bench, config=cfg, reference=capture)
     ev.window = window = scale_window(capture)
-    configured = cfg.scaler.init_scale if cfg.scaler.enabled else 1.0
+    configured = _starting_scale(ctx) if cfg.scaler.enabled else 1.0
+    whose = "the checkpoint's" if cfg.scaler.enabled and _from_checkpoint_scale(ctx) else "the configured"
     ev.predicted_underflow = predicted_underflow(capture, configured)
     worst_predicted = window.worst_signal_underflow(ev.predicted_underflow)
     worst_observed = worst_underflow(ev.observed_underflow)
@@ -62,7 +63,7 @@ def stage_scale(ctx: StageContext) -> StageReport:
         f"window [{window.low:.3g}, {window.high:.3g}] from FP32's gradients (centre {window.recommended():.0f}"
         + ("" if window.feasible else "; infeasible: no scale keeps the small gradients without overflowing the large")
         + "); "
-        f"at the configured scale {configured:.0f}: predicted underflow {worst_predicted:.1%}, "
+        f"at {whose} scale {configured:.0f}: predicted underflow {worst_predicted:.1%}, "
         f"observed {worst_observed:.1%} of a tensor's gradient mass"
     )
     if not needs_sweep:
@@ -201,3 +202,15 @@ def _recommend(ctx: StageContext, sweep: pd.DataFrame, window: Any) -> dict[str,
         ["skip_rate", "dev_band", "distance", "init_scale"], ascending=[True, True, True, False]
     ).iloc[0]
     return {"init_scale": float(best["init_scale"]), "growth_interval": int(best["growth_interval"])}
+
+
+def _from_checkpoint_scale(ctx: StageContext) -> float | None:
+    """The scale a checkpoint's GradScaler had: the probes that keep the configured scaler start at it."""
+    start = ctx.bench.spec.start
+    scale = start.scaler.get("scale") if start is not None and start.scaler is not None else None
+    return float(scale) if isinstance(scale, (int, float)) and scale > 0 else None
+
+
+def _starting_scale(ctx: StageContext) -> float:
+    """The scale the AMP probe starts at: the checkpoint's, else the configured ``init_scale``."""
+    return _from_checkpoint_scale(ctx) or ctx.config.scaler.init_scale
