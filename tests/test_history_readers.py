@@ -55,6 +55,25 @@ def test_a_deepspeed_run_collapsing_to_its_minimum_scale(tmp_path):
     assert finding.first_step == 201 and finding.evidence.at_minimum_message.startswith("Exception: Current loss")
 
 
+def test_a_deepspeed_fall_that_starts_between_progress_lines_is_measured_from_where_it_began(tmp_path):
+    """Progress every 100 steps, every step from 196 on overflowing, from 2^16 down to 1, the run ending at the
+    minimum: the first overflow's attempted scale is the scale the run had at step 100 (DeepSpeed prints no other),
+    so the fall is 16 halvings over 16 skips (steps 196..211), and one finding says it all."""
+    lines, skipped = [], 0
+    for step in range(1, 212):
+        if step >= 196:
+            lines.append(deepspeed_overflow(2**16 >> skipped, 2**15 >> skipped))
+            skipped += 1
+        if step % 100 == 0:
+            lines.append(deepspeed_progress(step, skipped, 1e-4))
+    lines.append("Exception: Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(lines) + "\n")
+    (finding,) = classify(read_history([log]))
+    assert finding.pattern == "scale-collapse" and finding.evidence.highest_scale == 2**16
+    assert finding.evidence.skipped_in_fall == 16 and (finding.first_step, finding.steps[-1]) == (196, 211)
+
+
 def fairseq_inner(updates: int, scale: float, loss: float) -> str:
     # fairseq/logging/progress_bar.py, SimpleProgressBar.log: "{}:  {:5d} / {:d} {}".format(self.prefix, self.i + 1,
     # self.size, postfix), postfix = ", ".join(key + "=" + value); fairseq_cli/train.py's logging.basicConfig format

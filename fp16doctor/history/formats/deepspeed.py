@@ -19,6 +19,7 @@ and the engine's progress line every ``steps_per_print`` steps (``deepspeed/runt
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import ClassVar
 
@@ -39,7 +40,9 @@ AT_MINIMUM = "Current loss scale already at minimum"
 class DeepSpeedLog(TextFormat):
     """Overflow lines between two progress lines make one row (the steps between them, the skips counted by the
     progress line, the scale the last overflow set); overflow lines after the last progress line (a run that
-    stopped) are placed one step apart after it."""
+    stopped) are placed one step apart after it. The scale the first overflow after a progress line attempted is
+    the scale the run had at that progress line (DeepSpeed prints no other): its row takes it, so that a fall is
+    measured from where it began."""
 
     name = "deepspeed"
     title = "DeepSpeed fp16 text log (stdout of a DeepSpeed run)"
@@ -65,6 +68,8 @@ class DeepSpeedLog(TextFormat):
         self.last_skipped = 0
         self.pending: list[float | None] = []
         """The scale each overflow line since the last progress line set (None: not printed, as for bf16)."""
+        self.held: HistoryRow | None = None
+        """The last progress line's row, held until the next line says the scale it had."""
 
     def wants(self, line: str) -> bool:
         return "kipping step" in line or "skipped=" in line or AT_MINIMUM in line
@@ -78,6 +83,9 @@ class DeepSpeedLog(TextFormat):
         if overflow:
             self.matched += 1
             reduced, attempted = overflow.group("reduced"), overflow.group("attempted")
+            if self.held is not None and self.held.loss_scale is None and attempted:
+                self.held = dataclasses.replace(self.held, loss_scale=as_float(attempted))
+            self._release()
             self.pending.append(as_float(reduced or attempted) if (reduced or attempted) else None)
             return
         progress = PROGRESS.search(line)
@@ -86,18 +94,23 @@ class DeepSpeedLog(TextFormat):
             step, skipped = int(progress.group("step")), int(progress.group("skipped"))
             scales = [s for s in self.pending if s is not None]
             counted = skipped - self.last_skipped  # negative after a restart: the overflow lines are what is left
-            self.add(
-                HistoryRow(
-                    step=step,
-                    steps=max(step - self.last_step, 1),
-                    loss_scale=scales[-1] if scales else None,
-                    skipped=counted if counted >= 0 else len(self.pending),
-                    lr=first_number(progress.group("lr")),
-                )
+            self._release()
+            self.held = HistoryRow(
+                step=step,
+                steps=max(step - self.last_step, 1),
+                loss_scale=scales[-1] if scales else None,
+                skipped=counted if counted >= 0 else len(self.pending),
+                lr=first_number(progress.group("lr")),
             )
             self.last_step, self.last_skipped, self.pending = step, skipped, []
 
+    def _release(self) -> None:
+        if self.held is not None:
+            self.add(self.held)
+            self.held = None
+
     def finish(self) -> None:
+        self._release()
         if not self.pending:
             return
         self.notes.append(
