@@ -74,6 +74,18 @@ def test_a_deepspeed_fall_that_starts_between_progress_lines_is_measured_from_wh
     assert finding.evidence.skipped_in_fall == 16 and (finding.first_step, finding.steps[-1]) == (196, 211)
 
 
+def test_only_checkpoints_this_run_writes_beside_its_log_are_offered(tmp_path):
+    """Beside a DeepSpeed log: its own global_stepN/ and those in checkpoints/, not another run's checkpoint-N/ in
+    a sibling folder, nor a Lightning .ckpt (a run that writes DeepSpeed's log does not write it)."""
+    log = tmp_path / "train.log"
+    log.write_text("\n".join(deepspeed_progress(step, 0, 1e-4) for step in range(10, 60, 10)) + "\n")
+    for folder in ("global_step20", "checkpoints/global_step40", "other_run/checkpoint-30"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "epoch=0-step=10.ckpt").write_bytes(b"")
+    found = [(c.path.relative_to(tmp_path).as_posix(), c.kind) for c in read_history([log]).checkpoints]
+    assert found == [("global_step20", "deepspeed"), ("checkpoints/global_step40", "deepspeed")]
+
+
 def fairseq_inner(updates: int, scale: float, loss: float) -> str:
     # fairseq/logging/progress_bar.py, SimpleProgressBar.log: "{}:  {:5d} / {:d} {}".format(self.prefix, self.i + 1,
     # self.size, postfix), postfix = ", ".join(key + "=" + value); fairseq_cli/train.py's logging.basicConfig format

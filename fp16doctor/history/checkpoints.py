@@ -29,9 +29,24 @@ def _match(entry: Path) -> Checkpoint | None:
     return None
 
 
+RUN_CHECKPOINTS = {
+    "hf-trainer-state": {"hf"},
+    "deepspeed": {"deepspeed", "hf"},  # DeepSpeed under the Hugging Face Trainer saves inside checkpoint-N/
+    "megatron": {"megatron"},
+    "lightning-csv": {"lightning"},
+    "fp16doctor-train": {"fp16doctor"},
+    "fairseq": {"fairseq"},
+}
+"""The checkpoints a run that writes a log of each format writes; a format not named here (TensorBoard, W&B, a
+watch's capsule) comes with any training loop, and takes any."""
+HOLDER = re.compile(r"checkpoint|ckpt", re.IGNORECASE)
+"""A subfolder a run keeps its checkpoints in (``checkpoints/``, ``ckpts/``); any other subfolder may be another
+run's, whose checkpoints are not this one's."""
+
+
 def _places(source: Path) -> list[Path]:
-    """Where a run keeps checkpoints, seen from one of its logs: the log's folder and its subfolders one level
-    down (``checkpoints/``), and, for a log inside a checkpoint (``checkpoint-N/trainer_state.json``) or a
+    """Where a run keeps checkpoints, seen from one of its logs: the log's folder and its checkpoint folders one
+    level down (``checkpoints/``), and, for a log inside a checkpoint (``checkpoint-N/trainer_state.json``) or a
     Lightning ``version_N/``, the folders above."""
     folder = source if source.is_dir() else source.parent
     places = [folder, *[p for p in _subfolders(folder)]]
@@ -42,15 +57,16 @@ def _places(source: Path) -> list[Path]:
 
 def _subfolders(folder: Path) -> Iterable[Path]:
     try:
-        return [p for p in folder.iterdir() if p.is_dir() and _match(p) is None and not p.name.startswith(".")]
+        return [p for p in folder.iterdir() if p.is_dir() and _match(p) is None and HOLDER.search(p.name)]
     except OSError:
         return []
 
 
-def find_checkpoints(sources: Iterable[Path]) -> list[Checkpoint]:
-    """Every checkpoint beside the given logs, by step."""
+def find_checkpoints(sources: Iterable[tuple[Path, str]]) -> list[Checkpoint]:
+    """Every checkpoint beside the given logs (each with its format), of a kind such a run writes, by step."""
     found: dict[Path, Checkpoint] = {}
-    for source in sources:
+    for source, log_format in sources:
+        kinds = RUN_CHECKPOINTS.get(log_format)
         for place in _places(source):
             try:
                 entries = list(place.iterdir())
@@ -58,7 +74,7 @@ def find_checkpoints(sources: Iterable[Path]) -> list[Checkpoint]:
                 continue
             for entry in entries:
                 checkpoint = _match(entry)
-                if checkpoint is not None:
+                if checkpoint is not None and (kinds is None or checkpoint.kind in kinds):
                     found.setdefault(entry.resolve(), checkpoint)
     return sorted(found.values(), key=lambda c: (c.step, str(c.path)))
 

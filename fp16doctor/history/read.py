@@ -103,7 +103,7 @@ def read_history(paths: list[Path]) -> History:
         )
     history = builder.build(sources, events, notes)
     history = merged_by_step(history) if len(sources) > 1 else history
-    history.checkpoints = find_checkpoints([s.path for s in sources])
+    history.checkpoints = find_checkpoints([(s.path, s.format) for s in sources])
     return history
 
 
