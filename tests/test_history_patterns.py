@@ -121,6 +121,13 @@ def test_a_nan_long_after_the_warmup_peak_is_not_the_schedule():
     assert found.evidence.event == "peak" and found.evidence.event_step == 9 and found.certainty == "possible"
 
 
+def test_a_rate_still_rising_at_the_last_logged_row_is_no_peak():
+    """A warm-up cut short by the trouble: the last rate logged is the highest, but nothing shows it stopped there."""
+    lr = lambda s: 1e-5 * (s + 1)  # noqa: E731
+    loss = lambda s: NAN if s >= 19 else 1.0  # noqa: E731
+    assert LrPeakTrouble().check(history(20, lr=lr, loss=loss)) == []
+
+
 def test_a_gradient_norm_climbing_before_the_first_nan_is_growth():
     norm = lambda s: 1.0 * 1.1**s if s < 60 else NAN  # noqa: E731
     loss = lambda s: 1.0 if s < 60 else NAN  # noqa: E731

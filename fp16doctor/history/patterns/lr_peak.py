@@ -102,8 +102,8 @@ class LrPeakTrouble(Pattern):
             best = jumps[int(np.argmax(ratios[jumps]))]
             return "jump", int(rows[best + 1]), int(rows[best])
         peak = int(np.argmax(lrs >= highest))
-        if peak == 0 or lrs[0] >= highest / 2:
-            return None
+        if peak == 0 or lrs[0] >= highest / 2 or peak == len(lrs) - 1:
+            return None  # no rise, or the last rate logged, still rising as far as the log shows: no peak
         return "peak", int(rows[peak]), int(rows[peak - 1])
 
     @staticmethod
