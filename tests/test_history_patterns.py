@@ -197,3 +197,28 @@ def test_the_next_command_starts_the_diagnosis_from_a_checkpoint_it_can_read(tmp
     (found,) = NonfiniteLoss().check(run)
     told = next_step(found, run)
     assert told.next_command.startswith(command) and str(tmp_path / name) in told.next_command + told.next_reason
+
+
+def _interval_rows(every: int, last: int, bad_from: int, bad_per_row: int):
+    from fp16doctor.history.records import HistoryBuilder, HistoryRow
+
+    builder = HistoryBuilder()
+    for step in range(every, last + 1, every):
+        bad = bad_per_row if step >= bad_from else 0
+        loss = math.nan if bad else 2.0
+        builder.add(HistoryRow(step=step, steps=every, loss=loss, loss_scale=1.0, skipped=bad, nonfinite=bad))
+    return builder.build([], [], [])
+
+
+def test_a_run_that_stays_non_finite_is_one_finding_from_the_first_step_its_counts_place():
+    """Megatron-LM in bf16 counts its NaN iterations (all 10 of each interval from step 241 on) and skips them: the
+    steps the counts place, 241 on; the skips are those same steps, not a streak or a recurrence of their own."""
+    (finding,) = classify(_interval_rows(10, 300, 250, 10))
+    assert finding.pattern == "nonfinite-loss" and finding.first_step == 241
+    assert finding.title.startswith("The loss is non-finite at 60 steps, from step 241 to 300")
+
+
+def test_a_non_finite_mean_over_several_steps_names_rows_not_steps():
+    """Hugging Face logs the mean loss of logging_steps steps: a NaN row says some step in it was, not which."""
+    (finding,) = NonfiniteLoss().check(_interval_rows(2, 40, 30, 1))
+    assert "in 6 logged row(s), from the row ending at step 30 to the one ending at step 40" in finding.title

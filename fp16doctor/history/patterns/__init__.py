@@ -168,11 +168,15 @@ def classify(history: History, reference: History | None = None) -> list[LogFind
         elif pattern.applies(history):
             found += pattern.check(history)
     by_name = {type(p).name: p for p in all_patterns()}
-    kept = [
-        f
-        for f in found
-        if not any(o.pattern in by_name[f.pattern].subsumed_by and _covered(f, o) for o in found if o is not f)
-    ]
+
+    def depth(name: str) -> int:
+        return 1 + max((depth(o) for o in by_name[name].subsumed_by), default=-1)
+
+    kept: list[LogFinding] = []
+    # a finding is left out only for one that is kept: those that may cover others are decided first
+    for f in sorted(found, key=lambda f: depth(f.pattern)):
+        if not any(o.pattern in by_name[f.pattern].subsumed_by and _covered(f, o) for o in kept):
+            kept.append(f)
     return sorted(kept, key=lambda f: (f.first_step, f.pattern))
 
 

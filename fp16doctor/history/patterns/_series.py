@@ -12,7 +12,16 @@ from ..records import History
 def skipped_steps(history: History) -> list[int]:
     """Every skipped step: a per-step row's own step; for a row covering an interval, its last ``skipped`` steps
     (the log counts them, it does not place them)."""
-    counts = history.skipped()
+    return placed_steps(history, history.skipped())
+
+
+def nonfinite_steps(history: History) -> list[int]:
+    """Every step with a non-finite loss, placed as :func:`skipped_steps` places skips."""
+    return placed_steps(history, history.nonfinite())
+
+
+def placed_steps(history: History, counts: np.ndarray) -> list[int]:
+    """The steps a per-row count names: each row's last ``count`` steps of those it covers."""
     out: list[int] = []
     for i in np.flatnonzero(counts > 0):
         k, step = int(min(counts[i], history.span[i])), int(history.step[i])

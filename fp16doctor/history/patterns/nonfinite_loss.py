@@ -14,6 +14,7 @@ import numpy as np
 
 from ..records import History
 from . import Certainty, LogFinding, Pattern, PatternEvidence
+from ._series import nonfinite_steps
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,19 @@ class NonfiniteLoss(Pattern):
         first = int(rows[0])
         before = history.values["loss"][:first][history.present["loss"][:first]]
         finite = before[np.isfinite(before)]
-        steps = [int(s) for s in history.step[rows]]
-        evidence = NonfiniteLossEvidence(steps[0], int(counts.sum()), float(finite[-1]) if len(finite) else None)
+        steps = nonfinite_steps(history)
+        # a row whose count names fewer steps than it covers (a logged mean over several steps) places none exactly
+        placed = bool((counts[rows] >= history.span[rows]).all())
+        evidence = NonfiniteLossEvidence(steps[0], len(steps), float(finite[-1]) if len(finite) else None)
+        where = (
+            _where(len(steps), steps[0], steps[-1])
+            if placed
+            else f"The loss is non-finite in {len(rows)} logged row(s), from the row ending at step "
+            f"{int(history.step[rows[0]])} to the one ending at step {int(history.step[rows[-1]])}"
+        )
         return [
             self.finding(
-                _where(int(counts.sum()), steps[0], steps[-1]),
+                where,
                 steps,
                 Certainty.SHOWN,
                 "The log shows the non-finite loss; nothing before it in the log (no collapse of the scale, no "

@@ -56,7 +56,7 @@ class RecurringOverflow(Pattern):
     name = "recurring-overflow"
     evidence_type: ClassVar[type[PatternEvidence]] = RecurringOverflowEvidence
     needs = ()
-    subsumed_by = ("scale-collapse",)
+    subsumed_by = ("scale-collapse", "nonfinite-loss")
 
     def check(self, history: History) -> list[LogFinding]:
         taken = first_taken_row(history)

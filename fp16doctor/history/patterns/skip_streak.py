@@ -32,7 +32,7 @@ class SkipStreak(Pattern):
     name = "skip-streak"
     evidence_type: ClassVar[type[PatternEvidence]] = SkipStreakEvidence
     needs = ()
-    subsumed_by = ("scale-collapse", "grad-norm-growth", "lr-peak-trouble")
+    subsumed_by = ("scale-collapse", "grad-norm-growth", "lr-peak-trouble", "nonfinite-loss")
 
     def check(self, history: History) -> list[LogFinding]:
         taken = first_taken_row(history)
