@@ -268,3 +268,15 @@ def test_every_reader_declares_what_it_carries_and_where_its_format_comes_from()
     for reader in all_readers():
         assert set(reader.carries) == set(QUANTITIES), reader
         assert reader.source and reader.title and reader.steps and reader.__doc__
+
+
+def test_a_csv_without_a_step_column_is_named_so_alone_or_in_a_folder(tmp_path):
+    from fp16doctor.errors import HistoryError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("epoch,train_loss\n0,2.3\n1,2.1\n")
+    with pytest.raises(HistoryError, match=r"is a CSV without a `step` column \(columns: epoch, train_loss\)"):
+        read_history([run / "metrics.csv"])
+    with pytest.raises(HistoryError, match=r"its CSV files have no `step` column: metrics.csv"):
+        read_history([run])

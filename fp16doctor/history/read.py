@@ -48,8 +48,22 @@ def expand(path: Path) -> list[Path]:
         if not any(f.is_relative_to(folder) for f in found):
             found.append(folder)
     if not found:
-        raise HistoryError(f"no log the doctor reads in '{path}'.", hint=_FORMATS_HINT)
+        headless = [f for f in files_under(path) if _csv_columns(f) is not None]
+        where = f" (its CSV files have no `step` column: {', '.join(f.name for f in headless[:3])})" if headless else ""
+        raise HistoryError(f"no log the doctor reads in '{path}'{where}.", hint=_FORMATS_HINT)
     return found
+
+
+def _csv_columns(path: Path) -> list[str] | None:
+    """The header of a CSV file the CSV readers pass over for want of a ``step`` column; None for any other file."""
+    if path.suffix.lower() != ".csv" or not path.is_file():
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            header = [c.strip() for c in handle.readline().split(",")]
+    except OSError:
+        return None
+    return header if header != [""] and "step" not in header else None
 
 
 _FORMATS_HINT = (
@@ -67,6 +81,13 @@ def read_file(path: Path, builder: HistoryBuilder) -> tuple[LogSource, Reading]:
             raise HistoryError(f"'{path}' is empty.", hint="Pass the log of a run that ran at least one step.")
         if not _is_text(path):
             raise HistoryError(f"'{path}' is not in a format the doctor reads.", hint=_FORMATS_HINT)
+        columns = _csv_columns(path)
+        if columns is not None:
+            raise HistoryError(
+                f"'{path}' is a CSV without a `step` column (columns: {', '.join(columns[:12])}).",
+                hint="fp16doctor logs reads a CSV with a step column per row (Lightning's CSVLogger metrics.csv, "
+                "fp16doctor train's); add the step each row was logged at.",
+            )
         reading = read_text(path, builder)
         name = reading.format or "text"
     else:
