@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +34,11 @@ import torch
 from ..errors import CheckpointError
 
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "model_state", "net", "module")
-OPTIMIZER_KEYS = ("optimizer", "optimizers", "optimizer_state_dict", "optim", "optimizer_states")
+OPTIMIZER_KEYS = ("optimizers", "optimizer_states", "optimizer", "optimizer_state_dict", "optim")
+"""Every optimizer's states first (a checkpoint that keeps both, as ``fp16doctor train``'s does, keeps the first
+optimizer's alone under ``optimizer``)."""
 SCALER_KEYS = ("scaler", "grad_scaler", "scaler_state_dict", "amp", "MixedPrecision", "native_amp_scaling_state")
-SCHEDULER_KEYS = ("lr_scheduler", "scheduler", "schedulers", "scheduler_state_dict", "lr_schedulers")
+SCHEDULER_KEYS = ("schedulers", "lr_schedulers", "lr_scheduler", "scheduler", "scheduler_state_dict")
 STEP_KEYS = ("global_step", "step", "iteration", "iter")
 RNG_KEYS = ("rng_state", "rng_states", "rng")
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
@@ -109,20 +112,23 @@ class TrainedStart:
 
     def optimizer_states_for(self, names: list[str]) -> list[dict[str, Any]] | None:
         """The state of each of the file's optimizers (``names``, in the order it makes them): by name where the
-        checkpoint names them, else in order; None where it holds none. A checkpoint whose states do not pair
+        checkpoint names them as the file does, else in order; None where it holds none. A checkpoint whose states do not pair
         with the file's optimizers is a checkpoint of another training: fresh moments would hide what the trained
         ones cause."""
         if not self.optimizers:
             return None
-        if isinstance(self.optimizers, dict):
-            missing = [n for n in names if n not in self.optimizers]
+        states = self.optimizers
+        if isinstance(states, dict) and not set(states) & set(names):
+            states = list(states.values())  # names of the training's own, none of the file's: in the order saved
+        if isinstance(states, dict):
+            missing = [n for n in names if n not in states]
             if not missing:
-                return [self.optimizers[n] for n in names]
-            held = f"optimizer states named {', '.join(self.optimizers)}"
-        elif len(self.optimizers) == len(names):
-            return list(self.optimizers)
+                return [states[n] for n in names]
+            held = f"optimizer states named {', '.join(states)}"
+        elif len(states) == len(names):
+            return list(states)
         else:
-            held = f"{len(self.optimizers)} optimizer state(s)"
+            held = f"{len(states)} optimizer state(s)"
         raise CheckpointError(
             f"the checkpoint '{self.source}' holds {held}; the file makes {len(names)} optimizer(s): "
             f"{', '.join(names)}.",
@@ -136,8 +142,8 @@ class TrainedStart:
         parts = ["model"] + [name if n == 1 else f"{n} {name}s" for name, n in counted if n]
         parts += ["scaler"] if self.scaler is not None else []
         parts += ["random generators"] if self.rng is not None else []
-        saved = self.saved_step if self.saved_step is not None else self.step
-        return f"{self.layout} {self.source}, saved at step {saved} ({', '.join(parts)})"
+        saved = f", saved at step {self.saved_step}" if self.saved_step is not None else ""
+        return f"{self.layout} {self.source}{saved} ({', '.join(parts)})"
 
 
 def _prefixes(found: set[str], wanted: set[str]) -> list[str]:
@@ -160,7 +166,6 @@ def load_checkpoint(path: Path, from_step: int | None = None, trust: bool = Fals
     if not path.exists():
         raise CheckpointError(f"checkpoint '{path}' does not exist.", hint="Check the path given to --from-checkpoint.")
     start = _hf_folder(path, trust) if path.is_dir() else _from_file(path, trust)
-    start.saved_step = start.step
     if from_step is not None:
         start.step = from_step
     return start
@@ -170,7 +175,7 @@ def _load(path: Path, trust: bool) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=not trust)
     except pickle.UnpicklingError as exc:
-        needed = [] if trust else _unsafe_globals(path)
+        needed = [] if trust else _unsafe_globals(path, exc)
         if not needed:  # no global it would take: not a file torch.save wrote
             raise CheckpointError(
                 f"'{path}' is not a checkpoint torch.load reads ({type(exc).__name__}).",
@@ -186,13 +191,21 @@ def _load(path: Path, trust: bool) -> Any:
         raise CheckpointError(f"cannot read the checkpoint '{path}': {exc}", hint="Is it a torch.save file?") from exc
 
 
-def _unsafe_globals(path: Path) -> list[str]:
-    """The globals a checkpoint needs beyond what weights_only loading takes (``argparse.Namespace``), as torch
-    reads them off the file without loading it; none for a file that is no torch.save checkpoint."""
+GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
+"""How weights_only loading names a global it refuses, where torch cannot read them off the file (a checkpoint in
+the legacy, non-zip format; a torch without ``get_unsafe_globals_in_checkpoint``)."""
+
+
+def _unsafe_globals(path: Path, refusal: Exception) -> list[str]:
+    """The globals a checkpoint needs beyond what weights_only loading takes (``argparse.Namespace``): as torch
+    reads them off the file without loading it, else as its refusal names them; none for a file that is no
+    torch.save checkpoint."""
+    read_off = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
     try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        found = list(read_off(path)) if read_off is not None else []
     except (ValueError, RuntimeError, OSError, pickle.UnpicklingError):
-        return []
+        found = []
+    return found or sorted(set(GLOBAL_IN_MESSAGE.findall(str(refusal))))
 
 
 def _from_file(path: Path, trust: bool) -> TrainedStart:
@@ -221,7 +234,12 @@ def _from_file(path: Path, trust: bool) -> TrainedStart:
         _states(_first(saved, SCHEDULER_KEYS)),
         int(_first(saved, STEP_KEYS) or 0),
         _rng_of(_first(saved, RNG_KEYS)),
+        _step_of(_first(saved, STEP_KEYS)),
     )
+
+
+def _step_of(value: Any) -> int | None:
+    return int(value) if isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1) else None
 
 
 def _first(saved: dict[str, Any], keys: tuple[str, ...]) -> Any:
@@ -266,7 +284,8 @@ def _hf_folder(path: Path, trust: bool) -> TrainedStart:
         for name in ("optimizer", "scaler", "scheduler")
     }
     state = path / "trainer_state.json"
-    step = int(json.loads(state.read_text()).get("global_step", 0)) if state.is_file() else 0
+    saved_step = _step_of(json.loads(state.read_text()).get("global_step")) if state.is_file() else None
+    step = saved_step or 0
     rng = next((path / name for name in HF_RNG if (path / name).is_file()), None)
     return TrainedStart(
         path,
@@ -277,6 +296,7 @@ def _hf_folder(path: Path, trust: bool) -> TrainedStart:
         _states(parts["scheduler"]),
         step,
         _rng_of(_load_rng(rng, trust)) if rng is not None else None,
+        saved_step,
     )
 
 
