@@ -536,6 +536,15 @@ def _autograd_node() -> dict[str, str | None]:
     return {"autograd_node": node.name(), "custom_function": function.__name__ if function is not None else None}
 
 
+def _run_eager() -> contextlib.AbstractContextManager[Any]:
+    """Compiled programs run eager inside the block, their compiled code kept for after it (torch >= 2.6's
+    ``set_stance``; before it, dynamo is turned off for the block, which keeps the compiled code too)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is not None:
+        return set_stance("force_eager")  # type: ignore[no-any-return]
+    return torch._dynamo.config.patch(disable=True)  # type: ignore[no-any-return]
+
+
 def trace_step(
     probe: Probe, batch: Any = None, batch_index: int | None = None, absorbed: bool = False
 ) -> Localisation | None:
@@ -606,9 +615,7 @@ def trace_step(
         )
     # A compiled probe's step runs eager under the tracer (dynamo then neither traces the tracer's mode nor decides,
     # for the rest of the run, to leave the program eager): its operators are eager's, as the tracer names them.
-    eager = (
-        torch.compiler.set_stance("force_eager") if probe.step_model is not probe.model else contextlib.nullcontext()
-    )
+    eager = _run_eager() if probe.step_model is not probe.model else contextlib.nullcontext()
     try:
         with tracer, eager:
             probe.step(batch, batch_index)
