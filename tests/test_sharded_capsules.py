@@ -26,6 +26,7 @@ pytestmark = pytest.mark.slow
 
 RMSNORM = SCRIPTS / "fsdp2_rmsnorm.py"
 DDP_PRICES = SCRIPTS / "ddp_prices.py"
+DDP_LOOP = SCRIPTS / "ddp_loop.py"
 
 
 def watched_capsule(tmp_path, script, *args):
@@ -75,6 +76,18 @@ def test_micro_batches_accumulated_with_sync_off_are_recorded_so_and_one_ranks_b
     top = diagnosed(capsule)["findings"][0]
     assert top["cause"] == "nonfinite-data" and top["evidence"]["ranks"] == [1], top
     assert "(rank 1's micro-batch 0)" in top["title"] and top["verification"]["repaired"] is True
+
+
+def test_ddp_micro_batches_under_no_sync_are_recorded_so(tmp_path):
+    """DDP keeps its gradient-sync flag on the wrapper, not on the module the watch hooks: read there, a run that
+    accumulates under no_sync() before its last micro-batch is captured as one."""
+    capsule = watched_capsule(
+        tmp_path, DDP_LOOP, "--fp16-compress", "--poison-rank", "1", "--poison-step", "2", "--micro-batches", "2",
+        "--no-sync",
+    )  # fmt: skip
+    sharding = json.loads((capsule / "config.json").read_text())["sharding"]
+    assert sharding["wrapper"] == "ddp" and sharding["micro_batches"] == 2, sharding
+    assert sharding["sync_each_micro_batch"] is False
 
 
 def test_an_fp16_reduce_scatter_that_overflows_is_replayed_and_reduce_dtype_fp32_repairs_it(tmp_path):

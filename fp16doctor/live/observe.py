@@ -213,6 +213,8 @@ class TrainingObserver:
         self._steps: dict[int, int] = {}
         self._roots: list[torch.nn.Module] = []
         self._models: list[torch.nn.Module] = []
+        self._outers: dict[int, torch.nn.Module] = {}
+        """Each found model's outermost wrapper (DDP's, which holds its gradient-sync flag), by the model's id."""
         self._hook_sites: list[torch.nn.Module] = []
         """Where each found model's own hooks go: the model, or for a compiled one the wrapper whose call runs the
         compiled program (its hooks run eager, outside the graph: no guard, no graph break)."""
@@ -448,7 +450,7 @@ class TrainingObserver:
         self._autocast_dtype = self._autocast_dtype or autocast_dtype()
         call = ModelCall(unwrapped(module), {"args": tuple(args), "kwargs": dict(kwargs or {})})
         if self.rank is not None:  # under torchrun: whether this micro-batch's gradients are reduced at once
-            call.synced = gradient_sync_on(module)
+            call.synced = gradient_sync_on(self._outers.get(id(call.module), module))  # DDP's flag is the wrapper's
         outputs = [t for _, t in iter_tensors(output)]
         call.grads = [None] * len(outputs)
         if sum(t.numel() for t in outputs) <= OUTPUT_GRAD_LIMIT or self._armed(module):
@@ -512,6 +514,7 @@ class TrainingObserver:
     def _adopt(self, model: torch.nn.Module, outer: torch.nn.Module) -> None:
         """Found the model: hook it alone (the global module hooks go once no optimizer waits for its model)."""
         self._models.append(model)
+        self._outers[id(model)] = outer
         if compiled_in_place(model):  # its hooks would run inside its compiled program: observed around it
             return
         site = outer if compiled_call(outer) is not None else model

@@ -8,9 +8,12 @@
 rank 0 only after DDP wrapped it (DDP broadcast the weights when it was built, not after).
 ``--slow-rank R --slow-step K --slow-seconds T``: rank R takes T seconds between its step and the scaler's update
 at step K (a slow disk under its checkpoint).
+``--micro-batches M``: each step accumulates M micro-batches (the poisoned one is the first); ``--no-sync``: all
+but the last under DDP's ``no_sync()``.
 """
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -42,6 +45,8 @@ def main():
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-step", type=int, default=-1)
     parser.add_argument("--slow-seconds", type=float, default=0.0)
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--no-sync", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -57,13 +62,16 @@ def main():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12 if rank == args.skew_scale_rank else 2.0**16)
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(args.steps):
-        x, y = torch.randn(16, 8, generator=g) * args.feature_scale, torch.randint(0, 3, (16,), generator=g)
-        if rank == args.poison_rank and step == args.poison_step:
-            x[1, 1] = float("nan")
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
+        for micro in range(args.micro_batches):
+            x, y = torch.randn(16, 8, generator=g) * args.feature_scale, torch.randint(0, 3, (16,), generator=g)
+            if rank == args.poison_rank and step == args.poison_step and micro == 0:
+                x[1, 1] = float("nan")
+            unsynced = args.no_sync and micro < args.micro_batches - 1
+            with model.no_sync() if unsynced else contextlib.nullcontext():
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y) / args.micro_batches
+                scaler.scale(loss).backward()
         scaler.step(optimizer)
         if rank == args.slow_rank and step == args.slow_step:
             time.sleep(args.slow_seconds)
