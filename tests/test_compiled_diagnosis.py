@@ -163,7 +163,7 @@ def test_the_region_search_descends_into_the_first_child_that_repairs_within_its
     from fp16doctor.diagnosis.stages import compiled as stage_module
 
     tree = {"": ["embed", "blocks", "head"], "blocks": ["blocks.0", "blocks.1"], "blocks.1": ["blocks.1.norm"]}
-    tree["blocks.1.norm"] = []
+    tree = {name: [(child, 0.1) for child in children] for name, children in tree.items()} | {"blocks.1.norm": []}
 
     def trial(ctx, name, patch):
         region = patch["compile"]["eager_modules"][0]
@@ -196,3 +196,34 @@ def test_train_trains_the_compiled_program_and_the_corrected_config_trains_it_fi
     assert runs["as-is"]["nonfinite"] == runs["as-is"]["steps"] > 1  # every step, not only the one replayed
     assert "the compiled program makes the fault" in runs["as-is"]["first_nonfinite"]["explanation"]
     assert runs["corrected"]["nonfinite"] == 0 and runs["corrected"]["status"] == "completed"
+
+
+def test_the_region_candidates_are_a_containers_members_and_a_large_region_comes_after_the_backends():
+    """A ModuleList has no forward to disable: its members are the candidates. A region holding most of the model
+    (a transformer's trunk) is no smaller a change than another backend: the backend comes first."""
+    from types import SimpleNamespace
+
+    from fp16doctor.diagnosis.findings import BackendTrial
+    from fp16doctor.diagnosis.rules.compiled_divergence import CompiledDivergence, comparison_case
+    from fp16doctor.diagnosis.stages import compiled as stage_module
+
+    net = torch.nn.Sequential()
+    net.add_module("embed", torch.nn.Linear(4, 4))
+    net.add_module("layers", torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]))
+    probe = SimpleNamespace(model=net, close=lambda: None)
+    ctx = SimpleNamespace(bench=SimpleNamespace(probe=lambda *a, **k: probe), config=None)
+    names = [name for name, _ in stage_module._children(ctx, "")]
+    assert names == ["embed", "layers.0", "layers.1"]
+
+    def fix(share):
+        trials = [
+            BackendTrial("eager", []),
+            BackendTrial("aot_eager", []),
+            BackendTrial("inductor", [], {"compile": {"backend": "inductor"}}),
+            BackendTrial("trunk run eagerly", [], {"compile": {"eager_modules": ["trunk"]}}, share),
+        ]
+        (finding,) = CompiledDivergence().check(comparison_case(trials, compiled_with="team.backend"))
+        return finding.fix.config_patch
+
+    assert fix(0.2) == {"compile": {"eager_modules": ["trunk"]}}
+    assert fix(0.95) == {"compile": {"backend": "inductor"}}

@@ -566,9 +566,16 @@ class BackendTrial:
     """The symptom codes it measured against FP32 (empty: healthy)."""
     config_patch: dict[str, Any] = field(default_factory=dict)
     """The config patch it ran with."""
+    parameter_share: float | None = None
+    """For a region run eagerly: the share of the model's parameters it holds (None for a backend or a setting)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"backend": self.backend, "symptoms": self.symptoms, "config_patch": self.config_patch}
+        return {
+            "backend": self.backend,
+            "symptoms": self.symptoms,
+            "config_patch": self.config_patch,
+            "parameter_share": self.parameter_share,
+        }
 
 
 @dataclass(frozen=True)

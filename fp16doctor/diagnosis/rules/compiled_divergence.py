@@ -102,9 +102,10 @@ class CompiledDivergence(Rule):
             [
                 *HEALTHY_LOWER,
                 BackendTrial("inductor", [], {"compile": {"backend": "inductor"}}),
-                BackendTrial("embed run eagerly", ["nonfinite"], {"compile": {"eager_modules": ["embed"]}}),
-                BackendTrial("blocks run eagerly", [], {"compile": {"eager_modules": ["blocks"]}}),
-                BackendTrial("blocks.0 run eagerly", [], {"compile": {"eager_modules": ["blocks.0"]}}),
+                BackendTrial("embed run eagerly", ["nonfinite"], {"compile": {"eager_modules": ["embed"]}}, 0.1),
+                BackendTrial("blocks.0 run eagerly", ["nonfinite"], {"compile": {"eager_modules": ["blocks.0"]}}, 0.4),
+                BackendTrial("blocks.1 run eagerly", [], {"compile": {"eager_modules": ["blocks.1"]}}, 0.4),
+                BackendTrial("blocks.1.norm run eagerly", [], {"compile": {"eager_modules": ["blocks.1.norm"]}}, 0.01),
             ],
             compiled_with="team.fusing_backend",
         ),
@@ -242,10 +243,15 @@ def _setting(trial: BackendTrial, key: str) -> Any:
     return trial.config_patch.get("compile", {}).get(key)
 
 
+SMALL_REGION = 0.5
+"""A region run eagerly that holds at most this share of the model's parameters is a smaller change than another
+backend for the whole model; a larger one (a transformer's trunk) is not, and comes after the backends."""
+
+
 def _least_repairing(backends: list[BackendTrial], own: str) -> Fix:
     """The healthy trial that changes the training's compilation least: an operator left to ATen, inductor's
-    precision emulation, the smallest region run eagerly (the last one the search found), another backend, and
-    last no compilation at all."""
+    precision emulation, the smallest region run eagerly (the last one the search found) where it is small, another
+    backend, a large region, and last no compilation at all."""
     healthy = [b for b in backends if not b.symptoms]
     by_name = {b.backend: b for b in healthy}
     fallbacks = [b for b in healthy if _setting(b, "fallback_ops")]
@@ -254,11 +260,14 @@ def _least_repairing(backends: list[BackendTrial], own: str) -> Fix:
     if EMULATION in by_name:
         return _named_fix(by_name[EMULATION])
     regions = [b for b in healthy if _setting(b, "eager_modules")]
-    if regions:
-        return _region_fix(regions[-1], own)
+    small = regions[-1] if regions and (regions[-1].parameter_share or 0.0) <= SMALL_REGION else None
+    if small is not None:
+        return _region_fix(small, own)
     for name in FIXES:
         if name in by_name and name != own:
             return _named_fix(by_name[name])
+    if regions:  # most of the model run eagerly: still less than all of it
+        return _region_fix(regions[-1], own)
     return Fix(
         "Keep the model eager (no torch.compile, or torch.compiler.disable on it): every compiled variant tried "
         "fails, and eager AMP is healthy.",

@@ -21,6 +21,7 @@ weights and batches, is compared with the eager one against the same FP32 baseli
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import re
 import statistics
@@ -211,9 +212,10 @@ def search_eager_region(ctx: StageContext) -> list[BackendTrial]:
     candidates = _children(ctx, "")
     while candidates and len(trials) < REGION_TRIALS:
         repaired = None
-        for name in candidates[: REGION_TRIALS - len(trials)]:
-            trials.append(_trial(ctx, f"{name} run eagerly", {"compile": {"eager_modules": [name]}}))
-            if not trials[-1].symptoms:
+        for name, share in candidates[: REGION_TRIALS - len(trials)]:
+            trial = _trial(ctx, f"{name} run eagerly", {"compile": {"eager_modules": [name]}})
+            trials.append(dataclasses.replace(trial, parameter_share=share))
+            if not trial.symptoms:
                 repaired = name
                 break
         if repaired is None:
@@ -222,12 +224,23 @@ def search_eager_region(ctx: StageContext) -> list[BackendTrial]:
     return trials
 
 
-def _children(ctx: StageContext, name: str) -> list[str]:
-    """The qualified names of the children of the model's submodule ``name`` ("" is the model)."""
+def _children(ctx: StageContext, name: str) -> list[tuple[str, float]]:
+    """The submodules of the model's ``name`` ("" is the model) that can run eagerly, with the share of the
+    model's parameters each holds: its children, a container's (``ModuleList``, ``ModuleDict``: no forward of its
+    own to disable) replaced by theirs."""
     probe = ctx.bench.probe("amp", ctx.config, instruments=None)
     try:
-        prefix = f"{name}." if name else ""
-        return [prefix + child for child, _ in probe.model.get_submodule(name).named_children()]
+        total = sum(p.numel() for p in probe.model.parameters()) or 1
+        found: list[tuple[str, float]] = []
+        pending = [(f"{name}." if name else "", probe.model.get_submodule(name))]
+        while pending:
+            prefix, parent = pending.pop(0)
+            for child, module in parent.named_children():
+                if type(module).forward is torch.nn.Module.forward:  # a container: its members are the regions
+                    pending.append((f"{prefix}{child}.", module))
+                else:
+                    found.append((prefix + child, sum(p.numel() for p in module.parameters()) / total))
+        return found
     finally:
         probe.close()
 
