@@ -199,14 +199,15 @@ def test_the_next_command_starts_the_diagnosis_from_a_checkpoint_it_can_read(tmp
     assert told.next_command.startswith(command) and str(tmp_path / name) in told.next_command + told.next_reason
 
 
-def _interval_rows(every: int, last: int, bad_from: int, bad_per_row: int):
-    from fp16doctor.history.records import HistoryBuilder, HistoryRow
-
+def _interval_rows(every: int, last: int, bad_from: int, bad_per_row: int, counted: bool = True):
+    """Rows every ``every`` steps, ``bad_per_row`` of each non-finite from ``bad_from``: counted (Megatron-LM's NaN
+    iterations), or only a NaN mean loss."""
     builder = HistoryBuilder()
     for step in range(every, last + 1, every):
         bad = bad_per_row if step >= bad_from else 0
         loss = math.nan if bad else 2.0
-        builder.add(HistoryRow(step=step, steps=every, loss=loss, loss_scale=1.0, skipped=bad, nonfinite=bad))
+        count = bad if counted else None
+        builder.add(HistoryRow(step=step, steps=every, loss=loss, loss_scale=1.0, skipped=bad, nonfinite=count))
     return builder.build([], [], [])
 
 
@@ -218,7 +219,24 @@ def test_a_run_that_stays_non_finite_is_one_finding_from_the_first_step_its_coun
     assert finding.title.startswith("The loss is non-finite at 60 steps, from step 241 to 300")
 
 
+def test_a_run_with_nans_far_apart_keeps_the_overflows_between_them():
+    """NaN losses logged at steps 10 and 900, and skips every 20 steps between them at finite losses: the NaNs do
+    not explain those skips, which are findings of their own."""
+    overflows = lambda s, scale: 100 <= s <= 800 and s % 20 == 0  # noqa: E731
+    scales, skips = gradscaler(1000, overflows, growth_interval=19)  # the scale climbs back between them
+    clean = history(1000, loss=lambda s: 1.0, skipped=skips, loss_scale=scales)
+    assert "recurring-overflow" in {f.pattern for f in classify(clean)}
+    loss = lambda s: NAN if s in (10, 900) else 1.0  # noqa: E731
+    patterns = {f.pattern for f in classify(history(1000, loss=loss, skipped=skips, loss_scale=scales))}
+    assert {"nonfinite-loss", "recurring-overflow"} <= patterns, patterns
+
+
+def test_a_count_of_nan_iterations_names_its_intervals_last_steps():
+    (finding,) = NonfiniteLoss().check(_interval_rows(10, 100, 100, 3))
+    assert finding.title.startswith("The loss is non-finite at 3 steps, from step 98 to 100")
+
+
 def test_a_non_finite_mean_over_several_steps_names_rows_not_steps():
     """Hugging Face logs the mean loss of logging_steps steps: a NaN row says some step in it was, not which."""
-    (finding,) = NonfiniteLoss().check(_interval_rows(2, 40, 30, 1))
+    (finding,) = NonfiniteLoss().check(_interval_rows(2, 40, 30, 1, counted=False))
     assert "in 6 logged row(s), from the row ending at step 30 to the one ending at step 40" in finding.title

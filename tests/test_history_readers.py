@@ -280,3 +280,7 @@ def test_a_csv_without_a_step_column_is_named_so_alone_or_in_a_folder(tmp_path):
         read_history([run / "metrics.csv"])
     with pytest.raises(HistoryError, match=r"its CSV files have no `step` column: metrics.csv"):
         read_history([run])
+    (run / "loss.csv").write_text("Wall time,Step,Value\n1.7e9,1,0.5\n")  # TensorBoard's "Download CSV"
+    with pytest.raises(HistoryError, match="without a `step` column") as raised:
+        read_history([run / "loss.csv"])
+    assert "event files" in raised.value.hint

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..errors import HistoryError
 from .checkpoints import find_checkpoints
-from .formats import LOG_SUFFIXES, Reader, Reading, files_under, structured_readers
+from .formats import LOG_SUFFIXES, Reader, Reading, csv_rows, files_under, structured_readers
 from .formats.text import read_text
 from .records import History, HistoryBuilder, LogEvent, LogSource, Quantity
 
@@ -58,12 +58,8 @@ def _csv_columns(path: Path) -> list[str] | None:
     """The header of a CSV file the CSV readers pass over for want of a ``step`` column; None for any other file."""
     if path.suffix.lower() != ".csv" or not path.is_file():
         return None
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            header = [c.strip() for c in handle.readline().split(",")]
-    except OSError:
-        return None
-    return header if header != [""] and "step" not in header else None
+    header = [c.strip() for c in csv_rows.header(path)]
+    return header if any(header) and "step" not in header else None
 
 
 _FORMATS_HINT = (
@@ -83,9 +79,12 @@ def read_file(path: Path, builder: HistoryBuilder) -> tuple[LogSource, Reading]:
             raise HistoryError(f"'{path}' is not in a format the doctor reads.", hint=_FORMATS_HINT)
         columns = _csv_columns(path)
         if columns is not None:
+            export = any(c.lower() == "step" for c in columns)  # TensorBoard's "Download CSV": Wall time,Step,Value
             raise HistoryError(
                 f"'{path}' is a CSV without a `step` column (columns: {', '.join(columns[:12])}).",
-                hint="fp16doctor logs reads a CSV with a step column per row (Lightning's CSVLogger metrics.csv, "
+                hint="A TensorBoard CSV export holds one metric: pass the run's event files instead."
+                if export
+                else "fp16doctor logs reads a CSV with a step column per row (Lightning's CSVLogger metrics.csv, "
                 "fp16doctor train's); add the step each row was logged at.",
             )
         reading = read_text(path, builder)

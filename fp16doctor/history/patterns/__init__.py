@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from ...files import jsonable
 from ..records import History
+from ._series import nonfinite_steps
 
 MAX_STEPS_LISTED = 30
 """Steps a finding lists (the first ones); ``first_step`` and ``last_step`` bound them all."""
@@ -153,8 +154,11 @@ def all_patterns() -> list[Pattern]:
     ]
 
 
-def _covered(finding: LogFinding, by: LogFinding) -> bool:
-    """``by`` already explains where ``finding`` starts (a NaN loss inside a collapse, a streak inside it)."""
+def _covered(finding: LogFinding, by: LogFinding, nonfinite: set[int]) -> bool:
+    """``by`` already explains where ``finding`` starts (a NaN loss inside a collapse, a streak inside it); a
+    non-finite loss explains only skips at its own steps (``nonfinite``), not others between two NaNs."""
+    if by.pattern == "nonfinite-loss":
+        return finding.first_step in nonfinite
     return by.first_step <= finding.first_step <= by.last_step
 
 
@@ -173,9 +177,10 @@ def classify(history: History, reference: History | None = None) -> list[LogFind
         return 1 + max((depth(o) for o in by_name[name].subsumed_by), default=-1)
 
     kept: list[LogFinding] = []
+    nonfinite = set(nonfinite_steps(history))
     # a finding is left out only for one that is kept: those that may cover others are decided first
     for f in sorted(found, key=lambda f: depth(f.pattern)):
-        if not any(o.pattern in by_name[f.pattern].subsumed_by and _covered(f, o) for o in kept):
+        if not any(o.pattern in by_name[f.pattern].subsumed_by and _covered(f, o, nonfinite) for o in kept):
             kept.append(f)
     return sorted(kept, key=lambda f: (f.first_step, f.pattern))
 

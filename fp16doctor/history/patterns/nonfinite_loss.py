@@ -43,8 +43,9 @@ class NonfiniteLoss(Pattern):
         before = history.values["loss"][:first][history.present["loss"][:first]]
         finite = before[np.isfinite(before)]
         steps = nonfinite_steps(history)
-        # a row whose count names fewer steps than it covers (a logged mean over several steps) places none exactly
-        placed = bool((counts[rows] >= history.span[rows]).all())
+        # a count the log kept (Megatron-LM's NaN iterations) names its interval's last steps; a NaN mean over
+        # several steps (Hugging Face's loss over logging_steps) says only that one of them was
+        placed = bool((history.present["nonfinite"][rows] | (history.span[rows] == 1)).all())
         evidence = NonfiniteLossEvidence(steps[0], len(steps), float(finite[-1]) if len(finite) else None)
         where = (
             _where(len(steps), steps[0], steps[-1])
@@ -68,6 +69,4 @@ class NonfiniteLoss(Pattern):
 def _where(count: int, first: int, last: int) -> str:
     if count == 1:
         return f"The loss is non-finite at step {first}"
-    if first == last:  # counted in one logging interval (Megatron-LM's nan iterations)
-        return f"The loss is non-finite at {count} steps of the interval ending at step {first}"
     return f"The loss is non-finite at {count} steps, from step {first} to {last}"
