@@ -369,3 +369,9 @@ def test_the_schedules_dry_run_starts_where_the_checkpoint_left_it(tmp_path, tra
     assert lrs is not None and lrs[:5] == pytest.approx([0.0025, 0.0025, 0.0025, 0.00125, 0.00125])
     sweep = next(s for s in report.stages if s.name == "loss-scale sweep")
     assert "at the checkpoint's scale 1024" in sweep.summary  # the scale the AMP probe started at
+    # a checkpoint that kept no scheduler state: the file's schedule at step 12, said so, not its start
+    torch.save({"model": net.state_dict(), "step": 12}, tmp_path / "weights_only.pt")
+    start = api.CheckpointStart(tmp_path / "weights_only.pt")
+    report = fp16doctor.diagnose(path, ci=True, device="cpu", from_checkpoint=start)
+    assert report.evidence.lr_peak.schedule.lrs[:4] == pytest.approx([0.0025, 0.0025, 0.0025, 0.00125])
+    assert any("schedule is advanced to step 12" in note for note in report.notes)

@@ -127,6 +127,23 @@ class ProbeSnapshot:
     step was a micro-step: the next one adds to them); None otherwise (the next step starts afresh)."""
 
 
+def advance_schedulers(schedulers: list[Any], steps: int, note: Callable[[str], None]) -> None:
+    """A checkpoint that keeps no scheduler state: the file's schedulers stepped to where the data continues, as
+    the training's had stepped (the schedule is the file's, at the checkpoint's step, not at its start)."""
+    if not schedulers or steps <= 0:
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SCHEDULER_ORDER_WARNING)  # no optimizer steps here
+        try:
+            for _ in range(steps):
+                for scheduler in schedulers:
+                    scheduler.step()
+        except Exception as exc:  # noqa: BLE001 - a schedule that ends before the step (OneCycleLR): said, as it is
+            note(f"the file's schedule could not be advanced to step {steps} ({type(exc).__name__}: {exc})")
+            return
+    note(f"the checkpoint keeps no scheduler state: the file's schedule is advanced to step {steps}")
+
+
 def _check_param_groups(name: str, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """A saved optimizer state fits only an optimizer with as many parameter groups, of as many parameters each."""
     saved = [len(group.get("params", [])) for group in state.get("param_groups", [])]
@@ -374,6 +391,8 @@ class Probe:
                     f"the checkpoint's scheduler state ({len(start.schedulers)}) is not taken up: the file makes "
                     f"{len(self.schedulers)} scheduler(s); the probes' learning rate follows the file's"
                 )
+            else:
+                advance_schedulers(self.schedulers, start.step, self.spec.note)
         except (ValueError, KeyError, RuntimeError) as exc:
             raise CheckpointError(
                 f"the checkpoint's optimizer or scheduler state does not fit the file's ({first_line(exc)}).",

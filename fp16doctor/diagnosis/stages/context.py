@@ -24,6 +24,7 @@ from ...engine.probe import (
     Probe,
     ProbeSnapshot,
     Workbench,
+    advance_schedulers,
     metric_driven,
 )
 from ...engine.progress import StepProgress
@@ -434,6 +435,8 @@ def _resume_schedule(start: TrainedStart, optimizers: dict[str, Any], schedulers
     if len(start.schedulers) == len(schedulers):
         for scheduler, saved in zip(schedulers, start.schedulers):
             scheduler.load_state_dict(copy.deepcopy(saved))
+    elif not start.schedulers:
+        advance_schedulers(schedulers, start.step, lambda _: None)  # as the probes advance theirs (they say so)
 
 
 def _scheduler_steps(ctx: StageContext) -> int:
