@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -284,3 +285,23 @@ def test_a_csv_without_a_step_column_is_named_so_alone_or_in_a_folder(tmp_path):
     with pytest.raises(HistoryError, match="without a `step` column") as raised:
         read_history([run / "loss.csv"])
     assert "event files" in raised.value.hint
+
+
+def test_two_logs_that_disagree_at_the_same_steps_are_said_to_be_of_different_runs(tmp_path):
+    def log(name: str, first_overflow: int) -> Path:
+        lines, skipped = [], 0
+        for step in range(1, 41):
+            if step >= first_overflow:
+                lines.append(deepspeed_overflow(2**16 >> skipped, 2**15 >> skipped))
+                skipped += 1
+            if step % 10 == 0:
+                lines.append(deepspeed_progress(step, skipped, 1e-4))
+        path = tmp_path / name
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    a, b = log("a.log", 15), log("b.log", 25)
+    history = read_history([a, b])
+    assert any("disagree on the loss or the loss scale" in note for note in history.notes)
+    resumed = read_history([a, log("a_again.log", 15)])  # the same run's rows twice: no disagreement
+    assert not any("disagree" in note for note in resumed.notes)

@@ -138,6 +138,7 @@ def merged_by_step(history: History) -> History:
     values = {k: np.full(len(steps), np.nan) for k in history.values}
     present = {k: np.zeros(len(steps), dtype=bool) for k in history.values}
     span = np.ones(len(steps), dtype=np.int64)
+    disagree: list[int] = []
     for i, rows in enumerate(groups):
         span[i] = int(history.span[rows].max())
         for key in history.values:
@@ -145,4 +146,18 @@ def merged_by_step(history: History) -> History:
             if len(holding):
                 values[key][i] = history.values[key][holding[0]]
                 present[key][i] = True
-    return History(steps, span, values, present, history.sources, history.events, history.notes)
+            if key in DISAGREEING and len(np.unique(history.values[key][holding])) > 1:
+                disagree.append(int(steps[i]))
+    notes = list(history.notes)
+    if disagree:
+        notes.append(
+            f"the files disagree on the loss or the loss scale at {len(set(disagree))} step(s), from step "
+            f"{min(disagree)}: the first file's values are taken; several paths are read as one run's history, so "
+            "pass one run's logs at a time"
+        )
+    return History(steps, span, values, present, history.sources, history.events, notes)
+
+
+DISAGREEING = ("loss", "loss_scale")
+"""Quantities two logs of one run agree on at a step (a resumed run's logs overlap where it was resumed): values
+that differ say the files are of different runs."""
