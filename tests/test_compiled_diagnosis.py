@@ -201,8 +201,6 @@ def test_train_trains_the_compiled_program_and_the_corrected_config_trains_it_fi
 def test_the_region_candidates_are_a_containers_members_and_a_large_region_comes_after_the_backends():
     """A ModuleList has no forward to disable: its members are the candidates. A region holding most of the model
     (a transformer's trunk) is no smaller a change than another backend: the backend comes first."""
-    from types import SimpleNamespace
-
     from fp16doctor.diagnosis.findings import BackendTrial
     from fp16doctor.diagnosis.rules.compiled_divergence import CompiledDivergence, comparison_case
     from fp16doctor.diagnosis.stages import compiled as stage_module
@@ -210,10 +208,9 @@ def test_the_region_candidates_are_a_containers_members_and_a_large_region_comes
     net = torch.nn.Sequential()
     net.add_module("embed", torch.nn.Linear(4, 4))
     net.add_module("layers", torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]))
-    probe = SimpleNamespace(model=net, close=lambda: None)
-    ctx = SimpleNamespace(bench=SimpleNamespace(probe=lambda *a, **k: probe), config=None)
-    names = [name for name, _ in stage_module._children(ctx, "")]
-    assert names == ["embed", "layers.0", "layers.1"]
+    regions = stage_module.regions_under(net, "")
+    assert [name for name, _ in regions] == ["embed", "layers.0", "layers.1"]
+    assert [round(share, 3) for _, share in regions] == [0.333, 0.333, 0.333]
 
     def fix(share):
         trials = [

@@ -33,6 +33,7 @@ import torch
 from ...errors import first_line
 from ...measure.symptoms import Symptom
 from ...userfile.compiled import aten_operator, graph_caches_off, training_compiles
+from ...userfile.spec import build_model_and_program
 from ..findings import (
     BackendTrial,
     CompiledComparison,
@@ -225,24 +226,26 @@ def search_eager_region(ctx: StageContext) -> list[BackendTrial]:
 
 
 def _children(ctx: StageContext, name: str) -> list[tuple[str, float]]:
-    """The submodules of the model's ``name`` ("" is the model) that can run eagerly, with the share of the
-    model's parameters each holds: its children, a container's (``ModuleList``, ``ModuleDict``: no forward of its
-    own to disable) replaced by theirs."""
-    probe = ctx.bench.probe("amp", ctx.config, instruments=None)
-    try:
-        total = sum(p.numel() for p in probe.model.parameters()) or 1
-        found: list[tuple[str, float]] = []
-        pending = [(f"{name}." if name else "", probe.model.get_submodule(name))]
-        while pending:
-            prefix, parent = pending.pop(0)
-            for child, module in parent.named_children():
-                if type(module).forward is torch.nn.Module.forward:  # a container: its members are the regions
-                    pending.append((f"{prefix}{child}.", module))
-                else:
-                    found.append((prefix + child, sum(p.numel() for p in module.parameters()) / total))
-        return found
-    finally:
-        probe.close()
+    """The regions under the model's submodule ``name`` ("" is the model), on a model ``model()`` builds anew."""
+    model, _ = build_model_and_program(ctx.bench.spec)
+    return regions_under(model, name)
+
+
+def regions_under(model: torch.nn.Module, name: str) -> list[tuple[str, float]]:
+    """The submodules of ``model``'s ``name`` that can run eagerly, with the share of the model's parameters each
+    holds: its children, a container's (``ModuleList``, ``ModuleDict``: no forward of its own to disable) replaced
+    by theirs."""
+    total = sum(p.numel() for p in model.parameters()) or 1
+    found: list[tuple[str, float]] = []
+    pending = [(f"{name}." if name else "", model.get_submodule(name))]
+    while pending:
+        prefix, parent = pending.pop(0)
+        for child, module in parent.named_children():
+            if type(module).forward is torch.nn.Module.forward:  # a container: its members are the regions
+                pending.append((f"{prefix}{child}.", module))
+            else:
+                found.append((prefix + child, sum(p.numel() for p in module.parameters()) / total))
+    return found
 
 
 def _sentence(comparison: CompiledComparison) -> str:
