@@ -446,6 +446,11 @@ class Probe:
         program compiled from it."""
         return self._compiled_model if self._compiled_model is not None else self.model
 
+    @property
+    def runs_compiled(self) -> bool:
+        """The steps call a compiled program (the training compiles, and this probe was asked to run it so)."""
+        return self._compiled_model is not None
+
     def _compiled(self, compiled: bool) -> torch.nn.Module | None:
         if not compiled or not training_compiles(self.config.compile, self.spec.compiled):
             return None
@@ -599,7 +604,7 @@ class Probe:
         with contextlib.ExitStack() as stack:
             for mode in self._step_modes:
                 stack.enter_context(mode)
-            if self._compiled_model is not None:
+            if self.runs_compiled:
                 stack.enter_context(inductor_fallbacks(self.config.compile.fallback_ops))
             yield
 
@@ -855,7 +860,7 @@ class Probe:
         if self.instruments is not None:
             self.instruments.detach()
         self.optimizers.on_found = None  # a bound method of this probe: the cycle that kept closed probes alive
-        if self._compiled_model is not None and self.config.compile.compiles_anew:
+        if self.runs_compiled and self.config.compile.compiles_anew:
             torch._dynamo.reset()  # no later probe reuses a graph compiled with this one's fallbacks or eager regions
 
 

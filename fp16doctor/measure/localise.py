@@ -615,7 +615,7 @@ def trace_step(
         )
     # A compiled probe's step runs eager under the tracer (dynamo then neither traces the tracer's mode nor decides,
     # for the rest of the run, to leave the program eager): its operators are eager's, as the tracer names them.
-    eager = _run_eager() if probe.step_model is not probe.model else contextlib.nullcontext()
+    eager = _run_eager() if probe.runs_compiled else contextlib.nullcontext()
     try:
         with tracer, eager:
             probe.step(batch, batch_index)

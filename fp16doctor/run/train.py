@@ -161,7 +161,7 @@ class Trainer:
         # A compiled training trains compiled, as its compile settings say (the corrected config's among them): its
         # numerics are the compiled program's, not eager's. The ranks of --nproc train the wrapped model eager.
         self.probe: Probe = self.bench.probe(self.mode, config, instruments=None, compiled=self.dist.world == 1)
-        if self.probe.step_model is not self.probe.model:
+        if self.probe.runs_compiled:
             spec.note(COMPILED_TRAINING)
         elif self.dist.world > 1 and training_compiles(config.compile, spec.compiled):
             spec.note(EAGER_RANKS)
@@ -416,7 +416,7 @@ class Trainer:
             first = instruments.first_nonfinite_forward()
             report["localisation"] = localisation.to_json() if localisation else None
             report["first_nonfinite_module"] = first
-            report["explanation"] = self._explain(row, localisation, self.probe.step_model is not self.probe.model)
+            report["explanation"] = self._explain(row, localisation, self.probe.runs_compiled)
         finally:
             if self.probe.instruments is not None:
                 self.probe.instruments.detach()
