@@ -159,6 +159,8 @@ def test_the_compiled_program_is_the_users_own_unless_the_settings_change_it():
 def test_the_region_search_descends_into_the_first_child_that_repairs_within_its_budget(monkeypatch):
     """The search's walk, its compiled probes stood in for by a tree where only regions holding blocks.1.norm
     repair: each level tried in order, the first repairing child entered, the last healthy trial the smallest."""
+    from types import SimpleNamespace
+
     from fp16doctor.diagnosis.findings import BackendTrial
     from fp16doctor.diagnosis.stages import compiled as stage_module
 
@@ -170,15 +172,17 @@ def test_the_region_search_descends_into_the_first_child_that_repairs_within_its
         return BackendTrial(name, [] if "blocks.1.norm".startswith(region) else ["nonfinite"], patch)
 
     monkeypatch.setattr(stage_module, "_trial", trial)
-    monkeypatch.setattr(stage_module, "_children", lambda ctx, name: tree[name])
-    found = stage_module.search_eager_region(None)
+    monkeypatch.setattr(stage_module, "build_model_and_program", lambda spec: (None, None))
+    monkeypatch.setattr(stage_module, "regions_under", lambda model, name: tree[name])
+    ctx = SimpleNamespace(bench=SimpleNamespace(spec=None))
+    found = stage_module.search_eager_region(ctx)
     assert [t.backend for t in found] == [
         "embed run eagerly", "blocks run eagerly", "blocks.0 run eagerly", "blocks.1 run eagerly",
         "blocks.1.norm run eagerly",
     ]  # fmt: skip
     assert [t.backend for t in found if not t.symptoms][-1] == "blocks.1.norm run eagerly"
     monkeypatch.setattr(stage_module, "REGION_TRIALS", 3)
-    assert len(stage_module.search_eager_region(None)) == 3  # the budget ends it: blocks is the region found
+    assert len(stage_module.search_eager_region(ctx)) == 3  # the budget ends it: blocks is the region found
 
 
 def test_train_trains_the_compiled_program_and_the_corrected_config_trains_it_finite(tmp_path):

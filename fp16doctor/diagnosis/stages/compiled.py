@@ -210,7 +210,8 @@ def search_eager_region(ctx: StageContext) -> list[BackendTrial]:
     down to a module none of whose children repairs alone. Every trial is kept as evidence; the last healthy one
     is the region."""
     trials: list[BackendTrial] = []
-    candidates = _children(ctx, "")
+    model, _ = build_model_and_program(ctx.bench.spec)  # its module tree, read at every level of the walk
+    candidates = regions_under(model, "")
     while candidates and len(trials) < REGION_TRIALS:
         repaired = None
         for name, share in candidates[: REGION_TRIALS - len(trials)]:
@@ -221,14 +222,8 @@ def search_eager_region(ctx: StageContext) -> list[BackendTrial]:
                 break
         if repaired is None:
             break
-        candidates = _children(ctx, repaired)
+        candidates = regions_under(model, repaired)
     return trials
-
-
-def _children(ctx: StageContext, name: str) -> list[tuple[str, float]]:
-    """The regions under the model's submodule ``name`` ("" is the model), on a model ``model()`` builds anew."""
-    model, _ = build_model_and_program(ctx.bench.spec)
-    return regions_under(model, name)
 
 
 def regions_under(model: torch.nn.Module, name: str) -> list[tuple[str, float]]:
