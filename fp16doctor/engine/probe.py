@@ -127,6 +127,22 @@ class ProbeSnapshot:
     step was a micro-step: the next one adds to them); None otherwise (the next step starts afresh)."""
 
 
+def resume_schedulers(start: TrainedStart, schedulers: list[Any], note: Callable[[str], None]) -> None:
+    """The file's schedulers where the checkpoint left the training's: each its saved state, in the order the
+    training made them; where the checkpoint keeps none, stepped to its step; where the counts differ, as the file
+    makes them (``note`` says which of the last two)."""
+    if len(start.schedulers) == len(schedulers):
+        for scheduler, state in zip(schedulers, start.schedulers):
+            scheduler.load_state_dict(copy.deepcopy(state))
+    elif start.schedulers:
+        note(
+            f"the checkpoint's scheduler state ({len(start.schedulers)}) is not taken up: the file makes "
+            f"{len(schedulers)} scheduler(s); the probes' learning rate follows the file's"
+        )
+    else:
+        advance_schedulers(schedulers, start.step, note)
+
+
 def advance_schedulers(schedulers: list[Any], steps: int, note: Callable[[str], None]) -> None:
     """A checkpoint that keeps no scheduler state: the file's schedulers stepped to where the data continues, as
     the training's had stepped (the schedule is the file's, at the checkpoint's step, not at its start)."""
@@ -383,16 +399,7 @@ class Probe:
         try:
             for optimizer, state in zip(self.optimizers.all(), states or []):
                 optimizer.load_state_dict(copy.deepcopy(state))
-            if len(start.schedulers) == len(self.schedulers):  # in the order the training made them
-                for scheduler, state in zip(self.schedulers, start.schedulers):
-                    scheduler.load_state_dict(copy.deepcopy(state))
-            elif start.schedulers:
-                self.spec.note(
-                    f"the checkpoint's scheduler state ({len(start.schedulers)}) is not taken up: the file makes "
-                    f"{len(self.schedulers)} scheduler(s); the probes' learning rate follows the file's"
-                )
-            else:
-                advance_schedulers(self.schedulers, start.step, self.spec.note)
+            resume_schedulers(start, self.schedulers, self.spec.note)
         except (ValueError, KeyError, RuntimeError) as exc:
             raise CheckpointError(
                 f"the checkpoint's optimizer or scheduler state does not fit the file's ({first_line(exc)}).",

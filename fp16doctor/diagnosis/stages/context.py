@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import warnings
@@ -24,8 +23,8 @@ from ...engine.probe import (
     Probe,
     ProbeSnapshot,
     Workbench,
-    advance_schedulers,
     metric_driven,
+    resume_schedulers,
 )
 from ...engine.progress import StepProgress
 from ...engine.records import Column, StepRecord
@@ -432,11 +431,7 @@ def _resume_schedule(start: TrainedStart, optimizers: dict[str, Any], schedulers
     for optimizer, state in zip(optimizers.values(), states):
         for group, saved in zip(optimizer.param_groups, state.get("param_groups", [])):
             group.update({key: saved[key] for key in ("lr", "initial_lr") if key in saved})
-    if len(start.schedulers) == len(schedulers):
-        for scheduler, saved in zip(schedulers, start.schedulers):
-            scheduler.load_state_dict(copy.deepcopy(saved))
-    elif not start.schedulers:
-        advance_schedulers(schedulers, start.step, lambda _: None)  # as the probes advance theirs (they say so)
+    resume_schedulers(start, schedulers, lambda _: None)  # as the probes take theirs up (their notes say how)
 
 
 def _scheduler_steps(ctx: StageContext) -> int:
