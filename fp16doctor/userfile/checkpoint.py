@@ -22,6 +22,7 @@ containers is refused with the global it needs, unless the user trusts it (``--t
 from __future__ import annotations
 
 import json
+import numbers
 import pickle
 import re
 from collections import Counter
@@ -225,6 +226,7 @@ def _from_file(path: Path, trust: bool) -> TrainedStart:
             hint="Save the model's state_dict() under 'model'.",
         )
     lightning = "optimizer_states" in saved or "pytorch-lightning_version" in saved
+    saved_step = _step_of(_first(saved, STEP_KEYS))
     return TrainedStart(
         path,
         "Lightning checkpoint" if lightning else "torch.save dict",
@@ -232,14 +234,15 @@ def _from_file(path: Path, trust: bool) -> TrainedStart:
         _optimizer_states(_first(saved, OPTIMIZER_KEYS)),
         _one(_first(saved, SCALER_KEYS)),
         _states(_first(saved, SCHEDULER_KEYS)),
-        int(_first(saved, STEP_KEYS) or 0),
+        saved_step or 0,
         _rng_of(_first(saved, RNG_KEYS)),
-        _step_of(_first(saved, STEP_KEYS)),
+        saved_step,
     )
 
 
 def _step_of(value: Any) -> int | None:
-    return int(value) if isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1) else None
+    """A step as a checkpoint keeps it (a Python or NumPy number, a one-element tensor); None: it keeps none."""
+    return int(value) if isinstance(value, numbers.Real) or (torch.is_tensor(value) and value.numel() == 1) else None
 
 
 def _first(saved: dict[str, Any], keys: tuple[str, ...]) -> Any:

@@ -49,8 +49,9 @@ def stage_scale(ctx: StageContext) -> StageReport:
         del reference  # freed before observed_underflow and the sweep build their probes
         ev.observed_underflow = observed_underflow(ctx.bench, config=cfg, reference=capture)
     ev.window = window = scale_window(capture)
-    configured = _starting_scale(ctx) if cfg.scaler.enabled else 1.0
-    whose = "the checkpoint's" if cfg.scaler.enabled and _from_checkpoint_scale(ctx) else "the configured"
+    taken_up = _checkpoint_scale(ctx) if cfg.scaler.enabled else None  # where the AMP probe starts, if not at init
+    configured = taken_up or (cfg.scaler.init_scale if cfg.scaler.enabled else 1.0)
+    whose = "the checkpoint's" if taken_up else "the configured"
     ev.predicted_underflow = predicted_underflow(capture, configured)
     worst_predicted = window.worst_signal_underflow(ev.predicted_underflow)
     worst_observed = worst_underflow(ev.observed_underflow)
@@ -204,13 +205,8 @@ def _recommend(ctx: StageContext, sweep: pd.DataFrame, window: Any) -> dict[str,
     return {"init_scale": float(best["init_scale"]), "growth_interval": int(best["growth_interval"])}
 
 
-def _from_checkpoint_scale(ctx: StageContext) -> float | None:
+def _checkpoint_scale(ctx: StageContext) -> float | None:
     """The scale a checkpoint's GradScaler had: the probes that keep the configured scaler start at it."""
     start = ctx.bench.spec.start
     scale = start.scaler.get("scale") if start is not None and start.scaler is not None else None
     return float(scale) if isinstance(scale, (int, float)) and scale > 0 else None
-
-
-def _starting_scale(ctx: StageContext) -> float:
-    """The scale the AMP probe starts at: the checkpoint's, else the configured ``init_scale``."""
-    return _from_checkpoint_scale(ctx) or ctx.config.scaler.init_scale
