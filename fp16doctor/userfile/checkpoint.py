@@ -28,7 +28,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsInt, cast
 
 import torch
 
@@ -242,7 +242,9 @@ def _from_file(path: Path, trust: bool) -> TrainedStart:
 
 def _step_of(value: Any) -> int | None:
     """A step as a checkpoint keeps it (a Python or NumPy number, a one-element tensor); None: it keeps none."""
-    return int(value) if isinstance(value, numbers.Real) or (torch.is_tensor(value) and value.numel() == 1) else None
+    if torch.is_tensor(value):
+        return int(value.item()) if value.numel() == 1 else None
+    return int(cast(SupportsInt, value)) if isinstance(value, numbers.Real) else None
 
 
 def _first(saved: dict[str, Any], keys: tuple[str, ...]) -> Any:
