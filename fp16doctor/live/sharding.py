@@ -90,10 +90,16 @@ def gradient_sync_on(model: torch.nn.Module) -> bool:
     ddp = getattr(model, "require_backward_grad_sync", None)
     if isinstance(ddp, bool):
         return ddp
-    get_state = getattr(model, "_get_fsdp_state", None)
-    groups = fsdp2_param_groups(get_state()) if callable(get_state) else []
-    groups = groups or fully_shard_groups(model)  # a root holding no parameters of its own: its first group's
-    return bool(getattr(groups[0], "reduce_grads", True)) if groups else True
+    if not callable(getattr(model, "_get_fsdp_state", None)):
+        return True  # no fully_shard root: nothing this flag governs (the forward's hot path walks nothing)
+    # set_requires_gradient_sync sets every group alike: the first one found says it (the root's, else, for a root
+    # holding no parameters of its own, the first submodule's; the walk ends there)
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        groups = fsdp2_param_groups(get_state()) if callable(get_state) else []
+        if groups:
+            return bool(getattr(groups[0], "reduce_grads", True))
+    return True
 
 
 def _fsdp2_reduce_dtype(group: Any) -> torch.dtype | None:
