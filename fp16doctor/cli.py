@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 import typer.core
 from rich.console import Console
+from rich.markup import escape
 
 from . import __version__
 from .config import parse_memory_size
@@ -175,11 +176,12 @@ def guarded(debug: bool, job: Callable[[], int], json_errors: bool = False) -> N
     except DoctorError as exc:
         if debug:
             traceback.print_exc()
-        err.print(f"[bold red]error:[/] {exc.message}", highlight=False)
+        # the messages name the user's paths, code and pip extras ("fp16doctor[onnx]"): text, not markup
+        err.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False)
         if exc.location:
-            err.print(f"  [red]at[/] {exc.location}", highlight=False)
+            err.print(f"  [red]at[/] {escape(exc.location)}", highlight=False)
         if exc.hint:
-            err.print(f"  {exc.hint}", highlight=False)
+            err.print(f"  {escape(exc.hint)}", highlight=False)
         if json_errors:
             print_json_error(exc.message, exc.hint, exc.location, exc.exit_code)
         raise typer.Exit(exc.exit_code) from None
@@ -189,7 +191,7 @@ def guarded(debug: bool, job: Callable[[], int], json_errors: bool = False) -> N
     except Exception as exc:  # noqa: BLE001 - a bug of ours: say so plainly
         if debug:
             traceback.print_exc()
-        err.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}", highlight=False)
+        err.print(f"[bold red]internal error:[/] {type(exc).__name__}: {escape(str(exc))}", highlight=False)
         err.print("  This is a bug in fp16doctor; run again with --debug for the traceback and report it.")
         if json_errors:
             print_json_error(f"internal error: {type(exc).__name__}: {exc}", None, None, EXIT_INTERNAL)
