@@ -40,8 +40,9 @@ from .live.capsule import check_capsule, recorded_loss_evidence, replay_note
 from .measure.compare import DEFAULT_DIVERGENCE, DEFAULT_TOLERANCE, Comparison, compare_ranks, compared_modes
 from .measure.compare import compare as run_compare
 from .measure.serving import DEFAULT_TOLERANCE as DEFAULT_SERVING_TOLERANCE
-from .measure.serving import ServeCheck, fresh_copies
+from .measure.serving import OnnxRequest, ServeCheck, fresh_copies
 from .measure.serving import serve_check as run_serve_check
+from .measure.serving_onnx import missing_extras as missing_onnx_extras
 from .measure.speed import TIMED_STEPS, WARMUP_STEPS, SpeedReport, measure_speed
 from .userfile.checkpoint import load_checkpoint
 from .userfile.loop import default_loss
@@ -277,21 +278,41 @@ def serve_check(
     tolerance: float = DEFAULT_SERVING_TOLERANCE,
     batches: int = 4,
     checkpoint: CheckpointStart | None = None,
+    onnx: bool = False,
+    onnx_out: PathLike | None = None,
     config_file: PathLike | None = None,
     **config: Any,
 ) -> ServeCheck:
     """The trained model served in half precision (``model.half()``, fp16 autocast, bf16) against FP32, on the
     file's first ``batches`` batches; where fp16 serving fails, the smallest set of modules to keep in fp32,
-    verified. The model is ``model()``'s (in eval mode), with a ``checkpoint``'s weights where one is given."""
+    verified. The model is ``model()``'s (in eval mode), with a ``checkpoint``'s weights where one is given.
+
+    With ``onnx`` (or ``onnx_out``), the model is also exported to ONNX, converted to fp16 with the keep-set as the
+    converter's block list, and run on onnxruntime; ``onnx_out`` is where that conversion is written (a new file).
+    It needs the optional extras: ``pip install 'fp16doctor[onnx]'``."""
     if batches < 1:
         raise DoctorError("--batches must be at least 1.")
+    request = onnx_request(onnx, onnx_out)
     loaded = load(training_file, config_file, **config)
     seed_everything(loaded.config.seed)
     model, _ = build_model_and_program(loaded.spec)  # the eager module: serving exports the module, not its graph
     if checkpoint is not None:
         load_trained_weights(model, load_checkpoint(Path(checkpoint.path), checkpoint.step, checkpoint.trust))
     drawn = draw_batches(loaded.spec, batches)
-    return run_serve_check(fresh_copies(model), drawn, loaded.spec.loss or default_loss, tolerance)
+    return run_serve_check(fresh_copies(model), drawn, loaded.spec.loss or default_loss, tolerance, request)
+
+
+def onnx_request(onnx: bool, onnx_out: PathLike | None) -> OnnxRequest | None:
+    """The ONNX check asked for, once its extras are known to be installed: before any model runs."""
+    if not onnx and onnx_out is None:
+        return None
+    missing = missing_onnx_extras()
+    if missing:
+        raise DoctorError(
+            f"the ONNX check needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed.",
+            hint="pip install 'fp16doctor[onnx]' (onnx, onnxruntime, and onnxscript for torch's exporter).",
+        )
+    return OnnxRequest(Path(onnx_out) if onnx_out is not None else None)
 
 
 def speed(training_file: PathLike, *, config_file: PathLike | None = None, **config: Any) -> SpeedReport:

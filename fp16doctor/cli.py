@@ -751,25 +751,43 @@ def serve_check(
         ),
     ] = 1e-2,
     batches: Annotated[int, typer.Option("--batches", min=1, help="Batches of data() to serve.")] = 4,
+    onnx: Annotated[
+        bool,
+        typer.Option(
+            "--onnx",
+            help="Also export to ONNX, convert to fp16 with the keep-set as the block list, and run it on onnxruntime "
+            "(pip install 'fp16doctor[onnx]').",
+        ),
+    ] = False,
+    onnx_out: Annotated[
+        Path | None,
+        typer.Option("--onnx-out", help="Write the fp16 ONNX conversion a release would ship here (implies --onnx)."),
+    ] = None,
     config: ConfigFile = None,
     seed: Seed = None,
     trust_checkpoint: TrustCheckpoint = False,
+    force: Force = False,
     json_: Json = False,
     debug: Debug = False,
 ) -> None:
     """Serve the trained model in fp16 (model.half()), fp16 autocast and bf16 against FP32; where fp16 fails, the
-    modules to keep in fp32, verified. Exit 0 safe in fp16, 1 unsafe, 2 bad input."""
+    modules to keep in fp32, verified. With --onnx, the fp16 ONNX conversion too. Exit 0 safe in fp16, 1 unsafe,
+    2 bad input."""
 
     def job() -> int:
         from . import api
         from .output.serving import render_serve_check
 
+        if onnx_out is not None:
+            check_writable(onnx_out, force)
         start = api.CheckpointStart(checkpoint, trust=trust_checkpoint) if checkpoint is not None else None
         result = api.serve_check(
             training_file,
             tolerance=tolerance,
             batches=batches,
             checkpoint=start,
+            onnx=onnx,
+            onnx_out=onnx_out,
             config_file=config,
             **flags(seed=seed),
         )

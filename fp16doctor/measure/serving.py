@@ -30,6 +30,7 @@ import copy
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pandas as pd
@@ -89,7 +90,8 @@ class ModeResult:
             "finite": self.finite,
             "error": self.error,
             "outputs": [
-                {k: json_number(v) if isinstance(v, float) else v for k, v in r.items()} for r in _rows(self.outputs)
+                {k: json_number(v) if isinstance(v, float) else v for k, v in r.items()}
+                for r in table_rows(self.outputs)
             ],
         }
 
@@ -119,12 +121,87 @@ class KeepSet:
         }
 
 
+@dataclass(frozen=True)
+class Conversion:
+    """One fp16 conversion of the model, run on onnxruntime against FP32."""
+
+    JSON_KEY_DOCS: ClassVar[dict[str, str]] = {
+        "provider_fp32_ops": "Its fp16 operators the provider ran in fp32 (no fp16 kernel there): ``op``, ``count``.",
+        "clamped_initializers": "Weights and constants past 65504 it stores as 65504: ``initializer``, ``max_abs``.",
+    }
+    """What the keys ``to_json`` computes hold: the JSON reference reads them."""
+
+    result: ModeResult
+    """Its outputs against FP32's (mode ``onnx-fp16``, or ``onnx-fp16-kept`` with the keep-set blocked)."""
+    upcast: pd.DataFrame
+    """``op``, ``count``: its fp16 operators the provider ran in fp32 (no fp16 kernel there)."""
+    half_ops: int
+    """Its operators, other than casts, that the converter left in fp16."""
+    clamped: pd.DataFrame
+    """``initializer``, ``max_abs``: weights and constants past 65504 it stores as 65504."""
+
+    @property
+    def upcast_ops(self) -> int:
+        return int(self.upcast["count"].sum())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "result": self.result.to_json(),
+            "provider_fp32_ops": table_rows(self.upcast),
+            "half_ops": self.half_ops,
+            "clamped_initializers": table_rows(self.clamped),
+        }
+
+
+@dataclass(frozen=True)
+class OnnxServing:
+    """The fp16 ONNX conversions of the model, run on onnxruntime against FP32."""
+
+    provider: str
+    """The onnxruntime execution provider that ran them."""
+    converted: Conversion | None
+    """The whole model converted to fp16; None where the export or the converter failed (``error``)."""
+    kept: Conversion | None
+    """Converted with the keep-set's nodes on the block list; None without a keep-set."""
+    blocked_nodes: list[str]
+    """The ONNX nodes the keep-set's modules made, given to the converter as its block list."""
+    round_trips_folded: int
+    """Casts to fp16 and straight back to fp32, at the block list's edges, folded away."""
+    batches: int
+    """The batches served: those whose inputs have the exported shapes."""
+    written: str | None = None
+    """Where the served conversion was written (``--onnx-out``), or None."""
+    error: str | None = None
+    """Why there is no conversion (the export or the converter failed), or None."""
+
+    @property
+    def served(self) -> Conversion | None:
+        """The conversion a release would ship: with the keep-set where there is one."""
+        return self.kept if self.kept is not None else self.converted
+
+    def within(self, tolerance: float) -> bool:
+        return self.served is not None and self.served.result.within(tolerance)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "provider": self.provider,
+            "converted": self.converted.to_json() if self.converted is not None else None,
+            "kept": self.kept.to_json() if self.kept is not None else None,
+            "blocked_nodes": self.blocked_nodes,
+            "round_trips_folded": self.round_trips_folded,
+            "batches": self.batches,
+            "written": self.written,
+            "error": self.error,
+        }
+
+
 @dataclass
 class ServeCheck:
     """What ``serve-check`` measured; the CLI renders it."""
 
     JSON_KEY_DOCS: ClassVar[dict[str, str]] = {
-        "verdict": "``safe`` where fp16 serving (``model.half()``) is finite and within the tolerance; else ``unsafe``.",
+        "verdict": "``safe`` where fp16 serving (``model.half()``) is finite and within the tolerance, and with "
+        "``--onnx`` the fp16 ONNX conversion a release would ship too; else ``unsafe``.",
         "modes": "Per way of serving (``fp16``, ``fp16-autocast``, ``bf16``), its outputs against FP32.",
         "overflowing_modules": "Modules whose FP32 outputs pass 65504 (inf in fp16): ``module``, ``max_abs``.",
         "flushing_modules": "Modules with non-zero FP32 outputs below fp16's smallest subnormal (zero in fp16): "
@@ -149,10 +226,15 @@ class ServeCheck:
     """``name``, ``overflow``, ``flushed``, ``max_abs``: the parameters fp16 cannot hold."""
     keep: KeepSet | None = None
     """Where fp16 serving fails: the modules to keep in fp32, searched and verified."""
+    onnx: OnnxServing | None = None
+    """With ``--onnx``: the fp16 ONNX conversions run on onnxruntime."""
 
     @property
     def safe(self) -> bool:
-        return self.modes["fp16"].within(self.tolerance)
+        """fp16 serving (``model.half()``) is finite and within the tolerance, and so is the ONNX conversion a release
+        would ship, where it was checked."""
+        onnx_safe = self.onnx is None or self.onnx.within(self.tolerance)
+        return self.modes["fp16"].within(self.tolerance) and onnx_safe
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -160,14 +242,15 @@ class ServeCheck:
             "tolerance": self.tolerance,
             "batches": self.batches,
             "modes": {name: result.to_json() for name, result in self.modes.items()},
-            "overflowing_modules": _rows(self.overflowing),
-            "flushing_modules": _rows(self.flushing),
-            "parameters": _rows(self.cast_parameters),
+            "overflowing_modules": table_rows(self.overflowing),
+            "flushing_modules": table_rows(self.flushing),
+            "parameters": table_rows(self.cast_parameters),
             "keep_fp32": self.keep.to_json() if self.keep is not None else None,
+            "onnx": self.onnx.to_json() if self.onnx is not None else None,
         }
 
 
-def _rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
+def table_rows(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return [{k: _plain(v) for k, v in row.items()} for row in frame.to_dict("records")]
 
 
@@ -308,17 +391,35 @@ def parameter_casts(model: torch.nn.Module) -> pd.DataFrame:
 
 # --- the check ------------------------------------------------------------------------------------------
 def serve_check(
-    build: Callable[[], torch.nn.Module], batches: list[Any], loss_fn: LossFn, tolerance: float = DEFAULT_TOLERANCE
+    build: Callable[[], torch.nn.Module],
+    batches: list[Any],
+    loss_fn: LossFn,
+    tolerance: float = DEFAULT_TOLERANCE,
+    onnx: OnnxRequest | None = None,
 ) -> ServeCheck:
     """Serve ``build()``'s model in each half-precision way against FP32, and where fp16 fails, find the modules
-    to keep in fp32. ``build`` makes the trained model in fp32, in eval mode, anew for each way."""
+    to keep in fp32; with ``onnx``, check the fp16 ONNX conversions too. ``build`` makes the trained model in fp32,
+    in eval mode, anew for each way."""
     reference = _reference(build, batches, loss_fn)
     overflowing, flushing = module_ranges(build(), batches, loss_fn)
     modes = {mode: _serve(mode, build, batches, loss_fn, reference) for mode in SERVING_MODES}
     result = ServeCheck(tolerance, len(batches), modes, overflowing, flushing, parameter_casts(build()))
-    if not result.safe:
+    if not modes["fp16"].within(tolerance):
         result.keep = search_keep_set(build, batches, loss_fn, reference, tolerance, overflowing)
+    if onnx is not None:
+        from .serving_onnx import onnx_serving
+
+        kept = result.keep.modules if result.keep is not None and result.keep.verified else []
+        result.onnx = onnx_serving(build, batches, loss_fn, reference, kept, onnx.write_to)
     return result
+
+
+@dataclass(frozen=True)
+class OnnxRequest:
+    """``--onnx``: check the fp16 ONNX conversions (the optional extras installed)."""
+
+    write_to: Path | None = None
+    """Write the conversion a release would ship here (``--onnx-out``)."""
 
 
 def _reference(build: Callable[[], torch.nn.Module], batches: list[Any], loss_fn: LossFn) -> list[Any]:
