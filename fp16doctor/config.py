@@ -189,12 +189,13 @@ class CompileConfig:
 
 
 SHARDED_DTYPES = ("float32", "float16", "bfloat16")
-SHARDED_WRAPPERS = ("fully_shard", "ddp")
+SHARDED_WRAPPERS = ("fully_shard", "fsdp1", "ddp")
 
 
 @dataclass
 class ShardingConfig:
-    """The ranks of a sharded training (FSDP2's ``fully_shard`` with a ``MixedPrecisionPolicy``), emulated in one
+    """The ranks of a sharded training (FSDP2's ``fully_shard`` with a ``MixedPrecisionPolicy``, FSDP1's
+    ``FullyShardedDataParallel`` with a ``MixedPrecision``, or DDP with a compression hook), emulated in one
     process: what a capsule of a sharded run replays. Each optimizer step takes ``world`` x ``micro_batches``
     batches, rank r the r-th run of ``micro_batches`` of them (see :mod:`fp16doctor.engine.emulated_ranks`)."""
 
@@ -223,8 +224,9 @@ class ShardingConfig:
         default="fully_shard",
         metadata=_doc(
             "How the ranks reduce: fully_shard (FSDP2: in fp16 divided by about the square root of the world size "
-            "before the sum and the rest after it) or ddp (a compression hook: each rank's gradient cast to "
-            "reduce_dtype, divided by the world size, then summed)."
+            "before the sum and the rest after it), fsdp1 (FullyShardedDataParallel: divided so in every dtype) or "
+            "ddp (a compression hook: each rank's gradient cast to reduce_dtype, divided by the world size, then "
+            "summed)."
         ),
     )
     autocast: bool = field(

@@ -36,6 +36,15 @@ def test_fp16_divides_before_and_after_the_sum_as_fsdp2_does_the_others_average(
     assert divide_factors(world, dtype) == factors
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fsdp1_divides_before_and_after_the_sum_in_every_dtype_as_its_default_state_does(world, dtype):
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    pre = default_hooks.DefaultState._get_gradient_predivide_factor(world)  # what FSDP1 sets on its state
+    assert divide_factors(world, dtype, "fsdp1") == (pre, world / pre)
+
+
 def test_a_ddp_compression_hook_divides_by_the_world_size_before_the_sum():
     assert divide_factors(4, torch.float16, "ddp") == (4.0, 1.0)
 

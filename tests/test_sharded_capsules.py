@@ -65,6 +65,24 @@ def test_one_ranks_bad_batch_is_replayed_from_the_ranks_capsule_and_its_data_nam
     assert top["verification"]["repaired"] is True
 
 
+def test_an_fsdp1_ranks_bad_batch_is_captured_together_rebuilt_unwrapped_and_replayed(tmp_path):
+    """FSDP1 (FullyShardedDataParallel with a MixedPrecision, each block its own unit, a ShardedGradScaler): no
+    rank holds a whole flat parameter, so the ranks gather the state together; the capsule's model is the user's
+    classes with the units unwrapped, and its replay divides as FSDP1 does."""
+    capsule = watched_capsule(tmp_path, FSDP2, "--fsdp1", "--poison-rank", "1", "--poison-step", "2")
+    sharding = json.loads((capsule / "config.json").read_text())["sharding"]
+    assert sharding["wrapper"] == "fsdp1" and sharding["world"] == 2, sharding
+    assert sharding["param_dtype"] == "float16" and sharding["cast_forward_inputs"] is True  # the root casts
+    spec = load_training_file(capsule / "train_capsule.py")
+    model = spec.model()
+    names = [name for name, _ in model.named_parameters()]
+    assert type(model).__name__ == "Net" and names == [n for n, _ in type(model)().named_parameters()]
+    assert not any("flat_param" in n or "_fsdp_wrapped_module" in n for n, _ in model.named_modules()), names
+    top = diagnosed(capsule)["findings"][0]
+    assert top["cause"] == "nonfinite-data" and top["evidence"]["ranks"] == [1], top
+    assert "(rank 1's micro-batch 0)" in top["title"] and top["verification"]["repaired"] is True
+
+
 def test_micro_batches_accumulated_with_sync_off_are_recorded_so_and_one_ranks_bad_one_is_replayed(tmp_path):
     """Gradient sync off until the last micro-batch (set_requires_gradient_sync): the capsule says so itself, and
     its replay accumulates each rank's micro-batches before the one reduction, as the run did."""

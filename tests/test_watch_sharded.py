@@ -29,7 +29,10 @@ FSDP_LM = SCRIPTS / "fsdp_lm.py"
 DDP = SCRIPTS / "ddp_loop.py"
 NUMBER = r"(?:[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?|nan|-?inf)"
 RECORD = re.compile(rf"rank (\d) (step \d+ loss {NUMBER} scale {NUMBER}|final weights {NUMBER})")
-FSDP1_CAPSULE = "No capsule: capsules of FSDP1 models are not written yet"
+APPLIED_ON_RANK_0 = (
+    "No capsule: the step was applied on rank(s) 0: the state it started from is gone (a sharded capsule is written "
+    "for a step every rank skipped)"
+)
 RANKS_CAPSULE = "Capsule: {}/ranks_step_{:08d}. Diagnose it: fp16doctor diagnose --capsule {}/ranks_step_{:08d}"
 
 INJECTED_FAILURE = """
@@ -192,7 +195,7 @@ def test_fsdp1_with_a_plain_gradscaler_lets_the_ranks_disagree_on_an_overflow_in
         "in flat parameter (embed.weight, mix.weight, ..., lm_head.bias)); rank 1's own gradients were non-finite "
         "before the ranks reduced them (micro-batch 0, first module lm_head (lm_head.weight)); rank 0's were finite: "
         "a batch of rank 1's, not the reduction; the reduced gradients are non-finite in rank 1's shard only (first in "
-        f"lm_head.weight), and only rank 1 skipped. {FSDP1_CAPSULE}",
+        f"lm_head.weight), and only rank 1 skipped. {APPLIED_ON_RANK_0}",
         times=1,
     )
     assert "skip-streak at optimizer step 3 on rank 0" not in proc.stderr  # rank 0 stepped

@@ -11,8 +11,10 @@ does not, and a replay that leaves them out proves nothing about the run:
   the world size, the pre-factor about its square root); in fp32 and bf16 the ranks' gradients are averaged;
 * the fp32 master parameters receive the mean, and the optimizer steps them.
 
-A DDP compression hook (``fp16_compress_hook``) is emulated the same way with ``wrapper="ddp"``: the parameters stay
-fp32, each rank's gradient is cast to the hook's dtype and divided by the world size before the sum.
+FSDP1 (``FullyShardedDataParallel`` with a ``MixedPrecision``, ``wrapper="fsdp1"``) is emulated as FSDP2, except that
+it divides by the same pre- and post-factors in every dtype. Its ``buffer_dtype`` is not emulated: buffers stay in
+their own dtype. A DDP compression hook (``fp16_compress_hook``) is emulated the same way with ``wrapper="ddp"``: the
+parameters stay fp32, each rank's gradient is cast to the hook's dtype and divided by the world size before the sum.
 
 Rank r takes the r-th run of ``micro_batches`` of the step's batches, each micro-batch its own forward and backward
 (the rank's gradients accumulating in the parameters' dtype), as the run's ranks took them. The FP32 baseline runs
@@ -81,11 +83,12 @@ class ReductionReading:
 
 def divide_factors(world: int, reduce_dtype: torch.dtype, wrapper: str = "fully_shard") -> tuple[float, float]:
     """The (pre, post) division of a reduction over ``world`` ranks. FSDP2's: in fp16 about the square root of the
-    world size before the sum and the rest after it, against overflow; in fp32 and bf16 the average, all after. A
-    DDP compression hook's (``fp16_compress_hook``): all of it before the sum, after the cast."""
+    world size before the sum and the rest after it, against overflow; in fp32 and bf16 the average, all after.
+    FSDP1's: the square-root split in every dtype. A DDP compression hook's (``fp16_compress_hook``): all of it
+    before the sum, after the cast."""
     if wrapper == "ddp":
         return float(world), 1.0
-    if reduce_dtype != torch.float16:
+    if reduce_dtype != torch.float16 and wrapper != "fsdp1":
         return 1.0, float(world)
     pre = 1
     while world % pre == 0 and world / pre > pre:
@@ -290,9 +293,9 @@ def _accumulated_in(
     sharding: ShardingConfig, reduce_dtype: torch.dtype | None, reductions: int, micro_batches: int
 ) -> torch.dtype | None:
     """The dtype a rank adds its unreduced micro-batches up in (None: as computed). FSDP2 keeps them unsharded in
-    ``reduce_dtype``; DDP in ``.grad``, the parameters' dtype, and its hook compresses only the sum."""
+    ``reduce_dtype`` (FSDP1 is taken to do the same); DDP in ``.grad``, the parameters' dtype, and its hook compresses only the sum."""
     unreduced = reductions == 1 and micro_batches > 1
-    return reduce_dtype if unreduced and sharding.wrapper == "fully_shard" else None
+    return reduce_dtype if unreduced and sharding.wrapper != "ddp" else None
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

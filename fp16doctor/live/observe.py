@@ -180,7 +180,6 @@ RANK_TIMEOUT = "rank-timeout"
 SHARDED_DISAGREEMENT = (
     "a sharded model's capsule is written for an alarm raised before the step, not for ranks that disagree in update()"
 )
-FSDP1_CAPSULE = "capsules of FSDP1 models are not written yet (each rank holds only its shard of a flat parameter)"
 
 
 def torchrun_rank() -> int | None:
@@ -782,7 +781,8 @@ class TrainingObserver:
         if shape is not None and shape.wrapper == "DistributedDataParallel":
             hooks = [h.strip() for h in (shape.half_reduction or "").split(",")]
             return {"wrapper": "ddp", "param_dtype": None, "reduce_dtype": ddp_hook_dtype(hooks), **common}
-        return {"wrapper": "fully_shard", **policy_dtypes(watch.model), **common}
+        wrapper = "fsdp1" if shape is not None and shape.wrapper == "FullyShardedDataParallel" else "fully_shard"
+        return {"wrapper": wrapper, **policy_dtypes(watch.model), **common}
 
     def _row(self, scaler: GradScaler) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What this rank says (device tensors: read in the all-gather's one transfer), and its parameters'
@@ -953,12 +953,12 @@ def _warn(text: str) -> None:
 
 
 def _capsule_plan(shape: Topology) -> str | None:
-    """Who writes a capsule of this topology: each alarming rank alone (None), every rank together
-    (:data:`TOGETHER`: an FSDP2 model's state is spread over the ranks; a DDP reduction in half precision is made
-    by all of them), or nobody (why not)."""
-    if shape.wrapper == "fully_shard" or (shape.wrapper == "DistributedDataParallel" and shape.half_reduction):
+    """Who writes a capsule of this topology: each alarming rank alone (None) or every rank together
+    (:data:`TOGETHER`: an FSDP model's state is spread over the ranks; a DDP reduction in half precision is made
+    by all of them)."""
+    if shape.sharded or (shape.wrapper == "DistributedDataParallel" and shape.half_reduction):
         return TOGETHER
-    return FSDP1_CAPSULE if shape.sharded else None
+    return None
 
 
 def _world_size() -> int:

@@ -1,11 +1,12 @@
-"""Capsules of sharded runs: the alarming step of an FSDP2 training, captured by every rank together.
+"""Capsules of sharded runs: the alarming step of an FSDP training, captured by every rank together.
 
-No rank holds the whole state of a ``fully_shard``-ed model, so no rank can write its capsule alone. The ranks
+No rank holds the whole state of a ``fully_shard``-ed model (FSDP2) or of a ``FullyShardedDataParallel`` one
+(FSDP1), so no rank can write its capsule alone. The ranks
 meet in ``GradScaler.update()`` every step (:mod:`.ranks`); where one of them raised an alarm, they write it there,
 together:
 
 * the whole model and optimizer state, gathered to rank 0 on the CPU with ``torch.distributed.checkpoint``'s
-  state-dict API (``full_state_dict=True, cpu_offload=True``);
+  state-dict API (``full_state_dict=True``, offloaded to the CPU from a GPU);
 * every rank's micro-batches of the step and the gradients that reached its outputs (a ``gather_object`` to rank 0);
 * the world size and the policy (``param_dtype``, ``reduce_dtype``), as the capsule's ``sharding`` config, which
   ``diagnose --capsule`` replays with the ranks emulated in one process (:mod:`fp16doctor.engine.emulated_ranks`).
@@ -73,15 +74,17 @@ def ddp_hook_dtype(hooks: list[str]) -> str | None:
 
 
 def policy_dtypes(model: torch.nn.Module) -> dict[str, Any]:
-    """The root ``fully_shard`` state's ``param_dtype`` and ``reduce_dtype``, by name (None: not set), and its
-    ``cast_forward_inputs``."""
+    """The root ``fully_shard`` state's (or FSDP1 root unit's) ``param_dtype`` and ``reduce_dtype``, by name (None:
+    not set), and whether the model's floating inputs are cast to ``param_dtype``: FSDP2's ``cast_forward_inputs``,
+    FSDP1's ``cast_root_forward_inputs`` (true by default) for its root."""
     from ..engine.parallel import policy_of  # the diagnosis's engine: loaded only when a capsule is written
 
     policy = policy_of(model) or {}
+    root_cast = getattr(getattr(model, "mixed_precision", None), "cast_root_forward_inputs", False)
     return {
         "param_dtype": policy.get("param_dtype"),
         "reduce_dtype": policy.get("reduce_dtype"),
-        "cast_forward_inputs": bool(policy.get("cast_forward_inputs", True)),
+        "cast_forward_inputs": bool(policy.get("cast_forward_inputs", True)) or bool(root_cast),
     }
 
 
@@ -111,7 +114,10 @@ def gathered_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
         get_optimizer_state_dict,
     )
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # offloaded only from a device: FSDP1 with its parameters on the CPU frees the storage its offload copies from
+    # (measured with the pinned torch: "setStorage ... out of bounds for storage of size 0")
+    on_device = any(p.device.type != "cpu" for p in model.parameters())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=on_device)
     model_state = get_model_state_dict(model, options=options)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     return dict(model_state), dict(optimizer_state)
@@ -163,8 +169,10 @@ def indexed_optimizer_state(state: dict[str, Any], names: list[str]) -> dict[str
     keys it, by position in ``names`` (the plain model's parameters, in their order): what the capsule's optimizer
     loads."""
     position = {name: index for index, name in enumerate(names)}
+    # each group's parameters in the plain model's order, as the capsule's optimizer takes them: FSDP1 lists them in
+    # its flat parameters' order (the root unit's first), and loading pairs saved and current parameters by place
     groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [position[n] for n in group["params"]]}
+        {**{k: v for k, v in group.items() if k != "params"}, "params": sorted(position[n] for n in group["params"])}
         for group in state.get("param_groups", [])
     ]
     moments = {position[name]: value for name, value in state.get("state", {}).items() if name in position}
@@ -189,12 +197,15 @@ def checkpoint_key(model: torch.nn.Module, name: str) -> str:
 
 def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A copy of ``model`` as the user's classes build it: each ``fully_shard``-ed module back in its own class,
-    its parameters the whole ``state`` (plain tensors on the CPU, keyed as ``torch.distributed.checkpoint`` keys
-    them), without FSDP's hooks and state and without the watch's own hooks: what ``model.pt`` pickles."""
+    each FSDP1 unit replaced by the module it wraps, its parameters the whole ``state`` (plain tensors on the CPU,
+    keyed as ``torch.distributed.checkpoint`` keys them), without FSDP's hooks and state and without the watch's
+    own hooks: what ``model.pt`` pickles."""
     prefix_of = {module: name for name, module in model.named_modules()}
+    held = _fsdp1_originals(model)
     copies: dict[int, torch.nn.Module] = {}
 
     def rebuild(module: torch.nn.Module) -> torch.nn.Module:
+        module = _unwrapped(module)
         if id(module) in copies:
             return copies[id(module)]
         # made without __init__ (FSDP's class builds the original class anew in __new__), then filled with the
@@ -207,14 +218,71 @@ def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torc
             if p is None
             else torch.nn.Parameter(state[checkpoint_key(model, _join(prefix, name))].clone(), p.requires_grad)
             for name, p in module._parameters.items()
+            if not _is_flat(p)
         }
+        for name, key, requires_grad in held.get(id(module), []):
+            clone.__dict__.pop(name, None)  # FSDP1's view of the unsharded parameter, not the parameter
+            clone._parameters[name] = torch.nn.Parameter(state[key].clone(), requires_grad)
         clone._buffers = {name: None if b is None else cpu_copy(b) for name, b in module._buffers.items()}
         _drop_foreign_hooks(module, clone)
         clone._modules = {name: None if m is None else rebuild(m) for name, m in module._modules.items()}
         copies[id(module)] = clone
         return clone
 
-    return rebuild(model)
+    plain = rebuild(model)
+    _tie_fsdp1_shared(model, copies)
+    return plain
+
+
+def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """An FSDP1 unit's wrapped module (the user's), or ``module`` itself."""
+    while _is_fsdp1(module):
+        wrapped = module._fsdp_wrapped_module
+        assert isinstance(wrapped, torch.nn.Module)
+        module = wrapped
+    return module
+
+
+def _is_fsdp1(module: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - builds without distributed
+        return False
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def _is_flat(parameter: Any) -> bool:
+    """FSDP1's flat parameter: the unit's shard of all its modules' parameters, not one of the user's. (A plain
+    ``Parameter`` marked as flat; ``FlatParameter``'s metaclass recognises the mark.)"""
+    try:
+        from torch.distributed.fsdp._flat_param import FlatParameter
+    except ImportError:  # pragma: no cover - builds without distributed
+        return False
+    return isinstance(parameter, FlatParameter)
+
+
+def _fsdp1_originals(model: torch.nn.Module) -> dict[int, list[tuple[str, str, bool]]]:
+    """By ``id`` of each module whose parameters an FSDP1 unit flattened: (name on the module, key in the whole
+    state, requires_grad) of each, in the module's order. FSDP1 takes them out of the module's ``_parameters``."""
+    from .sharding import flat_parameters
+
+    originals: dict[int, list[tuple[str, str, bool]]] = {}
+    for flat, keys in flat_parameters(model).values():
+        for info, key in zip(flat._param_infos, keys):
+            originals.setdefault(id(info.module), []).append((info.param_name, key, flat.requires_grad))
+    return originals
+
+
+def _tie_fsdp1_shared(model: torch.nn.Module, copies: dict[int, torch.nn.Module]) -> None:
+    """A parameter an FSDP1 unit holds once for several modules (tied weights) is one parameter in the copy too."""
+    from .sharding import flat_parameters
+
+    for flat, _ in flat_parameters(model).values():
+        for info in getattr(flat, "_shared_param_infos", ()):
+            owner, primary = copies.get(id(info.module)), copies.get(id(info.prim_module))
+            if owner is not None and primary is not None:
+                owner.__dict__.pop(info.param_name, None)
+                owner._parameters[info.param_name] = primary._parameters[info.prim_param_name]
 
 
 def _drop_foreign_hooks(module: torch.nn.Module, clone: torch.nn.Module) -> None:

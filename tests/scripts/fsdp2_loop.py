@@ -8,6 +8,7 @@ gradients communicated in fp16 (with the scaler).
 ``--poison-rank R --poison-step K``: rank R's batch of step K carries a NaN feature (one broken shard of the data).
 ``--micro-batches M``: each step accumulates M micro-batches (the poisoned one is the first);
 ``--sync-last-only``: with gradient sync off until the last of them (``set_requires_gradient_sync``).
+``--fsdp1``: FSDP1 instead, FullyShardedDataParallel with a MixedPrecision, each block its own unit.
 """
 
 import argparse
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
@@ -55,18 +57,26 @@ def main():
     parser.add_argument("--poison-step", type=int, default=-1)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--sync-last-only", action="store_true")
+    parser.add_argument("--fsdp1", action="store_true")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = Net()
-    policy = MixedPrecisionPolicy(
-        param_dtype=getattr(torch, args.param_dtype), reduce_dtype=getattr(torch, args.reduce_dtype)
-    )
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    param_dtype, reduce_dtype = getattr(torch, args.param_dtype), getattr(torch, args.reduce_dtype)
+    if args.fsdp1:
+        model = FullyShardedDataParallel(
+            model,
+            mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            device_id=torch.device("cpu"),
+        )
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fp16 = "float16" in (args.param_dtype, args.reduce_dtype)
     if args.scaler == "sharded":
@@ -90,7 +100,7 @@ def main():
         scaler.update()
         print(f"rank {rank} step {step} loss {loss.item()!r} scale {scaler.get_scale()!r}", flush=True)
 
-    weights = sum(p.to_local().double().sum().item() for p in model.parameters())
+    weights = sum(getattr(p, "to_local", lambda p=p: p)().double().sum().item() for p in model.parameters())
     print(f"rank {rank} final weights {weights!r}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -59,6 +59,17 @@ def _fsdp_fix(policy: dict[str, Any]) -> Fix:
     )
 
 
+def _fsdp1_fix(policy: dict[str, Any]) -> Fix:
+    """FSDP1's ``MixedPrecision`` with its reduction in fp32, its parameters' dtype kept as the training has it."""
+    param_dtype = policy.get("param_dtype")
+    keep = f"param_dtype=torch.{param_dtype}, " if param_dtype else ""
+    return Fix(
+        "Reduce the gradients in fp32: set reduce_dtype=torch.float32 in FSDP's MixedPrecision (the parameters may "
+        "stay in param_dtype).",
+        code=f"FullyShardedDataParallel(model, mixed_precision=MixedPrecision({keep}reduce_dtype=torch.float32))",
+    )
+
+
 def _fix(parallel: ParallelComparison) -> Fix:
     return _fsdp_fix(parallel.policy) if parallel.policy is not None else DDP_FIX
 
@@ -287,7 +298,10 @@ class HalfPrecisionReduce(Rule):
             f"{by} turns {worst}'s finite gradients (up to {evidence.local_max:.3g} as reduced) into inf or NaN on "
             f"{len(evidence.nonfinite_steps)} step(s) of the {sharding.world} ranks' reduction, emulated in one process"
         )
-        fix = replace(DDP_FIX if ddp else _fsdp_fix(policy), config_patch=sharding_patch(reduce_dtype="float32"))
+        fixes = {"ddp": DDP_FIX, "fsdp1": _fsdp1_fix(policy)}
+        fix = replace(
+            fixes.get(sharding.wrapper, _fsdp_fix(policy)), config_patch=sharding_patch(reduce_dtype="float32")
+        )
         measured = {s.code for s in ev.symptoms} & set(self.explains)
         severity = None if measured else Severity.WARNING
         return [self.finding(title if measured else title + "; no symptom measured", evidence, fix, severity=severity)]
