@@ -20,6 +20,7 @@ file's ``CONFIG`` and a ``config_file``, as the CLI's flags are. Bad input raise
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -312,7 +313,18 @@ def onnx_request(onnx: bool, onnx_out: PathLike | None) -> OnnxRequest | None:
             f"the ONNX check needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed.",
             hint="pip install 'fp16doctor[onnx]' (onnx, onnxruntime, and onnxscript for torch's exporter).",
         )
+    if onnx_out is not None:
+        writable_file(Path(onnx_out))
     return OnnxRequest(Path(onnx_out) if onnx_out is not None else None)
+
+
+def writable_file(path: Path) -> None:
+    """A file can be written at ``path`` (its folder made where missing): said before any model runs."""
+    if path.is_dir():
+        raise DoctorError(f"'{path}' is a folder, not a file to write.", hint="Give the path of the file to write.")
+    folder = next((p for p in path.absolute().parents if p.exists()), None)
+    if folder is None or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise DoctorError(f"'{path}' cannot be written: {folder} is not a folder this process can write to.")
 
 
 def speed(training_file: PathLike, *, config_file: PathLike | None = None, **config: Any) -> SpeedReport:

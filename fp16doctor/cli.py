@@ -756,7 +756,7 @@ def serve_check(
         typer.Option(
             "--onnx",
             help="Also export to ONNX, convert to fp16 with the keep-set as the block list, and run it on onnxruntime "
-            "(pip install 'fp16doctor[onnx]').",
+            "(pip install 'fp16doctor\\[onnx]').",
         ),
     ] = False,
     onnx_out: Annotated[
@@ -779,6 +779,7 @@ def serve_check(
         from .output.serving import render_serve_check
 
         if onnx_out is not None:
+            api.writable_file(onnx_out)  # a folder, or a path under a file, before "already exists"
             check_writable(onnx_out, force)
         start = api.CheckpointStart(checkpoint, trust=trust_checkpoint) if checkpoint is not None else None
         result = api.serve_check(

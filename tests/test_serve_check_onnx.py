@@ -14,7 +14,20 @@ from typer.testing import CliRunner
 
 import fp16doctor
 from fp16doctor.cli import app
-from fp16doctor.measure.serving_onnx import ONNX_EXTRAS, fold_round_trips, missing_extras, sort_topologically
+from fp16doctor.measure.serving import fresh_copies
+from fp16doctor.measure.serving_onnx import (
+    ONNX_EXTRAS,
+    block_list,
+    casting_modules,
+    convert_fp16,
+    export_fp32,
+    fold_round_trips,
+    missing_extras,
+    model_calls,
+    run_as_written,
+    sort_topologically,
+)
+from fp16doctor.userfile.spec import load_training_file
 
 SERVING = ROOT / "tests" / "serving"
 needs_extras = pytest.mark.skipif(
@@ -37,13 +50,14 @@ def test_a_buffer_past_65504_is_clamped_by_the_whole_conversion_and_the_keep_set
     # the converter stores the 1e5 price unit as 65504: finite prices, about 35% low, where model.half() gives inf
     assert list(whole.clamped["initializer"]) == ["head.unit"] and whole.result.finite
     assert 0.3 < whole.result.rel_dev < 0.4
+    assert not whole.as_written.finite  # 65504 * 2 is inf in fp16 arithmetic: the CPU provider ran Mul in fp32
     assert onnx.kept is not None and onnx.kept.result.within(result.tolerance)
     assert onnx.kept.clamped.empty  # the kept head's initializers stay fp32
     assert onnx.blocked_nodes and onnx.round_trips_folded > 0  # the head's fp32 prices reach the fp32 output
     report = result.to_json()["onnx"]
     assert (
         report["kept"]["result"]["mode"] == "onnx-fp16-kept"
-        and report["converted"]["clamped_initializers"][0]["max_abs"] == 1e5
+        and report["converted"]["clamped_initializers"][0]["value"] == 1e5
     )
     json.dumps(report, allow_nan=False)
 
@@ -61,6 +75,34 @@ def test_the_keep_set_as_block_list_serves_the_input_norm_and_the_cpu_provider_u
         assert onnx.converted is not None and onnx.converted.result.finite and not result.modes["fp16"].finite
         assert 0 < onnx.converted.upcast_ops <= onnx.converted.half_ops
         assert "Mul" in set(onnx.converted.upcast["op"])
+    # as written, in fp16 arithmetic, the whole conversion overflows where model.half() does, and the keep-set serves
+    assert not onnx.converted.as_written.finite and onnx.kept.as_written.within(result.tolerance)
+
+
+@needs_extras
+def test_a_parents_residual_sum_of_a_kept_modules_output_stays_fp32_as_the_keep_set_was_verified():
+    result = checked("residual_past_fp16.py")
+    assert result.keep is not None and result.keep.verified and result.keep.modules == ["block.proj", "block.norm"]
+    onnx = result.onnx
+    assert onnx is not None and onnx.kept is not None and onnx.kept.within(result.tolerance)
+    assert not onnx.converted.as_written.finite
+
+    spec = load_training_file(SERVING / "residual_past_fp16.py")
+    build = fresh_copies(spec.model())
+    batches = spec.data()[:1]
+    calls = model_calls(build(), batches, spec.loss)
+    references = [build()(*calls[0][0]).detach()]
+    fp32 = export_fp32(build(), calls[0])
+    kept = result.keep.modules
+    promoted = block_list(fp32, kept, casting_modules(build(), kept))
+    only_kept = block_list(fp32, kept, {name for name, _ in build().named_modules()})
+    assert set(only_kept) < set(promoted)  # the block's own residual sum, which the kept projection's output reaches
+    as_written = {
+        len(blocked): run_as_written(convert_fp16(fp32, blocked)[0], calls, references)
+        for blocked in (promoted, only_kept)
+    }
+    assert int(as_written[len(only_kept)]["nonfinite"].sum()) > 0  # the converter casts the 2e5 sum to fp16
+    assert int(as_written[len(promoted)]["nonfinite"].sum()) == 0
 
 
 @needs_extras
@@ -88,6 +130,38 @@ def test_onnx_out_writes_a_valid_model_once_and_a_healthy_model_is_safe(tmp_path
     before = target.read_bytes()
     again = CliRunner().invoke(app, ["serve-check", str(SAMPLES / "mlp.py"), "--onnx-out", str(target)])
     assert again.exit_code == 2 and "already exists" in again.output and target.read_bytes() == before
+
+
+@needs_extras
+def test_a_model_that_cannot_be_exported_is_unsafe_with_the_exporters_reason(training_file):
+    path = training_file(
+        """
+        import torch
+        class Gated(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.linear = torch.nn.Linear(4, 2)
+            def forward(self, x):
+                if x.mean().item() > 0:  # a data-dependent branch: no graph holds both sides
+                    return self.linear(x)
+                return -self.linear(x)
+        def model():
+            return Gated()
+        def data():
+            return [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(2)]
+        """
+    )
+    result = fp16doctor.serve_check(path, onnx=True, batches=2)
+    assert result.onnx is not None and result.onnx.error is not None and not result.safe
+    assert "data-dependent" in result.onnx.error and "\x1b" not in result.onnx.error
+
+
+def test_onnx_out_that_cannot_be_a_file_is_bad_input_before_anything_runs(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    for target, said in ((tmp_path, "is a folder"), (tmp_path / "a_file" / "served.onnx", "cannot be written")):
+        shown = CliRunner().invoke(app, ["serve-check", str(SAMPLES / "mlp.py"), "--onnx-out", str(target)])
+        assert shown.exit_code == 2 and "Served against FP32" not in shown.output, shown.output
+        assert said in " ".join(shown.output.split())
 
 
 def test_without_the_extras_the_onnx_check_is_one_clear_message(monkeypatch):

@@ -127,26 +127,38 @@ class Conversion:
 
     JSON_KEY_DOCS: ClassVar[dict[str, str]] = {
         "provider_fp32_ops": "Its fp16 operators the provider ran in fp32 (no fp16 kernel there): ``op``, ``count``.",
-        "clamped_initializers": "Weights and constants past 65504 it stores as 65504: ``initializer``, ``max_abs``.",
+        "clamped_initializers": "Weights and constants past 65504 it stores as +-65504: ``initializer`` (the "
+        "exporter's name), ``value`` (its value of largest magnitude).",
     }
     """What the keys ``to_json`` computes hold: the JSON reference reads them."""
 
     result: ModeResult
-    """Its outputs against FP32's (mode ``onnx-fp16``, or ``onnx-fp16-kept`` with the keep-set blocked)."""
+    """Its outputs on onnxruntime against FP32's (mode ``onnx-fp16``, or ``onnx-fp16-kept`` with the keep-set
+    blocked)."""
+    as_written: ModeResult
+    """Its outputs against FP32's with every operator computed in the dtype the graph gives it (``onnx``'s reference
+    evaluator, in NumPy): what an engine with fp16 kernels for all of them computes, where a provider would
+    upcast. Its ``error`` where the evaluator lacks an operator: then not measured."""
     upcast: pd.DataFrame
     """``op``, ``count``: its fp16 operators the provider ran in fp32 (no fp16 kernel there)."""
     half_ops: int
     """Its operators, other than casts, that the converter left in fp16."""
     clamped: pd.DataFrame
-    """``initializer``, ``max_abs``: weights and constants past 65504 it stores as 65504."""
+    """``initializer``, ``value``: weights and constants past 65504 it stores as +-65504."""
 
     @property
     def upcast_ops(self) -> int:
         return int(self.upcast["count"].sum())
 
+    def within(self, tolerance: float) -> bool:
+        """Finite and within the tolerance on onnxruntime, and as written where the evaluator could run it."""
+        as_written = self.as_written.error is not None or self.as_written.within(tolerance)
+        return self.result.within(tolerance) and as_written
+
     def to_json(self) -> dict[str, Any]:
         return {
             "result": self.result.to_json(),
+            "as_written": self.as_written.to_json(),
             "provider_fp32_ops": table_rows(self.upcast),
             "half_ops": self.half_ops,
             "clamped_initializers": table_rows(self.clamped),
@@ -180,7 +192,7 @@ class OnnxServing:
         return self.kept if self.kept is not None else self.converted
 
     def within(self, tolerance: float) -> bool:
-        return self.served is not None and self.served.result.within(tolerance)
+        return self.served is not None and self.served.within(tolerance)
 
     def to_json(self) -> dict[str, Any]:
         return {

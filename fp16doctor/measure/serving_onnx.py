@@ -26,6 +26,7 @@ import copy
 import importlib.util
 import io
 import logging
+import re
 import tempfile
 import warnings
 from collections import Counter
@@ -44,6 +45,8 @@ ONNX_EXTRAS = ("onnx", "onnxruntime", "onnxscript")
 """What the ONNX path imports: the format, the runtime (and its fp16 converter), and torch's exporter's backend."""
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 """The metadata key under which torch's exporter records each node's module path (``['', 'head', 'head.linear']``)."""
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+"""Terminal colour codes, which torch's exporter puts in its messages."""
 PREFERRED_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 """A GPU's fp16 kernels where onnxruntime has them, else the CPU's."""
 
@@ -97,7 +100,11 @@ def _quiet() -> Iterator[None]:
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        with (
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+            warnings.catch_warnings(),
+        ):
             warnings.simplefilter("ignore")
             yield
     finally:
@@ -115,14 +122,40 @@ def export_fp32(model: torch.nn.Module, call: Call) -> Any:
     return program.model_proto
 
 
-def block_list(proto: Any, kept: list[str]) -> list[str]:
-    """The nodes the modules ``kept`` (and their children) made, read from the exporter's module paths."""
-    blocked = []
-    for node in proto.graph.node:
-        scopes: list[str] = next((ast.literal_eval(p.value) for p in node.metadata_props if p.key == NAME_SCOPES), [])
-        if any(scope == k or scope.startswith(k + ".") for scope in scopes for k in kept):
+def block_list(proto: Any, kept: list[str], casting: set[str]) -> list[str]:
+    """The nodes to leave in fp32: those the modules ``kept`` (and their children) made, read from the exporter's
+    module paths, and those their fp32 outputs reach before a module that casts its inputs (``casting``: the modules
+    holding parameters of their own, not kept). That is how the keep-set was verified in torch: a kept module's
+    output stays fp32, and an operation of its parent's own forward that takes it (a residual ``x + f(x)``) runs in
+    fp32 by type promotion; the converter would cast it back to fp16 for that operation."""
+    blocked: list[str] = []
+    fp32_values: set[str] = set()
+    for node in proto.graph.node:  # the exporter writes each node after those it reads from
+        module = _module_of(node)
+        made_by_kept = any(module == k or module.startswith(k + ".") for k in kept)
+        promoted = module not in casting and any(name in fp32_values for name in node.input)
+        if made_by_kept or promoted:
             blocked.append(node.name)
+            fp32_values.update(node.output)
     return blocked
+
+
+def casting_modules(model: torch.nn.Module, kept: list[str]) -> set[str]:
+    """The modules that cast their inputs to fp16 when the model is served with ``kept`` in fp32: those holding
+    parameters of their own, outside the keep-set."""
+    return {
+        name
+        for name, module in model.named_modules()
+        if any(True for _ in module.parameters(recurse=False))
+        and not any(name == k or name.startswith(k + ".") for k in kept)
+    }
+
+
+def _module_of(node: Any) -> str:
+    """The path of the module whose forward made the node: the exporter's scopes are the module paths, then the
+    operation's own name."""
+    scopes: list[str] = next((ast.literal_eval(p.value) for p in node.metadata_props if p.key == NAME_SCOPES), [])
+    return scopes[-2] if len(scopes) >= 2 else ""
 
 
 def convert_fp16(proto: Any, blocked: list[str]) -> tuple[Any, int]:
@@ -222,17 +255,18 @@ def _drop_unused(graph: Any) -> None:
 
 
 def clamped_initializers(fp32: Any, half: Any) -> pd.DataFrame:
-    """The initializers past 65504 that the conversion stored in fp16 (clamped to 65504)."""
+    """The initializers past 65504 that the conversion stored in fp16 (clamped to +-65504), each with its value of
+    largest magnitude."""
     from onnx import TensorProto, numpy_helper
 
     converted = {i.name for i in half.graph.initializer if i.data_type == TensorProto.FLOAT16}
     rows = []
     for initializer in fp32.graph.initializer:
         if initializer.name in converted and initializer.data_type == TensorProto.FLOAT:
-            peak = float(abs(numpy_helper.to_array(initializer)).max(initial=0.0))
-            if peak > FP16_MAX:
-                rows.append({"initializer": initializer.name, "max_abs": peak})
-    return pd.DataFrame(rows, columns=["initializer", "max_abs"])
+            values = numpy_helper.to_array(initializer).reshape(-1)
+            if values.size and float(abs(values).max()) > FP16_MAX:
+                rows.append({"initializer": initializer.name, "value": float(values[abs(values).argmax()])})
+    return pd.DataFrame(rows, columns=["initializer", "value"])
 
 
 # --- running on onnxruntime ------------------------------------------------------------------------------
@@ -263,6 +297,23 @@ def _shaped_like(reference: Any, produced: list[torch.Tensor]) -> Any:
     """onnxruntime's flat outputs put back in the structure of what the model returns (its tensors in order)."""
     leaves = iter(produced)
     return map_tensors(reference, lambda _: next(leaves))
+
+
+def run_as_written(proto: Any, calls: list[Call], references: list[Any]) -> pd.DataFrame:
+    """The converted model on each call with every operator in the graph's own dtypes (``onnx``'s reference
+    evaluator: NumPy's fp16 arithmetic where the graph says fp16), compared with FP32's outputs."""
+    from onnx.reference import ReferenceEvaluator
+
+    evaluator = ReferenceEvaluator(proto)
+    names = [value.name for value in proto.graph.input]
+    outputs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # NumPy's overflow warnings: the overflow is what is measured
+        for call, reference in zip(calls, references):
+            feeds = [t.numpy() for _, t in iter_tensors(call)]
+            produced = [torch.from_numpy(array) for array in evaluator.run(None, dict(zip(names, feeds)))]
+            outputs.append(_shaped_like(reference, produced))
+    return compare_outputs(outputs, references)
 
 
 def provider_fp32_ops(proto: Any, provider_name: str) -> tuple[pd.DataFrame, int]:
@@ -336,7 +387,7 @@ def onnx_serving(
     try:
         fp32 = export_fp32(model, calls[0])
         whole, _ = convert_fp16(fp32, [])
-        blocked = block_list(fp32, kept)
+        blocked = block_list(fp32, kept, casting_modules(model, kept))
         with_keep, folded = convert_fp16(fp32, blocked) if kept else (None, 0)
     except Exception as exc:  # noqa: BLE001 - the exporter's or the converter's refusal is what was measured
         return OnnxServing(name, None, None, [], 0, len(fits), error=_said(exc))
@@ -356,15 +407,27 @@ def onnx_serving(
 
 def _conversion(fp32: Any, half: Any, mode: str, calls: list[Call], references: list[Any], name: str) -> Conversion:
     clamped = clamped_initializers(fp32, half)
+    as_written = _measured(mode, lambda: run_as_written(half, calls, references))
     try:
         outputs = run_onnx(half, calls, references, name)
         upcast, half_ops = provider_fp32_ops(half, name)
     except Exception as exc:  # noqa: BLE001 - onnxruntime refusing the graph is measured, not a crash
         failed = ModeResult(mode, compare_outputs([], []), error=_said(exc))
-        return Conversion(failed, pd.DataFrame(columns=["op", "count"]), 0, clamped)
-    return Conversion(ModeResult(mode, outputs), upcast, half_ops, clamped)
+        return Conversion(failed, as_written, pd.DataFrame(columns=["op", "count"]), 0, clamped)
+    return Conversion(ModeResult(mode, outputs), as_written, upcast, half_ops, clamped)
 
 
-def _said(exc: Exception) -> str:
-    """The exception's type and first line: onnxruntime's messages run to pages."""
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+def _measured(mode: str, run: Callable[[], pd.DataFrame]) -> ModeResult:
+    try:
+        return ModeResult(mode, run())
+    except Exception as exc:  # noqa: BLE001 - an operator the evaluator lacks: not measured, said so
+        return ModeResult(mode, compare_outputs([], []), error=_said(exc))
+
+
+def _said(exc: BaseException) -> str:
+    """The exception's type and first line, without terminal colours: onnxruntime's messages run to pages, and
+    torch's exporter wraps the exception that says why (a data-dependent branch) in one that says where it stopped."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, Exception) and "export" in type(exc).__name__.lower() else exc
+    text = ANSI.sub("", str(cause)).strip()
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return f"{type(cause).__name__}: {line[:300]}"

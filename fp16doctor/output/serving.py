@@ -7,8 +7,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..measure.serving import ServeCheck
-from ..measure.serving_onnx import Conversion, OnnxServing
+from ..measure.serving import Conversion, ModeResult, OnnxServing, ServeCheck
 from .formatting import human
 
 
@@ -38,10 +37,15 @@ def render_serve_check(result: ServeCheck, console: Console) -> None:
             f"{int(row['flushed'])} flushed to zero when cast to fp16"
         )
     if result.onnx is not None:
-        render_onnx(result.onnx, console)
+        render_onnx(result.onnx, result.batches, console)
     tolerance = human(result.tolerance, percent=True)
-    if result.onnx is not None and not result.onnx.within(result.tolerance):
-        console.print(f"[bold red]unsafe[/] as an fp16 ONNX conversion: not finite, or past {tolerance} of FP32.")
+    if result.onnx is not None and result.onnx.error is not None:
+        console.print("[bold red]unsafe[/] as an fp16 ONNX conversion: it could not be made (above).")
+    elif result.onnx is not None and not result.onnx.within(result.tolerance):
+        console.print(
+            f"[bold red]unsafe[/] as an fp16 ONNX conversion: not finite, or past {tolerance} of FP32, on "
+            "onnxruntime or as written."
+        )
     if result.safe:
         console.print(f"[bold green]safe[/] in fp16: finite, within {tolerance} of FP32 on {result.batches} batch(es).")
         return
@@ -64,28 +68,37 @@ def render_serve_check(result: ServeCheck, console: Console) -> None:
         console.print(f"Kept in fp32 so far, not enough: {', '.join(keep.modules)}.")
 
 
-def render_onnx(onnx: OnnxServing, console: Console) -> None:
-    """Each fp16 conversion on onnxruntime against FP32, with what the provider ran in fp32 and what the converter
-    clamped."""
+def render_onnx(onnx: OnnxServing, batches: int, console: Console) -> None:
+    """Each fp16 conversion against FP32, on onnxruntime and as written (every operator in its graph dtype), then
+    what the provider ran in fp32, what the converter clamped, and the batches the export's shapes left out."""
     if onnx.error is not None:
-        console.print(f"[red]ONNX[/]: no fp16 conversion to run: {escape(onnx.error)}")
+        console.print(f"[red]ONNX[/]: the model was not exported and converted: {escape(onnx.error)}")
         return
-    table = Table(
-        title=f"fp16 ONNX conversions on onnxruntime ({onnx.provider}, {onnx.batches} batch(es))",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-    )
-    for column in ("conversion", "finite", "worst deviation", "fp16 ops run in fp32", "note"):
-        table.add_column(column, no_wrap=column != "note")
-    for label, conversion in (("whole model", onnx.converted), ("keep-set blocked", onnx.kept)):
+    table = Table(title=f"fp16 ONNX conversions ({onnx.batches} batch(es))", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("conversion", f"on {onnx.provider}", "as written", "ops run in fp32 there"):
+        table.add_column(column)
+    conversions = [("whole model", onnx.converted), ("keep-set blocked", onnx.kept)]
+    for label, conversion in conversions:
         if conversion is not None:
-            table.add_row(label, *_conversion_cells(conversion))
+            table.add_row(
+                label,
+                _outcome(conversion.result),
+                _outcome(conversion.as_written),
+                f"{conversion.upcast_ops} of {conversion.half_ops}",
+            )
     console.print(table)
-    served = onnx.served
-    if served is not None and served.upcast_ops:
+    console.print(
+        "[dim]as written: every operator in the dtype the graph gives it (onnx's reference evaluator), as an engine "
+        f"with fp16 kernels for all of them computes; {escape(onnx.provider)} runs the operators it has no fp16 "
+        "kernel for in fp32.[/]"
+    )
+    for label, conversion in conversions:
+        if conversion is not None:
+            _conversion_notes(label, conversion, onnx.provider, console)
+    if onnx.batches < batches:
         console.print(
-            f"[yellow]{onnx.provider}[/] ran {served.upcast_ops} of the served conversion's {served.half_ops} fp16 "
-            "operators in fp32 (no fp16 kernel there): where it is finite, a GPU's fp16 kernels may still not be."
+            f"{batches - onnx.batches} of the {batches} batches were left out of the ONNX runs: their inputs' shapes "
+            "differ from the exported ones (the export takes fixed shapes)."
         )
     if onnx.round_trips_folded:
         console.print(
@@ -93,19 +106,28 @@ def render_onnx(onnx: OnnxServing, console: Console) -> None:
             "the kept nodes take and give fp32 values."
         )
     if onnx.written is not None:
-        console.print(f"Wrote the served conversion to [bold]{escape(onnx.written)}[/].")
+        console.print(
+            f"Wrote the served conversion to [bold]{escape(onnx.written)}[/] (its inputs take the exported shapes)."
+        )
 
 
-def _conversion_cells(conversion: Conversion) -> tuple[str, str, str, str]:
-    result = conversion.result
-    ops = ", ".join(f"{row['op']} x{int(row['count'])}" for _, row in conversion.upcast.iterrows())
-    clamped = ", ".join(
-        f"{row['initializer']} ({human(row['max_abs'])} stored as 65504)" for _, row in conversion.clamped.iterrows()
-    )
-    note = escape(result.error or (f"clamped: {clamped}" if clamped else ""))
-    return (
-        "[green]yes[/]" if result.finite else "[red]no[/]",
-        human(result.rel_dev, percent=True) if result.error is None and result.finite else "-",
-        f"{conversion.upcast_ops} of {conversion.half_ops}" + (f": {ops}" if ops else ""),
-        note,
-    )
+def _outcome(result: ModeResult) -> str:
+    if result.error is not None:
+        return "[yellow]not run[/]"
+    if not result.finite:
+        return "[red]inf/NaN[/]"
+    return human(result.rel_dev, percent=True)
+
+
+def _conversion_notes(label: str, conversion: Conversion, provider: str, console: Console) -> None:
+    for mode in (conversion.result, conversion.as_written):
+        if mode.error is not None:
+            console.print(f"{label}: {escape(mode.error)}")
+    if not conversion.upcast.empty:
+        ops = ", ".join(f"{row['op']} x{int(row['count'])}" for _, row in conversion.upcast.iterrows())
+        console.print(f"{label}: {escape(provider)} ran in fp32: {escape(ops)}")
+    for _, row in conversion.clamped.iterrows():
+        console.print(
+            f"{label}: [yellow]{escape(row['initializer'])}[/] ({human(row['value'])}) is stored as "
+            f"{'-' if row['value'] < 0 else ''}65504"
+        )
