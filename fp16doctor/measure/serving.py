@@ -62,15 +62,15 @@ class ModeResult:
     """``fp16``, ``fp16-autocast`` or ``bf16``."""
     outputs: pd.DataFrame
     """One row per output tensor: ``output`` (its path in what the model returns), ``max_abs_dev``, ``rel_dev``
-    (the largest deviation over the output's largest FP32 magnitude), ``nonfinite`` (values that are inf or NaN
-    where FP32's are finite)."""
+    (the largest deviation over the output's largest FP32 magnitude; inf where a value turned inf or NaN),
+    ``nonfinite`` (values that are inf or NaN where FP32's are finite)."""
     error: str | None = None
     """The exception the forward raised in this mode (an op without a half kernel on this device), or None."""
 
     @property
     def rel_dev(self) -> float:
-        """The largest relative deviation of any floating output (inf where the mode raised; 0 where the model
-        returns no floating output, which no precision changes)."""
+        """The largest relative deviation of any floating output (inf where the mode raised or a value turned inf
+        or NaN; 0 where the model returns no floating output, which no precision changes)."""
         if self.error is not None:
             return math.inf
         return float(self.outputs["rel_dev"].max()) if len(self.outputs) else 0.0
@@ -319,8 +319,9 @@ def compare_outputs(ours: list[Any], reference: list[Any]) -> pd.DataFrame:
     rows = [
         {
             "output": name,
-            "max_abs_dev": dev,
-            "rel_dev": dev / scale if scale > 0 else (0.0 if dev == 0 else math.inf),
+            # a value turned inf or NaN is off by more than any finite deviation: not the finite values' 0
+            "max_abs_dev": math.inf if bad else dev,
+            "rel_dev": math.inf if bad else (dev / scale if scale > 0 else (0.0 if dev == 0 else math.inf)),
             "nonfinite": bad,
         }
         for name, (dev, scale, bad) in stats.items()
