@@ -49,6 +49,7 @@ def test_a_buffer_past_65504_is_clamped_by_the_whole_conversion_and_the_keep_set
     whole = onnx.converted
     # the converter stores the 1e5 price unit as 65504: finite prices, about 35% low, where model.half() gives inf
     assert list(whole.clamped["initializer"]) == ["head.unit"] and whole.result.finite
+    assert list(whole.clamped["used_by"]) == ["head (Mul)"]
     assert 0.3 < whole.result.rel_dev < 0.4
     assert not whole.as_written.finite  # 65504 * 2 is inf in fp16 arithmetic: the CPU provider ran Mul in fp32
     assert onnx.kept is not None and onnx.kept.result.within(result.tolerance)

@@ -128,7 +128,8 @@ class Conversion:
     JSON_KEY_DOCS: ClassVar[dict[str, str]] = {
         "provider_fp32_ops": "Its fp16 operators the provider ran in fp32 (no fp16 kernel there): ``op``, ``count``.",
         "clamped_initializers": "Weights and constants past 65504 it stores as +-65504: ``initializer`` (the "
-        "exporter's name), ``value`` (its value of largest magnitude).",
+        "exporter's name), ``value`` (its value of largest magnitude), ``used_by`` (the module and operator of its "
+        "first reader).",
     }
     """What the keys ``to_json`` computes hold: the JSON reference reads them."""
 
@@ -144,7 +145,7 @@ class Conversion:
     half_ops: int
     """Its operators, other than casts, that the converter left in fp16."""
     clamped: pd.DataFrame
-    """``initializer``, ``value``: weights and constants past 65504 it stores as +-65504."""
+    """``initializer``, ``value``, ``used_by``: weights and constants past 65504 it stores as +-65504."""
 
     @property
     def upcast_ops(self) -> int:

@@ -256,17 +256,26 @@ def _drop_unused(graph: Any) -> None:
 
 def clamped_initializers(fp32: Any, half: Any) -> pd.DataFrame:
     """The initializers past 65504 that the conversion stored in fp16 (clamped to +-65504), each with its value of
-    largest magnitude."""
+    largest magnitude and where it is used (the module, and the operator, of its first reader): the exporter's names
+    for constants (``val_100``) say nothing."""
     from onnx import TensorProto, numpy_helper
 
     converted = {i.name for i in half.graph.initializer if i.data_type == TensorProto.FLOAT16}
+    readers: dict[str, Any] = {}
+    for node in fp32.graph.node:
+        for name in node.input:
+            readers.setdefault(name, node)
     rows = []
     for initializer in fp32.graph.initializer:
         if initializer.name in converted and initializer.data_type == TensorProto.FLOAT:
             values = numpy_helper.to_array(initializer).reshape(-1)
             if values.size and float(abs(values).max()) > FP16_MAX:
-                rows.append({"initializer": initializer.name, "value": float(values[abs(values).argmax()])})
-    return pd.DataFrame(rows, columns=["initializer", "value"])
+                reader = readers.get(initializer.name)
+                used_by = f"{_module_of(reader) or '(model)'} ({reader.op_type})" if reader is not None else ""
+                rows.append(
+                    {"initializer": initializer.name, "value": float(values[abs(values).argmax()]), "used_by": used_by}
+                )
+    return pd.DataFrame(rows, columns=["initializer", "value", "used_by"])
 
 
 # --- running on onnxruntime ------------------------------------------------------------------------------

@@ -128,6 +128,6 @@ def _conversion_notes(label: str, conversion: Conversion, provider: str, console
         console.print(f"{label}: {escape(provider)} ran in fp32: {escape(ops)}")
     for _, row in conversion.clamped.iterrows():
         console.print(
-            f"{label}: [yellow]{escape(row['initializer'])}[/] ({human(row['value'])}) is stored as "
-            f"{'-' if row['value'] < 0 else ''}65504"
+            f"{label}: [yellow]{escape(row['initializer'])}[/] ({human(row['value'])}, read by "
+            f"{escape(row['used_by'])}) is stored as {'-' if row['value'] < 0 else ''}65504"
         )
