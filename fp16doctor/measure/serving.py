@@ -424,7 +424,7 @@ def serve_check(
         from .serving_onnx import onnx_serving
 
         kept = result.keep.modules if result.keep is not None and result.keep.verified else []
-        result.onnx = onnx_serving(build, batches, loss_fn, reference, kept, onnx.write_to)
+        result.onnx = onnx_serving(build, batches, loss_fn, kept, onnx.write_to)
     return result
 
 

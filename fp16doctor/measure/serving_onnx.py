@@ -82,6 +82,19 @@ def model_calls(model: torch.nn.Module, batches: list[Any], loss_fn: LossFn) -> 
     return calls
 
 
+TRAINING_ONLY_ARGUMENTS = ("labels",)
+"""What a Hugging Face model takes only to compute its training loss (``PreTrainedModel.forward``'s convention): a
+served graph neither takes it nor returns the loss."""
+
+
+def served_call(model: torch.nn.Module, call: Call) -> Call:
+    """The call as a served model gets it: a Hugging Face model's training-only arguments left out."""
+    args, kwargs = call
+    if not any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__):
+        return call
+    return args, {k: v for k, v in kwargs.items() if k not in TRAINING_ONLY_ARGUMENTS}
+
+
 def _detached(value: Any) -> Any:
     return map_tensors(value, lambda t: t.detach().clone())
 
@@ -378,21 +391,22 @@ def onnx_serving(
     build: Callable[[], torch.nn.Module],
     batches: list[Any],
     loss_fn: LossFn,
-    references: list[Any],
     kept: list[str],
     write_to: Path | None = None,
 ) -> OnnxServing:
-    """Export, convert (whole, and with ``kept`` blocked), run on onnxruntime and compare with ``references``
-    (FP32's outputs on ``batches``); write the served conversion to ``write_to`` where given."""
+    """Export, convert (whole, and with ``kept`` blocked), run on onnxruntime and as written, and compare with FP32's
+    outputs on ``batches``; write the served conversion to ``write_to`` where given."""
     from ..files import atomic_write_bytes
 
     model = build()
-    calls = model_calls(model, batches, loss_fn)
+    calls = [served_call(model, call) for call in model_calls(model, batches, loss_fn)]
     name = provider()
     if not calls:
         return OnnxServing(name, None, None, [], 0, 0, error="the model was not called on any batch")
     fits = [i for i, call in enumerate(calls) if _shapes(call) == _shapes(calls[0])]
-    fitting, references = [calls[i] for i in fits], [references[i] for i in fits]
+    fitting = [calls[i] for i in fits]
+    with torch.no_grad():
+        references = [_detached(model(*args, **kwargs)) for args, kwargs in fitting]
     try:
         fp32 = export_fp32(model, calls[0])
         whole, _ = convert_fp16(fp32, [])
