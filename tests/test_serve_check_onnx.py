@@ -134,6 +134,20 @@ def test_onnx_out_writes_a_valid_model_once_and_a_healthy_model_is_safe(tmp_path
 
 
 @needs_extras
+def test_a_hugging_face_model_is_served_without_its_labels(tmp_path):
+    import onnx
+
+    target = tmp_path / "bert.onnx"
+    result = fp16doctor.serve_check(ROOT / "tests" / "training_files" / "hf_bert.py", onnx_out=target, batches=2)
+    assert result.onnx is not None and result.onnx.converted is not None and result.onnx.error is None
+    graph = onnx.load(target).graph
+    assert [i.name for i in graph.input] == ["input_ids", "attention_mask"] and len(graph.output) == 1  # the logits
+    assert result.onnx.converted.result.finite and list(result.onnx.converted.result.outputs["output"]) == [
+        "output.logits"
+    ]
+
+
+@needs_extras
 def test_a_model_that_cannot_be_exported_is_unsafe_with_the_exporters_reason(training_file):
     path = training_file(
         """
