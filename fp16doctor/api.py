@@ -281,6 +281,7 @@ def serve_check(
     checkpoint: CheckpointStart | None = None,
     onnx: bool = False,
     onnx_out: PathLike | None = None,
+    overwrite: bool = False,
     config_file: PathLike | None = None,
     **config: Any,
 ) -> ServeCheck:
@@ -289,11 +290,12 @@ def serve_check(
     verified. The model is ``model()``'s (in eval mode), with a ``checkpoint``'s weights where one is given.
 
     With ``onnx`` (or ``onnx_out``), the model is also exported to ONNX, converted to fp16 with the keep-set as the
-    converter's block list, and run on onnxruntime; ``onnx_out`` is where that conversion is written (a new file).
+    converter's block list, and run on onnxruntime; ``onnx_out`` is where that conversion is written (a new file,
+    unless ``overwrite``).
     It needs the optional extras: ``pip install 'fp16doctor[onnx]'``."""
     if batches < 1:
         raise DoctorError("--batches must be at least 1.")
-    request = onnx_request(onnx, onnx_out)
+    request = onnx_request(onnx, onnx_out, overwrite)
     loaded = load(training_file, config_file, **config)
     seed_everything(loaded.config.seed)
     model, _ = build_model_and_program(loaded.spec)  # the eager module: serving exports the module, not its graph
@@ -304,7 +306,7 @@ def serve_check(
     return run_serve_check(fresh_copies(model), drawn, loaded.spec.loss or default_loss, tolerance, request)
 
 
-def onnx_request(onnx: bool, onnx_out: PathLike | None) -> OnnxRequest | None:
+def onnx_request(onnx: bool, onnx_out: PathLike | None, overwrite: bool = False) -> OnnxRequest | None:
     """The ONNX check asked for, once its extras are known to be installed: before any model runs."""
     if not onnx and onnx_out is None:
         return None
@@ -316,6 +318,8 @@ def onnx_request(onnx: bool, onnx_out: PathLike | None) -> OnnxRequest | None:
         )
     if onnx_out is not None:
         writable_file(Path(onnx_out))
+        if Path(onnx_out).exists() and not overwrite:
+            raise DoctorError(f"'{onnx_out}' already exists; not overwriting it.", hint="Pass overwrite=True.")
     return OnnxRequest(Path(onnx_out) if onnx_out is not None else None)
 
 

@@ -789,6 +789,7 @@ def serve_check(
             checkpoint=start,
             onnx=onnx,
             onnx_out=onnx_out,
+            overwrite=True,  # check_writable asked, or had --force
             config_file=config,
             **flags(seed=seed),
         )

@@ -4,11 +4,13 @@ without them gets is tested either way."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import json
 
 import pytest
+import torch
 from conftest import ROOT, SAMPLES, run_cli
 from typer.testing import CliRunner
 
@@ -16,9 +18,12 @@ import fp16doctor
 from fp16doctor.cli import app
 from fp16doctor.measure.serving import fresh_copies
 from fp16doctor.measure.serving_onnx import (
+    NAME_SCOPES,
     ONNX_EXTRAS,
+    accumulating_ops,
     block_list,
     casting_modules,
+    clamped_initializers,
     convert_fp16,
     export_fp32,
     fold_round_trips,
@@ -34,6 +39,11 @@ needs_extras = pytest.mark.skipif(
     bool(missing_extras()),
     reason=f"the ONNX path's extras are not installed ({', '.join(missing_extras())}): pip install 'fp16doctor[onnx]'",
 )
+
+
+def scopes_of(node) -> list[str]:
+    """The module paths torch's exporter recorded on a node."""
+    return next((ast.literal_eval(p.value) for p in node.metadata_props if p.key == NAME_SCOPES), [])
 
 
 @functools.cache
@@ -96,7 +106,7 @@ def test_a_parents_residual_sum_of_a_kept_modules_output_stays_fp32_as_the_keep_
     fp32 = export_fp32(build(), calls[0])
     kept = result.keep.modules
     promoted = block_list(fp32, kept, casting_modules(build(), kept))
-    only_kept = block_list(fp32, kept, {name for name, _ in build().named_modules()})
+    only_kept = [node.name for node in fp32.graph.node if any(k in scopes_of(node) for k in kept)]
     assert set(only_kept) < set(promoted)  # the block's own residual sum, which the kept projection's output reaches
     as_written = {
         len(blocked): run_as_written(convert_fp16(fp32, blocked)[0], calls, references)
@@ -205,6 +215,69 @@ def test_round_trips_to_fp16_and_back_are_folded_and_the_graph_sorted():
     assert fold_round_trips(model) == 1
     sort_topologically(model.graph)
     assert [n.name for n in model.graph.node] == ["square"] and list(model.graph.node[0].input) == ["x", "x"]
+
+
+@needs_extras
+def test_a_chain_of_round_trips_folds_to_its_source_and_a_subgraphs_reads_keep_their_producers():
+    from onnx import TensorProto, helper
+
+    def cast(source, target, to, name):
+        return helper.make_node("Cast", [source], [target], to=to, name=name)
+
+    chain = [
+        cast("x", "a16", TensorProto.FLOAT16, "c1"),
+        cast("a16", "a32", TensorProto.FLOAT, "c2"),
+        cast("a32", "b16", TensorProto.FLOAT16, "c3"),
+        cast("b16", "b32", TensorProto.FLOAT, "c4"),
+        helper.make_node("Relu", ["b32"], ["r"], name="relu"),
+    ]
+    value = functools.partial(helper.make_tensor_value_info, elem_type=TensorProto.FLOAT, shape=[2])
+    branch = helper.make_graph([helper.make_node("Identity", ["r"], ["o"])], "branch", [], [value("o")])
+    gate = helper.make_node("If", ["flag"], ["y"], then_branch=branch, else_branch=branch, name="if")
+    flag = helper.make_tensor_value_info("flag", TensorProto.BOOL, [])
+    model = helper.make_model(helper.make_graph([*chain, gate], "g", [value("x"), flag], [value("y")]))
+    assert fold_round_trips(model) == 2
+    sort_topologically(model.graph)
+    names = [n.name for n in model.graph.node]
+    assert names == ["relu", "if"] and list(model.graph.node[0].input) == ["x"]  # Relu only read inside the If
+
+
+@needs_extras
+def test_the_models_own_rounding_is_kept_and_an_infinite_constant_is_not_clamped():
+    from onnx import StringStringEntryProto, TensorProto, helper
+
+    own = [
+        helper.make_node("Cast", ["x"], ["h"], to=TensorProto.FLOAT16, name="node_half"),
+        helper.make_node("Cast", ["h"], ["y"], to=TensorProto.FLOAT, name="node_float"),
+    ]
+    for node in own:  # the exporter's own nodes carry their module path
+        node.metadata_props.append(StringStringEntryProto(key=NAME_SCOPES, value="['', 'quantise']"))
+    value = functools.partial(helper.make_tensor_value_info, elem_type=TensorProto.FLOAT, shape=[2])
+    model = helper.make_model(helper.make_graph(own, "g", [value("x")], [value("y")]))
+    assert fold_round_trips(model) == 0 and len(model.graph.node) == 2
+
+    mask = helper.make_tensor("mask", TensorProto.FLOAT, [2], [float("-inf"), 0.0])
+    unit = helper.make_tensor("unit", TensorProto.FLOAT, [1], [1e5])
+    uses = [helper.make_node("Add", ["x", "mask"], ["m"], name="add"), helper.make_node("Mul", ["m", "unit"], ["y"])]
+    fp32 = helper.make_model(helper.make_graph(uses, "g", [value("x")], [value("y")], [mask, unit]))
+    half, _ = convert_fp16(fp32, [])
+    assert list(clamped_initializers(fp32, half)["initializer"]) == ["unit"]
+
+
+@needs_extras
+def test_as_written_normalisation_statistics_are_taken_in_fp32_as_onnx_specifies():
+    import numpy as np
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    value = functools.partial(helper.make_tensor_value_info, elem_type=TensorProto.FLOAT16, shape=[1, 8])
+    norm = helper.make_node("LayerNormalization", ["x", "scale"], ["y"], axis=-1)  # stash_type 1: fp32 statistics
+    scale = helper.make_tensor("scale", TensorProto.FLOAT16, [8], np.ones(8).tolist())
+    model = helper.make_model(helper.make_graph([norm], "g", [value("x")], [value("y")], [scale]))
+    x = (np.arange(8).reshape(1, 8) * 1000.0).astype(np.float16)  # its squares pass 65504
+    y = ReferenceEvaluator(model, new_ops=accumulating_ops()).run(None, {"x": x})[0]
+    expected = torch.nn.functional.layer_norm(torch.from_numpy(x).float(), (8,)).numpy()
+    assert np.allclose(y.astype(np.float32), expected, atol=1e-2)
 
 
 @needs_extras

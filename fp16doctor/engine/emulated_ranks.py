@@ -12,7 +12,8 @@ does not, and a replay that leaves them out proves nothing about the run:
 * the fp32 master parameters receive the mean, and the optimizer steps them.
 
 FSDP1 (``FullyShardedDataParallel`` with a ``MixedPrecision``, ``wrapper="fsdp1"``) is emulated as FSDP2, except that
-it divides by the same pre- and post-factors in every dtype. Its ``buffer_dtype`` is not emulated: buffers stay in
+it divides by the same pre- and post-factors in every dtype, and with gradient sync off adds micro-batches up in
+``param_dtype``. Its ``buffer_dtype`` is not emulated: buffers stay in
 their own dtype. A DDP compression hook (``fp16_compress_hook``) is emulated the same way with ``wrapper="ddp"``: the
 parameters stay fp32, each rank's gradient is cast to the hook's dtype and divided by the world size before the sum.
 
@@ -293,9 +294,11 @@ def _accumulated_in(
     sharding: ShardingConfig, reduce_dtype: torch.dtype | None, reductions: int, micro_batches: int
 ) -> torch.dtype | None:
     """The dtype a rank adds its unreduced micro-batches up in (None: as computed). FSDP2 keeps them unsharded in
-    ``reduce_dtype`` (FSDP1 is taken to do the same); DDP in ``.grad``, the parameters' dtype, and its hook compresses only the sum."""
+    ``reduce_dtype``; FSDP1's post-backward hook returns under ``no_sync()`` before its cast to ``reduce_dtype``, so
+    its flat gradient adds them up in ``param_dtype`` (as computed); DDP in ``.grad``, the parameters' dtype, and
+    its hook compresses only the sum."""
     unreduced = reductions == 1 and micro_batches > 1
-    return reduce_dtype if unreduced and sharding.wrapper != "ddp" else None
+    return reduce_dtype if unreduced and sharding.wrapper == "fully_shard" else None
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -136,21 +137,43 @@ def export_fp32(model: torch.nn.Module, call: Call) -> Any:
 
 
 def block_list(proto: Any, kept: list[str], casting: set[str]) -> list[str]:
-    """The nodes to leave in fp32: those the modules ``kept`` (and their children) made, read from the exporter's
-    module paths, and those their fp32 outputs reach before a module that casts its inputs (``casting``: the modules
-    holding parameters of their own, not kept). That is how the keep-set was verified in torch: a kept module's
-    output stays fp32, and an operation of its parent's own forward that takes it (a residual ``x + f(x)``) runs in
-    fp32 by type promotion; the converter would cast it back to fp16 for that operation."""
+    """The nodes to leave in fp32, as the keep-set was verified in torch (``kept_in_fp32``): those the modules
+    ``kept`` (and their children) made, read from the exporter's module paths, and those an fp32 value reaches by
+    type promotion. A value stays fp32 until it enters a module that casts its inputs (``casting``: the modules
+    holding parameters of their own, not kept), whose pre-hook casts it to fp16: so a kept projection's output
+    stays fp32 in its parent block's own residual sum ``x + proj(h)``, and is fp16 again in the next linear layer.
+    The model's inputs arrive fp32, as an export keeping its inputs' types hands them over."""
     blocked: list[str] = []
-    fp32_values: set[str] = set()
+    made_in: dict[str, str | None] = {value.name: None for value in proto.graph.input}  # fp32 values, by maker
     for node in proto.graph.node:  # the exporter writes each node after those it reads from
         module = _module_of(node)
-        made_by_kept = any(module == k or module.startswith(k + ".") for k in kept)
-        promoted = module not in casting and any(name in fp32_values for name in node.input)
+        made_by_kept = _within(module, kept)
+        promoted = any(
+            name in made_in and not _cast_on_the_way(made_in[name], module, casting) for name in _reads(node)
+        )
         if made_by_kept or promoted:
             blocked.append(node.name)
-            fp32_values.update(node.output)
+            made_in.update(dict.fromkeys(node.output, module))
     return blocked
+
+
+def _within(module: str, paths: list[str]) -> bool:
+    return any(module == path or module.startswith(path + ".") for path in paths)
+
+
+def _cast_on_the_way(maker: str | None, reader: str, casting: set[str]) -> bool:
+    """A value made in module ``maker`` (None: a model input) is cast to fp16 before module ``reader``'s operation
+    takes it: it enters a casting module on the way down from where the two modules meet."""
+    entered = _enclosing(reader)
+    if maker is not None:  # the modules both are inside were entered before the value was made
+        entered = [m for m in entered if not (m == "" or maker == m or maker.startswith(m + "."))]
+    return any(m in casting for m in entered)
+
+
+def _enclosing(module: str) -> list[str]:
+    """The root (``""``) and every module on the path down to ``module``, itself included."""
+    parts = module.split(".") if module else []
+    return [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def casting_modules(model: torch.nn.Module, kept: list[str]) -> set[str]:
@@ -191,17 +214,23 @@ def convert_fp16(proto: Any, blocked: list[str]) -> tuple[Any, int]:
 
 
 def sort_topologically(graph: Any) -> None:
-    """Order the nodes so each comes after those it reads from, as ONNX requires: the converter appends its casts at
-    the end, and type inference (and other tools) read a graph in order."""
+    """Order the nodes so each comes after those it reads from (inside its subgraphs too), as ONNX requires: the
+    converter appends its casts at the end, and type inference (and other tools) read a graph in order."""
     producer = {output: index for index, node in enumerate(graph.node) for output in node.output if output}
     placed: set[int] = set()
+    entered: set[int] = set()
     order: list[int] = []
 
     def place(index: int) -> None:
         stack = [index]
         while stack:
             current = stack[-1]
-            waiting = [producer[i] for i in graph.node[current].input if i in producer and producer[i] not in placed]
+            entered.add(current)
+            waiting = [
+                producer[name]
+                for name in _reads(graph.node[current])
+                if name in producer and producer[name] not in placed and producer[name] not in entered
+            ]
             if waiting:
                 stack.append(waiting[0])
                 continue
@@ -217,9 +246,31 @@ def sort_topologically(graph: Any) -> None:
     graph.node.extend(nodes)
 
 
+def _reads(node: Any) -> list[str]:
+    """The values a node reads: its inputs, and those the graphs in its attributes (an ``If``'s branches, a
+    ``Loop``'s body) read from outside."""
+    names = list(node.input)
+    for attribute in node.attribute:
+        for subgraph in [attribute.g] * attribute.HasField("g") + list(attribute.graphs):
+            for inner in subgraph.node:
+                names += _reads(inner)
+    return names
+
+
+def _rename_reads(node: Any, originals: dict[str, str]) -> None:
+    """Point a node's inputs, and those of the graphs in its attributes, at the values folded casts stood for."""
+    for index, name in enumerate(node.input):
+        node.input[index] = originals.get(name, name)
+    for attribute in node.attribute:
+        for subgraph in [attribute.g] * attribute.HasField("g") + list(attribute.graphs):
+            for inner in subgraph.node:
+                _rename_reads(inner, originals)
+
+
 def fold_round_trips(proto: Any) -> int:
-    """Rewire every cast to fp32 whose input is a cast to fp16 of an fp32 value to read that value itself; a graph
-    output such a cast makes becomes an ``Identity``. Returns how many were folded."""
+    """Rewire every cast to fp32 whose input is the converter's cast to fp16 of an fp32 value to read that value
+    itself (through chains of such pairs); a graph output such a cast makes becomes an ``Identity``. Casts the
+    exporter wrote (the model's own ``x.half().float()``, meant to round) are left. Returns how many were folded."""
     from onnx import TensorProto
 
     graph = proto.graph
@@ -228,19 +279,27 @@ def fold_round_trips(proto: Any) -> int:
     originals: dict[str, str] = {}
     for node in graph.node:
         up = producer.get(node.input[0]) if node.op_type == "Cast" and node.input else None
-        if _cast_to(node) == TensorProto.FLOAT and up is not None and _cast_to(up) == TensorProto.FLOAT16:
-            if up.input[0] in fp32 or _cast_to(producer.get(up.input[0])) == TensorProto.FLOAT:
-                originals[node.output[0]] = up.input[0]
+        if _cast_to(node) != TensorProto.FLOAT or up is None or _cast_to(up) != TensorProto.FLOAT16:
+            continue
+        if _exported(node) or _exported(up):
+            continue
+        source = up.input[0]
+        if source in fp32 or source in originals or _cast_to(producer.get(source)) == TensorProto.FLOAT:
+            originals[node.output[0]] = originals.get(source, source)
     outputs = {value.name for value in graph.output}
     for node in graph.node:
         if node.op_type == "Cast" and node.output[0] in originals and node.output[0] in outputs:
             node.op_type, node.input[0] = "Identity", originals[node.output[0]]
             del node.attribute[:]
         else:
-            for index, name in enumerate(node.input):
-                node.input[index] = originals.get(name, name)
+            _rename_reads(node, originals)
     _drop_unused(graph)
     return len(originals)
+
+
+def _exported(node: Any) -> bool:
+    """The exporter wrote this node (it records the module path on its own nodes; the converter's casts have none)."""
+    return any(p.key == NAME_SCOPES for p in node.metadata_props)
 
 
 def _cast_to(node: Any) -> int | None:
@@ -257,10 +316,15 @@ def _fp32_values(graph: Any) -> set[str]:
 
 
 def _drop_unused(graph: Any) -> None:
-    """Remove the nodes whose outputs nothing reads any more (the folded casts), until none is left."""
+    """Remove the converter's casts whose outputs nothing reads any more (those folded away), until none is left:
+    read by a node of the graph, inside one of its subgraphs, or as a graph output."""
     while True:
-        read = {name for node in graph.node for name in node.input} | {value.name for value in graph.output}
-        unused = [node for node in graph.node if not any(output in read for output in node.output)]
+        read = {name for node in graph.node for name in _reads(node)} | {value.name for value in graph.output}
+        unused = [
+            node
+            for node in graph.node
+            if node.op_type == "Cast" and not _exported(node) and not any(output in read for output in node.output)
+        ]
         if not unused:
             return
         for node in unused:
@@ -282,6 +346,7 @@ def clamped_initializers(fp32: Any, half: Any) -> pd.DataFrame:
     for initializer in fp32.graph.initializer:
         if initializer.name in converted and initializer.data_type == TensorProto.FLOAT:
             values = numpy_helper.to_array(initializer).reshape(-1)
+            values = values[np.isfinite(values)]  # the converter keeps an inf as inf (a mask's -inf)
             if values.size and float(abs(values).max()) > FP16_MAX:
                 reader = readers.get(initializer.name)
                 used_by = f"{_module_of(reader) or '(model)'} ({reader.op_type})" if reader is not None else ""
@@ -321,21 +386,75 @@ def _shaped_like(reference: Any, produced: list[torch.Tensor]) -> Any:
     return map_tensors(reference, lambda _: next(leaves))
 
 
+ACCUMULATING = (
+    "MatMul",
+    "Gemm",
+    "Conv",
+    "ConvTranspose",
+    "Einsum",
+    "ReduceMean",
+    "ReduceSum",
+    "ReduceSumSquare",
+    "ReduceL2",
+    "ReduceLogSumExp",
+    "Softmax",
+    "LogSoftmax",
+    "LayerNormalization",
+    "GroupNormalization",
+    "InstanceNormalization",
+    "BatchNormalization",
+)
+"""Operators whose fp16 kernels accumulate in fp32 (tensor-core products, reductions, normalisation statistics, as
+ONNX's ``LayerNormalization`` specifies with ``stash_type=1``) and round only their output: evaluated so, where
+NumPy would accumulate in fp16 and overflow where no engine does."""
+
+
 def run_as_written(proto: Any, calls: list[Call], references: list[Any]) -> pd.DataFrame:
     """The converted model on each call with every operator in the graph's own dtypes (``onnx``'s reference
-    evaluator: NumPy's fp16 arithmetic where the graph says fp16), compared with FP32's outputs."""
+    evaluator: NumPy's fp16 arithmetic where the graph says fp16, the :data:`ACCUMULATING` operators accumulating in
+    fp32 as fp16 kernels do), compared with FP32's outputs."""
     from onnx.reference import ReferenceEvaluator
 
-    evaluator = ReferenceEvaluator(proto)
+    evaluator = ReferenceEvaluator(proto, new_ops=accumulating_ops())
     names = [value.name for value in proto.graph.input]
     outputs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # NumPy's overflow warnings: the overflow is what is measured
         for call, reference in zip(calls, references):
             feeds = [t.numpy() for _, t in iter_tensors(call)]
+            if len(feeds) != len(names):
+                raise ValueError(f"the export takes {len(names)} inputs where the model's call hands it {len(feeds)}")
             produced = [torch.from_numpy(array) for array in evaluator.run(None, dict(zip(names, feeds)))]
             outputs.append(_shaped_like(reference, produced))
     return compare_outputs(outputs, references)
+
+
+def accumulating_ops() -> list[type]:
+    """The :data:`ACCUMULATING` operators this ``onnx`` implements as classes, each widened (an operator defined as
+    a function, as ``GroupNormalization`` is, is expanded into operators that are)."""
+    widened = []
+    for op_type in ACCUMULATING:
+        with contextlib.suppress(Exception):
+            widened.append(_accumulating_in_fp32(op_type))
+    return widened
+
+
+def _accumulating_in_fp32(op_type: str) -> type:
+    """The reference evaluator's ``op_type`` computing on fp16 inputs in fp32 and rounding its outputs to fp16."""
+    from onnx.reference.ops import load_op
+
+    base = load_op("", op_type)
+
+    def run(self: Any, *inputs: Any, **attributes: Any) -> Any:
+        half = any(getattr(value, "dtype", None) == np.float16 for value in inputs)
+        wide = [value.astype(np.float32) if getattr(value, "dtype", None) == np.float16 else value for value in inputs]
+        produced = base._run(self, *wide, **attributes)
+        return tuple(
+            value.astype(np.float16) if half and getattr(value, "dtype", None) == np.float32 else value
+            for value in produced
+        )
+
+    return type(op_type, (base,), {"_run": run, "op_domain": ""})
 
 
 def provider_fp32_ops(proto: Any, provider_name: str) -> tuple[pd.DataFrame, int]:
@@ -431,19 +550,18 @@ def onnx_serving(
 def _conversion(fp32: Any, half: Any, mode: str, calls: list[Call], references: list[Any], name: str) -> Conversion:
     clamped = clamped_initializers(fp32, half)
     as_written = _measured(mode, lambda: run_as_written(half, calls, references))
+    result = _measured(mode, lambda: run_onnx(half, calls, references, name))
     try:
-        outputs = run_onnx(half, calls, references, name)
         upcast, half_ops = provider_fp32_ops(half, name)
-    except Exception as exc:  # noqa: BLE001 - onnxruntime refusing the graph is measured, not a crash
-        failed = ModeResult(mode, compare_outputs([], []), error=_said(exc))
-        return Conversion(failed, as_written, pd.DataFrame(columns=["op", "count"]), 0, clamped)
-    return Conversion(ModeResult(mode, outputs), as_written, upcast, half_ops, clamped)
+    except Exception:  # noqa: BLE001 - the count is a note on the run, not the run: left empty where it fails
+        upcast, half_ops = pd.DataFrame(columns=["op", "count"]), 0
+    return Conversion(result, as_written, upcast, half_ops, clamped)
 
 
 def _measured(mode: str, run: Callable[[], pd.DataFrame]) -> ModeResult:
     try:
         return ModeResult(mode, run())
-    except Exception as exc:  # noqa: BLE001 - an operator the evaluator lacks: not measured, said so
+    except Exception as exc:  # noqa: BLE001 - onnxruntime refusing the graph, or an operator the evaluator lacks
         return ModeResult(mode, compare_outputs([], []), error=_said(exc))
 
 

@@ -13,11 +13,12 @@ class Block(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
         self.norm = nn.LayerNorm(width)
+        self.gamma = nn.Parameter(torch.ones(width))  # a layer scale: the block holds a parameter of its own
 
     def forward(self, x):
         q, k, v = self.qkv(x).chunk(3, -1)
         weights = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
-        return self.norm(x + self.proj(weights @ v))
+        return self.norm(x + self.gamma * self.proj(weights @ v))
 
 
 class Tagger(nn.Module):
