@@ -108,9 +108,16 @@ def test_ddp_micro_batches_under_no_sync_are_recorded_so(tmp_path):
     assert sharding["sync_each_micro_batch"] is False
 
 
-def test_an_fp16_reduce_scatter_that_overflows_is_replayed_and_reduce_dtype_fp32_repairs_it(tmp_path):
+@pytest.mark.parametrize(
+    ("wrapping", "fix_code"),
+    [([], "fully_shard(module, mp_policy=MixedPrecisionPolicy("), (["--fsdp1"], "mixed_precision=MixedPrecision(")],
+    ids=["fsdp2", "fsdp1"],
+)
+def test_an_fp16_reduce_scatter_that_overflows_is_replayed_and_reduce_dtype_fp32_repairs_it(
+    tmp_path, wrapping, fix_code
+):
     capsule = watched_capsule(
-        tmp_path, FSDP2, "--param-dtype", "float32", "--reduce-dtype", "float16", "--feature-scale", "1e4",
+        tmp_path, FSDP2, *wrapping, "--param-dtype", "float32", "--reduce-dtype", "float16", "--feature-scale", "1e4",
         "--steps", "12",
     )  # fmt: skip
     manifest = json.loads((capsule / "manifest.json").read_text())
@@ -122,7 +129,7 @@ def test_an_fp16_reduce_scatter_that_overflows_is_replayed_and_reduce_dtype_fp32
     assert evidence["world"] == 2 and evidence["reduce_dtype"] == "float16" and evidence["nonfinite_steps"]
     assert evidence["local_max"] > 65504  # a gradient every rank held finite, past fp16's range as reduced
     assert top["fix"]["config_patch"] == {"sharding": {"reduce_dtype": "float32"}}
-    assert "reduce_dtype=torch.float32" in top["fix"]["code"]
+    assert "reduce_dtype=torch.float32" in top["fix"]["code"] and fix_code in top["fix"]["code"]
     assert top["verification"]["repaired"] is True
     localisation = next(s for s in report["stages"] if s["name"] == "localisation")
     assert "the ranks' gradient reduction" in localisation["summary"]

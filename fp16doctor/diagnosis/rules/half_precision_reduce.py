@@ -48,25 +48,19 @@ DDP_FIX = Fix(
 )
 
 
-def _fsdp_fix(policy: dict[str, Any]) -> Fix:
-    """FSDP's policy with its reduction in fp32, its parameters' dtype kept as the training has it."""
+def _fsdp_fix(policy: dict[str, Any], wrapper: str = "fully_shard") -> Fix:
+    """FSDP's policy with its reduction in fp32, its parameters' dtype kept as the training has it: FSDP2's
+    ``MixedPrecisionPolicy``, or FSDP1's ``MixedPrecision`` (``wrapper="fsdp1"``)."""
     param_dtype = policy.get("param_dtype")
     keep = f"param_dtype=torch.{param_dtype}, " if param_dtype else ""
+    if wrapper == "fsdp1":
+        where, code = "FSDP's MixedPrecision", "FullyShardedDataParallel(model, mixed_precision=MixedPrecision("
+    else:
+        where, code = "the MixedPrecisionPolicy", "fully_shard(module, mp_policy=MixedPrecisionPolicy("
     return Fix(
-        "Reduce the gradients in fp32: set reduce_dtype=torch.float32 in the MixedPrecisionPolicy (the parameters "
-        "may stay in param_dtype).",
-        code=f"fully_shard(module, mp_policy=MixedPrecisionPolicy({keep}reduce_dtype=torch.float32))",
-    )
-
-
-def _fsdp1_fix(policy: dict[str, Any]) -> Fix:
-    """FSDP1's ``MixedPrecision`` with its reduction in fp32, its parameters' dtype kept as the training has it."""
-    param_dtype = policy.get("param_dtype")
-    keep = f"param_dtype=torch.{param_dtype}, " if param_dtype else ""
-    return Fix(
-        "Reduce the gradients in fp32: set reduce_dtype=torch.float32 in FSDP's MixedPrecision (the parameters may "
-        "stay in param_dtype).",
-        code=f"FullyShardedDataParallel(model, mixed_precision=MixedPrecision({keep}reduce_dtype=torch.float32))",
+        f"Reduce the gradients in fp32: set reduce_dtype=torch.float32 in {where} (the parameters may stay in "
+        "param_dtype).",
+        code=f"{code}{keep}reduce_dtype=torch.float32))",
     )
 
 
@@ -298,9 +292,8 @@ class HalfPrecisionReduce(Rule):
             f"{by} turns {worst}'s finite gradients (up to {evidence.local_max:.3g} as reduced) into inf or NaN on "
             f"{len(evidence.nonfinite_steps)} step(s) of the {sharding.world} ranks' reduction, emulated in one process"
         )
-        fixes = {"ddp": DDP_FIX, "fsdp1": _fsdp1_fix(policy)}
         fix = replace(
-            fixes.get(sharding.wrapper, _fsdp_fix(policy)), config_patch=sharding_patch(reduce_dtype="float32")
+            DDP_FIX if ddp else _fsdp_fix(policy, sharding.wrapper), config_patch=sharding_patch(reduce_dtype="float32")
         )
         measured = {s.code for s in ev.symptoms} & set(self.explains)
         severity = None if measured else Severity.WARNING
