@@ -93,13 +93,21 @@ class NonfiniteData(Rule):
                     ),
                     Fix(
                         f"Clean or filter the data: batch(es) {batches[:10]} of field '{field.field}' carry non-finite values.",
-                        code=(
-                            "# in data(): drop (or repair) samples with non-finite features\n"
-                            f"x = batch[{field.field!r}] if isinstance(batch, dict) else batch[{field.field.split('.')[0]}]\n"
-                            "keep = torch.isfinite(x).flatten(1).all(1)\n"
-                            "batch = [t[keep] for t in batch]   # or: x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)"
-                        ),
+                        code=_drop_rows_code(field.field),
                     ),
                 )
             )
         return findings
+
+
+def _drop_rows_code(field: str) -> str:
+    """Code that drops a batch's rows whose ``field`` (a path such as ``0``, ``input_ids`` or ``args.1``) holds a
+    non-finite value, written for the batch's own structure."""
+    access = "".join(f"[{int(part)}]" if part.isdigit() else f"[{part!r}]" for part in field.split("."))
+    return (
+        "# in data(): drop (or repair) the samples with non-finite values\n"
+        f"x = batch{access}\n"
+        "keep = torch.isfinite(x).flatten(1).all(1)\n"
+        "# then keep those rows of every field: [t[keep] for t in batch], or {k: v[keep] for k, v in batch.items()}\n"
+        "# or repair them: x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)"
+    )
