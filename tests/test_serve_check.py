@@ -98,3 +98,35 @@ def test_a_model_whose_own_forward_raises_is_bad_input_with_one_message(training
     )
     shown = CliRunner().invoke(app, ["serve-check", str(path)])
     assert shown.exit_code == 2 and "FP32 forward raised RuntimeError" in " ".join(shown.output.split())
+
+
+def test_a_mask_fill_past_65504_gets_the_dtype_s_own_minimum_as_its_fix(training_file):
+    path = training_file(
+        """
+        import torch
+        class Pool(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.score = torch.nn.Linear(8, 1)
+            def forward(self, x, mask):
+                s = self.score(x).squeeze(-1)
+                s = torch.where(mask, s, torch.full_like(s, -1e9))  # past fp16's range
+                return torch.softmax(s, -1)
+        def model():
+            return Pool()
+        def data():
+            return [(torch.randn(4, 6, 8), torch.rand(4, 6) > 0.3, torch.zeros(4, 6)) for _ in range(2)]
+        def loss(model, batch):
+            x, mask, y = batch
+            return ((model(x, mask).float() - y) ** 2).mean()
+        """
+    )
+    shown = CliRunner().invoke(app, ["serve-check", str(path)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 1 and "torch.finfo(x.dtype).min" in shown.output, shown.output
+
+
+def test_pytorch_still_says_a_number_past_65504_cannot_become_half():
+    from fp16doctor.measure.serving import HALF_SCALAR_OVERFLOW
+
+    with pytest.raises(RuntimeError, match=HALF_SCALAR_OVERFLOW):
+        torch.full_like(torch.zeros(2, dtype=torch.float16), -1e9)

@@ -48,6 +48,9 @@ FP16_TINY = 2.0**-24
 """fp16's smallest subnormal: non-zero values below it flush to zero."""
 DEFAULT_TOLERANCE = 1e-2
 """Safe when every output's largest deviation is within 1% of the output's largest FP32 magnitude."""
+HALF_SCALAR_OVERFLOW = "cannot be converted to type c10::Half without overflow"
+"""PyTorch's message when a Python number written into an fp16 tensor (a fill, ``full_like``, ``masked_fill``) is
+past 65504: the exception's text is the only signal of it (a plain RuntimeError)."""
 MAX_KEPT = 8
 """The keep-set search stops after this many modules: a model that needs more is not one to serve in fp16."""
 
@@ -82,6 +85,11 @@ class ModeResult:
 
     def within(self, tolerance: float) -> bool:
         return self.finite and self.rel_dev <= tolerance
+
+    @property
+    def scalar_overflow(self) -> bool:
+        """The forward raised because it wrote a number past 65504 into a half tensor (a mask's -1e9)."""
+        return self.error is not None and HALF_SCALAR_OVERFLOW in self.error
 
     def to_json(self) -> dict[str, Any]:
         return {

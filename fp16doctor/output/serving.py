@@ -66,6 +66,11 @@ def render_serve_check(result: ServeCheck, console: Console) -> None:
         )
     else:
         console.print(f"Kept in fp32 so far, not enough: {', '.join(keep.modules)}.")
+    if result.modes["fp16"].scalar_overflow:
+        console.print(
+            "The forward writes a number past 65504 into an fp16 tensor (a fill such as -1e9 for a mask): write it "
+            "from the tensor's dtype instead, torch.finfo(x.dtype).min, which fits every precision."
+        )
 
 
 def render_onnx(onnx: OnnxServing, batches: int, console: Console) -> None:
