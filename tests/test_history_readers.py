@@ -38,6 +38,21 @@ def deepspeed_progress(step: int, skipped: int, lr: float) -> str:
     return f"[2025-02-21 12:00:00,000] [INFO] [logging.py:128:log_dist] [Rank 0] step={step}, skipped={skipped}, lr=[{lr}], mom=[(0.9, 0.999)]"
 
 
+AT_MINIMUM = "Exception: Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."
+
+
+def deepspeed_collapse() -> list[str]:
+    """Progress every 100 steps; every step from 196 on overflows, 2^16 down to 1, and the run exits."""
+    lines, skipped = [], 0
+    for step in range(1, 212):
+        if step >= 196:
+            lines.append(deepspeed_overflow(2**16 >> skipped, 2**15 >> skipped))
+            skipped += 1
+        if step % 100 == 0:
+            lines.append(deepspeed_progress(step, skipped, 1e-4))
+    return [*lines, AT_MINIMUM]
+
+
 def test_a_deepspeed_run_collapsing_to_its_minimum_scale(tmp_path):
     lines = [deepspeed_overflow(2**16 >> i, 2**15 >> i) for i in range(3)]  # settling: 3 skips
     lines += [deepspeed_progress(step, 3, 1e-4) for step in range(10, 210, 10)]
@@ -60,16 +75,8 @@ def test_a_deepspeed_fall_that_starts_between_progress_lines_is_measured_from_wh
     """Progress every 100 steps, every step from 196 on overflowing, from 2^16 down to 1, the run ending at the
     minimum: the first overflow's attempted scale is the scale the run had at step 100 (DeepSpeed prints no other),
     so the fall is 16 halvings over 16 skips (steps 196..211), and one finding says it all."""
-    lines, skipped = [], 0
-    for step in range(1, 212):
-        if step >= 196:
-            lines.append(deepspeed_overflow(2**16 >> skipped, 2**15 >> skipped))
-            skipped += 1
-        if step % 100 == 0:
-            lines.append(deepspeed_progress(step, skipped, 1e-4))
-    lines.append("Exception: Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
     log = tmp_path / "train.log"
-    log.write_text("\n".join(lines) + "\n")
+    log.write_text("\n".join(deepspeed_collapse()) + "\n")
     (finding,) = classify(read_history([log]))
     assert finding.pattern == "scale-collapse" and finding.evidence.highest_scale == 2**16
     assert finding.evidence.skipped_in_fall == 16 and (finding.first_step, finding.steps[-1]) == (196, 211)

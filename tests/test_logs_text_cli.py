@@ -9,26 +9,11 @@ import json
 import pytest
 from conftest import run_cli
 from test_history_readers import (
-    deepspeed_overflow,
-    deepspeed_progress,
+    deepspeed_collapse,
     fairseq_inner,
     fairseq_overflow,
     megatron_line,
 )
-
-AT_MINIMUM = "Exception: Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."
-
-
-def deepspeed_collapse() -> list[str]:
-    """Progress every 100 steps; every step from 196 on overflows, 2^16 down to 1, and the run exits."""
-    lines, skipped = [], 0
-    for step in range(1, 212):
-        if step >= 196:
-            lines.append(deepspeed_overflow(2**16 >> skipped, 2**15 >> skipped))
-            skipped += 1
-        if step % 100 == 0:
-            lines.append(deepspeed_progress(step, skipped, 1e-4))
-    return [*lines, AT_MINIMUM]
 
 
 def fairseq_growth() -> list[str]:
