@@ -369,13 +369,20 @@ def run_onnx(proto: Any, calls: list[Call], references: list[Any], provider_name
     import onnxruntime
 
     session = onnxruntime.InferenceSession(proto.SerializeToString(), providers=[provider_name])
-    names = [value.name for value in session.get_inputs()]
+    return _compared(session.run, [value.name for value in session.get_inputs()], calls, references)
+
+
+def _compared(
+    run: Callable[..., list[Any]], names: list[str], calls: list[Call], references: list[Any]
+) -> pd.DataFrame:
+    """``run`` (an onnxruntime session's, or the reference evaluator's) on each call, fed by input name, its flat
+    outputs put back in the shape of FP32's and compared with them."""
     outputs = []
     for call, reference in zip(calls, references):
         feeds = [t.numpy() for _, t in iter_tensors(call)]
         if len(feeds) != len(names):
             raise ValueError(f"the export takes {len(names)} inputs where the model's call hands it {len(feeds)}")
-        produced = [torch.from_numpy(array) for array in session.run(None, dict(zip(names, feeds)))]
+        produced = [torch.from_numpy(array) for array in run(None, dict(zip(names, feeds)))]
         outputs.append(_shaped_like(reference, produced))
     return compare_outputs(outputs, references)
 
@@ -416,17 +423,9 @@ def run_as_written(proto: Any, calls: list[Call], references: list[Any]) -> pd.D
     from onnx.reference import ReferenceEvaluator
 
     evaluator = ReferenceEvaluator(proto, new_ops=accumulating_ops())
-    names = [value.name for value in proto.graph.input]
-    outputs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # NumPy's overflow warnings: the overflow is what is measured
-        for call, reference in zip(calls, references):
-            feeds = [t.numpy() for _, t in iter_tensors(call)]
-            if len(feeds) != len(names):
-                raise ValueError(f"the export takes {len(names)} inputs where the model's call hands it {len(feeds)}")
-            produced = [torch.from_numpy(array) for array in evaluator.run(None, dict(zip(names, feeds)))]
-            outputs.append(_shaped_like(reference, produced))
-    return compare_outputs(outputs, references)
+        return _compared(evaluator.run, [value.name for value in proto.graph.input], calls, references)
 
 
 def accumulating_ops() -> list[type]:
