@@ -372,9 +372,7 @@ def run_onnx(proto: Any, calls: list[Call], references: list[Any], provider_name
     return _compared(session.run, [value.name for value in session.get_inputs()], calls, references)
 
 
-def _compared(
-    run: Callable[..., list[Any]], names: list[str], calls: list[Call], references: list[Any]
-) -> pd.DataFrame:
+def _compared(run: Callable[..., Any], names: list[str], calls: list[Call], references: list[Any]) -> pd.DataFrame:
     """``run`` (an onnxruntime session's, or the reference evaluator's) on each call, fed by input name, its flat
     outputs put back in the shape of FP32's and compared with them."""
     outputs = []
