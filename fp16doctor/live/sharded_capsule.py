@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .capsule import cpu_copy
+from .sharding import is_fsdp1_unit
 
 FSDP_ATTRIBUTES = ("_fsdp", "_is_fsdp", "__composable_api_state_key")
 """The attributes ``fully_shard`` sets on a module (its state, its marks), left out of the plain copy."""
@@ -236,19 +237,11 @@ def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torc
 
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:
     """An FSDP1 unit's wrapped module (the user's), or ``module`` itself."""
-    while _is_fsdp1(module):
+    while is_fsdp1_unit(module):
         wrapped = module._fsdp_wrapped_module
         assert isinstance(wrapped, torch.nn.Module)
         module = wrapped
     return module
-
-
-def _is_fsdp1(module: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - builds without distributed
-        return False
-    return isinstance(module, FullyShardedDataParallel)
 
 
 def _is_flat(parameter: Any) -> bool:

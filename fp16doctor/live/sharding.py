@@ -112,11 +112,16 @@ def _fsdp2_reduce_dtype(group: Any) -> torch.dtype | None:
 
 def fsdp1_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """FSDP1's ``FullyShardedDataParallel`` units under ``model``."""
+    return [m for m in model.modules() if is_fsdp1_unit(m)]
+
+
+def is_fsdp1_unit(module: torch.nn.Module) -> bool:
+    """``module`` is one of FSDP1's ``FullyShardedDataParallel`` units."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - builds without distributed
-        return []
-    return [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+        return False
+    return isinstance(module, FullyShardedDataParallel)
 
 
 def _fsdp1_reduce_dtype(unit: Any) -> torch.dtype | None:
