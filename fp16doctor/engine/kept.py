@@ -10,6 +10,7 @@ written to a temporary folder that the keeper removes when the run ends, also on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import ctypes.util
@@ -176,13 +177,42 @@ def owned_copy(kept: MutableMapping[int, Kept], step: int) -> Kept:
 def release_memory(device: torch.device) -> None:
     """Hand freed memory back: a full collection (any cycle left), glibc's ``malloc_trim`` (the allocator keeps
     freed blocks of a closed probe otherwise, and the process's resident memory only grows), and on CUDA the
-    caching allocator's free blocks."""
+    caching allocator's free blocks. Within :func:`survivors_frozen`, what survives the collection is frozen."""
     gc.collect()
+    if _freezing_survivors:
+        gc.freeze()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+_freezing_survivors = False
+
+
+@contextlib.contextmanager
+def survivors_frozen() -> Iterator[None]:
+    """For the time of the ``with`` block, each :func:`release_memory` freezes what survived its collection
+    (``gc.freeze``), and the block's end unfreezes it all.
+
+    A full collection walks every object the process holds: once torch and dynamo are imported, 280,000 objects
+    and 0.13 s on a CPU, a dozen times per diagnosis, which on a small training was a fifth of its run. Frozen, the
+    objects that outlived one release (torch's, the training file's, the diagnosis's own records) are not walked
+    again, and each later collection walks only what the stages made since: their probes, which it still frees.
+    A cycle among frozen objects that dies before the block ends waits for the first collection after it. A process
+    that freezes objects of its own (``gc.get_freeze_count()`` above 0 on entry) is left as it is.
+    """
+    global _freezing_survivors
+    if _freezing_survivors or gc.get_freeze_count() > 0:
+        yield
+        return
+    _freezing_survivors = True
+    try:
+        yield
+    finally:
+        _freezing_survivors = False
+        gc.unfreeze()
 
 
 MMAP_THRESHOLD = 4 * 2**20
