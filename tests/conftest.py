@@ -15,6 +15,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import prewarmed
 import pytest
 import torch
 from filelock import FileLock
@@ -44,17 +45,23 @@ def training_file(tmp_path):
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, timeout: int = 300, env: dict[str, str] | None = None
+    *args: str, cwd: Path | None = None, timeout: int = 300, env: dict[str, str] | None = None, cold: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m fp16doctor`` in a fresh process, as a user would, capturing stdout and stderr apart."""
-    return subprocess.run(
-        [sys.executable, "-m", "fp16doctor", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd or ROOT,
-        timeout=timeout,
-        env={**os.environ, "COLUMNS": "160", **(env or {})},
-    )
+    """Run ``python -m fp16doctor`` in a fresh process, as a user would, capturing stdout and stderr apart.
+
+    The process is forked from this worker's pre-importing server (:mod:`prewarmed`: torch and dynamo imported
+    once), unless ``cold`` or the environment changes how torch imports: then it is a cold ``python`` process."""
+    full_env = {**os.environ, "COLUMNS": "160", **(env or {})}
+    if cold or prewarmed.SERVER.differs_at_import(full_env):
+        return subprocess.run(
+            [sys.executable, "-m", "fp16doctor", *map(str, args)],
+            capture_output=True,
+            text=True,
+            cwd=cwd or ROOT,
+            timeout=timeout,
+            env=full_env,
+        )
+    return prewarmed.SERVER.run([str(a) for a in args], cwd or ROOT, full_env, timeout)
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+    prewarmed.SERVER.close()
     if not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ.pop(SHARED_RUNS, ""), ignore_errors=True)
 
@@ -101,7 +109,9 @@ def diagnose_ci(path: Path, *extra: str, env: dict[str, str] | None = None) -> C
     with FileLock(str(folder / "lock")):
         if not done.exists():
             fixed = folder / "fixed.yaml"
-            proc = run_cli("diagnose", path, "--ci", "--json", *extra, "--fix-config", fixed, env=env)
+            # the sample models' diagnoses are the suite's cold-process runs of every cause (test_samples_cli.py)
+            cold = Path(path).resolve().parent == SAMPLES
+            proc = run_cli("diagnose", path, "--ci", "--json", *extra, "--fix-config", fixed, env=env, cold=cold)
             text = fixed.read_text() if fixed.exists() else None
             record = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "fix_config": text}
             done.write_text(json.dumps(record))
