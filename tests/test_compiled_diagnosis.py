@@ -228,3 +228,23 @@ def test_the_region_candidates_are_a_containers_members_and_a_large_region_comes
 
     assert fix(0.2) == {"compile": {"eager_modules": ["trunk"]}}
     assert fix(0.95) == {"compile": {"backend": "inductor"}}
+
+
+def test_train_nproc_compiles_the_ranks_wrapped_model_and_the_corrected_config_trains_it_finite(tmp_path):
+    """Under torchrun each rank compiles its DDP module with inductor, as a training compiles its wrapped model: the
+    miscompiling lowering the file registers makes every step non-finite on the ranks, and the diagnosis's corrected
+    config (rsqrt left to ATen) trains them finite. An unhealthy run that completed is no crashed child for torchrun."""
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(diagnose_ci(FILES / "compiled_inductor_lowering.py").fix_config)
+    runs = {}
+    for name, extra in (("as-is", []), ("corrected", ["--config", fixed])):
+        run_dir = tmp_path / name
+        proc = run_cli("train", FILES / "compiled_inductor_lowering.py", *extra, "--nproc", "2", "--steps", "3",
+                       "--run-dir", run_dir)  # fmt: skip
+        assert proc.returncode in (0, 1), proc.stderr[-3000:]
+        assert "train runs the model compiled" in " ".join(proc.stderr.split())
+        assert "ChildFailedError" not in proc.stderr
+        runs[name] = (proc.returncode, json.loads((run_dir / "summary.json").read_text()))
+    assert runs["as-is"][0] == 1 and runs["as-is"][1]["nonfinite"] == 3
+    assert "the compiled program makes the fault" in runs["as-is"][1]["first_nonfinite"]["explanation"]
+    assert runs["corrected"][0] == 0 and runs["corrected"][1]["nonfinite"] == 0

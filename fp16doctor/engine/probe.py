@@ -348,7 +348,7 @@ class Probe:
             self.model = self._build_model()
             if parallelize is not None:
                 self.model = parallelize(self.model)
-            self._compiled_model = self._compiled(compiled)
+            self._compiled_model = self._compiled(compiled, wrapped=parallelize is not None)
             self.optimizer_arg = self._build_optimizers()
             """What ``train_step`` and ``scheduler()`` receive: one optimizer, or the file's tuple/list/dict of them."""
             self.optimizers = ProbeOptimizers(
@@ -458,7 +458,9 @@ class Probe:
         """The steps call a compiled program (the training compiles, and this probe was asked to run it so)."""
         return self._compiled_model is not None
 
-    def _compiled(self, compiled: bool) -> torch.nn.Module | None:
+    def _compiled(self, compiled: bool, wrapped: bool = False) -> torch.nn.Module | None:
+        """The program the steps call, compiled from :attr:`model`; where that is the model wrapped for the ranks,
+        compiled anew with ``model()``'s recorded options (its own program compiled the unwrapped model)."""
         if not compiled or not training_compiles(self.config.compile, self.spec.compiled):
             return None
         if self.config.compile.compiles_anew:
@@ -466,7 +468,8 @@ class Probe:
             # lowerings or a submodule's forward: this probe's graphs are compiled anew, and dropped when it closes
             torch._dynamo.reset()
         run_eagerly(self.model, self.config.compile.eager_modules)
-        return compiled_program(self.model, self._program, self.config.compile, self.spec.compiled)
+        program = None if wrapped else self._program
+        return compiled_program(self.model, program, self.config.compile, self.spec.compiled)
 
     def _build_optimizers(self) -> Any:
         """The file's ``optimizers(model)`` (one, or a tuple/list/dict), its ``optimizer(params)``, or the default AdamW."""

@@ -40,7 +40,10 @@ def run_training(
         )
     if nproc == 1:
         return Trainer(spec, config, options).run(on_step)
-    return train_distributed(config, options, nproc, training_file)
+    result = train_distributed(config, options, nproc, training_file)
+    for text in result.notes:  # the ranks built and ran the training: what they noted is said here
+        spec.note(text)
+    return result
 
 
 def train_distributed(config: DoctorConfig, options: TrainOptions, nproc: int, training_file: Path) -> TrainResult:

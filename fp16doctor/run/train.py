@@ -43,7 +43,6 @@ from ..files import atomic_torch_save, atomic_write_text, jsonable
 from ..measure.localise import trace_step
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import check_batch
-from ..userfile.compiled import training_compiles
 from ..userfile.spec import TrainingSpec
 
 KEEP_CHECKPOINTS = 3
@@ -99,6 +98,9 @@ class TrainResult:
     last_checkpoint: str | None = None
     findings: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    """What the run noted about how it ran the training (compiled, ...): under torchrun, rank 0's, which the
+    launching command says."""
 
     @property
     def ok(self) -> bool:
@@ -141,10 +143,6 @@ def checkpoint_paths(run_dir: Path) -> list[Path]:
 
 
 COMPILED_TRAINING = "train runs the model compiled, as model() and the config's compile settings compile it"
-EAGER_RANKS = (
-    "train --nproc runs the model eager on the ranks: compiling the parallelised model is not covered yet, so a "
-    "fault or fix that only the compiled program shows is not trained here"
-)
 
 
 class Trainer:
@@ -158,29 +156,35 @@ class Trainer:
         self.run_dir = Path(options.run_dir)
         self.mode = "bf16" if config.dtype == "bfloat16" else "amp"
         self.bench = Workbench(spec, config, batch_count=1)  # initial weights as the diagnosis saw them
+        self._built: torch.nn.Module | None = None  # the model under the ranks' wrapper, once wrapped
         # A compiled training trains compiled, as its compile settings say (the corrected config's among them): its
-        # numerics are the compiled program's, not eager's. The ranks of --nproc train the wrapped model eager.
-        self.probe: Probe = self.bench.probe(self.mode, config, instruments=None, compiled=self.dist.world == 1)
+        # numerics are the compiled program's, not eager's. On the ranks the wrapped model is compiled, as a
+        # training compiles its DDP or FSDP module.
+        self.probe: Probe = self.bench.probe(
+            self.mode,
+            config,
+            instruments=None,
+            compiled=True,
+            parallelize=self._wrapped if self.dist.world > 1 else None,
+        )
         if self.probe.runs_compiled:
             spec.note(COMPILED_TRAINING)
-        elif self.dist.world > 1 and training_compiles(config.compile, spec.compiled):
-            spec.note(EAGER_RANKS)
-        self.inner_model = self.probe.model
-        if self.dist.world > 1:
-            self._wrap_ddp()
+        self.inner_model: torch.nn.Module = self._built or self.probe.model
+        """The model as ``model()`` built it, under the ranks' wrapper: what checkpoints hold."""
         self.stream = BatchStream(spec)
         self.snapshot: tuple[Any, int, list[Any]] | None = None
         """(probe snapshot, stream position, batches since) for replaying a bad step."""
 
     # --- distributed -------------------------------------------------------------------------------
-    def _wrap_ddp(self) -> None:
-        """The file's ``parallelize()`` over the probe's model, or DistributedDataParallel: gradients are all-reduced
-        in their dtype (fp32 master grads) unless the training registers a hook."""
+    def _wrapped(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The file's ``parallelize()`` of the built model, or DistributedDataParallel (gradients all-reduced in
+        their dtype, fp32 master grads, unless the training registers a hook): before the optimizers are made, which
+        must hold the parameters FSDP shards."""
+        self._built = model
         if self.spec.parallelize is not None:  # the training's own topology
-            self.probe.model = self.spec.parallelize(self.inner_model)
-            return
-        device_ids = [self.probe.device.index or 0] if self.probe.device.type == "cuda" else None
-        self.probe.model = torch.nn.parallel.DistributedDataParallel(self.inner_model, device_ids=device_ids)
+            return self.spec.parallelize(model)
+        device_ids = [self.bench.device.index or 0] if self.bench.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
     def _agree(self, flag: bool) -> bool:
         """Every rank takes the same decision (any rank's flag)."""
@@ -365,6 +369,7 @@ class Trainer:
             )
         result.seconds = time.perf_counter() - began
         result.findings = self.comm_hook_findings()  # after the run: a train_step may register one on its first step
+        result.notes = list(self.spec.notes)
         if self.dist.world > 1:
             self._rank_report(result)
         if self.dist.main:
