@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..config import DoctorConfig, build_config, merge
-from ..engine.kept import StateBlockMapping, StateKeeper, release_memory, survivors_frozen
+from ..engine.kept import StateBlockMapping, StateKeeper, earlier_objects_frozen, release_memory
 from ..engine.probe import Workbench
 from ..engine.progress import ProbeStepHook, StepProgress
 from ..engine.records import Reading, Table
@@ -119,7 +119,7 @@ def diagnose(
     # Before the first probe: its weights, gradients and moments get their own mappings (the CLI's process only).
     mapping = StateBlockMapping(bench.parameter_shapes) if options.own_process else None
     with (
-        survivors_frozen(),  # each stage's release then walks only the objects made since the previous one
+        earlier_objects_frozen(),  # each stage's collection walks only what the diagnosis made
         mapping or contextlib.nullcontext(),
         StateKeeper(plan.kept_budget) as keeper,
         bench.reference_kept_in(keeper.kept()),

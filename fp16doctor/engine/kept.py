@@ -177,10 +177,9 @@ def owned_copy(kept: MutableMapping[int, Kept], step: int) -> Kept:
 def release_memory(device: torch.device) -> None:
     """Hand freed memory back: a full collection (any cycle left), glibc's ``malloc_trim`` (the allocator keeps
     freed blocks of a closed probe otherwise, and the process's resident memory only grows), and on CUDA the
-    caching allocator's free blocks. Within :func:`survivors_frozen`, what survives the collection is frozen."""
+    caching allocator's free blocks. Within :func:`earlier_objects_frozen`, the collection walks only the objects
+    made since the block began."""
     gc.collect()
-    if _freezing_survivors:
-        gc.freeze()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -188,30 +187,27 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-_freezing_survivors = False
-
-
 @contextlib.contextmanager
-def survivors_frozen() -> Iterator[None]:
-    """For the time of the ``with`` block, each :func:`release_memory` freezes what survived its collection
-    (``gc.freeze``), and the block's end unfreezes it all.
+def earlier_objects_frozen() -> Iterator[None]:
+    """For the time of the ``with`` block, the objects alive when it began are frozen (``gc.freeze``): the
+    collections of :func:`release_memory` then walk only what the block made since (its probes, which they free).
 
     A full collection walks every object the process holds: once torch and dynamo are imported, 280,000 objects
-    and 0.13 s on a CPU, a dozen times per diagnosis, which on a small training was a fifth of its run. Frozen, the
-    objects that outlived one release (torch's, the training file's, the diagnosis's own records) are not walked
-    again, and each later collection walks only what the stages made since: their probes, which it still frees.
-    A cycle among frozen objects that dies before the block ends waits for the first collection after it. A process
-    that freezes objects of its own (``gc.get_freeze_count()`` above 0 on entry) is left as it is.
+    and 0.13 s on a CPU, a dozen times per diagnosis, which on a small training was a fifth of its run. What is frozen
+    here (torch's, the training file's, the caller's objects) outlives the diagnosis anyway; nothing the block makes
+    is ever frozen, so a probe that dies, an out-of-memory one included, is freed by the next release. A process
+    that froze objects of its own (``gc.get_freeze_count()`` above 0) is left as it is.
     """
-    global _freezing_survivors
-    if _freezing_survivors or gc.get_freeze_count() > 0:
+    if gc.get_freeze_count() > 0:
         yield
         return
-    _freezing_survivors = True
+    import torch._dynamo  # noqa: F401 - every optimizer's constructor imports it: imported first, frozen with the rest
+
+    gc.collect()  # what is garbage already is freed, not frozen
+    gc.freeze()
     try:
         yield
     finally:
-        _freezing_survivors = False
         gc.unfreeze()
 
 
