@@ -109,6 +109,16 @@ class ModeSettings:
         return cls(mode, DTYPES[config.dtype], config.scaler.enabled)
 
 
+def _as_optimized(built: torch.nn.Module, wrapped: torch.nn.Module) -> torch.nn.Module:
+    """The model ``optimizers(model)`` receives: as ``model()`` built it (attributes and parameter names the file
+    knows), unless the ranks' wrapper replaced its parameters (FSDP1's flat parameters): then the wrapped model, whose
+    parameters are the ones that train. DDP keeps the built model's parameters; FSDP2 shards them in place."""
+    if wrapped is built:
+        return built
+    own = {id(p) for p in built.parameters()}
+    return built if all(id(p) in own for p in wrapped.parameters()) else wrapped
+
+
 @dataclass
 class ProbeSnapshot:
     """Everything needed to take the same step again: weights, optimizer, scheduler, scaler, RNG, data position."""
@@ -345,11 +355,10 @@ class Probe:
         if mode != "fp32":  # the baseline has nothing to fix
             self._session.keep_lines_in_fp32(config.overrides.fp32_lines, self.device.type)
         with self._precision(), NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext():
-            self.model = self._build_model()
-            if parallelize is not None:
-                self.model = parallelize(self.model)
-            self._compiled_model = self._compiled(compiled, wrapped=parallelize is not None)
-            self.optimizer_arg = self._build_optimizers()
+            built = self._build_model()
+            self.model = parallelize(built) if parallelize is not None else built
+            self._compiled_model = self._compiled(compiled, built)
+            self.optimizer_arg = self._build_optimizers(_as_optimized(built, self.model))
             """What ``train_step`` and ``scheduler()`` receive: one optimizer, or the file's tuple/list/dict of them."""
             self.optimizers = ProbeOptimizers(
                 named_optimizers(self.optimizer_arg, self._optimizer_source()),
@@ -458,23 +467,25 @@ class Probe:
         """The steps call a compiled program (the training compiles, and this probe was asked to run it so)."""
         return self._compiled_model is not None
 
-    def _compiled(self, compiled: bool, wrapped: bool = False) -> torch.nn.Module | None:
-        """The program the steps call, compiled from :attr:`model`; where that is the model wrapped for the ranks,
-        compiled anew with ``model()``'s recorded options (its own program compiled the unwrapped model)."""
+    def _compiled(self, compiled: bool, built: torch.nn.Module) -> torch.nn.Module | None:
+        """The program the steps call, compiled from :attr:`model`; where that is ``built`` wrapped for the ranks,
+        compiled anew with ``model()``'s recorded options (its own program compiled the unwrapped model). The
+        regions run eagerly are named in ``built``, as ``model()`` built it."""
         if not compiled or not training_compiles(self.config.compile, self.spec.compiled):
             return None
         if self.config.compile.compiles_anew:
             # dynamo reuses a graph compiled for another instance of the same class without looking at inductor's
             # lowerings or a submodule's forward: this probe's graphs are compiled anew, and dropped when it closes
             torch._dynamo.reset()
-        run_eagerly(self.model, self.config.compile.eager_modules)
-        program = None if wrapped else self._program
+        run_eagerly(built, self.config.compile.eager_modules)
+        program = None if self.model is not built else self._program
         return compiled_program(self.model, program, self.config.compile, self.spec.compiled)
 
-    def _build_optimizers(self) -> Any:
-        """The file's ``optimizers(model)`` (one, or a tuple/list/dict), its ``optimizer(params)``, or the default AdamW."""
+    def _build_optimizers(self, model: torch.nn.Module) -> Any:
+        """The file's ``optimizers(model)`` (one, or a tuple/list/dict), its ``optimizer(params)``, or the default
+        AdamW, over ``model``'s parameters."""
         if self.spec.optimizers is not None:
-            built = self._call_user("optimizers", self.spec.optimizers, self.model)
+            built = self._call_user("optimizers", self.spec.optimizers, model)
             several = len(named_optimizers(built, "optimizers(model)")) > 1
             if several and self.spec.train_step is None:
                 raise TrainingFileError(
@@ -485,8 +496,8 @@ class Probe:
                 )
             return built
         if self.spec.optimizer is None:
-            return torch.optim.AdamW(self.model.parameters(), lr=self.config.lr)
-        optimizer = self._call_user("optimizer", self.spec.optimizer, self.model.parameters())
+            return torch.optim.AdamW(model.parameters(), lr=self.config.lr)
+        optimizer = self._call_user("optimizer", self.spec.optimizer, model.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TrainingFileError(
                 f"optimizer(params) returned {type(optimizer).__name__}, not a torch.optim.Optimizer."

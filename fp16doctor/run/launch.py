@@ -66,9 +66,10 @@ def train_distributed(config: DoctorConfig, options: TrainOptions, nproc: int, t
         "fp16doctor.run.worker",
         str(launch),
     ]
-    proc = subprocess.run(command)
     summary = options.run_dir / "summary.json"
-    if proc.returncode == 2 or not summary.exists():
+    summary.unlink(missing_ok=True)  # an earlier run's (this run replaces it): never read as this run's outcome
+    proc = subprocess.run(command)
+    if proc.returncode == 2 or not summary.exists():  # rank 0 wrote this run's outcome (Ctrl-C's included)
         raise DoctorError(
             f"the {nproc}-process run failed (torchrun exit code {proc.returncode}).",
             hint="Its processes' messages are above; try --nproc 1 to see the problem in one process.",
