@@ -8,7 +8,8 @@ everything the test looks at: its own pid, working directory, environment, ``sys
 the training file and everything they import are imported in the child, as in a cold process. What differs is only
 that torch, dynamo and pandas are in ``sys.modules`` already; so a test about what a run imports, or one whose
 environment changes how torch imports (``TORCH*``, ``OMP_*``, ``PYTHON*``, ...), runs in a cold process
-(:func:`needs_cold_process`), and so do the sample models' own fresh-process tests.
+(:meth:`Server.differs_at_import`), and so do the sample models' own fresh-process tests. One more difference:
+the runs of a worker share the server's string hash seed (a cold process draws its own).
 
 Forking a process that has imported torch but run no operator is what a DataLoader's fork workers do: torch's
 thread pools start lazily and are reset in a forked child.
@@ -27,9 +28,11 @@ from pathlib import Path
 PRELOADED = ("torch", "torch._dynamo", "pandas")
 """What the server imports before it forks: third-party modules only."""
 
-IMPORT_TIME_VARIABLES = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "CUDA", "PYTHON", "LD_", "NCCL", "GLOO")
-"""Prefixes of environment variables that may change how torch imports or configures itself at import: a run whose
-environment differs from the server's in one of them runs in a cold process."""
+IMPORT_TIME_VARIABLES = (
+    "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "CUDA", "PYTHON", "LD_", "NCCL", "GLOO", "LANG", "LC_",
+)  # fmt: skip
+"""Prefixes of environment variables that change how Python starts (its streams' encoding, the locale, the path)
+or how torch imports: a run whose environment differs from the server's in one of them runs in a cold process."""
 
 _SERVER = r'''
 import json, os, signal, sys, time
@@ -44,6 +47,7 @@ def serve():
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
+            os.setpgid(0, 0)  # its own group: a timeout stops what it started too (torchrun, its ranks)
             return request
         replies.write(json.dumps(_wait(pid, request["timeout"])) + "\n")
         replies.flush()
@@ -57,7 +61,7 @@ def _wait(pid, timeout):
         if done:
             return {"returncode": os.waitstatus_to_exitcode(status)}
         if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             return {"timed_out": True}
         time.sleep(0.02)
@@ -70,11 +74,13 @@ os.environ.clear()
 os.environ.update(request["env"])
 import tempfile
 tempfile.tempdir = None  # looked up again from this environment's TMPDIR
+# Python's own stdout and stderr objects (their encoding, errors and buffering as the environment set them at the
+# server's start) now write to the run's files; stdin is read afresh (the server's buffer held its requests).
 for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY), (2, request["stderr"], os.O_WRONLY)):
     os.dup2(os.open(path, mode), fd)
-sys.stdin = open(0, closefd=False)
-sys.stdout = open(1, "w", closefd=False)
-sys.stderr = open(2, "w", closefd=False)
+sys.stdin = sys.__stdin__ = open(0, closefd=False)
+if "numpy" in sys.modules:  # numpy does not reseed in a forked child (random and torch start as a cold process does)
+    sys.modules["numpy"].random.seed()
 sys.path[0] = os.getcwd()
 sys.orig_argv = [sys.executable, "-m", "fp16doctor", *request["args"]]
 sys.argv = ["-m", *request["args"]]
@@ -100,9 +106,13 @@ class Server:
             err.touch()
             request = {"args": args, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
             assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(json.dumps({**request, "timeout": timeout}) + "\n")
-            proc.stdin.flush()
-            reply = json.loads(proc.stdout.readline() or '{"server_died": true}')
+            try:
+                proc.stdin.write(json.dumps({**request, "timeout": timeout}) + "\n")
+                proc.stdin.flush()
+                reply = json.loads(proc.stdout.readline() or '{"server_died": true}')
+            except BaseException:  # interrupted between request and reply: the next run must not read this reply
+                self.close()
+                raise
             command = [sys.executable, "-m", "fp16doctor", *args]
             if reply.get("timed_out"):
                 raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
@@ -132,10 +142,10 @@ class Server:
     def close(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             assert self._proc.stdin is not None
-            self._proc.stdin.close()
             try:
+                self._proc.stdin.close()
                 self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            except (OSError, subprocess.TimeoutExpired):
                 self._proc.kill()
         self._proc = None
 
