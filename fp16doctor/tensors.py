@@ -45,3 +45,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
     return name
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: a sharded DTensor gathered (a collective every rank makes in the same order)."""
+    full_tensor = getattr(param, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else param

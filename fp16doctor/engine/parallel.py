@@ -36,6 +36,7 @@ import torch
 from ..config import DoctorConfig, build_config
 from ..errors import DoctorError, RankTimeoutError, TrainingFileError, first_line
 from ..files import atomic_write_bytes, atomic_write_text
+from ..tensors import whole
 from ..userfile.modules import PARALLEL_WRAPPERS, fsdp2_param_groups
 from ..userfile.spec import load_training_file, user_frame
 from .probe import Probe, Workbench
@@ -339,7 +340,7 @@ def _run_pass(probe: Probe, meter: ReductionMeter, rank: Rank, name: str, steps:
 
 def _fingerprint(probe: Probe) -> dict[str, float]:
     """What every rank must agree on: the whole parameters (gathered from FSDP's shards), the scale, the skips."""
-    params = torch.cat([_whole(p).detach().double().reshape(-1).cpu() for p in probe.model.parameters()])
+    params = torch.cat([whole(p).detach().double().reshape(-1).cpu() for p in probe.model.parameters()])
     scaler = probe.scaler
     return {
         "param_sum": float(params.sum()),
@@ -396,12 +397,6 @@ def _fsdp2_default_policy() -> Any:
     except ImportError:  # pragma: no cover - a torch without FSDP2
         return None
     return MixedPrecisionPolicy()
-
-
-def _whole(param: torch.Tensor) -> torch.Tensor:
-    """A parameter whole: a sharded DTensor gathered (a collective every rank makes in the same order)."""
-    full_tensor = getattr(param, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else param
 
 
 GROWTH_WORLDS = (2, 4)

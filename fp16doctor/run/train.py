@@ -41,7 +41,7 @@ from ..engine.rng import rng_state, set_rng_state
 from ..errors import DoctorError, TrainingFileError, one_line
 from ..files import atomic_torch_save, atomic_write_text, jsonable
 from ..measure.localise import trace_step
-from ..tensors import OUT_OF_MEMORY
+from ..tensors import OUT_OF_MEMORY, whole
 from ..userfile.batches import check_batch
 from ..userfile.spec import TrainingSpec
 
@@ -203,8 +203,8 @@ class Trainer:
         return float(tensor.item()) / self.dist.world
 
     def _rank_report(self, result: TrainResult) -> None:
-        """Each rank's fingerprint: parameters, scale and skips must agree on every rank."""
-        params = torch.cat([p.detach().double().reshape(-1) for p in self.inner_model.parameters()])
+        """Each rank's fingerprint: parameters (a sharded one whole), scale and skips must agree on every rank."""
+        params = torch.cat([whole(p).detach().double().reshape(-1).cpu() for p in self.inner_model.parameters()])
         report = {
             "rank": self.dist.rank,
             "param_sum": float(params.sum()),
