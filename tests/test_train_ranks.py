@@ -95,3 +95,41 @@ def test_a_crashed_run_is_a_failure_though_an_earlier_runs_summary_is_in_its_fol
     monkeypatch.setattr(launch.subprocess, "run", lambda command: subprocess.CompletedProcess(command, 1))
     with pytest.raises(DoctorError, match="2-process run failed"):
         launch.train_distributed(build_config({}), TrainOptions(run_dir=run_dir), 2, tmp_path / "train.py")
+
+
+FSDP_COMPILED = """
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+WRAPPER = "{wrapper}"
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.compile(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)), backend="eager")
+
+
+def parallelize(model):
+    if WRAPPER == "fsdp1":
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"))  # use_orig_params=False, its default
+    fully_shard(model)
+    return model
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(8)]
+"""
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp1", "fully_shard"])
+def test_an_fsdp1_model_dynamo_cannot_compile_is_said_to_train_eager(training_file, tmp_path, wrapper):
+    """Dynamo refuses FSDP1 units without use_orig_params=True (a graph break at each): compiled, they run eager, and
+    the run says so; FSDP2's fully_shard compiles."""
+    path = training_file(FSDP_COMPILED.format(wrapper=wrapper))
+    proc = run_cli("train", path, "--nproc", "2", "--steps", "2", "--run-dir", tmp_path / "run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = json.loads((tmp_path / "run" / "summary.json").read_text())["notes"]
+    assert any("train runs the model compiled" in note for note in notes)
+    assert any("without use_orig_params=True eagerly" in note for note in notes) == (wrapper == "fsdp1")

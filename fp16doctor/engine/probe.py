@@ -109,6 +109,19 @@ class ModeSettings:
         return cls(mode, DTYPES[config.dtype], config.scaler.enabled)
 
 
+FSDP1_RUNS_EAGER = (
+    "dynamo runs FullyShardedDataParallel units wrapped without use_orig_params=True eagerly (a graph break at each): "
+    "the ranks train them eager, as the compiled training does; wrap with use_orig_params=True to compile them"
+)
+
+
+def _fsdp1_flat(module: torch.nn.Module) -> bool:
+    """FSDP1 manages ``module`` without ``use_orig_params=True``: the markers dynamo itself reads to refuse it."""
+    return bool(getattr(module, "_is_fsdp_managed_module", False)) and not getattr(
+        module, "_fsdp_use_orig_params", False
+    )
+
+
 def _as_optimized(built: torch.nn.Module, wrapped: torch.nn.Module) -> torch.nn.Module:
     """The model ``optimizers(model)`` receives: as ``model()`` built it (attributes and parameter names the file
     knows), unless the ranks' wrapper replaced its parameters (FSDP1's flat parameters): then the wrapped model, whose
@@ -478,6 +491,8 @@ class Probe:
             # lowerings or a submodule's forward: this probe's graphs are compiled anew, and dropped when it closes
             torch._dynamo.reset()
         run_eagerly(built, self.config.compile.eager_modules)
+        if any(_fsdp1_flat(m) for m in self.model.modules()):
+            self.spec.note(FSDP1_RUNS_EAGER)
         program = None if self.model is not built else self._program
         return compiled_program(self.model, program, self.config.compile, self.spec.compiled)
 
