@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
@@ -51,3 +53,10 @@ def whole(param: torch.Tensor) -> torch.Tensor:
     """A parameter whole: a sharded DTensor gathered (a collective every rank makes in the same order)."""
     full_tensor = getattr(param, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else param
+
+
+def parameter_sums(parameters: Iterable[torch.Tensor]) -> dict[str, float]:
+    """The sum and the absolute sum of every parameter's elements, a sharded one whole (in fp64): what ranks that
+    hold the same weights agree on."""
+    values = torch.cat([whole(p).detach().double().reshape(-1).cpu() for p in parameters])
+    return {"param_sum": float(values.sum()), "param_abs_sum": float(values.abs().sum())}

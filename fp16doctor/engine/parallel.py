@@ -36,7 +36,7 @@ import torch
 from ..config import DoctorConfig, build_config
 from ..errors import DoctorError, RankTimeoutError, TrainingFileError, first_line
 from ..files import atomic_write_bytes, atomic_write_text
-from ..tensors import whole
+from ..tensors import parameter_sums
 from ..userfile.modules import PARALLEL_WRAPPERS, fsdp2_param_groups
 from ..userfile.spec import load_training_file, user_frame
 from .probe import Probe, Workbench
@@ -340,11 +340,9 @@ def _run_pass(probe: Probe, meter: ReductionMeter, rank: Rank, name: str, steps:
 
 def _fingerprint(probe: Probe) -> dict[str, float]:
     """What every rank must agree on: the whole parameters (gathered from FSDP's shards), the scale, the skips."""
-    params = torch.cat([whole(p).detach().double().reshape(-1).cpu() for p in probe.model.parameters()])
     scaler = probe.scaler
     return {
-        "param_sum": float(params.sum()),
-        "param_abs_sum": float(params.abs().sum()),
+        **parameter_sums(probe.model.parameters()),
         "loss_scale": float(scaler.get_scale()) if scaler.is_enabled() else 1.0,
         "skipped": float(sum(1 for r in probe.records if r.skipped)),
     }

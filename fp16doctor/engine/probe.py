@@ -368,10 +368,11 @@ class Probe:
         if mode != "fp32":  # the baseline has nothing to fix
             self._session.keep_lines_in_fp32(config.overrides.fp32_lines, self.device.type)
         with self._precision(), NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext():
-            built = self._build_model()
-            self.model = parallelize(built) if parallelize is not None else built
-            self._compiled_model = self._compiled(compiled, built)
-            self.optimizer_arg = self._build_optimizers(_as_optimized(built, self.model))
+            self.built_model = self._build_model()
+            """The model as ``model()`` built it: :attr:`model` itself, or what ``parallelize`` wrapped."""
+            self.model = parallelize(self.built_model) if parallelize is not None else self.built_model
+            self._compiled_model = self._compiled(compiled)
+            self.optimizer_arg = self._build_optimizers(_as_optimized(self.built_model, self.model))
             """What ``train_step`` and ``scheduler()`` receive: one optimizer, or the file's tuple/list/dict of them."""
             self.optimizers = ProbeOptimizers(
                 named_optimizers(self.optimizer_arg, self._optimizer_source()),
@@ -480,20 +481,20 @@ class Probe:
         """The steps call a compiled program (the training compiles, and this probe was asked to run it so)."""
         return self._compiled_model is not None
 
-    def _compiled(self, compiled: bool, built: torch.nn.Module) -> torch.nn.Module | None:
-        """The program the steps call, compiled from :attr:`model`; where that is ``built`` wrapped for the ranks,
-        compiled anew with ``model()``'s recorded options (its own program compiled the unwrapped model). The
-        regions run eagerly are named in ``built``, as ``model()`` built it."""
+    def _compiled(self, compiled: bool) -> torch.nn.Module | None:
+        """The program the steps call, compiled from :attr:`model`; where that is :attr:`built_model` wrapped for
+        the ranks, compiled anew with ``model()``'s recorded options (its own program compiled the unwrapped model).
+        The regions run eagerly are named in :attr:`built_model`, as ``model()`` built it."""
         if not compiled or not training_compiles(self.config.compile, self.spec.compiled):
             return None
         if self.config.compile.compiles_anew:
             # dynamo reuses a graph compiled for another instance of the same class without looking at inductor's
             # lowerings or a submodule's forward: this probe's graphs are compiled anew, and dropped when it closes
             torch._dynamo.reset()
-        run_eagerly(built, self.config.compile.eager_modules)
+        run_eagerly(self.built_model, self.config.compile.eager_modules)
         if any(_fsdp1_flat(m) for m in self.model.modules()):
             self.spec.note(FSDP1_RUNS_EAGER)
-        program = None if self.model is not built else self._program
+        program = None if self.model is not self.built_model else self._program
         return compiled_program(self.model, program, self.config.compile, self.spec.compiled)
 
     def _build_optimizers(self, model: torch.nn.Module) -> Any:

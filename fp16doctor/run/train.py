@@ -41,7 +41,7 @@ from ..engine.rng import rng_state, set_rng_state
 from ..errors import DoctorError, TrainingFileError, one_line
 from ..files import atomic_torch_save, atomic_write_text, jsonable
 from ..measure.localise import trace_step
-from ..tensors import OUT_OF_MEMORY, whole
+from ..tensors import OUT_OF_MEMORY, parameter_sums
 from ..userfile.batches import check_batch
 from ..userfile.spec import TrainingSpec
 
@@ -156,7 +156,6 @@ class Trainer:
         self.run_dir = Path(options.run_dir)
         self.mode = "bf16" if config.dtype == "bfloat16" else "amp"
         self.bench = Workbench(spec, config, batch_count=1)  # initial weights as the diagnosis saw them
-        self._built: torch.nn.Module | None = None  # the model under the ranks' wrapper, once wrapped
         # A compiled training trains compiled, as its compile settings say (the corrected config's among them): its
         # numerics are the compiled program's, not eager's. On the ranks the wrapped model is compiled, as a
         # training compiles its DDP or FSDP module.
@@ -169,7 +168,7 @@ class Trainer:
         )
         if self.probe.runs_compiled:
             spec.note(COMPILED_TRAINING)
-        self.inner_model: torch.nn.Module = self._built or self.probe.model
+        self.inner_model: torch.nn.Module = self.probe.built_model
         """The model as ``model()`` built it, under the ranks' wrapper: what checkpoints hold."""
         self.stream = BatchStream(spec)
         self.snapshot: tuple[Any, int, list[Any]] | None = None
@@ -180,7 +179,6 @@ class Trainer:
         """The file's ``parallelize()`` of the built model, or DistributedDataParallel (gradients all-reduced in
         their dtype, fp32 master grads, unless the training registers a hook): before the optimizers are made, which
         must hold the parameters FSDP shards."""
-        self._built = model
         if self.spec.parallelize is not None:  # the training's own topology
             return self.spec.parallelize(model)
         device_ids = [self.bench.device.index or 0] if self.bench.device.type == "cuda" else None
@@ -204,11 +202,9 @@ class Trainer:
 
     def _rank_report(self, result: TrainResult) -> None:
         """Each rank's fingerprint: parameters (a sharded one whole), scale and skips must agree on every rank."""
-        params = torch.cat([whole(p).detach().double().reshape(-1).cpu() for p in self.inner_model.parameters()])
         report = {
             "rank": self.dist.rank,
-            "param_sum": float(params.sum()),
-            "param_abs_sum": float(params.abs().sum()),
+            **parameter_sums(self.inner_model.parameters()),
             "loss_scale": float(self.probe.scaler.get_scale()) if self.probe.scaler.is_enabled() else 1.0,
             "skipped": result.skipped,
             "steps": result.steps,
