@@ -24,7 +24,6 @@ import os
 import pickle
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from ..tensors import parameter_sums
 from ..userfile.modules import PARALLEL_WRAPPERS, fsdp2_param_groups
 from ..userfile.spec import load_training_file, user_frame
 from .probe import Probe, Workbench
+from .rank_launcher import launch_command
 from .reduction import ReductionMeter
 
 PASSES = (("fp32", "fp32", True), ("as_run", None, False), ("fp32_reduce", None, True))
@@ -107,8 +107,7 @@ def run_parallel(
     workdir.mkdir(parents=True, exist_ok=True)
     launch = workdir / "launch.json"
     atomic_write_text(launch, json.dumps({**asdict(request), "rank_timeout": rank_timeout}))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    command += ["-m", "fp16doctor.engine.parallel_rank", str(launch)]
+    command = launch_command(world, f"{__name__}:main", str(launch))
     began = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     output = _wait_moving(proc, workdir, world, rank_timeout, poll_seconds)

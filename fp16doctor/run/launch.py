@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ..config import DoctorConfig
+from ..engine.rank_launcher import launch_command
 from ..errors import DoctorError
 from ..files import atomic_write_text
 from ..userfile.spec import TrainingSpec
@@ -56,16 +56,7 @@ def train_distributed(config: DoctorConfig, options: TrainOptions, nproc: int, t
         "options": {**asdict(options), "run_dir": str(options.run_dir.resolve())},
     }
     atomic_write_text(launch, json.dumps(payload, indent=2))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "fp16doctor.run.worker",
-        str(launch),
-    ]
+    command = launch_command(nproc, "fp16doctor.run.worker:main", str(launch))
     summary = options.run_dir / "summary.json"
     summary.unlink(missing_ok=True)  # an earlier run's (this run replaces it): never read as this run's outcome
     proc = subprocess.run(command)

@@ -1,0 +1,98 @@
+"""The launcher of the doctor's own ranks: torchrun's agent, the ranks forked (or spawned) with torchrun's
+environment, a failed rank said with its traceback and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ENTRY = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+def main(argv):
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    seen = {
+        "argv": sys.argv, "arg": argv, "total": total.item(),
+        "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
+    }
+    with open(os.path.join(argv[0], f"rank{dist.get_rank()}.json"), "w") as handle:
+        json.dump(seen, handle)
+    dist.destroy_process_group()
+    return 0
+
+def fails_on_rank_1(argv):
+    if os.environ["RANK"] == "1":
+        raise ValueError("a bug on rank 1")
+    return 0
+
+def exits_3(argv):
+    return 3
+
+def handlers(argv):
+    import signal
+    names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+    seen = {name: repr(signal.getsignal(getattr(signal, name))) for name in names}
+    with open(os.path.join(argv[0], f"handlers{os.environ['RANK']}.json"), "w") as handle:
+        json.dump(seen, handle)
+    return 0
+"""
+
+
+def launch(tmp_path, entry, method, world=2):
+    (tmp_path / "ranks_entry.py").write_text(textwrap.dedent(ENTRY))
+    command = [sys.executable, "-m", "fp16doctor.engine.rank_launcher", f"--nproc={world}"]
+    command += [f"--start-method={method}", f"ranks_entry:{entry}", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_each_rank_gets_torchruns_environment_and_argv_and_the_ranks_meet(tmp_path, method):
+    proc = launch(tmp_path, "main", method)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, record in enumerate(seen):
+        assert record["env"]["RANK"] == record["env"]["LOCAL_RANK"] == str(rank)
+        assert record["env"]["WORLD_SIZE"] == "2" and record["env"]["MASTER_PORT"]
+        assert record["arg"] == [str(tmp_path)]
+        assert record["argv"] == [str(tmp_path / "ranks_entry.py"), str(tmp_path)]  # as `python -m` gives them
+        assert record["total"] == 3.0  # 1 + 2: the ranks' all-reduce met
+
+
+@pytest.mark.e2e
+def test_a_rank_that_raises_fails_the_launch_with_its_traceback_and_code(tmp_path):
+    proc = launch(tmp_path, "fails_on_rank_1", "fork")
+    assert proc.returncode == 1
+    assert "ValueError: a bug on rank 1" in proc.stderr and "rank 1 exited with code 1" in proc.stderr
+    assert "rank 0 exited" not in proc.stderr
+
+
+@pytest.mark.e2e
+def test_an_entry_that_returns_non_zero_is_a_failed_rank_with_that_code(tmp_path):
+    """The agent stops the others at the first failed rank, as torchrun does: that rank is said."""
+    proc = launch(tmp_path, "exits_3", "fork")
+    assert proc.returncode == 1
+    assert re.search(r"^rank [01] exited with code 3$", proc.stderr, re.MULTILINE), proc.stderr[-2000:]
+
+
+@pytest.mark.e2e
+def test_a_forked_rank_has_a_fresh_interpreters_signal_handlers(tmp_path):
+    """Not the agent's: Ctrl-C raises KeyboardInterrupt in the rank (the trainer checkpoints on it), and SIGTERM
+    ends it."""
+    proc = launch(tmp_path, "handlers", "fork")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"handlers{rank}.json").read_text())
+        assert "default_int_handler" in seen["SIGINT"]
+        assert {seen[name] for name in ("SIGTERM", "SIGHUP", "SIGQUIT")} == {"<Handlers.SIG_DFL: 0>"}
