@@ -748,7 +748,17 @@ class TrainingObserver:
             if self._pending_stop is None:
                 alarm.capsule, alarm.no_capsule = capsule
                 self.on_alarm(alarm)
+            self._said_together(scaler._scale.device)
             raise WatchStopped(alarm)
+
+    def _said_together(self, device: torch.device) -> None:
+        """Meet the others once more before stopping: torchrun ends every rank when the first one exits, so a rank
+        still printing its own alarms of this step would lose them. A rank that does not come is not waited for
+        beyond the rank timeout: the stop stands."""
+        try:
+            gather(torch.zeros(1, device=device), self.options.rank_timeout)
+        except RuntimeError:  # a rank that failed or left (gloo's and NCCL's errors are RuntimeErrors)
+            pass
 
     def _capsule_together(self, table: list[RankRow], scaler: GradScaler) -> tuple[Path | None, str | None]:
         """Where a rank of a sharded run alarmed at this step, its capsule, captured by every rank together
