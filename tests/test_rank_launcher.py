@@ -52,7 +52,8 @@ def launch(tmp_path, entry, method, world=2):
     (tmp_path / "ranks_entry.py").write_text(textwrap.dedent(ENTRY))
     command = [sys.executable, "-m", "fp16doctor.engine.rank_launcher", f"--nproc={world}"]
     command += [f"--start-method={method}", f"ranks_entry:{entry}", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "OMP_NUM_THREADS": "1"}
+    # the training files' folder only: not this worker's sys.path, which other tests' folders may shadow
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
 
 

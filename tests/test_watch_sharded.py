@@ -27,6 +27,7 @@ SCRIPTS = ROOT / "tests" / "scripts"
 FSDP2 = SCRIPTS / "fsdp2_loop.py"
 FSDP_LM = SCRIPTS / "fsdp_lm.py"
 DDP = SCRIPTS / "ddp_loop.py"
+FORKED_TORCHRUN = ROOT / "tests" / "forked_torchrun.py"
 NUMBER = r"(?:[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?|nan|-?inf)"
 RECORD = re.compile(rf"rank (\d) (step \d+ loss {NUMBER} scale {NUMBER}|final weights {NUMBER})")
 APPLIED_ON_RANK_0 = (
@@ -50,8 +51,8 @@ if os.environ.get("RANK") == "1":  # the second worker only: not the launcher, n
 
 def torchrun(tmp_path, script, *args, watch=None, pythonpath=()):
     """``torchrun --nproc-per-node 2 [-m fp16doctor watch WATCH...] SCRIPT ARGS`` in ``tmp_path``, with this checkout's
-    fp16doctor first on the path."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    fp16doctor first on the path: torchrun's agent, its ranks forked once torch is imported (``forked_torchrun.py``)."""
+    command = [sys.executable, str(FORKED_TORCHRUN), "--standalone", "--nproc-per-node", "2"]
     if watch is not None:
         command += ["-m", "fp16doctor", "watch", *watch]
     path = os.pathsep.join([*map(str, pythonpath), str(ROOT), os.environ.get("PYTHONPATH", "")])
