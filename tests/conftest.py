@@ -94,6 +94,12 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.pop(SHARED_RUNS, ""), ignore_errors=True)
 
 
+COLD_SAMPLES = frozenset(sorted(SAMPLES.glob("*.py"))[::3])
+"""The sample models whose diagnoses run in a cold process (one in three, causes and healthy ones alike): a fresh
+interpreter that imports torch and dynamo itself, as a user's first run does. The others fork from the pre-importing
+server, which has imported nothing of fp16doctor's either (:mod:`prewarmed`)."""
+
+
 def diagnose_ci(path: Path, *extra: str, env: dict[str, str] | None = None) -> CiDiagnosis:
     """``diagnose PATH --ci --json`` in a fresh process, as a user runs it, once per test session.
 
@@ -109,8 +115,7 @@ def diagnose_ci(path: Path, *extra: str, env: dict[str, str] | None = None) -> C
     with FileLock(str(folder / "lock")):
         if not done.exists():
             fixed = folder / "fixed.yaml"
-            # the sample models' diagnoses are the suite's cold-process runs of every cause (test_samples_cli.py)
-            cold = Path(path).resolve().parent == SAMPLES
+            cold = Path(path).resolve() in COLD_SAMPLES
             proc = run_cli("diagnose", path, "--ci", "--json", *extra, "--fix-config", fixed, env=env, cold=cold)
             text = fixed.read_text() if fixed.exists() else None
             record = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "fix_config": text}

@@ -8,7 +8,7 @@ everything the test looks at: its own pid, working directory, environment, ``sys
 the training file and everything they import are imported in the child, as in a cold process. What differs is only
 that torch, dynamo and pandas are in ``sys.modules`` already; so a test about what a run imports, or one whose
 environment changes how torch imports (``TORCH*``, ``OMP_*``, ``PYTHON*``, ...), runs in a cold process
-(:meth:`Server.differs_at_import`), and so do the sample models' own fresh-process tests. One more difference:
+(:meth:`Server.differs_at_import`), and so do a third of the sample models' diagnoses (``conftest.COLD_SAMPLES``). One more difference:
 the runs of a worker share the server's string hash seed (a cold process draws its own).
 
 Forking a process that has imported torch but run no operator is what a DataLoader's fork workers do: torch's
