@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pandas as pd
 import pytest
 import torch
 from conftest import run_cli
@@ -133,3 +134,71 @@ def test_an_fsdp1_model_dynamo_cannot_compile_is_said_to_train_eager(training_fi
     notes = json.loads((tmp_path / "run" / "summary.json").read_text())["notes"]
     assert any("train runs the model compiled" in note for note in notes)
     assert any("without use_orig_params=True eagerly" in note for note in notes) == (wrapper == "fsdp1")
+
+
+SHARDED_TRAINING = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard
+
+CONFIG = {"steps": 6, "lr": 1e-3, "dtype": "bfloat16"}
+WRAPPER = "{wrapper}"
+
+
+def model():
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def data():
+    g = torch.Generator().manual_seed(5)
+    for _ in range(48):
+        yield torch.randn(64, 32, generator=g), torch.randint(0, 4, (64,), generator=g)
+
+
+def loss(model, batch):
+    return F.cross_entropy(model(batch[0]).float(), batch[1])
+
+
+def parallelize(model):
+    if WRAPPER == "fsdp1":
+        policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return FullyShardedDataParallel(model, mixed_precision=policy, use_orig_params=True, device_id=torch.device("cpu"))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    return fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+"""
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp1", "fully_shard"])
+def test_a_sharded_run_resumed_from_its_checkpoint_reproduces_the_uninterrupted_run(training_file, tmp_path, wrapper):
+    """Each rank holds a shard of the weights and of the optimizer state: the checkpoint holds them whole (the
+    user's names and shapes), and each rank takes its own shard back. Rank 0's shards saved and loaded on every rank
+    would give rank 1 rank 0's shard: the resumed loss would jump back."""
+    path = training_file(SHARDED_TRAINING.replace("{wrapper}", wrapper))
+    common = ("--nproc", "2", "--device", "cpu", "--checkpoint-every", "2")
+    assert run_cli("train", path, *common, "--run-dir", tmp_path / "full").returncode == 0
+    part = run_cli("train", path, *common, "--run-dir", tmp_path / "part", "--steps", "3")
+    assert part.returncode == 0, part.stderr[-3000:]
+    checkpoint = torch.load(tmp_path / "part" / "checkpoints" / "step_00000003.pt", weights_only=True)
+    assert {k: tuple(v.shape) for k, v in checkpoint["model"].items()} == {
+        "0.weight": (64, 32), "0.bias": (64,), "2.weight": (4, 64), "2.bias": (4,),
+    }  # fmt: skip
+    (optimizer,) = checkpoint["optimizers"].values()
+    assert tuple(optimizer["state"]["0.weight"]["exp_avg"].shape) == (64, 32)  # whole, not rank 0's shard
+    resumed = run_cli("train", path, *common, "--run-dir", tmp_path / "part", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    full, part = (pd.read_csv(tmp_path / run / "metrics.csv") for run in ("full", "part"))
+    assert len(full) == 6
+    for column in ("loss", "grad_norm", "loss_scale", "skipped"):
+        assert part[column].tolist() == full[column].tolist(), column  # bit for bit
+
+
+def test_a_parallelize_that_raises_in_train_is_the_files_error_at_its_line(training_file, tmp_path):
+    path = training_file(SHARDED_TRAINING.replace('WRAPPER == "fsdp1"', "True").replace(', device_id=torch.device("cpu")', ""))
+    proc = run_cli("train", path, "--nproc", "2", "--device", "cpu", "--run-dir", tmp_path / "run")
+    assert proc.returncode == 2
+    line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if "FullyShardedDataParallel(model" in text)
+    assert "error: parallelize() raised RuntimeError: FSDP needs a non-CPU accelerator device" in proc.stderr
+    assert f"({path}:{line})" in proc.stderr and "Traceback" not in proc.stderr

@@ -33,11 +33,11 @@ import pandas as pd
 import torch
 
 from ..config import DoctorConfig, build_config
-from ..errors import DoctorError, RankTimeoutError, TrainingFileError, first_line
+from ..errors import DoctorError, RankTimeoutError, TrainingFileError
 from ..files import atomic_write_bytes, atomic_write_text
 from ..tensors import parameter_sums
 from ..userfile.modules import PARALLEL_WRAPPERS, fsdp2_param_groups
-from ..userfile.spec import load_training_file, user_frame
+from ..userfile.spec import load_training_file
 from .probe import Probe, Workbench
 from .rank_launcher import launch_command
 from .reduction import ReductionMeter
@@ -172,7 +172,7 @@ def _raise_rank_error(workdir: Path, world: int, returncode: int, output: str) -
     if returncode != 0 or not (workdir / "result.pkl").exists():
         tail = "\n".join(output.strip().splitlines()[-15:])
         raise DoctorError(
-            f"the parallel run failed (torchrun exit code {returncode}):\n{tail}",
+            f"the parallel run failed (its launcher's exit code {returncode}):\n{tail}",
             hint="Run the diagnosis without --nproc to see whether the training fails in one process too.",
         )
 
@@ -287,7 +287,7 @@ def _parallelize(spec: Any, model: torch.nn.Module, meter: ReductionMeter, rank:
         if spec.parallelize is None:
             wrapped: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
         else:
-            wrapped = _call_parallelize(spec, model)
+            wrapped = spec.parallelized(model)
     if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         meter.attach(wrapped)
     return wrapped
@@ -298,22 +298,6 @@ def _already_parallel(model: torch.nn.Module) -> bool:
     return isinstance(model, PARALLEL_WRAPPERS) or any(
         "FSDP" in cls.__name__ or cls.__name__ == "FullyShardedDataParallel" for cls in type(model).__mro__
     )
-
-
-def _call_parallelize(spec: Any, model: torch.nn.Module) -> torch.nn.Module:
-    try:
-        wrapped = spec.parallelize(model)
-    except DoctorError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the user's code: its error, at its line
-        raise TrainingFileError(
-            f"parallelize() raised {type(exc).__name__}: {first_line(exc)}",
-            location=user_frame(exc, spec.path),
-            hint="parallelize(model) receives the plain model on this rank's device and returns it wrapped.",
-        ) from exc
-    if not isinstance(wrapped, torch.nn.Module):
-        raise TrainingFileError(f"parallelize() returned {type(wrapped).__name__}, not a torch.nn.Module.")
-    return wrapped
 
 
 def _run_pass(probe: Probe, meter: ReductionMeter, rank: Rank, name: str, steps: int) -> ParallelPass:

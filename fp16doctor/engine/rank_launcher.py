@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import signal
 import sys
 import traceback
@@ -67,6 +68,9 @@ def main(argv: list[str]) -> int:
     )
     # run_rank as its module's, not __main__'s: a spawned rank unpickles it by that name
     launched = importlib.import_module("fp16doctor.engine.rank_launcher").run_rank
+    # the agent logs a failed rank's exit as an error with its own traceback: the rank printed what went wrong,
+    # and the launcher names it below
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, launched)(args.entry, args.argument)
     except ChildFailedError as failed:

@@ -62,7 +62,7 @@ def train_distributed(config: DoctorConfig, options: TrainOptions, nproc: int, t
     proc = subprocess.run(command)
     if proc.returncode == 2 or not summary.exists():  # rank 0 wrote this run's outcome (Ctrl-C's included)
         raise DoctorError(
-            f"the {nproc}-process run failed (torchrun exit code {proc.returncode}).",
+            f"the {nproc}-process run failed (its launcher's exit code {proc.returncode}).",
             hint="Its processes' messages are above; try --nproc 1 to see the problem in one process.",
         )
     return TrainResult(**json.loads(summary.read_text()))

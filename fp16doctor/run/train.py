@@ -44,6 +44,7 @@ from ..measure.localise import trace_step
 from ..tensors import OUT_OF_MEMORY, parameter_sums
 from ..userfile.batches import check_batch
 from ..userfile.spec import TrainingSpec
+from .checkpoint_state import load_whole_state, whole_state
 
 KEEP_CHECKPOINTS = 3
 METRIC_COLUMNS = ["step", "loss", "grad_norm", "lr", "loss_scale", "skipped", "nonfinite", "seconds", "micro_step"]
@@ -180,7 +181,7 @@ class Trainer:
         their dtype, fp32 master grads, unless the training registers a hook): before the optimizers are made, which
         must hold the parameters FSDP shards."""
         if self.spec.parallelize is not None:  # the training's own topology
-            return self.spec.parallelize(model)
+            return self.spec.parallelized(model)
         device_ids = [self.bench.device.index or 0] if self.bench.device.type == "cuda" else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
@@ -234,16 +235,17 @@ class Trainer:
         if self.dist.world > 1:
             rngs = [None] * self.dist.world
             torch.distributed.all_gather_object(rngs, rng_state())
+        probe = self.probe
+        model_state, optimizer_states = whole_state(self.inner_model, probe.model, probe.optimizers)  # sharded: all
         if not self.dist.main:
             return None
-        probe = self.probe
         state = {
             "step": step,
             "data_position": self.stream.position,
             "world": self.dist.world,
-            "model": self.inner_model.state_dict(),
-            "optimizer": probe.optimizer.state_dict(),
-            "optimizers": probe.optimizers.state(),  # every optimizer by name (optimizers(model) gives several)
+            "model": model_state,
+            "optimizer": optimizer_states[probe.optimizers.name_of(probe.optimizer) or ""],
+            "optimizers": optimizer_states,  # every optimizer by name (optimizers(model) gives several)
             "scheduler": probe.schedulers[0].state_dict() if probe.schedulers else None,
             "schedulers": [scheduler.state_dict() for scheduler in probe.schedulers],
             "scaler": probe.scaler.state_dict(),
@@ -269,10 +271,9 @@ class Trainer:
                 f"the checkpoint was written by {state['world']} process(es), this run has {self.dist.world}.",
                 hint="Resume with the same --nproc.",
             )
-        self.inner_model.load_state_dict(state["model"])
-        self.probe.optimizers.load(
-            state.get("optimizers") or {self.probe.optimizers.name_of(self.probe.optimizer): state["optimizer"]}
-        )
+        optimizers = self.probe.optimizers
+        optimizer_states = state.get("optimizers") or {optimizers.name_of(self.probe.optimizer): state["optimizer"]}
+        load_whole_state(self.inner_model, self.probe.model, optimizers, state["model"], optimizer_states)
         schedulers = state.get("schedulers") or ([state["scheduler"]] if state["scheduler"] is not None else [])
         for scheduler, scheduler_state in zip(self.probe.schedulers, schedulers):
             scheduler.load_state_dict(scheduler_state)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import TrainingFileError
+from ..errors import DoctorError, TrainingFileError, first_line
 from .checkpoint import TrainedStart
 from .compiled import CompileOptions, CompileRecorder
 from .modules import compile_wrapper_inner
@@ -119,6 +119,23 @@ class TrainingSpec:
     def user_location(self, exc: BaseException) -> str | None:
         """``file:line`` of the deepest traceback frame inside the training file."""
         return user_frame(exc, self.path)
+
+    def parallelized(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``parallelize(model)``; its error, or a result that is no module, is the training file's, at its line."""
+        assert self.parallelize is not None
+        try:
+            wrapped = self.parallelize(model)
+        except DoctorError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's code: its error, at its line
+            raise TrainingFileError(
+                f"parallelize() raised {type(exc).__name__}: {first_line(exc)}",
+                location=self.user_location(exc),
+                hint="parallelize(model) receives the plain model on this rank's device and returns it wrapped.",
+            ) from exc
+        if not isinstance(wrapped, torch.nn.Module):
+            raise TrainingFileError(f"parallelize() returned {type(wrapped).__name__}, not a torch.nn.Module.")
+        return wrapped
 
 
 def user_frame(exc: BaseException, path: Path) -> str | None:
