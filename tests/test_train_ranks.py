@@ -196,9 +196,13 @@ def test_a_sharded_run_resumed_from_its_checkpoint_reproduces_the_uninterrupted_
 
 
 def test_a_parallelize_that_raises_in_train_is_the_files_error_at_its_line(training_file, tmp_path):
-    path = training_file(SHARDED_TRAINING.replace('WRAPPER == "fsdp1"', "True").replace(', device_id=torch.device("cpu")', ""))
+    path = training_file(
+        SHARDED_TRAINING.replace('WRAPPER == "fsdp1"', "True").replace(', device_id=torch.device("cpu")', "")
+    )
     proc = run_cli("train", path, "--nproc", "2", "--device", "cpu", "--run-dir", tmp_path / "run")
     assert proc.returncode == 2
-    line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if "FullyShardedDataParallel(model" in text)
+    line = next(
+        i for i, text in enumerate(path.read_text().splitlines(), 1) if "FullyShardedDataParallel(model" in text
+    )
     assert "error: parallelize() raised RuntimeError: FSDP needs a non-CPU accelerator device" in proc.stderr
     assert f"({path}:{line})" in proc.stderr and "Traceback" not in proc.stderr
