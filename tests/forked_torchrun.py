@@ -38,7 +38,7 @@ def as_python(*argv: str) -> None:
     sys.stderr = io.TextIOWrapper(open(2, "wb", 0, closefd=False), write_through=True, errors="backslashreplace")
     if "sitecustomize" in sys.modules:  # a fresh interpreter runs it at its start, with the rank's environment
         importlib.reload(sys.modules["sitecustomize"])
-    args = [a for a in argv if a != "-u"]
+    args = list(argv[1:]) if argv[:1] == ("-u",) else list(argv)  # torchrun's own -u, not a script's
     code = 0
     try:
         if args[0] == "-m":

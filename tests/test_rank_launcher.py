@@ -22,7 +22,8 @@ def main(argv):
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
     seen = {
-        "argv": sys.argv, "arg": argv, "total": total.item(),
+        "argv": sys.argv, "arg": argv, "total": total.item(), "threads": torch.get_num_threads(),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
         "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
     }
     with open(os.path.join(argv[0], f"rank{dist.get_rank()}.json"), "w") as handle:
@@ -38,6 +39,20 @@ def fails_on_rank_1(argv):
 def exits_3(argv):
     return 3
 
+def prints_then_waits(argv):
+    import atexit, time
+    atexit.register(lambda: open(os.path.join(argv[0], f"atexit{os.environ['RANK']}"), "w").close())
+    if os.environ["RANK"] == "0":
+        print("rank 0 was here")  # to a pipe: block-buffered, unless the rank's stdout is unbuffered
+        time.sleep(60)
+    time.sleep(1)
+    raise ValueError("rank 1 fails while rank 0 waits")
+
+def registers_atexit(argv):
+    import atexit
+    atexit.register(lambda: open(os.path.join(argv[0], f"atexit{os.environ['RANK']}"), "w").close())
+    return 0
+
 def handlers(argv):
     import signal
     names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
@@ -48,12 +63,14 @@ def handlers(argv):
 """
 
 
-def launch(tmp_path, entry, method, world=2):
+def launch(tmp_path, entry, method, world=2, threads="1"):
+    """The launcher in a fresh process, its output to pipes (as the doctor reads it), without PYTHONUNBUFFERED."""
     (tmp_path / "ranks_entry.py").write_text(textwrap.dedent(ENTRY))
     command = [sys.executable, "-m", "fp16doctor.engine.rank_launcher", f"--nproc={world}"]
     command += [f"--start-method={method}", f"ranks_entry:{entry}", str(tmp_path)]
     # the training files' folder only: not this worker's sys.path, which other tests' folders may shadow
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONUNBUFFERED", "OMP_NUM_THREADS")}
+    env = {**env, "PYTHONPATH": str(tmp_path), **({"OMP_NUM_THREADS": threads} if threads else {})}
     return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
 
 
@@ -97,3 +114,46 @@ def test_a_forked_rank_has_a_fresh_interpreters_signal_handlers(tmp_path):
         seen = json.loads((tmp_path / f"handlers{rank}.json").read_text())
         assert "default_int_handler" in seen["SIGINT"]
         assert {seen[name] for name in ("SIGTERM", "SIGHUP", "SIGQUIT")} == {"<Handlers.SIG_DFL: 0>"}
+
+
+@pytest.mark.e2e
+def test_ranks_take_one_thread_each_unless_told_otherwise_as_under_torchrun(tmp_path):
+    proc = launch(tmp_path, "main", "fork", threads=None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(s["omp"], s["threads"]) for s in seen] == [("1", 1), ("1", 1)]
+    told = launch(tmp_path, "main", "fork", threads="2")
+    assert told.returncode == 0, told.stderr[-3000:]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text())["omp"] for r in range(2)] == ["2", "2"]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_rank_runs_its_atexit_handlers_once(tmp_path, method):
+    proc = launch(tmp_path, "registers_atexit", method)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("atexit*")) == ["atexit0", "atexit1"]
+
+
+@pytest.mark.e2e
+def test_what_a_rank_printed_is_out_when_the_agent_ends_it_for_another_ranks_failure(tmp_path):
+    """Rank 1 fails while rank 0 waits: the agent ends rank 0, whose printed line was already written (a rank's
+    streams are unbuffered, as under torchrun's python -u)."""
+    proc = launch(tmp_path, "prints_then_waits", "fork")
+    assert proc.returncode == 1 and "ValueError: rank 1 fails while rank 0 waits" in proc.stderr
+    assert "rank 0 was here" in proc.stdout
+
+
+def test_the_ranks_fork_only_on_linux_without_cuda(monkeypatch):
+    from fp16doctor.engine import rank_launcher
+
+    monkeypatch.setattr(rank_launcher.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(rank_launcher.sys, "platform", "linux")
+    assert rank_launcher.start_method() == "fork"
+    assert "--start-method=fork" in rank_launcher.launch_command(2, "m:f", "a")
+    monkeypatch.setattr(rank_launcher.torch.cuda, "is_available", lambda: True)
+    assert rank_launcher.start_method() == "spawn"
+    monkeypatch.setattr(rank_launcher.torch.cuda, "is_available", lambda: False)
+    for platform in ("darwin", "win32"):
+        monkeypatch.setattr(rank_launcher.sys, "platform", platform)
+        assert rank_launcher.start_method() == "spawn"

@@ -5,23 +5,32 @@ dynamo again (DDP's constructor imports dynamo, and dynamo FSDP): 2 to 4 s of CP
 most of a small training's parallel stage. The doctor's own ranks (the parallel stage of ``diagnose --nproc``,
 ``compare --nproc``, ``train --nproc``) run a function of the doctor, so this launcher runs the agent torchrun runs
 (:func:`torch.distributed.launcher.api.elastic_launch`, with torchrun's ``--standalone`` rendezvous) with that
-function as its entry point, forked from this process once those modules are imported. Each rank gets torchrun's
-environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) and ``sys.argv``, and imports the training file itself.
+function as its entry point, forked from this process once those modules are imported.
 
-Forking is safe because this process does nothing before it but import: no OpenMP pool has started, and no CUDA
-call was made. Where the launching process sees CUDA, the ranks are spawned instead (fresh interpreters, as under
-torchrun): a CUDA context cannot be used in a child forked from a process that initialised one, and an import may
-have.
+Each rank gets what torchrun gives it: the environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...,
+``OMP_NUM_THREADS=1`` unless set), the ``sys.argv`` of ``python -m MODULE ARG``, unbuffered standard streams (torchrun
+runs ``python -u``), a fresh interpreter's signal handlers, and its atexit handlers run when it ends. It imports the
+training file itself.
 
-A rank that fails exits non-zero, and so does this launcher, with each failed rank's exit code on stderr (a rank's
-unexpected exception prints its traceback there first).
+When the agent forks, this process has imported modules and started the rendezvous: the agent's keep-alive thread
+and its store's server threads are running, and no OpenMP pool or CUDA call has been made. The ranks never touch
+the agent's threads or its store (they connect to it anew), the pattern torchrun's own ``--start-method fork`` uses.
+The ranks are spawned instead (fresh interpreters) where the launching process sees CUDA (a child forked from a
+process that initialised CUDA cannot use it, and an import may have) and off Linux (no fork on Windows; forking a
+process with threads is unsafe on macOS).
+
+A rank that fails exits non-zero, and so does this launcher, naming the failed rank and its exit code on stderr (a
+rank's unexpected exception prints its traceback there first).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import io
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -33,12 +42,19 @@ import torch
 PRELOADED = ("torch._dynamo",)
 """Imported once here, before the ranks are forked: DDP's constructor imports dynamo, which imports FSDP and DTensor."""
 START_METHODS = ("fork", "spawn")
+ONE_THREAD = "FP16DOCTOR_RANK_ONE_THREAD"
+"""Set for the ranks where the launcher set ``OMP_NUM_THREADS=1`` (torch, imported before, read it unset)."""
+
+
+def start_method() -> str:
+    """Fork on Linux without CUDA, else spawn (see the module docstring)."""
+    return "fork" if sys.platform.startswith("linux") and not torch.cuda.is_available() else "spawn"
 
 
 def launch_command(world: int, entry: str, argument: str) -> list[str]:
     """The command that runs ``entry`` (``module:function``, taking ``[argument]`` and returning an exit code) on
-    ``world`` ranks, forked on a CPU and spawned where this process sees CUDA."""
-    method = "spawn" if torch.cuda.is_available() else "fork"
+    ``world`` ranks."""
+    method = start_method()
     return [sys.executable, "-m", __name__, f"--nproc={world}", f"--start-method={method}", entry, argument]
 
 
@@ -49,6 +65,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("entry", help="module:function")
     parser.add_argument("argument")
     args = parser.parse_args(argv)
+    if "OMP_NUM_THREADS" not in os.environ and args.nproc > 1:
+        # as torchrun does: one intra-op thread per rank, so that N ranks do not each take every core
+        os.environ["OMP_NUM_THREADS"] = os.environ[ONE_THREAD] = "1"
     if args.start_method == "fork":
         for name in PRELOADED:
             importlib.import_module(name)
@@ -66,13 +85,13 @@ def main(argv: list[str]) -> int:
         max_restarts=0,
         start_method=args.start_method,
     )
-    # run_rank as its module's, not __main__'s: a spawned rank unpickles it by that name
-    launched = importlib.import_module("fp16doctor.engine.rank_launcher").run_rank
     # the agent logs a failed rank's exit as an error with its own traceback: the rank printed what went wrong,
     # and the launcher names it below
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # run_rank as its module's, not __main__'s: a spawned rank unpickles it by that name
+    launched = importlib.import_module("fp16doctor.engine.rank_launcher").run_rank
     try:
-        elastic_launch(config, launched)(args.entry, args.argument)
+        elastic_launch(config, launched)(args.entry, args.argument, args.start_method == "fork")
     except ChildFailedError as failed:
         for rank, failure in sorted(failed.failures.items()):
             print(f"rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
@@ -80,20 +99,28 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def run_rank(entry: str, argument: str) -> None:
-    """One rank: ``entry([argument])``, with the ``sys.argv`` ``python -m MODULE ARGUMENT`` would give it."""
+def run_rank(entry: str, argument: str, forked: bool) -> None:
+    """One rank: ``entry([argument])``, as ``python -u -m MODULE ARGUMENT`` would run it (see the module docstring).
+    ``forked``: the process leaves by ``os._exit``, which skips the atexit handlers, so they are run here."""
     _fresh_signal_handlers()
+    _unbuffered_streams()
+    if os.environ.get(ONE_THREAD):
+        torch.set_num_threads(1)
     function = _entry_function(entry)
     module = sys.modules[function.__module__]
     sys.argv = [getattr(module, "__file__", None) or entry, argument]
     try:
         code = function([argument])
-    except BaseException as exc:
-        if not isinstance(exc, SystemExit):
-            traceback.print_exc()
-            code = 1
-        else:
-            raise
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 130
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    if forked:
+        atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     if code:
@@ -106,6 +133,19 @@ def _fresh_signal_handlers() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
+def _unbuffered_streams() -> None:
+    """``python -u``'s: what a rank printed is out before the agent ends it (a rank failing elsewhere)."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        stream = io.TextIOWrapper(
+            open(fd, "wb", 0, closefd=False),  # noqa: SIM115 - the process's own stream, open for its life
+            encoding=getattr(old, "encoding", None),
+            errors=getattr(old, "errors", None),
+            write_through=True,
+        )
+        setattr(sys, name, stream)
 
 
 def _entry_function(entry: str) -> Callable[[list[str]], int]:

@@ -738,18 +738,34 @@ class TrainingObserver:
         capsule = self._capsule_together(table, scaler)
         self._say_unsaid(table)
         self._last_step = None
+        together = self._stops_every_rank(table)  # then this rank stops too, whatever it found itself
         stopping = [rank for rank, row in enumerate(table) if row.stop] or (
             [self.rank or 0] if self._pending_stop else []
         )
-        if stopping and self.options.stop_on_alarm:
+        if (stopping or together) and self.options.stop_on_alarm:
+            raised = stopping or [rank for rank, row in enumerate(table) if row.alarmed] or list(range(len(table)))
             alarm = self._pending_stop or Alarm(
-                "stopped", step, f"{ranks_text(stopping)} raised an alarm", rank=self.rank
+                "stopped", step, f"{ranks_text(raised)} raised an alarm", rank=self.rank
             )
             if self._pending_stop is None:
                 alarm.capsule, alarm.no_capsule = capsule
                 self.on_alarm(alarm)
-            self._said_together(scaler._scale.device)
+            if together:
+                self._said_together(scaler._scale.device)
             raise WatchStopped(alarm)
+
+    def _stops_every_rank(self, table: list[RankRow]) -> bool:
+        """Whether the table alone stops every rank: a rank's stop in its row, or an alarm the ranks raise from the
+        table (a disagreement, a divergence). Every rank computes it from the same table, so that all of them meet
+        once more or none does; a rank that stops on what only it knows (its watch failed) leaves alone."""
+        wanted = self.options.alarms
+        if not self.options.stop_on_alarm or any(row.failed for row in table):
+            return False
+        return (
+            any(row.stop for row in table)
+            or (disagree(table) and "rank-disagreement" in wanted)
+            or (diverged(table) and "rank-divergence" in wanted)
+        )
 
     def _said_together(self, device: torch.device) -> None:
         """Meet the others once more before stopping: torchrun ends every rank when the first one exits, so a rank
@@ -853,10 +869,9 @@ class TrainingObserver:
         return found
 
     def _compare(self, table: list[RankRow], scaler: GradScaler, checksums: torch.Tensor | None, step: int) -> None:
-        if len({r.scale for r in table}) > 1 or len({r.skipped for r in table}) > 1:
+        if disagree(table):
             self._disagreement(table, scaler)
-        taken = [row for row in table if row.checksummed > 0]
-        if taken and (len(taken) < len(table) or len({row.checksum for row in taken}) > 1):
+        if diverged(table):
             self._divergence(table, checksums, step)
 
     def _divergence(self, table: list[RankRow], checksums: torch.Tensor | None, step: int) -> None:
@@ -983,6 +998,17 @@ def autocast_dtype() -> str | None:
         if torch.is_autocast_enabled(device_type):
             return dtype_name(torch.get_autocast_dtype(device_type))
     return None
+
+
+def disagree(table: list[RankRow]) -> bool:
+    """The ranks disagree on the scale or on the skip."""
+    return len({r.scale for r in table}) > 1 or len({r.skipped for r in table}) > 1
+
+
+def diverged(table: list[RankRow]) -> bool:
+    """The ranks' replicated parameters differ (or only some ranks took their checksum)."""
+    taken = [row for row in table if row.checksummed > 0]
+    return bool(taken) and (len(taken) < len(table) or len({row.checksum for row in taken}) > 1)
 
 
 def watching_steps() -> bool:
