@@ -4,7 +4,11 @@ runs eagerly named as in that model), compiled where it compiles, and the comman
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
+import time
 
 import pandas as pd
 import pytest
@@ -206,3 +210,45 @@ def test_a_parallelize_that_raises_in_train_is_the_files_error_at_its_line(train
     )
     assert "error: parallelize() raised RuntimeError: FSDP needs a non-CPU accelerator device" in proc.stderr
     assert f"({path}:{line})" in proc.stderr and "Traceback" not in proc.stderr
+
+
+SLOW_TRAINING = """
+import time
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+CONFIG = {"steps": 200, "lr": 0.01}
+
+
+def model():
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def data():
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(400)]
+
+
+def loss(model, batch):
+    time.sleep(0.1)  # a slow step, so that Ctrl-C lands mid-run
+    return F.cross_entropy(model(batch[0]), batch[1])
+"""
+
+
+def test_ctrl_c_on_two_ranks_checkpoints_the_completed_steps_and_exits_130(training_file, tmp_path):
+    """Ctrl-C reaches the whole foreground group (the command, the launcher, the ranks), as a terminal sends it."""
+    path, run_dir = training_file(SLOW_TRAINING), tmp_path / "run"
+    command = [sys.executable, "-m", "fp16doctor", "train", str(path), "--nproc", "2", "--device", "cpu"]
+    command += ["--run-dir", str(run_dir), "--checkpoint-every", "5"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics, deadline = run_dir / "metrics.csv", time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) > 7) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    done = len(pd.read_csv(metrics))
+    newest = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1]
+    assert torch.load(newest, weights_only=True)["step"] == done  # exactly the completed steps
