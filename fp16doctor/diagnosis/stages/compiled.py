@@ -26,6 +26,7 @@ import io
 import re
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,7 +73,7 @@ def stage_compiled(ctx: StageContext) -> StageReport:
     if outcome == CompiledOutcome.COMPILED_ONLY:
         comparison.backends = localise_by_backend(ctx, comparison)
         if _only_inductor_fails(comparison):
-            comparison.bisection = bisect_compiler(ctx)
+            comparison.bisection = bisect_compiler(ctx, known=comparison.backends)
             comparison.backends += _fallback_trial(ctx, comparison.bisection)
         if not any(_keeps_the_compilation(b) for b in comparison.backends):
             comparison.backends += search_eager_region(ctx)
@@ -135,17 +136,23 @@ def _only_inductor_fails(comparison: CompiledComparison) -> bool:
     return any(b.backend == "aot_eager" and not b.symptoms for b in comparison.backends)
 
 
-def bisect_compiler(ctx: StageContext) -> CompilerBisection:
+def bisect_compiler(ctx: StageContext, known: Sequence[BackendTrial] = ()) -> CompilerBisection:
     """PyTorch's compiler bisector over the compiled AMP probe: healthy or not, as the stage measures it. Each run
-    compiles anew (dynamo reset, inductor's caches off: the bisector changes what their keys do not hold)."""
+    compiles anew (dynamo reset, inductor's caches off: the bisector changes what their keys do not hold). The
+    bisector first runs the whole training with each backend in turn: for those ``known`` measured already (eager,
+    aot_eager) their measurement answers, without compiling again."""
     try:
         from torch._inductor.compiler_bisector import CompilerBisector
     except ImportError:
         return CompilerBisection(None, not_run="this torch has no compiler bisector")
     runs = 0
+    measured = {trial.backend: not trial.symptoms for trial in known}
 
     def healthy() -> bool:
         nonlocal runs
+        backend = CompilerBisector.get_backend()
+        if CompilerBisector.get_subsystem() is None and backend in measured:
+            return measured[backend]
         runs += 1
         torch._dynamo.reset()
         summary, _, _ = _timed_compiled_probe(ctx, {})
