@@ -113,6 +113,8 @@ def run_rank(entry: str, argument: str, forked: bool) -> None:
         code = function([argument])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if exc.code is not None and not isinstance(exc.code, int):  # sys.exit("message"): said, as Python says it
+            print(exc.code, file=sys.stderr)
     except KeyboardInterrupt:
         traceback.print_exc()
         code = 130

@@ -38,8 +38,14 @@ def whole_state(
         return built.state_dict(), optimizers.state(copy_state=False)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    model, options = _dcp_model(run), _options()
-    states = {name: get_optimizer_state_dict(model, opt, options=options) for name, opt in optimizers.by_name.items()}
+    model, options = _dcp_model(run), _options(run)
+    device = next(run.parameters()).device
+    states = {
+        name: get_optimizer_state_dict(model, opt, options=options)
+        if _stepped_anywhere(opt, device)
+        else opt.state_dict()
+        for name, opt in optimizers.by_name.items()
+    }
     return get_model_state_dict(model, options=options), states
 
 
@@ -57,10 +63,14 @@ def load_whole_state(
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    model, options = _dcp_model(run), _options()
+    model, options = _dcp_model(run), _options(run)
     set_model_state_dict(model, model_state, options=options)
     for name, opt in optimizers.by_name.items():
-        set_optimizer_state_dict(model, opt, optimizer_states[name], options=options)
+        saved = optimizer_states[name]
+        if saved["state"]:
+            set_optimizer_state_dict(model, opt, saved, options=options)
+        else:  # saved before any step: its settings only, as the uninterrupted run has it (see _stepped_anywhere)
+            opt.load_state_dict(saved)
 
 
 def _dcp_model(run: torch.nn.Module) -> torch.nn.Module:
@@ -68,7 +78,19 @@ def _dcp_model(run: torch.nn.Module) -> torch.nn.Module:
     return compile_wrapper_inner(run) or run
 
 
-def _options() -> Any:
+def _stepped_anywhere(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Whether the optimizer has state on some rank (the ranks agree: a collective). One that has none yet (every
+    step so far skipped) is saved as its own ``state_dict()``: the state-dict API would first make one, by a step at
+    learning rate 0 on zero gradients, and that step would change the training (Adam's step count, its moments)."""
+    flag = torch.tensor([1.0 if optimizer.state else 0.0], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+def _options(run: torch.nn.Module) -> Any:
+    """The whole state; gathered onto rank 0's CPU from a device (the other ranks get none), where each rank would
+    otherwise hold all of it beside its shard. Not from the CPU: FSDP1 frees the storage the offload copies from."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=False)
+    on_device = any(p.device.type != "cpu" for p in run.parameters())
+    return StateDictOptions(full_state_dict=True, cpu_offload=on_device)

@@ -44,7 +44,7 @@ from ..measure.localise import trace_step
 from ..tensors import OUT_OF_MEMORY, parameter_sums
 from ..userfile.batches import check_batch
 from ..userfile.spec import TrainingSpec
-from .checkpoint_state import load_whole_state, whole_state
+from .checkpoint_state import load_whole_state, shards_parameters, whole_state
 
 KEEP_CHECKPOINTS = 3
 METRIC_COLUMNS = ["step", "loss", "grad_norm", "lr", "loss_scale", "skipped", "nonfinite", "seconds", "micro_step"]
@@ -137,6 +137,13 @@ class BatchStream:
     def skip(self, count: int) -> None:
         for _ in range(count):
             self.next()
+
+
+SHARDED_NOT_REPLAYED = (
+    "not replayed: the model is sharded (FSDP), and the operator tracer does not replay a sharded step yet; "
+    "torchrun -m fp16doctor watch names the rank, micro-batch and first module of a sharded run's non-finite step"
+)
+"""The first non-finite step's explanation where the ranks shard the model."""
 
 
 def checkpoint_paths(run_dir: Path) -> list[Path]:
@@ -407,8 +414,12 @@ class Trainer:
         """Replay the step from the last snapshot with the instruments and the operator tracer; write it next to the run."""
         assert self.snapshot is not None, "the run takes its first snapshot before its first step"
         snap, _, batches = self.snapshot
-        current = self.probe.snapshot()
         report: dict[str, Any] = {"step": step, **row}
+        if shards_parameters(self.probe.model):  # every rank alike: the same model, the same decision
+            report.update(localisation=None, first_nonfinite_module=None, explanation=SHARDED_NOT_REPLAYED)
+            self._write_step_report(step, report)
+            return report
+        current = self.probe.snapshot()
         try:
             self.probe.restore(snap)
             for earlier in batches[:-1]:
@@ -424,11 +435,14 @@ class Trainer:
                 self.probe.instruments.detach()
                 self.probe.instruments = None
             self.probe.restore(current)
+        self._write_step_report(step, report)
+        return report
+
+    def _write_step_report(self, step: int, report: dict[str, Any]) -> None:
         if self.dist.main:
             base = self.run_dir / f"nonfinite_step_{step}"
             atomic_write_text(base.with_suffix(".json"), json.dumps(jsonable(report), indent=2, allow_nan=False))
             atomic_write_text(base.with_suffix(".md"), _markdown_step(report))
-        return report
 
     @staticmethod
     def _explain(row: dict[str, Any], localisation: Any, compiled: bool) -> str:
