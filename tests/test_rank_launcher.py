@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 ENTRY = """
-import json, os, sys
+import atexit, json, os, signal, sys, time
 import torch
 import torch.distributed as dist
 
@@ -21,13 +21,16 @@ def main(argv):
     dist.init_process_group("gloo")
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
+    handlers = {name: repr(signal.getsignal(getattr(signal, name))) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")}
     seen = {
         "argv": sys.argv, "arg": argv, "total": total.item(), "threads": torch.get_num_threads(),
-        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "omp": os.environ.get("OMP_NUM_THREADS"), "handlers": handlers,
         "env": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
     }
     with open(os.path.join(argv[0], f"rank{dist.get_rank()}.json"), "w") as handle:
         json.dump(seen, handle)
+    rank = dist.get_rank()
+    atexit.register(lambda: open(os.path.join(argv[0], f"atexit{rank}"), "a").write("ran\\n"))
     dist.destroy_process_group()
     return 0
 
@@ -40,26 +43,11 @@ def exits_3(argv):
     return 3
 
 def prints_then_waits(argv):
-    import atexit, time
-    atexit.register(lambda: open(os.path.join(argv[0], f"atexit{os.environ['RANK']}"), "w").close())
     if os.environ["RANK"] == "0":
         print("rank 0 was here")  # to a pipe: block-buffered, unless the rank's stdout is unbuffered
         time.sleep(60)
     time.sleep(1)
     raise ValueError("rank 1 fails while rank 0 waits")
-
-def registers_atexit(argv):
-    import atexit
-    atexit.register(lambda: open(os.path.join(argv[0], f"atexit{os.environ['RANK']}"), "w").close())
-    return 0
-
-def handlers(argv):
-    import signal
-    names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
-    seen = {name: repr(signal.getsignal(getattr(signal, name))) for name in names}
-    with open(os.path.join(argv[0], f"handlers{os.environ['RANK']}.json"), "w") as handle:
-        json.dump(seen, handle)
-    return 0
 """
 
 
@@ -75,9 +63,12 @@ def launch(tmp_path, entry, method, world=2, threads="1"):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_each_rank_gets_torchruns_environment_and_argv_and_the_ranks_meet(tmp_path, method):
-    proc = launch(tmp_path, "main", method)
+@pytest.mark.parametrize(("method", "threads"), [("fork", None), ("spawn", "2")])
+def test_each_rank_gets_what_torchrun_gives_it_and_the_ranks_meet(tmp_path, method, threads):
+    """torchrun's environment (one thread per rank unless told otherwise), the argv ``python -m`` gives, a fresh
+    interpreter's signal handlers (not the agent's: Ctrl-C raises KeyboardInterrupt, which the trainer checkpoints
+    on), its atexit handlers run once at the end."""
+    proc = launch(tmp_path, "main", method, threads=threads)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, record in enumerate(seen):
@@ -86,6 +77,10 @@ def test_each_rank_gets_torchruns_environment_and_argv_and_the_ranks_meet(tmp_pa
         assert record["arg"] == [str(tmp_path)]
         assert record["argv"] == [str(tmp_path / "ranks_entry.py"), str(tmp_path)]  # as `python -m` gives them
         assert record["total"] == 3.0  # 1 + 2: the ranks' all-reduce met
+        assert (record["omp"], record["threads"]) == (("1", 1) if threads is None else ("2", 2))
+        assert "default_int_handler" in record["handlers"]["SIGINT"]
+        assert {record["handlers"][n] for n in ("SIGTERM", "SIGHUP", "SIGQUIT")} == {"<Handlers.SIG_DFL: 0>"}
+        assert (tmp_path / f"atexit{rank}").read_text() == "ran\n"
 
 
 @pytest.mark.e2e
@@ -102,37 +97,6 @@ def test_an_entry_that_returns_non_zero_is_a_failed_rank_with_that_code(tmp_path
     proc = launch(tmp_path, "exits_3", "fork")
     assert proc.returncode == 1
     assert re.search(r"^rank [01] exited with code 3$", proc.stderr, re.MULTILINE), proc.stderr[-2000:]
-
-
-@pytest.mark.e2e
-def test_a_forked_rank_has_a_fresh_interpreters_signal_handlers(tmp_path):
-    """Not the agent's: Ctrl-C raises KeyboardInterrupt in the rank (the trainer checkpoints on it), and SIGTERM
-    ends it."""
-    proc = launch(tmp_path, "handlers", "fork")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in range(2):
-        seen = json.loads((tmp_path / f"handlers{rank}.json").read_text())
-        assert "default_int_handler" in seen["SIGINT"]
-        assert {seen[name] for name in ("SIGTERM", "SIGHUP", "SIGQUIT")} == {"<Handlers.SIG_DFL: 0>"}
-
-
-@pytest.mark.e2e
-def test_ranks_take_one_thread_each_unless_told_otherwise_as_under_torchrun(tmp_path):
-    proc = launch(tmp_path, "main", "fork", threads=None)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [(s["omp"], s["threads"]) for s in seen] == [("1", 1), ("1", 1)]
-    told = launch(tmp_path, "main", "fork", threads="2")
-    assert told.returncode == 0, told.stderr[-3000:]
-    assert [json.loads((tmp_path / f"rank{r}.json").read_text())["omp"] for r in range(2)] == ["2", "2"]
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_a_rank_runs_its_atexit_handlers_once(tmp_path, method):
-    proc = launch(tmp_path, "registers_atexit", method)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.glob("atexit*")) == ["atexit0", "atexit1"]
 
 
 @pytest.mark.e2e
