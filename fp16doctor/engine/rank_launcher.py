@@ -84,7 +84,11 @@ def main(argv: list[str]) -> int:
         rdzv_endpoint="localhost:0",  # torchrun --standalone: a free port on this machine
         max_restarts=0,
         start_method=args.start_method,
+        # Ctrl-C reaches every process of the terminal's group, the ranks too, which finish their step and stop
+        # together; the agent forwarding it would make it a second Ctrl-C, which stops a rank at once (mid-collective)
+        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
     )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the agent logs a failed rank's exit as an error with its own traceback: the rank printed what went wrong,
     # and the launcher names it below
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)

@@ -59,7 +59,17 @@ def train_distributed(config: DoctorConfig, options: TrainOptions, nproc: int, t
     command = launch_command(nproc, "fp16doctor.run.worker:main", str(launch))
     summary = options.run_dir / "summary.json"
     summary.unlink(missing_ok=True)  # an earlier run's (this run replaces it): never read as this run's outcome
-    proc = subprocess.run(command)
+    proc = subprocess.Popen(command)
+    try:
+        proc.wait()
+    except KeyboardInterrupt:
+        # the terminal's Ctrl-C reached the ranks too: they finish the step in flight, write a checkpoint and stop;
+        # waiting for them keeps it (a second Ctrl-C stops waiting, and them)
+        try:
+            proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            raise
     if not summary.exists():  # rank 0 wrote this run's outcome (Ctrl-C's included); a failed rank, none
         raise DoctorError(
             f"the {nproc}-process run failed (its launcher's exit code {proc.returncode}).",
