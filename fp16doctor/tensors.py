@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # imported when called: torch.distributed.checkpoint is slow to import
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), MemoryError)
 """Running out of memory, on the device or the host: the diagnosis's own limit, never evidence about the
@@ -60,3 +64,14 @@ def parameter_sums(parameters: Iterable[torch.Tensor]) -> dict[str, float]:
     hold the same weights agree on."""
     values = torch.cat([whole(p).detach().double().reshape(-1).cpu() for p in parameters])
     return {"param_sum": float(values.sum()), "param_abs_sum": float(values.abs().sum())}
+
+
+def whole_state_options(model: torch.nn.Module) -> StateDictOptions:
+    """``torch.distributed.checkpoint``'s options for a sharded model's whole state: gathered onto rank 0's CPU from a
+    device (the other ranks get none), where each rank would otherwise hold all of it beside its shard. Not from the
+    CPU: FSDP1 with its parameters there frees the storage the offload copies from (measured with the pinned torch:
+    "setStorage ... out of bounds for storage of size 0")."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    on_device = any(p.device.type != "cpu" for p in model.parameters())
+    return StateDictOptions(full_state_dict=True, cpu_offload=on_device)

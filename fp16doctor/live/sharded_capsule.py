@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..tensors import whole_state_options
 from .capsule import cpu_copy
 from .sharding import is_fsdp1_unit
 
@@ -109,16 +110,9 @@ def uneven(micro_batches: list[int]) -> str | None:
 
 def gathered_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """The whole model and optimizer state on rank 0's CPU (empty on the other ranks): a collective."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    # offloaded only from a device: FSDP1 with its parameters on the CPU frees the storage its offload copies from
-    # (measured with the pinned torch: "setStorage ... out of bounds for storage of size 0")
-    on_device = any(p.device.type != "cpu" for p in model.parameters())
-    options = StateDictOptions(full_state_dict=True, cpu_offload=on_device)
+    options = whole_state_options(model)
     model_state = get_model_state_dict(model, options=options)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     return dict(model_state), dict(optimizer_state)

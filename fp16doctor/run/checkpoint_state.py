@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..engine.optimizers import ProbeOptimizers
+from ..tensors import whole_state_options
 from ..userfile.modules import compile_wrapper_inner
 
 
@@ -38,7 +39,7 @@ def whole_state(
         return built.state_dict(), optimizers.state(copy_state=False)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    model, options = _dcp_model(run), _options(run)
+    model, options = _dcp_model(run), whole_state_options(run)
     device = next(run.parameters()).device
     states = {
         name: get_optimizer_state_dict(model, opt, options=options)
@@ -63,7 +64,7 @@ def load_whole_state(
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    model, options = _dcp_model(run), _options(run)
+    model, options = _dcp_model(run), whole_state_options(run)
     set_model_state_dict(model, model_state, options=options)
     for name, opt in optimizers.by_name.items():
         saved = optimizer_states[name]
@@ -85,12 +86,3 @@ def _stepped_anywhere(optimizer: torch.optim.Optimizer, device: torch.device) ->
     flag = torch.tensor([1.0 if optimizer.state else 0.0], device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item() > 0)
-
-
-def _options(run: torch.nn.Module) -> Any:
-    """The whole state; gathered onto rank 0's CPU from a device (the other ranks get none), where each rank would
-    otherwise hold all of it beside its shard. Not from the CPU: FSDP1 frees the storage the offload copies from."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    on_device = any(p.device.type != "cpu" for p in run.parameters())
-    return StateDictOptions(full_state_dict=True, cpu_offload=on_device)
