@@ -31,7 +31,11 @@ def main(argv):
         json.dump(seen, handle)
     rank = dist.get_rank()
     atexit.register(lambda: open(os.path.join(argv[0], f"atexit{rank}"), "a").write("ran\\n"))
-    dist.destroy_process_group()
+    from fp16doctor.engine.rank_launcher import leave_process_group
+
+    leave_process_group()
+    with open(os.path.join(argv[0], f"group{rank}"), "w") as handle:
+        handle.write("kept" if dist.is_initialized() else "destroyed")
     return 0
 
 def fails_on_rank_1(argv):
@@ -81,6 +85,7 @@ def test_each_rank_gets_what_torchrun_gives_it_and_the_ranks_meet(tmp_path, meth
         assert "default_int_handler" in record["handlers"]["SIGINT"]
         assert {record["handlers"][n] for n in ("SIGTERM", "SIGHUP", "SIGQUIT")} == {"<Handlers.SIG_DFL: 0>"}
         assert (tmp_path / f"atexit{rank}").read_text() == "ran\n"
+        assert (tmp_path / f"group{rank}").read_text() == ("kept" if method == "fork" else "destroyed")
 
 
 @pytest.mark.e2e

@@ -12,6 +12,7 @@ import sys
 
 import torch
 from conftest import ROOT, run_cli
+from rank_launches import launch_ranks
 
 SCRIPTS = ROOT / "tests" / "scripts"
 HAND_LOOP = SCRIPTS / "hand_loop.py"
@@ -144,18 +145,12 @@ def torchrun_watch(tmp_path, *args):
         SCRIPTS / "ddp_loop.py",
         *args,
     ]
-    proc = subprocess.run(
-        list(map(str, command)),
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-        env={
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        },
-    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = launch_ranks(list(map(str, command)), tmp_path, env)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("fp16doctor:")]
     return proc, lines, sorted(p.name for p in (tmp_path / "caps").iterdir()) if (tmp_path / "caps").exists() else []
 

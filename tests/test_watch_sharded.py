@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 import sys
 import time
 
 import pytest
 from conftest import ROOT
+from rank_launches import launch_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -56,34 +55,8 @@ def torchrun(tmp_path, script, *args, watch=None, pythonpath=()):
     if watch is not None:
         command += ["-m", "fp16doctor", "watch", *watch]
     path = os.pathsep.join([*map(str, pythonpath), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    inputs = set(tmp_path.iterdir())
-    for _ in range(LAUNCHES):
-        _remove_outputs(tmp_path, inputs)  # a launch taken again starts as the first did: no capsule of it left over
-        proc = subprocess.run(
-            list(map(str, [*command, script, *args])),
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            timeout=300,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
-        )
-        if not any(crash in proc.stderr for crash in NATIVE_RANK_CRASHES):
-            break
-    return proc
-
-
-def _remove_outputs(folder, inputs):
-    for path in set(folder.iterdir()) - inputs:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-NATIVE_RANK_CRASHES = ("Signal 11 (SIGSEGV)", "terminate called without an active exception")
-"""torchrun's report of a rank that died in native code: a segmentation fault, or C++'s abort when a gloo thread is
-still joinable at exit. On a loaded 2-core machine a gloo rank of these scripts now and then dies so, watched or not
-(both seen on unwatched runs, the abort in CI on the plain fp16_compress_hook run): such a launch is taken again. A
-Python exception, the watch's own included, exits 1 without either, and is never retried."""
-LAUNCHES = 3
-"""At most: a fault of the watch's own shows in every launch, and fails the test."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    return launch_ranks(list(map(str, [*command, script, *args])), tmp_path, env)
 
 
 def outcome(*procs):

@@ -39,7 +39,7 @@ from ..tensors import parameter_sums
 from ..userfile.modules import PARALLEL_WRAPPERS, fsdp2_param_groups
 from ..userfile.spec import load_training_file
 from .probe import Probe, Workbench
-from .rank_launcher import launch_command
+from .rank_launcher import launch_command, leave_process_group
 from .reduction import ReductionMeter
 
 PASSES = (("fp32", "fp32", True), ("as_run", None, False), ("fp32_reduce", None, True))
@@ -230,7 +230,7 @@ def main(argv: list[str]) -> int:
         atomic_write_text(launch.parent / f"error{rank.rank}.json", json.dumps(error))
         return 2
     finally:
-        torch.distributed.destroy_process_group()
+        leave_process_group()
 
 
 def run_passes(request: ParallelRequest, rank: Rank) -> ParallelResult:

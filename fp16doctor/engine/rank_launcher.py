@@ -44,6 +44,8 @@ PRELOADED = ("torch._dynamo",)
 START_METHODS = ("fork", "spawn")
 ONE_THREAD = "FP16DOCTOR_RANK_ONE_THREAD"
 """Set for the ranks where the launcher set ``OMP_NUM_THREADS=1`` (torch, imported before, read it unset)."""
+_leaves_by_exit = False
+"""True in a forked rank: it leaves by ``os._exit``, with no interpreter teardown (set once, as the rank starts)."""
 
 
 def start_method() -> str:
@@ -106,6 +108,8 @@ def main(argv: list[str]) -> int:
 def run_rank(entry: str, argument: str, forked: bool) -> None:
     """One rank: ``entry([argument])``, as ``python -u -m MODULE ARGUMENT`` would run it (see the module docstring).
     ``forked``: the process leaves by ``os._exit``, which skips the atexit handlers, so they are run here."""
+    global _leaves_by_exit
+    _leaves_by_exit = forked
     _fresh_signal_handlers()
     _unbuffered_streams()
     if os.environ.get(ONE_THREAD):
@@ -131,6 +135,21 @@ def run_rank(entry: str, argument: str, forked: bool) -> None:
     sys.stderr.flush()
     if code:
         raise SystemExit(code)
+
+
+def leave_process_group() -> None:
+    """The end of a doctor's rank: its default process group destroyed, except a gloo group in a forked rank, which
+    ends with the process.
+
+    Torch's gloo teardown can deadlock (seen with gdb, torch 2.13, on a loaded machine): a collective launched during
+    backward holds the backward's Python context; when the last reference to it drops on gloo's run-loop thread, its
+    destructor waits for the GIL, while the main thread, holding the GIL, joins that thread to destroy the group. A
+    forked rank leaves by ``os._exit``: its group is never destroyed, and nothing waits."""
+    if not torch.distributed.is_initialized():
+        return
+    if _leaves_by_exit and torch.distributed.get_backend() == "gloo":
+        return
+    torch.distributed.destroy_process_group()
 
 
 def _fresh_signal_handlers() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import build_config
+from ..engine.rank_launcher import leave_process_group
 from ..errors import DoctorError
 from ..userfile.spec import load_training_file
 from .train import Distributed, Trainer, TrainOptions
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {exc.message}" + (f" ({exc.location})" if exc.location else ""), file=sys.stderr)
         return 2
     finally:
-        torch.distributed.destroy_process_group()
+        leave_process_group()
 
 
 if __name__ == "__main__":

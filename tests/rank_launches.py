@@ -1,0 +1,62 @@
+"""Launching the suite's gloo training scripts under torchrun, taken again when torch's own gloo teardown fails them.
+
+A DistributedDataParallel run on gloo can hang or die as its process group is torn down, watched or not. Seen
+with gdb on a hung rank of ``tests/scripts/ddp_loop.py --fp16-compress`` (torch 2.13, 2 loaded cores, 3 launches
+in 60): a collective launched during backward captures the thread-local state, which holds the backward's Python
+``contextvars`` context; when the last reference to that work is dropped on gloo's run-loop thread, its destructor
+waits for the GIL. If the main thread is then destroying the process group (the DDP reducer's last reference, freed
+as ``main()`` returns), it holds the GIL while it joins that thread: a deadlock. At interpreter exit the same race
+aborts instead (C++'s ``terminate`` on a thread still joinable) or segfaults. Nothing of fp16doctor runs in either
+thread. Such a launch is taken again; anything else, a Python exception included, is returned as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+TEARDOWN_CRASHES = ("Signal 11 (SIGSEGV)", "terminate called without an active exception")
+"""torchrun's report of a rank that died in native code while its process group was torn down."""
+LAUNCH_SECONDS = 150
+"""A launch still running then has hung (the longest of these runs takes about 30 s on a loaded 2-core machine)."""
+LAUNCHES = 3
+"""At most: a fault of the watch's own shows in every launch, and fails the test."""
+HUNG = "launch hung: killed after {} s"
+
+
+def launch_ranks(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` (a torchrun launch) in ``cwd``; a launch that torch's gloo teardown crashed or hung is taken
+    again, from the same folder: whatever an earlier launch wrote there (a capsule) is removed first."""
+    inputs = set(cwd.iterdir())
+    for _ in range(LAUNCHES):
+        _remove_outputs(cwd, inputs)
+        proc = _launch_once(command, cwd, env)
+        if not torn_down_badly(proc):
+            break
+    return proc
+
+
+def torn_down_badly(proc: subprocess.CompletedProcess[str]) -> bool:
+    return proc.returncode is None or any(crash in proc.stderr for crash in TEARDOWN_CRASHES)
+
+
+def _launch_once(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    # its own session, so that a hung launch is killed with its ranks, which would otherwise be left behind
+    with subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=LAUNCH_SECONDS)
+            return subprocess.CompletedProcess(command, popen.returncode, stdout, stderr)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            return subprocess.CompletedProcess(command, None, stdout, stderr + HUNG.format(LAUNCH_SECONDS))  # type: ignore[arg-type]
+
+
+def _remove_outputs(folder: Path, inputs: set[Path]) -> None:
+    for path in set(folder.iterdir()) - inputs:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
