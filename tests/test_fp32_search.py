@@ -236,7 +236,7 @@ def test_what_the_watch_cannot_undo_is_reported_and_only_written_tensors_are_cop
     keeper = StepStartKeeper()
     keeper.begin(model)
     model(torch.ones(1, 2))
-    keeper.end(model)
+    keeper.end()
     assert keeper.written == {"state"}  # learned: the cache is rebound, only the buffer is written in place
     keeper.begin(model)
     assert keeper.start is not None
@@ -254,7 +254,7 @@ def test_the_keepers_slots_are_found_again_when_a_forward_adds_state_and_only_th
     keeper = StepStartKeeper()
     keeper.begin(model)
     model(torch.ones(1, 2))
-    keeper.end(model)
+    keeper.end()
     slots = keeper.slots.of(model)
     assert keeper.slots.of(model) is slots  # nothing changed in number: the same list, no walk of the tree
     model.lin.running = torch.zeros(2)  # state a later forward creates

@@ -413,7 +413,10 @@ class TrainingObserver:
             if next(module.parameters(), None) is None:
                 return
             model = unwrapped(module)
-            self._step_states.setdefault(id(model), StepStartKeeper()).begin(model)
+            keeper = self._step_states.get(id(model))
+            if keeper is None:
+                keeper = self._step_states[id(model)] = StepStartKeeper()
+            keeper.begin(model)
         except Exception as exc:  # noqa: BLE001 - the watch's own failure
             self.failed("keeping of the state the forward writes", exc)
 

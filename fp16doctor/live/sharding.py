@@ -25,6 +25,8 @@ WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_or
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's own values of ``tensor``: a ``DTensor``'s local shard, any other tensor itself."""
+    if type(tensor) is torch.Tensor:  # the common case, without a failed attribute lookup (an exception each)
+        return tensor
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
 

@@ -29,6 +29,7 @@ CONTAINERS = (list, tuple, dict, set)
 SKIPPED = frozenset({"training"})
 """Attributes that are no state written in forward (``train()``/``eval()`` sets ``training``)."""
 KEPT = PLAIN + CONTAINERS
+PLAIN_TYPES = frozenset(PLAIN)
 
 
 @dataclass(slots=True)
@@ -69,7 +70,11 @@ def _slots(model: torch.nn.Module) -> list[Slot]:
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
         found += [(prefix + name, module, name, True) for name in module._buffers]
-        found += [(prefix + name, module, name, False) for name in vars(module) if not name.startswith("_")]
+        found += [
+            (prefix + name, module, name, False)
+            for name in vars(module)
+            if not name.startswith("_") and name not in SKIPPED
+        ]
     return found
 
 
@@ -85,7 +90,10 @@ def _state(
                 yield key, module, name, value, True
             continue
         value = module.__dict__.get(name)
-        if name in SKIPPED or isinstance(value, torch.nn.Module):
+        if type(value) in PLAIN_TYPES:  # most attributes (sizes, flags, epsilons): one lookup, no isinstance
+            yield key, module, name, value, False
+            continue
+        if isinstance(value, torch.nn.Module):
             continue
         if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
             if _holds_its_elements(value):
@@ -137,32 +145,37 @@ class StepStart:
     """The model's writable state at the step's first forward (see the module docstring)."""
 
     held: dict[str, Held]
+    tensor_slots: list[Slot] = field(default_factory=list)
+    """Where each held tensor lives: what :meth:`written_in_place` reads again, without walking the model."""
 
     @classmethod
     def take(cls, model: torch.nn.Module, copied: set[str] | None, slots: list[Slot] | None = None) -> StepStart:
         """References (and versions) of every piece of state; a copy of the tensors in ``copied`` (None: all)."""
         held: dict[str, Held] = {}
+        tensor_slots: list[Slot] = []
         with torch.no_grad():
-            for key, _, _, value, _ in _state(model, slots):
-                if isinstance(value, torch.Tensor):
+            for key, module, name, value, buffer in _state(model, slots):
+                if type(value) in PLAIN_TYPES:
+                    held[key] = Held(value)
+                elif isinstance(value, torch.Tensor):
                     copy = value.detach().clone() if copied is None or key in copied else None
                     held[key] = Held(value, value._version, copy)
+                    tensor_slots.append((key, module, name, buffer))
                 elif isinstance(value, CONTAINERS):
                     held[key] = Held(value, length=len(value))
                 else:
                     held[key] = Held(value)
-        return cls(held)
+        return cls(held, tensor_slots)
 
-    def written_in_place(self, model: torch.nn.Module, slots: list[Slot] | None = None) -> set[str]:
-        """The tensors the forward wrote in place since (the same object, a later version)."""
-        return {
-            key
-            for key, _, _, value, _ in _state(model, slots)
-            if isinstance(value, torch.Tensor)
-            and key in self.held
-            and self.held[key].value is value
-            and value._version != self.held[key].version
-        }
+    def written_in_place(self) -> set[str]:
+        """The held tensors the forward wrote in place since (still there, the same object, a later version)."""
+        written = set()
+        for key, module, name, buffer in self.tensor_slots:
+            value = (module._buffers if buffer else module.__dict__).get(name)
+            held = self.held[key]
+            if value is held.value and value._version != held.version:
+                written.add(key)
+        return written
 
     @contextlib.contextmanager
     def restored(self, model: torch.nn.Module) -> Iterator[StateReport]:
@@ -236,9 +249,9 @@ class StepStartKeeper:
         if self.start is None:
             self.start = StepStart.take(model, self.written, self.slots.of(model))
 
-    def end(self, model: torch.nn.Module) -> StepStart | None:
+    def end(self) -> StepStart | None:
         """The step was checked: learn what its forward wrote in place; hand over its start."""
         start, self.start = self.start, None
         if start is not None:
-            self.written = (self.written or set()) | start.written_in_place(model, self.slots.of(model))
+            self.written = (self.written or set()) | start.written_in_place()
         return start

@@ -275,7 +275,7 @@ class Watch:
     def forget_step(self) -> None:
         """Drop the references to this step's batches, losses, output gradients and start state."""
         self._batches, self._losses, self.output_grads, self._loss_dtypes = [], [], [], set()
-        self.step_state.end(self.model)
+        self.step_state.end()
 
     def record_output_grads(self, grads: list[torch.Tensor | None], scaled: bool) -> None:
         """The gradient of the loss w.r.t. a micro-batch's model outputs (references); ``scaled``: of the scaled loss.
