@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ def loop(
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
     optimizer = optimizer_class(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    watch = Watch(model, WatchOptions(capsule_dir=tmp_path, spike_window=6, **options), dtype="float16")
+    watch = Watch(model, WatchOptions(capsule_dir=tmp_path, **{"spike_window": 6, **options}), dtype="float16")
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
@@ -129,6 +130,26 @@ def test_a_collapsed_scale_alarms(tmp_path):
 def test_a_loss_spike_alarms(tmp_path):
     watch, alarm = loop(tmp_path, spike_at=9)
     assert alarm.kind == "loss-spike" and alarm.step == 9
+
+
+def test_a_loss_spike_in_the_first_steps_alarms_against_their_median_with_the_factor_squared(tmp_path):
+    """With the default 20-step window, step 4 has 4 steps of history (10 are needed for the running median): it is
+    measured against their median, at 10**2 = 100x."""
+    blows_up = {4: 300.0}
+    watch, alarm = loop(tmp_path, spike_window=20, loss_factor=lambda step: blows_up.get(step, 1.0))
+    assert alarm.kind == "loss-spike" and alarm.step == 4
+    assert "x the median of the first 4 steps" in alarm.message
+    ratio = watch.history[-1].loss / statistics.median(h.loss for h in watch.history[:-1])
+    assert ratio > 100
+
+
+def test_an_early_loss_below_the_squared_factor_or_with_too_few_steps_is_no_spike(tmp_path):
+    grows = {4: 30.0}  # a 30x loss at step 4: a spike after 10 steps, not yet before
+    watch, alarm = loop(tmp_path, spike_window=20, loss_factor=lambda step: grows.get(step, 1.0))
+    assert alarm is None and len(watch.history) == 12
+    blows_up = {2: 300.0}  # 2 earlier steps: too few for a median
+    _, alarm = loop(tmp_path, spike_window=20, loss_factor=lambda step: blows_up.get(step, 1.0))
+    assert alarm is None
 
 
 def test_checking_a_step_and_writing_its_capsule_leaves_the_trainings_random_numbers_alone(tmp_path, monkeypatch):

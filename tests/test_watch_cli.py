@@ -38,6 +38,17 @@ def test_a_loop_without_a_scaler_is_watched_through_the_optimizer_hooks(tmp_path
     assert "nonfinite at optimizer step 5" in poisoned.stderr and (tmp_path / "caps" / "step_00000005").is_dir()
 
 
+def test_a_loss_that_blows_up_in_the_first_steps_is_a_spike(tmp_path):
+    """Step 5's batch is 10,000 times too large: its loss, finite, is far above the first five steps' median. The
+    running median needs 10 steps of history; before them, the spike is measured against the steps so far."""
+    proc = run_cli("watch", "--capsule-dir", "caps", HAND_LOOP, "--raw-at", "5", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "step 4 loss" in proc.stdout and "step 5" not in proc.stdout
+    pointer = next(line for line in proc.stderr.splitlines() if line.startswith("fp16doctor:"))
+    assert pointer.startswith("fp16doctor: loss-spike at optimizer step 5: the loss ")
+    assert "x the median of the first 5 steps" in pointer and (tmp_path / "caps" / "step_00000005").is_dir()
+
+
 def test_a_nan_batch_stops_the_run_and_its_capsule_names_the_data_in_another_process(tmp_path):
     proc = run_cli("watch", "--capsule-dir", tmp_path / "caps", HAND_LOOP, "--nan-at", "6", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]

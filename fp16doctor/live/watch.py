@@ -57,6 +57,8 @@ from .capsule import (
 from .sharding import local_part
 from .stepstate import StateReport, StepStartKeeper
 
+EARLY_SPIKE_STEPS = 3
+"""The fewest earlier finite losses a spike is measured against."""
 ALARMS = ("nonfinite", "skip-streak", "scale-collapse", "loss-spike", "rank-disagreement", "rank-divergence")
 
 
@@ -77,7 +79,8 @@ class WatchOptions:
     spike_factor: float = 10.0
     """A loss above this multiple of the recent median is a spike."""
     spike_window: int = 20
-    """Steps in the running median the spike compares against (and the earliest step that can spike)."""
+    """Steps in the running median the spike compares against. Before half of them have passed, a loss spikes above
+    the square of ``spike_factor`` times the median of the steps so far (at least 3)."""
     alarms: tuple[str, ...] = ALARMS
     """Which alarms are raised."""
     checksum_every: int = 100
@@ -375,21 +378,28 @@ class Watch:
             )
         if "scale-collapse" in wanted and n.skipped and n.loss_scale <= self.options.min_scale:
             return "scale-collapse", f"the loss scale fell to {n.loss_scale:g} and the gradients still overflow"
+        if "loss-spike" in wanted and n.loss is not None and math.isfinite(n.loss):
+            return self._spike(n.loss)
+        return None, ""
+
+    def _spike(self, loss: float) -> tuple[str | None, str]:
+        """A loss far above the recent median. Before half a window of history, against the first steps' median (at
+        least :data:`EARLY_SPIKE_STEPS`), with the factor squared: a median of a few steps is noisy, but a run that
+        blows up in its first steps must be heard too."""
         recent = [
             h.loss
             for h in self.history[-self.options.spike_window - 1 : -1]
             if h.loss is not None and math.isfinite(h.loss)
         ]
-        if (
-            "loss-spike" in wanted
-            and len(recent) >= self.options.spike_window // 2
-            and n.loss is not None
-            and math.isfinite(n.loss)
-        ):
-            median = statistics.median(recent)
-            if median > 0 and n.loss > self.options.spike_factor * median:
-                return "loss-spike", f"the loss {n.loss:.4g} is {n.loss / median:.1f}x the recent median {median:.4g}"
-        return None, ""
+        early = len(recent) < self.options.spike_window // 2
+        if len(recent) < EARLY_SPIKE_STEPS:
+            return None, ""
+        median = statistics.median(recent)
+        factor = self.options.spike_factor ** (2 if early else 1)
+        if median <= 0 or loss <= factor * median:
+            return None, ""
+        against = f"the median of the first {len(recent)} steps" if early else "the recent median"
+        return "loss-spike", f"the loss {loss:.4g} is {loss / median:.1f}x {against} {median:.4g}"
 
     def _streak_limit(self) -> int:
         """Skips in a row that alarm: more while a fresh scaler settles (a default 2^16 halves to what the gradients

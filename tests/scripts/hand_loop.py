@@ -1,7 +1,8 @@
 """A hand-written AMP training script, written the way people write them (nanoGPT style): argparse, the model
 class defined in the script itself, a DataLoader, its own GradScaler loop, the loss computed outside the model.
 
-It knows nothing of fp16doctor. ``--nan-at K`` puts one NaN feature into the batch of step K (a broken sample in the data).
+It knows nothing of fp16doctor. ``--nan-at K`` puts one NaN feature into the batch of step K (a broken sample in the data);
+``--raw-at K`` gives step K a batch 10,000 times larger (measurements that skipped normalisation).
 """
 
 import argparse
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--nan-at", type=int, default=-1)
+    parser.add_argument("--raw-at", type=int, default=-1)
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -41,6 +43,8 @@ def main() -> None:
     for step, (xb, yb) in enumerate(loader):
         if step == args.nan_at:
             xb[3, 2] = float("nan")  # a broken sample
+        if step == args.raw_at:
+            xb = xb * 1e4
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16):
             logits = model(xb)
