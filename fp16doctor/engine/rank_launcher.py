@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import importlib
 import io
 import logging
@@ -149,6 +150,7 @@ def leave_process_group() -> None:
         return
     if _leaves_by_exit and torch.distributed.get_backend() == "gloo":
         return
+    gc.collect()  # a wrapper (DDP's reducer) left in a cycle drops its reference to the group before, not during
     torch.distributed.destroy_process_group()
 
 

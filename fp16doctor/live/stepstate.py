@@ -173,7 +173,7 @@ class StepStart:
         for key, module, name, buffer in self.tensor_slots:
             value = (module._buffers if buffer else module.__dict__).get(name)
             held = self.held[key]
-            if value is held.value and value._version != held.version:
+            if value is not None and value is held.value and value._version != held.version:
                 written.add(key)
         return written
 
