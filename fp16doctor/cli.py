@@ -605,6 +605,15 @@ def watch(
             show_default=False,
         ),
     ] = None,
+    gather_limit_mb: Annotated[
+        float,
+        typer.Option(
+            "--gather-limit-mb",
+            min=0.0,
+            help="Under FSDP: the largest whole model and optimizer state (MiB) a capsule gathers onto rank 0's "
+            "CPU; past it, each rank saves its own shards into the capsule (torch.distributed.checkpoint).",
+        ),
+    ] = 4096.0,
     debug: Debug = False,
 ) -> None:
     """Run an unmodified training script as python would, watching every optimizer step.
@@ -631,6 +640,7 @@ def watch(
             spike_factor=spike_factor,
             checksum_every=checksum_every,
             rank_timeout=rank_timeout,
+            gather_limit_mb=gather_limit_mb,
         )
 
         def tell(alarm: Alarm) -> None:

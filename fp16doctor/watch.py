@@ -28,6 +28,7 @@ def watch(
     on_alarm: Callable[[Alarm], None] | None = None,
     checksum_every: int = 100,
     rank_timeout: float | None = None,
+    gather_limit_mb: float = 4096.0,
 ) -> Watching:
     """Watch the training this process runs inside a ``with`` block or a decorated function.
 
@@ -36,7 +37,8 @@ def watch(
     ``stop_on_alarm``: end the block at the first alarm. ``on_alarm``: told each alarm as it is raised.
     Under torchrun: ``checksum_every``: steps between two comparisons of the ranks' replicated weights;
     ``rank_timeout``: seconds a rank waits for the others in the watch's own all-gather (None: the process group's
-    timeout). A failure inside the watch itself is a ``RuntimeWarning``; the training goes on unwatched.
+    timeout); ``gather_limit_mb``: under FSDP, the largest whole state a capsule gathers onto rank 0 (past it, each
+    rank saves its own shards into the capsule). A failure inside the watch itself is a ``RuntimeWarning``; the training goes on unwatched.
     """
     options = WatchOptions(
         capsule_dir=Path(capsule_dir),
@@ -45,6 +47,7 @@ def watch(
         spike_factor=spike_factor,
         checksum_every=checksum_every,
         rank_timeout=rank_timeout,
+        gather_limit_mb=gather_limit_mb,
     )
     return Watching(options, on_alarm=on_alarm)
 

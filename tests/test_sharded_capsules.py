@@ -17,6 +17,7 @@ import json
 import math
 
 import pytest
+import torch
 from conftest import run_cli
 from test_watch_sharded import FSDP2, SCRIPTS, outcome, torchrun
 
@@ -29,9 +30,9 @@ DDP_PRICES = SCRIPTS / "ddp_prices.py"
 DDP_LOOP = SCRIPTS / "ddp_loop.py"
 
 
-def watched_capsule(tmp_path, script, *args):
-    """Run ``script`` watched; the one capsule the ranks wrote together."""
-    proc = torchrun(tmp_path, script, *args, watch=["--capsule-dir", "caps"])
+def watched_capsule(tmp_path, script, *args, watch=()):
+    """Run ``script`` watched (with ``watch``'s options too); the one capsule the ranks wrote together."""
+    proc = torchrun(tmp_path, script, *args, watch=["--capsule-dir", "caps", *watch])
     assert proc.returncode == 1, outcome(proc)
     capsules = sorted((tmp_path / "caps").iterdir())
     assert len(capsules) == 1 and capsules[0].name.startswith("ranks_step_"), outcome(proc)
@@ -81,6 +82,43 @@ def test_an_fsdp1_ranks_bad_batch_is_captured_together_rebuilt_unwrapped_and_rep
     top = diagnosed(capsule)["findings"][0]
     assert top["cause"] == "nonfinite-data" and top["evidence"]["ranks"] == [1], top
     assert "(rank 1's micro-batch 0)" in top["title"] and top["verification"]["repaired"] is True
+
+
+@pytest.mark.parametrize(
+    ("script", "args"),
+    [
+        (FSDP2, ["--poison-rank", "1", "--poison-step", "3"]),
+        (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--fsdp1"]),
+        (RMSNORM, ["--checkpoint-mlp"]),  # the plain module keeps the checkpoint wrapper, whose segment DCP drops
+    ],
+    ids=["fsdp2", "fsdp1", "fsdp2-activation-checkpointing"],
+)
+def test_a_state_past_the_gather_limit_is_saved_in_shards_and_replays_as_the_gathered_one(tmp_path, script, args):
+    """``--gather-limit-mb 0``: no rank gathers the whole state. Each saves its own shards into the capsule
+    (torch.distributed.checkpoint), whose model.pt holds the module on the meta device; read whole in another
+    process, the weights and AdamW moments are the gathered capsule's of the same run, bit for bit."""
+    (tmp_path / "gathered").mkdir()
+    (tmp_path / "sharded").mkdir()
+    gathered = watched_capsule(tmp_path / "gathered", script, *args)
+    sharded = watched_capsule(tmp_path / "sharded", script, *args, watch=["--gather-limit-mb", "0"])
+    assert (sharded / "sharded_state" / ".metadata").is_file() and not (gathered / "sharded_state").exists()
+    assert not list((tmp_path / "sharded" / "caps").glob(".*"))  # the ranks' shards moved into the capsule
+    saved = torch.load(sharded / "model.pt", weights_only=False)
+    assert {p.device.type for p in saved.parameters()} == {"meta"}  # rank 0 never held the whole weights
+    specs = [load_training_file(capsule / "train_capsule.py") for capsule in (gathered, sharded)]
+    models = [spec.model() for spec in specs]
+    states = [m.state_dict() for m in models]
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    moments = [spec.optimizer(m.parameters()).state_dict() for spec, m in zip(specs, models)]
+    assert moments[0]["param_groups"] == moments[1]["param_groups"] and len(moments[1]["state"]) == len(
+        list(models[1].parameters())
+    )
+    for index, moment in moments[0]["state"].items():
+        assert all(torch.equal(value, moments[1]["state"][index][k]) for k, value in moment.items())
+    if args == ["--poison-rank", "1", "--poison-step", "3"]:  # the replay itself, once
+        top = diagnosed(sharded)["findings"][0]
+        assert top["cause"] == "nonfinite-data" and top["evidence"]["ranks"] == [1], top
 
 
 def test_micro_batches_accumulated_with_sync_off_are_recorded_so_and_one_ranks_bad_one_is_replayed(tmp_path):

@@ -31,6 +31,9 @@ from .stepstate import StateReport
 
 CAPSULE_FORMAT = 2
 """Bumped whenever the files of a capsule change meaning; a capsule of another format is refused."""
+SHARDS = "sharded_state"
+"""A capsule's folder of the ranks' own shards of the state (``torch.distributed.checkpoint``), where the whole
+state was past the watch's gather limit."""
 CAPSULE_FILES = ("capsule.pt", "model.pt", "config.json", "train_capsule.py")
 MANIFEST = "manifest.json"
 REPLAY_INDEX = "replay_index"
@@ -160,6 +163,13 @@ class CapsuleContents:
     import_paths: list[str]
     sharding: dict[str, Any] | None = None
     """The ``sharding`` config its replay emulates the ranks with (a sharded run's capsule); None: one process."""
+    shards: Path | None = None
+    """A folder of the ranks' own shards of the state, moved into the capsule (its whole state was past the gather
+    limit): ``model_state`` is then empty and ``optimizer_state`` holds the parameter groups only."""
+    shard_keys: dict[str, str] | None = None
+    """With ``shards``: each key of the plain module's state, and its key in the shards."""
+    parameter_keys: list[str] | None = None
+    """With ``shards``: the model's parameters' keys in the shards, in its order (how the moments are indexed)."""
 
 
 @dataclass(frozen=True)
@@ -460,13 +470,21 @@ def capsule_training_file(
 
         HERE = Path(__file__).resolve().parent
         STATE = torch.load(HERE / "capsule.pt", weights_only=True)
+        SHARDED = STATE.get("parameter_keys") is not None  # saved by the ranks in shards: read whole here
+        if SHARDED:
+            from fp16doctor.live.sharded_capsule import whole_from_shards
+
+            STATE.update(whole_from_shards(HERE, STATE["shard_keys"], STATE["parameter_keys"]))
         CONFIG = {config!r}
         sys.path[:0] = [p for p in STATE["import_paths"] if p not in sys.path]   # where the model's classes live
 
 
         def model():
             net = torch.load(HERE / "model.pt", weights_only=False)
-            net.load_state_dict(STATE["model"])
+            if SHARDED:  # its parameters were saved on the meta device: each model() takes copies of the whole ones
+                net.load_state_dict({{k: v.clone() for k, v in STATE["model"].items()}}, assign=True)
+            else:
+                net.load_state_dict(STATE["model"])
             return {_compiled_return(compiled)}
 
 

@@ -6,7 +6,9 @@ meet in ``GradScaler.update()`` every step (:mod:`.ranks`); where one of them ra
 together:
 
 * the whole model and optimizer state, gathered to rank 0 on the CPU with ``torch.distributed.checkpoint``'s
-  state-dict API (``full_state_dict=True``, offloaded to the CPU from a GPU);
+  state-dict API (``full_state_dict=True``, offloaded to the CPU from a GPU); or, where it is larger whole than the
+  watch's ``gather_limit_mb``, each rank's own shards saved with ``torch.distributed.checkpoint`` into the capsule,
+  which its replay reads whole (the module itself pickled on the meta device);
 * every rank's micro-batches of the step and the gradients that reached its outputs (a ``gather_object`` to rank 0);
 * the world size and the policy (``param_dtype``, ``reduce_dtype``), as the capsule's ``sharding`` config, which
   ``diagnose --capsule`` replays with the ranks emulated in one process (:mod:`fp16doctor.engine.emulated_ranks`).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
+import shutil
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..tensors import whole_state_options
-from .capsule import cpu_copy
+from .capsule import SHARDS, cpu_copy
 from .sharding import is_fsdp1_unit
 
 FSDP_ATTRIBUTES = ("_fsdp", "_is_fsdp", "__composable_api_state_key")
@@ -122,6 +125,69 @@ _OBJECT_GROUPS: dict[Any, Any] = {}
 """Per default process group, the gloo group the capsule's object collectives use where the default is not gloo."""
 
 
+@dataclass(frozen=True)
+class ShardedState:
+    """The model's and optimizer's state as the ranks hold it (each its own shards), and its size whole."""
+
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    whole_bytes: int
+
+
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ShardedState:
+    """Each rank's shards of the state (``torch.distributed.checkpoint``'s state-dict API, unsharded only where the
+    rank holds a tensor whole), and the bytes it takes whole (a shard knows its whole shape): the same number on
+    every rank, so that every rank takes the same branch. A collective under FSDP1."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=False)
+    model_state = get_model_state_dict(model, options=options)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    return ShardedState(model_state, optimizer_state, _whole_bytes(model_state) + _whole_bytes(optimizer_state))
+
+
+def _whole_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):  # a DTensor's and a ShardedTensor's size is the whole one
+        return math.prod(value.size()) * value.dtype.itemsize
+    if isinstance(value, dict):
+        return sum(_whole_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_whole_bytes(v) for v in value)
+    return 0
+
+
+def save_shards(state: ShardedState, folder: Path) -> None:
+    """Every rank writes its own shards into ``folder`` (a collective: the folder is the same on every rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": state.model, "optimizer": state.optimizer}, checkpoint_id=folder)
+
+
+def whole_from_shards(folder: Path, state_keys: dict[str, str], parameter_keys: list[str]) -> dict[str, Any]:
+    """The whole state of a capsule saved in shards, read in one process without a process group: ``model`` keyed as
+    the capsule's plain module loads it (``state_keys``: each of its keys' key in the shards), ``optimizer`` as its
+    optimizer loads it (``parameter_keys``: the model's parameters' keys in the shards, in its order)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(folder / SHARDS, Path(scratch) / "whole.pt")
+        whole = torch.load(Path(scratch) / "whole.pt", weights_only=True)
+    model = {key: whole["model"][saved] for key, saved in state_keys.items()}
+    return {"model": model, "optimizer": indexed_optimizer_state(whole["optimizer"], parameter_keys)}
+
+
+def shard_key(key: str) -> str:
+    """The key ``torch.distributed.checkpoint`` saves a plain module's state ``key`` under: without the segments of
+    the wrappers the plain module keeps (an activation-checkpointing wrapper's)."""
+    return ".".join(part for part in key.split(".") if part not in WRAPPER_SEGMENTS)
+
+
 def object_group() -> Any:
     """The group to send pickled objects in: the default one under gloo, else a gloo group of the same ranks, made
     once (every rank reaches it together, in the update where they capture). Object collectives on nccl would
@@ -190,14 +256,18 @@ def checkpoint_key(model: torch.nn.Module, name: str) -> str:
         return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
-def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) -> torch.nn.Module:
     """A copy of ``model`` as the user's classes build it: each ``fully_shard``-ed module back in its own class,
     each FSDP1 unit replaced by the module it wraps, its parameters the whole ``state`` (plain tensors on the CPU,
-    keyed as ``torch.distributed.checkpoint`` keys them), without FSDP's hooks and state and without the watch's
-    own hooks: what ``model.pt`` pickles."""
+    keyed as ``torch.distributed.checkpoint`` keys them; None: on the meta device, with their whole shapes, for a
+    state saved in shards), without FSDP's hooks and state and without the watch's own hooks: what ``model.pt``
+    pickles."""
     prefix_of = {module: name for name, module in model.named_modules()}
     held = _fsdp1_originals(model)
     copies: dict[int, torch.nn.Module] = {}
+
+    def whole(key: str, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        return state[key].clone() if state is not None else torch.empty(shape, dtype=dtype, device="meta")
 
     def rebuild(module: torch.nn.Module) -> torch.nn.Module:
         module = _unwrapped(module)
@@ -211,13 +281,15 @@ def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torc
         clone._parameters = {
             name: None
             if p is None
-            else torch.nn.Parameter(state[checkpoint_key(model, _join(prefix, name))].clone(), p.requires_grad)
+            else torch.nn.Parameter(
+                whole(checkpoint_key(model, _join(prefix, name)), p.shape, p.dtype), p.requires_grad
+            )
             for name, p in module._parameters.items()
             if not _is_flat(p)
         }
-        for name, key, requires_grad in held.get(id(module), []):
+        for name, key, requires_grad, shape, dtype in held.get(id(module), []):
             clone.__dict__.pop(name, None)  # FSDP1's view of the unsharded parameter, not the parameter
-            clone._parameters[name] = torch.nn.Parameter(state[key].clone(), requires_grad)
+            clone._parameters[name] = torch.nn.Parameter(whole(key, shape, dtype), requires_grad)
         clone._buffers = {name: None if b is None else cpu_copy(b) for name, b in module._buffers.items()}
         _drop_foreign_hooks(module, clone)
         clone._modules = {name: None if m is None else rebuild(m) for name, m in module._modules.items()}
@@ -248,15 +320,18 @@ def _is_flat(parameter: Any) -> bool:
     return isinstance(parameter, FlatParameter)
 
 
-def _fsdp1_originals(model: torch.nn.Module) -> dict[int, list[tuple[str, str, bool]]]:
+def _fsdp1_originals(model: torch.nn.Module) -> dict[int, list[tuple[str, str, bool, torch.Size, torch.dtype]]]:
     """By ``id`` of each module whose parameters an FSDP1 unit flattened: (name on the module, key in the whole
-    state, requires_grad) of each, in the module's order. FSDP1 takes them out of the module's ``_parameters``."""
+    state, requires_grad, whole shape, dtype) of each, in the module's order. FSDP1 takes them out of the module's
+    ``_parameters``."""
     from .sharding import flat_parameters
 
-    originals: dict[int, list[tuple[str, str, bool]]] = {}
+    originals: dict[int, list[tuple[str, str, bool, torch.Size, torch.dtype]]] = {}
     for flat, keys in flat_parameters(model).values():
-        for info, key in zip(flat._param_infos, keys):
-            originals.setdefault(id(info.module), []).append((info.param_name, key, flat.requires_grad))
+        for info, key, shape in zip(flat._param_infos, keys, flat._shapes):
+            originals.setdefault(id(info.module), []).append(
+                (info.param_name, key, flat.requires_grad, shape, flat.dtype)
+            )
     return originals
 
 
@@ -342,15 +417,31 @@ def capture_together(
     except Exception:  # noqa: BLE001 - the watch's own failure: the rank still takes part, with nothing
         mine = RankStep([], None, numbers.loss)
     steps = gather_steps(mine)
-    model_state, optimizer_state = gathered_state(watch.model, optimizer)
+    shards = _shards_past_limit(watch, optimizer, numbers.step)
+    if shards is None:
+        model_state, optimizer_state = gathered_state(watch.model, optimizer)
+    else:
+        model_state, optimizer_state = None, {"param_groups": shards[1]}  # the moments stay in the shards
     result: list[Any] = [None]
     if dist.get_rank() == 0:
         assert steps is not None
-        parts = _Parts(steps, model_state, optimizer_state, reduction)
+        parts = _Parts(steps, model_state, optimizer_state, reduction, shards[0] if shards else None)
         result[0] = _write(watch, optimizer, scaler, dataclasses.replace(numbers, loss=ranks_loss(steps)), parts)
     dist.broadcast_object_list(result, src=0, group=object_group())
     folder, why = result[0]
     return (Path(folder) if folder else None), why
+
+
+def _shards_past_limit(watch: Any, optimizer: torch.optim.Optimizer, step: int) -> tuple[Path, Any] | None:
+    """Where the state is larger whole than the watch's gather limit: every rank's shards saved (a collective), in a
+    hidden folder beside the capsules that rank 0 moves into the capsule, and the optimizer's parameter groups;
+    else None (the state is gathered)."""
+    state = sharded_state(watch.model, optimizer)
+    if state.whole_bytes <= watch.options.gather_limit_mb * 2**20:
+        return None
+    folder = Path(watch.options.capsule_dir) / f".ranks_step_{step:08d}.{SHARDS}"
+    save_shards(state, folder)
+    return folder, state.optimizer["param_groups"]
 
 
 @dataclass(frozen=True)
@@ -358,9 +449,12 @@ class _Parts:
     """What rank 0 holds after the collectives."""
 
     steps: list[RankStep]
-    model_state: dict[str, Any]
+    model_state: dict[str, Any] | None
+    """Whole; None: in ``shards``."""
     optimizer_state: dict[str, Any]
     reduction: dict[str, Any]
+    shards: Path | None = None
+    """The folder the ranks saved their shards of the state into, past the gather limit."""
 
 
 def _write(
@@ -369,23 +463,30 @@ def _write(
     """On rank 0: the capsule from every rank's part (its folder), or why none."""
     from .capsule import CapsuleContents, import_roots
 
-    reason = uneven([len(s.batches) for s in parts.steps])
-    if reason is not None:
-        return None, reason
     try:
+        reason = uneven([len(s.batches) for s in parts.steps])
+        if reason is not None:
+            return None, reason
         module = plain_module(watch.model, parts.model_state)
         names = [checkpoint_key(watch.model, name) for name, _ in module.named_parameters()]
         batches, grads = flattened(parts.steps)
         contents = CapsuleContents(
             module=module,
-            model_state=module.state_dict(),  # keyed as the rebuilt module loads it, wrappers and all
+            # keyed as the rebuilt module loads it, wrappers and all; in the shards, read whole by the replay
+            model_state=module.state_dict() if parts.shards is None else {},
             optimizer_state=indexed_optimizer_state(parts.optimizer_state, names),
             batches=batches,
             output_grads=grads,
             import_paths=import_roots(module),
             sharding={"world": len(parts.steps), "micro_batches": len(parts.steps[0].batches), **parts.reduction},
+            shards=parts.shards,
+            shard_keys=None if parts.shards is None else {key: shard_key(key) for key in module.state_dict()},
+            parameter_keys=names if parts.shards is not None else None,
         )
         return str(watch.write_ranks_capsule(optimizer, scaler, numbers, contents)), None
     except Exception as exc:  # noqa: BLE001 - the watch's own failure, never the training's
         text = str(exc).strip()
         return None, f"writing it failed ({type(exc).__name__}: {text.splitlines()[0] if text else ''})"
+    finally:
+        if parts.shards is not None and parts.shards.exists():  # not moved into a capsule: nothing to keep
+            shutil.rmtree(parts.shards, ignore_errors=True)

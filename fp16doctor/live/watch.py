@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,7 @@ from ..userfile.batches import map_tensors
 from ..userfile.compiled import CompileOptions
 from .capsule import (
     CAPSULE_FORMAT,
+    SHARDS,
     CapsuleContents,
     LossRecord,
     ReplayStart,
@@ -89,6 +91,10 @@ class WatchOptions:
     rank_timeout: float | None = None
     """Under torchrun: seconds a rank waits for the others in the watch's own all-gather before it stops with a
     message naming it; None: the process group's own timeout."""
+    gather_limit_mb: float = 4096.0
+    """Under FSDP: the largest whole model and optimizer state (MiB) a capsule gathers onto rank 0's CPU. Past it,
+    every rank saves its own shards with ``torch.distributed.checkpoint`` into the capsule (on a filesystem every
+    rank writes to), and the replay reads them whole: rank 0's memory never holds the whole state during the run."""
 
 
 @dataclass
@@ -443,6 +449,8 @@ class Watch:
         with callers_rng_kept():
             folder = capsule_folder(Path(self.options.capsule_dir), numbers.step, self.rank, every_rank=True)
             self._save_model(folder, getattr(optimizer, "optimizer", optimizer), scaler, numbers, contents)
+            if contents.shards is not None:  # before the manifest, which says the capsule is whole
+                os.replace(contents.shards, folder / SHARDS)
             self._write_replay(folder, scaler, numbers, contents, None)
             return folder
 
@@ -513,6 +521,8 @@ class Watch:
             },
             "history": [asdict(h) for h in self.history[-50:]],
             "import_paths": contents.import_paths,
+            "shard_keys": contents.shard_keys,
+            "parameter_keys": contents.parameter_keys,
         }
         atomic_torch_save(folder / "capsule.pt", state)
         atomic_torch_save(folder / "model.pt", contents.module, pickle_module=cloudpickle)
