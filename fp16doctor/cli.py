@@ -610,8 +610,9 @@ def watch(
         typer.Option(
             "--gather-limit-mb",
             min=0.0,
-            help="Under FSDP: the largest whole model and optimizer state (MiB) a capsule gathers onto rank 0's "
-            "CPU; past it, each rank saves its own shards into the capsule (torch.distributed.checkpoint).",
+            help="Under torchrun, where the ranks capture a step together (FSDP; DDP with a compression hook): the "
+            "largest whole model and optimizer state (MiB) gathered onto rank 0's CPU; past it, each rank saves its "
+            "own shards into the capsule (torch.distributed.checkpoint).",
         ),
     ] = 4096.0,
     debug: Debug = False,

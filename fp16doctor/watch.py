@@ -37,8 +37,9 @@ def watch(
     ``stop_on_alarm``: end the block at the first alarm. ``on_alarm``: told each alarm as it is raised.
     Under torchrun: ``checksum_every``: steps between two comparisons of the ranks' replicated weights;
     ``rank_timeout``: seconds a rank waits for the others in the watch's own all-gather (None: the process group's
-    timeout); ``gather_limit_mb``: under FSDP, the largest whole state a capsule gathers onto rank 0 (past it, each
-    rank saves its own shards into the capsule). A failure inside the watch itself is a ``RuntimeWarning``; the training goes on unwatched.
+    timeout); ``gather_limit_mb``: where the ranks capture a step together (FSDP; DDP with a compression hook),
+    the largest whole state gathered onto rank 0 (past it, each rank saves its own shards into the capsule). A
+    failure inside the watch itself is a ``RuntimeWarning``; the training goes on unwatched.
     """
     options = WatchOptions(
         capsule_dir=Path(capsule_dir),

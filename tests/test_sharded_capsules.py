@@ -26,6 +26,7 @@ from fp16doctor.userfile.spec import load_training_file
 pytestmark = pytest.mark.slow
 
 RMSNORM = SCRIPTS / "fsdp2_rmsnorm.py"
+FSDP_LM = SCRIPTS / "fsdp_lm.py"
 DDP_PRICES = SCRIPTS / "ddp_prices.py"
 DDP_LOOP = SCRIPTS / "ddp_loop.py"
 
@@ -84,23 +85,31 @@ def test_an_fsdp1_ranks_bad_batch_is_captured_together_rebuilt_unwrapped_and_rep
     assert "(rank 1's micro-batch 0)" in top["title"] and top["verification"]["repaired"] is True
 
 
+TIED_LM = ["--tie", "--nan-rank", "1", "--nan-step", "3"]  # the embedding and output weight one parameter
+
+
 @pytest.mark.parametrize(
-    ("script", "args"),
+    ("script", "args", "watch"),
     [
-        (FSDP2, ["--poison-rank", "1", "--poison-step", "3"]),
-        (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--fsdp1"]),
-        (RMSNORM, ["--checkpoint-mlp"]),  # the plain module keeps the checkpoint wrapper, whose segment DCP drops
+        (FSDP2, ["--poison-rank", "1", "--poison-step", "3"], []),
+        (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--fsdp1"], []),
+        (RMSNORM, ["--checkpoint-mlp"], []),  # the plain module keeps the checkpoint wrapper, whose segment DCP drops
+        (FSDP_LM, [*TIED_LM, "--wrap", "fsdp2"], []),
+        (FSDP_LM, [*TIED_LM, "--wrap", "fsdp1"], []),
     ],
-    ids=["fsdp2", "fsdp1", "fsdp2-activation-checkpointing"],
+    ids=["fsdp2", "fsdp1", "fsdp2-activation-checkpointing", "fsdp2-tied", "fsdp1-tied"],
 )
-def test_a_state_past_the_gather_limit_is_saved_in_shards_and_replays_as_the_gathered_one(tmp_path, script, args):
+def test_a_state_past_the_gather_limit_is_saved_in_shards_and_replays_as_the_gathered_one(
+    tmp_path, script, args, watch
+):
     """``--gather-limit-mb 0``: no rank gathers the whole state. Each saves its own shards into the capsule
     (torch.distributed.checkpoint), whose model.pt holds the module on the meta device; read whole in another
-    process, the weights and AdamW moments are the gathered capsule's of the same run, bit for bit."""
+    process, the weights and optimizer state are the gathered capsule's of the same run, bit for bit, and tied
+    weights are one parameter in both, as in the run (its optimizer holds them once)."""
     (tmp_path / "gathered").mkdir()
     (tmp_path / "sharded").mkdir()
-    gathered = watched_capsule(tmp_path / "gathered", script, *args)
-    sharded = watched_capsule(tmp_path / "sharded", script, *args, watch=["--gather-limit-mb", "0"])
+    gathered = watched_capsule(tmp_path / "gathered", script, *args, watch=watch)
+    sharded = watched_capsule(tmp_path / "sharded", script, *args, watch=["--gather-limit-mb", "0", *watch])
     assert (sharded / "sharded_state" / ".metadata").is_file() and not (gathered / "sharded_state").exists()
     assert not list((tmp_path / "sharded" / "caps").glob(".*"))  # the ranks' shards moved into the capsule
     saved = torch.load(sharded / "model.pt", weights_only=False)
@@ -111,11 +120,14 @@ def test_a_state_past_the_gather_limit_is_saved_in_shards_and_replays_as_the_gat
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
     moments = [spec.optimizer(m.parameters()).state_dict() for spec, m in zip(specs, models)]
-    assert moments[0]["param_groups"] == moments[1]["param_groups"] and len(moments[1]["state"]) == len(
-        list(models[1].parameters())
-    )
+    assert moments[0]["param_groups"] == moments[1]["param_groups"]
+    assert sorted(moments[0]["state"]) == sorted(moments[1]["state"])
+    if script is not FSDP_LM:  # AdamW: every parameter's moments loaded (the language model's SGD keeps none)
+        assert len(moments[1]["state"]) == len(list(models[1].parameters()))
     for index, moment in moments[0]["state"].items():
         assert all(torch.equal(value, moments[1]["state"][index][k]) for k, value in moment.items())
+    if "--tie" in args:
+        assert all(m.lm_head.weight is m.embed.weight for m in models) and len(list(models[1].parameters())) == 4
     if args == ["--poison-rank", "1", "--poison-step", "3"]:  # the replay itself, once
         top = diagnosed(sharded)["findings"][0]
         assert top["cause"] == "nonfinite-data" and top["evidence"]["ranks"] == [1], top

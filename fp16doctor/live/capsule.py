@@ -472,7 +472,7 @@ def capsule_training_file(
         STATE = torch.load(HERE / "capsule.pt", weights_only=True)
         SHARDED = STATE.get("parameter_keys") is not None  # saved by the ranks in shards: read whole here
         if SHARDED:
-            from fp16doctor.live.sharded_capsule import whole_from_shards
+            from fp16doctor.live.sharded_capsule import load_whole, whole_from_shards
 
             STATE.update(whole_from_shards(HERE, STATE["shard_keys"], STATE["parameter_keys"]))
         CONFIG = {config!r}
@@ -482,7 +482,7 @@ def capsule_training_file(
         def model():
             net = torch.load(HERE / "model.pt", weights_only=False)
             if SHARDED:  # its parameters were saved on the meta device: each model() takes copies of the whole ones
-                net.load_state_dict({{k: v.clone() for k, v in STATE["model"].items()}}, assign=True)
+                load_whole(net, STATE["model"])
             else:
                 net.load_state_dict(STATE["model"])
             return {_compiled_return(compiled)}

@@ -127,17 +127,15 @@ _OBJECT_GROUPS: dict[Any, Any] = {}
 
 @dataclass(frozen=True)
 class ShardedState:
-    """The model's and optimizer's state as the ranks hold it (each its own shards), and its size whole."""
+    """The model's and optimizer's state as the ranks hold it, each its own shards."""
 
     model: dict[str, Any]
     optimizer: dict[str, Any]
-    whole_bytes: int
 
 
 def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ShardedState:
     """Each rank's shards of the state (``torch.distributed.checkpoint``'s state-dict API, unsharded only where the
-    rank holds a tensor whole), and the bytes it takes whole (a shard knows its whole shape): the same number on
-    every rank, so that every rank takes the same branch. A collective under FSDP1."""
+    rank holds a tensor whole). A collective under FSDP1."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -145,26 +143,36 @@ def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> S
     )
 
     options = StateDictOptions(full_state_dict=False)
-    model_state = get_model_state_dict(model, options=options)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
-    return ShardedState(model_state, optimizer_state, _whole_bytes(model_state) + _whole_bytes(optimizer_state))
-
-
-def _whole_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):  # a DTensor's and a ShardedTensor's size is the whole one
-        return math.prod(value.size()) * value.dtype.itemsize
-    if isinstance(value, dict):
-        return sum(_whole_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_whole_bytes(v) for v in value)
-    return 0
+    return ShardedState(
+        get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    )
 
 
 def save_shards(state: ShardedState, folder: Path) -> None:
-    """Every rank writes its own shards into ``folder`` (a collective: the folder is the same on every rank)."""
+    """Every rank writes its own shards into ``folder`` (a collective: the folder is the same on every rank; its
+    object collectives on a gloo group, see :func:`object_group`)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"model": state.model, "optimizer": state.optimizer}, checkpoint_id=folder)
+    dcp.save({"model": state.model, "optimizer": state.optimizer}, checkpoint_id=folder, process_group=object_group())
+
+
+def shards_complete(folder: Path) -> str | None:
+    """Why the ranks' shards in ``folder`` are not all there, or None: a capsule folder the ranks do not share (a
+    relative one from different working folders, nodes without a shared filesystem) gets each rank's shards in its
+    own, and the replay would find only rank 0's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+    except Exception as exc:  # noqa: BLE001 - no metadata: nothing readable
+        return f"its shards are unreadable ({type(exc).__name__})"
+    missing = sorted({info.relative_path for info in storage.values() if not (folder / info.relative_path).is_file()})
+    if missing:
+        return (
+            f"the ranks' shards of the state are not in one folder ({', '.join(missing[:3])} missing beside rank 0's): "
+            "give --capsule-dir a folder every rank writes to"
+        )
+    return None
 
 
 def whole_from_shards(folder: Path, state_keys: dict[str, str], parameter_keys: list[str]) -> dict[str, Any]:
@@ -175,11 +183,28 @@ def whole_from_shards(folder: Path, state_keys: dict[str, str], parameter_keys: 
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    missing = shards_complete(folder / SHARDS)
+    if missing is not None:
+        raise FileNotFoundError(f"this capsule's state cannot be read whole: {missing}")
     with tempfile.TemporaryDirectory() as scratch:
         dcp_to_torch_save(folder / SHARDS, Path(scratch) / "whole.pt")
         whole = torch.load(Path(scratch) / "whole.pt", weights_only=True)
     model = {key: whole["model"][saved] for key, saved in state_keys.items()}
     return {"model": model, "optimizer": indexed_optimizer_state(whole["optimizer"], parameter_keys)}
+
+
+def load_whole(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Give ``module`` (its parameters on the meta device) copies of ``state``: one copy per tensor it holds, so
+    that a parameter two modules share (tied weights) stays one, with its ``requires_grad``."""
+    made: dict[int, torch.Tensor] = {}
+    copies = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in made:
+            copy = state[key].clone()
+            parameter = isinstance(tensor, torch.nn.Parameter)
+            made[id(tensor)] = torch.nn.Parameter(copy, tensor.requires_grad) if parameter else copy
+        copies[key] = made[id(tensor)]
+    module.load_state_dict(copies, assign=True)
 
 
 def shard_key(key: str) -> str:
@@ -269,6 +294,15 @@ def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) 
     def whole(key: str, shape: Any, dtype: torch.dtype) -> torch.Tensor:
         return state[key].clone() if state is not None else torch.empty(shape, dtype=dtype, device="meta")
 
+    made: dict[int, torch.nn.Parameter] = {}
+
+    def parameter(p: torch.Tensor, key: str) -> torch.nn.Parameter:
+        """One copy per parameter of the run: a parameter two modules share (tied weights, FSDP2 holding the same
+        DTensor in both) stays one, as the optimizer holds it once."""
+        if id(p) not in made:
+            made[id(p)] = torch.nn.Parameter(whole(key, p.shape, p.dtype), p.requires_grad)
+        return made[id(p)]
+
     def rebuild(module: torch.nn.Module) -> torch.nn.Module:
         module = _unwrapped(module)
         if id(module) in copies:
@@ -279,11 +313,7 @@ def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) 
         clone.__dict__.update({k: v for k, v in module.__dict__.items() if not k.startswith(FSDP_ATTRIBUTES)})
         prefix = prefix_of.get(module, "")
         clone._parameters = {
-            name: None
-            if p is None
-            else torch.nn.Parameter(
-                whole(checkpoint_key(model, _join(prefix, name)), p.shape, p.dtype), p.requires_grad
-            )
+            name: None if p is None else parameter(p, checkpoint_key(model, _join(prefix, name)))
             for name, p in module._parameters.items()
             if not _is_flat(p)
         }
@@ -428,6 +458,8 @@ def capture_together(
         parts = _Parts(steps, model_state, optimizer_state, reduction, shards[0] if shards else None)
         result[0] = _write(watch, optimizer, scaler, dataclasses.replace(numbers, loss=ranks_loss(steps)), parts)
     dist.broadcast_object_list(result, src=0, group=object_group())
+    if shards is not None and shards[0].exists():  # rank 0 moved it into its capsule, or it is not rank 0's
+        shutil.rmtree(shards[0], ignore_errors=True)
     folder, why = result[0]
     return (Path(folder) if folder else None), why
 
@@ -436,12 +468,41 @@ def _shards_past_limit(watch: Any, optimizer: torch.optim.Optimizer, step: int) 
     """Where the state is larger whole than the watch's gather limit: every rank's shards saved (a collective), in a
     hidden folder beside the capsules that rank 0 moves into the capsule, and the optimizer's parameter groups;
     else None (the state is gathered)."""
-    state = sharded_state(watch.model, optimizer)
-    if state.whole_bytes <= watch.options.gather_limit_mb * 2**20:
+    if agreed_whole_bytes(watch.model, optimizer) <= watch.options.gather_limit_mb * 2**20:
         return None
-    folder = Path(watch.options.capsule_dir) / f".ranks_step_{step:08d}.{SHARDS}"
-    save_shards(state, folder)
+    state = sharded_state(watch.model, optimizer)
+    folder = shards_folder(Path(watch.options.capsule_dir), step)
+    try:
+        save_shards(state, folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # a partial save: nothing to keep
+        raise
     return folder, state.optimizer["param_groups"]
+
+
+def shards_folder(capsule_dir: Path, step: int) -> Path:
+    """Where the ranks save their shards before rank 0 moves them into the capsule: the same path on every rank."""
+    return capsule_dir / f".ranks_step_{step:08d}.{SHARDS}"
+
+
+def agreed_whole_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The model's and optimizer's state whole, in bytes, from what this rank holds (a DTensor knows its whole
+    size; an FSDP1 flat parameter its unsharded one, and its optimizer state scales with it), the largest of the
+    ranks' answers (a collective of one number): every rank then takes the same branch."""
+    local = sum(_whole_numel(t) * t.dtype.itemsize for t in [*model.parameters(), *model.buffers()])
+    for param, moments in optimizer.state.items():
+        for value in moments.values():
+            if isinstance(value, torch.Tensor):  # a moment the shape of its parameter's shard is as large whole
+                whole = _whole_numel(param) if value.shape == param.shape else _whole_numel(value)
+                local += whole * value.dtype.itemsize
+    agreed = torch.tensor([float(local)], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=object_group())
+    return int(agreed.item())
+
+
+def _whole_numel(tensor: torch.Tensor) -> int:
+    unsharded = getattr(tensor, "_unpadded_unsharded_size", None)  # an FSDP1 flat parameter
+    return int(math.prod(unsharded)) if unsharded is not None else tensor.numel()  # a DTensor's numel is whole
 
 
 @dataclass(frozen=True)
@@ -465,6 +526,8 @@ def _write(
 
     try:
         reason = uneven([len(s.batches) for s in parts.steps])
+        if reason is None and parts.shards is not None:
+            reason = shards_complete(parts.shards)
         if reason is not None:
             return None, reason
         module = plain_module(watch.model, parts.model_state)

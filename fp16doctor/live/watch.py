@@ -92,7 +92,8 @@ class WatchOptions:
     """Under torchrun: seconds a rank waits for the others in the watch's own all-gather before it stops with a
     message naming it; None: the process group's own timeout."""
     gather_limit_mb: float = 4096.0
-    """Under FSDP: the largest whole model and optimizer state (MiB) a capsule gathers onto rank 0's CPU. Past it,
+    """Where the ranks capture a step together (FSDP; DDP with a compression hook): the largest whole model and
+    optimizer state (MiB) the capsule gathers onto rank 0's CPU. Past it,
     every rank saves its own shards with ``torch.distributed.checkpoint`` into the capsule (on a filesystem every
     rank writes to), and the replay reads them whole: rank 0's memory never holds the whole state during the run."""
 

@@ -5,6 +5,8 @@ device_id=cpu); ``--wrap fsdp2``: fully_shard with a MixedPrecisionPolicy. ``--s
 ShardedGradScaler; ``--scaler plain``: torch.amp.GradScaler.
 ``--pad-rank R --pad-step K``: rank R's batch of step K is mostly padding (short documents padded to the
 sequence length), and the loss does not ignore the pad token: the pad token's logit row gets a huge gradient.
+``--tie``: the output projection's weight is the embedding's (tied, as most language models do).
+``--nan-rank R --nan-step K``: rank R's loss of step K is NaN (what a broken sample's loss becomes).
 """
 
 import argparse
@@ -38,12 +40,18 @@ def main():
     parser.add_argument("--scaler", default="sharded", choices=["sharded", "plain"])
     parser.add_argument("--pad-rank", type=int, default=-1)
     parser.add_argument("--pad-step", type=int, default=-1)
+    parser.add_argument("--tie", action="store_true")
+    parser.add_argument("--nan-rank", type=int, default=-1)
+    parser.add_argument("--nan-step", type=int, default=-1)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = TinyLM()
+    if args.tie:  # as GPT-2 does: one weight, initialised small (a unit-normal one would make huge logits)
+        model.lm_head.weight = model.embed.weight
+        nn.init.normal_(model.embed.weight, std=0.02)
     if args.wrap == "fsdp1":
         policy = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32, buffer_dtype=torch.float16)
         model = FullyShardedDataParallel(model, mixed_precision=policy, device_id=torch.device("cpu"))
@@ -60,6 +68,8 @@ def main():
         optimizer.zero_grad()
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        if rank == args.nan_rank and step == args.nan_step:
+            loss = loss * float("nan")
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
