@@ -91,7 +91,7 @@ TIED_LM = ["--tie", "--nan-rank", "1", "--nan-step", "3"]  # the embedding and o
 @pytest.mark.parametrize(
     ("script", "args", "watch"),
     [
-        (FSDP2, ["--poison-rank", "1", "--poison-step", "3"], []),
+        (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--head-fp32"], []),
         (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--fsdp1"], []),
         (RMSNORM, ["--checkpoint-mlp"], []),  # the plain module keeps the checkpoint wrapper, whose segment DCP drops
         (FSDP_LM, [*TIED_LM, "--wrap", "fsdp2"], []),
@@ -128,9 +128,15 @@ def test_a_state_past_the_gather_limit_is_saved_in_shards_and_replays_as_the_gat
         assert all(torch.equal(value, moments[1]["state"][index][k]) for k, value in moment.items())
     if "--tie" in args:
         assert all(m.lm_head.weight is m.embed.weight for m in models) and len(list(models[1].parameters())) == 4
-    if args == ["--poison-rank", "1", "--poison-step", "3"]:  # the replay itself, once
-        top = diagnosed(sharded)["findings"][0]
+    unlike = json.loads((sharded / "manifest.json").read_text())["not_emulated"]  # what the replay says it leaves out
+    if "--head-fp32" in args:
+        assert unlike == ["module 'head' has its own policy (param_dtype float32); the replay applies the root's"]
+        top = diagnosed(sharded)["findings"][0]  # the replay itself, once
         assert top["cause"] == "nonfinite-data" and top["evidence"]["ranks"] == [1], top
+    elif "fsdp1" in args:
+        assert unlike == ["FSDP1's buffer_dtype float16 (the replay keeps buffers in their own dtype)"]
+    else:
+        assert unlike == []
 
 
 def test_micro_batches_accumulated_with_sync_off_are_recorded_so_and_one_ranks_bad_one_is_replayed(tmp_path):

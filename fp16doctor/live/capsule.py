@@ -166,6 +166,9 @@ class CapsuleContents:
     shards: Path | None = None
     """A folder of the ranks' own shards of the state, moved into the capsule (its whole state was past the gather
     limit): ``model_state`` is then empty and ``optimizer_state`` holds the parameter groups only."""
+    not_emulated: list[str] = field(default_factory=list)
+    """What the run did that the replay of a sharded run does not emulate (a module's own policy, FSDP1's
+    ``buffer_dtype``): said in the diagnosis's note."""
     shard_keys: dict[str, str] | None = None
     """With ``shards``: each key of the plain module's state, and its key in the shards."""
     parameter_keys: list[str] | None = None
@@ -201,6 +204,7 @@ def write_manifest(
     start: ReplayStart | None = None,
     compiled: CompileOptions | None = None,
     sharding: dict[str, Any] | None = None,
+    not_emulated: list[str] | None = None,
 ) -> None:
     """What a reader checks first: the format, the files, which replay the capsule supports, what the watch saw
     of the step's loss and of the state it started from, how the model was compiled, the ranks it emulates (a
@@ -216,6 +220,7 @@ def write_manifest(
         **(start or ReplayStart()).to_json(),
         "compiled": compiled.to_json() if compiled is not None else None,
         "sharding": sharding,
+        "not_emulated": not_emulated or [],
     }
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2))
 
@@ -253,7 +258,9 @@ def check_capsule(folder: Path) -> dict[str, Any]:
 
 def replay_note(manifest: dict[str, Any]) -> str:
     """What a capsule diagnosis replays, and what it cannot verify."""
-    return _replayed(manifest) + _compiled_note(manifest.get("compiled"))
+    unlike = manifest.get("not_emulated") or []
+    differs = f"; not emulated, as the run had it: {'; '.join(unlike)}" if unlike else ""
+    return _replayed(manifest) + differs + _compiled_note(manifest.get("compiled"))
 
 
 def _compiled_note(compiled: dict[str, Any] | None) -> str:

@@ -93,6 +93,25 @@ def policy_dtypes(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def not_emulated(model: torch.nn.Module) -> list[str]:
+    """What the run's policies did that a replay emulating the root's one policy leaves out: a module's own
+    ``fully_shard`` policy or FSDP1 unit's own ``MixedPrecision`` that differs from the root's, and FSDP1's
+    ``buffer_dtype`` (buffers stay in their own dtype in the replay)."""
+    from ..engine.parallel import policy_of
+    from .sharding import clean_name
+
+    root = policy_of(model) or {}
+    said = []
+    for name, module in model.named_modules():
+        own = policy_of(module) if module is not model else None
+        if own is not None and own != root:
+            differing = ", ".join(f"{k} {v}" for k, v in own.items() if root.get(k) != v)
+            said.append(f"module '{clean_name(name)}' has its own policy ({differing}); the replay applies the root's")
+    if root.get("buffer_dtype") not in (None, "None"):
+        said.append(f"FSDP1's buffer_dtype {root['buffer_dtype']} (the replay keeps buffers in their own dtype)")
+    return said
+
+
 def applied_on(skipped: list[bool]) -> str | None:
     """Why the ranks cannot capture a step some of them applied, or None where every rank skipped it."""
     applied = [r for r, was_skipped in enumerate(skipped) if not was_skipped]
@@ -542,6 +561,7 @@ def _write(
             output_grads=grads,
             import_paths=import_roots(module),
             sharding={"world": len(parts.steps), "micro_batches": len(parts.steps[0].batches), **parts.reduction},
+            not_emulated=not_emulated(watch.model),
             shards=parts.shards,
             shard_keys=None if parts.shards is None else {key: shard_key(key) for key in module.state_dict()},
             parameter_keys=names if parts.shards is not None else None,

@@ -488,6 +488,7 @@ class Watch:
             ),
             compiled=self.compiled,
             sharding=contents.sharding,
+            not_emulated=contents.not_emulated,
         )
 
     def _save_model(

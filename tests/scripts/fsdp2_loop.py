@@ -9,6 +9,7 @@ gradients communicated in fp16 (with the scaler).
 ``--micro-batches M``: each step accumulates M micro-batches (the poisoned one is the first);
 ``--sync-last-only``: with gradient sync off until the last of them (``set_requires_gradient_sync``).
 ``--fsdp1``: FSDP1 instead, FullyShardedDataParallel with a MixedPrecision, each block its own unit.
+``--head-fp32``: FSDP2's head sharded first with a policy of its own, its parameters in fp32.
 """
 
 import argparse
@@ -58,6 +59,7 @@ def main():
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--sync-last-only", action="store_true")
     parser.add_argument("--fsdp1", action="store_true")
+    parser.add_argument("--head-fp32", action="store_true")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -76,6 +78,8 @@ def main():
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
+        if args.head_fp32:
+            fully_shard(model.head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype))
         fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fp16 = "float16" in (args.param_dtype, args.reduce_dtype)
