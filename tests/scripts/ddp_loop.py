@@ -10,10 +10,12 @@ rank 0 only after DDP wrapped it (DDP broadcast the weights when it was built, n
 at step K (a slow disk under its checkpoint).
 ``--micro-batches M``: each step accumulates M micro-batches (the poisoned one is the first); ``--no-sync``: all
 but the last under DDP's ``no_sync()``.
+``--device cuda``: each rank on its own GPU (LOCAL_RANK), NCCL; the batches drawn on the CPU as with ``cpu``.
 """
 
 import argparse
 import contextlib
+import os
 import time
 
 import torch
@@ -47,19 +49,23 @@ def main():
     parser.add_argument("--slow-seconds", type=float, default=0.0)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--no-sync", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = DistributedDataParallel(Net())
+    model = DistributedDataParallel(Net().to(device))
     if args.fp16_compress:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
         model.register_comm_hook(None, fp16_compress_hook)
     if args.resume and rank == 0:
-        model.module.load_state_dict(torch.load(args.resume))
+        model.module.load_state_dict(torch.load(args.resume, map_location=device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12 if rank == args.skew_scale_rank else 2.0**16)
+    scaler = torch.amp.GradScaler(args.device, init_scale=2.0**12 if rank == args.skew_scale_rank else 2.0**16)
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(args.steps):
         optimizer.zero_grad()
@@ -67,9 +73,10 @@ def main():
             x, y = torch.randn(16, 8, generator=g) * args.feature_scale, torch.randint(0, 3, (16,), generator=g)
             if rank == args.poison_rank and step == args.poison_step and micro == 0:
                 x[1, 1] = float("nan")
+            x, y = x.to(device), y.to(device)
             unsynced = args.no_sync and micro < args.micro_batches - 1
             with model.no_sync() if unsynced else contextlib.nullcontext():
-                with torch.autocast("cpu", dtype=torch.float16):
+                with torch.autocast(args.device, dtype=torch.float16):
                     loss = F.cross_entropy(model(x), y) / args.micro_batches
                 scaler.scale(loss).backward()
         scaler.step(optimizer)

@@ -10,9 +10,11 @@ gradients communicated in fp16 (with the scaler).
 ``--sync-last-only``: with gradient sync off until the last of them (``set_requires_gradient_sync``).
 ``--fsdp1``: FSDP1 instead, FullyShardedDataParallel with a MixedPrecision, each block its own unit.
 ``--head-fp32``: FSDP2's head sharded first with a policy of its own, its parameters in fp32.
+``--device cuda``: each rank on its own GPU (LOCAL_RANK), NCCL; the batches drawn on the CPU as with ``cpu``.
 """
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -60,33 +62,39 @@ def main():
     parser.add_argument("--sync-last-only", action="store_true")
     parser.add_argument("--fsdp1", action="store_true")
     parser.add_argument("--head-fp32", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     param_dtype, reduce_dtype = getattr(torch, args.param_dtype), getattr(torch, args.reduce_dtype)
     if args.fsdp1:
         model = FullyShardedDataParallel(
             model,
             mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
             auto_wrap_policy=ModuleWrapPolicy({Block}),
-            device_id=torch.device("cpu"),
+            device_id=device,
         )
     else:
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for block in model.blocks:
             fully_shard(block, mp_policy=policy)
         if args.head_fp32:
-            fully_shard(model.head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype))
+            fully_shard(
+                model.head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype)
+            )
         fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fp16 = "float16" in (args.param_dtype, args.reduce_dtype)
     if args.scaler == "sharded":
-        scaler = ShardedGradScaler("cpu", enabled=fp16)
+        scaler = ShardedGradScaler(args.device, enabled=fp16)
     else:
-        scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+        scaler = torch.amp.GradScaler(args.device, enabled=fp16)
 
     g = torch.Generator().manual_seed(1000 + rank)
     for step in range(args.steps):
@@ -95,6 +103,7 @@ def main():
             x, y = torch.randn(16, 12, generator=g) * args.feature_scale, torch.randint(0, 5, (16,), generator=g)
             if rank == args.poison_rank and step == args.poison_step and micro == 0:
                 x[3, 2] = float("nan")
+            x, y = x.to(device), y.to(device)
             if args.sync_last_only:
                 model.set_requires_gradient_sync(micro == args.micro_batches - 1)
             logits = model(x)
