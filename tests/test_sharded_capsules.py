@@ -85,31 +85,41 @@ def test_an_fsdp1_ranks_bad_batch_is_captured_together_rebuilt_unwrapped_and_rep
     assert "(rank 1's micro-batch 0)" in top["title"] and top["verification"]["repaired"] is True
 
 
-TIED_LM = ["--tie", "--nan-rank", "1", "--nan-step", "3"]  # the embedding and output weight one parameter
+TIED_LM = ["--tie", "--momentum", "0.9", "--nan-rank", "1", "--nan-step", "3"]  # one weight for both, moments
+HEAD_OWN_POLICY = "module 'head' had a policy of their own (param_dtype float32); the replay applies the root's"
 
 
 @pytest.mark.parametrize(
-    ("script", "args", "watch"),
+    ("script", "args", "unlike"),
     [
-        (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--head-fp32"], []),
+        (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--head-fp32"], [HEAD_OWN_POLICY]),
         (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--fsdp1"], []),
+        (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--fsdp1", "--orig-params"], []),
         (RMSNORM, ["--checkpoint-mlp"], []),  # the plain module keeps the checkpoint wrapper, whose segment DCP drops
         (FSDP_LM, [*TIED_LM, "--wrap", "fsdp2"], []),
-        (FSDP_LM, [*TIED_LM, "--wrap", "fsdp1"], []),
+        (FSDP_LM, [*TIED_LM, "--wrap", "fsdp1"], []),  # its buffer_dtype is said only where there are buffers
     ],
-    ids=["fsdp2", "fsdp1", "fsdp2-activation-checkpointing", "fsdp2-tied", "fsdp1-tied"],
+    ids=[
+        "fsdp2-own-policy",
+        "fsdp1",
+        "fsdp1-orig-params",
+        "fsdp2-activation-checkpointing",
+        "fsdp2-tied",
+        "fsdp1-tied",
+    ],
 )
 def test_a_state_past_the_gather_limit_is_saved_in_shards_and_replays_as_the_gathered_one(
-    tmp_path, script, args, watch
+    tmp_path, script, args, unlike
 ):
     """``--gather-limit-mb 0``: no rank gathers the whole state. Each saves its own shards into the capsule
     (torch.distributed.checkpoint), whose model.pt holds the module on the meta device; read whole in another
     process, the weights and optimizer state are the gathered capsule's of the same run, bit for bit, and tied
-    weights are one parameter in both, as in the run (its optimizer holds them once)."""
+    weights are one parameter in both, as in the run (its optimizer holds them once). The manifest says what the
+    replay leaves out (``unlike``)."""
     (tmp_path / "gathered").mkdir()
     (tmp_path / "sharded").mkdir()
-    gathered = watched_capsule(tmp_path / "gathered", script, *args, watch=watch)
-    sharded = watched_capsule(tmp_path / "sharded", script, *args, watch=["--gather-limit-mb", "0", *watch])
+    gathered = watched_capsule(tmp_path / "gathered", script, *args)
+    sharded = watched_capsule(tmp_path / "sharded", script, *args, watch=["--gather-limit-mb", "0"])
     assert (sharded / "sharded_state" / ".metadata").is_file() and not (gathered / "sharded_state").exists()
     assert not list((tmp_path / "sharded" / "caps").glob(".*"))  # the ranks' shards moved into the capsule
     saved = torch.load(sharded / "model.pt", weights_only=False)
@@ -121,22 +131,15 @@ def test_a_state_past_the_gather_limit_is_saved_in_shards_and_replays_as_the_gat
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
     moments = [spec.optimizer(m.parameters()).state_dict() for spec, m in zip(specs, models)]
     assert moments[0]["param_groups"] == moments[1]["param_groups"]
-    assert sorted(moments[0]["state"]) == sorted(moments[1]["state"])
-    if script is not FSDP_LM:  # AdamW: every parameter's moments loaded (the language model's SGD keeps none)
-        assert len(moments[1]["state"]) == len(list(models[1].parameters()))
+    assert len(moments[0]["state"]) == len(moments[1]["state"]) == len(list(models[1].parameters()))  # all loaded
     for index, moment in moments[0]["state"].items():
         assert all(torch.equal(value, moments[1]["state"][index][k]) for k, value in moment.items())
     if "--tie" in args:
         assert all(m.lm_head.weight is m.embed.weight for m in models) and len(list(models[1].parameters())) == 4
-    unlike = json.loads((sharded / "manifest.json").read_text())["not_emulated"]  # what the replay says it leaves out
+    assert json.loads((sharded / "manifest.json").read_text())["not_emulated"] == unlike
     if "--head-fp32" in args:
-        assert unlike == ["module 'head' has its own policy (param_dtype float32); the replay applies the root's"]
         top = diagnosed(sharded)["findings"][0]  # the replay itself, once
         assert top["cause"] == "nonfinite-data" and top["evidence"]["ranks"] == [1], top
-    elif "fsdp1" in args:
-        assert unlike == ["FSDP1's buffer_dtype float16 (the replay keeps buffers in their own dtype)"]
-    else:
-        assert unlike == []
 
 
 def test_micro_batches_accumulated_with_sync_off_are_recorded_so_and_one_ranks_bad_one_is_replayed(tmp_path):

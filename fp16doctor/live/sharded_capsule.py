@@ -93,21 +93,34 @@ def policy_dtypes(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+REPLAYED_POLICY = ("param_dtype", "reduce_dtype", "cast_forward_inputs")
+"""The fields of a policy the replay of a sharded capsule applies (the root's, to the whole model)."""
+
+
 def not_emulated(model: torch.nn.Module) -> list[str]:
-    """What the run's policies did that a replay emulating the root's one policy leaves out: a module's own
-    ``fully_shard`` policy or FSDP1 unit's own ``MixedPrecision`` that differs from the root's, and FSDP1's
-    ``buffer_dtype`` (buffers stay in their own dtype in the replay)."""
+    """What the run's policies did that a replay emulating the root's one policy leaves out: the modules with a
+    ``fully_shard`` policy or FSDP1 ``MixedPrecision`` of their own whose replayed fields differ from the root's
+    (grouped by policy), and FSDP1's ``buffer_dtype`` where the model has floating-point buffers (the replay
+    keeps them in their own dtype)."""
     from ..engine.parallel import policy_of
     from .sharding import clean_name
 
     root = policy_of(model) or {}
-    said = []
+    differing: dict[str, list[str]] = {}
     for name, module in model.named_modules():
-        own = policy_of(module) if module is not model else None
-        if own is not None and own != root:
-            differing = ", ".join(f"{k} {v}" for k, v in own.items() if root.get(k) != v)
-            said.append(f"module '{clean_name(name)}' has its own policy ({differing}); the replay applies the root's")
-    if root.get("buffer_dtype") not in (None, "None"):
+        if module is model or not (is_fsdp1_unit(module) or callable(getattr(module, "_get_fsdp_state", None))):
+            continue
+        own = policy_of(module) or {}
+        fields = ", ".join(f"{k} {own.get(k)}" for k in REPLAYED_POLICY if k in own and own.get(k) != root.get(k))
+        if fields:
+            differing.setdefault(fields, []).append(f"'{clean_name(name)}'")
+    said = [
+        f"{'module' if len(names) == 1 else 'modules'} {', '.join(names)} had a policy of their own ({fields}); "
+        "the replay applies the root's"
+        for fields, names in differing.items()
+    ]
+    floating_buffers = any(b.is_floating_point() for b in model.buffers())
+    if is_fsdp1_unit(model) and root.get("buffer_dtype") not in (None, "None") and floating_buffers:
         said.append(f"FSDP1's buffer_dtype {root['buffer_dtype']} (the replay keeps buffers in their own dtype)")
     return said
 
@@ -492,6 +505,8 @@ def _shards_past_limit(watch: Any, optimizer: torch.optim.Optimizer, step: int) 
     state = sharded_state(watch.model, optimizer)
     folder = shards_folder(Path(watch.options.capsule_dir), step)
     try:
+        shutil.rmtree(folder, ignore_errors=True)  # an earlier run's, killed mid-capture: no shard of it is kept
+        dist.barrier(group=object_group())  # every rank's view cleared before any rank writes
         save_shards(state, folder)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)  # a partial save: nothing to keep
@@ -508,15 +523,32 @@ def agreed_whole_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     """The model's and optimizer's state whole, in bytes, from what this rank holds (a DTensor knows its whole
     size; an FSDP1 flat parameter its unsharded one, and its optimizer state scales with it), the largest of the
     ranks' answers (a collective of one number): every rank then takes the same branch."""
-    local = sum(_whole_numel(t) * t.dtype.itemsize for t in [*model.parameters(), *model.buffers()])
+    originals = _fsdp1_original_sizes(model)
+
+    def whole_numel(tensor: torch.Tensor) -> int:
+        return originals.get(id(tensor)) or _whole_numel(tensor)
+
+    local = sum(whole_numel(t) * t.dtype.itemsize for t in [*model.parameters(), *model.buffers()])
     for param, moments in optimizer.state.items():
         for value in moments.values():
             if isinstance(value, torch.Tensor):  # a moment the shape of its parameter's shard is as large whole
-                whole = _whole_numel(param) if value.shape == param.shape else _whole_numel(value)
+                whole = whole_numel(param) if value.shape == param.shape else _whole_numel(value)
                 local += whole * value.dtype.itemsize
     agreed = torch.tensor([float(local)], dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=object_group())
     return int(agreed.item())
+
+
+def _fsdp1_original_sizes(model: torch.nn.Module) -> dict[int, int]:
+    """By ``id``, the whole number of elements of each original parameter FSDP1 with ``use_orig_params=True``
+    exposes as a view of this rank's shard (its flat parameter is then no parameter of the model)."""
+    from .sharding import flat_parameters
+
+    sizes = {}
+    for flat, _ in flat_parameters(model).values():
+        for original, shape in zip(getattr(flat, "_params", None) or (), flat._shapes):
+            sizes[id(original)] = int(math.prod(shape))
+    return sizes
 
 
 def _whole_numel(tensor: torch.Tensor) -> int:

@@ -8,7 +8,8 @@ gradients communicated in fp16 (with the scaler).
 ``--poison-rank R --poison-step K``: rank R's batch of step K carries a NaN feature (one broken shard of the data).
 ``--micro-batches M``: each step accumulates M micro-batches (the poisoned one is the first);
 ``--sync-last-only``: with gradient sync off until the last of them (``set_requires_gradient_sync``).
-``--fsdp1``: FSDP1 instead, FullyShardedDataParallel with a MixedPrecision, each block its own unit.
+``--fsdp1``: FSDP1 instead, FullyShardedDataParallel with a MixedPrecision, each block its own unit
+(``--orig-params``: with ``use_orig_params=True``).
 ``--head-fp32``: FSDP2's head sharded first with a policy of its own, its parameters in fp32.
 ``--device cuda``: each rank on its own GPU (LOCAL_RANK), NCCL; the batches drawn on the CPU as with ``cpu``.
 """
@@ -62,6 +63,7 @@ def main():
     parser.add_argument("--sync-last-only", action="store_true")
     parser.add_argument("--fsdp1", action="store_true")
     parser.add_argument("--head-fp32", action="store_true")
+    parser.add_argument("--orig-params", action="store_true")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
 
@@ -79,6 +81,7 @@ def main():
             mixed_precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
             auto_wrap_policy=ModuleWrapPolicy({Block}),
             device_id=device,
+            use_orig_params=args.orig_params,
         )
     else:
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -7,6 +7,7 @@ ShardedGradScaler; ``--scaler plain``: torch.amp.GradScaler.
 sequence length), and the loss does not ignore the pad token: the pad token's logit row gets a huge gradient.
 ``--tie``: the output projection's weight is the embedding's (tied, as most language models do).
 ``--nan-rank R --nan-step K``: rank R's loss of step K is NaN (what a broken sample's loss becomes).
+``--momentum M``: SGD with momentum (state per parameter; none by default).
 """
 
 import argparse
@@ -43,6 +44,7 @@ def main():
     parser.add_argument("--tie", action="store_true")
     parser.add_argument("--nan-rank", type=int, default=-1)
     parser.add_argument("--nan-step", type=int, default=-1)
+    parser.add_argument("--momentum", type=float, default=0.0)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -57,7 +59,7 @@ def main():
         model = FullyShardedDataParallel(model, mixed_precision=policy, device_id=torch.device("cpu"))
     else:
         fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=args.momentum)
     scaler = ShardedGradScaler("cpu") if args.scaler == "sharded" else torch.amp.GradScaler("cpu")
 
     g = torch.Generator().manual_seed(rank)
