@@ -225,3 +225,30 @@ def test_each_wrappers_own_gradients_are_checked_before_the_reduction_and_name_t
         "; this rank's own gradients were non-finite before the ranks reduced them (micro-batch 1, first module 2 "
         "(2.bias))"
     )
+
+
+@pytest.mark.parametrize(
+    ("head_policy", "kept", "said"),
+    [
+        ({"param_dtype": torch.float32}, ["2"], []),
+        (
+            {"param_dtype": torch.float16, "reduce_dtype": torch.float16},
+            [],
+            ["module '2' had a policy of their own (reduce_dtype float16); the replay applies the root's"],
+        ),
+        ({"param_dtype": torch.float16, "reduce_dtype": torch.float32, "output_dtype": torch.float32}, [], []),
+        ({}, ["2"], []),  # no param_dtype: the parameters' own, fp32
+    ],
+)
+def test_a_modules_own_fsdp2_policy_is_replayed_when_it_keeps_fp32_parameters_and_said_otherwise(
+    one_rank, head_policy, kept, said
+):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fp16doctor.live.sharded_capsule import own_policies
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model[0].mixed_precision = "bf16"  # a user's attribute of that name: no policy
+    fully_shard(model[2], mp_policy=MixedPrecisionPolicy(**head_policy))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
+    assert own_policies(model) == (kept, said)
