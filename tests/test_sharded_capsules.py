@@ -85,13 +85,14 @@ def test_an_fsdp1_ranks_bad_batch_is_captured_together_rebuilt_unwrapped_and_rep
     assert "(rank 1's micro-batch 0)" in top["title"] and top["verification"]["repaired"] is True
 
 
+HEAD_OWN_POLICY = "module 'head' had a policy of their own (param_dtype float32); the replay applies the root's"
 TIED_LM = ["--tie", "--momentum", "0.9", "--nan-rank", "1", "--nan-step", "3"]  # one weight for both, moments
 
 
 @pytest.mark.parametrize(
     ("script", "args", "unlike"),
     [
-        (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--head-fp32"], []),  # replayed so: below
+        (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--head-fp32"], [HEAD_OWN_POLICY]),
         (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--fsdp1"], []),
         (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--fsdp1", "--orig-params"], []),
         (RMSNORM, ["--checkpoint-mlp"], []),  # the plain module keeps the checkpoint wrapper, whose segment DCP drops
@@ -114,7 +115,7 @@ def test_a_state_past_the_gather_limit_is_saved_in_shards_and_replays_as_the_gat
     (torch.distributed.checkpoint), whose model.pt holds the module on the meta device; read whole in another
     process, the weights and optimizer state are the gathered capsule's of the same run, bit for bit, and tied
     weights are one parameter in both, as in the run (its optimizer holds them once). The manifest says what the
-    replay leaves out (``unlike``): nothing here (a head kept in fp32 by a policy of its own is replayed so)."""
+    replay leaves out (``unlike``)."""
     (tmp_path / "gathered").mkdir()
     (tmp_path / "sharded").mkdir()
     gathered = watched_capsule(tmp_path / "gathered", script, *args)
@@ -136,8 +137,7 @@ def test_a_state_past_the_gather_limit_is_saved_in_shards_and_replays_as_the_gat
     if "--tie" in args:
         assert all(m.lm_head.weight is m.embed.weight for m in models) and len(list(models[1].parameters())) == 4
     assert json.loads((sharded / "manifest.json").read_text())["not_emulated"] == unlike
-    if "--head-fp32" in args:  # its own policy's fp32 parameters replayed as the run had them
-        assert json.loads((sharded / "config.json").read_text())["overrides"] == {"fp32_modules": ["head"]}
+    if "--head-fp32" in args:
         top = diagnosed(sharded)["findings"][0]  # the replay itself, once
         assert top["cause"] == "nonfinite-data" and top["evidence"]["ranks"] == [1], top
 

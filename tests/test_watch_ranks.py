@@ -228,27 +228,27 @@ def test_each_wrappers_own_gradients_are_checked_before_the_reduction_and_name_t
 
 
 @pytest.mark.parametrize(
-    ("head_policy", "kept", "said"),
+    ("head_policy", "said"),
     [
-        ({"param_dtype": torch.float32}, ["2"], []),
+        ({"param_dtype": torch.float32}, "param_dtype float32"),  # reduced in fp32, as the root
+        ({"param_dtype": torch.float16, "reduce_dtype": torch.float16}, "reduce_dtype float16"),
         (
-            {"param_dtype": torch.float16, "reduce_dtype": torch.float16},
-            [],
-            ["module '2' had a policy of their own (reduce_dtype float16); the replay applies the root's"],
+            {"param_dtype": torch.float16, "reduce_dtype": torch.float32, "output_dtype": torch.float32},
+            "output_dtype float32",
         ),
-        ({"param_dtype": torch.float16, "reduce_dtype": torch.float32, "output_dtype": torch.float32}, [], []),
-        ({}, ["2"], []),  # no param_dtype: the parameters' own, fp32
+        ({"param_dtype": torch.float16, "reduce_dtype": torch.float32}, None),  # the root's own, given again
     ],
 )
-def test_a_modules_own_fsdp2_policy_is_replayed_when_it_keeps_fp32_parameters_and_said_otherwise(
-    one_rank, head_policy, kept, said
-):
+def test_a_modules_own_fsdp2_policy_is_said_as_it_takes_effect(one_rank, head_policy, said):
+    """The replay applies the root's policy to the whole model: a module's own that differs, once no reduce_dtype
+    is read as param_dtype, is said; a user's attribute named mixed_precision is no policy."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from fp16doctor.live.sharded_capsule import own_policies
+    from fp16doctor.live.sharded_capsule import not_emulated
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    model[0].mixed_precision = "bf16"  # a user's attribute of that name: no policy
+    model[0].mixed_precision = "bf16"
     fully_shard(model[2], mp_policy=MixedPrecisionPolicy(**head_policy))
     fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
-    assert own_policies(model) == (kept, said)
+    expected = [f"module '2' had a policy of their own ({said}); the replay applies the root's"] if said else []
+    assert not_emulated(model) == expected

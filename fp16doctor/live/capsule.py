@@ -166,8 +166,6 @@ class CapsuleContents:
     shards: Path | None = None
     """A folder of the ranks' own shards of the state, moved into the capsule (its whole state was past the gather
     limit): ``model_state`` is then empty and ``optimizer_state`` holds the parameter groups only."""
-    fp32_modules: list[str] = field(default_factory=list)
-    """Modules the run sharded with fp32 parameters of their own: the replay's ``overrides.fp32_modules``."""
     not_emulated: list[str] = field(default_factory=list)
     """What the run did that the replay of a sharded run does not emulate (a module's own policy, FSDP1's
     ``buffer_dtype``): said in the diagnosis's note."""

@@ -93,28 +93,23 @@ def policy_dtypes(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-def own_policies(model: torch.nn.Module) -> tuple[list[str], list[str]]:
-    """(the modules the replay keeps in fp32 as the run did, what it leaves out). A module sharded with a policy of
-    its own whose only difference from the root's is fp32 parameters is what the replay's ``fp32_modules``
-    emulates (the common way to keep a norm or a head in fp32). Left out, and said: the other policies of their
-    own (grouped by their replayed fields) and FSDP1's ``buffer_dtype`` where the model has floating-point buffers
-    (the replay keeps them in their own dtype)."""
+def not_emulated(model: torch.nn.Module) -> list[str]:
+    """What the run's policies did that the replay, which applies the root's one policy to the whole model, leaves
+    out: the FSDP modules with a policy of their own that differs from the root's as it takes effect (grouped by
+    policy), and FSDP1's ``buffer_dtype`` where the model has floating-point buffers (the replay keeps them in
+    their own dtype)."""
     from ..engine.parallel import policy_of
     from .sharding import clean_name
 
     root_policy = policy_of(model) or {}
-    root = _as_replayed(root_policy)
-    kept: list[str] = []
+    root = _in_effect(root_policy)
     differing: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         if module is model or not (is_fsdp1_unit(module) or callable(getattr(module, "_get_fsdp_state", None))):
             continue
-        own = _as_replayed(policy_of(module) or {})
-        changed = {k: v for k, v in own.items() if v != root.get(k)}
-        if changed == {"param_dtype": "float32"}:
-            kept.append(clean_name(name))
-        elif changed:
-            fields = ", ".join(f"{k} {v}" for k, v in changed.items())
+        own = _in_effect(policy_of(module) or {})
+        fields = ", ".join(f"{k} {v}" for k, v in own.items() if v != root.get(k))
+        if fields:
             differing.setdefault(fields, []).append(f"'{clean_name(name)}'")
     said = [
         f"{'module' if len(names) == 1 else 'modules'} {', '.join(names)} had a policy of their own ({fields}); "
@@ -125,16 +120,17 @@ def own_policies(model: torch.nn.Module) -> tuple[list[str], list[str]]:
     buffer_dtype = root_policy.get("buffer_dtype")
     if is_fsdp1_unit(model) and buffer_dtype not in (None, "None") and floating_buffers:
         said.append(f"FSDP1's buffer_dtype {buffer_dtype} (the replay keeps buffers in their own dtype)")
-    return kept, said
+    return said
 
 
-def _as_replayed(policy: dict[str, Any]) -> dict[str, Any]:
-    """A policy's fields the replay applies, as they take effect: no ``param_dtype`` is the parameters' own (fp32),
-    no ``reduce_dtype`` is ``param_dtype``."""
-    param = policy.get("param_dtype") or "float32"
+def _in_effect(policy: dict[str, Any]) -> dict[str, Any]:
+    """A policy's fields that change the computation, as they take effect (no ``reduce_dtype`` is ``param_dtype``;
+    no ``param_dtype``, the parameters' own dtype, stays None)."""
+    param = policy.get("param_dtype")
     return {
         "param_dtype": param,
         "reduce_dtype": policy.get("reduce_dtype") or param,
+        "output_dtype": policy.get("output_dtype"),
         "cast_forward_inputs": bool(policy.get("cast_forward_inputs", True)),
     }
 
@@ -596,7 +592,6 @@ def _write(
         if reason is not None:
             return None, reason
         module = plain_module(watch.model, parts.model_state)
-        kept, unlike = own_policies(watch.model)
         names = [checkpoint_key(watch.model, name) for name, _ in module.named_parameters()]
         batches, grads = flattened(parts.steps)
         contents = CapsuleContents(
@@ -608,8 +603,7 @@ def _write(
             output_grads=grads,
             import_paths=import_roots(module),
             sharding={"world": len(parts.steps), "micro_batches": len(parts.steps[0].batches), **parts.reduction},
-            fp32_modules=kept,
-            not_emulated=unlike,
+            not_emulated=not_emulated(watch.model),
             shards=parts.shards,
             shard_keys=None if parts.shards is None else {key: shard_key(key) for key in module.state_dict()},
             parameter_keys=names if parts.shards is not None else None,

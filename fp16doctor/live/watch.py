@@ -469,8 +469,6 @@ class Watch:
         config = capsule_config(numbers, scaler, len(contents.batches), dtype)
         if contents.sharding is not None:
             config["sharding"] = contents.sharding
-        if contents.fp32_modules:  # as the run kept them: not a fix the diagnosis would propose
-            config["overrides"] = {"fp32_modules": contents.fp32_modules}
         replay = "output-grads" if contents.output_grads is not None else self.framework
         atomic_write_text(folder / "config.json", json.dumps(config, indent=2))
         atomic_write_text(
