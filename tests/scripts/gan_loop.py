@@ -45,7 +45,7 @@ def main() -> None:
     opt_d = None
     scaler = torch.amp.GradScaler("cpu")
     for step in range(args.steps):
-        batch = real[step * 16 : (step + 1) * 16].clone()
+        batch = real[step * 16:(step + 1) * 16].clone()
         if step == args.nan_at:
             batch[5, 1] = float("nan")  # a broken sample
         z = torch.randn(16, 8)
@@ -55,9 +55,8 @@ def main() -> None:
             opt_d.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=torch.float16):
                 real_logit, fake_logit = D(batch), D(G(z).detach())
-            loss_d = F.binary_cross_entropy_with_logits(
-                real_logit.float(), torch.ones_like(real_logit.float())
-            ) + F.binary_cross_entropy_with_logits(fake_logit.float(), torch.zeros_like(fake_logit.float()))
+            loss_d = (F.binary_cross_entropy_with_logits(real_logit.float(), torch.ones_like(real_logit.float()))
+                      + F.binary_cross_entropy_with_logits(fake_logit.float(), torch.zeros_like(fake_logit.float())))
             scaler.scale(loss_d).backward()
             scaler.step(opt_d)
         opt_g.zero_grad(set_to_none=True)
@@ -67,9 +66,7 @@ def main() -> None:
                 out = D(fake)
                 loss_g = F.binary_cross_entropy_with_logits(out.float(), torch.ones_like(out.float()))
             else:  # warm-up: match the data's mean and spread
-                loss_g = (fake.float().mean(0) - batch.mean(0)).pow(2).sum() + (fake.float().std(0) - batch.std(0)).pow(
-                    2
-                ).sum()
+                loss_g = (fake.float().mean(0) - batch.mean(0)).pow(2).sum() + (fake.float().std(0) - batch.std(0)).pow(2).sum()
         scaler.scale(loss_g).backward()
         scaler.step(opt_g)
         scaler.update()

@@ -68,23 +68,11 @@ def main():
     parser.add_argument("--own-loss", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
-    training = TrainingArguments(
-        output_dir=args.output_dir,
-        per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=ACCUMULATION,
-        max_steps=8,
-        learning_rate=1e-3,
-        bf16=True,
-        use_cpu=True,
-        report_to=[],
-        logging_steps=50,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    trainer = (OwnLoss if args.own_loss else InOrder)(
-        model=Tagger(), args=training, train_dataset=Rows(args.nan_at), callbacks=[FP16DoctorCallback()]
-    )
+    training = TrainingArguments(output_dir=args.output_dir, per_device_train_batch_size=BATCH,
+                                 gradient_accumulation_steps=ACCUMULATION, max_steps=8, learning_rate=1e-3, bf16=True,
+                                 use_cpu=True, report_to=[], logging_steps=50, save_strategy="no", disable_tqdm=True,
+                                 dataloader_num_workers=0)
+    trainer = (OwnLoss if args.own_loss else InOrder)(model=Tagger(), args=training, train_dataset=Rows(args.nan_at), callbacks=[FP16DoctorCallback()])
     trainer.train()
     print("global step", trainer.state.global_step)
 

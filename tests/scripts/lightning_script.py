@@ -38,17 +38,9 @@ def main():
     y = (x[:, 0] > 0).long()
     if args.nan_at >= 0:
         x[args.nan_at * BATCH + 2, 3] = float("nan")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
-        max_steps=12,
-        callbacks=[FP16DoctorCallback()],
-        default_root_dir=args.root,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = L.Trainer(accelerator="cpu", plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+                        max_steps=12, callbacks=[FP16DoctorCallback()], default_root_dir=args.root, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Classifier(), DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False))
     print("global step", trainer.global_step)
 
