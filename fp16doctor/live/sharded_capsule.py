@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..tensors import whole_state_options
 from .capsule import SHARDS, cpu_copy
-from .sharding import is_fsdp1_unit
+from .sharding import clean_name, is_fsdp1_unit
 
 FSDP_ATTRIBUTES = ("_fsdp", "_is_fsdp", "__composable_api_state_key")
 """The attributes ``fully_shard`` sets on a module (its state, its marks), left out of the plain copy."""
@@ -99,7 +99,6 @@ def not_emulated(model: torch.nn.Module) -> list[str]:
     policy), and FSDP1's ``buffer_dtype`` where the model has floating-point buffers (the replay keeps them in
     their own dtype)."""
     from ..engine.parallel import policy_of
-    from .sharding import clean_name
 
     root_policy = policy_of(model) or {}
     root = _in_effect(root_policy)
@@ -249,12 +248,6 @@ def load_whole(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     module.load_state_dict(copies, assign=True)
 
 
-def shard_key(key: str) -> str:
-    """The key ``torch.distributed.checkpoint`` saves a plain module's state ``key`` under: without the segments of
-    the wrappers the plain module keeps (an activation-checkpointing wrapper's)."""
-    return ".".join(part for part in key.split(".") if part not in WRAPPER_SEGMENTS)
-
-
 def object_group() -> Any:
     """The group to send pickled objects in: the default one under gloo, else a gloo group of the same ranks, made
     once (every rank reaches it together, in the update where they capture). Object collectives on nccl would
@@ -307,11 +300,6 @@ def indexed_optimizer_state(state: dict[str, Any], names: list[str]) -> dict[str
     return {"state": moments, "param_groups": groups}
 
 
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
-"""The names wrappers add to a parameter's path (activation checkpointing, ``torch.compile``, FSDP1), which
-``torch.distributed.checkpoint`` leaves out of its keys."""
-
-
 def checkpoint_key(model: torch.nn.Module, name: str) -> str:
     """The key ``torch.distributed.checkpoint``'s state dicts give ``model``'s parameter ``name``: its own
     ``_get_fqns`` where this torch has it, else the name without the wrappers' segments."""
@@ -320,7 +308,7 @@ def checkpoint_key(model: torch.nn.Module, name: str) -> str:
 
         return next(iter(_get_fqns(model, name)))
     except Exception:  # noqa: BLE001 - a private helper: without it, the segments it is known to drop
-        return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+        return clean_name(name)
 
 
 def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) -> torch.nn.Module:
@@ -500,7 +488,7 @@ def capture_together(
         parts = _Parts(steps, model_state, optimizer_state, reduction, shards[0] if shards else None)
         result[0] = _write(watch, optimizer, scaler, dataclasses.replace(numbers, loss=ranks_loss(steps)), parts)
     dist.broadcast_object_list(result, src=0, group=object_group())
-    if shards is not None and shards[0].exists():  # rank 0 moved it into its capsule, or it is not rank 0's
+    if shards is not None and shards[0].exists():  # not moved into a capsule (none written, or another rank's own)
         shutil.rmtree(shards[0], ignore_errors=True)
     folder, why = result[0]
     return (Path(folder) if folder else None), why
@@ -605,13 +593,11 @@ def _write(
             sharding={"world": len(parts.steps), "micro_batches": len(parts.steps[0].batches), **parts.reduction},
             not_emulated=not_emulated(watch.model),
             shards=parts.shards,
-            shard_keys=None if parts.shards is None else {key: shard_key(key) for key in module.state_dict()},
+            # the plain module keeps an activation-checkpointing wrapper, whose segment the shards' keys leave out
+            shard_keys=None if parts.shards is None else {key: clean_name(key) for key in module.state_dict()},
             parameter_keys=names if parts.shards is not None else None,
         )
         return str(watch.write_ranks_capsule(optimizer, scaler, numbers, contents)), None
     except Exception as exc:  # noqa: BLE001 - the watch's own failure, never the training's
         text = str(exc).strip()
         return None, f"writing it failed ({type(exc).__name__}: {text.splitlines()[0] if text else ''})"
-    finally:
-        if parts.shards is not None and parts.shards.exists():  # not moved into a capsule: nothing to keep
-            shutil.rmtree(parts.shards, ignore_errors=True)

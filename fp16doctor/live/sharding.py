@@ -20,7 +20,9 @@ from ..tensors import dtype_name
 from ..userfile.modules import fsdp2_param_groups
 
 HALF = (torch.float16, torch.bfloat16)
-WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+"""The names wrappers add to a module's or parameter's path (FSDP1, activation checkpointing, ``torch.compile``),
+which ``torch.distributed.checkpoint`` leaves out of its keys too."""
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -134,10 +136,10 @@ def _fsdp1_reduce_dtype(unit: Any) -> torch.dtype | None:
 
 
 def clean_name(name: str) -> str:
-    """A module or parameter path without the wrappers' own attribute names (``_fsdp_wrapped_module.``)."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name.removesuffix("._fsdp_wrapped_module").removesuffix("_fsdp_wrapped_module")
+    """A module or parameter path without the wrappers' own attribute names (``_fsdp_wrapped_module``): as the
+    user's model names it, and as ``torch.distributed.checkpoint`` keys it. Whole segments only (a user's
+    ``my_orig_mod`` keeps its name)."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 def flat_parameters(model: torch.nn.Module) -> dict[int, tuple[Any, list[str]]]:
