@@ -4,14 +4,12 @@ training (reported once, the numbers unchanged)."""
 
 from __future__ import annotations
 
-import gc
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fp16doctor
+from fp16doctor.engine.rank_launcher import let_gloo_threads_finish
 from fp16doctor.live.observe import TrainingObserver
 from fp16doctor.live.ranks import (
     RankRow,
@@ -162,11 +160,7 @@ def one_rank():
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
-    # torch's gloo teardown can deadlock (see rank_launches.py): a collective launched in backward, released last
-    # on gloo's run-loop thread, waits there for the GIL, which destroying the group holds while it joins that
-    # thread. The test's models are gone by now; a pause without the GIL lets such a thread finish first.
-    gc.collect()
-    time.sleep(0.2)
+    let_gloo_threads_finish()  # the test's models are gone: destroying the group must not wait on gloo's thread
     dist.destroy_process_group()
 
 

@@ -34,6 +34,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -143,15 +144,27 @@ def leave_process_group() -> None:
     ends with the process.
 
     Torch's gloo teardown can deadlock (seen with gdb, torch 2.13, on a loaded machine): a collective launched during
-    backward holds the backward's Python context; when the last reference to it drops on gloo's run-loop thread, its
-    destructor waits for the GIL, while the main thread, holding the GIL, joins that thread to destroy the group. A
-    forked rank leaves by ``os._exit``: its group is never destroyed, and nothing waits."""
+    backward holds the backward's Python context (its thread-local state); when the last reference to it drops on
+    gloo's run-loop thread, its destructor waits for the GIL, while the main thread, holding the GIL, joins that
+    thread to destroy the group. A forked rank leaves by ``os._exit``: its group is never destroyed, and nothing
+    waits."""
     if not torch.distributed.is_initialized():
         return
     if _leaves_by_exit and torch.distributed.get_backend() == "gloo":
         return
     gc.collect()  # a wrapper (DDP's reducer) left in a cycle drops its reference to the group before, not during
     torch.distributed.destroy_process_group()
+
+
+def let_gloo_threads_finish() -> None:
+    """A pause without the GIL, for a process whose own code keeps its process group to the end (a watched script,
+    a test): a gloo run-loop thread waiting there to destroy a collective (see :func:`leave_process_group`) gets it.
+    Ended in that wait by the interpreter's exit, the thread aborts the process (``terminate called without an
+    active exception``, SIGABRT); joined by a group's destruction, it deadlocks. A mitigation: torch gives no way
+    to wait for that thread."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gc.collect()
+        time.sleep(0.2)
 
 
 def _fresh_signal_handlers() -> None:

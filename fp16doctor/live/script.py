@@ -7,19 +7,16 @@ script's folder first on ``sys.path`` (the current directory for ``-m``). Whatev
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import os
 import runpy
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from ..engine.rank_launcher import let_gloo_threads_finish
 from ..errors import EXIT_FINDINGS, ScriptError
 from .observe import RANK_TIMEOUT, TrainingObserver, WatchStopped, torchrun_rank
 from .watch import Alarm, WatchOptions
@@ -136,17 +133,7 @@ def watch_script(
         sys.stderr.write(script_traceback(exc))
         code = 1
     sys.stdout.flush()
-    _let_gloo_threads_finish()
+    # before the rank exits, the script's frames gone: seen aborting ranks the watch stopped in a DDP run with a
+    # compression hook on a loaded machine (1 launch in 10 with 3 busy processes on 2 cores; 0 in 10 with it)
+    let_gloo_threads_finish()
     return code if code != 0 or not observer.alarms else WATCH_ALARM
-
-
-def _let_gloo_threads_finish() -> None:
-    """Under torchrun, before the rank exits: a pause without the GIL, the script's frames gone. A gloo run-loop
-    thread may hold the last reference to a collective launched during backward (its thread-local state holds the
-    backward's Python context), whose destructor waits for the GIL; ended in that wait by the interpreter's exit,
-    the thread aborts the rank (``terminate called without an active exception``, SIGABRT) instead of its exit
-    code. Seen on ranks the watch stopped in a DDP run with a compression hook on a loaded machine (1 launch in 10
-    with 3 busy processes on 2 cores; 0 in 10 with this pause): a mitigation, as torch gives no way to wait for it."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        gc.collect()
-        time.sleep(0.2)

@@ -93,9 +93,9 @@ class WatchOptions:
     message naming it; None: the process group's own timeout."""
     gather_limit_mb: float = 4096.0
     """Where the ranks capture a step together (FSDP; DDP with a compression hook): the largest whole model and
-    optimizer state (MiB) the capsule gathers onto rank 0's CPU. Past it,
-    every rank saves its own shards with ``torch.distributed.checkpoint`` into the capsule (on a filesystem every
-    rank writes to), and the replay reads them whole: rank 0's memory never holds the whole state during the run."""
+    optimizer state (MiB) the capsule gathers onto rank 0's CPU. Past it, every rank saves its own shards with
+    ``torch.distributed.checkpoint`` into the capsule (on a filesystem every rank writes to), and the replay reads
+    them whole: rank 0's memory never holds the whole state during the run."""
 
 
 @dataclass
