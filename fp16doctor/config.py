@@ -396,6 +396,21 @@ def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any
     return out
 
 
+def apply_patch(config: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """A fix's ``config_patch`` applied to a config: like :func:`merge`, except that a list adds to the list the
+    config has. Every list a fix sets is a set of things kept out of half precision (``fp32_modules``,
+    ``fp32_lines``, ``fallback_ops``, ``eager_modules``), so a fix keeps what the user already kept."""
+    out = dict(config)
+    for key, value in patch.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = apply_patch(out[key], value)
+        elif isinstance(value, list) and isinstance(out.get(key), list):
+            out[key] = list(dict.fromkeys(out[key] + value))
+        else:
+            out[key] = value
+    return out
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config with ``yaml.safe_load`` (never executes tags)."""
     path = Path(path)

@@ -1,6 +1,7 @@
 import pytest
 
-from fp16doctor.config import DoctorConfig, build_config, explain, load_yaml
+from fp16doctor.config import DoctorConfig, apply_patch, build_config, explain, load_yaml, overrides_patch
+from fp16doctor.diagnosis.stages import StageContext
 from fp16doctor.errors import ConfigError
 
 
@@ -24,6 +25,21 @@ def test_layers_override_in_order_and_merge_nested_keys():
     )
     assert config.steps == 7
     assert config.scaler.init_scale == 1024 and config.scaler.growth_interval == 10
+
+
+def test_a_fix_adds_to_the_modules_the_user_keeps_in_fp32_where_a_config_layer_replaces_them():
+    user = build_config({"overrides": {"fp32_modules": ["head"]}, "scaler": {"init_scale": 1024}})
+    fix = {**overrides_patch(fp32_modules=["body.0", "head"]), "scaler": {"init_scale": 256}}
+    patched = apply_patch(user.to_dict(), fix)
+    assert patched["overrides"]["fp32_modules"] == ["head", "body.0"]
+    assert patched["scaler"]["init_scale"] == 256
+    # a fix trial is built from the user's config the same way: it never drops the user's own fp32 modules
+    ctx = StageContext(bench=None, config=user, evidence=None)  # type: ignore[arg-type]
+    assert ctx.with_config(overrides_patch(fp32_modules=["body.0"])).overrides.fp32_modules == ["head", "body.0"]
+    # a config layer (a file, then --set) replaces a list: the user's last word is the list
+    assert build_config(user.to_dict(), {"overrides": {"fp32_modules": ["body.0"]}}).overrides.fp32_modules == [
+        "body.0"
+    ]
 
 
 def test_unknown_key_names_it_and_the_closest_valid_key():

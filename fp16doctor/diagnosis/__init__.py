@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .findings import Diagnosis, Evidence, Finding, Fix, StageReport
-    from .triage import DiagnoseOptions, diagnose, fixed_config, merge_patch, rank
+    from .triage import DiagnoseOptions, diagnose, fixed_config, rank
 
 _HOMES = {
     "DiagnoseOptions": ".triage",
     "diagnose": ".triage",
     "fixed_config": ".triage",
-    "merge_patch": ".triage",
     "rank": ".triage",
     "Diagnosis": ".findings",
     "Evidence": ".findings",
@@ -37,7 +36,6 @@ __all__ = [
     "StageReport",
     "diagnose",
     "fixed_config",
-    "merge_patch",
     "rank",
 ]
 

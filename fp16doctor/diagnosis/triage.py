@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..config import DoctorConfig, build_config, merge
+from ..config import DoctorConfig, apply_patch, build_config, merge
 from ..engine.kept import StateBlockMapping, StateKeeper, earlier_objects_frozen, release_memory
 from ..engine.probe import Workbench
 from ..engine.progress import ProbeStepHook, StepProgress
@@ -395,7 +395,7 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
         return None
     patch: dict[str, Any] = {}
     for finding in usable:
-        patch = merge_patch(patch, finding.fix.config_patch)
+        patch = apply_patch(patch, finding.fix.config_patch)
     single = usable[0].verification if len(usable) == 1 else None
     if single is not None and single.tried and single.config_patch == patch:
         after, summary, records = list(single.symptoms_after or []), single.summary, single.amp_records
@@ -706,22 +706,10 @@ def rank(findings: list[Finding]) -> list[Finding]:
 def fixed_config(user_layers: dict[str, Any], diagnosis: Diagnosis) -> dict[str, Any]:
     """The user's config with the verified corrected patch (else every non-info finding's patch) applied."""
     if diagnosis.corrected is not None:
-        return merge_patch(dict(user_layers), diagnosis.corrected.config_patch)
+        return apply_patch(dict(user_layers), diagnosis.corrected.config_patch)
     out = dict(user_layers)
     for finding in diagnosis.findings:
         if finding.severity == Severity.INFO:
             continue  # advice, not a fix: bf16 changes the training's precision
-        out = merge_patch(out, finding.fix.config_patch)
-    return out
-
-
-def merge_patch(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge_patch(out[key], value)
-        elif isinstance(value, list) and isinstance(out.get(key), list):
-            out[key] = list(dict.fromkeys(out[key] + value))
-        else:
-            out[key] = value
+        out = apply_patch(out, finding.fix.config_patch)
     return out

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ...config import DoctorConfig, build_config, merge, scaler_patch
+from ...config import DoctorConfig, apply_patch, build_config, merge, scaler_patch
 from ...engine.instruments import InstrumentOptions, precision_map
 from ...engine.kept import StateKeeper
 from ...engine.microbatch import UNSPLIT
@@ -79,7 +79,7 @@ class StageContext:
         return self.bench.progress
 
     def with_config(self, patch: dict[str, Any]) -> DoctorConfig:
-        return build_config(merge(self.config.to_dict(), patch))
+        return build_config(apply_patch(self.config.to_dict(), patch))
 
     @functools.cached_property
     def schedule(self) -> dict[str, Any] | None:
