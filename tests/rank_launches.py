@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 import warnings
 from pathlib import Path
 
@@ -24,9 +25,16 @@ TEARDOWN_CRASHES = ("Signal 11 (SIGSEGV)", "terminate called without an active e
 """torchrun's report of a rank that died in native code while its process group was torn down."""
 LAUNCH_SECONDS = 150
 """A launch still running then has hung (the longest of these runs takes about 30 s on a loaded 2-core machine)."""
+IDLE_SECONDS = 20.0
+"""A launch whose ranks have used no CPU for this long has hung: a deadlocked teardown waits without spinning, and
+no script of the suite leaves every rank waiting longer than a few seconds (a rank timeout of 3 s at most)."""
+IDLE_SHARE = 0.01
+"""The ranks' CPU time per second of wall time below which they count as idle (a blocked thread still ticks)."""
+POLL_SECONDS = 1.0
 LAUNCHES = 3
 """At most: a fault of the watch's own shows in every launch, and fails the test."""
 HUNG = "launch hung: killed after {} s"
+IDLE = "launch hung: its ranks used no CPU for {} s"
 
 
 def launch_ranks(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -54,13 +62,52 @@ def _launch_once(command: list[str], cwd: Path, env: dict[str, str]) -> subproce
     with subprocess.Popen(
         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     ) as popen:
-        try:
-            stdout, stderr = popen.communicate(timeout=LAUNCH_SECONDS)
-            return subprocess.CompletedProcess(command, popen.returncode, stdout, stderr)
-        except subprocess.TimeoutExpired:
+        hung = _Hang(popen.pid)
+        while True:
+            try:
+                stdout, stderr = popen.communicate(timeout=POLL_SECONDS)  # retried: no output is lost
+                return subprocess.CompletedProcess(command, popen.returncode, stdout, stderr)
+            except subprocess.TimeoutExpired:
+                why = hung.seen()
+                if why is None:
+                    continue
             _kill_tree(popen.pid)
             stdout, stderr = popen.communicate(timeout=30)
-            return subprocess.CompletedProcess(command, None, stdout, stderr + HUNG.format(LAUNCH_SECONDS))  # type: ignore[arg-type]
+            return subprocess.CompletedProcess(command, None, stdout, stderr + why)  # type: ignore[arg-type]
+
+
+class _Hang:
+    """Whether a launch has hung: it ran past :data:`LAUNCH_SECONDS`, or its ranks (the processes under it; the
+    launcher itself polls them) have been idle for :data:`IDLE_SECONDS`, which a teardown deadlock shows within
+    seconds instead of minutes."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.started = self.polled = self.idle_since = time.monotonic()
+        self.cpu: dict[int, float] = {}
+
+    def seen(self) -> str | None:
+        now = time.monotonic()
+        if now - self.started > LAUNCH_SECONDS:
+            return HUNG.format(LAUNCH_SECONDS)
+        cpu = {pid: _cpu_seconds(pid) for pid in _descendants(self.root)}
+        used = sum(seconds - self.cpu.get(pid, 0.0) for pid, seconds in cpu.items())
+        busy = not cpu or used > IDLE_SHARE * (now - self.polled)  # no ranks yet: still starting
+        self.cpu, self.polled = cpu, now
+        if busy:
+            self.idle_since = now
+        elif now - self.idle_since > IDLE_SECONDS:
+            return IDLE.format(IDLE_SECONDS)
+        return None
+
+
+def _cpu_seconds(pid: int) -> float:
+    """A process's user and system CPU time so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _kill_tree(root: int) -> None:

@@ -24,6 +24,10 @@ if launches == 1 and sys.argv[2] in ("hang", "hang in its own session"):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=own_session)
     open(log + ".child", "w").write(str(child.pid))
     time.sleep(600)
+if sys.argv[2] == "busy, its rank waiting":  # one rank computes while the other waits for it
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(4)"])
+    subprocess.run([sys.executable, "-c", "import time\\nend = time.time() + 4\\nwhile time.time() < end: pass"])
+    waiting.wait()
 if launches == 1 and sys.argv[2] == "abort":
     sys.exit("terminate called without an active exception")
 if sys.argv[2] == "raise":
@@ -31,8 +35,9 @@ if sys.argv[2] == "raise":
 """
 
 
-def launch(tmp_path, monkeypatch, outcome):
-    monkeypatch.setattr(rank_launches, "LAUNCH_SECONDS", 5)
+def launch(tmp_path, monkeypatch, outcome, launch_seconds=5, idle_seconds=60):
+    monkeypatch.setattr(rank_launches, "LAUNCH_SECONDS", launch_seconds)
+    monkeypatch.setattr(rank_launches, "IDLE_SECONDS", idle_seconds)
     script, log, folder = tmp_path / "launch.py", tmp_path / "launches.log", tmp_path / "run"
     script.write_text(textwrap.dedent(LAUNCH))
     folder.mkdir()
@@ -53,6 +58,18 @@ def test_a_hung_launch_is_killed_with_its_children_and_taken_again_from_a_clean_
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child)
+
+
+def test_a_launch_whose_ranks_wait_without_using_the_cpu_is_hung_long_before_the_launch_limit(tmp_path, monkeypatch):
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match="its ranks used no CPU for 2 s"):
+        proc, launches, _ = launch(tmp_path, monkeypatch, "hang", launch_seconds=150, idle_seconds=2)
+    assert proc.returncode == 0 and launches == 2 and time.monotonic() - start < 30
+
+
+def test_a_rank_waiting_while_another_computes_is_not_idle(tmp_path, monkeypatch, recwarn):
+    proc, launches, _ = launch(tmp_path, monkeypatch, "busy, its rank waiting", launch_seconds=150, idle_seconds=2)
+    assert proc.returncode == 0 and launches == 1 and not recwarn.list
 
 
 def test_a_launch_aborted_in_native_teardown_is_taken_again(tmp_path, monkeypatch):
