@@ -163,16 +163,28 @@ class CapsuleContents:
     import_paths: list[str]
     sharding: dict[str, Any] | None = None
     """The ``sharding`` config its replay emulates the ranks with (a sharded run's capsule); None: one process."""
-    shards: Path | None = None
-    """A folder of the ranks' own shards of the state, moved into the capsule (its whole state was past the gather
-    limit): ``model_state`` is then empty and ``optimizer_state`` holds the parameter groups only."""
+    shards: StateInShards | None = None
+    """Where the ranks saved the state in shards (its whole was past the gather limit): ``model_state`` is then
+    empty and ``optimizer_state`` holds the parameter groups only."""
     not_emulated: list[str] = field(default_factory=list)
     """What the run did that the replay of a sharded run does not emulate (a module's own policy, FSDP1's
     ``buffer_dtype``): said in the diagnosis's note."""
-    shard_keys: dict[str, str] | None = None
-    """With ``shards``: each key of the plain module's state, and its key in the shards."""
-    parameter_keys: list[str] | None = None
-    """With ``shards``: the model's parameters' keys in the shards, in its order (how the moments are indexed)."""
+
+
+@dataclass(frozen=True)
+class StateInShards:
+    """A sharded run's state as its ranks saved it, each its own shards, and how the replay reads it whole."""
+
+    folder: Path
+    """The ranks' shards (``torch.distributed.checkpoint``), moved into the capsule as :data:`SHARDS`."""
+    state_keys: dict[str, str]
+    """Each key of the capsule's plain module's state, and its key in the shards."""
+    parameter_keys: list[str]
+    """The model's parameters' keys in the shards, in its order (how the optimizer's moments are indexed)."""
+
+    def to_capsule(self) -> dict[str, Any]:
+        """What ``capsule.pt`` keeps of it (the folder is the capsule's own :data:`SHARDS`)."""
+        return {"shard_keys": self.state_keys, "parameter_keys": self.parameter_keys}
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,12 @@ def shards_complete(folder: Path) -> str | None:
     return None
 
 
+def shard_keys(module: torch.nn.Module) -> dict[str, str]:
+    """Each key of the plain module's state, and its key in the shards: the plain module keeps an activation
+    checkpointing wrapper, whose segment the shards' keys leave out."""
+    return {key: clean_name(key) for key in module.state_dict()}
+
+
 def whole_from_shards(folder: Path, state_keys: dict[str, str], parameter_keys: list[str]) -> dict[str, Any]:
     """The whole state of a capsule saved in shards, read in one process without a process group: ``model`` keyed as
     the capsule's plain module loads it (``state_keys``: each of its keys' key in the shards), ``optimizer`` as its
@@ -571,7 +577,7 @@ def _write(
     watch: Any, optimizer: torch.optim.Optimizer, scaler: Any, numbers: Any, parts: _Parts
 ) -> tuple[str | None, str | None]:
     """On rank 0: the capsule from every rank's part (its folder), or why none."""
-    from .capsule import CapsuleContents, import_roots
+    from .capsule import CapsuleContents, StateInShards, import_roots
 
     try:
         reason = uneven([len(s.batches) for s in parts.steps])
@@ -592,10 +598,7 @@ def _write(
             import_paths=import_roots(module),
             sharding={"world": len(parts.steps), "micro_batches": len(parts.steps[0].batches), **parts.reduction},
             not_emulated=not_emulated(watch.model),
-            shards=parts.shards,
-            # the plain module keeps an activation-checkpointing wrapper, whose segment the shards' keys leave out
-            shard_keys=None if parts.shards is None else {key: clean_name(key) for key in module.state_dict()},
-            parameter_keys=names if parts.shards is not None else None,
+            shards=None if parts.shards is None else StateInShards(parts.shards, shard_keys(module), names),
         )
         return str(watch.write_ranks_capsule(optimizer, scaler, numbers, contents)), None
     except Exception as exc:  # noqa: BLE001 - the watch's own failure, never the training's

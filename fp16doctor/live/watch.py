@@ -451,7 +451,7 @@ class Watch:
             folder = capsule_folder(Path(self.options.capsule_dir), numbers.step, self.rank, every_rank=True)
             self._save_model(folder, getattr(optimizer, "optimizer", optimizer), scaler, numbers, contents)
             if contents.shards is not None:  # before the manifest, which says the capsule is whole
-                os.replace(contents.shards, folder / SHARDS)
+                os.replace(contents.shards.folder, folder / SHARDS)
             self._write_replay(folder, scaler, numbers, contents, None)
             return folder
 
@@ -523,8 +523,9 @@ class Watch:
             },
             "history": [asdict(h) for h in self.history[-50:]],
             "import_paths": contents.import_paths,
-            "shard_keys": contents.shard_keys,
-            "parameter_keys": contents.parameter_keys,
+            "shard_keys": None,  # a whole state: the replay loads "model" as it is
+            "parameter_keys": None,
+            **(contents.shards.to_capsule() if contents.shards is not None else {}),
         }
         atomic_torch_save(folder / "capsule.pt", state)
         atomic_torch_save(folder / "model.pt", contents.module, pickle_module=cloudpickle)
