@@ -52,6 +52,20 @@ def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_rep
     tried = {b["backend"]: b["symptoms"] for b in evidence["backends"]}
     assert tried == {"eager": [], "aot_eager": [], "inductor": [], "input_norm run eagerly": []}
     assert "fusing_backend backend's compilation" in evidence["made_in"] and "within input_norm" in evidence["made_in"]
+    # down to the node: the backend's graph, run node by node, first makes a NaN in the layer norm it swapped in
+    assert evidence["graph_trace"] == {
+        "first_nonfinite": {
+            "step": 0,
+            "node": "layer_norm",
+            "operator": "compiled_custom_backend.one_pass_layer_norm",
+            "source": "compiled_custom_backend.py:55",
+            "module": "input_norm",
+        },
+        "opaque": [],
+    }
+    assert "made by its graph's node layer_norm (compiled_custom_backend.one_pass_layer_norm in input_norm" in (
+        evidence["made_in"]
+    )
     # the least change: the backend kept, the one region it gets wrong run eagerly (a leaf: no smaller region)
     assert top["fix"]["config_patch"] == {"compile": {"eager_modules": ["input_norm"]}}
     assert "torch.compiler.disable(region.forward)" in top["fix"]["code"]

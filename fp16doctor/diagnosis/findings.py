@@ -22,6 +22,7 @@ from ..engine.emulated_ranks import ReductionReading
 from ..engine.records import Column
 from ..files import jsonable
 from ..measure.datascan import FieldScan
+from ..measure.graph_nodes import NonfiniteNode
 from ..measure.records import OMITTED_WHEN_NONE, ExceptionInfo, Localisation, OperatorAttribution, ScaleWindow
 from ..measure.symptoms import Symptom, exception_of, first_step
 
@@ -634,6 +635,8 @@ class CompiledComparison:
     """Only the compiled training fails: the backends tried, from the least compiled up, to localise the fault."""
     bisection: CompilerBisection | None = None
     """Only inductor fails (``aot_eager`` healthy): where in inductor, by PyTorch's compiler bisector."""
+    graph_trace: GraphTraceReport | None = None
+    """Only a custom backend's program makes a non-finite value: the first node of its graph that makes one."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -645,7 +648,22 @@ class CompiledComparison:
             "compile_seconds": round(self.compile_seconds, 2),
             "backends": [b.to_json() for b in self.backends],
             "bisection": self.bisection.to_json() if self.bisection is not None else None,
+            "graph_trace": self.graph_trace.to_json() if self.graph_trace is not None else None,
         }
+
+
+@dataclass(frozen=True)
+class GraphTraceReport:
+    """The custom backend's graphs run node by node on the compiled probe's steps (:mod:`fp16doctor.measure.graph_nodes`)."""
+
+    first_nonfinite: NonfiniteNode | None
+    """The first node that made an inf or NaN out of finite values; None: none did (or nothing could be traced)."""
+    opaque: list[str] = field(default_factory=list)
+    """What the backend returned that is not an FX graph, by type: those programs could not be looked into."""
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.first_nonfinite
+        return {"first_nonfinite": first.to_json() if first is not None else None, "opaque": self.opaque}
 
 
 HALF_DTYPES = ("float16", "bfloat16")

@@ -52,7 +52,13 @@ from ..precision.session import PrecisionSession
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import floats_to, to_device
 from ..userfile.checkpoint import TrainedStart
-from ..userfile.compiled import compiled_program, inductor_fallbacks, run_eagerly, training_compiles
+from ..userfile.compiled import (
+    BackendWrapper,
+    compiled_program,
+    inductor_fallbacks,
+    run_eagerly,
+    training_compiles,
+)
 from ..userfile.loop import canonical_step, default_loss, micro_batched_step, output_field
 from ..userfile.spec import TrainingSpec, build_model, build_model_and_program, draw_batches, user_frame
 from .emulated_ranks import ReductionReading, emulated_ranks_step
@@ -326,6 +332,7 @@ class Probe:
         batch_plan: MicroBatchPlan | None = None,
         compiled: bool = False,
         parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        wrap_backend: BackendWrapper | None = None,
     ):
         """``align_on_taken_steps``: a skipped step retries the same batch with the same RNG, the scheduler
         held (``compare``'s alignment); ``hold_scheduler_on_retry=False`` lets the scheduler step on a skip as
@@ -335,7 +342,9 @@ class Probe:
         the training compiles (``model()`` returns a compiled module, or ``compile.enabled``); the probe's own
         bookkeeping (state, instruments) stays on the eager module, whose parameters the program shares.
         ``parallelize``: wraps the built model before the optimizers are made (FSDP replaces the parameters with
-        their shards, which the optimizers must hold): :attr:`model` is then the wrapped model."""
+        their shards, which the optimizers must hold): :attr:`model` is then the wrapped model.
+        ``wrap_backend``: with ``compiled``, the program is compiled anew with the training's own custom backend
+        wrapped (a graph trace's: :func:`~fp16doctor.userfile.compiled.compiled_program`)."""
         if config.sharding.emulated and bench.spec.train_step is not None:
             raise TrainingFileError(
                 "sharding.world > 1 emulates the ranks with the doctor's own step, and the file defines train_step().",
@@ -358,6 +367,7 @@ class Probe:
         self.reduction_reading = ReductionReading()
         """What the emulated ranks' gradient reductions did (``config.sharding``; empty where no rank is emulated)."""
         self.instruments: Instruments | None = None
+        self._wrap_backend = wrap_backend
         self._program: torch.nn.Module | None = None
         """``model()``'s own ``torch.compile`` wrapper of :attr:`model` (None: it returned an eager module)."""
         self.micro_batch_watchers: list[Callable[[], None]] = []
@@ -487,7 +497,7 @@ class Probe:
         The regions run eagerly are named in :attr:`built_model`, as ``model()`` built it."""
         if not compiled or not training_compiles(self.config.compile, self.spec.compiled):
             return None
-        if self.config.compile.compiles_anew:
+        if self._compiles_anew:
             # dynamo reuses a graph compiled for another instance of the same class without looking at inductor's
             # lowerings or a submodule's forward: this probe's graphs are compiled anew, and dropped when it closes
             torch._dynamo.reset()
@@ -495,7 +505,11 @@ class Probe:
         if any(_fsdp1_flat(m) for m in self.model.modules()):
             self.spec.note(FSDP1_RUNS_EAGER)
         program = None if self.model is not self.built_model else self._program
-        return compiled_program(self.model, program, self.config.compile, self.spec.compiled)
+        return compiled_program(self.model, program, self.config.compile, self.spec.compiled, self._wrap_backend)
+
+    @property
+    def _compiles_anew(self) -> bool:
+        return self.config.compile.compiles_anew or self._wrap_backend is not None
 
     def _build_optimizers(self, model: torch.nn.Module) -> Any:
         """The file's ``optimizers(model)`` (one, or a tuple/list/dict), its ``optimizer(params)``, or the default
@@ -897,7 +911,7 @@ class Probe:
         if self.instruments is not None:
             self.instruments.detach()
         self.optimizers.on_found = None  # a bound method of this probe: the cycle that kept closed probes alive
-        if self.runs_compiled and self.config.compile.compiles_anew:
+        if self.runs_compiled and self._compiles_anew:
             torch._dynamo.reset()  # no later probe reuses a graph compiled with this one's fallbacks or eager regions
 
 

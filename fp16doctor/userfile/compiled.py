@@ -37,6 +37,9 @@ class CompileOptions:
     """Whether a graph break is an error."""
     options: dict[str, Any] = field(default_factory=dict)
     """The inductor options given (values that are not JSON numbers, strings or booleans are written as text)."""
+    compiler: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    """The backend itself where the call gave a function (a custom backend): what a graph trace wraps. Not in
+    :meth:`to_json` (a capsule records its name)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -56,6 +59,7 @@ class CompileOptions:
             dynamic=kwargs.get("dynamic"),
             fullgraph=bool(kwargs.get("fullgraph", False)),
             options={str(k): _plain(v) for k, v in (kwargs.get("options") or {}).items()},
+            compiler=None if isinstance(backend, str) else backend,
         )
 
 
@@ -180,12 +184,26 @@ def training_compiles(settings: CompileConfig, recorded: CompileOptions | None) 
     return settings.enabled if settings.enabled is not None else recorded is not None
 
 
+BackendWrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+"""Takes the training's own custom backend, returns the backend to compile with (a graph trace's)."""
+
+
 def compiled_program(
-    model: torch.nn.Module, program: torch.nn.Module | None, settings: CompileConfig, recorded: CompileOptions | None
+    model: torch.nn.Module,
+    program: torch.nn.Module | None,
+    settings: CompileConfig,
+    recorded: CompileOptions | None,
+    wrap_backend: BackendWrapper | None = None,
 ) -> torch.nn.Module:
     """What a compiled probe calls: ``model()``'s own compiled module where the settings change nothing (the
     user's program, a custom backend included), else ``model`` compiled with them over what ``model()`` compiled
-    with (a backend given by name; a custom one is replaced by inductor where the settings name none)."""
+    with (a backend given by name; a custom one is replaced by inductor where the settings name none).
+    ``wrap_backend``: ``model`` compiled anew with the training's own custom backend wrapped (it must have one)."""
+    if wrap_backend is not None:
+        assert recorded is not None and recorded.compiler is not None, "only a custom backend is wrapped"
+        wrapped = torch.compile(model, backend=wrap_backend(recorded.compiler), dynamic=recorded.dynamic)
+        assert isinstance(wrapped, torch.nn.Module)
+        return wrapped
     if program is not None and settings.as_model_compiles:
         return program
     named = recorded is not None and recorded.backend in COMPILE_BACKENDS

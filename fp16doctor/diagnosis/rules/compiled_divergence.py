@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ...measure.graph_nodes import NonfiniteNode
 from ...measure.symptoms import Symptom
 from .. import rule_cases as fx
 from ..findings import (
@@ -32,6 +33,7 @@ from ..findings import (
     EvidenceRecord,
     Finding,
     Fix,
+    GraphTraceReport,
 )
 from . import Rule
 
@@ -55,6 +57,8 @@ class CompiledDivergenceEvidence(EvidenceRecord):
     """Where the fault is made: dynamo's graph capture, AOT autograd, or the training's backend."""
     bisection: CompilerBisection | None = None
     """Only inductor fails: the subsystem and application PyTorch's compiler bisector found."""
+    graph_trace: GraphTraceReport | None = None
+    """A custom backend fails: the first node of its graph that made an inf or NaN out of finite values."""
 
 
 def comparison_case(
@@ -62,6 +66,7 @@ def comparison_case(
     outcome: CompiledOutcome = CompiledOutcome.COMPILED_ONLY,
     bisection: CompilerBisection | None = None,
     compiled_with: str = "inductor",
+    graph_trace: GraphTraceReport | None = None,
 ) -> Evidence:
     """A compiled-stage comparison: eager healthy, the compiled probe non-finite (unless ``outcome`` says else),
     the model compiled with the backend ``compiled_with``."""
@@ -77,6 +82,7 @@ def comparison_case(
         compile_seconds=4.0,
         backends=backends,
         bisection=bisection,
+        graph_trace=graph_trace,
     )
     return ev
 
@@ -108,6 +114,9 @@ class CompiledDivergence(Rule):
                 BackendTrial("blocks.1.norm run eagerly", [], {"compile": {"eager_modules": ["blocks.1.norm"]}}, 0.01),
             ],
             compiled_with="team.fusing_backend",
+            graph_trace=GraphTraceReport(
+                NonfiniteNode(0, "layer_norm", "team.one_pass_layer_norm", "model.py:42", "blocks.1.norm")
+            ),
         ),
         lambda: comparison_case(  # a lowering the bisector found, its operator left to ATen: healthy
             [
@@ -130,7 +139,12 @@ class CompiledDivergence(Rule):
         if comparison is None or comparison.outcome != CompiledOutcome.COMPILED_ONLY:
             return []
         own = str(comparison.compiled_with.get("backend", "inductor"))
-        made_in = _made_in(comparison.backends, own) + _bisected(comparison.bisection) + _region(comparison.backends)
+        made_in = (
+            _made_in(comparison.backends, own)
+            + _bisected(comparison.bisection)
+            + _region(comparison.backends)
+            + _traced(comparison.graph_trace)
+        )
         fix = _least_repairing(comparison.backends, own)
         symptoms = ", ".join(s.code for s in comparison.compiled_symptoms)
         return [
@@ -144,6 +158,7 @@ class CompiledDivergence(Rule):
                     backends=list(comparison.backends),
                     made_in=made_in,
                     bisection=comparison.bisection,
+                    graph_trace=comparison.graph_trace,
                 ),
                 fix,
             )
@@ -210,6 +225,17 @@ def _region(backends: list[BackendTrial]) -> str:
     if not regions:
         return ""
     return f"; within {_setting(regions[-1], 'eager_modules')[0]} (run eagerly, the rest compiled, it is healthy)"
+
+
+def _traced(trace: GraphTraceReport | None) -> str:
+    """``; the first inf or NaN is made by its graph's node layer_norm (...)``, or why no node is named."""
+    if trace is None:
+        return ""
+    if trace.first_nonfinite is not None:
+        return f"; the first inf or NaN is made by {trace.first_nonfinite.sentence()}"
+    if trace.opaque:
+        return f"; its program ({', '.join(trace.opaque)}) is not an FX graph, so no node of it is named"
+    return ""
 
 
 def _fallback_fix(trial: BackendTrial) -> Fix:

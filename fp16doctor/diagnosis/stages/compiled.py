@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
+from ...engine.probe import Probe
 from ...errors import first_line
+from ...measure.graph_nodes import GraphTrace
 from ...measure.symptoms import Symptom
 from ...userfile.compiled import aten_operator, graph_caches_off, training_compiles
 from ...userfile.spec import build_model_and_program
@@ -40,6 +42,7 @@ from ..findings import (
     CompiledComparison,
     CompiledOutcome,
     CompilerBisection,
+    GraphTraceReport,
     ProbeSummary,
     StageName,
     StageReport,
@@ -77,6 +80,7 @@ def stage_compiled(ctx: StageContext) -> StageReport:
             comparison.backends += _fallback_trial(ctx, comparison.bisection)
         if not any(_keeps_the_compilation(b) for b in comparison.backends):
             comparison.backends += search_eager_region(ctx)
+        comparison.graph_trace = trace_custom_backend(ctx)
     ev.compiled = comparison
     details = {**probe_details(compiled), **comparison.to_json()}
     return StageReport(StageName.COMPILED, StageStatus.RAN, _sentence(comparison), details=details)
@@ -182,6 +186,27 @@ def bisect_compiler(ctx: StageContext, known: Sequence[BackendTrial] = ()) -> Co
         runs,
         seconds,
     )
+
+
+def trace_custom_backend(ctx: StageContext) -> GraphTraceReport | None:
+    """The compiled AMP probe again, the training's custom backend's graphs run node by node, up to the first
+    non-finite loss: the node of its graph that first makes an inf or NaN out of finite values. None where the
+    training compiles with a backend given by name (inductor's program is looked into by the bisector)."""
+    recorded = ctx.bench.spec.compiled
+    if recorded is None or recorded.compiler is None:
+        return None
+    trace = GraphTrace()
+
+    def follow(probe: Probe) -> None:
+        trace.step = probe.iteration
+
+    probe = ctx.bench.probe("amp", ctx.config, instruments=None, compiled=True, wrap_backend=trace.backend)
+    try:
+        with ctx.progress.planned(ctx.evidence.steps):
+            probe.run(ctx.evidence.steps, stop_on_nonfinite_loss=True, before_step=follow)
+    finally:
+        probe.close()
+    return GraphTraceReport(trace.first, sorted(set(trace.opaque)))
 
 
 def _operator_of(node: str | None) -> str | None:

@@ -1,0 +1,159 @@
+"""The compiled program's first non-finite value, node by node: where a custom backend's graph makes it.
+
+A custom ``torch.compile`` backend receives dynamo's FX graph and returns what runs in its place. Where that is an
+FX ``GraphModule`` (or its ``forward``), as graph passes return it, the doctor can run the graph it returned one node
+at a time (``torch.fx.Interpreter``) and look at every value it makes: the first node whose output holds an inf or a
+NaN while every value it read was finite is where the compiled program's fault is born, with the user's source line
+and module that node came from. A backend that returns anything else (a compiled kernel, inductor's program) is
+opaque: the trace says so and the localisation stops at the region run eagerly.
+
+Only the forward is traced: dynamo's graph is the forward, and autograd differentiates the traced nodes eagerly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+TORCH_HOME = os.path.dirname(torch.__file__)
+
+
+@dataclass(frozen=True)
+class NonfiniteNode:
+    """The first node of the backend's graph that made a non-finite value out of finite ones."""
+
+    step: int
+    """The probe step it ran in (0-based)."""
+    node: str
+    """The node's name in the backend's graph (``layer_norm``, ``add_1``)."""
+    operator: str
+    """What the node calls: a function's qualified name, a method's name, or a submodule's path."""
+    source: str | None
+    """The user's line it was traced from (``model.py:42``), from the node's stack trace; None where it has none."""
+    module: str | None
+    """The module whose forward it was traced in (``blocks.0.norm``); None: the model's own forward."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "node": self.node,
+            "operator": self.operator,
+            "source": self.source,
+            "module": self.module,
+        }
+
+    def sentence(self) -> str:
+        where = f" in {self.module}" if self.module else ""
+        line = f", traced from {self.source}" if self.source else ""
+        return f"its graph's node {self.node} ({self.operator}{where}{line}) at step {self.step}"
+
+
+@dataclass
+class GraphTrace:
+    """What the traced backend saw across the probe: the first non-finite node, and whether every graph it
+    returned could be traced."""
+
+    first: NonfiniteNode | None = None
+    opaque: list[str] = field(default_factory=list)
+    """The types of what the backend returned that is not an FX graph (nothing could be looked into)."""
+    step: int = 0
+    """The probe step running now (the stage moves it on)."""
+
+    def backend(self, compiler: Callable[..., Any]) -> Callable[..., Any]:
+        """``compiler`` (the training's own backend) with each graph it returns run node by node."""
+
+        def traced_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            compiled = compiler(gm, example_inputs)
+            graph = _graph_of(compiled)
+            if graph is None:
+                self.opaque.append(type(compiled).__name__)
+                return compiled
+            return lambda *args: _FirstNonfinite(graph, self).run(*args)
+
+        return traced_backend
+
+
+def _graph_of(compiled: Any) -> torch.fx.GraphModule | None:
+    """The FX graph a backend returned: the ``GraphModule`` itself or its bound ``forward``."""
+    if isinstance(compiled, torch.fx.GraphModule):
+        return compiled
+    owner = getattr(compiled, "__self__", None)
+    return owner if isinstance(owner, torch.fx.GraphModule) else None
+
+
+class _FirstNonfinite(torch.fx.Interpreter):
+    """Runs the graph as its ``forward`` would, and records the first node to make a non-finite value from finite
+    ones (a non-finite input is some earlier node's, or the batch's: not born here)."""
+
+    def __init__(self, graph: torch.fx.GraphModule, trace: GraphTrace) -> None:
+        super().__init__(graph)
+        self.trace = trace
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        if self.trace.first is None and n.op in ("call_function", "call_method", "call_module"):
+            if not _all_finite(result) and all(_all_finite(self.env[read]) for read in n.all_input_nodes):
+                self.trace.first = NonfiniteNode(self.trace.step, n.name, _operator(n), _user_line(n), _module_of(n))
+        return result
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _all_finite(value: Any) -> bool:
+    with torch.no_grad():
+        return all(bool(t.isfinite().all()) for t in _tensors(value) if t.is_floating_point())
+
+
+def _operator(n: torch.fx.Node) -> str:
+    target = n.target
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None)
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    return f"{module}.{name}" if module and not module.startswith(("torch", "builtins", "_operator")) else name
+
+
+def _user_line(n: torch.fx.Node) -> str | None:
+    """The innermost frame of the node's stack trace outside torch (where the user's code made the call)."""
+    frames = []
+    for line in (n.meta.get("stack_trace") or "").splitlines():
+        parts = line.strip().split('"')
+        if line.strip().startswith("File ") and len(parts) > 2 and "line " in parts[2]:
+            frames.append((parts[1], parts[2].split("line ")[1].split(",")[0]))
+    users = [frame for frame in frames if not frame[0].startswith(TORCH_HOME)] or frames
+    if not users:
+        return None
+    path, line = users[-1]
+    return f"{os.path.basename(path)}:{line}"
+
+
+def _module_of(n: torch.fx.Node) -> str | None:
+    """The module path the node was traced in, from dynamo's ``nn_module_stack`` (innermost last)."""
+    stack = n.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return _dynamo_path(str(path)) or None
+
+
+def _dynamo_path(path: str) -> str:
+    """``L['self'].blocks[0].norm`` (dynamo's spelling) as ``blocks.0.norm``."""
+    for prefix in ("L['self'].", "L['self']", "self."):
+        if path.startswith(prefix):
+            path = path[len(prefix) :]
+            break
+    return path.replace("[", ".").replace("]", "").replace("'", "")
