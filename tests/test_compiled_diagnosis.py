@@ -63,8 +63,9 @@ def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_rep
         },
         "opaque": [],
     }
-    assert "made by its graph's node layer_norm (compiled_custom_backend.one_pass_layer_norm in input_norm" in (
-        evidence["made_in"]
+    assert (
+        "made by its graph's node layer_norm (compiled_custom_backend.one_pass_layer_norm in input_norm"
+        in (evidence["made_in"])
     )
     # the least change: the backend kept, the one region it gets wrong run eagerly (a leaf: no smaller region)
     assert top["fix"]["config_patch"] == {"compile": {"eager_modules": ["input_norm"]}}
