@@ -60,11 +60,12 @@ def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_rep
             "operator": "compiled_custom_backend.one_pass_layer_norm",
             "source": "compiled_custom_backend.py:55",
             "module": "input_norm",
+            "graph": "the backend's graph",
         },
         "opaque": [],
     }
     assert (
-        "made by its graph's node layer_norm (compiled_custom_backend.one_pass_layer_norm in input_norm"
+        "made by node layer_norm of the backend's graph (compiled_custom_backend.one_pass_layer_norm in input_norm"
         in (evidence["made_in"])
     )
     # the least change: the backend kept, the one region it gets wrong run eagerly (a leaf: no smaller region)

@@ -49,7 +49,7 @@ def test_the_first_node_making_an_inf_from_finite_values_is_named_with_its_modul
     line = inspect.getsourcelines(Scaled.forward)[1] + 2
     assert first is not None and (first.node, first.operator, first.module) == ("mul", "mul", "inner")
     assert first.source == f"test_graph_nodes.py:{line}" and not trace.opaque
-    assert "node mul (mul in inner, traced from test_graph_nodes.py" in first.sentence()
+    assert "node mul of the backend's graph (mul in inner, traced from test_graph_nodes.py" in first.sentence()
 
 
 def test_a_batch_already_non_finite_is_not_blamed_on_the_nodes_it_passes_through():
@@ -65,3 +65,26 @@ def test_a_backend_whose_program_is_not_a_graph_is_opaque():
     program, trace = traced(Model(), kernel_backend)
     assert not torch.isfinite(program(torch.ones(2, 4)))
     assert trace.first is None and trace.opaque == ["function"]
+
+
+class MaskedScores(nn.Module):
+    def forward(self, x):
+        scores = x @ x.transpose(-1, -2)
+        causal = torch.ones(4, 4, dtype=torch.bool).triu(1)
+        return scores.masked_fill(causal, float("-inf")).softmax(-1).sum()  # the inf a mask means to write
+
+
+def test_aot_autograds_forward_graph_is_traced_at_the_aten_level_and_an_inf_the_code_writes_is_not_blamed():
+    trace = GraphTrace()
+    torch._dynamo.reset()
+    assert not torch.isfinite(torch.compile(Model(), backend=trace.aot_backend)(torch.ones(2, 4)))
+    first = trace.first
+    assert first is not None and first.graph == "AOT autograd's forward graph" and first.module == "inner"
+    assert first.operator == "aten.mul.Tensor" and first.source.startswith("test_graph_nodes.py:")
+
+    trace = GraphTrace()
+    torch._dynamo.reset()
+    x = torch.randn(4, 4, requires_grad=True)
+    loss = torch.compile(MaskedScores(), backend=trace.aot_backend)(x)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all() and trace.first is None

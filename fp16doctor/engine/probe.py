@@ -53,7 +53,6 @@ from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import floats_to, to_device
 from ..userfile.checkpoint import TrainedStart
 from ..userfile.compiled import (
-    BackendWrapper,
     compiled_program,
     inductor_fallbacks,
     run_eagerly,
@@ -332,7 +331,7 @@ class Probe:
         batch_plan: MicroBatchPlan | None = None,
         compiled: bool = False,
         parallelize: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-        wrap_backend: BackendWrapper | None = None,
+        backend: Callable[..., Any] | None = None,
     ):
         """``align_on_taken_steps``: a skipped step retries the same batch with the same RNG, the scheduler
         held (``compare``'s alignment); ``hold_scheduler_on_retry=False`` lets the scheduler step on a skip as
@@ -343,8 +342,8 @@ class Probe:
         bookkeeping (state, instruments) stays on the eager module, whose parameters the program shares.
         ``parallelize``: wraps the built model before the optimizers are made (FSDP replaces the parameters with
         their shards, which the optimizers must hold): :attr:`model` is then the wrapped model.
-        ``wrap_backend``: with ``compiled``, the program is compiled anew with the training's own custom backend
-        wrapped (a graph trace's: :func:`~fp16doctor.userfile.compiled.compiled_program`)."""
+        ``backend``: with ``compiled``, the program is compiled anew with this backend function (a graph trace's:
+        :func:`~fp16doctor.userfile.compiled.compiled_program`)."""
         if config.sharding.emulated and bench.spec.train_step is not None:
             raise TrainingFileError(
                 "sharding.world > 1 emulates the ranks with the doctor's own step, and the file defines train_step().",
@@ -367,7 +366,7 @@ class Probe:
         self.reduction_reading = ReductionReading()
         """What the emulated ranks' gradient reductions did (``config.sharding``; empty where no rank is emulated)."""
         self.instruments: Instruments | None = None
-        self._wrap_backend = wrap_backend
+        self._backend = backend
         self._program: torch.nn.Module | None = None
         """``model()``'s own ``torch.compile`` wrapper of :attr:`model` (None: it returned an eager module)."""
         self.micro_batch_watchers: list[Callable[[], None]] = []
@@ -505,11 +504,11 @@ class Probe:
         if any(_fsdp1_flat(m) for m in self.model.modules()):
             self.spec.note(FSDP1_RUNS_EAGER)
         program = None if self.model is not self.built_model else self._program
-        return compiled_program(self.model, program, self.config.compile, self.spec.compiled, self._wrap_backend)
+        return compiled_program(self.model, program, self.config.compile, self.spec.compiled, self._backend)
 
     @property
     def _compiles_anew(self) -> bool:
-        return self.config.compile.compiles_anew or self._wrap_backend is not None
+        return self.config.compile.compiles_anew or self._backend is not None
 
     def _build_optimizers(self, model: torch.nn.Module) -> Any:
         """The file's ``optimizers(model)`` (one, or a tuple/list/dict), its ``optimizer(params)``, or the default

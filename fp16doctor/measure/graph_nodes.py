@@ -7,11 +7,14 @@ NaN while every value it read was finite is where the compiled program's fault i
 and module that node came from. A backend that returns anything else (a compiled kernel, inductor's program) is
 opaque: the trace says so and the localisation stops at the region run eagerly.
 
-Only the forward is traced: dynamo's graph is the forward, and autograd differentiates the traced nodes eagerly.
+The same runs AOT autograd's forward graph (the ``aot_eager`` backend), at the ATen level, where the fault is made
+there. Only forward graphs are traced: dynamo's graph is the forward, and autograd differentiates its traced nodes
+eagerly; a backward graph's first inf is, in fp16, most often a GradScaler's calibration overflowing on purpose.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,6 +40,8 @@ class NonfiniteNode:
     """The user's line it was traced from (``model.py:42``), from the node's stack trace; None where it has none."""
     module: str | None
     """The module whose forward it was traced in (``blocks.0.norm``); None: the model's own forward."""
+    graph: str = "the backend's graph"
+    """The graph it is a node of: the custom backend's, or AOT autograd's forward or backward."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -45,12 +50,13 @@ class NonfiniteNode:
             "operator": self.operator,
             "source": self.source,
             "module": self.module,
+            "graph": self.graph,
         }
 
     def sentence(self) -> str:
         where = f" in {self.module}" if self.module else ""
         line = f", traced from {self.source}" if self.source else ""
-        return f"its graph's node {self.node} ({self.operator}{where}{line}) at step {self.step}"
+        return f"node {self.node} of {self.graph} ({self.operator}{where}{line}) at step {self.step}"
 
 
 @dataclass
@@ -73,9 +79,25 @@ class GraphTrace:
             if graph is None:
                 self.opaque.append(type(compiled).__name__)
                 return compiled
-            return lambda *args: _FirstNonfinite(graph, self).run(*args)
+            return lambda *args: _FirstNonfinite(graph, self, "the backend's graph").run(*args)
 
         return traced_backend
+
+    def aot_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """The ``aot_eager`` backend with AOT autograd's forward graph run node by node (its backward as
+        ``aot_eager`` runs it: a GradScaler's first steps overflow gradients on purpose, which would be named)."""
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example_inputs, fw_compiler=self._aot_forward)
+
+    def _aot_forward(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """AOT autograd's forward graph, run node by node: boxed, as AOT autograd calls its compilers' programs."""
+
+        def run(args: list[Any]) -> Any:
+            return _FirstNonfinite(graph, self, "AOT autograd's forward graph").run(*args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
 
 
 def _graph_of(compiled: Any) -> torch.fx.GraphModule | None:
@@ -90,16 +112,39 @@ class _FirstNonfinite(torch.fx.Interpreter):
     """Runs the graph as its ``forward`` would, and records the first node to make a non-finite value from finite
     ones (a non-finite input is some earlier node's, or the batch's: not born here)."""
 
-    def __init__(self, graph: torch.fx.GraphModule, trace: GraphTrace) -> None:
+    def __init__(self, graph: torch.fx.GraphModule, trace: GraphTrace, name: str) -> None:
         super().__init__(graph)
         self.trace = trace
+        self.name = name
 
     def run_node(self, n: torch.fx.Node) -> Any:
         result = super().run_node(n)
         if self.trace.first is None and n.op in ("call_function", "call_method", "call_module"):
-            if not _all_finite(result) and all(_all_finite(self.env[read]) for read in n.all_input_nodes):
-                self.trace.first = NonfiniteNode(self.trace.step, n.name, _operator(n), _user_line(n), _module_of(n))
+            if _born_here(n, result, self.env):
+                self.trace.first = NonfiniteNode(
+                    self.trace.step, n.name, _operator(n), _user_line(n), _module_of(n), self.name
+                )
         return result
+
+
+def _born_here(n: torch.fx.Node, result: Any, env: dict[torch.fx.Node, Any]) -> bool:
+    """The node made an inf or NaN out of finite values: every value it read was finite, and no constant it was
+    given is infinite (``masked_fill(scores, mask, -inf)`` writes the inf an attention mask means to write)."""
+    if _all_finite(result) or not all(_all_finite(env[read]) for read in n.all_input_nodes):
+        return False
+    constants = torch.fx.node.map_aggregate((n.args, n.kwargs), lambda a: None if isinstance(a, torch.fx.Node) else a)
+    return not any(isinstance(c, float) and not math.isfinite(c) for c in _leaves(constants))
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    else:
+        yield value
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -122,6 +167,8 @@ def _operator(n: torch.fx.Node) -> str:
     target = n.target
     if isinstance(target, str):
         return target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)  # aten.mul.Tensor
     module = getattr(target, "__module__", None)
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
     return f"{module}.{name}" if module and not module.startswith(("torch", "builtins", "_operator")) else name

@@ -184,38 +184,33 @@ def training_compiles(settings: CompileConfig, recorded: CompileOptions | None) 
     return settings.enabled if settings.enabled is not None else recorded is not None
 
 
-BackendWrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
-"""Takes the training's own custom backend, returns the backend to compile with (a graph trace's)."""
-
-
 def compiled_program(
     model: torch.nn.Module,
     program: torch.nn.Module | None,
     settings: CompileConfig,
     recorded: CompileOptions | None,
-    wrap_backend: BackendWrapper | None = None,
+    backend: Callable[..., Any] | None = None,
 ) -> torch.nn.Module:
     """What a compiled probe calls: ``model()``'s own compiled module where the settings change nothing (the
     user's program, a custom backend included), else ``model`` compiled with them over what ``model()`` compiled
     with (a backend given by name; a custom one is replaced by inductor where the settings name none).
-    ``wrap_backend``: ``model`` compiled anew with the training's own custom backend wrapped (it must have one)."""
-    if wrap_backend is not None:
-        assert recorded is not None and recorded.compiler is not None, "only a custom backend is wrapped"
-        wrapped = torch.compile(model, backend=wrap_backend(recorded.compiler), dynamic=recorded.dynamic)
-        assert isinstance(wrapped, torch.nn.Module)
-        return wrapped
+    ``backend``: ``model`` compiled anew with this backend function (a graph trace's), whatever the settings say."""
+    if backend is not None:
+        traced = torch.compile(model, backend=backend, dynamic=recorded.dynamic if recorded is not None else None)
+        assert isinstance(traced, torch.nn.Module)
+        return traced
     if program is not None and settings.as_model_compiles:
         return program
     named = recorded is not None and recorded.backend in COMPILE_BACKENDS
-    backend = settings.backend or (recorded.backend if recorded is not None and named else "inductor")
+    named_backend = settings.backend or (recorded.backend if recorded is not None and named else "inductor")
     mode = settings.mode if settings.mode is not None else (recorded.mode if recorded is not None else None)
     options: dict[str, Any] | None = (
-        {"emulate_precision_casts": True} if settings.emulate_precision_casts and backend == "inductor" else None
+        {"emulate_precision_casts": True} if settings.emulate_precision_casts and named_backend == "inductor" else None
     )
     if options is not None:
         mode = None  # torch.compile takes a mode or options, not both: the emulation is what is tried
     dynamic = recorded.dynamic if recorded is not None else None
-    compiled = torch.compile(model, backend=backend, mode=mode, dynamic=dynamic, options=options)
+    compiled = torch.compile(model, backend=named_backend, mode=mode, dynamic=dynamic, options=options)
     assert isinstance(compiled, torch.nn.Module)  # torch.compile of a module is its OptimizedModule
     return compiled
 

@@ -80,7 +80,7 @@ def stage_compiled(ctx: StageContext) -> StageReport:
             comparison.backends += _fallback_trial(ctx, comparison.bisection)
         if not any(_keeps_the_compilation(b) for b in comparison.backends):
             comparison.backends += search_eager_region(ctx)
-        comparison.graph_trace = trace_custom_backend(ctx)
+        comparison.graph_trace = trace_graph(ctx, comparison.backends)
     ev.compiled = comparison
     details = {**probe_details(compiled), **comparison.to_json()}
     return StageReport(StageName.COMPILED, StageStatus.RAN, _sentence(comparison), details=details)
@@ -188,19 +188,25 @@ def bisect_compiler(ctx: StageContext, known: Sequence[BackendTrial] = ()) -> Co
     )
 
 
-def trace_custom_backend(ctx: StageContext) -> GraphTraceReport | None:
-    """The compiled AMP probe again, the training's custom backend's graphs run node by node, up to the first
-    non-finite loss: the node of its graph that first makes an inf or NaN out of finite values. None where the
-    training compiles with a backend given by name (inductor's program is looked into by the bisector)."""
+def trace_graph(ctx: StageContext, backends: Sequence[BackendTrial]) -> GraphTraceReport | None:
+    """The compiled AMP probe again, up to the first non-finite loss, with the graph the fault is made in run node
+    by node: AOT autograd's forward and backward where ``aot_eager`` fails and ``eager`` does not, else the
+    training's custom backend's own graph where ``aot_eager`` is healthy. The first node that makes an inf or NaN
+    out of finite values is named. None where neither holds (inductor's program is looked into by the bisector)."""
+    failing = {trial.backend: bool(trial.symptoms) for trial in backends}
     recorded = ctx.bench.spec.compiled
-    if recorded is None or recorded.compiler is None:
-        return None
     trace = GraphTrace()
+    if failing.get("eager") is False and failing.get("aot_eager"):
+        backend = trace.aot_backend
+    elif failing.get("aot_eager") is False and recorded is not None and recorded.compiler is not None:
+        backend = trace.backend(recorded.compiler)
+    else:
+        return None
 
     def follow(probe: Probe) -> None:
         trace.step = probe.iteration
 
-    probe = ctx.bench.probe("amp", ctx.config, instruments=None, compiled=True, wrap_backend=trace.backend)
+    probe = ctx.bench.probe("amp", ctx.config, instruments=None, compiled=True, backend=backend)
     try:
         with ctx.progress.planned(ctx.evidence.steps):
             probe.run(ctx.evidence.steps, stop_on_nonfinite_loss=True, before_step=follow)
