@@ -38,6 +38,20 @@ def test_an_overflow_only_eager_makes_is_no_fault_of_the_compiled_training():
     assert all(s["measured"]["eager_only"] for s in report["symptoms"])
 
 
+def test_a_product_the_gpu_stores_in_fp16_overflows_the_compiled_training_too():
+    """The CUDA policy's emulated product rounds its output to fp16 as a GPU's kernel stores it. Inductor keeps the
+    product an external kernel but would fuse a plain rounding into the softmax after it, in fp32 registers, and
+    drop it: the compiled probe would call the training healthy where the GPU's compiled run makes inf."""
+    proc = diagnose_ci(FILES / "compiled_unscaled_attention.py")
+    report = proc.report()
+    assert proc.returncode == 1 and report["verdict"] == "unhealthy", proc.stderr[-3000:]
+    compiled = stage(report, "compiled")
+    assert compiled["details"]["outcome"] == "agree" and "nonfinite" in compiled["details"]["compiled_symptoms"]
+    top = report["findings"][0]
+    assert top["cause"] == "activation-overflow" and top["severity"] == "error" and "attn" in top["title"]
+    assert not top["title"].startswith("eager only")
+
+
 def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_repaired():
     """A custom backend's one-pass half-precision LayerNorm (injected on purpose: the pinned torch's own lowerings
     do not misbehave here) makes NaN where eager, aot_eager and inductor are healthy."""

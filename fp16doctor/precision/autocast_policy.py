@@ -133,7 +133,7 @@ class RoundedInputs:
     def round(self, t: torch.Tensor) -> torch.Tensor:
         if not _eligible(t):
             return t
-        source = t.to(self.low)
+        source = stored_as(t, self.low)
         copy = source.float()
         self.sources.append((copy, source))
         return copy
@@ -245,9 +245,43 @@ def _make_kernel(op: Any, policy: str) -> Callable[..., Any]:
             finally:
                 rounded.release()  # the graph keeps the hooks (and so this object) as long as it stands
                 _EMULATING.dtype = outer
-            return _map(out, lambda t: t.to(low) if _eligible(t) else t)
+            return _map(out, lambda t: stored_as(t, low) if _eligible(t) else t)
 
     return kernel
+
+
+def stored_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` cast to ``dtype`` as a GPU kernel stores it: a GEMM writes its half-precision output to memory, and
+    autocast's cast of an fp32 input to half is a kernel of its own. Where a compiler traces the product, the cast
+    is an operator it cannot fuse (:func:`_stored_as_op`): inductor computes element-wise chains in fp32 registers
+    and drops a cast to half and back, so an emulated product's overflow past 65504 would vanish from the compiled
+    program, where the GPU's cuBLAS output holds it."""
+    if t.dtype == dtype or not torch.compiler.is_compiling():
+        return t.to(dtype)
+    return _stored_as_op()(t, dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _stored_as_op() -> Any:
+    """``fp16doctor::stored_as``: a cast as an opaque custom operator (defined once, on first use), whose
+    backward casts the gradient back as autograd's own cast does."""
+
+    @torch.library.custom_op("fp16doctor::stored_as", mutates_args=())
+    def stored_as_op(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return t.to(dtype, copy=True)
+
+    @stored_as_op.register_fake
+    def _(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_like(t, dtype=dtype)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.input_dtype = inputs[0].dtype
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.input_dtype), None
+
+    stored_as_op.register_autograd(backward, setup_context=setup_context)
+    return stored_as_op
 
 
 def _resolve(registration: str) -> Any | None:
