@@ -54,6 +54,7 @@ from ..userfile.batches import floats_to, to_device
 from ..userfile.checkpoint import TrainedStart
 from ..userfile.compiled import (
     compiled_program,
+    graph_caches_off,
     inductor_fallbacks,
     run_eagerly,
     training_compiles,
@@ -650,12 +651,17 @@ class Probe:
     @contextlib.contextmanager
     def _runtime_fixes_active(self) -> Iterator[None]:
         """The torch-function modes of ``config.overrides`` (:meth:`_runtime_fixes`), entered together; a compiled
-        probe's operators left to ATen (``compile.fallback_ops``) while it compiles and runs."""
+        probe's operators left to ATen (``compile.fallback_ops``) while it compiles and runs. A compiled probe under
+        CUDA's policy on the CPU compiles with the graph caches off: their keys hold dynamo's graph, not the autocast
+        kernels AOT autograd traces through, so a graph compiled under CPU autocast's own lists (the user's run, a
+        test) would come back without the policy's casts."""
         with contextlib.ExitStack() as stack:
             for mode in self._step_modes:
                 stack.enter_context(mode)
             if self.runs_compiled:
                 stack.enter_context(inductor_fallbacks(self.config.compile.fallback_ops))
+                if self._session.cuda_kernels:
+                    stack.enter_context(graph_caches_off())
             yield
 
     def step(self, batch: Any = None, batch_index: int | None = None) -> StepRecord:
