@@ -22,7 +22,13 @@ from .config import parse_memory_size
 from .errors import EXIT_FINDINGS, EXIT_OK, DoctorError
 from .files import atomic_write_text
 from .output.progress import DiagnosisProgress, TrainingProgress
-from .output.streams import print_json, print_json_error, stdout_for_json_only, whole_line_to_stderr
+from .output.streams import (
+    ReportConsole,
+    print_json,
+    print_json_error,
+    stdout_for_json_only,
+    whole_line_to_stderr,
+)
 
 if TYPE_CHECKING:  # the commands import what they run on first use: --help and --version stay light
     import pandas as pd
@@ -63,7 +69,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
+out = ReportConsole()
 err = Console(stderr=True)
 
 EXIT_INTERNAL = 3

@@ -1,6 +1,8 @@
 """``fp16doctor diagnose`` as a user (and a CI job) runs it."""
 
 import json
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -24,6 +26,24 @@ def test_json_is_one_object_in_the_documented_shape():
     names = [s["name"] for s in payload["stages"]]
     assert names[:3] == ["data scan", "fp32 baseline", "amp as configured"]
     assert all(s["status"] in ("ran", "skipped") and s["summary"] for s in payload["stages"])
+
+
+@pytest.mark.parametrize(
+    ("sample", "output", "code"), [("mlp.py", "--ci", 0), ("loss_in_half.py", "--json", 1)], ids=["text", "json"]
+)
+def test_a_reader_that_stops_reading_leaves_the_exit_code_the_diagnosis_gives(sample, output, code):
+    """``fp16doctor diagnose FILE | head``: the reader is gone before the report is printed, and the shell (with
+    ``set -o pipefail``, a CI job) still sees the verdict's exit code, with no error on stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fp16doctor", "diagnose", str(SAMPLES / sample), output, "--ci"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # as head does once it has its lines
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=300) == code, stderr[-2000:]
+    assert "error" not in stderr.lower() and "Traceback" not in stderr
 
 
 def test_healthy_sample_exits_zero_and_says_so():

@@ -14,14 +14,41 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from rich.console import Console
+
 _json_stream: TextIO | None = None
 """Where ``--json`` output goes while :func:`stdout_for_json_only` holds the real stdout."""
 
 
 def print_json(payload: dict[str, Any]) -> None:
     stream = _json_stream or sys.stdout
-    stream.write(json.dumps(payload, indent=2, allow_nan=False) + "\n")
-    stream.flush()
+    try:
+        stream.write(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+        stream.flush()
+    except BrokenPipeError:
+        reader_gone(stream)
+
+
+def reader_gone(stream: TextIO) -> None:
+    """The reader of ``stream`` stopped reading (``fp16doctor diagnose ... | head``): what is left to write goes
+    to the null device, and the command ends with its own exit code (the diagnosis's verdict), not a broken
+    pipe's. Python's buffered rest is flushed there too, at exit, without a second error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stream.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass  # no descriptor of its own: nothing more is written to it after this
+    finally:
+        os.close(devnull)
+
+
+class ReportConsole(Console):
+    """The console of the command's report on stdout: a reader that stops reading ends the printing only (rich's
+    own console exits 1 there, whatever the diagnosis found)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        reader_gone(sys.stdout)
 
 
 def whole_line_to_stderr(text: str) -> None:
