@@ -411,6 +411,21 @@ def apply_patch(config: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str
     return out
 
 
+def whole_lists(config: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """``patch`` with each of its lists made whole: the config's own items first, then the patch's. Applied by
+    either rule, adding (:func:`apply_patch`) or replacing (:func:`merge`, or any tool's), it sets the same config."""
+    out: dict[str, Any] = {}
+    for key, value in patch.items():
+        own = config.get(key)
+        if isinstance(value, Mapping) and isinstance(own, Mapping):
+            out[key] = whole_lists(own, value)
+        elif isinstance(value, list) and isinstance(own, list):
+            out[key] = list(dict.fromkeys(own + value))
+        else:
+            out[key] = value
+    return out
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config with ``yaml.safe_load`` (never executes tags)."""
     path = Path(path)

@@ -99,6 +99,20 @@ def test_a_repair_no_rule_names_is_reported_with_what_repaired_it():
     assert "RuntimeError" in top["title"] and "repairs the training" in top["title"]
 
 
+def test_a_config_that_keeps_a_module_in_fp32_keeps_it_in_every_fix_tried_and_in_the_corrected_patch(tmp_path):
+    """The user keeps ``project`` in fp32; the repair adds ``mix``. The corrected config's patch carries both, so a
+    tool that merges it into the user's config by "a list replaces a list" keeps ``project``."""
+    config = tmp_path / "user.yaml"
+    config.write_text("overrides:\n  fp32_modules: [project]\n")
+    proc = diagnose_ci(FILES / "spectral_mixing_fft.py", "--config", str(config))
+    report = proc.report()
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    top = report["findings"][0]
+    assert top["fix"]["config_patch"] == {"overrides": {"fp32_modules": ["mix"]}} and top["verification"]["repaired"]
+    assert report["corrected"]["config_patch"] == {"overrides": {"fp32_modules": ["project", "mix"]}}
+    assert yaml.safe_load(proc.fix_config)["overrides"]["fp32_modules"] == ["project", "mix"]
+
+
 def test_the_corrected_config_of_an_intervention_repair_is_healthy_when_diagnosed_again(tmp_path):
     first = diagnose_ci(FILES / "custom_rmsnorm_backward.py")
     assert first.returncode == 1 and first.fix_config is not None, first.stderr[-2000:]

@@ -253,7 +253,7 @@ class CorrectedConfig:
     it alone repaired everything): what ``--fix-config`` writes and ``train`` runs."""
 
     config_patch: dict[str, Any]
-    """The verified fixes' config patches merged."""
+    """The verified fixes' config patches merged, each list whole (the config's own items, then the fixes')."""
     from_findings: list[str]
     """The causes whose patches it merges, in rank order."""
     symptoms_before: list[str]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..config import DoctorConfig, apply_patch, build_config, merge
+from ..config import DoctorConfig, apply_patch, build_config, merge, whole_lists
 from ..engine.kept import StateBlockMapping, StateKeeper, earlier_objects_frozen, release_memory
 from ..engine.probe import Workbench
 from ..engine.progress import ProbeStepHook, StepProgress
@@ -407,7 +407,8 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
             return None
         after, summary, records = [s.code for s in outcome.symptoms], outcome.summary(), outcome.amp
     return CorrectedConfig(
-        config_patch=patch,
+        # the lists whole, as --fix-config writes them: merged by "a list replaces a list", it keeps the user's own
+        config_patch=whole_lists(verifier.ctx.config.to_dict(), patch),
         from_findings=[f.cause for f in usable],
         symptoms_before=[s.code for s in ev.symptoms],
         symptoms_after=after,
