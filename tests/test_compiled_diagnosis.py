@@ -7,6 +7,9 @@ And the pieces that decide which probe compiles, in this process."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,6 +53,35 @@ def test_a_product_the_gpu_stores_in_fp16_overflows_the_compiled_training_too():
     top = report["findings"][0]
     assert top["cause"] == "activation-overflow" and top["severity"] == "error" and "attn" in top["title"]
     assert not top["title"].startswith("eager only")
+
+
+EARLIER_DOCTOR = """
+import sys
+from fp16doctor.precision import autocast_policy
+autocast_policy.stored_as = lambda t, dtype: t.to(dtype)  # an emulation whose casts inductor fuses away
+from fp16doctor.cli import run
+sys.argv = ["fp16doctor", "diagnose", sys.argv[1], "--ci", "--steps", "2"]  # enough to compile the graph
+run()
+"""
+
+
+def test_a_graph_an_earlier_emulation_compiled_into_the_caches_is_not_taken_by_a_compiled_probe(tmp_path):
+    """The compile caches' keys hold dynamo's graph and the autocast state, not the autocast kernels AOT autograd
+    traces through: a graph compiled by another emulation (an earlier fp16doctor, whose product casts inductor
+    fused away) would come back and call this training healthy as compiled."""
+    caches = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    training = FILES / "compiled_unscaled_attention.py"
+    earlier = subprocess.run(
+        [sys.executable, "-c", EARLIER_DOCTOR, str(training)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **caches},
+        timeout=300,
+    )
+    assert earlier.returncode == 0 and "healthy" in earlier.stdout, earlier.stderr[-2000:]  # filled the caches
+    proc = diagnose_ci(training, env=caches)
+    assert proc.returncode == 1 and proc.report()["verdict"] == "unhealthy", proc.stderr[-3000:]
+    assert stage(proc.report(), "compiled")["details"]["outcome"] == "agree"
 
 
 def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_repaired():
