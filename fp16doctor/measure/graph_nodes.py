@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_leaves
 
 TORCH_HOME = os.path.dirname(torch.__file__)
 
@@ -132,35 +133,14 @@ def _born_here(n: torch.fx.Node, result: Any, env: dict[torch.fx.Node, Any]) -> 
     given is infinite (``masked_fill(scores, mask, -inf)`` writes the inf an attention mask means to write)."""
     if _all_finite(result) or not all(_all_finite(env[read]) for read in n.all_input_nodes):
         return False
-    constants = torch.fx.node.map_aggregate((n.args, n.kwargs), lambda a: None if isinstance(a, torch.fx.Node) else a)
-    return not any(isinstance(c, float) and not math.isfinite(c) for c in _leaves(constants))
-
-
-def _leaves(value: Any) -> Iterator[Any]:
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _leaves(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _leaves(item)
-    else:
-        yield value
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
+    constants = tree_leaves((n.args, n.kwargs))  # a node read is a leaf too: only floats are looked at
+    return not any(isinstance(c, float) and not math.isfinite(c) for c in constants)
 
 
 def _all_finite(value: Any) -> bool:
     with torch.no_grad():
-        return all(bool(t.isfinite().all()) for t in _tensors(value) if t.is_floating_point())
+        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return all(bool(t.isfinite().all()) for t in tensors)
 
 
 def _operator(n: torch.fx.Node) -> str:
