@@ -109,6 +109,7 @@ def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_rep
             "graph": "the backend's graph",
         },
         "opaque": [],
+        "failed": None,
     }
     assert (
         "made by node layer_norm of the backend's graph (compiled_custom_backend.one_pass_layer_norm in input_norm"

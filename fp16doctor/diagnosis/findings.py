@@ -660,10 +660,16 @@ class GraphTraceReport:
     """The first node that made an inf or NaN out of finite values; None: none did (or nothing could be traced)."""
     opaque: list[str] = field(default_factory=list)
     """What the backend returned that is not an FX graph, by type: those programs could not be looked into."""
+    failed: str | None = None
+    """The trace's own failure (its exception, in a line); None: it ran."""
 
     def to_json(self) -> dict[str, Any]:
         first = self.first_nonfinite
-        return {"first_nonfinite": first.to_json() if first is not None else None, "opaque": self.opaque}
+        return {
+            "first_nonfinite": first.to_json() if first is not None else None,
+            "opaque": self.opaque,
+            "failed": self.failed,
+        }
 
 
 HALF_DTYPES = ("float16", "bfloat16")

@@ -235,6 +235,8 @@ def _traced(trace: GraphTraceReport | None) -> str:
         return f"; the first inf or NaN is made by {trace.first_nonfinite.sentence()}"
     if trace.opaque:
         return f"; its program ({', '.join(trace.opaque)}) is not an FX graph, so no node of it is named"
+    if trace.failed:
+        return f"; its graph could not be run node by node ({trace.failed})"
     return ""
 
 

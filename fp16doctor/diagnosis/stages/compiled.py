@@ -206,12 +206,15 @@ def trace_graph(ctx: StageContext, backends: Sequence[BackendTrial]) -> GraphTra
     def follow(probe: Probe) -> None:
         trace.step = probe.iteration
 
-    probe = ctx.bench.probe("amp", ctx.config, instruments=None, compiled=True, backend=backend)
     try:
-        with ctx.progress.planned(ctx.evidence.steps):
-            probe.run(ctx.evidence.steps, stop_on_nonfinite_loss=True, before_step=follow)
-    finally:
-        probe.close()
+        probe = ctx.bench.probe("amp", ctx.config, instruments=None, compiled=True, backend=backend)
+        try:
+            with ctx.progress.planned(ctx.evidence.steps):
+                probe.run(ctx.evidence.steps, stop_on_nonfinite_loss=True, before_step=follow)
+        finally:
+            probe.close()
+    except Exception as exc:  # noqa: BLE001 - the trace's own failure: said, the localisation by backend stands
+        return GraphTraceReport(None, sorted(set(trace.opaque)), f"{type(exc).__name__}: {first_line(exc)}")
     return GraphTraceReport(trace.first, sorted(set(trace.opaque)))
 
 
