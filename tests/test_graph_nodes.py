@@ -88,3 +88,63 @@ def test_aot_autograds_forward_graph_is_traced_at_the_aten_level_and_an_inf_the_
     loss = torch.compile(MaskedScores(), backend=trace.aot_backend)(x)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all() and trace.first is None
+
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x).half()
+        h.mul_(1e9)  # the inf is written into h, which the next line reads
+        return h.float().sum()
+
+
+class AbsorbedMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scores = self.proj(x).half()
+        scores = scores + torch.finfo(torch.float16).min * (x > 0).half()  # -inf where masked: softmax makes it 0
+        weights = scores.float().softmax(-1)
+        return (weights.half() * 1e9).float().sum()  # the overflow that reaches the output
+
+
+def test_an_overflow_written_in_place_is_named_at_the_node_that_wrote_it():
+    program, trace = traced(InPlace())
+    assert not torch.isfinite(program(torch.ones(2, 4)))
+    assert trace.first is not None and (trace.first.node, trace.first.operator) == ("mul_", "mul_")
+
+
+def test_an_inf_that_does_not_reach_the_output_is_not_the_cause():
+    program, trace = traced(AbsorbedMask())
+    assert not torch.isfinite(program(torch.tensor([[1.0, -1.0, 1.0, -1.0]])))
+    line = inspect.getsourcelines(AbsorbedMask.forward)[1] + 4
+    assert trace.first is not None and trace.first.source == f"test_graph_nodes.py:{line}", trace.first
+
+
+def test_an_emulated_products_overflow_is_named_by_its_product_stored_in_fp16():
+    """Under CUDA's policy on the CPU, a product's fp16 output is an operator of the doctor's own (it stores the
+    product as a GPU does): the trace names the product, not that cast."""
+    from fp16doctor.precision.autocast_policy import cuda_policy_on_cpu
+
+    trace = GraphTrace()
+    torch._dynamo.reset()
+    layer = nn.Linear(4, 4)
+    nn.init.constant_(layer.weight, 100.0)
+    with cuda_policy_on_cpu(), torch.autocast("cpu", dtype=torch.float16):
+        out = torch.compile(layer, backend=trace.aot_backend)(torch.full((2, 4), 1000.0))  # 4e5: past 65504
+    assert not torch.isfinite(out).all()
+    first = trace.first
+    assert first is not None and first.operator.startswith("aten.") and "stored_as" not in first.operator
+    assert first.operator.endswith(", its output stored in torch.float16"), first
+
+
+def test_a_tensor_without_isfinite_counts_as_finite_rather_than_failing_the_trace():
+    from fp16doctor.measure.graph_nodes import _all_finite
+
+    assert _all_finite([torch.zeros(2, dtype=torch.float8_e4m3fn), torch.ones(2)])
+    assert not _all_finite({"x": torch.tensor([1.0, float("nan")])})

@@ -110,37 +110,98 @@ def _graph_of(compiled: Any) -> torch.fx.GraphModule | None:
 
 
 class _FirstNonfinite(torch.fx.Interpreter):
-    """Runs the graph as its ``forward`` would, and records the first node to make a non-finite value from finite
-    ones (a non-finite input is some earlier node's, or the batch's: not born here)."""
+    """Runs the graph as its ``forward`` would, and names the node its non-finite output comes from: where the
+    graph returns an inf or NaN, the first node that made one out of finite values (a non-finite input is some
+    earlier node's, or the batch's: not born here) and from which a chain of non-finite values reaches the output.
+    An inf that does not reach it (an additive attention mask at ``finfo.min``, which softmax turns into 0) is no
+    cause. A value an in-place node wrote (``h.mul_(1e9)``) is read, by the nodes after it, as that node's."""
 
     def __init__(self, graph: torch.fx.GraphModule, trace: GraphTrace, name: str) -> None:
         super().__init__(graph)
         self.trace = trace
         self.name = name
+        self.finite: dict[torch.fx.Node, bool] = {}
+        """Each node's value was finite when it was made (an in-place op may change it later)."""
+        self.born: list[torch.fx.Node] = []
+        """The nodes that made an inf or NaN out of finite values, in the order they ran."""
+        self.written: dict[torch.fx.Node, torch.fx.Node] = {}
+        """A node's value, and the in-place node that last wrote into it."""
 
     def run_node(self, n: torch.fx.Node) -> Any:
         result = super().run_node(n)
-        if self.trace.first is None and n.op in ("call_function", "call_method", "call_module"):
-            if _born_here(n, result, self.env):
-                self.trace.first = NonfiniteNode(
-                    self.trace.step, n.name, _operator(n), _user_line(n), _module_of(n), self.name
-                )
+        if self.trace.first is not None:
+            return result
+        self.finite[n] = _all_finite(result)
+        if n.op == "output" and not self.finite[n]:
+            self.trace.first = self._cause(n)
+        elif n.op in ("call_function", "call_method", "call_module"):
+            if self._born_here(n):
+                self.born.append(n)
+            for read in n.all_input_nodes:
+                if self.env.get(read) is result:  # written in place: later readers read this node's value
+                    self.written[read] = n
         return result
 
+    def _source(self, read: torch.fx.Node) -> torch.fx.Node:
+        """The node whose value reading ``read`` now reads: the last in-place node that wrote into it, or itself."""
+        return self.written.get(read, read)
 
-def _born_here(n: torch.fx.Node, result: Any, env: dict[torch.fx.Node, Any]) -> bool:
-    """The node made an inf or NaN out of finite values: every value it read was finite, and no constant it was
-    given is infinite (``masked_fill(scores, mask, -inf)`` writes the inf an attention mask means to write)."""
-    if _all_finite(result) or not all(_all_finite(env[read]) for read in n.all_input_nodes):
-        return False
-    constants = tree_leaves((n.args, n.kwargs))  # a node read is a leaf too: only floats are looked at
-    return not any(isinstance(c, float) and not math.isfinite(c) for c in constants)
+    def _born_here(self, n: torch.fx.Node) -> bool:
+        """Every value ``n`` read was finite, and no constant it was given is infinite (``masked_fill(scores, mask,
+        -inf)`` writes the inf an attention mask means to write)."""
+        if self.finite[n] or not all(self.finite.get(self._source(read), True) for read in n.all_input_nodes):
+            return False
+        constants = tree_leaves((n.args, n.kwargs))  # a node read is a leaf too: only floats are looked at
+        return not any(isinstance(c, float) and not math.isfinite(c) for c in constants)
+
+    def _cause(self, output: torch.fx.Node) -> NonfiniteNode | None:
+        reaching, pending = set(), [output]
+        while pending:
+            node = pending.pop()
+            for read in map(self._source, node.all_input_nodes):
+                if not self.finite.get(read, True) and read not in reaching:
+                    reaching.add(read)
+                    pending.append(read)
+        cause = next((n for n in self.born if n in reaching), self.born[0] if self.born else None)
+        return None if cause is None else self._named(cause)
+
+    def _named(self, n: torch.fx.Node) -> NonfiniteNode:
+        """The node as the user knows it: an emulated product's stored fp16 output is named by its product, and
+        the cast of a value that is no node's product (an input, a parameter) as autocast's cast."""
+        shown, operator = n, _operator(n)
+        if _is_stored_as(n) and n.all_input_nodes:
+            made_by = n.all_input_nodes[0]
+            if made_by.op in ("call_function", "call_method", "call_module"):
+                shown, operator = made_by, f"{_operator(made_by)}, its output stored in {n.args[1]}"
+            else:
+                operator = f"autocast's cast of {made_by.name} to {n.args[1]}"
+        return NonfiniteNode(
+            self.trace.step,
+            shown.name,
+            operator,
+            _user_line(shown) or _user_line(n),
+            _module_of(shown) or _module_of(n),
+            self.name,
+        )
+
+
+def _is_stored_as(n: torch.fx.Node) -> bool:
+    """``fp16doctor::stored_as``: the cast with which the CUDA policy's emulated product stores its output."""
+    return getattr(n.target, "namespace", None) == "fp16doctor"
 
 
 def _all_finite(value: Any) -> bool:
+    """Every floating tensor in ``value`` is finite; one whose values cannot be read so (an fp8 or a sparse
+    tensor, without ``isfinite``) counts as finite: the trace names nothing rather than fail."""
     with torch.no_grad():
-        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        return all(bool(t.isfinite().all()) for t in tensors)
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                try:
+                    if not bool(t.isfinite().all()):
+                        return False
+                except (NotImplementedError, RuntimeError):
+                    continue
+        return True
 
 
 def _operator(n: torch.fx.Node) -> str:

@@ -190,7 +190,7 @@ def bisect_compiler(ctx: StageContext, known: Sequence[BackendTrial] = ()) -> Co
 
 def trace_graph(ctx: StageContext, backends: Sequence[BackendTrial]) -> GraphTraceReport | None:
     """The compiled AMP probe again, up to the first non-finite loss, with the graph the fault is made in run node
-    by node: AOT autograd's forward and backward where ``aot_eager`` fails and ``eager`` does not, else the
+    by node: AOT autograd's forward graph where ``aot_eager`` fails and ``eager`` does not, else the
     training's custom backend's own graph where ``aot_eager`` is healthy. The first node that makes an inf or NaN
     out of finite values is named. None where neither holds (inductor's program is looked into by the bisector)."""
     failing = {trial.backend: bool(trial.symptoms) for trial in backends}
@@ -206,6 +206,7 @@ def trace_graph(ctx: StageContext, backends: Sequence[BackendTrial]) -> GraphTra
     def follow(probe: Probe) -> None:
         trace.step = probe.iteration
 
+    failed = None
     try:
         probe = ctx.bench.probe("amp", ctx.config, instruments=None, compiled=True, backend=backend)
         try:
@@ -213,9 +214,16 @@ def trace_graph(ctx: StageContext, backends: Sequence[BackendTrial]) -> GraphTra
                 probe.run(ctx.evidence.steps, stop_on_nonfinite_loss=True, before_step=follow)
         finally:
             probe.close()
+        if probe.failed is not None:  # raised inside a step: the trace's graph, or the training as it traces
+            failed = f"{probe.failed.exception_type}: {_first_line_of(probe.failed.exception)}"
     except Exception as exc:  # noqa: BLE001 - the trace's own failure: said, the localisation by backend stands
-        return GraphTraceReport(None, sorted(set(trace.opaque)), f"{type(exc).__name__}: {first_line(exc)}")
-    return GraphTraceReport(trace.first, sorted(set(trace.opaque)))
+        failed = f"{type(exc).__name__}: {first_line(exc)}"
+    return GraphTraceReport(trace.first, sorted(set(trace.opaque)), failed)
+
+
+def _first_line_of(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _operator_of(node: str | None) -> str | None:
