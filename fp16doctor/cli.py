@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import typer.core
-from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
@@ -23,7 +22,7 @@ from .errors import EXIT_FINDINGS, EXIT_OK, DoctorError
 from .files import atomic_write_text
 from .output.progress import DiagnosisProgress, TrainingProgress
 from .output.streams import (
-    ReportConsole,
+    PipedConsole,
     print_json,
     print_json_error,
     stdout_for_json_only,
@@ -69,8 +68,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = ReportConsole()
-err = Console(stderr=True)
+out = PipedConsole()
+err = PipedConsole(stderr=True)
 
 EXIT_INTERNAL = 3
 """A bug of fp16doctor's (never the user's input)."""

@@ -97,3 +97,18 @@ def test_train_refuses_emulated_ranks_and_points_at_nproc(tmp_path):
 def test_compare_html_with_nproc_is_refused_before_anything_runs(tmp_path):
     result = invoke("compare", SAMPLES / "mlp.py", "--nproc", "2", "--html", tmp_path / "c.html")
     assert result.exit_code == 2 and "--json" in result.output and not (tmp_path / "c.html").exists()
+
+
+def test_a_console_whose_reader_is_gone_stops_printing_without_ending_the_command():
+    """Rich's own console raises SystemExit(1) on a broken pipe (and silences stdout, even for stderr's console)."""
+    import os
+
+    from fp16doctor.output.streams import PipedConsole
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    with os.fdopen(write, "w") as stream:
+        console = PipedConsole(file=stream)
+        console.print("the report")  # no SystemExit, no BrokenPipeError
+        console.print("the rest")
+        assert console.quiet

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from rich.console import Console
 
@@ -29,7 +29,7 @@ def print_json(payload: dict[str, Any]) -> None:
         reader_gone(stream)
 
 
-def reader_gone(stream: TextIO) -> None:
+def reader_gone(stream: IO[str]) -> None:
     """The reader of ``stream`` stopped reading (``fp16doctor diagnose ... | head``): what is left to write goes
     to the null device, and the command ends with its own exit code (the diagnosis's verdict), not a broken
     pipe's. Python's buffered rest is flushed there too, at exit, without a second error."""
@@ -42,13 +42,13 @@ def reader_gone(stream: TextIO) -> None:
         os.close(devnull)
 
 
-class ReportConsole(Console):
-    """The console of the command's report on stdout: a reader that stops reading ends the printing only (rich's
-    own console exits 1 there, whatever the diagnosis found)."""
+class PipedConsole(Console):
+    """A console of the command's stdout or stderr: a reader that stops reading ends its printing only (rich's own
+    console exits 1 there, whatever the diagnosis found, and sends stdout to the null device even for stderr)."""
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
-        reader_gone(sys.stdout)
+        reader_gone(self.file)
 
 
 def whole_line_to_stderr(text: str) -> None:
