@@ -244,3 +244,18 @@ def test_evidence_keys_that_hold_nothing_are_not_printed_as_empty_rows(output):
     }[output]
     assert "keep_in_fp32" in text and "symptoms_removed" in text  # an empty list says something: nothing removed
     assert "rule_remark" not in text and "overflowing_value" not in text
+
+
+def test_patches_that_keep_different_modules_in_fp32_add_up_and_contradict_nothing():
+    """Lists in fixes add (the corrected config keeps every module each fix keeps): two findings keeping two modules
+    in fp32 are shown with their own patches, and only their scalar settings can contradict each other."""
+    from fp16doctor.output.patches import contradicted_settings
+
+    diagnosis = contradicting_diagnosis()
+    for finding, module in zip(diagnosis.findings, ("head", "norm")):
+        finding.fix.config_patch["overrides"] = {
+            **finding.fix.config_patch.get("overrides", {}),
+            "fp32_modules": [module],
+        }
+    diagnosis.corrected.config_patch["overrides"]["fp32_modules"] = ["head", "norm"]
+    assert contradicted_settings(diagnosis) == {1: ["scaler.growth_interval"], 2: ["scaler.growth_interval"]}

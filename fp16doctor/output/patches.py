@@ -41,6 +41,8 @@ def contradicted_settings(diagnosis: Diagnosis) -> dict[int, list[str]]:
     values: dict[str, set[str]] = {}
     for _, flat in patched:
         for name, value in flat.items():
+            if isinstance(value, list):  # lists add up (modules kept in fp32, ...): no patch contradicts another's
+                continue
             values.setdefault(name, set()).add(repr(value))
     contested = {name for name, seen in values.items() if len(seen) > 1 and name in corrected}
     found = {rank: sorted(name for name in flat if name in contested) for rank, flat in patched}
