@@ -111,8 +111,10 @@ def test_an_overflow_the_scaler_absorbs_as_calibration_is_a_warning_with_its_mea
 def test_ddp_by_default_is_healthy_and_its_fp32_reduction_matches_the_reference():
     proc = diagnose_ci(SAMPLES / "mlp.py", "--nproc", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    details = _stage(proc.report(), "parallel")["details"]
+    stage = _stage(proc.report(), "parallel")
+    details = stage["details"]
     assert details["topology"] == "DistributedDataParallel" and details["parallelized_by"] == "DistributedDataParallel"
+    assert "DistributedDataParallel (the doctor's default)" in stage["summary"]  # no parallelize() to name
     assert details["hooks"] == [] and details["ranks_agree"] is True and details["symptoms"] == []
     worst = details["worst_reduction"]
     assert details["reduction_measured"] and math.isfinite(worst["relative_error"])

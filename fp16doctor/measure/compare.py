@@ -150,6 +150,14 @@ class Comparison:
         return out
 
 
+def wrapping_words(topology: str, parallelized_by: str) -> str:
+    """How the ranks' model was wrapped, in words: ``DistributedDataParallel (the doctor's default)`` where the
+    training file has no ``parallelize()``, else ``FSDPModule by parallelize()``."""
+    if parallelized_by == topology:
+        return f"{topology} (the doctor's default)"
+    return f"{topology} by {parallelized_by}"
+
+
 @dataclass
 class RanksComparison:
     """``compare --nproc N``: every mode run under torchrun as the training's ranks run it (its ``parallelize()``,

@@ -185,11 +185,15 @@ class Localisation:
         return any(self.module == m or (self.module or "").startswith(m + ".") for m in modules)
 
     def describe(self) -> str:
+        if self.phase == "data":  # no operator made it: the batch arrived so
+            return f"{self.operator or 'the batch'} at step {self.step}, batch {self.batch_index}: {self.output}" + (
+                f"; {self.note}" if self.note else ""
+            )
         where = self.place
         ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
-        return (
-            f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: inputs {ranges} -> {self.output}"
-            + (f"; {self.note}" if self.note else "")
+        read = f"inputs {ranges}" if ranges else "no floating input"  # a factory, or inputs already non-finite
+        return f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: {read} -> {self.output}" + (
+            f"; {self.note}" if self.note else ""
         )
 
 

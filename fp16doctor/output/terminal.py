@@ -14,7 +14,7 @@ from rich.table import Table
 from ..diagnosis.findings import Diagnosis, Finding, StageStatus, Verification
 from ..diagnosis.verify import verification_status
 from ..files import jsonable
-from ..measure.compare import VERDICTS, Comparison, RanksComparison
+from ..measure.compare import VERDICTS, Comparison, RanksComparison, wrapping_words
 from .formatting import exact_numbers, fitted_code, healthy_headline, human, shown_evidence
 from .patches import contradicted_settings, reference_to_corrected
 
@@ -77,12 +77,7 @@ def _topology_words(ranks: RanksComparison) -> str:
         if ranks.policy is None
         else f"reduce_dtype={ranks.policy.get('reduce_dtype') or ranks.policy.get('param_dtype') or 'float32'}"
     )
-    wrapped = (
-        f"{ranks.topology} (the doctor's default)"
-        if ranks.parallelized_by == ranks.topology
-        else f"{ranks.topology} by {ranks.parallelized_by}"
-    )
-    return f"{wrapped}, {reduced}; each rank takes one batch of every {ranks.world}"
+    return f"{wrapping_words(ranks.topology, ranks.parallelized_by)}, {reduced}; each rank takes one batch of every {ranks.world}"
 
 
 def _render_modes(result: Comparison, console: Console, wide: bool) -> None:

@@ -360,7 +360,7 @@ class Trainer:
         except KeyboardInterrupt:
             # Ctrl-C is only acted on between steps (see _InterruptFlag), so the checkpoint holds
             # exactly the completed steps and --resume continues as if nothing happened.
-            result.status, result.reason = "interrupted", "interrupted (Ctrl-C)"
+            result.status, result.reason = "interrupted", "Ctrl-C"
             result.last_checkpoint = self._checkpoint(result.steps) or result.last_checkpoint
         finally:
             interrupted.restore()

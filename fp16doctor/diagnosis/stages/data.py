@@ -12,7 +12,7 @@ def stage_data(ctx: StageContext) -> StageReport:
     bad = [f for f in scan if f.nonfinite]
     extreme = [f for f in scan if f.floating and f.abs_max >= 1e3]
     distinct = len({id(b) for b in ctx.bench.batches})
-    parts = [f"{distinct} batches, {len(scan)} fields"]
+    parts = [f"{_count(distinct, 'batch', 'batches')}, {_count(len(scan), 'field', 'fields')}"]
     if bad:
         parts.append(
             "non-finite values in "
@@ -28,3 +28,7 @@ def stage_data(ctx: StageContext) -> StageReport:
     return StageReport(
         StageName.DATA, StageStatus.RAN, "; ".join(parts), details={"fields": [f.to_json() for f in scan]}
     )
+
+
+def _count(number: int, one: str, many: str) -> str:
+    return f"{number} {one if number == 1 else many}"

@@ -38,6 +38,7 @@ from ...engine.parallel import (
     run_parallel,
 )
 from ...errors import DoctorError, first_line
+from ...measure.compare import wrapping_words
 from ...measure.symptoms import Symptom, baseline_symptoms, measure
 from ..findings import ParallelComparison, ReductionAtWorld, StageName, StageReport, StageStatus
 from .context import StageContext, measured_symptoms
@@ -143,7 +144,7 @@ def _policy_reduction(policy: dict[str, Any] | None) -> str:
 
 def _sentence(comparison: ParallelComparison) -> str:
     hooks = ", ".join(comparison.hooks) or _policy_reduction(comparison.policy)
-    where = f"{comparison.world} ranks, {comparison.topology} by {comparison.parallelized_by}, {hooks}"
+    where = f"{comparison.world} ranks, {wrapping_words(comparison.topology, comparison.parallelized_by)}, {hooks}"
     if comparison.symptoms:
         verdict = "the parallel training fails (" + ", ".join(s.code for s in comparison.symptoms) + ")"
         verdict += "; only when parallelised" if comparison.parallel_only else "; in one process too"
