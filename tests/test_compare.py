@@ -1,6 +1,7 @@
 """``compare``: verdicts, alignment, JSON shape, exit codes, bad input."""
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -198,3 +199,47 @@ def train_step(model, batch, optimizer, scaler, autocast):
     for row in steps:
         fp32, amp, bf16 = (row[m]["grad_norm"] for m in ("fp32", "amp", "bf16"))
         assert fp32 > 0.05 and abs(amp - fp32) < 0.01 * fp32 and abs(bf16 - fp32) < 0.05 * fp32, row
+
+
+LARGE_LOSSES = """
+import torch
+from torch import nn
+
+CONFIG = {"steps": 4}
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        x = torch.randn(8, 16, generator=g)
+        batches.append((x, x.sum(1, keepdim=True) * 300))  # losses about 1.5e6: every number 8 characters wide
+    return batches
+
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+"""
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_the_step_table_leaves_columns_out_before_it_cuts_a_number(training_file, width):
+    import io
+
+    from rich.console import Console
+
+    from fp16doctor.output.terminal import render_comparison
+
+    result = compare(bench_for(training_file(LARGE_LOSSES)), ["fp32", "amp", "bf16"])
+    buffer = io.StringIO()
+    render_comparison(result, Console(file=buffer, width=width, color_system=None))
+    table = buffer.getvalue().split("Loss and gradient norm")[1]
+    assert "…" not in table and "column(s) left out to fit" in table
+    assert len(re.findall(r"\b\d\.\d+e\+0[56]\b", table)) >= 3 * 4  # every mode's loss, whole, on every step
+    assert max(len(line) for line in table.splitlines()) <= width

@@ -10,6 +10,7 @@ from rich.console import Console, Group
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
 from ..diagnosis.findings import Diagnosis, Finding, StageStatus, Verification
 from ..diagnosis.verify import verification_status
@@ -30,28 +31,51 @@ def _shown_steps(total: int) -> list[int]:
     return sorted(set(range(0, total, stride)) | {total - 1})
 
 
-COLUMN_WIDTH = 10
-"""Characters a compact number column takes, padding and rule included (``0.494``, ``1.4e+02``, ``12.5%``)."""
+Column = tuple[str, str, str]
+"""(header, mode, what) of a column of the step table."""
 
 
-def _step_columns(result: Comparison, width: int, wide: bool) -> list[tuple[str, str, str]]:
-    """(header, mode, what) of the step table's columns, in priority order, dropping the least useful to fit ``width``."""
-    wanted: list[tuple[int, tuple[str, str, str]]] = []
+def _wanted_columns(result: Comparison) -> list[tuple[int, Column]]:
+    """Every column of the step table with its priority (0 first): the losses, then the deviations, the gradient
+    norms, the skip counts."""
+    wanted: list[tuple[int, Column]] = []
     for mode in result.modes:
         wanted.append((0, (f"{mode}\nloss", mode, "loss")))
         if mode != "fp32":
             wanted.append((1, (f"{mode}\ndev", mode, "dev")))
             wanted.append((3, (f"{mode}\nskips", mode, "skips")))
         wanted.append((2, (f"{mode}\n|g|", mode, "grad_norm")))
-    if wide:
-        return [c for _, c in wanted]
-    budget = max(width - 8, COLUMN_WIDTH)  # the step column and the table's margins
-    chosen: set[tuple[str, str, str]] = set()
+    return wanted
+
+
+def _fitted(wanted: list[tuple[int, Column]], widths: dict[Column, int], room: int) -> list[Column]:
+    """The columns that fit in ``room`` characters, taken by priority (each its widest cell plus padding), in
+    the table's order: a column is left out before any number is cut."""
+    chosen: set[Column] = set()
+    used = 0
     for _priority, column in sorted(wanted, key=lambda pc: pc[0]):
-        if (len(chosen) + 1) * COLUMN_WIDTH > budget:
+        if used + widths[column] > room:
             break
         chosen.add(column)
+        used += widths[column]
     return [c for _, c in wanted if c in chosen]
+
+
+def _step_cell(result: Comparison, k: int, mode: str, what: str, digits: int) -> str:
+    """One cell of the step table (rich markup for a deviation past its tolerance)."""
+    entries = result.trajectories[mode].aligned
+    entry = entries[k] if k < len(entries) else None
+    if what in ("loss", "grad_norm"):
+        return human(entry[what], digits) if entry else "-"
+    if what == "skips":
+        return str(entry["skipped_before"]) if entry else "-"
+    devs = result.rel_dev.get(mode, [])
+    dev = devs[k] if k < len(devs) else None
+    style = (
+        "" if dev is None or dev <= result.tolerance[mode] else ("yellow" if dev <= result.divergence[mode] else "red")
+    )
+    text = human(dev, 2, percent=True)
+    return f"[{style}]{text}[/]" if style else text
 
 
 def render_comparison(result: Comparison, console: Console, wide: bool = False) -> None:
@@ -102,35 +126,23 @@ def _render_modes(result: Comparison, console: Console, wide: bool) -> None:
     console.print(f"[dim]tolerance / divergence tolerance: {tolerances}[/]")
 
     digits = 6 if wide else 3
-    columns = _step_columns(result, console.width, wide)
+    steps = _shown_steps(result.steps)
+    wanted = _wanted_columns(result)
+    cells = {c: [_step_cell(result, k, c[1], c[2], digits) for k in steps] for _, c in wanted}
+    # a column takes its widest cell, its padding on both sides and the space between columns; the table one edge
+    widths = {c: 3 + max(len(Text.from_markup(t).plain) for t in [*c[0].split("\n"), *cells[c]]) for c in cells}
+    step_width = 3 + max(len("step"), *(len(str(k)) for k in steps))
+    columns = [c for _, c in wanted] if wide else _fitted(wanted, widths, console.width - step_width - 1)
     table = Table(title="Loss and gradient norm on aligned optimizer steps", title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("step", justify="right", no_wrap=True)
     for header, _, _ in columns:
         table.add_column(header, justify="right", no_wrap=True)
-    for k in _shown_steps(result.steps):
-        cells = [str(k)]
-        for _, mode, what in columns:
-            entries = result.trajectories[mode].aligned
-            entry = entries[k] if k < len(entries) else None
-            if what in ("loss", "grad_norm"):
-                cells.append(human(entry[what], digits) if entry else "-")
-            elif what == "skips":
-                cells.append(str(entry["skipped_before"]) if entry else "-")
-            else:
-                devs = result.rel_dev.get(mode, [])
-                dev = devs[k] if k < len(devs) else None
-                style = (
-                    ""
-                    if dev is None or dev <= result.tolerance[mode]
-                    else ("yellow" if dev <= result.divergence[mode] else "red")
-                )
-                text = human(dev, 2, percent=True)
-                cells.append(f"[{style}]{text}[/]" if style else text)
-        table.add_row(*cells)
+    for row, k in enumerate(steps):
+        table.add_row(str(k), *(cells[c][row] for c in columns))
     notes = []
     if result.steps > STEP_BY_STEP_LIMIT:
         notes.append(f"every {max(1, result.steps // 10)}th of {result.steps} steps shown")
-    dropped = len(result.modes) * 2 + 2 * (len(result.modes) - 1) - len(columns)
+    dropped = len(wanted) - len(columns)
     if dropped:
         notes.append(f"{dropped} column(s) left out to fit: --wide or --csv for all")
     table.caption = "; ".join(notes) or None
