@@ -412,18 +412,20 @@ def apply_patch(config: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str
 
 
 def whole_lists(config: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
-    """``patch`` with each of its lists made whole: the config's own items first, then the patch's. Applied by
-    either rule, adding (:func:`apply_patch`) or replacing (:func:`merge`, or any tool's), it sets the same config."""
-    out: dict[str, Any] = {}
-    for key, value in patch.items():
-        own = config.get(key)
-        if isinstance(value, Mapping) and isinstance(own, Mapping):
-            out[key] = whole_lists(own, value)
-        elif isinstance(value, list) and isinstance(own, list):
-            out[key] = list(dict.fromkeys(own + value))
-        else:
-            out[key] = value
-    return out
+    """``patch``'s keys as ``config`` holds them once the patch is applied (:func:`apply_patch`): each list whole,
+    the config's own items first. Applied by either rule, adding or replacing (:func:`merge`, or any tool's), it
+    sets the same config."""
+    return _at_keys(apply_patch(config, patch), patch)
+
+
+def _at_keys(values: Mapping[str, Any], keys: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` cut down to the (nested) keys of ``keys``."""
+    return {
+        key: _at_keys(values[key], shape)
+        if isinstance(shape, Mapping) and isinstance(values[key], Mapping)
+        else values[key]
+        for key, shape in keys.items()
+    }
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

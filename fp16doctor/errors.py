@@ -12,9 +12,10 @@ EXIT_FINDINGS = 1
 EXIT_BAD_INPUT = 2
 
 
-def first_line(exc: BaseException) -> str:
-    """An exception's message, its first line only ("" for none): what a record or a table has room for."""
-    text = str(exc).strip()
+def first_line(exc: BaseException | str | None) -> str:
+    """An exception's message (or a message), its first line only ("" for none): what a record or a table has
+    room for."""
+    text = "" if exc is None else str(exc).strip()
     return text.splitlines()[0] if text else ""
 
 

@@ -185,16 +185,13 @@ class Localisation:
         return any(self.module == m or (self.module or "").startswith(m + ".") for m in modules)
 
     def describe(self) -> str:
+        note = f"; {self.note}" if self.note else ""
+        at = f"at step {self.step}, batch {self.batch_index}"
         if self.phase == "data":  # no operator made it: the batch arrived so
-            return f"{self.operator or 'the batch'} at step {self.step}, batch {self.batch_index}: {self.output}" + (
-                f"; {self.note}" if self.note else ""
-            )
-        where = self.place
+            return f"{self.operator or 'the batch'} {at}: {self.output}{note}"
         ranges = ", ".join(f"[{lo:.4g}, {hi:.4g}]" for lo, hi in self.input_ranges)
         read = f"inputs {ranges}" if ranges else "no floating input"  # a factory, or inputs already non-finite
-        return f"{self.operator} in {where} at step {self.step}, batch {self.batch_index}: {read} -> {self.output}" + (
-            f"; {self.note}" if self.note else ""
-        )
+        return f"{self.operator} in {self.place} {at}: {read} -> {self.output}{note}"
 
 
 _OMITTED = frozenset(f.name for f in fields(Localisation) if OMITTED_WHEN_NONE in f.metadata)

@@ -195,8 +195,9 @@ def compiled_program(
     user's program, a custom backend included), else ``model`` compiled with them over what ``model()`` compiled
     with (a backend given by name; a custom one is replaced by inductor where the settings name none).
     ``backend``: ``model`` compiled anew with this backend function (a graph trace's), whatever the settings say."""
+    dynamic = recorded.dynamic if recorded is not None else None
     if backend is not None:
-        traced = torch.compile(model, backend=backend, dynamic=recorded.dynamic if recorded is not None else None)
+        traced = torch.compile(model, backend=backend, dynamic=dynamic)
         assert isinstance(traced, torch.nn.Module)
         return traced
     if program is not None and settings.as_model_compiles:
@@ -209,7 +210,6 @@ def compiled_program(
     )
     if options is not None:
         mode = None  # torch.compile takes a mode or options, not both: the emulation is what is tried
-    dynamic = recorded.dynamic if recorded is not None else None
     compiled = torch.compile(model, backend=named_backend, mode=mode, dynamic=dynamic, options=options)
     assert isinstance(compiled, torch.nn.Module)  # torch.compile of a module is its OptimizedModule
     return compiled

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ...engine.probe import Probe
-from ...errors import first_line
+from ...errors import first_line, one_line
 from ...measure.graph_nodes import GraphTrace
 from ...measure.symptoms import Symptom
 from ...userfile.compiled import aten_operator, graph_caches_off, training_compiles
@@ -215,15 +215,10 @@ def trace_graph(ctx: StageContext, backends: Sequence[BackendTrial]) -> GraphTra
         finally:
             probe.close()
         if probe.failed is not None:  # raised inside a step: the trace's graph, or the training as it traces
-            failed = f"{probe.failed.exception_type}: {_first_line_of(probe.failed.exception)}"
+            failed = f"{probe.failed.exception_type}: {first_line(probe.failed.exception)}"
     except Exception as exc:  # noqa: BLE001 - the trace's own failure: said, the localisation by backend stands
-        failed = f"{type(exc).__name__}: {first_line(exc)}"
+        failed = one_line(exc)
     return GraphTraceReport(trace.first, sorted(set(trace.opaque)), failed)
-
-
-def _first_line_of(text: str | None) -> str:
-    lines = (text or "").strip().splitlines()
-    return lines[0] if lines else ""
 
 
 def _operator_of(node: str | None) -> str | None:
