@@ -476,7 +476,11 @@ class Instruments:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
         options: InstrumentOptions | None = None,
+        hook_modules: bool = True,
     ):
+        """``hook_modules``: False for a model the steps call compiled. Its modules' hooks would be traced into the
+        compiled program, guarding on what they write (a dict that fills recompiles the graph at every call); the
+        optimizer's hooks (gradients, updates) run outside it either way."""
         self.model = model
         self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         self.optimizer = self.optimizers[0]
@@ -499,13 +503,14 @@ class Instruments:
         self._segment_cache: dict[Any, _Layout] = {}
         self._counters: dict[torch.device, SampleCounter] = {}
         self._param_grads_taken = False
+        self._hook_modules = hook_modules
         self.attach()
 
     # --- wiring ---------------------------------------------------------------------------------
     def attach(self) -> None:
         if self._handles:
             return
-        for module in self.names:
+        for module in self.names if self._hook_modules else ():
             self._handles.append(module.register_forward_hook(self._post_forward))
         for optimizer in self.optimizers:
             self._hook_optimizer(optimizer)

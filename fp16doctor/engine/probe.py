@@ -728,7 +728,9 @@ class Probe:
             self.instruments.detach()
             self.instruments = None
         if self.instruments is None:
-            self.instruments = Instruments(self.model, self.optimizers.all(), options)
+            self.instruments = Instruments(
+                self.model, self.optimizers.all(), options, hook_modules=not self.runs_compiled
+            )
         return self.instruments
 
     def _end_instruments(self, trace: StepTrace) -> None:
