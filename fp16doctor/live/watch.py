@@ -308,28 +308,19 @@ class Watch:
         # every one: params have a grad; a sharded one is measured on this rank's shard
         grads = [local_part(g) for g in map(grad_values, params) if g is not None]
         # one pass over the gradients: per-layer L2 norms, in fp32 or wider (a half gradient's norm may pass 65504)
-        layer_l2 = torch.stack(norms(grads)) if grads else torch.zeros(0, device=device)
-        loss = (
-            torch.stack([part.to(device) for part in self._losses]).sum()
-            if self._losses
-            else torch.tensor(math.nan, device=device)
-        )
-        flag = found_inf.to(device).float().sum() if found_inf is not None else torch.tensor(0.0, device=device)
-        own = own_nonfinite.to(device).float() if own_nonfinite is not None else torch.tensor(-1.0, device=device)
-        values = torch.cat(
-            [
-                loss.reshape(1),
-                flag.reshape(1),
-                layer_l2.pow(2).sum().sqrt().reshape(1),
-                scale_now.reshape(1),
-                own.reshape(1),
-                layer_l2,
-            ]
-        ).tolist()  # the one transfer (the scale too: get_scale() would be a second sync)
-        loss_value = values[0] if self._losses else None
-        scale = values[3]
+        layer_l2 = norms(grads)
+        losses = self._losses or [torch.tensor(math.nan)]
+        flag = found_inf if found_inf is not None else torch.tensor(0.0)
+        own = own_nonfinite if own_nonfinite is not None else torch.tensor(-1.0)
+        # the one transfer, of 0-d tensors in one stack (the scale too: get_scale() would be a second sync); the
+        # few sums are the host's (a tensor operation costs a healthy step more than adding thirty floats)
+        values = torch.stack([scalar_on(t, device) for t in (flag, scale_now, own, *losses, *layer_l2)]).tolist()
+        flag_value, scale, own_value = values[:3]
+        loss_values, layer_values = values[3 : 3 + len(losses)], values[3 + len(losses) :]
+        loss_value = sum(loss_values) if self._losses else None
         divide = scale if grads_scaled else 1.0
-        norm, layer_norms = values[2] / divide, [v / divide for v in values[5:]]
+        layer_norms = [v / divide for v in layer_values]
+        norm = math.sqrt(sum(v * v for v in layer_values)) / divide
         names = [self._names.get(p, "?") for p in params]
         bad = nonfinite_layers(grads, names, layer_norms)
         finite = [(v, n) for n, v in zip(names, layer_norms) if math.isfinite(v)]
@@ -339,13 +330,13 @@ class Watch:
             loss=loss_value,
             grad_norm=norm,
             loss_scale=scale,
-            skipped=self._skipped(values[1], found_inf, bad, scaler),
+            skipped=self._skipped(flag_value, found_inf, bad, scaler),
             lr=float(optimizer.param_groups[0]["lr"]),
             nonfinite_layers=bad[:20],
             largest_layer=largest[1],
             largest_norm=largest[0],
             local=self.sharded,
-            own_nonfinite=None if values[4] < 0 else values[4] > 0,
+            own_nonfinite=None if own_value < 0 else own_value > 0,
         )
 
     @staticmethod
@@ -566,6 +557,13 @@ def at_initial_scale(scaler: Any, scale: float) -> bool:
         return False
     initial = getattr(scaler, "_init_scale", None)  # read back in float32, as the watch reads the scale
     return isinstance(initial, (int, float)) and float(torch.tensor(float(initial), dtype=torch.float32)) == scale
+
+
+def scalar_on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A one-element tensor as a 0-d tensor on ``device``: reshaped and moved only where it is not already (each
+    operation costs a healthy step a few microseconds, and a step stacks some thirty of them)."""
+    tensor = tensor if tensor.dim() == 0 else tensor.reshape(())
+    return tensor if tensor.device == device else tensor.to(device)
 
 
 def scale_tensor(scaler: Any, device: torch.device) -> torch.Tensor:
