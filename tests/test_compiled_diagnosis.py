@@ -99,18 +99,19 @@ def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_rep
     assert tried == {"eager": [], "aot_eager": [], "inductor": [], "input_norm run eagerly": []}
     assert "fusing_backend backend's compilation" in evidence["made_in"] and "within input_norm" in evidence["made_in"]
     # down to the node: the backend's graph, run node by node, first makes a NaN in the layer norm it swapped in
-    assert evidence["graph_trace"] == {
-        "first_nonfinite": {
-            "step": 0,
-            "node": "layer_norm",
-            "operator": "compiled_custom_backend.one_pass_layer_norm",
-            "source": "compiled_custom_backend.py:55",
-            "module": "input_norm",
-            "graph": "the backend's graph",
-        },
-        "opaque": [],
-        "failed": None,
+    layer_norm = {
+        "step": 0,
+        "node": "layer_norm",
+        "operator": "compiled_custom_backend.one_pass_layer_norm",
+        "source": "compiled_custom_backend.py:55",
+        "module": "input_norm",
+        "graph": "the backend's graph",
+        "added": False,
     }
+    trace = evidence["graph_trace"]
+    assert trace["first_nonfinite"] == {**layer_norm, "relative_difference": None}
+    assert trace["first_difference"] == {**layer_norm, "relative_difference": "inf"}  # NaN where eager is not
+    assert (trace["opaque"], trace["failed"]) == ([], None)
     assert (
         "made by node layer_norm of the backend's graph (compiled_custom_backend.one_pass_layer_norm in input_norm"
         in (evidence["made_in"])
@@ -120,6 +121,34 @@ def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_rep
     assert "torch.compiler.disable(region.forward)" in top["fix"]["code"]
     assert top["verification"]["repaired"] and top["verification"]["tried"].startswith("the compiled probe")
     assert "eager_modules:\n  - input_norm" in proc.fix_config
+
+
+def test_a_drift_only_the_compiled_program_makes_is_named_at_the_node_that_first_differs_from_eager():
+    """The same kind of pass on pH-like inputs (~7.5): no inf, no NaN, only a variance that loses its digits. The
+    compiled training trails FP32 where eager does not, and the backend's graph, compared node by node with dynamo's
+    run eagerly on the same values, first differs at the layer norm it swapped in. No compiled probe recompiles
+    for the doctor's own hooks (a module hook traced into the graph used to, at every call)."""
+    proc = diagnose_ci(FILES / "compiled_backend_drift.py")
+    report = proc.report()
+    assert proc.returncode == 1 and "recompile_limit" not in proc.stderr, proc.stderr[-3000:]
+    top = report["findings"][0]
+    assert top["cause"] == "compiled-divergence"
+    evidence = top["evidence"]
+    assert evidence["eager_symptoms"] == [] and set(evidence["compiled_symptoms"]) <= {
+        "trajectory-drift",
+        "same-state-gap",
+    }
+    differs = evidence["graph_trace"]["first_difference"]
+    assert evidence["graph_trace"]["first_nonfinite"] is None and differs is not None
+    assert (differs["node"], differs["module"], differs["step"], differs["added"]) == (
+        "layer_norm",
+        "input_norm",
+        0,
+        False,
+    )
+    assert differs["operator"] == "compiled_backend_drift.one_pass_layer_norm" and differs["relative_difference"] > 0.05
+    assert "the first value eager would not compute is made by node layer_norm" in evidence["made_in"]
+    assert top["verification"]["repaired"]
 
 
 def test_a_region_run_eagerly_keeps_the_rest_compiled_and_a_name_the_model_has_not_is_a_config_error():
@@ -311,3 +340,25 @@ def test_train_nproc_compiles_the_ranks_wrapped_model_and_the_corrected_config_t
     assert runs["as-is"][0] == 1 and runs["as-is"][1]["nonfinite"] == 3
     assert "the compiled program makes the fault" in runs["as-is"][1]["first_nonfinite"]["explanation"]
     assert runs["corrected"][0] == 0 and runs["corrected"][1]["nonfinite"] == 0
+
+
+def test_a_compiled_probe_with_instruments_compiles_its_graph_once():
+    """The compiled probe measures lost updates (optimizer hooks); module hooks would be traced into the graph and
+    guard on the dict they fill, so the graph was compiled anew at each call, up to dynamo's recompile limit."""
+    from torch._dynamo.utils import counters
+
+    from fp16doctor.diagnosis.verify import symptom_instruments
+    from fp16doctor.engine.probe import Workbench
+    from fp16doctor.userfile.spec import load_training_file
+
+    spec = load_training_file(FILES / "compiled_backend_drift.py")
+    bench = Workbench(spec, build_config({**spec.config, "steps": 4}, {"device": "cpu"}))
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    probe = bench.probe("amp", instruments=symptom_instruments(), compiled=True)
+    try:
+        probe.run(4)
+    finally:
+        probe.close()
+    assert probe.runs_compiled and len(probe.records) == 4
+    assert counters["stats"]["unique_graphs"] - before == 1

@@ -148,3 +148,82 @@ def test_a_tensor_without_isfinite_counts_as_finite_rather_than_failing_the_trac
 
     assert _all_finite([torch.zeros(2, dtype=torch.float8_e4m3fn), torch.ones(2)])
     assert not _all_finite({"x": torch.tensor([1.0, float("nan")])})
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(x) * 2)).sum()
+
+
+def half_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """A one-pass norm in fp16: finite here, but not what eager computes."""
+    h = input.half()
+    mean = h.mean(-1, keepdim=True)
+    var = ((h * h).mean(-1, keepdim=True) - mean * mean).clamp_min(0)
+    return (((h - mean) * torch.rsqrt(var + eps)).float() * weight + bias).to(input.dtype)
+
+
+def swapping_pass(gm, example_inputs):
+    """Rewrites the graph it was given in place (as passes do): layer_norm's node calls another function."""
+    for node in gm.graph.nodes:
+        if node.target is torch.nn.functional.layer_norm:
+            node.target = half_layer_norm
+    gm.recompile()
+    return gm.forward
+
+
+def decomposing_pass(gm, example_inputs):
+    """Replaces layer_norm's node by new nodes of its own (other names): the first of them is named, as added."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is torch.nn.functional.layer_norm:
+            with graph.inserting_before(node):
+                half = graph.call_method("half", (node.args[0],))
+                mean = graph.call_method("mean", (half, -1), {"keepdim": True})
+                centred = graph.call_function(torch.sub, (half, mean))
+                squares = graph.call_method("mean", (graph.call_function(torch.mul, (centred, centred)), -1))
+                normed = graph.call_function(torch.div, (centred, graph.call_method("unsqueeze", (squares, -1))))
+                out = graph.call_method("float", (normed,))
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+    gm.recompile()
+    return gm.forward
+
+
+# dynamo's own checks of the grads are not made here: the forward is what is compared
+SHIFTED = 7.5 + 0.3 * torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+
+def test_a_pass_that_swaps_an_operator_is_named_where_its_value_first_differs_from_eager():
+    model = Normed()
+    expected = model(SHIFTED)
+    program, trace = traced(model, swapping_pass)
+    got = program(SHIFTED)
+    assert torch.isfinite(got) and got != expected and trace.first is None
+    differs = trace.first_difference
+    assert differs is not None and (differs.node, differs.module, differs.added) == ("layer_norm", "norm", False)
+    assert differs.operator.endswith("half_layer_norm") and differs.relative_difference > 1e-2
+    assert "off eager's (relative)" in differs.sentence()
+
+
+def test_a_node_the_backend_added_is_named_when_what_it_feeds_differs():
+    program, trace = traced(Normed(), decomposing_pass)
+    assert torch.isfinite(program(SHIFTED))
+    differs = trace.first_difference
+    assert differs is not None and differs.added and differs.node == "half"
+    assert "added by the backend" in differs.sentence()
+
+
+def test_a_backend_that_computes_what_eager_computes_names_no_difference_and_keeps_the_generators():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    torch.manual_seed(1)
+    expected = model(SHIFTED)
+    program, trace = traced(model)
+    torch.manual_seed(1)
+    assert torch.equal(program(SHIFTED), expected)  # the eager run first drew no dropout mask the program did not
+    assert trace.first_difference is None and trace.first is None

@@ -22,7 +22,7 @@ from ..engine.emulated_ranks import ReductionReading
 from ..engine.records import Column
 from ..files import jsonable
 from ..measure.datascan import FieldScan
-from ..measure.graph_nodes import NonfiniteNode
+from ..measure.graph_nodes import TracedNode
 from ..measure.records import OMITTED_WHEN_NONE, ExceptionInfo, Localisation, OperatorAttribution, ScaleWindow
 from ..measure.symptoms import Symptom, exception_of, first_step
 
@@ -656,17 +656,21 @@ class CompiledComparison:
 class GraphTraceReport:
     """The custom backend's graphs run node by node on the compiled probe's steps (:mod:`fp16doctor.measure.graph_nodes`)."""
 
-    first_nonfinite: NonfiniteNode | None
+    first_nonfinite: TracedNode | None
     """The first node that made an inf or NaN out of finite values; None: none did (or nothing could be traced)."""
     opaque: list[str] = field(default_factory=list)
     """What the backend returned that is not an FX graph, by type: those programs could not be looked into."""
     failed: str | None = None
     """The trace's own failure (its exception, in a line); None: it ran."""
+    first_difference: TracedNode | None = None
+    """The first node whose output differs from dynamo's graph run eagerly on the same values, on a graph's first
+    call (where the backend drifts without an inf or NaN); None: every compared node agreed, or none was compared."""
 
     def to_json(self) -> dict[str, Any]:
-        first = self.first_nonfinite
+        first, differs = self.first_nonfinite, self.first_difference
         return {
             "first_nonfinite": first.to_json() if first is not None else None,
+            "first_difference": differs.to_json() if differs is not None else None,
             "opaque": self.opaque,
             "failed": self.failed,
         }

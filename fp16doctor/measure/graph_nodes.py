@@ -1,4 +1,5 @@
-"""The compiled program's first non-finite value, node by node: where a custom backend's graph makes it.
+"""The compiled program's first non-finite value, and its first value eager would not make, node by node: where a
+custom backend's graph makes them.
 
 A custom ``torch.compile`` backend receives dynamo's FX graph and returns what runs in its place. Where that is an
 FX ``GraphModule`` (or its ``forward``), as graph passes return it, the doctor can run the graph it returned one node
@@ -7,13 +8,22 @@ NaN while every value it read was finite is where the compiled program's fault i
 and module that node came from. A backend that returns anything else (a compiled kernel, inductor's program) is
 opaque: the trace says so and the localisation stops at the region run eagerly.
 
-The same runs AOT autograd's forward graph (the ``aot_eager`` backend), at the ATen level, where the fault is made
+A backend that computes something else without any inf or NaN (a pass that swaps an operator for one in another
+precision: the training drifts) is found by comparison: on its graph's first call, dynamo's graph as the backend
+received it runs eagerly on the same values first, and each node of the backend's graph is compared with the
+node of the same name there. The first node whose output differs while every value it read agreed (or the first
+node the backend added, upstream of one that differs) is where the compiled program stops computing what eager
+computes.
+
+The same non-finite trace runs AOT autograd's forward graph (the ``aot_eager`` backend), at the ATen level, where the fault is made
 there. Only forward graphs are traced: dynamo's graph is the forward, and autograd differentiates its traced nodes
 eagerly; a backward graph's first inf is, in fp16, most often a GradScaler's calibration overflowing on purpose.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -28,8 +38,9 @@ TORCH_HOME = os.path.dirname(torch.__file__)
 
 
 @dataclass(frozen=True)
-class NonfiniteNode:
-    """The first node of the backend's graph that made a non-finite value out of finite ones."""
+class TracedNode:
+    """A node of the backend's graph the trace names: the first that made a non-finite value out of finite ones, or
+    the first whose output differs from eager's on the same values."""
 
     step: int
     """The probe step it ran in (0-based)."""
@@ -43,6 +54,12 @@ class NonfiniteNode:
     """The module whose forward it was traced in (``blocks.0.norm``); None: the model's own forward."""
     graph: str = "the backend's graph"
     """The graph it is a node of: the custom backend's, or AOT autograd's forward or backward."""
+    relative_difference: float | None = None
+    """For a node that differs from eager: the largest difference of its output (or, for a node the backend added,
+    of the first compared node it feeds) from eager's, relative to eager's largest magnitude; None for a
+    non-finite node."""
+    added: bool = False
+    """The backend added this node: dynamo's graph has none of its name (the difference shows in what it feeds)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -52,12 +69,18 @@ class NonfiniteNode:
             "source": self.source,
             "module": self.module,
             "graph": self.graph,
+            "relative_difference": self.relative_difference,
+            "added": self.added,
         }
 
     def sentence(self) -> str:
         where = f" in {self.module}" if self.module else ""
         line = f", traced from {self.source}" if self.source else ""
-        return f"node {self.node} of {self.graph} ({self.operator}{where}{line}) at step {self.step}"
+        added = ", added by the backend" if self.added else ""
+        text = f"node {self.node} of {self.graph} ({self.operator}{where}{line}{added}) at step {self.step}"
+        if self.relative_difference is not None:
+            text += f", {self.relative_difference:.2g} off eager's (relative)"
+        return text
 
 
 @dataclass
@@ -65,7 +88,9 @@ class GraphTrace:
     """What the traced backend saw across the probe: the first non-finite node, and whether every graph it
     returned could be traced."""
 
-    first: NonfiniteNode | None = None
+    first: TracedNode | None = None
+    first_difference: TracedNode | None = None
+    """The first node whose output differs from dynamo's graph run eagerly on the same values (custom backends)."""
     opaque: list[str] = field(default_factory=list)
     """The types of what the backend returned that is not an FX graph (nothing could be looked into)."""
     step: int = 0
@@ -75,12 +100,22 @@ class GraphTrace:
         """``compiler`` (the training's own backend) with each graph it returns run node by node."""
 
         def traced_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+            eager = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # a pass may rewrite gm's own graph
             compiled = compiler(gm, example_inputs)
             graph = _graph_of(compiled)
             if graph is None:
                 self.opaque.append(type(compiled).__name__)
                 return compiled
-            return lambda *args: _FirstNonfinite(graph, self, "the backend's graph").run(*args)
+            compared = False
+
+            def run(*args: Any) -> Any:
+                nonlocal compared
+                reference = None
+                if not compared and self.first_difference is None:  # a graph's first call: the same weights as eager
+                    compared, reference = True, _eager_values(eager, args)
+                return _FirstNonfinite(graph, self, "the backend's graph", reference).run(*args)
+
+            return run
 
         return traced_backend
 
@@ -116,10 +151,16 @@ class _FirstNonfinite(torch.fx.Interpreter):
     An inf that does not reach it (an additive attention mask at ``finfo.min``, which softmax turns into 0) is no
     cause. A value an in-place node wrote (``h.mul_(1e9)``) is read, by the nodes after it, as that node's."""
 
-    def __init__(self, graph: torch.fx.GraphModule, trace: GraphTrace, name: str) -> None:
+    def __init__(
+        self, graph: torch.fx.GraphModule, trace: GraphTrace, name: str, reference: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(graph)
         self.trace = trace
         self.name = name
+        self.reference = reference
+        """Each node's value in dynamo's graph run eagerly on the same arguments, by name (None: not compared)."""
+        self.agrees: dict[torch.fx.Node, bool | None] = {}
+        """Per node: its value equals eager's (True), differs (False), or has no counterpart (None: added)."""
         self.finite: dict[torch.fx.Node, bool] = {}
         """Each node's value was finite when it was made (an in-place op may change it later)."""
         self.born: list[torch.fx.Node] = []
@@ -129,6 +170,8 @@ class _FirstNonfinite(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         result = super().run_node(n)
+        if self.reference is not None and self.trace.first_difference is None:
+            self._compare(n, result)
         if self.trace.first is not None:
             return result
         self.finite[n] = _all_finite(result)
@@ -142,6 +185,39 @@ class _FirstNonfinite(torch.fx.Interpreter):
                     self.written[read] = n
         return result
 
+    def _compare(self, n: torch.fx.Node, result: Any) -> None:
+        """Whether ``n``'s value is eager's; the first node that differs while what it read agreed is named."""
+        assert self.reference is not None
+        if n.op in ("placeholder", "get_attr", "output"):
+            self.agrees[n] = True
+            return
+        expected = self.reference.get(n.name, _ABSENT)
+        if expected is _ABSENT:
+            self.agrees[n] = None
+            return
+        difference = _relative_difference(result, expected)
+        self.agrees[n] = difference == 0.0
+        if difference == 0.0:
+            return
+        reads = [self.agrees.get(read, True) for read in n.all_input_nodes]
+        if all(reads):
+            self.trace.first_difference = self._named(n, difference)
+        elif not any(read is False for read in reads):  # fed by nodes the backend added, every other read agreed
+            added = self._first_added(n)
+            if added is not None:
+                self.trace.first_difference = dataclasses.replace(self._named(added, difference), added=True)
+
+    def _first_added(self, n: torch.fx.Node) -> torch.fx.Node | None:
+        """The earliest node the backend added upstream of ``n`` (through added nodes only)."""
+        found: set[torch.fx.Node] = set()
+        pending = [n]
+        while pending:
+            for read in pending.pop().all_input_nodes:
+                if self.agrees.get(read, True) is None and read not in found:
+                    found.add(read)
+                    pending.append(read)
+        return next((node for node in self.agrees if node in found), None)  # ``agrees`` is in the order they ran
+
     def _source(self, read: torch.fx.Node) -> torch.fx.Node:
         """The node whose value reading ``read`` now reads: the last in-place node that wrote into it, or itself."""
         return self.written.get(read, read)
@@ -154,7 +230,7 @@ class _FirstNonfinite(torch.fx.Interpreter):
         constants = tree_leaves((n.args, n.kwargs))  # a node read is a leaf too: only floats are looked at
         return not any(isinstance(c, float) and not math.isfinite(c) for c in constants)
 
-    def _cause(self, output: torch.fx.Node) -> NonfiniteNode | None:
+    def _cause(self, output: torch.fx.Node) -> TracedNode | None:
         reaching, pending = set(), [output]
         while pending:
             node = pending.pop()
@@ -165,7 +241,7 @@ class _FirstNonfinite(torch.fx.Interpreter):
         cause = next((n for n in self.born if n in reaching), self.born[0] if self.born else None)
         return None if cause is None else self._named(cause)
 
-    def _named(self, n: torch.fx.Node) -> NonfiniteNode:
+    def _named(self, n: torch.fx.Node, difference: float | None = None) -> TracedNode:
         """The node as the user knows it: an emulated product's stored fp16 output is named by its product, and
         the cast of a value that is no node's product (an input, a parameter) as autocast's cast."""
         shown, operator = n, _operator(n)
@@ -175,14 +251,75 @@ class _FirstNonfinite(torch.fx.Interpreter):
                 shown, operator = made_by, f"{_operator(made_by)}, its output stored in {n.args[1]}"
             else:
                 operator = f"autocast's cast of {made_by.name} to {n.args[1]}"
-        return NonfiniteNode(
+        return TracedNode(
             self.trace.step,
             shown.name,
             operator,
             _user_line(shown) or _user_line(n),
             _module_of(shown) or _module_of(n),
             self.name,
+            difference,
         )
+
+
+_ABSENT = object()
+
+
+def _eager_values(graph: torch.fx.GraphModule, args: tuple[Any, ...]) -> dict[str, Any]:
+    """Each node's value, by name, with ``graph`` (dynamo's, as the backend received it) run eagerly on copies of
+    ``args``, without autograd, and with the random generators given back as they were: the backend's graph then
+    draws the same dropout masks, and a buffer the graph updates in place is updated once."""
+    values: dict[str, Any] = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            result = super().run_node(n)
+            values[n.name] = _copied(result)
+            return result
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        Recorder(graph).run(*(_copied(a) for a in args))
+    return values
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with its tensors copied (detached): what a later in-place write cannot change."""
+    return torch.utils._pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+def _relative_difference(value: Any, expected: Any) -> float:
+    """0 where ``value`` equals ``expected`` (NaN where both are NaN); else the largest difference of their floating
+    tensors relative to the expected's largest magnitude (inf where a NaN or inf is not matched, 1 where another
+    value differs)."""
+    got, want = tree_leaves(value), tree_leaves(expected)
+    if len(got) != len(want):
+        return 1.0
+    worst = 0.0
+    with torch.no_grad():
+        for a, b in zip(got, want):
+            if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+                worst = max(worst, 0.0 if a == b or a is b else 1.0)
+            elif a.shape != b.shape or a.dtype != b.dtype:
+                worst = max(worst, 1.0)
+            elif a.is_floating_point():
+                worst = max(worst, _float_difference(a, b))
+            elif not torch.equal(a, b):
+                worst = max(worst, 1.0)
+    return worst
+
+
+def _float_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    if bool(same.all()):
+        return 0.0
+    if not bool((a.isfinite() == b.isfinite()).all()):
+        return math.inf
+    finite = b.isfinite()
+    scale = float(b[finite].abs().max()) if bool(finite.any()) else 0.0
+    spread = float((a - b)[finite].abs().max())
+    return spread / scale if scale > 0 else math.inf
 
 
 def _is_stored_as(n: torch.fx.Node) -> bool:

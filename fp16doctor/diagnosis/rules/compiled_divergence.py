@@ -6,7 +6,9 @@ pass, a fusion that computes in another precision, or dynamo's capture. It is lo
 least compiled up: ``eager`` (dynamo's graph, run eagerly), ``aot_eager`` (and AOT autograd's decompositions),
 then the training's own backend (and inductor, where the training's is a custom one). Where only inductor fails,
 PyTorch's compiler bisector names the subsystem and the application in it (a lowering's graph node, so its ATen
-operator). The per-operator comparison of the compiled graph's values with eager's is not made.
+operator). Where the training's custom backend returns an FX graph, that graph is run node by node: the first node
+that makes an inf or NaN out of finite values is named, and, for a drift, the first node whose value differs from
+dynamo's graph run eagerly on the same values. Inductor's program is not compared operator by operator.
 
 Evidence: how the model is compiled, the compiled and eager symptoms, each backend tried and what it measured,
 and the layer the fault is made in. The fix is the least change that repaired the compiled probe, measured:
@@ -21,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ...measure.graph_nodes import NonfiniteNode
+from ...measure.graph_nodes import TracedNode
 from ...measure.symptoms import Symptom
 from .. import rule_cases as fx
 from ..findings import (
@@ -58,7 +60,8 @@ class CompiledDivergenceEvidence(EvidenceRecord):
     bisection: CompilerBisection | None = None
     """Only inductor fails: the subsystem and application PyTorch's compiler bisector found."""
     graph_trace: GraphTraceReport | None = None
-    """A custom backend fails: the first node of its graph that made an inf or NaN out of finite values."""
+    """A custom backend fails: the first node of its graph that made an inf or NaN out of finite values, or that
+    computes something eager does not."""
 
 
 def comparison_case(
@@ -115,7 +118,7 @@ class CompiledDivergence(Rule):
             ],
             compiled_with="team.fusing_backend",
             graph_trace=GraphTraceReport(
-                NonfiniteNode(0, "layer_norm", "team.one_pass_layer_norm", "model.py:42", "blocks.1.norm")
+                TracedNode(0, "layer_norm", "team.one_pass_layer_norm", "model.py:42", "blocks.1.norm")
             ),
         ),
         lambda: comparison_case(  # a lowering the bisector found, its operator left to ATen: healthy
@@ -233,6 +236,8 @@ def _traced(trace: GraphTraceReport | None) -> str:
         return ""
     if trace.first_nonfinite is not None:
         return f"; the first inf or NaN is made by {trace.first_nonfinite.sentence()}"
+    if trace.first_difference is not None:
+        return f"; the first value eager would not compute is made by {trace.first_difference.sentence()}"
     if trace.opaque:
         return f"; its program ({', '.join(trace.opaque)}) is not an FX graph, so no node of it is named"
     if trace.failed:

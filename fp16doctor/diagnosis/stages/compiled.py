@@ -34,7 +34,7 @@ import torch
 from ...engine.probe import Probe
 from ...errors import first_line, one_line
 from ...measure.graph_nodes import GraphTrace
-from ...measure.symptoms import Symptom
+from ...measure.symptoms import Symptom, SymptomCode
 from ...userfile.compiled import aten_operator, graph_caches_off, training_compiles
 from ...userfile.spec import build_model_and_program
 from ..findings import (
@@ -80,7 +80,7 @@ def stage_compiled(ctx: StageContext) -> StageReport:
             comparison.backends += _fallback_trial(ctx, comparison.bisection)
         if not any(_keeps_the_compilation(b) for b in comparison.backends):
             comparison.backends += search_eager_region(ctx)
-        comparison.graph_trace = trace_graph(ctx, comparison.backends)
+        comparison.graph_trace = trace_graph(ctx, comparison.backends, [s.code for s in compiled_symptoms])
     ev.compiled = comparison
     details = {**probe_details(compiled), **comparison.to_json()}
     return StageReport(StageName.COMPILED, StageStatus.RAN, _sentence(comparison), details=details)
@@ -188,11 +188,15 @@ def bisect_compiler(ctx: StageContext, known: Sequence[BackendTrial] = ()) -> Co
     )
 
 
-def trace_graph(ctx: StageContext, backends: Sequence[BackendTrial]) -> GraphTraceReport | None:
-    """The compiled AMP probe again, up to the first non-finite loss, with the graph the fault is made in run node
-    by node: AOT autograd's forward graph where ``aot_eager`` fails and ``eager`` does not, else the
-    training's custom backend's own graph where ``aot_eager`` is healthy. The first node that makes an inf or NaN
-    out of finite values is named. None where neither holds (inductor's program is looked into by the bisector)."""
+def trace_graph(
+    ctx: StageContext, backends: Sequence[BackendTrial], symptoms: Sequence[str]
+) -> GraphTraceReport | None:
+    """The compiled AMP probe again, up to the first non-finite loss (one step where the compiled ``symptoms`` are
+    drift only), with the graph the fault is made in run node by node: AOT autograd's forward graph where
+    ``aot_eager`` fails and ``eager`` does not, else the training's custom backend's own graph where ``aot_eager``
+    is healthy. The first node that makes an inf or NaN out of finite values is named, and, in a custom backend's
+    graph, the first whose value differs from eager's. None where neither holds (inductor's program is looked into
+    by the bisector)."""
     failing = {trial.backend: bool(trial.symptoms) for trial in backends}
     recorded = ctx.bench.spec.compiled
     trace = GraphTrace()
@@ -206,19 +210,22 @@ def trace_graph(ctx: StageContext, backends: Sequence[BackendTrial]) -> GraphTra
     def follow(probe: Probe) -> None:
         trace.step = probe.iteration
 
+    # a drift's difference shows on each graph's first call; an inf or NaN may come steps later
+    drifts_only = set(symptoms) <= DRIFT_SYMPTOMS
+    steps = 1 if drifts_only else ctx.evidence.steps
     failed = None
     try:
         probe = ctx.bench.probe("amp", ctx.config, instruments=None, compiled=True, backend=backend)
         try:
-            with ctx.progress.planned(ctx.evidence.steps):
-                probe.run(ctx.evidence.steps, stop_on_nonfinite_loss=True, before_step=follow)
+            with ctx.progress.planned(steps):
+                probe.run(steps, stop_on_nonfinite_loss=True, before_step=follow)
         finally:
             probe.close()
         if probe.failed is not None:  # raised inside a step: the trace's graph, or the training as it traces
             failed = f"{probe.failed.exception_type}: {first_line(probe.failed.exception)}"
     except Exception as exc:  # noqa: BLE001 - the trace's own failure: said, the localisation by backend stands
         failed = one_line(exc)
-    return GraphTraceReport(trace.first, sorted(set(trace.opaque)), failed)
+    return GraphTraceReport(trace.first, sorted(set(trace.opaque)), failed, trace.first_difference)
 
 
 def _operator_of(node: str | None) -> str | None:
@@ -236,6 +243,9 @@ def _fallback_trial(ctx: StageContext, bisection: CompilerBisection) -> list[Bac
     patch = {"compile": {"fallback_ops": [bisection.operator]}}  # the probe compiles anew with it (its own reset)
     return [_trial(ctx, f"inductor, {bisection.operator} left to ATen", patch)]
 
+
+DRIFT_SYMPTOMS = {SymptomCode.TRAJECTORY_DRIFT.value, SymptomCode.SAME_STATE_GAP.value}
+"""The compiled probe's symptoms that need no inf or NaN: where they are all, the graph trace runs one step."""
 
 REGION_TRIALS = 8
 """At most this many compiled probes search for the region to run eagerly: each compiles the program anew."""
