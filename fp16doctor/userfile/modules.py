@@ -24,8 +24,8 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The user's own model inside the wrappers that run it: (Distributed)DataParallel and ``torch.compile``'s
     ``OptimizedModule``, however nested. Its names are the ones the user knows, and its class the one a capsule
     rebuilds."""
-    while True:
-        inner = model.module if isinstance(model, PARALLEL_WRAPPERS) else getattr(model, "_orig_mod", None)
+    while True:  # read from _modules: a failed attribute lookup raises (and formats) an AttributeError each step
+        inner = model._modules.get("module" if isinstance(model, PARALLEL_WRAPPERS) else "_orig_mod")
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
