@@ -98,7 +98,7 @@ class CompiledDivergence(Rule):
     order = 88
     evidence_type: ClassVar[type[EvidenceRecord]] = CompiledDivergenceEvidence
     explains = ("nonfinite", "skips", "trajectory-drift", "amp-exception", "lost-updates")
-    training_files = ("compiled_custom_backend.py", "compiled_inductor_lowering.py")
+    training_files = ("compiled_custom_backend.py", "compiled_backend_drift.py", "compiled_inductor_lowering.py")
     fires_on = (
         lambda: comparison_case(
             [
