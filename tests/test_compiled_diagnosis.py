@@ -248,6 +248,38 @@ def test_the_compiled_program_is_the_users_own_unless_the_settings_change_it():
     assert uncompiled(in_place) == (in_place, None) and in_place._compiled_call_impl is None  # eager again
 
 
+class DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h / 1e3 if h.abs().max().item() > 1e3 else h  # a graph break: fullgraph=True refuses it
+
+
+def test_a_program_compiled_again_keeps_a_custom_backend_and_fullgraph():
+    """A module compiled in place is compiled again from its recorded options: its custom backend, not inductor
+    (which computed another training, and called a NaN healthy); and every variant keeps fullgraph, whose refusal
+    of a graph break is the training's own error (a trial without it "repaired" it)."""
+    seen = []
+
+    def team_backend(gm, example_inputs):
+        seen.append(len(gm.graph.nodes))
+        return gm.forward
+
+    recorded = CompileOptions.from_call({"backend": team_backend})
+    program = compiled_program(torch.nn.Linear(2, 2), None, CompileConfig(), recorded)
+    torch._dynamo.reset()
+    program(torch.ones(1, 2))
+    assert seen, "the recorded custom backend compiled the program"
+    strict = CompileOptions.from_call({"backend": "inductor", "fullgraph": True})
+    for settings in (CompileConfig(), CompileConfig(backend="eager")):
+        torch._dynamo.reset()
+        with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
+            compiled_program(DataDependent(), None, settings, strict)(torch.ones(2, 4))
+
+
 def test_the_region_search_descends_into_the_first_child_that_repairs_within_its_budget(monkeypatch):
     """The search's walk, its compiled probes stood in for by a tree where only regions holding blocks.1.norm
     repair: each level tried in order, the first repairing child entered, the last healthy trial the smallest."""

@@ -193,26 +193,38 @@ def compiled_program(
 ) -> torch.nn.Module:
     """What a compiled probe calls: ``model()``'s own compiled module where the settings change nothing (the
     user's program, a custom backend included), else ``model`` compiled with them over what ``model()`` compiled
-    with (a backend given by name; a custom one is replaced by inductor where the settings name none).
+    with: its backend (a custom one too, where ``model()`` gave the function: a module compiled in place), its
+    ``dynamic`` and ``fullgraph`` (a graph break ``fullgraph`` refuses is the training's own error, in every
+    variant tried); inductor where the recorded backend cannot be called (a capsule's custom one).
     ``backend``: ``model`` compiled anew with this backend function (a graph trace's), whatever the settings say."""
     dynamic = recorded.dynamic if recorded is not None else None
+    fullgraph = recorded.fullgraph if recorded is not None else False
     if backend is not None:
-        traced = torch.compile(model, backend=backend, dynamic=dynamic)
+        traced = torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
         assert isinstance(traced, torch.nn.Module)
         return traced
     if program is not None and settings.as_model_compiles:
         return program
-    named = recorded is not None and recorded.backend in COMPILE_BACKENDS
-    named_backend = settings.backend or (recorded.backend if recorded is not None and named else "inductor")
+    chosen = settings.backend or _recorded_backend(recorded)
     mode = settings.mode if settings.mode is not None else (recorded.mode if recorded is not None else None)
     options: dict[str, Any] | None = (
-        {"emulate_precision_casts": True} if settings.emulate_precision_casts and named_backend == "inductor" else None
+        {"emulate_precision_casts": True} if settings.emulate_precision_casts and chosen == "inductor" else None
     )
     if options is not None:
         mode = None  # torch.compile takes a mode or options, not both: the emulation is what is tried
-    compiled = torch.compile(model, backend=named_backend, mode=mode, dynamic=dynamic, options=options)
+    compiled = torch.compile(model, backend=chosen, mode=mode, dynamic=dynamic, fullgraph=fullgraph, options=options)
     assert isinstance(compiled, torch.nn.Module)  # torch.compile of a module is its OptimizedModule
     return compiled
+
+
+def _recorded_backend(recorded: CompileOptions | None) -> str | Callable[..., Any]:
+    """The backend ``model()`` compiled with: by name, its function (a custom one), or inductor where neither is
+    known (a capsule keeps a custom backend's name only)."""
+    if recorded is None:
+        return "inductor"
+    if recorded.backend in COMPILE_BACKENDS:
+        return recorded.backend
+    return recorded.compiler if recorded.compiler is not None else "inductor"
 
 
 def run_eagerly(model: torch.nn.Module, names: list[str]) -> None:
