@@ -41,6 +41,23 @@ def test_an_overflow_only_eager_makes_is_no_fault_of_the_compiled_training():
     assert all(s["measured"]["eager_only"] for s in report["symptoms"])
 
 
+def test_a_loss_gap_only_eager_has_is_no_fault_of_the_compiled_training():
+    """Eager's overflow here makes no NaN, only a loss gap on the same weights (the precision-gap stage's). The
+    compiled step is compared at the same state: its gap is none, so the training is healthy as compiled, and
+    every finding standing on eager's gap says "eager only" (the comparison once ran before any gap was in it:
+    "compiled and eager agree", then an unexplained error)."""
+    proc = diagnose_ci(FILES / "compiled_eager_only_gap.py")
+    report = proc.report()
+    assert proc.returncode == 0 and report["verdict"] == "healthy", proc.stderr[-3000:]
+    compiled = stage(report, "compiled")["details"]
+    assert compiled["outcome"] == "eager-only" and compiled["compiled_symptoms"] == []
+    assert compiled["eager_symptoms"] == ["same-state-gap"]
+    standing = [f for f in report["findings"] if f["cause"] in ("precision-gap", "unexplained")]
+    assert standing and all(f["title"].startswith("eager only: ") for f in standing)
+    text = run_cli("diagnose", FILES / "compiled_eager_only_gap.py", "--ci")
+    assert "is healthy as compiled, but eager AMP fails" in " ".join(text.stdout.split())
+
+
 def test_a_product_the_gpu_stores_in_fp16_overflows_the_compiled_training_too():
     """The CUDA policy's emulated product rounds its output to fp16 as a GPU's kernel stores it. Inductor keeps the
     product an external kernel but would fuse a plain rounding into the softmax after it, in fp32 registers, and

@@ -1098,6 +1098,12 @@ class Diagnosis:
         return not any(f.severity == Severity.ERROR for f in self.findings) and not self.unexplained
 
     @property
+    def only_eager_fails(self) -> bool:
+        """The training compiles, and only its eager AMP probe fails: healthy as it runs, compiled."""
+        compiled = self.evidence.compiled
+        return compiled is not None and compiled.outcome == CompiledOutcome.EAGER_ONLY
+
+    @property
     def verdict(self) -> str:
         """``healthy`` when no finding is an error and ``unexplained`` is empty; else ``unhealthy``."""
         return "healthy" if self.healthy else "unhealthy"

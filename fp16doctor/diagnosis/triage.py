@@ -356,10 +356,18 @@ def only_eager_fails(findings: list[Finding], ev: Evidence) -> list[Finding]:
         symptom.measured["eager_only"] = True
     return [
         replace(f, severity=Severity.WARNING, title=f"eager only: {f.title} (the compiled training is healthy)")
-        if f.severity == Severity.ERROR
+        if f.severity == Severity.ERROR or (f.severity == Severity.WARNING and _explains_measured(f, ev))
         else f
         for f in findings
     ]
+
+
+def _explains_measured(finding: Finding, ev: Evidence) -> bool:
+    """The finding's rule explains a measured symptom (eager's, where only eager fails); a static fact does not."""
+    from .rules import rules_by_code
+
+    measured = {s.code for s in ev.symptoms}
+    return bool(measured & set(rules_by_code()[finding.cause].explains))
 
 
 def demote_unrepairing(findings: list[Finding]) -> list[Finding]:

@@ -110,13 +110,16 @@ def exact_numbers(value: Any) -> Any:
     return value
 
 
-def healthy_headline(severities: list[str]) -> str:
+def healthy_headline(severities: list[str], only_eager_fails: bool = False) -> str:
     """What follows ``healthy: FILE`` for a diagnosis with no error finding, given its findings' severities.
 
     "Trains like its FP32 twin" is true of a training whose loss never moves (both twins train nothing), so
     a headline over warnings says that precision is not the problem and sends the reader to the warnings
-    first, instead of reading as a clean bill of health with notes attached."""
+    first, instead of reading as a clean bill of health with notes attached. ``only_eager_fails``: the training
+    compiles and is healthy so, while its eager AMP fails (said first: the same code run eagerly would fail)."""
     warnings = severities.count("warning")
+    if only_eager_fails:
+        return "is healthy as compiled, but eager AMP fails: the warnings below say where, should it run eagerly"
     if warnings:
         return f"shows no measured mixed-precision failure, but {warnings} warning(s) below say what to look at first"
     notes = len(severities)

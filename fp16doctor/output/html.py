@@ -140,7 +140,7 @@ def diagnosis_html(diagnosis: Diagnosis, training_file: str) -> str:
     line = f"{verdict}: " + (
         f"{len(errors)} error finding(s); top cause {errors[0].cause}"
         if errors
-        else "the training " + healthy_headline([f.severity for f in diagnosis.findings])
+        else "the training " + healthy_headline([f.severity for f in diagnosis.findings], diagnosis.only_eager_fails)
     )
     header = (
         f'<h1>fp16doctor diagnosis</h1><p class="verdict {verdict}">{_e(line)}</p>'

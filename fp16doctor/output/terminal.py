@@ -200,7 +200,7 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
         style = "bold yellow" if any(f.severity == "warning" for f in diagnosis.findings) else "bold green"
         console.print(
             f"[{style}]healthy[/]: {escape(training_file)} "
-            f"{healthy_headline([f.severity for f in diagnosis.findings])}."
+            f"{healthy_headline([f.severity for f in diagnosis.findings], diagnosis.only_eager_fails)}."
         )
     else:
         console.print(

@@ -170,11 +170,15 @@ def remember_fp32_states(ctx: StageContext, steps: list[int]) -> None:
         reference.close()
 
 
-def probe_at(ctx: StageContext, mode: str, config: DoctorConfig, step: int, whole_batches: bool = False) -> Probe:
+def probe_at(
+    ctx: StageContext, mode: str, config: DoctorConfig, step: int, whole_batches: bool = False, compiled: bool = False
+) -> Probe:
     """A probe of ``mode`` holding the FP32 trajectory's weights at ``step``, about to take that step.
     ``whole_batches``: never micro-batched, for a caller that hooks what each module computes on the batch
-    (a micro-batched FP32 step would show it a part of the rows at a time)."""
-    probe = ctx.bench.probe(mode, config, instruments=None, **({"batch_plan": UNSPLIT} if whole_batches else {}))
+    (a micro-batched FP32 step would show it a part of the rows at a time). ``compiled``: the step calls the
+    compiled program, as the training compiles it."""
+    options: dict[str, Any] = {"batch_plan": UNSPLIT} if whole_batches else {}
+    probe = ctx.bench.probe(mode, config, instruments=None, compiled=compiled, **options)
     probe.model.load_state_dict(fp32_state_at(ctx, step))
     probe.iteration = probe.cursor = step
     seed_everything(ctx.config.seed + step)  # the same dropout masks in every mode
@@ -199,7 +203,9 @@ SKIP_BACKOFFS = 8
 """A same-state step whose skip changes what a later optimizer sees is retried at most this many lower scales."""
 
 
-def same_state_step(ctx: StageContext, mode: str, config: DoctorConfig, step: int) -> StepRecord:
+def same_state_step(
+    ctx: StageContext, mode: str, config: DoctorConfig, step: int, compiled: bool = False
+) -> StepRecord:
     """One step of ``mode`` on the FP32 trajectory's state at ``step``, at a loss scale no optimizer skips at.
 
     Each probe's scaler starts at ``init_scale``, so every same-state step is a run's first, where the scaler's
@@ -208,7 +214,7 @@ def same_state_step(ctx: StageContext, mode: str, config: DoctorConfig, step: in
     to, as the run itself does, until no optimizer of the iteration skips (the record's ``loss_scale`` says which).
     """
     for _ in range(SKIP_BACKOFFS + 1):
-        probe = probe_at(ctx, mode, config, step)
+        probe = probe_at(ctx, mode, config, step, compiled=compiled)
         try:
             record = probe.step()
             lowered = float(probe.scaler.get_scale()) if probe.scaler.is_enabled() else record.loss_scale
@@ -243,10 +249,13 @@ def worst_underflow(observed: pd.DataFrame | None) -> float:
     return float(observed[GradientColumn.OBSERVED_UNDERFLOW_MASS].max()) if len(observed) else 0.0
 
 
-def same_state_gap(ctx: StageContext, config: DoctorConfig, step: int) -> float:
-    """AMP under ``config`` against fp32 on the FP32 trajectory's state at ``step``: same weights, same batch."""
-    losses = same_state_losses(ctx, step, {"fp32": ("fp32", ctx.config), "amp": ("amp", config)})
-    return relative_deviation(losses["amp"], losses["fp32"], ctx.loss_floor)
+def same_state_gap(ctx: StageContext, config: DoctorConfig, step: int, compiled: bool = False) -> float:
+    """AMP under ``config`` against fp32 on the FP32 trajectory's state at ``step``: same weights, same batch.
+    ``compiled``: the AMP step calls the compiled program (FP32 stays the eager baseline)."""
+    with ctx.progress.planned(2):
+        fp32 = same_state_step(ctx, "fp32", ctx.config, step).loss
+        amp = same_state_step(ctx, "amp", config, step, compiled=compiled).loss
+    return relative_deviation(amp, fp32, ctx.loss_floor)
 
 
 def measured_symptoms(
