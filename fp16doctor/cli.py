@@ -295,6 +295,8 @@ def compare(
                 "--html draws one process's comparison, not the ranks'.", hint="With --nproc, use --json (its ranks)."
             )
         modes = [m for m, on in (("fp32", fp32), ("amp", amp), ("bf16", bf16)) if on] or ["fp32", "amp"]
+        from .userfile.spec import notes_under
+
         notes: list[str] = []
         with err.status("preparing: drawing batches, building the model") as status:
             result = api.compare(
@@ -303,7 +305,7 @@ def compare(
                 tolerance=tol,
                 divergence=divergence_tol,
                 config_file=config,
-                on_ready=lambda loaded: notes.extend(loaded.spec.notes),
+                on_ready=lambda loaded: notes.extend(notes_under(loaded.spec.notes, loaded.config.compile.enabled)),
                 on_mode=lambda m: status.update(f"running the {m} probe"),
                 from_checkpoint=checkpoint_start(from_checkpoint, from_step, trust_checkpoint),
                 nproc=nproc,
@@ -499,11 +501,12 @@ def train(
 
     def job() -> int:
         from . import api
+        from .userfile.spec import notes_under
 
         loaded = api.load(training_file, config, **flags(steps=steps, seed=seed, device=device, dtype=dtype))
         options = train_options(training_file, run_dir, checkpoint_every, resume, on_nonfinite, max_nonfinite, force)
         code = run_training(loaded, options, nproc, training_file)
-        show_notes(loaded.spec.notes)
+        show_notes(notes_under(loaded.spec.notes, loaded.config.compile.enabled))
         return code
 
     guarded(debug, job)

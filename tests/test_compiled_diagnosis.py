@@ -411,3 +411,13 @@ def test_a_compiled_probe_with_instruments_compiles_its_graph_once():
         probe.close()
     assert probe.runs_compiled and len(probe.records) == 4
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_the_compiled_note_says_every_probe_runs_eager_where_the_config_turns_compiling_off():
+    from fp16doctor.userfile.spec import COMPILE_OFF_NOTE, COMPILED_NOTE, notes_under
+
+    other = "a note of another kind"
+    assert notes_under([COMPILED_NOTE, other], None) == [COMPILED_NOTE, other]
+    assert notes_under([COMPILED_NOTE, other], True) == [COMPILED_NOTE, other]
+    assert notes_under([COMPILED_NOTE, other], False) == [COMPILE_OFF_NOTE, other]
+    assert "compiled too" not in COMPILE_OFF_NOTE and "eager" in COMPILE_OFF_NOTE

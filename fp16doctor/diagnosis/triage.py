@@ -19,7 +19,7 @@ from ..engine.records import Reading, Table
 from ..errors import MemoryLimitError, one_line, smaller_run_hint
 from ..measure.symptoms import Symptom
 from ..tensors import OUT_OF_MEMORY
-from ..userfile.spec import TrainingSpec
+from ..userfile.spec import TrainingSpec, notes_under
 from .findings import (
     SEVERITIES,
     CapsuleReplay,
@@ -276,7 +276,8 @@ def _triage(
         )
     )
     stages.append(search_stage)
-    return Diagnosis(findings=findings, stages=stages, evidence=evidence, notes=list(spec.notes), corrected=corrected)
+    notes = notes_under(spec.notes, config.compile.enabled)
+    return Diagnosis(findings=findings, stages=stages, evidence=evidence, notes=notes, corrected=corrected)
 
 
 def with_parallel_symptoms(evidence: Evidence) -> list[Symptom]:

@@ -45,6 +45,18 @@ COMPILED_NOTE = (
     "their instruments see every submodule and aten operator, and the AMP probe runs compiled too, as the "
     "training does (stage 'compiled'): the diagnosis is of the compiled training"
 )
+COMPILE_OFF_NOTE = (
+    "model() returns a torch.compile'd module, but the config's compile.enabled is false: every probe runs the "
+    "module it wraps eager, and the diagnosis is of the eager training"
+)
+
+
+def notes_under(notes: list[str], compile_enabled: bool | None) -> list[str]:
+    """The loaded file's notes as they hold under the config: with ``compile.enabled`` false, the compiled note
+    says that every probe runs eager instead."""
+    return [COMPILE_OFF_NOTE if n == COMPILED_NOTE and compile_enabled is False else n for n in notes]
+
+
 OPTIONAL_CALLABLES = ("loss", "optimizer", "optimizers", "scheduler", "train_step", "parallelize")
 NEAR_MISSES = {
     "loss": (

@@ -58,7 +58,8 @@ LOCALISING_BACKENDS = ("eager", "aot_eager")
 def stage_compiled(ctx: StageContext) -> StageReport:
     spec, ev = ctx.bench.spec, ctx.evidence
     if not training_compiles(ctx.config.compile, spec.compiled):
-        return StageReport(StageName.COMPILED, StageStatus.SKIPPED, "the training is not compiled")
+        why = "compile.enabled is false: every probe runs eager" if spec.compiled else "the training is not compiled"
+        return StageReport(StageName.COMPILED, StageStatus.SKIPPED, why)
     assert ev.amp is not None, "the compiled stage runs after the eager AMP probe"
     compiled, probe_seconds, compile_seconds = _timed_compiled_probe(ctx, {})
     eager_gap, compiled_gap = _same_state_gaps(ctx)
