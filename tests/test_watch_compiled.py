@@ -112,8 +112,29 @@ def test_each_form_of_torch_compile_is_recorded_by_what_the_model_call_runs(monk
     assert recorder.functions_compiled
 
 
-def test_a_capsule_replays_a_custom_backend_with_inductor_and_says_so():
+def test_a_capsule_replays_a_custom_backend_it_could_not_store_with_inductor_and_says_so():
     assert replay_backend("aot_eager") == "aot_eager" and replay_backend("train.fusing_backend") == "inductor"
     note = replay_note({"step": 3, "replay": "output-grads", "compiled": {"backend": "train.fusing_backend"}})
-    assert "replayed both ways" in note and "its backend is not stored: replayed with inductor" in note
+    assert "replayed both ways" in note and "it is not stored: replayed with inductor" in note
+    assert "a fault only that backend makes is not reproduced" in note
+    stored = {"step": 3, "replay": "output-grads", "compiled": {"backend": "train.fusing_backend"}}
+    assert "inductor" not in replay_note({**stored, "files": ["model.pt", "backend.pt"]})
     assert "compiled" not in replay_note({"step": 3, "replay": "output-grads", "compiled": None})
+
+
+@pytest.mark.slow
+def test_a_capsule_of_a_custom_backend_replays_with_that_backend_and_blames_it_not_the_loss(tmp_path):
+    """The script's own backend (defined in it) makes the step NaN; its cross-entropy is sound. The capsule pickles
+    the backend, the replay compiles with it: compiled-divergence, down to the node, and no loss finding (inductor
+    in its place replayed finite, and the recorded NaN was put on the loss)."""
+    script = ROOT / "tests" / "scripts" / "custom_backend_loop.py"
+    watched = run_cli("watch", "--capsule-dir", "caps", script, cwd=tmp_path)
+    assert watched.returncode == 1 and "nonfinite at optimizer step 0" in watched.stderr, watched.stderr[-3000:]
+    capsule = tmp_path / "caps" / "step_00000000"
+    assert "backend.pt" in json.loads((capsule / "manifest.json").read_text())["files"]
+    diagnosis = run_cli("diagnose", "--ci", "--json", "--capsule", capsule)
+    report = json.loads(diagnosis.stdout)
+    causes = [f["cause"] for f in report["findings"] if f["severity"] == "error"]
+    assert causes == ["compiled-divergence"], diagnosis.stderr[-3000:]
+    first = report["findings"][0]["evidence"]["graph_trace"]["first_nonfinite"]
+    assert (first["node"], first["module"], first["operator"]) == ("layer_norm", "input_norm", "one_pass_layer_norm")

@@ -35,6 +35,9 @@ SHARDS = "sharded_state"
 """A capsule's folder of the ranks' own shards of the state (``torch.distributed.checkpoint``), where the whole
 state was past the watch's gather limit."""
 CAPSULE_FILES = ("capsule.pt", "model.pt", "config.json", "train_capsule.py")
+BACKEND_FILE = "backend.pt"
+"""A custom ``torch.compile`` backend the run compiled with, pickled with cloudpickle (where it pickles): the replay
+compiles with it, not with inductor in its place (which computes another program)."""
 MANIFEST = "manifest.json"
 REPLAY_INDEX = "replay_index"
 """The batch field (a 0-dim integer tensor) that names a micro-batch's recorded output gradients."""
@@ -217,6 +220,7 @@ def write_manifest(
     compiled: CompileOptions | None = None,
     sharding: dict[str, Any] | None = None,
     not_emulated: list[str] | None = None,
+    backend_stored: bool = False,
 ) -> None:
     """What a reader checks first: the format, the files, which replay the capsule supports, what the watch saw
     of the step's loss and of the state it started from, how the model was compiled, the ranks it emulates (a
@@ -226,7 +230,7 @@ def write_manifest(
         "fp16doctor": __version__,
         "step": step,
         "replay": replay,
-        "files": list(CAPSULE_FILES),
+        "files": [*CAPSULE_FILES, *([BACKEND_FILE] if backend_stored else [])],
         "loss_finding": loss_finding,
         **(loss or LossRecord(None)).to_json(),
         **(start or ReplayStart()).to_json(),
@@ -272,10 +276,11 @@ def replay_note(manifest: dict[str, Any]) -> str:
     """What a capsule diagnosis replays, and what it cannot verify."""
     unlike = manifest.get("not_emulated") or []
     differs = f"; not emulated, as the run had it: {'; '.join(unlike)}" if unlike else ""
-    return _replayed(manifest) + differs + _compiled_note(manifest.get("compiled"))
+    stored = BACKEND_FILE in (manifest.get("files") or [])
+    return _replayed(manifest) + differs + _compiled_note(manifest.get("compiled"), stored)
 
 
-def _compiled_note(compiled: dict[str, Any] | None) -> str:
+def _compiled_note(compiled: dict[str, Any] | None, backend_stored: bool = False) -> str:
     if not compiled:
         return ""
     how = ", ".join(f"{k} {compiled[k]}" for k in ("backend", "mode", "dynamic") if compiled.get(k) is not None)
@@ -283,10 +288,11 @@ def _compiled_note(compiled: dict[str, Any] | None) -> str:
     backend = compiled.get("backend")
     instead = (
         ""
-        if replayed == backend
+        if replayed == backend or backend_stored
         else f" (its backend, compiled before the watch began, was not seen: replayed with {replayed})"
         if backend == "unknown"
-        else f" (its backend is not stored: replayed with {replayed})"
+        else f" (its backend did not pickle, so it is not stored: replayed with {replayed}, which computes another"
+        " program; a fault only that backend makes is not reproduced)"
     )
     return (
         f"; the watched model ran compiled (torch.compile: {how}), and the step is replayed both ways, compiled"
@@ -306,8 +312,8 @@ def _compiled_return(compiled: CompileOptions | None) -> str:
         return "net"
     options = {k: v for k, v in compiled.options.items() if isinstance(v, (bool, int, float, str))}
     return (
-        f"torch.compile(net, backend={replay_backend(compiled.backend)!r}, mode={compiled.mode!r}, "
-        f"dynamic={compiled.dynamic!r}, options={options or None!r})"
+        f"torch.compile(net, backend=backend({replay_backend(compiled.backend)!r}), mode={compiled.mode!r}, "
+        f"dynamic={compiled.dynamic!r}, fullgraph={compiled.fullgraph!r}, options={options or None!r})"
     )
 
 
@@ -496,6 +502,12 @@ def capsule_training_file(
             STATE.update(whole_from_shards(HERE, STATE["shard_keys"], STATE["parameter_keys"]))
         CONFIG = {config!r}
         sys.path[:0] = [p for p in STATE["import_paths"] if p not in sys.path]   # where the model's classes live
+
+
+        def backend(otherwise):
+            """The run's own custom backend where the watch stored it (cloudpickle), else the one named."""
+            stored = HERE / "{BACKEND_FILE}"
+            return torch.load(stored, weights_only=False) if stored.is_file() else otherwise
 
 
         def model():

@@ -40,6 +40,7 @@ from ..tensors import dtype_name, grad_values, norms
 from ..userfile.batches import map_tensors
 from ..userfile.compiled import CompileOptions
 from .capsule import (
+    BACKEND_FILE,
     CAPSULE_FORMAT,
     SHARDS,
     CapsuleContents,
@@ -462,6 +463,7 @@ class Watch:
             config["sharding"] = contents.sharding
         replay = "output-grads" if contents.output_grads is not None else self.framework
         atomic_write_text(folder / "config.json", json.dumps(config, indent=2))
+        backend_stored = self._store_backend(folder)
         atomic_write_text(
             folder / "train_capsule.py", capsule_training_file(numbers, config, self.framework, replay, self.compiled)
         )
@@ -480,7 +482,20 @@ class Watch:
             compiled=self.compiled,
             sharding=contents.sharding,
             not_emulated=contents.not_emulated,
+            backend_stored=backend_stored,
         )
+
+    def _store_backend(self, folder: Path) -> bool:
+        """The run's custom compile backend, pickled into the capsule; False where there is none or it does not
+        pickle (a closure over a live object): the replay then compiles with inductor, and its note says so."""
+        compiler = self.compiled.compiler if self.compiled is not None else None
+        if compiler is None:
+            return False
+        try:
+            atomic_torch_save(folder / BACKEND_FILE, compiler, pickle_module=cloudpickle)
+        except Exception:  # noqa: BLE001 - anything pickling raises: the capsule is written without it
+            return False
+        return True
 
     def _save_model(
         self,

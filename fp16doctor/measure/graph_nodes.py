@@ -349,7 +349,8 @@ def _operator(n: torch.fx.Node) -> str:
         return str(target)  # aten.mul.Tensor
     module = getattr(target, "__module__", None)
     name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
-    return f"{module}.{name}" if module and not module.startswith(("torch", "builtins", "_operator")) else name
+    shown = module and module != "__main__" and not module.startswith(("torch", "builtins", "_operator"))
+    return f"{module}.{name}" if shown else name
 
 
 def _user_line(n: torch.fx.Node) -> str | None:

@@ -64,7 +64,10 @@ class CompileOptions:
 
 
 def _callable_name(fn: Any) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    """``module.function``; a script's own function (``__main__``) by its name alone, as its author knows it."""
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    module = getattr(fn, "__module__", "?")
+    return name if module == "__main__" else f"{module}.{name}"
 
 
 def _plain(value: Any) -> Any:

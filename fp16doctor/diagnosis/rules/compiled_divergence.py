@@ -97,7 +97,7 @@ class CompiledDivergence(Rule):
     code = "compiled-divergence"
     order = 88
     evidence_type: ClassVar[type[EvidenceRecord]] = CompiledDivergenceEvidence
-    explains = ("nonfinite", "skips", "trajectory-drift", "amp-exception", "lost-updates")
+    explains = ("nonfinite", "skips", "trajectory-drift", "same-state-gap", "amp-exception", "lost-updates")
     training_files = ("compiled_custom_backend.py", "compiled_backend_drift.py", "compiled_inductor_lowering.py")
     fires_on = (
         lambda: comparison_case(

@@ -62,7 +62,7 @@ def stage_compiled(ctx: StageContext) -> StageReport:
         return StageReport(StageName.COMPILED, StageStatus.SKIPPED, why)
     assert ev.amp is not None, "the compiled stage runs after the eager AMP probe"
     compiled, probe_seconds, compile_seconds = _timed_compiled_probe(ctx, {})
-    eager_gap, compiled_gap = _same_state_gaps(ctx)
+    eager_gap, compiled_gap = _same_state_gaps(ctx, compiled)
     eager_symptoms = measured_symptoms(ctx, ctx.config, ev.amp, ev.fp32, eager_gap)
     compiled_symptoms = measured_symptoms(ctx, ctx.config, compiled, ev.fp32, compiled_gap, compiled=True)
     outcome = _outcome(eager_symptoms, compiled_symptoms)
@@ -88,14 +88,17 @@ def stage_compiled(ctx: StageContext) -> StageReport:
     return StageReport(StageName.COMPILED, StageStatus.RAN, _sentence(comparison), details=details)
 
 
-def _same_state_gaps(ctx: StageContext) -> tuple[float | None, float | None]:
+def _same_state_gaps(ctx: StageContext, compiled: ProbeSummary) -> tuple[float | None, float | None]:
     """Eager's and the compiled program's AMP loss against FP32's on the same weights and batch, at the step where
     eager's deviates most (the precision-gap stage's): a gap eager has and the compiled program has not (inductor
-    keeps an element-wise chain in fp32 registers) is no fault of the training as it runs. (None, None) where the
-    precision-gap stage compared no state."""
+    keeps an element-wise chain in fp32 registers) is no fault of the training as it runs. None where the
+    precision-gap stage compared no state, and the compiled one where the compiled probe is not finite (a range
+    problem, not a precision gap, as the precision-gap stage says of eager)."""
     gap = ctx.evidence.gap
     if gap is None:
         return None, None
+    if compiled.first_nonfinite_loss is not None:
+        return gap.gap, None
     return gap.gap, same_state_gap(ctx, ctx.config, gap.worst_step, compiled=True)
 
 
