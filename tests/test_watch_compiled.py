@@ -138,3 +138,14 @@ def test_a_capsule_of_a_custom_backend_replays_with_that_backend_and_blames_it_n
     assert causes == ["compiled-divergence"], diagnosis.stderr[-3000:]
     first = report["findings"][0]["evidence"]["graph_trace"]["first_nonfinite"]
     assert (first["node"], first["module"], first["operator"]) == ("layer_norm", "input_norm", "one_pass_layer_norm")
+
+
+@pytest.mark.slow
+def test_a_capsule_of_a_model_compiled_per_block_says_its_replay_runs_the_blocks_eager(tmp_path):
+    watched = run_cli("watch", "--capsule-dir", "caps", SCRIPT, "--compile-blocks", "--poison-step", "2", cwd=tmp_path)
+    assert watched.returncode == 1, watched.stderr[-3000:]
+    manifest = json.loads((tmp_path / "caps" / "step_00000002" / "manifest.json").read_text())
+    assert manifest["compiled"] is None  # the model itself ran eager
+    said = " ".join(manifest["not_emulated"])
+    assert "blocks.0, blocks.1 ran compiled" in said and "the replay runs them eager" in said
+    assert "blocks.0, blocks.1 ran compiled" in replay_note(manifest)
