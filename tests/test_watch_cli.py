@@ -225,3 +225,12 @@ def test_a_gan_whose_discriminator_joins_later_is_watched_at_every_step_of_both_
     top = json.loads(diagnosis.stdout)["findings"][0]
     assert top["cause"] == "nonfinite-data" and top["evidence"]["nan"] == 1, diagnosis.stderr[-3000:]
     assert top["verification"]["repaired"]  # the NaN row dropped, with its row of the recorded output gradient
+
+
+def test_diagnose_given_a_script_whose_model_is_a_module_points_at_watch(tmp_path):
+    """A script's `model = torch.compile(net)` is a module, not the contract's `def model()`: still a script."""
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\n")
+    proc = run_cli("diagnose", script, cwd=tmp_path)
+    assert proc.returncode == 2 and "does not define data()" in proc.stderr
+    assert f"fp16doctor watch {script} ARGS" in " ".join(proc.stderr.split())

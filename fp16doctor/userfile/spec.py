@@ -177,7 +177,8 @@ def load_training_file(path: str | Path) -> TrainingSpec:
     missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
     if missing:
         hint = "A training file needs `def model() -> torch.nn.Module` and `def data() -> iterable of batches`; see docs/training-file.md."
-        if len(missing) == len(REQUIRED):  # a plain training script, not a training file
+        model = getattr(module, "model", None)
+        if len(missing) == len(REQUIRED) or isinstance(model, torch.nn.Module):  # a training script's own loop
             hint += f" To watch the script as it is, run: fp16doctor watch {path} ARGS"
         raise TrainingFileError(
             f"training file '{path}' does not define {' and '.join(n + '()' for n in missing)}.", hint=hint
