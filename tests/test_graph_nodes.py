@@ -4,6 +4,7 @@ a backend whose program is no FX graph is said to be opaque."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -36,9 +37,9 @@ class Model(nn.Module):
         return self.inner(x + 1)
 
 
-def traced(module, backend=graph_pass):
+def traced(module, backend=graph_pass, compare=False):
     torch._dynamo.reset()
-    trace = GraphTrace()
+    trace = GraphTrace(compare_with_eager=compare)
     return torch.compile(module, backend=trace.backend(backend)), trace
 
 
@@ -202,7 +203,7 @@ SHIFTED = 7.5 + 0.3 * torch.randn(4, 8, generator=torch.Generator().manual_seed(
 def test_a_pass_that_swaps_an_operator_is_named_where_its_value_first_differs_from_eager():
     model = Normed()
     expected = model(SHIFTED)
-    program, trace = traced(model, swapping_pass)
+    program, trace = traced(model, swapping_pass, compare=True)
     got = program(SHIFTED)
     assert torch.isfinite(got) and got != expected and trace.first is None
     differs = trace.first_difference
@@ -212,7 +213,7 @@ def test_a_pass_that_swaps_an_operator_is_named_where_its_value_first_differs_fr
 
 
 def test_a_node_the_backend_added_is_named_when_what_it_feeds_differs():
-    program, trace = traced(Normed(), decomposing_pass)
+    program, trace = traced(Normed(), decomposing_pass, compare=True)
     assert torch.isfinite(program(SHIFTED))
     differs = trace.first_difference
     assert differs is not None and differs.added and differs.node == "half"
@@ -223,7 +224,83 @@ def test_a_backend_that_computes_what_eager_computes_names_no_difference_and_kee
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
     torch.manual_seed(1)
     expected = model(SHIFTED)
-    program, trace = traced(model)
+    program, trace = traced(model, compare=True)
     torch.manual_seed(1)
     assert torch.equal(program(SHIFTED), expected)  # the eager run first drew no dropout mask the program did not
     assert trace.first_difference is None and trace.first is None
+
+
+class SummedInHalf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 64)
+
+    def forward(self, x):
+        return self.proj(x).sum()
+
+
+def half_sum_pass(gm, example_inputs):
+    """Replaces the final sum by a sum in half precision (new nodes), feeding the output directly."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_method" and node.target == "sum":
+            with graph.inserting_before(node):
+                half = graph.call_method("half", (node.args[0],))
+                total = graph.call_method("float", (graph.call_method("sum", (half,)),))
+            node.replace_all_uses_with(total)
+            graph.erase_node(node)
+    gm.recompile()
+    return gm.forward
+
+
+def test_a_difference_only_the_nodes_feeding_the_output_make_is_found_at_the_output():
+    program, trace = traced(SummedInHalf(), half_sum_pass, compare=True)
+    assert torch.isfinite(program(100 * SHIFTED))
+    differs = trace.first_difference
+    assert differs is not None and differs.added and differs.node == "half"
+
+
+def contiguous_then_swap(gm, example_inputs):
+    """Inserts a harmless node before layer_norm and swaps layer_norm's operator: the swapped node is named."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is torch.nn.functional.layer_norm:
+            with graph.inserting_before(node):
+                same = graph.call_method("contiguous", (node.args[0],))
+            node.replace_input_with(node.args[0], same)
+            node.target = half_layer_norm
+    gm.recompile()
+    return gm.forward
+
+
+def test_the_node_the_pass_changed_is_named_rather_than_a_harmless_node_it_added():
+    program, trace = traced(Normed(), contiguous_then_swap, compare=True)
+    program(SHIFTED)
+    differs = trace.first_difference
+    assert differs is not None and (differs.node, differs.added) == ("layer_norm", False)
+
+
+def regraphing_backend(gm, example_inputs):
+    """Returns a new GraphModule of the same computation (its own node names): nothing to match by name."""
+    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)).forward
+
+
+def test_a_new_graph_module_is_not_compared_by_name_and_the_nonfinite_trace_compares_nothing():
+    program, trace = traced(Normed(), regraphing_backend, compare=True)
+    program(SHIFTED)
+    assert trace.first_difference is None
+    program, trace = traced(Normed(), swapping_pass)  # a non-finite trace: no eager copy is made
+    program(SHIFTED)
+    assert trace.first_difference is None and trace.first is None
+
+
+def test_values_are_compared_whatever_they_are_stored_in_and_a_different_inf_differs():
+    from fp16doctor.measure.graph_nodes import _relative_difference
+
+    inf = float("inf")
+    assert _relative_difference(torch.tensor([inf, 1.0]), torch.tensor([-inf, 1.0])) == inf
+    assert _relative_difference(torch.tensor([float("nan")]), torch.tensor([-inf])) == inf  # no finite entry
+    assert _relative_difference(torch.tensor([inf, float("nan")]), torch.tensor([inf, float("nan")])) == 0.0
+    half = torch.tensor([1.0, 2.0]).half()
+    assert _relative_difference(half, torch.tensor([1.0, 2.0])) == 0.0  # fp16 storage of the same values
+    assert 0 < _relative_difference(torch.tensor([1.0, 2.001]).half(), torch.tensor([1.0, 2.001])) < 1e-3

@@ -232,5 +232,9 @@ def test_diagnose_given_a_script_whose_model_is_a_module_points_at_watch(tmp_pat
     script = tmp_path / "train.py"
     script.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\n")
     proc = run_cli("diagnose", script, cwd=tmp_path)
-    assert proc.returncode == 2 and "does not define data()" in proc.stderr
+    assert proc.returncode == 2 and "does not define model() and data()" in proc.stderr
     assert f"fp16doctor watch {script} ARGS" in " ".join(proc.stderr.split())
+    script.write_text("import torch\nmodel = torch.nn.Linear(2, 2)\n\ndef data():\n    return []\n")
+    with_data = run_cli("diagnose", script, cwd=tmp_path)
+    assert with_data.returncode == 2 and "does not define model()" in with_data.stderr
+    assert f"fp16doctor watch {script} ARGS" in " ".join(with_data.stderr.split())

@@ -722,15 +722,16 @@ class Probe:
         self.records.append(record)
         return record
 
-    def instrument(self, options: InstrumentOptions | None = None) -> Instruments:
-        """Attach the numerics instruments (see :mod:`.instruments`) to this probe's model and optimizer."""
+    def instrument(self, options: InstrumentOptions | None = None, eager_step: bool = False) -> Instruments:
+        """Attach the numerics instruments (see :mod:`.instruments`) to this probe's model and optimizer. Their
+        module hooks only where the steps run eager: where they call the compiled program, unless ``eager_step``
+        (the caller runs the step forced eager, ``torch.compiler.set_stance("force_eager")``)."""
         if self.instruments is not None and options is not None and options != self.instruments.options:
             self.instruments.detach()
             self.instruments = None
         if self.instruments is None:
-            self.instruments = Instruments(
-                self.model, self.optimizers.all(), options, hook_modules=not self.runs_compiled
-            )
+            hook_modules = eager_step or not self.runs_compiled
+            self.instruments = Instruments(self.model, self.optimizers.all(), options, hook_modules=hook_modules)
         return self.instruments
 
     def _end_instruments(self, trace: StepTrace) -> None:

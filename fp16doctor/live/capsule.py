@@ -505,9 +505,16 @@ def capsule_training_file(
 
 
         def backend(otherwise):
-            """The run's own custom backend where the watch stored it (cloudpickle), else the one named."""
+            """The run's own custom backend where the watch stored it (cloudpickle), else the one named (also where
+            it does not load here: imported from a package this machine lacks)."""
             stored = HERE / "{BACKEND_FILE}"
-            return torch.load(stored, weights_only=False) if stored.is_file() else otherwise
+            if not stored.is_file():
+                return otherwise
+            try:
+                return torch.load(stored, weights_only=False)
+            except Exception as exc:  # noqa: BLE001 - any unpickling error: the replay goes on, and says so
+                print(f"note: the run's compile backend does not load here ({{exc}}): replayed with {{otherwise}}", file=sys.stderr)
+                return otherwise
 
 
         def model():

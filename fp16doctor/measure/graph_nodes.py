@@ -95,24 +95,35 @@ class GraphTrace:
     """The types of what the backend returned that is not an FX graph (nothing could be looked into)."""
     step: int = 0
     """The probe step running now (the stage moves it on)."""
+    compare_with_eager: bool = False
+    """Compare each graph's first call with dynamo's graph run eagerly (a drift's trace: it holds a copy of every
+    value of that forward once)."""
 
     def backend(self, compiler: Callable[..., Any]) -> Callable[..., Any]:
-        """``compiler`` (the training's own backend) with each graph it returns run node by node."""
+        """``compiler`` (the training's own backend) with each graph it returns run node by node; with
+        :attr:`compare_with_eager`, a graph the backend rewrote in place is also compared with dynamo's as it
+        received it (a new ``GraphModule`` names its nodes its own way: nothing to match them by)."""
 
         def traced_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            eager = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))  # a pass may rewrite gm's own graph
+            eager = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)) if self.compare_with_eager else None
             compiled = compiler(gm, example_inputs)
             graph = _graph_of(compiled)
             if graph is None:
                 self.opaque.append(type(compiled).__name__)
                 return compiled
+            if graph is not gm:
+                eager = None
             compared = False
 
             def run(*args: Any) -> Any:
                 nonlocal compared
                 reference = None
-                if not compared and self.first_difference is None:  # a graph's first call: the same weights as eager
-                    compared, reference = True, _eager_values(eager, args)
+                if eager is not None and not compared and self.first_difference is None:  # the same weights
+                    compared = True
+                    try:
+                        reference = _eager_values(eager, args)
+                    except Exception:  # noqa: BLE001 - dynamo's graph does not run eagerly here: nothing to compare
+                        reference = None
                 return _FirstNonfinite(graph, self, "the backend's graph", reference).run(*args)
 
             return run
@@ -186,9 +197,18 @@ class _FirstNonfinite(torch.fx.Interpreter):
         return result
 
     def _compare(self, n: torch.fx.Node, result: Any) -> None:
-        """Whether ``n``'s value is eager's; the first node that differs while what it read agreed is named."""
+        """Whether ``n``'s value is eager's; the first node that differs is named: one the backend changed (another
+        operator under the same name), else one whose reads all agreed, else the first added node that fed it.
+        A comparison that fails stops comparing (the non-finite trace goes on)."""
         assert self.reference is not None
-        if n.op in ("placeholder", "get_attr", "output"):
+        try:
+            self._compare_node(n, result)
+        except Exception:  # noqa: BLE001 - a value the comparison cannot read: no difference is named
+            self.reference = None
+
+    def _compare_node(self, n: torch.fx.Node, result: Any) -> None:
+        assert self.reference is not None
+        if n.op in ("placeholder", "get_attr"):
             self.agrees[n] = True
             return
         expected = self.reference.get(n.name, _ABSENT)
@@ -200,7 +220,8 @@ class _FirstNonfinite(torch.fx.Interpreter):
         if difference == 0.0:
             return
         reads = [self.agrees.get(read, True) for read in n.all_input_nodes]
-        if all(reads):
+        changed = n.op != "output" and self.reference.get(_CALLS, {}).get(n.name) != (n.op, n.target)
+        if changed or all(reads):
             self.trace.first_difference = self._named(n, difference)
         elif not any(read is False for read in reads):  # fed by nodes the backend added, every other read agreed
             added = self._first_added(n)
@@ -263,13 +284,16 @@ class _FirstNonfinite(torch.fx.Interpreter):
 
 
 _ABSENT = object()
+_CALLS = "\x00calls"
+"""The reference's entry (no node's name) holding each node's (op, target) in dynamo's graph, by name."""
 
 
 def _eager_values(graph: torch.fx.GraphModule, args: tuple[Any, ...]) -> dict[str, Any]:
     """Each node's value, by name, with ``graph`` (dynamo's, as the backend received it) run eagerly on copies of
-    ``args``, without autograd, and with the random generators given back as they were: the backend's graph then
-    draws the same dropout masks, and a buffer the graph updates in place is updated once."""
-    values: dict[str, Any] = {}
+    ``args``, without autograd, and with the random generators of the devices the arguments are on given back as
+    they were: the backend's graph then draws the same dropout masks, and a buffer the graph updates in place is
+    updated once. Under :data:`_CALLS`, what each node calls."""
+    values: dict[str, Any] = {_CALLS: {n.name: (n.op, n.target) for n in graph.graph.nodes}}
 
     class Recorder(torch.fx.Interpreter):
         def run_node(self, n: torch.fx.Node) -> Any:
@@ -277,7 +301,7 @@ def _eager_values(graph: torch.fx.GraphModule, args: tuple[Any, ...]) -> dict[st
             values[n.name] = _copied(result)
             return result
 
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    devices = sorted({a.device.index or 0 for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.is_cuda})
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
         Recorder(graph).run(*(_copied(a) for a in args))
     return values
@@ -289,9 +313,10 @@ def _copied(value: Any) -> Any:
 
 
 def _relative_difference(value: Any, expected: Any) -> float:
-    """0 where ``value`` equals ``expected`` (NaN where both are NaN); else the largest difference of their floating
-    tensors relative to the expected's largest magnitude (inf where a NaN or inf is not matched, 1 where another
-    value differs)."""
+    """0 where ``value`` equals ``expected`` (NaN where both are NaN, the same inf where both are inf); else the
+    largest difference of their floating tensors relative to the expected's largest finite magnitude, compared in
+    fp32 or wider whatever each is stored in (inf where the non-finite entries differ, 1 where another value
+    differs)."""
     got, want = tree_leaves(value), tree_leaves(expected)
     if len(got) != len(want):
         return 1.0
@@ -299,27 +324,27 @@ def _relative_difference(value: Any, expected: Any) -> float:
     with torch.no_grad():
         for a, b in zip(got, want):
             if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-                worst = max(worst, 0.0 if a == b or a is b else 1.0)
-            elif a.shape != b.shape or a.dtype != b.dtype:
+                worst = max(worst, 0.0 if a is b or a == b else 1.0)
+            elif a.shape != b.shape:
                 worst = max(worst, 1.0)
-            elif a.is_floating_point():
+            elif a.is_floating_point() and b.is_floating_point():
                 worst = max(worst, _float_difference(a, b))
-            elif not torch.equal(a, b):
+            elif a.dtype != b.dtype or not torch.equal(a, b):
                 worst = max(worst, 1.0)
     return worst
 
 
 def _float_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    same = (a == b) | (a.isnan() & b.isnan())
-    if bool(same.all()):
-        return 0.0
-    if not bool((a.isfinite() == b.isfinite()).all()):
+    wide = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    a, b = a.detach().to(wide), b.detach().to(wide)
+    if not (bool((a.isnan() == b.isnan()).all()) and bool(torch.where(a.isinf() | b.isinf(), a == b, True).all())):
         return math.inf
-    finite = b.isfinite()
-    scale = float(b[finite].abs().max()) if bool(finite.any()) else 0.0
+    finite = a.isfinite()
+    if not bool(finite.any()):
+        return 0.0
     spread = float((a - b)[finite].abs().max())
-    return spread / scale if scale > 0 else math.inf
+    scale = float(b[finite].abs().max())
+    return 0.0 if spread == 0.0 else spread / scale if scale > 0 else math.inf
 
 
 def _is_stored_as(n: torch.fx.Node) -> bool:

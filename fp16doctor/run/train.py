@@ -424,7 +424,8 @@ class Trainer:
             self.probe.restore(snap)
             for earlier in batches[:-1]:
                 self.probe.step(earlier)
-            instruments = self.probe.instrument(InstrumentOptions(count_nonfinite=True))  # one step: count exactly
+            # one step, counted exactly; trace_step runs it forced eager, so the module hooks see every module
+            instruments = self.probe.instrument(InstrumentOptions(count_nonfinite=True), eager_step=True)
             localisation = trace_step(self.probe, batches[-1], step)
             first = instruments.first_nonfinite_forward()
             report["localisation"] = localisation.to_json() if localisation else None

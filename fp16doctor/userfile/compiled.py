@@ -198,10 +198,11 @@ def compiled_program(
     user's program, a custom backend included), else ``model`` compiled with them over what ``model()`` compiled
     with: its backend (a custom one too, where ``model()`` gave the function: a module compiled in place), its
     ``dynamic`` and ``fullgraph`` (a graph break ``fullgraph`` refuses is the training's own error, in every
-    variant tried); inductor where the recorded backend cannot be called (a capsule's custom one).
+    variant tried, except where the settings run regions eagerly: those breaks are the doctor's); inductor where the recorded backend cannot be called (a capsule's custom one).
     ``backend``: ``model`` compiled anew with this backend function (a graph trace's), whatever the settings say."""
     dynamic = recorded.dynamic if recorded is not None else None
-    fullgraph = recorded.fullgraph if recorded is not None else False
+    # the doctor's own graph breaks (the regions it runs eagerly) are no fault fullgraph should refuse
+    fullgraph = recorded.fullgraph and not settings.eager_modules if recorded is not None else False
     if backend is not None:
         traced = torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
         assert isinstance(traced, torch.nn.Module)
@@ -225,9 +226,9 @@ def _recorded_backend(recorded: CompileOptions | None) -> str | Callable[..., An
     known (a capsule keeps a custom backend's name only)."""
     if recorded is None:
         return "inductor"
-    if recorded.backend in COMPILE_BACKENDS:
-        return recorded.backend
-    return recorded.compiler if recorded.compiler is not None else "inductor"
+    if recorded.compiler is not None:  # a function, whatever its name (a script's own may be called "eager")
+        return recorded.compiler
+    return recorded.backend if recorded.backend in COMPILE_BACKENDS else "inductor"
 
 
 def run_eagerly(model: torch.nn.Module, names: list[str]) -> None:

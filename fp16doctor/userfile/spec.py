@@ -165,6 +165,11 @@ def user_frame(exc: BaseException, path: Path) -> str | None:
     return found
 
 
+def _contract_function(value: Any) -> bool:
+    """A callable the contract can call: not a module instance (a script's ``model = torch.compile(net)``)."""
+    return callable(value) and not isinstance(value, torch.nn.Module)
+
+
 def load_training_file(path: str | Path) -> TrainingSpec:
     """Import the training file as plain Python would, and check the contract's names."""
     path = Path(path)
@@ -174,11 +179,10 @@ def load_training_file(path: str | Path) -> TrainingSpec:
             hint="Pass the path of a Python file that defines model() and data().",
         )
     module = _import_as_module(path)
-    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    missing = [name for name in REQUIRED if not _contract_function(getattr(module, name, None))]
     if missing:
         hint = "A training file needs `def model() -> torch.nn.Module` and `def data() -> iterable of batches`; see docs/training-file.md."
-        model = getattr(module, "model", None)
-        if len(missing) == len(REQUIRED) or isinstance(model, torch.nn.Module):  # a training script's own loop
+        if len(missing) == len(REQUIRED) or "model" in missing:  # a training script's own loop (model = Net())
             hint += f" To watch the script as it is, run: fp16doctor watch {path} ARGS"
         raise TrainingFileError(
             f"training file '{path}' does not define {' and '.join(n + '()' for n in missing)}.", hint=hint

@@ -215,7 +215,9 @@ def trace_graph(
     by the bisector)."""
     failing = {trial.backend: bool(trial.symptoms) for trial in backends}
     recorded = ctx.bench.spec.compiled
-    trace = GraphTrace()
+    # a drift's difference shows on each graph's first call; an inf or NaN may come steps later
+    drifts_only = set(symptoms) <= DRIFT_SYMPTOMS
+    trace = GraphTrace(compare_with_eager=drifts_only)
     if failing.get("eager") is False and failing.get("aot_eager"):
         backend = trace.aot_backend
     elif failing.get("aot_eager") is False and recorded is not None and recorded.compiler is not None:
@@ -226,8 +228,6 @@ def trace_graph(
     def follow(probe: Probe) -> None:
         trace.step = probe.iteration
 
-    # a drift's difference shows on each graph's first call; an inf or NaN may come steps later
-    drifts_only = set(symptoms) <= DRIFT_SYMPTOMS
     steps = 1 if drifts_only else ctx.evidence.steps
     failed = None
     try:
