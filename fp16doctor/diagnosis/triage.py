@@ -364,11 +364,16 @@ def only_eager_fails(findings: list[Finding], ev: Evidence) -> list[Finding]:
 
 
 def _explains_measured(finding: Finding, ev: Evidence) -> bool:
-    """The finding's rule explains a measured symptom (eager's, where only eager fails); a static fact does not."""
+    """The warning stands on eager's measurements: symptoms were tied to it, or its rule names measured causes
+    (an error unless, as measured, its fix fell short) and explains a measured symptom. A static fact's warning
+    (half-precision weights) holds compiled too."""
     from .rules import rules_by_code
 
+    if finding.symptoms:
+        return True
+    rule = rules_by_code()[finding.cause]
     measured = {s.code for s in ev.symptoms}
-    return bool(measured & set(rules_by_code()[finding.cause].explains))
+    return rule.severity == Severity.ERROR and bool(measured & set(rule.explains))
 
 
 def demote_unrepairing(findings: list[Finding]) -> list[Finding]:

@@ -185,18 +185,24 @@ def probe_at(
     return probe
 
 
-def same_state_losses(ctx: StageContext, step: int, configs: dict[str, tuple[str, DoctorConfig]]) -> dict[str, float]:
+def same_state_losses(
+    ctx: StageContext, step: int, configs: dict[str, tuple[str, DoctorConfig]], compiled: bool = False
+) -> dict[str, float]:
     """Loss of each (mode, config) on the FP32 trajectory's state at ``step``: same weights, same batch."""
-    return {key: record.loss for key, record in same_state_records(ctx, step, configs).items()}
+    return {key: record.loss for key, record in same_state_records(ctx, step, configs, compiled).items()}
 
 
 def same_state_records(
-    ctx: StageContext, step: int, configs: dict[str, tuple[str, DoctorConfig]]
+    ctx: StageContext, step: int, configs: dict[str, tuple[str, DoctorConfig]], compiled: bool = False
 ) -> dict[str, StepRecord]:
     """The step record of each (mode, config) on the FP32 trajectory's state at ``step`` (its loss, and the loss
-    scale it was taken at, :func:`same_state_step`)."""
+    scale it was taken at, :func:`same_state_step`). ``compiled``: the mixed-precision steps call the compiled
+    program; FP32's stays the eager baseline's."""
     with ctx.progress.planned(len(configs)):
-        return {key: same_state_step(ctx, mode, config, step) for key, (mode, config) in configs.items()}
+        return {
+            key: same_state_step(ctx, mode, config, step, compiled=compiled and mode != "fp32")
+            for key, (mode, config) in configs.items()
+        }
 
 
 SKIP_BACKOFFS = 8
@@ -252,10 +258,8 @@ def worst_underflow(observed: pd.DataFrame | None) -> float:
 def same_state_gap(ctx: StageContext, config: DoctorConfig, step: int, compiled: bool = False) -> float:
     """AMP under ``config`` against fp32 on the FP32 trajectory's state at ``step``: same weights, same batch.
     ``compiled``: the AMP step calls the compiled program (FP32 stays the eager baseline)."""
-    with ctx.progress.planned(2):
-        fp32 = same_state_step(ctx, "fp32", ctx.config, step).loss
-        amp = same_state_step(ctx, "amp", config, step, compiled=compiled).loss
-    return relative_deviation(amp, fp32, ctx.loss_floor)
+    losses = same_state_losses(ctx, step, {"fp32": ("fp32", ctx.config), "amp": ("amp", config)}, compiled)
+    return relative_deviation(losses["amp"], losses["fp32"], ctx.loss_floor)
 
 
 def measured_symptoms(
