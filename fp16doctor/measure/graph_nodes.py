@@ -121,7 +121,7 @@ class GraphTrace:
                 if eager is not None and not compared and self.first_difference is None:  # the same weights
                     compared = True
                     try:
-                        reference = _eager_values(eager, args)
+                        reference = EagerRun.of(eager, args)
                     except Exception:  # noqa: BLE001 - dynamo's graph does not run eagerly here: nothing to compare
                         reference = None
                 return _FirstNonfinite(graph, self, "the backend's graph", reference).run(*args)
@@ -163,13 +163,13 @@ class _FirstNonfinite(torch.fx.Interpreter):
     cause. A value an in-place node wrote (``h.mul_(1e9)``) is read, by the nodes after it, as that node's."""
 
     def __init__(
-        self, graph: torch.fx.GraphModule, trace: GraphTrace, name: str, reference: dict[str, Any] | None = None
+        self, graph: torch.fx.GraphModule, trace: GraphTrace, name: str, reference: EagerRun | None = None
     ) -> None:
         super().__init__(graph)
         self.trace = trace
         self.name = name
         self.reference = reference
-        """Each node's value in dynamo's graph run eagerly on the same arguments, by name (None: not compared)."""
+        """Dynamo's graph run eagerly on the same arguments (None: not compared)."""
         self.agrees: dict[torch.fx.Node, bool | None] = {}
         """Per node: its value equals eager's (True), differs (False), or has no counterpart (None: added)."""
         self.finite: dict[torch.fx.Node, bool] = {}
@@ -211,7 +211,7 @@ class _FirstNonfinite(torch.fx.Interpreter):
         if n.op in ("placeholder", "get_attr"):
             self.agrees[n] = True
             return
-        expected = self.reference.get(n.name, _ABSENT)
+        expected = self.reference.values.get(n.name, _ABSENT)
         if expected is _ABSENT:
             self.agrees[n] = None
             return
@@ -220,7 +220,7 @@ class _FirstNonfinite(torch.fx.Interpreter):
         if difference == 0.0:
             return
         reads = [self.agrees.get(read, True) for read in n.all_input_nodes]
-        changed = n.op != "output" and self.reference.get(_CALLS, {}).get(n.name) != (n.op, n.target)
+        changed = n.op != "output" and self.reference.calls.get(n.name) != (n.op, n.target)
         if changed or all(reads):
             self.trace.first_difference = self._named(n, difference)
         elif not any(read is False for read in reads):  # fed by nodes the backend added, every other read agreed
@@ -284,27 +284,33 @@ class _FirstNonfinite(torch.fx.Interpreter):
 
 
 _ABSENT = object()
-_CALLS = "\x00calls"
-"""The reference's entry (no node's name) holding each node's (op, target) in dynamo's graph, by name."""
 
 
-def _eager_values(graph: torch.fx.GraphModule, args: tuple[Any, ...]) -> dict[str, Any]:
-    """Each node's value, by name, with ``graph`` (dynamo's, as the backend received it) run eagerly on copies of
-    ``args``, without autograd, and with the random generators of the devices the arguments are on given back as
-    they were: the backend's graph then draws the same dropout masks, and a buffer the graph updates in place is
-    updated once. Under :data:`_CALLS`, what each node calls."""
-    values: dict[str, Any] = {_CALLS: {n.name: (n.op, n.target) for n in graph.graph.nodes}}
+@dataclass
+class EagerRun:
+    """Dynamo's graph, as the backend received it, run eagerly: each node's value and what it calls, by name."""
 
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, n: torch.fx.Node) -> Any:
-            result = super().run_node(n)
-            values[n.name] = _copied(result)
-            return result
+    values: dict[str, Any]
+    calls: dict[str, tuple[str, Any]]
+    """Per node name: its (op, target), to tell a node the backend changed from one it left as it was."""
 
-    devices = sorted({a.device.index or 0 for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.is_cuda})
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        Recorder(graph).run(*(_copied(a) for a in args))
-    return values
+    @classmethod
+    def of(cls, graph: torch.fx.GraphModule, args: tuple[Any, ...]) -> EagerRun:
+        """``graph`` run on copies of ``args``, without autograd, and with the random generators of the devices the
+        arguments are on given back as they were: the backend's graph then draws the same dropout masks, and a
+        buffer the graph updates in place is updated once."""
+        values: dict[str, Any] = {}
+
+        class Recorder(torch.fx.Interpreter):
+            def run_node(self, n: torch.fx.Node) -> Any:
+                result = super().run_node(n)
+                values[n.name] = _copied(result)
+                return result
+
+        devices = sorted({a.device.index or 0 for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.is_cuda})
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            Recorder(graph).run(*(_copied(a) for a in args))
+        return cls(values, {n.name: (n.op, n.target) for n in graph.graph.nodes})
 
 
 def _copied(value: Any) -> Any:
