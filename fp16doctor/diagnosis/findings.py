@@ -1045,6 +1045,14 @@ class Evidence:
     explained: dict[str, list[str]] = field(default_factory=dict)
     """Per symptom code, the causes whose error findings explain it (empty: the ``unexplained`` finding)."""
 
+    def only_compiled_fails(self) -> bool:
+        """The training compiles, and only its compiled AMP probe fails or drifts (eager is healthy)."""
+        return self.compiled is not None and self.compiled.outcome == CompiledOutcome.COMPILED_ONLY
+
+    def only_eager_fails(self) -> bool:
+        """The training compiles, and only its eager AMP probe fails: healthy as it runs, compiled."""
+        return self.compiled is not None and self.compiled.outcome == CompiledOutcome.EAGER_ONLY
+
 
 @dataclass
 class UnexplainedException:
@@ -1100,8 +1108,7 @@ class Diagnosis:
     @property
     def only_eager_fails(self) -> bool:
         """The training compiles, and only its eager AMP probe fails: healthy as it runs, compiled."""
-        compiled = self.evidence.compiled
-        return compiled is not None and compiled.outcome == CompiledOutcome.EAGER_ONLY
+        return self.evidence.only_eager_fails()
 
     @property
     def verdict(self) -> str:

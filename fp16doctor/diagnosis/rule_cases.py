@@ -28,9 +28,15 @@ from ..measure.records import (
     ScaleWindow,
     SiteShare,
 )
+from ..measure.symptoms import Symptom
 from .findings import (
+    BackendTrial,
+    CompiledComparison,
+    CompiledOutcome,
+    CompilerBisection,
     Evidence,
     GapSearch,
+    GraphTraceReport,
     LrPause,
     LrPeak,
     LrSchedule,
@@ -168,6 +174,30 @@ def evidence(
     for name, value in fields.items():
         setattr(ev, name, value)
     return ev
+
+
+def compiled_comparison(
+    outcome: CompiledOutcome = CompiledOutcome.COMPILED_ONLY,
+    backends: list[BackendTrial] | None = None,
+    bisection: CompilerBisection | None = None,
+    compiled_with: str = "inductor",
+    graph_trace: GraphTraceReport | None = None,
+) -> CompiledComparison:
+    """A compiled-stage comparison: eager healthy, the compiled probe non-finite (unless ``outcome`` says else),
+    the model compiled with the backend ``compiled_with``."""
+    nonfinite = Symptom("nonfinite", "AMP's loss is non-finite from step 0", step=0)
+    return CompiledComparison(
+        compiled_with={"backend": compiled_with, "mode": None, "dynamic": None, "fullgraph": False, "options": {}},
+        outcome=outcome,
+        eager_symptoms=[nonfinite] if outcome == CompiledOutcome.EAGER_ONLY else [],
+        compiled_symptoms=[nonfinite] if outcome == CompiledOutcome.COMPILED_ONLY else [],
+        compiled=probe("amp", record=records(skipped=range(10), nonfinite_loss=range(10))),
+        probe_seconds=5.0,
+        compile_seconds=4.0,
+        backends=backends or [],
+        bisection=bisection,
+        graph_trace=graph_trace,
+    )
 
 
 def localisation(

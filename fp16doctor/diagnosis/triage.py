@@ -23,7 +23,6 @@ from ..userfile.spec import TrainingSpec, notes_under
 from .findings import (
     SEVERITIES,
     CapsuleReplay,
-    CompiledOutcome,
     CorrectedConfig,
     Diagnosis,
     Evidence,
@@ -223,9 +222,9 @@ def _triage(
         evidence.symptoms = measured_symptoms(
             ctx, config, evidence.amp, evidence.fp32, evidence.gap.gap if evidence.gap else None
         )
-    compiled = evidence.compiled
-    if compiled is not None and compiled.outcome == CompiledOutcome.COMPILED_ONLY:
-        evidence.symptoms = list(compiled.compiled_symptoms)  # the training as it runs: compiled
+    if evidence.only_compiled_fails():
+        assert evidence.compiled is not None
+        evidence.symptoms = list(evidence.compiled.compiled_symptoms)  # the training as it runs: compiled
     evidence.symptoms = with_parallel_symptoms(evidence)
     findings, suppressors = evaluate_rules(evidence)
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
@@ -261,7 +260,7 @@ def _triage(
     ).timed(time.perf_counter() - searched)
     if unexplained:
         findings.append(unexplained_finding(unexplained, evidence, search))
-    if compiled is not None and compiled.outcome == CompiledOutcome.EAGER_ONLY:
+    if evidence.only_eager_fails():
         findings = only_eager_fails(findings, evidence)
     findings = [as_sharded(f, evidence.config.sharding) for f in rank(findings)]
     corrected = verify_corrected(findings, evidence, verifier)

@@ -30,7 +30,7 @@ from ..measure.symptoms import (
 )
 from ..tensors import OUT_OF_MEMORY
 from ..userfile.batches import iter_tensors, map_named_tensors
-from .findings import CompiledOutcome, Evidence, Finding, Verification
+from .findings import Evidence, Finding, Verification
 
 if TYPE_CHECKING:
     from ..engine.instruments import InstrumentOptions
@@ -203,8 +203,7 @@ class Verifier:
 
     def _compiled_only(self) -> bool:
         """Only the compiled training fails: every fix is tried on it (the eager one is healthy already)."""
-        comparison = self.ev.compiled
-        return comparison is not None and comparison.outcome == CompiledOutcome.COMPILED_ONLY
+        return self.ev.only_compiled_fails()
 
     def _measures_gap(self) -> bool:
         return (

@@ -24,11 +24,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ...measure.graph_nodes import TracedNode
-from ...measure.symptoms import Symptom
 from .. import rule_cases as fx
 from ..findings import (
     BackendTrial,
-    CompiledComparison,
     CompiledOutcome,
     CompilerBisection,
     Evidence,
@@ -71,23 +69,8 @@ def comparison_case(
     compiled_with: str = "inductor",
     graph_trace: GraphTraceReport | None = None,
 ) -> Evidence:
-    """A compiled-stage comparison: eager healthy, the compiled probe non-finite (unless ``outcome`` says else),
-    the model compiled with the backend ``compiled_with``."""
-    nonfinite = Symptom("nonfinite", "AMP's loss is non-finite from step 0", step=0)
-    ev = fx.evidence()
-    ev.compiled = CompiledComparison(
-        compiled_with={"backend": compiled_with, "mode": None, "dynamic": None, "fullgraph": False, "options": {}},
-        outcome=outcome,
-        eager_symptoms=[nonfinite] if outcome == CompiledOutcome.EAGER_ONLY else [],
-        compiled_symptoms=[nonfinite] if outcome == CompiledOutcome.COMPILED_ONLY else [],
-        compiled=fx.probe("amp", record=fx.records(skipped=range(10), nonfinite_loss=range(10))),
-        probe_seconds=5.0,
-        compile_seconds=4.0,
-        backends=backends,
-        bisection=bisection,
-        graph_trace=graph_trace,
-    )
-    return ev
+    """Evidence with :func:`~fp16doctor.diagnosis.rule_cases.compiled_comparison`'s comparison."""
+    return fx.evidence(compiled=fx.compiled_comparison(outcome, backends, bisection, compiled_with, graph_trace))
 
 
 HEALTHY_LOWER = [BackendTrial("eager", []), BackendTrial("aot_eager", [])]

@@ -21,10 +21,10 @@ from typing import Any, ClassVar
 
 from ...config import overrides_patch
 from ...measure.records import OUTSIDE_MODEL, ExceptionInfo, Localisation
-from ...measure.symptoms import Symptom, excess_skips, first_nonfinite, skip_profile
+from ...measure.symptoms import excess_skips, first_nonfinite, skip_profile
 from ...tensors import FP16_MAX
 from .. import rule_cases as fx
-from ..findings import CompiledComparison, CompiledOutcome, Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, Repair, RepairKind
 from . import Rule
 from ._helpers import LOW_DTYPES, fp32_finite
 
@@ -98,26 +98,6 @@ class RecordedLossEvidence(EvidenceRecord):
     """What the watch saw, in a sentence."""
 
 
-def _compiled_fails(ev: Evidence) -> bool:
-    """The model, compiled as the run compiled it, replays non-finite (or drifts) where eager does not: the step's
-    inf or NaN is the compiled model's, whatever the loss gradient held."""
-    return ev.compiled is not None and ev.compiled.outcome == CompiledOutcome.COMPILED_ONLY
-
-
-def _compiled_only_capsule() -> Evidence:
-    ev = fx.evidence(recorded_loss_finding="the loss is NaN")
-    ev.compiled = CompiledComparison(
-        compiled_with={"backend": "team.fusing_backend"},
-        outcome=CompiledOutcome.COMPILED_ONLY,
-        eager_symptoms=[],
-        compiled_symptoms=[Symptom("nonfinite", "AMP's loss is non-finite from step 0", step=0)],
-        compiled=fx.probe("amp", record=fx.records(skipped=range(10), nonfinite_loss=range(10))),
-        probe_seconds=1.0,
-        compile_seconds=1.0,
-    )
-    return ev
-
-
 class LossInHalf(Rule):
     code = "loss-in-half"
     order = 50
@@ -174,7 +154,10 @@ class LossInHalf(Rule):
             localisation=fx.localisation("loss", "<loss: outside the model>", "aten::exp", output="+inf (float32)")
         ),
         # a capsule of a compiled run: eager replays finite, but the model as the run compiled it does not
-        lambda: _compiled_only_capsule(),
+        lambda: fx.evidence(
+            recorded_loss_finding="the loss is NaN",
+            compiled=fx.compiled_comparison(compiled_with="team.fusing_backend"),
+        ),
         # the scaler's calibration: the loss's backward overflows at 65536 and the skips stop, no symptom
         lambda: fx.evidence(
             amp=fx.probe(record=fx.records(skipped=[0])),
@@ -218,7 +201,7 @@ class LossInHalf(Rule):
             and not amp.exception
             and amp.finite
             and not amp.skip_steps
-            and not _compiled_fails(ev)
+            and not ev.only_compiled_fails()  # the model as the run compiled it fails: its inf, not the loss's
         ):
             return [self._recorded(ev)]  # the model replays finite: what failed is the loss (else the model's own
             # fault is for the other rules, and the note still says what the loss gradient held)
