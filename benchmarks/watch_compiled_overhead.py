@@ -14,8 +14,9 @@ and the counts dynamo keeps, which are deterministic: the graphs compiled and th
 steps (both must be 0).
 
 Beside them, and interleaved the same way, a third setting: the plain step plus one read of the gradients, the
-per-layer L2 norms the watch takes (``torch._foreach_norm``, one sync), unwatched. Its ratio is the part of the
-watch's cost that any per-step gradient check pays; the rest is the watch's own Python per step.
+per-layer L2 norms the watch reads every ``norms_every`` steps and on trouble (``torch._foreach_norm``, one sync),
+unwatched, at every step. Its ratio is what a check that read them at every step would pay for them; the watch
+pays a tenth of it (by default), plus its own Python per step.
 
     python benchmarks/watch_compiled_overhead.py [--rounds 40] [--warmup 4] [--threads 1]
 """
@@ -120,7 +121,8 @@ def main() -> None:
     read = ratios(cpu, "gradient read")
     print(
         f"one read of the gradients (their per-layer norms, unwatched) / plain, CPU: median {statistics.median(read):.3f}, "
-        f"IQR {iqr(read):.3f}: the part of the watch's cost any per-step gradient check pays",
+        f"IQR {iqr(read):.3f}: what reading them at every step would cost (the watch reads them every "
+        f"{WatchOptions().norms_every} steps and on trouble)",
         flush=True,
     )
     print(f"during the measured steps: {graphs} graph(s) compiled, {breaks} graph break(s) (both must be 0)")

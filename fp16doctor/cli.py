@@ -603,6 +603,15 @@ def watch(
             help="Under torchrun: compare a checksum of the ranks' replicated (DDP) parameters every this many steps.",
         ),
     ] = 100,
+    norms_every: Annotated[
+        int,
+        typer.Option(
+            "--norms-every",
+            min=1,
+            help="With a GradScaler: read the per-layer gradient norms every this many steps (and on every skipped "
+            "or non-finite step); 1: every step, for a grad_norm at each step of a capsule's history.",
+        ),
+    ] = 10,
     rank_timeout: Annotated[
         float | None,
         typer.Option(
@@ -648,6 +657,7 @@ def watch(
             skip_streak=skip_streak,
             spike_factor=spike_factor,
             checksum_every=checksum_every,
+            norms_every=norms_every,
             rank_timeout=rank_timeout,
             gather_limit_mb=gather_limit_mb,
         )

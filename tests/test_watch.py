@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fp16doctor.config import CALIBRATION_SKIPS
+from fp16doctor.live.observe import scaler_decision
 from fp16doctor.live.watch import Watch, WatchOptions
 
 
@@ -21,6 +22,7 @@ def loop(
     optimizer_class=torch.optim.SGD,
     loss_factor=lambda step: 1.0,
     first_step=0,
+    decided=False,
     **options,
 ):
     torch.manual_seed(0)
@@ -41,7 +43,11 @@ def loop(
             loss = F.cross_entropy(model(x), y) * loss_factor(step)
         watch.record_loss(loss)
         scaler.scale(loss).backward()
-        alarm = watch.before_optimizer_step(first_step + step, optimizer, scaler, grads_scaled=True)
+        if decided:  # as the observer checks: inside scaler.step, the scaler's own found-inf given
+            found_inf = scaler_decision(scaler, optimizer)
+            alarm = watch.before_optimizer_step(first_step + step, optimizer, scaler, found_inf=found_inf)
+        else:
+            alarm = watch.before_optimizer_step(first_step + step, optimizer, scaler, grads_scaled=True)
         scaler.step(optimizer)
         scaler.update()
         if alarm is not None:
@@ -53,6 +59,19 @@ def test_a_healthy_loop_raises_nothing_and_reads_unscaled_norms(tmp_path):
     watch, alarm = loop(tmp_path)
     assert alarm is None and len(watch.history) == 12 and not any(tmp_path.iterdir())
     assert all(0 < h.grad_norm < 100 for h in watch.history)  # divided by the 65536 scale
+
+
+def test_with_the_scalers_decision_norms_are_read_every_k_steps_and_on_each_skipped_step(tmp_path):
+    """A step the scaler applies needs no per-layer norm (half the watch's cost): they are read every norms_every
+    steps, and on a skipped step, whose non-finite layers the alarm names."""
+    watch, alarm = loop(tmp_path, steps=9, decided=True, norms_every=4, nan_at=6, alarms=("skip-streak",))
+    read = [h.step for h in watch.history if h.grad_norm is not None]
+    assert alarm is None and read == [0, 4, 6, 8]
+    skipped = watch.history[6]
+    assert skipped.skipped and skipped.nonfinite_layers and not math.isfinite(skipped.grad_norm)
+    assert all(not h.nonfinite_layers and h.largest_layer is None for h in watch.history if h.grad_norm is None)
+    everywhere, _ = loop(tmp_path, steps=4, decided=True, norms_every=1)
+    assert all(h.grad_norm is not None and 0 < h.grad_norm < 100 for h in everywhere.history)
 
 
 def test_nan_loss_alarms_at_its_step_with_a_loadable_capsule(tmp_path):

@@ -86,6 +86,11 @@ class WatchOptions:
     the square of ``spike_factor`` times the median of the steps so far (at least 3)."""
     alarms: tuple[str, ...] = ALARMS
     """Which alarms are raised."""
+    norms_every: int = 10
+    """Where a GradScaler decides the skip, the per-layer gradient norms (the history's ``grad_norm``, the largest
+    layer) are read every this many optimizer steps, and at every step the scaler skips or whose loss is not finite:
+    all an alarm reads, for half the watch's cost on a small model. Without a scaler they are read at every step:
+    they are how a non-finite gradient that nothing skips is seen. 1: every step."""
     checksum_every: int = 100
     """Under torchrun: every this many ``GradScaler.update()`` calls (from the first) the ranks compare a checksum
     of the parameters each holds whole (a DDP model's); a difference is ``rank-divergence``."""
@@ -106,7 +111,8 @@ class StepNumbers:
     step: int
     loss: float | None
     """The loss the step optimised (summed over its micro-batches); None: no loss was seen (never an alarm)."""
-    grad_norm: float
+    grad_norm: float | None
+    """The unscaled gradients' L2 norm; None: not read at this step (see ``WatchOptions.norms_every``)."""
     loss_scale: float
     skipped: bool
     lr: float
@@ -311,8 +317,11 @@ class Watch:
         scale_now = scale_tensor(scaler, device)
         # every one: params have a grad; a sharded one is measured on this rank's shard
         grads = [local_part(g) for g in map(grad_values, params) if g is not None]
+        # a healthy step the scaler applies needs no per-layer norm: only every norms_every-th step reads them
+        every = max(1, self.options.norms_every)
+        read_norms = found_inf is None or step % every == 0
         # one pass over the gradients: per-layer L2 norms, in fp32 or wider (a half gradient's norm may pass 65504)
-        layer_l2 = norms(grads)
+        layer_l2 = norms(grads) if read_norms else []
         losses = self._losses or [torch.tensor(math.nan)]
         flag = found_inf if found_inf is not None else torch.tensor(0.0)
         own = own_nonfinite if own_nonfinite is not None else torch.tensor(-1.0)
@@ -322,9 +331,12 @@ class Watch:
         flag_value, scale, own_value = values[:3]
         loss_values, layer_values = values[3 : 3 + len(losses)], values[3 + len(losses) :]
         loss_value = sum(loss_values) if self._losses else None
+        troubled = flag_value != 0.0 or (loss_value is not None and not math.isfinite(loss_value))
+        if not read_norms and troubled:  # what an alarm names: a second transfer, on trouble only
+            read_norms = True
+            layer_values = torch.stack([scalar_on(t, device) for t in norms(grads)]).tolist() if grads else []
         divide = scale if grads_scaled else 1.0
         layer_norms = [v / divide for v in layer_values]
-        norm = math.sqrt(sum(v * v for v in layer_values)) / divide
         names = [self._names.get(p, "?") for p in params]
         bad = nonfinite_layers(grads, names, layer_norms)
         finite = [(v, n) for n, v in zip(names, layer_norms) if math.isfinite(v)]
@@ -332,7 +344,7 @@ class Watch:
         return StepNumbers(
             step=step,
             loss=loss_value,
-            grad_norm=norm,
+            grad_norm=math.sqrt(sum(v * v for v in layer_values)) / divide if read_norms else None,
             loss_scale=scale,
             skipped=self._skipped(flag_value, found_inf, bad, scaler),
             lr=float(optimizer.param_groups[0]["lr"]),
