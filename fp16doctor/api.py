@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import DoctorConfig, build_config, load_yaml, merge
-from .diagnosis.findings import CapsuleReplay, Diagnosis
+from .diagnosis.findings import CapsuleReplay, Diagnosis, WatchedStep
 from .diagnosis.triage import DiagnoseOptions, fixed_config
 from .diagnosis.triage import diagnose as run_triage
 from .engine.kept import return_large_blocks_on_free
@@ -137,6 +137,7 @@ def capsule_replay(manifest: dict[str, Any]) -> CapsuleReplay:
         restored=list(written.get("restored") or []),
         uncaptured=list(written.get("uncaptured") or []),
         skipped_before=int(manifest.get("skipped_before") or 0),
+        history=[row for row in map(WatchedStep.from_json, manifest.get("history") or []) if row is not None],
     )
 
 

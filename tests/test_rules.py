@@ -49,6 +49,7 @@ CONTRACT_CODES = {
     "divisor-underflow",
     "unstable-loss",
     "capsule-state",
+    "loss-jump",
 }
 RULES = all_rules()
 TRAINING_FILES = ROOT / "tests" / "training_files"

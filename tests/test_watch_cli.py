@@ -49,6 +49,28 @@ def test_a_loss_that_blows_up_in_the_first_steps_is_a_spike(tmp_path):
     assert "x the median of the first 5 steps" in pointer and (tmp_path / "caps" / "step_00000005").is_dir()
 
 
+def test_a_capsule_of_a_run_its_first_update_broke_names_the_jump_not_the_overflows_that_followed(tmp_path):
+    """An argparse LM at lr 0.3 without warm-up: its first update sends the loss from ~5 to the hundreds, in FP32
+    too; the scaler then skips five steps on the broken model's gradients, and the capsule holds step 5's state.
+    Its replay from there measures an fp16 gap in the head that keeping it in fp32 'repairs' on that state; the
+    diagnosis names the jump its history shows, and no precision fix."""
+    script = SCRIPTS / "lm_high_lr.py"
+    fp32 = run_python(script, "--lr", "0.3", "--steps", "3", "--no-amp", cwd=tmp_path)
+    losses = [float(line.split()[-1]) for line in fp32.stdout.splitlines()]
+    assert losses[1] > 10 * losses[0], fp32.stdout  # the shape: FP32 jumps too
+    watched = run_cli("watch", "--capsule-dir", "caps", script, "--lr", "0.3", cwd=tmp_path)
+    assert watched.returncode == 1 and "skip-streak at optimizer step 5" in watched.stderr, watched.stderr[-2000:]
+    proc = run_cli("diagnose", "--ci", "--json", "--capsule", tmp_path / "caps" / "step_00000005")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    (top,) = [f for f in report["findings"] if f["severity"] == "error"]
+    assert top["cause"] == "loss-jump", [f["cause"] for f in report["findings"]]
+    evidence = top["evidence"]
+    assert evidence["update_step"] == 0 and evidence["jump_step"] == 1 and evidence["first_update"]
+    assert evidence["lr"] == 0.3 and evidence["skipped_after"] == 5 and evidence["loss_at_jump"] > 50
+    assert not {"precision-gap", "scale-overflow"} & {f["cause"] for f in report["findings"]}
+
+
 def test_a_nan_batch_stops_the_run_and_its_capsule_names_the_data_in_another_process(tmp_path):
     proc = run_cli("watch", "--capsule-dir", tmp_path / "caps", HAND_LOOP, "--nan-at", "6", cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]

@@ -980,6 +980,37 @@ class GapSearch:
 
 
 @dataclass(frozen=True)
+class WatchedStep:
+    """One optimizer step of the watched run, as its watch recorded it (a capsule's history)."""
+
+    step: int
+    loss: float | None
+    """The step's loss (None: not seen)."""
+    skipped: bool
+    """The scaler skipped the step: the weights did not change."""
+    lr: float | None = None
+    grad_norm: float | None = None
+    """The unscaled gradient norm (None: not read at this step)."""
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any]) -> WatchedStep | None:
+        """A manifest's history row; None for one that is not (a capsule of another version)."""
+        if not isinstance(entry, dict) or not isinstance(entry.get("step"), int):
+            return None
+        return cls(
+            step=entry["step"],
+            loss=_number_or_none(entry.get("loss")),
+            skipped=bool(entry.get("skipped")),
+            lr=_number_or_none(entry.get("lr")),
+            grad_norm=_number_or_none(entry.get("grad_norm")),
+        )
+
+
+def _number_or_none(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
 class CapsuleReplay:
     """What a capsule's watch recorded about the step its replay starts from (its manifest)."""
 
@@ -998,6 +1029,8 @@ class CapsuleReplay:
     skipped_before: int = 0
     """The optimizer steps the watched run skipped in a row just before the capsule's: the replay's scaler resumes
     that streak, its leading skips are no calibration."""
+    history: list[WatchedStep] = field(default_factory=list)
+    """The watched run's last steps up to the capsule's (at most 50), as its watch measured them."""
 
 
 @dataclass

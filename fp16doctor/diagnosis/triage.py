@@ -227,6 +227,8 @@ def _triage(
         evidence.symptoms = list(evidence.compiled.compiled_symptoms)  # the training as it runs: compiled
     evidence.symptoms = with_parallel_symptoms(evidence)
     findings, suppressors = evaluate_rules(evidence)
+    settled = settled_by(findings)
+    findings = [f for f in findings if f.cause not in settled]
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
     findings = verify_findings(findings, evidence, verifier, hidden_by(suppressors))
     fixes_tried = [f for f in findings if f.verification is not None and f.verification.tried]
@@ -675,6 +677,20 @@ def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], dict[str, tuple[s
         ):
             suppressors[rule.code] = rule.suppresses
     return findings, suppressors
+
+
+def settled_by(findings: list[Finding]) -> set[str]:
+    """The causes an error finding hides whatever their fixes would measure (its rule ``settles_suppressed``)."""
+    from .rules import rules_by_code
+
+    rules = rules_by_code()
+    return {
+        code
+        for f in findings
+        if f.severity == Severity.ERROR and rules[f.cause].settles_suppressed
+        for code in rules[f.cause].suppresses
+        if code != f.cause
+    }
 
 
 def hidden_by(suppressors: dict[str, tuple[str, ...]], standing: set[str] | None = None) -> set[str]:

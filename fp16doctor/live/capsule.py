@@ -201,12 +201,16 @@ class ReplayStart:
     """Every step the watch checked before this one had a finite loss (None: not recorded)."""
     skipped_before: int = 0
     """The optimizer steps skipped in a row just before this one: the replay's scaler continues that streak."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The watch's last steps up to this one (``step``, ``loss``, ``skipped``, ``lr``, ``grad_norm``): where the
+    trouble began before the step the capsule holds, the diagnosis reads it here."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step_state": self.step_state.to_json() if self.step_state is not None else None,
             "history_finite": self.history_finite,
             "skipped_before": self.skipped_before,
+            "history": self.history,
         }
 
 

@@ -104,6 +104,10 @@ class WatchOptions:
     them whole: rank 0's memory never holds the whole state during the run."""
 
 
+HISTORY_KEPT = 50
+"""The last optimizer steps a capsule keeps of its watch's history."""
+
+
 @dataclass
 class StepNumbers:
     """What the watch measured at one optimizer step."""
@@ -493,6 +497,7 @@ class Watch:
                 step_state=written,
                 history_finite=all(h.loss is None or math.isfinite(h.loss) for h in self.history[:-1]),
                 skipped_before=skip_streak_before(self.history),
+                history=[history_row(h) for h in self.history[-HISTORY_KEPT:]],
             ),
             compiled=self.compiled,
             sharding=contents.sharding,
@@ -550,7 +555,7 @@ class Watch:
                 "kind": self.alarm.kind if self.alarm else None,
                 "message": self.alarm.message if self.alarm else "",
             },
-            "history": [asdict(h) for h in self.history[-50:]],
+            "history": [asdict(h) for h in self.history[-HISTORY_KEPT:]],
             "import_paths": contents.import_paths,
             "shard_keys": None,  # a whole state: the replay loads "model" as it is
             "parameter_keys": None,
@@ -558,6 +563,17 @@ class Watch:
         }
         atomic_torch_save(folder / "capsule.pt", state)
         atomic_torch_save(folder / "model.pt", contents.module, pickle_module=cloudpickle)
+
+
+def history_row(numbers: StepNumbers) -> dict[str, Any]:
+    """What the manifest keeps of a step: what the diagnosis reads of the run before the capsule's step."""
+    return {
+        "step": numbers.step,
+        "loss": numbers.loss,
+        "skipped": numbers.skipped,
+        "lr": numbers.lr,
+        "grad_norm": numbers.grad_norm,
+    }
 
 
 def skip_streak_before(history: list[StepNumbers]) -> int:

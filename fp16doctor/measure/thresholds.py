@@ -91,6 +91,9 @@ SKIP_STREAK = 5
 LOG_SPIKE_FACTOR = 3.0
 """A logged loss 3x the median of the rows before it is a spike (measured: the tests' healthy Trainer and
 Lightning runs stay under 1.5x; a logged row is often an interval's mean, which a single bad step moves less)."""
+LOSS_JUMP = 10.0
+"""A watched run's loss at least 10x the median of the steps before it, right after an applied update, and as high
+on the steps after (the watch's own ``spike_factor``): the update broke the model (a capsule's ``loss-jump``)."""
 SPIKE_BASELINE_ROWS = 20
 """The rows before an event whose median loss a spike is compared with (the watch's ``spike_window``)."""
 LR_EVENT_STEPS = 10

@@ -63,6 +63,10 @@ class Rule:
     training_files: ClassVar[tuple[str, ...]] = ()
     """The tests' training files (tests/training_files/) whose top cause is this rule's, where no sample model
     shows it (a compiled training's fault needs a compiler: its files are the tests')."""
+    settles_suppressed: ClassVar[bool] = False
+    """Where this rule's error finding stands, the causes it suppresses are dropped before any fix is tried, even
+    one that would repair the probes: the probes start from a state this cause has already broken (a capsule of a
+    model an update broke), so what repairs them there repairs its symptom, not the training."""
     capsule_only: ClassVar[bool] = False
     """The rule reads what only a watch's capsule records: its end-to-end cases are watched scripts, not sample
     models (``triggers`` stays empty)."""
