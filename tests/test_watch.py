@@ -513,3 +513,21 @@ def test_a_script_that_loads_its_scaler_state_is_settled_under_the_observer(tmp_
             scaler.update()
     assert [a.kind for a in observer.alarms] == ["skip-streak"] and observer.alarms[0].step == 3
     assert "initial scale" not in observer.alarms[0].message
+
+
+def test_the_capsules_model_keeps_the_users_hooks_and_their_marks_but_none_of_the_watchs():
+    """A hook registered with kwargs is marked in a table keyed by its id. The watch's hook was dropped from the
+    pickled model but its mark stayed: in the replay's process the next hook registered under that id was called
+    with kwargs it does not take (a TypeError inside the doctor's own instruments, blamed on the training)."""
+    import functools
+
+    from fp16doctor.live.capsule import detached_module
+    from fp16doctor.tensors import norms
+
+    model = torch.nn.Linear(2, 2)
+    users = model.register_forward_hook(lambda module, args, kwargs, out: None, with_kwargs=True)
+    watchs = model.register_forward_hook(functools.partial(norms), with_kwargs=True)
+    plain = model.register_forward_pre_hook(functools.partial(norms))
+    clone = detached_module(model)
+    assert list(clone._forward_hooks) == [users.id] and list(clone._forward_hooks_with_kwargs) == [users.id]
+    assert not clone._forward_pre_hooks and watchs.id in model._forward_hooks_with_kwargs and plain.id

@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import textwrap
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -388,13 +389,9 @@ def detached_module(model: torch.nn.Module) -> torch.nn.Module:
     accelerate's forward wrapper (the class's own forward) and without the watch's own hooks (they would
     drag the watch, its batches and its trainer into ``model.pt``)."""
     import copy
-    from collections import OrderedDict
 
     clone = copy.copy(model)
-    for name in ("_forward_hooks", "_forward_pre_hooks"):
-        hooks = getattr(model, name, None)
-        if hooks:
-            clone.__dict__[name] = OrderedDict((k, h) for k, h in hooks.items() if not _ours(h))
+    drop_foreign_hooks(model, clone)
     if getattr(model, "_trainer", None) is not None:
         clone.__dict__["_trainer"] = None
     if "_original_forward" in model.__dict__:  # accelerate's mixed-precision forward wrapper refuses to pickle
@@ -403,10 +400,33 @@ def detached_module(model: torch.nn.Module) -> torch.nn.Module:
     return clone
 
 
-def _ours(hook: Any) -> bool:
-    """A hook fp16doctor registered (a function or bound method defined in this package)."""
+HOOK_MARKS = {
+    "_forward_pre_hooks_with_kwargs": "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs": "_forward_hooks",
+    "_forward_hooks_always_called": "_forward_hooks",
+}
+"""Tables keyed by a hook's id that say how to call it: kept only for the hooks kept (a mark left for a dropped
+hook is read by whichever hook the rebuilt module's process registers under that id next)."""
+
+
+def drop_foreign_hooks(module: torch.nn.Module, clone: torch.nn.Module) -> None:
+    """``clone``'s hook tables without FSDP's, DDP's and the watch's hooks, and their with-kwargs and always-called
+    marks kept only for the hooks kept."""
+    for name, table in module.__dict__.items():
+        if name.endswith("_hooks") and isinstance(table, dict):
+            clone.__dict__[name] = OrderedDict((k, h) for k, h in table.items() if not _foreign(h))
+    for mark, table in HOOK_MARKS.items():
+        if isinstance(module.__dict__.get(mark), dict):
+            kept = clone.__dict__.get(table, {})
+            clone.__dict__[mark] = OrderedDict((k, v) for k, v in module.__dict__[mark].items() if k in kept)
+
+
+def _foreign(hook: Any) -> bool:
+    """A hook fp16doctor or torch.distributed registered: neither belongs in the user's module."""
     function = getattr(hook, "__func__", hook)
-    return str(getattr(function, "__module__", "")).startswith("fp16doctor.")
+    function = getattr(function, "func", function)  # functools.partial
+    module = str(getattr(function, "__module__", ""))
+    return module.startswith(("fp16doctor.", "torch.distributed."))
 
 
 def capsule_config(numbers: Any, scaler: Any, batches: int, dtype: str) -> dict[str, Any]:

@@ -25,7 +25,6 @@ import dataclasses
 import math
 import pickle
 import shutil
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,17 +33,11 @@ import torch
 import torch.distributed as dist
 
 from ..tensors import whole_state_options
-from .capsule import SHARDS, cpu_copy
+from .capsule import SHARDS, cpu_copy, drop_foreign_hooks
 from .sharding import clean_name, is_fsdp1_unit
 
 FSDP_ATTRIBUTES = ("_fsdp", "_is_fsdp", "__composable_api_state_key")
 """The attributes ``fully_shard`` sets on a module (its state, its marks), left out of the plain copy."""
-HOOK_MARKS = {
-    "_forward_pre_hooks_with_kwargs": "_forward_pre_hooks",
-    "_forward_hooks_with_kwargs": "_forward_hooks",
-    "_forward_hooks_always_called": "_forward_hooks",
-}
-"""Tables keyed by a hook's id that say how to call it: kept only for the hooks kept."""
 
 
 @dataclass(frozen=True)
@@ -357,7 +350,7 @@ def plain_module(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) 
             clone.__dict__.pop(name, None)  # FSDP1's view of the unsharded parameter, not the parameter
             clone._parameters[name] = torch.nn.Parameter(whole(key, shape, dtype), requires_grad)
         clone._buffers = {name: None if b is None else cpu_copy(b) for name, b in module._buffers.items()}
-        _drop_foreign_hooks(module, clone)
+        drop_foreign_hooks(module, clone)
         clone._modules = {name: None if m is None else rebuild(m) for name, m in module._modules.items()}
         copies[id(module)] = clone
         return clone
@@ -413,17 +406,6 @@ def _tie_fsdp1_shared(model: torch.nn.Module, copies: dict[int, torch.nn.Module]
                 owner._parameters[info.param_name] = primary._parameters[info.prim_param_name]
 
 
-def _drop_foreign_hooks(module: torch.nn.Module, clone: torch.nn.Module) -> None:
-    """``clone``'s hook tables without FSDP's hooks and the watch's (and their with-kwargs and always-called marks)."""
-    for name, table in module.__dict__.items():
-        if name.endswith("_hooks") and isinstance(table, dict):
-            clone.__dict__[name] = OrderedDict((k, h) for k, h in table.items() if not _foreign(h))
-    for mark, table in HOOK_MARKS.items():
-        if isinstance(module.__dict__.get(mark), dict):
-            kept = clone.__dict__.get(table, {})
-            clone.__dict__[mark] = OrderedDict((k, v) for k, v in module.__dict__[mark].items() if k in kept)
-
-
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
@@ -437,14 +419,6 @@ def _user_class(cls: type) -> type:
     if not issubclass(cls, FSDPModule):
         return cls
     return next(base for base in cls.__mro__[1:] if not issubclass(base, FSDPModule) and base is not object)
-
-
-def _foreign(hook: Any) -> bool:
-    """A hook FSDP or fp16doctor registered: neither belongs in the user's module."""
-    function = getattr(hook, "__func__", hook)
-    function = getattr(function, "func", function)  # functools.partial
-    module = str(getattr(function, "__module__", ""))
-    return module.startswith(("fp16doctor.", "torch.distributed."))
 
 
 TOGETHER = "the ranks write it together in GradScaler.update()"
