@@ -102,6 +102,47 @@ def test_a_nan_batch_stops_the_run_and_its_capsule_names_the_data_in_another_pro
     )
 
 
+REBUILD = """
+import importlib.util, json, sys, torch
+spec = importlib.util.spec_from_file_location("capsule", sys.argv[1])
+capsule = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(capsule)
+model = capsule.model()
+opt = capsule.optimizer(model.parameters())
+names = {id(p): n for n, p in model.named_parameters()}
+print(json.dumps({
+    "class": type(opt).__name__,
+    "groups": [{"lr": g["lr"], "weight_decay": g["weight_decay"], "params": [names[id(p)] for p in g["params"]]}
+               for g in opt.param_groups],
+    "moments": {names[id(p)]: float(s["momentum_buffer"].abs().sum()) for p, s in opt.state.items()},
+}))
+"""
+
+
+def test_a_capsule_rebuilds_the_scripts_own_optimizer_class_and_its_parameter_groups(tmp_path):
+    """An optimizer class the script defines (in __main__, which the replay's process does not have), over two
+    parameter groups listed head first: the capsule's optimizer is that class, with each group's parameters, rate and
+    weight decay, and the moments each parameter had (they were loaded into one group of defaults, silently)."""
+    proc = run_cli(
+        "watch", "--capsule-dir", "caps", HAND_LOOP, "--nan-at", "6", "--groups", "--own-optimizer", cwd=tmp_path
+    )
+    assert proc.returncode == 1 and "nonfinite at optimizer step 6" in proc.stderr, proc.stderr[-2000:]
+    capsule = tmp_path / "caps" / "step_00000006"
+    rebuilt = run_python("-c", REBUILD, capsule / "train_capsule.py", cwd=tmp_path)
+    assert rebuilt.returncode == 0, rebuilt.stderr[-2000:]
+    built = json.loads(rebuilt.stdout)
+    assert built["class"] == "MomentumSGD" and "note:" not in rebuilt.stderr
+    assert built["groups"] == [
+        {"lr": 1e-2, "weight_decay": 0.0, "params": ["body.3.weight", "body.3.bias"]},
+        {"lr": 1e-3, "weight_decay": 0.01, "params": ["body.0.weight", "body.0.bias"]},
+    ]
+    assert set(built["moments"]) == {"body.0.weight", "body.0.bias", "body.3.weight", "body.3.bias"}
+    assert all(v > 0 for v in built["moments"].values())
+    diagnosed = run_cli("diagnose", "--ci", "--json", "--capsule", capsule)
+    assert diagnosed.returncode == 1, diagnosed.stderr[-2000:]
+    assert json.loads(diagnosed.stdout)["findings"][0]["cause"] == "nonfinite-data"
+
+
 def test_keep_going_finishes_the_run_and_still_exits_1(tmp_path):
     proc = run_cli(
         "watch", "--keep-going", "--capsule-dir", "caps", HAND_LOOP, "--steps", "8", "--nan-at", "3", cwd=tmp_path

@@ -11,6 +11,7 @@ and rebuild in any process; classes importable from installed packages stay refe
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -37,6 +38,8 @@ SHARDS = "sharded_state"
 state was past the watch's gather limit."""
 CAPSULE_FILES = ("capsule.pt", "model.pt", "config.json", "train_capsule.py")
 BACKEND_FILE = "backend.pt"
+OPTIMIZER_FILE = "optimizer.pkl"
+"""The optimizer's class, pickled with cloudpickle: one the script defined itself is stored by value."""
 """A custom ``torch.compile`` backend the run compiled with, pickled with cloudpickle (where it pickles): the replay
 compiles with it, not with inductor in its place (which computes another program)."""
 MANIFEST = "manifest.json"
@@ -162,6 +165,10 @@ class CapsuleContents:
     model_state: dict[str, Any]
     optimizer_state: dict[str, Any]
     """As ``Optimizer.state_dict`` keys it (by position), what the capsule's optimizer loads."""
+    optimizer_by_position: bool
+    """``optimizer_state`` keys each parameter by its place in the model's ``parameters()``: the replay rebuilds the
+    run's parameter groups from it. False: in the optimizer's own order (it holds a parameter the model does not),
+    loaded into one group of the model's parameters."""
     batches: list[Any]
     output_grads: list[list[torch.Tensor | None]] | None
     import_paths: list[str]
@@ -235,7 +242,11 @@ def write_manifest(
         "fp16doctor": __version__,
         "step": step,
         "replay": replay,
-        "files": [*CAPSULE_FILES, *([BACKEND_FILE] if backend_stored else [])],
+        "files": [
+            *CAPSULE_FILES,
+            *([BACKEND_FILE] if backend_stored else []),
+            *([OPTIMIZER_FILE] if (folder / OPTIMIZER_FILE).is_file() else []),
+        ],
         "loss_finding": loss_finding,
         **(loss or LossRecord(None)).to_json(),
         **(start or ReplayStart()).to_json(),
@@ -345,6 +356,43 @@ def _replayed(manifest: dict[str, Any]) -> str:
 
 REPEATED = "; the probes take that batch again for a few steps from the recorded state, so that the scaler can back off"
 """Why a single-step capsule's stages report several steps on one batch (:func:`capsule_config`)."""
+
+
+def pickled_optimizer_class(cls: type) -> bytes:
+    """The optimizer's class pickled by cloudpickle (by value where the script defined it), with ``step`` as the
+    class defines it: torch wraps a subclass's ``step`` in a closure whose globals hold the process's global
+    optimizer hooks (the watch's own among them), which would be pickled by value with it; the rebuilt class is
+    wrapped again, over its own process's hooks, by its first optimizer."""
+    import io
+
+    import cloudpickle
+
+    class StepUnwrapping(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if callable(obj) and getattr(obj, "hooked", False) and hasattr(obj, "__wrapped__"):
+                return copy.copy, (obj.__wrapped__,)  # copy.copy(function) is the function itself
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    StepUnwrapping(buffer).dump(cls)
+    return buffer.getvalue()
+
+
+def positioned_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, Any] | None:
+    """``optimizer.state_dict()`` on the host, each parameter keyed by its place in ``model.parameters()`` (the
+    order the replay's ``optimizer(params)`` receives them in), so that its groups rebuild; None where the optimizer
+    holds a parameter the model does not."""
+    place = {id(p): i for i, p in enumerate(model.parameters())}
+    current = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(id(p) not in place for p in current):
+        return None
+    state = optimizer.state_dict()
+    saved = [i for group in state["param_groups"] for i in group["params"]]
+    key = {i: place[id(p)] for i, p in zip(saved, current)}
+    return {
+        "state": {key[i]: map_tensors(v, cpu_copy) for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [key[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 def constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -554,15 +602,35 @@ def capsule_training_file(
             return list(STATE["batches"])
 
 
-        def optimizer(params):
+        def optimizer_class():
+            """The run's optimizer class: stored by value where the watch could (a class the script defined)."""
+            stored = HERE / "{OPTIMIZER_FILE}"
+            if stored.is_file():
+                import pickle
+
+                return pickle.loads(stored.read_bytes())
             module, name = STATE["optimizer_class"].rsplit(".", 1)
-            opt = getattr(importlib.import_module(module), name)(params, **STATE["optimizer_defaults"])
+            return getattr(importlib.import_module(module), name)
+
+
+        def optimizer(params):
+            # the moments the failing step started from, copied: load_state_dict keeps the very tensors it is
+            # given, and each probe's steps would update them in place for the next probe
+            saved = copy.deepcopy(STATE["optimizer"])
+            params = list(params)
+            if STATE.get("optimizer_by_position") and saved["param_groups"]:
+                # the run's own parameter groups (no weight decay on norms, an lr per part), each parameter by its
+                # place in the model, with the hyperparameters each group had at the step
+                groups = [{{**{{k: v for k, v in g.items() if k != "params"}}, "params": [params[i] for i in g["params"]]}}
+                          for g in saved["param_groups"]]
+                opt = optimizer_class()(groups, **STATE["optimizer_defaults"])
+            else:
+                opt = optimizer_class()(params, **STATE["optimizer_defaults"])
             try:
-                # the moments the failing step started from, copied: load_state_dict keeps the very tensors it is
-                # given, and each probe's steps would update them in place for the next probe
-                opt.load_state_dict(copy.deepcopy(STATE["optimizer"]))
-            except (ValueError, KeyError):
-                pass
+                opt.load_state_dict(saved)
+            except (ValueError, KeyError) as exc:
+                print(f"note: the run's optimizer state does not load into the replay's optimizer ({{exc}}): it starts "
+                      "with the defaults and no moments", file=sys.stderr)
             return opt
         ''')
     if replay == "output-grads":

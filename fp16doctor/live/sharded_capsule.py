@@ -567,6 +567,7 @@ def _write(
             # keyed as the rebuilt module loads it, wrappers and all; in the shards, read whole by the replay
             model_state=module.state_dict() if parts.shards is None else {},
             optimizer_state=indexed_optimizer_state(parts.optimizer_state, names),
+            optimizer_by_position=True,
             batches=batches,
             output_grads=grads,
             import_paths=import_roots(module),

@@ -35,13 +35,14 @@ import torch
 
 from ..config import CALIBRATION_SKIPS
 from ..engine.rng import callers_rng_kept, rng_state
-from ..files import atomic_torch_save, atomic_write_text
+from ..files import atomic_torch_save, atomic_write_bytes, atomic_write_text
 from ..tensors import dtype_name, grad_values, norms
 from ..userfile.batches import map_tensors
 from ..userfile.compiled import CompileOptions
 from .capsule import (
     BACKEND_FILE,
     CAPSULE_FORMAT,
+    OPTIMIZER_FILE,
     SHARDS,
     CapsuleContents,
     LossRecord,
@@ -54,6 +55,8 @@ from .capsule import (
     detached_module,
     import_roots,
     loss_gradient_finding,
+    pickled_optimizer_class,
+    positioned_optimizer_state,
     replay_inputs,
     write_manifest,
 )
@@ -441,10 +444,12 @@ class Watch:
         batches, output_grads = replay_inputs(self._batches, self.output_grads, numbers.loss_scale)
         start = self.step_state.start
         with start.restored(self.model) if start is not None else contextlib.nullcontext(StateReport()) as written:
+            positioned = positioned_optimizer_state(inner, self.model)
             contents = CapsuleContents(
                 module=detached_module(self.model),
                 model_state=map_tensors(dict(self.model.state_dict()), cpu_copy),
-                optimizer_state=map_tensors(inner.state_dict(), cpu_copy),
+                optimizer_state=positioned if positioned is not None else map_tensors(inner.state_dict(), cpu_copy),
+                optimizer_by_position=positioned is not None,
                 batches=batches,
                 output_grads=output_grads,
                 import_paths=import_roots(self.model),
@@ -544,6 +549,7 @@ class Watch:
             "model": contents.model_state,
             "optimizer": contents.optimizer_state,
             "optimizer_class": f"{cls.__module__}.{cls.__qualname__}",
+            "optimizer_by_position": contents.optimizer_by_position,
             "optimizer_defaults": constructor_settings(inner),
             "scaler": scaler.state_dict() if enabled else None,
             "batches": contents.batches,
@@ -563,6 +569,8 @@ class Watch:
         }
         atomic_torch_save(folder / "capsule.pt", state)
         atomic_torch_save(folder / "model.pt", contents.module, pickle_module=cloudpickle)
+        with contextlib.suppress(Exception):  # one that does not pickle: the replay imports it by its name
+            atomic_write_bytes(folder / OPTIMIZER_FILE, pickled_optimizer_class(cls))
 
 
 def history_row(numbers: StepNumbers) -> dict[str, Any]:
