@@ -184,6 +184,12 @@ def test_ranking_is_severity_then_repair_then_size_then_root_cause_then_causal_o
     ranked = rank(list(reversed(expected)))
     assert [f.cause for f in ranked] == [f.cause for f in expected]
     assert [f.rank for f in ranked] == list(range(1, 9))
+    # a reduction in fp16 that overflows: a loss scale below 1 repairs it too, but the reduction is the cause
+    overflow, reduction = (
+        finding("scale-overflow", 70, removed=1.0, size=1),
+        finding("half-precision-reduce", 86, removed=1.0, size=1),
+    )
+    assert [f.cause for f in rank([overflow, reduction])] == ["half-precision-reduce", "scale-overflow"]
 
 
 def test_localisation_names_module_and_operator():

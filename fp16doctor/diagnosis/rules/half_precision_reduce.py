@@ -210,6 +210,9 @@ class HalfPrecisionReduce(Rule):
     order = 86
     evidence_type: ClassVar[type[EvidenceRecord]] = HalfPrecisionReduceEvidence
     explains = ("nonfinite", "skips", "trajectory-drift", "lost-updates")
+    suppresses = ("scale-overflow", "scale-growth", "grad-underflow")
+    """Gradients the reduction overflows or flushes, every rank's own being finite: a loss scale low enough
+    repairs that too (it shrinks what the reduction holds), but the reduction's dtype is the cause."""
     verifiable = False
     """The fix is a change to parallelize() (no config patch); it is verified by the parallel stage's fp32-reduction pass."""
     training_files = ("bf16_prices_fp16_hook.py",)
