@@ -132,11 +132,26 @@ def test_ddp_runs_as_unwatched_and_a_rank_that_resumed_alone_is_rank_divergence(
         assert said(
             resumed,
             f"fp16doctor: rank-divergence at optimizer step 0 on rank {rank}: the ranks' copies of body.0.weight "
-            "differ after optimizer step 0 (rank 0 vs rank 1; the first replicated parameter to differ, compared "
+            "differ (rank 0 vs rank 1) after optimizer step 0 (the first replicated parameter to differ, compared "
             "every 50 steps): the ranks trained apart.",
             times=1,
         )
     assert "step 1" not in resumed.stdout
+
+
+def test_replicas_that_drift_apart_after_the_last_comparison_are_compared_once_more_at_the_end(tmp_path):
+    """Rank 1 alone scales a bias from step 5 on; the checksums are compared every 100 steps (the default), so only
+    step 0 was compared: where the ranks meet in destroy_process_group() they are compared once more."""
+    drifted = torchrun(tmp_path, DDP, "--drift-rank", "1", "--drift-step", "5", watch=[])
+    assert drifted.returncode == 1, outcome(drifted)
+    assert "rank 0 step 7" in drifted.stdout and "rank 1 final weights" in drifted.stdout  # the run was not cut short
+    for rank in (0, 1):
+        assert said(
+            drifted,
+            f"fp16doctor: rank-divergence at optimizer step 7 on rank {rank}: the ranks' copies of body.2.bias differ "
+            "(rank 0 vs rank 1) at the end of the training, after optimizer step 7 (compared there once more).",
+            times=1,
+        )
 
 
 def test_ddp_with_fp16_compress_hook_runs_as_unwatched_and_is_named(tmp_path):

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler, OptState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -318,6 +319,8 @@ class TrainingObserver:
             )
             self._patch(torch.nn.Module, "zero_grad", _observed_zero_grad(vars(torch.nn.Module)["zero_grad"]))
             self._patch(torch, "compile", self._compiles.observed(vars(torch)["compile"]))
+            if dist.is_available():
+                self._patch(dist, "destroy_process_group", _observed_destroy(vars(dist)["destroy_process_group"]))
             warnings.filterwarnings("ignore", message=_GLOBAL_HOOKS_WARNING)
             self._warning_filter = warnings.filters[0]
             group = _fsdp2_param_group()
@@ -890,14 +893,12 @@ class TrainingObserver:
         else:
             per_rank = [t.tolist() for t in self._gather(checksums, step)]
             index = first_divergent(per_rank)
-            name = names[index] if index is not None and index < len(names) else "?"
-            groups: dict[int, list[int]] = {}
-            for r, values in enumerate(per_rank):
-                groups.setdefault(values[index] if index is not None else 0, []).append(r)
-            sides = " vs ".join(ranks_text(g) for g in groups.values())
+            copies = (
+                self._divergent_copies(names, per_rank, index) if index is not None else "the ranks' copies of ? differ"
+            )
             message = (
-                f"the ranks' copies of {name} differ after optimizer step {step} ({sides}; the first replicated "
-                f"parameter to differ, compared every {self.options.checksum_every} steps): the ranks trained apart"
+                f"{copies} after optimizer step {step} (the first replicated parameter to differ, compared every "
+                f"{self.options.checksum_every} steps): the ranks trained apart"
             )
         if "rank-divergence" not in self.options.alarms:
             return
@@ -906,6 +907,40 @@ class TrainingObserver:
         self.on_alarm(alarm)
         if self._pending_stop is None:
             self._pending_stop = alarm
+
+    def before_destroy(self) -> None:
+        """Inside ``destroy_process_group()``, which every rank of a finished training reaches: the replicated
+        parameters compared once more where the last comparison was steps ago (a drift after it, or in a training
+        with no GradScaler to meet in, would end unseen). Every rank decides from what they all share: the number
+        of ``update()`` calls and the parameters found."""
+        replicated = self._replicated_parameters()
+        last_compared = self._updates > 0 and (self._updates - 1) % max(1, self.options.checksum_every) == 0
+        if _world_size() < 2 or not self._agreeing or not self.watching or not replicated or last_compared:
+            return
+        checksums = parameter_checksums([p for _, p in replicated]).to(replicated[0][1].device)
+        step = max(self._steps.values(), default=0) - 1  # the last optimizer step taken
+        per_rank = [t.tolist() for t in self._gather(checksums, step)]
+        index = first_divergent(per_rank)
+        if index is None or "rank-divergence" not in self.options.alarms:
+            return
+        alarm = Alarm(
+            "rank-divergence",
+            step,
+            f"{self._divergent_copies([n for n, _ in replicated], per_rank, index)} at the end of the training, "
+            f"after optimizer step {step} (compared there once more)",
+            rank=self.rank,
+        )
+        self.alarms.append(alarm)
+        self.on_alarm(alarm)
+
+    @staticmethod
+    def _divergent_copies(names: list[str], per_rank: list[list[float]], index: int) -> str:
+        """ "the ranks' copies of NAME differ (ranks 0 vs 1)": the first replicated parameter whose checksums differ."""
+        groups: dict[float, list[int]] = {}
+        for r, values in enumerate(per_rank):
+            groups.setdefault(values[index], []).append(r)
+        name = names[index] if index < len(names) else "?"
+        return f"the ranks' copies of {name} differ ({' vs '.join(ranks_text(g) for g in groups.values())})"
 
     def _say_unsaid(self, table: list[RankRow]) -> None:
         """Tell this step's alarms, each with the ranks' story of the step."""
@@ -1155,6 +1190,17 @@ def _observed_update(original: Callable[..., Any]) -> Callable[..., Any]:
             observer._in_update = False
 
     return update
+
+
+def _observed_destroy(original: Callable[..., Any]) -> Callable[..., Any]:
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        observer = _observing()
+        if observer is not None and not args and not kwargs.get("group"):  # the default group: every rank's
+            with observer.guard("last comparison of the ranks"):
+                observer.before_destroy()
+        return original(*args, **kwargs)
+
+    return destroy_process_group
 
 
 def _observed_post_backward(original: Callable[..., Any]) -> Callable[..., Any]:

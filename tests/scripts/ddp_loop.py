@@ -10,6 +10,8 @@ rank 0 only after DDP wrapped it (DDP broadcast the weights when it was built, n
 at step K (a slow disk under its checkpoint).
 ``--micro-batches M``: each step accumulates M micro-batches (the poisoned one is the first); ``--no-sync``: all
 but the last under DDP's ``no_sync()``.
+``--drift-rank R --drift-step K``: after step K rank R alone scales the last layer's bias by 0.9, outside DDP (a
+fix-up one rank runs): from there the replicas differ.
 ``--device cuda``: each rank on its own GPU (LOCAL_RANK), NCCL; the batches drawn on the CPU as with ``cpu``.
 """
 
@@ -49,6 +51,8 @@ def main():
     parser.add_argument("--slow-seconds", type=float, default=0.0)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--no-sync", action="store_true")
+    parser.add_argument("--drift-rank", type=int, default=-1)
+    parser.add_argument("--drift-step", type=int, default=-1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     if args.device == "cuda":
@@ -83,6 +87,9 @@ def main():
         if rank == args.slow_rank and step == args.slow_step:
             time.sleep(args.slow_seconds)
         scaler.update()
+        if rank == args.drift_rank and step >= args.drift_step >= 0:
+            with torch.no_grad():
+                model.module.body[2].bias.mul_(0.9)
         print(f"rank {rank} step {step} loss {loss.item()!r} scale {scaler.get_scale()!r}", flush=True)
     if args.save and rank == 0:
         torch.save(model.module.state_dict(), args.save)
