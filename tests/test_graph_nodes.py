@@ -283,10 +283,21 @@ def regraphing_backend(gm, example_inputs):
     return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)).forward
 
 
-def test_a_new_graph_module_is_not_compared_by_name_and_the_nonfinite_trace_compares_nothing():
+def regraphing_swapping_backend(gm, example_inputs):
+    """A new GraphModule in which layer_norm calls another function: its outputs differ from eager's."""
+    return swapping_pass(torch.fx.GraphModule(gm, copy.deepcopy(gm.graph)), example_inputs)
+
+
+def test_a_new_graph_module_is_compared_by_its_outputs_only_and_the_nonfinite_trace_compares_nothing():
     program, trace = traced(Normed(), regraphing_backend, compare=True)
     program(SHIFTED)
-    assert trace.first_difference is None
+    assert trace.first_difference is None  # the same computation: its outputs agree
+    torch.manual_seed(0)
+    program, trace = traced(Normed(), regraphing_swapping_backend, compare=True)
+    program(SHIFTED)
+    differs = trace.first_difference
+    assert differs is not None and differs.outputs_only and differs.node == "output" and not differs.added
+    assert differs.relative_difference > 1e-3 and "compared by its outputs only" in differs.sentence()
     program, trace = traced(Normed(), swapping_pass)  # a non-finite trace: no eager copy is made
     program(SHIFTED)
     assert trace.first_difference is None and trace.first is None

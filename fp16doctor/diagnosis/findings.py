@@ -667,10 +667,9 @@ class GraphTraceReport:
     call (where the backend drifts without an inf or NaN); None: every compared node agreed, or none was compared."""
 
     def to_json(self) -> dict[str, Any]:
-        first, differs = self.first_nonfinite, self.first_difference
         return {
-            "first_nonfinite": first.to_json() if first is not None else None,
-            "first_difference": differs.to_json() if differs is not None else None,
+            "first_nonfinite": self.first_nonfinite.to_json() if self.first_nonfinite is not None else None,
+            "first_difference": self.first_difference.to_json() if self.first_difference is not None else None,
             "opaque": self.opaque,
             "failed": self.failed,
         }

@@ -13,7 +13,8 @@ precision: the training drifts) is found by comparison: on its graph's first cal
 received it runs eagerly on the same values first, and each node of the backend's graph is compared with the
 node of the same name there. The first node whose output differs while every value it read agreed (or the first
 node the backend added, upstream of one that differs) is where the compiled program stops computing what eager
-computes.
+computes. A graph the backend built itself (a new ``GraphModule``: its nodes share no names with dynamo's) is
+compared by its outputs only.
 
 The same non-finite trace runs AOT autograd's forward graph (the ``aot_eager`` backend), at the ATen level, where the fault is made
 there. Only forward graphs are traced: dynamo's graph is the forward, and autograd differentiates its traced nodes
@@ -60,6 +61,9 @@ class TracedNode:
     non-finite node."""
     added: bool = False
     """The backend added this node: dynamo's graph has none of its name (the difference shows in what it feeds)."""
+    outputs_only: bool = False
+    """The backend returned a graph of its own (a new ``GraphModule``, its nodes named its own way): only its
+    outputs could be compared with eager's, and ``node`` is its output."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,9 +75,20 @@ class TracedNode:
             "graph": self.graph,
             "relative_difference": self.relative_difference,
             "added": self.added,
+            "outputs_only": self.outputs_only,
         }
 
     def sentence(self) -> str:
+        if self.outputs_only:
+            off = (
+                f", {self.relative_difference:.2g} off eager's (relative)"
+                if self.relative_difference is not None
+                else ""
+            )
+            return (
+                f"the outputs of a graph the backend built itself (a new GraphModule, whose nodes cannot be matched "
+                f"with dynamo's: compared by its outputs only) at step {self.step}{off}"
+            )
         where = f" in {self.module}" if self.module else ""
         line = f", traced from {self.source}" if self.source else ""
         added = ", added by the backend" if self.added else ""
@@ -111,8 +126,6 @@ class GraphTrace:
             if graph is None:
                 self.opaque.append(type(compiled).__name__)
                 return compiled
-            if graph is not gm:
-                eager = None
             compared = False
 
             def run(*args: Any) -> Any:
@@ -121,7 +134,7 @@ class GraphTrace:
                 if eager is not None and not compared and self.first_difference is None:  # the same weights
                     compared = True
                     try:
-                        reference = EagerRun.of(eager, args)
+                        reference = EagerRun.of(eager, args, outputs_only=graph is not gm)
                     except Exception:  # noqa: BLE001 - dynamo's graph does not run eagerly here: nothing to compare
                         reference = None
                 return _FirstNonfinite(graph, self, "the backend's graph", reference).run(*args)
@@ -219,6 +232,9 @@ class _FirstNonfinite(torch.fx.Interpreter):
         self.agrees[n] = difference == 0.0
         if difference == 0.0:
             return
+        if self.reference.outputs_only:
+            self.trace.first_difference = dataclasses.replace(self._named(n, difference), outputs_only=True)
+            return
         reads = [self.agrees.get(read, True) for read in n.all_input_nodes]
         changed = n.op != "output" and self.reference.calls.get(n.name) != (n.op, n.target)
         if changed or all(reads):
@@ -284,6 +300,8 @@ class _FirstNonfinite(torch.fx.Interpreter):
 
 
 _ABSENT = object()
+OUTPUT = "output"
+"""The name FX gives every graph's output node: how a graph of the backend's own is matched with dynamo's."""
 
 
 @dataclass
@@ -293,12 +311,15 @@ class EagerRun:
     values: dict[str, Any]
     calls: dict[str, tuple[str, Any]]
     """Per node name: its (op, target), to tell a node the backend changed from one it left as it was."""
+    outputs_only: bool = False
+    """Only the graph's outputs are kept (``values`` holds the output node's): the graph it is compared with is one
+    the backend built itself, whose nodes share no names with dynamo's."""
 
     @classmethod
-    def of(cls, graph: torch.fx.GraphModule, args: tuple[Any, ...]) -> EagerRun:
+    def of(cls, graph: torch.fx.GraphModule, args: tuple[Any, ...], outputs_only: bool = False) -> EagerRun:
         """``graph`` run on copies of ``args``, without autograd, and with the random generators of the devices the
         arguments are on given back as they were: the backend's graph then draws the same dropout masks, and a
-        buffer the graph updates in place is updated once."""
+        buffer the graph updates in place is updated once. ``outputs_only``: only the outputs are kept."""
         values: dict[str, Any] = {}
 
         class Recorder(torch.fx.Interpreter):
@@ -310,6 +331,9 @@ class EagerRun:
         devices = sorted({a.device.index or 0 for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.is_cuda})
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             Recorder(graph).run(*(_copied(a) for a in args))
+        if outputs_only:
+            output = next(n for n in graph.graph.nodes if n.op == "output")
+            return cls({OUTPUT: values[output.name]}, {}, outputs_only=True)
         return cls(values, {n.name: (n.op, n.target) for n in graph.graph.nodes})
 
 
