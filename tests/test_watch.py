@@ -530,4 +530,28 @@ def test_the_capsules_model_keeps_the_users_hooks_and_their_marks_but_none_of_th
     plain = model.register_forward_pre_hook(functools.partial(norms))
     clone = detached_module(model)
     assert list(clone._forward_hooks) == [users.id] and list(clone._forward_hooks_with_kwargs) == [users.id]
-    assert not clone._forward_pre_hooks and watchs.id in model._forward_hooks_with_kwargs and plain.id
+    assert not clone._forward_pre_hooks and watchs.id in model._forward_hooks_with_kwargs
+    assert plain.id in model._forward_pre_hooks and plain.id not in clone._forward_pre_hooks
+
+
+class GroupsItself(torch.optim.SGD):
+    """An optimizer that takes a flat list of tensors and groups them itself (Muon's kind): it refuses groups."""
+
+    def __init__(self, params, lr=1e-2):
+        params = list(params)
+        assert all(isinstance(p, torch.Tensor) for p in params), "tensors only"
+        super().__init__(
+            [{"params": [p for p in params if p.ndim == 2]}, {"params": [p for p in params if p.ndim < 2]}], lr=lr
+        )
+
+
+def test_a_capsules_optimizer_that_groups_its_parameters_itself_is_built_from_the_flat_list(tmp_path):
+    import importlib.util
+
+    _, alarm = loop(tmp_path, nan_at=7, optimizer_class=GroupsItself)
+    spec = importlib.util.spec_from_file_location("capsule_file", alarm.capsule / "train_capsule.py")
+    capsule = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(capsule)
+    net = capsule.model()
+    opt = capsule.optimizer(net.parameters())
+    assert type(opt).__name__ == "GroupsItself" and [len(g["params"]) for g in opt.param_groups] == [2, 2]

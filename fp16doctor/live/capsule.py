@@ -38,10 +38,10 @@ SHARDS = "sharded_state"
 state was past the watch's gather limit."""
 CAPSULE_FILES = ("capsule.pt", "model.pt", "config.json", "train_capsule.py")
 BACKEND_FILE = "backend.pt"
-OPTIMIZER_FILE = "optimizer.pkl"
-"""The optimizer's class, pickled with cloudpickle: one the script defined itself is stored by value."""
 """A custom ``torch.compile`` backend the run compiled with, pickled with cloudpickle (where it pickles): the replay
 compiles with it, not with inductor in its place (which computes another program)."""
+OPTIMIZER_FILE = "optimizer.pkl"
+"""The optimizer's class, pickled with cloudpickle: one the script defined itself is stored by value."""
 MANIFEST = "manifest.json"
 REPLAY_INDEX = "replay_index"
 """The batch field (a 0-dim integer tensor) that names a micro-batch's recorded output gradients."""
@@ -608,7 +608,10 @@ def capsule_training_file(
             if stored.is_file():
                 import pickle
 
-                return pickle.loads(stored.read_bytes())
+                try:
+                    return pickle.loads(stored.read_bytes())
+                except Exception as exc:  # noqa: BLE001 - imported by its name instead
+                    print(f"note: the run's optimizer class does not load here ({{exc}}): imported by its name", file=sys.stderr)
             module, name = STATE["optimizer_class"].rsplit(".", 1)
             return getattr(importlib.import_module(module), name)
 
@@ -617,15 +620,19 @@ def capsule_training_file(
             # the moments the failing step started from, copied: load_state_dict keeps the very tensors it is
             # given, and each probe's steps would update them in place for the next probe
             saved = copy.deepcopy(STATE["optimizer"])
-            params = list(params)
+            params, cls = list(params), optimizer_class()
+            opt = None
             if STATE.get("optimizer_by_position") and saved["param_groups"]:
                 # the run's own parameter groups (no weight decay on norms, an lr per part), each parameter by its
                 # place in the model, with the hyperparameters each group had at the step
                 groups = [{{**{{k: v for k, v in g.items() if k != "params"}}, "params": [params[i] for i in g["params"]]}}
                           for g in saved["param_groups"]]
-                opt = optimizer_class()(groups, **STATE["optimizer_defaults"])
-            else:
-                opt = optimizer_class()(params, **STATE["optimizer_defaults"])
+                try:
+                    opt = cls(groups, **STATE["optimizer_defaults"])
+                except Exception:  # noqa: BLE001 - a class that groups its parameters itself (Muon's kind)
+                    opt = None
+            if opt is None:
+                opt = cls(params, **STATE["optimizer_defaults"])
             try:
                 opt.load_state_dict(saved)
             except (ValueError, KeyError) as exc:
