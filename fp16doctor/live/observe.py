@@ -183,6 +183,11 @@ SHARDED_DISAGREEMENT = (
 )
 
 
+LAST_COMPARISON_WAIT = 60.0
+"""Seconds the ranks wait for each other in ``destroy_process_group()``'s last comparison (without
+``--rank-timeout``): a rank still saving a checkpoint there is not waited for past it, and nothing is stopped."""
+
+
 def torchrun_rank() -> int | None:
     """This process's rank under torchrun (capsules then carry it in their name); None in a single process."""
     torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -254,6 +259,8 @@ class TrainingObserver:
         self._own = LocalGradients(self.failed)
         self._backwards = 0
         self._updates = 0
+        self._stopped = False
+        """A stop ended the run here (an alarm, a rank that did not come): the ranks meet no more."""
         self._facts: StepFacts | None = None
         self._unsaid: list[Alarm] = []
         """Alarms of this step not printed yet: under torchrun they are said in ``update()``, with the other ranks'
@@ -610,6 +617,7 @@ class TrainingObserver:
             alarm.no_capsule = NO_MEETING
         self.on_alarm(alarm)
         if self.options.stop_on_alarm:
+            self._stopped = True
             raise WatchStopped(alarm)
 
     def _facts_of(self, watch: Watch, optimizer: torch.optim.Optimizer, alarm: Alarm | None) -> StepFacts:
@@ -760,6 +768,7 @@ class TrainingObserver:
                 self.on_alarm(alarm)
             if together:
                 self._said_together(scaler._scale.device)
+            self._stopped = True
             raise WatchStopped(alarm)
 
     def _stops_every_rank(self, table: list[RankRow]) -> bool:
@@ -866,6 +875,7 @@ class TrainingObserver:
             self.alarms.append(alarm)
             self.on_alarm(alarm)
             self._agreeing = False
+            self._stopped = True
             raise WatchStopped(alarm) from exc
 
     def _replicated_parameters(self) -> list[tuple[str, torch.Tensor]]:
@@ -914,12 +924,19 @@ class TrainingObserver:
         with no GradScaler to meet in, would end unseen). Every rank decides from what they all share: the number
         of ``update()`` calls and the parameters found."""
         replicated = self._replicated_parameters()
-        last_compared = self._updates > 0 and (self._updates - 1) % max(1, self.options.checksum_every) == 0
-        if _world_size() < 2 or not self._agreeing or not self.watching or not replicated or last_compared:
+        # what every rank knows alike: the updates they met in, whether they still agreed there, whether a stop
+        # ended the run (a rank alone in a collective the others never make would wait for them)
+        last_compared = (self._updates - 1) % max(1, self.options.checksum_every) == 0
+        shared = self._updates > 0 and self._agreeing and not self._stopped
+        if _world_size() < 2 or not shared or not replicated or last_compared:
             return
         checksums = parameter_checksums([p for _, p in replicated]).to(replicated[0][1].device)
         step = max(self._steps.values(), default=0) - 1  # the last optimizer step taken
-        per_rank = [t.tolist() for t in self._gather(checksums, step)]
+        try:
+            per_rank = [t.tolist() for t in gather(checksums, self.options.rank_timeout or LAST_COMPARISON_WAIT)]
+        except RuntimeError as exc:  # a rank that left early, or reached this much later: no comparison, no stop
+            self.on_note(f"the ranks' last comparison of their parameters did not complete ({first_line(exc)})")
+            return
         index = first_divergent(per_rank)
         if index is None or "rank-divergence" not in self.options.alarms:
             return
@@ -1194,9 +1211,10 @@ def _observed_update(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _observed_destroy(original: Callable[..., Any]) -> Callable[..., Any]:
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        observer = _observing()
-        if observer is not None and not args and not kwargs.get("group"):  # the default group: every rank's
-            with observer.guard("last comparison of the ranks"):
+        observer = _active
+        group = args[0] if args else kwargs.get("group")
+        if observer is not None and (group is None or group is dist.GroupMember.WORLD):  # every rank's group
+            with observer.guard("last comparison of the ranks"):  # its own failure: said, and the group destroyed
                 observer.before_destroy()
         return original(*args, **kwargs)
 
