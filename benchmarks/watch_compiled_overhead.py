@@ -16,7 +16,7 @@ steps (both must be 0).
 Beside them, and interleaved the same way, a third setting: the plain step plus one read of the gradients, the
 per-layer L2 norms the watch reads every ``norms_every`` steps and on trouble (``torch._foreach_norm``, one sync),
 unwatched, at every step. Its ratio is what a check that read them at every step would pay for them; the watch
-pays a tenth of it (by default), plus its own Python per step.
+pays a fifth of it (by default), plus its own Python per step.
 
     python benchmarks/watch_compiled_overhead.py [--rounds 40] [--warmup 4] [--threads 1]
 """

@@ -611,7 +611,7 @@ def watch(
             help="With a GradScaler: read the per-layer gradient norms every this many steps (and on every skipped "
             "or non-finite step); 1: every step, for a grad_norm at each step of a capsule's history.",
         ),
-    ] = 10,
+    ] = 5,
     rank_timeout: Annotated[
         float | None,
         typer.Option(

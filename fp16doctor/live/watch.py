@@ -89,11 +89,12 @@ class WatchOptions:
     the square of ``spike_factor`` times the median of the steps so far (at least 3)."""
     alarms: tuple[str, ...] = ALARMS
     """Which alarms are raised."""
-    norms_every: int = 10
+    norms_every: int = 5
     """Where a GradScaler decides the skip, the per-layer gradient norms (the history's ``grad_norm``, the largest
     layer) are read every this many optimizer steps, and at every step the scaler skips or whose loss is not finite:
-    all an alarm reads, for half the watch's cost on a small model. Without a scaler they are read at every step:
-    they are how a non-finite gradient that nothing skips is seen. 1: every step."""
+    all an alarm reads, for half the watch's cost on a small model. A capsule's 50 steps of history then hold ten
+    norms at least (the gradient-norm growth a log reader looks for needs six). Without a scaler they are read at
+    every step: they are how a non-finite gradient that nothing skips is seen. 1: every step."""
     checksum_every: int = 100
     """Under torchrun: every this many ``GradScaler.update()`` calls (from the first) the ranks compare a checksum
     of the parameters each holds whole (a DDP model's); a difference is ``rank-divergence``."""
@@ -126,7 +127,8 @@ class StepNumbers:
     nonfinite_layers: list[str] = field(default_factory=list)
     largest_layer: str | None = None
     """The layer whose (unscaled) gradient has the largest norm."""
-    largest_norm: float = 0.0
+    largest_norm: float | None = 0.0
+    """Its norm; None: the norms were not read at this step."""
     local: bool = False
     """The gradient norms and non-finite layers are this rank's shard's (a sharded model), not the whole model's."""
     own_nonfinite: bool | None = None
@@ -357,7 +359,7 @@ class Watch:
             lr=float(optimizer.param_groups[0]["lr"]),
             nonfinite_layers=bad[:20],
             largest_layer=largest[1],
-            largest_norm=largest[0],
+            largest_norm=largest[0] if read_norms else None,
             local=self.sharded,
             own_nonfinite=None if own_value < 0 else own_value > 0,
         )
