@@ -124,6 +124,7 @@ def test_a_fault_only_the_compiled_program_makes_is_localised_by_backend_and_rep
         "module": "input_norm",
         "graph": "the backend's graph",
         "added": False,
+        "outputs_only": False,
     }
     trace = evidence["graph_trace"]
     assert trace["first_nonfinite"] == {**layer_norm, "relative_difference": None}
@@ -263,6 +264,43 @@ def test_the_compiled_program_is_the_users_own_unless_the_settings_change_it():
     in_place = torch.nn.Linear(2, 2)
     in_place.compile(backend="eager")
     assert uncompiled(in_place) == (in_place, None) and in_place._compiled_call_impl is None  # eager again
+
+
+def test_blocks_compiled_one_by_one_run_eager_in_the_instrumented_probes_and_compiled_in_the_compiled_one():
+    """torchtitan's way (`block.compile()` per block) and nanoGPT-like code's (a block replaced by
+    `torch.compile(block)`, its parameters renamed `_orig_mod`): both are made eager again under the names they had,
+    and the options name the blocks; a compiled probe compiles the same blocks in place, the model around them eager."""
+    from fp16doctor.userfile.compiled import CompileRecorder, compiled_parts
+
+    recorder = CompileRecorder()
+    with recorder.recording():
+        net = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        net[1].compile(backend="eager", dynamic=False)
+        net[2] = torch.compile(net[2], backend="eager", dynamic=False)
+    assert "2._orig_mod.weight" in dict(net.named_parameters())
+    options = compiled_parts(net, recorder)
+    assert options is not None and options.modules == ("1", "2") and options.backend == "eager"
+    assert list(dict(net.named_parameters())) == [f"{i}.{k}" for i in range(3) for k in ("weight", "bias")]
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in net)  # eager again
+    eager = net(torch.ones(1, 2))
+    program = compiled_program(net, None, CompileConfig(), options)
+    assert program is net and net[1]._compiled_call_impl is not None and net[0]._compiled_call_impl is None
+    assert torch.equal(program(torch.ones(1, 2)), eager)  # the eager backend computes what eager does
+
+
+def test_a_training_that_compiles_its_blocks_one_by_one_is_diagnosed_as_it_runs_them():
+    """Each block's hand-written RMSNorm overflows eager fp16 on raw readings; the compiled blocks do not. The
+    training as it runs is healthy, eager's fault a warning; the instrumented probes ran the blocks eager (the
+    warning's fix names a norm inside a block)."""
+    proc = diagnose_ci(FILES / "compiled_blocks_rmsnorm.py")
+    report = proc.report()
+    assert proc.returncode == 0 and report["verdict"] == "healthy", proc.stderr[-3000:]
+    compiled = stage(report, "compiled")
+    assert compiled["details"]["outcome"] == "eager-only"
+    assert compiled["details"]["compiled_with"]["modules"] == ["blocks.0", "blocks.1"]
+    warnings = [f for f in report["findings"] if f["title"].startswith("eager only: ")]
+    assert warnings and any("blocks.0.norm" in f["title"] for f in warnings)
+    assert any(note.startswith("model() compiles blocks.0, blocks.1 one by one") for note in report["notes"])
 
 
 class DataDependent(torch.nn.Module):

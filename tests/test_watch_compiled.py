@@ -27,7 +27,9 @@ def run_python(*args, cwd):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "how", [[], ["--in-place"], ["--compile-blocks"]], ids=["torch.compile(model)", "model.compile()", "each block"]
+    "how",
+    [[], ["--in-place"], ["--compile-blocks"], ["--compile-blocks-in-place"]],
+    ids=["torch.compile(model)", "model.compile()", "each block", "block.compile()"],
 )
 def test_a_compiled_script_runs_as_without_the_watch_with_no_extra_graph_or_graph_break(tmp_path, how):
     plain = run_python(SCRIPT, *how, cwd=tmp_path)
@@ -51,6 +53,7 @@ def test_a_compiled_models_capsule_records_how_it_was_compiled_and_is_replayed_b
         "dynamic": False,
         "fullgraph": False,
         "options": {},
+        "modules": [],
     }
     diagnosis = run_cli("diagnose", "--ci", "--json", "--capsule", capsule)
     report = json.loads(diagnosis.stdout)
@@ -141,11 +144,19 @@ def test_a_capsule_of_a_custom_backend_replays_with_that_backend_and_blames_it_n
 
 
 @pytest.mark.slow
-def test_a_capsule_of_a_model_compiled_per_block_says_its_replay_runs_the_blocks_eager(tmp_path):
-    watched = run_cli("watch", "--capsule-dir", "caps", SCRIPT, "--compile-blocks", "--poison-step", "2", cwd=tmp_path)
+@pytest.mark.parametrize("how", ["--compile-blocks", "--compile-blocks-in-place"])
+def test_a_capsule_of_a_model_compiled_per_block_is_replayed_with_its_blocks_compiled(tmp_path, how):
+    """Blocks replaced by their torch.compile wrappers (nanoGPT-like code) or compiled in place (torchtitan's
+    `block.compile()`), the model around them eager: the capsule records the blocks and their options, and its replay
+    compiles the same blocks (the compiled stage ran)."""
+    watched = run_cli("watch", "--capsule-dir", "caps", SCRIPT, how, "--poison-step", "2", cwd=tmp_path)
     assert watched.returncode == 1, watched.stderr[-3000:]
-    manifest = json.loads((tmp_path / "caps" / "step_00000002" / "manifest.json").read_text())
-    assert manifest["compiled"] is None  # the model itself ran eager
-    said = " ".join(manifest["not_emulated"])
-    assert "blocks.0, blocks.1 ran compiled" in said and "the replay runs them eager" in said
-    assert "blocks.0, blocks.1 ran compiled" in replay_note(manifest)
+    capsule = tmp_path / "caps" / "step_00000002"
+    manifest = json.loads((capsule / "manifest.json").read_text())
+    assert manifest["compiled"]["modules"] == ["blocks.0", "blocks.1"] and manifest["compiled"]["dynamic"] is False
+    assert "its blocks blocks.0, blocks.1 ran compiled one by one" in replay_note(manifest)
+    diagnosis = run_cli("diagnose", "--ci", "--json", "--capsule", capsule)
+    report = json.loads(diagnosis.stdout)
+    assert report["findings"][0]["cause"] == "nonfinite-data", diagnosis.stderr[-3000:]
+    compiled = next(s for s in report["stages"] if s["name"] == "compiled")
+    assert compiled["status"] == "ran" and compiled["details"]["compiled_with"]["modules"] == ["blocks.0", "blocks.1"]

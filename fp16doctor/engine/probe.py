@@ -505,7 +505,9 @@ class Probe:
         if any(_fsdp1_flat(m) for m in self.model.modules()):
             self.spec.note(FSDP1_RUNS_EAGER)
         program = None if self.model is not self.built_model else self._program
-        return compiled_program(self.model, program, self.config.compile, self.spec.compiled, self._backend)
+        return compiled_program(
+            self.model, program, self.config.compile, self.spec.compiled, self._backend, parts_of=self.built_model
+        )
 
     @property
     def _compiles_anew(self) -> bool:

@@ -310,8 +310,10 @@ def _compiled_note(compiled: dict[str, Any] | None, backend_stored: bool = False
         else f" (its backend did not pickle, so it is not stored: replayed with {replayed}, which computes another"
         " program; a fault only that backend makes is not reproduced)"
     )
+    blocks = compiled.get("modules") or []
+    what = f"its blocks {', '.join(blocks)} ran compiled one by one" if blocks else "ran compiled"
     return (
-        f"; the watched model ran compiled (torch.compile: {how}), and the step is replayed both ways, compiled"
+        f"; the watched model {what} (torch.compile: {how}), and the step is replayed both ways, compiled"
         f"{instead} and eager: the compiled stage compares them"
     )
 
@@ -327,10 +329,13 @@ def _compiled_return(compiled: CompileOptions | None) -> str:
     if compiled is None:
         return "net"
     options = {k: v for k, v in compiled.options.items() if isinstance(v, (bool, int, float, str))}
-    return (
-        f"torch.compile(net, backend=backend({replay_backend(compiled.backend)!r}), mode={compiled.mode!r}, "
-        f"dynamic={compiled.dynamic!r}, fullgraph={compiled.fullgraph!r}, options={options or None!r})"
+    settings = (
+        f"backend=backend({replay_backend(compiled.backend)!r}), mode={compiled.mode!r}, "
+        f"dynamic={compiled.dynamic!r}, fullgraph={compiled.fullgraph!r}, options={options or None!r}"
     )
+    if compiled.modules:
+        return f"compiled_blocks(net, {list(compiled.modules)!r}, {settings})"
+    return f"torch.compile(net, {settings})"
 
 
 def _replayed(manifest: dict[str, Any]) -> str:
@@ -587,6 +592,18 @@ def capsule_training_file(
             except Exception as exc:  # noqa: BLE001 - any unpickling error: the replay goes on, and says so
                 print(f"note: the run's compile backend does not load here ({{exc}}): replayed with {{otherwise}}", file=sys.stderr)
                 return otherwise
+
+
+        def compiled_blocks(net, names, **settings):
+            """The blocks the run compiled one by one, compiled in place again with its settings (one it replaced by
+            its torch.compile wrapper put back first), the model around them eager."""
+            for name in names:
+                parent, _, child = name.rpartition(".")
+                owner = net.get_submodule(parent) if parent else net
+                block = getattr(getattr(owner, child), "_orig_mod", getattr(owner, child))
+                setattr(owner, child, block)
+                block.compile(**settings)
+            return net
 
 
         def model():

@@ -695,7 +695,7 @@ class TrainingObserver:
             watch.step_state = self._step_states.setdefault(id(watch.model), StepStartKeeper())
             watch.compiled = self._compiles.options_of(outer) if outer is not None else None
             if watch.compiled is None:  # compiled per block, the model around them eager
-                watch.compiled_parts = [n for n, m in model.named_modules() if n and compiled_call(m) is not None]
+                watch.compiled = self._compiles.parts_of(model)
             if outer is None and self._compiles.functions_compiled:
                 watch.unseen_forward = COMPILED_STEP
             self.watches[key] = watch

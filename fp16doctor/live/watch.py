@@ -202,10 +202,8 @@ class Watch:
         self.no_capsule: str | None = None
         """Why this watch writes no capsule (a sharded model's state is spread over the ranks); None: it writes them."""
         self.compiled: CompileOptions | None = None
-        self.compiled_parts: list[str] = []
-        """The submodules that ran compiled where the model itself did not (``torch.compile`` per block): the
-        capsule's replay runs them eager, and its manifest says so."""
-        """How the model's program was compiled (None: it ran eager); its capsule records it."""
+        """How the model's program was compiled (its ``modules``: the blocks compiled one by one, the model around them
+        eager; None: it ran eager); its capsule records it, and its replay compiles the same."""
         self.unseen_forward = "the watch saw no forward of the model in this step"
         """Why no capsule, where the watch saw none of the step's forwards (they hold the batches it replays)."""
         self.step_state = StepStartKeeper()
@@ -508,17 +506,9 @@ class Watch:
             ),
             compiled=self.compiled,
             sharding=contents.sharding,
-            not_emulated=[*contents.not_emulated, *self._parts_run_eager()],
+            not_emulated=contents.not_emulated,
             backend_stored=backend_stored,
         )
-
-    def _parts_run_eager(self) -> list[str]:
-        if not self.compiled_parts:
-            return []
-        return [
-            f"the submodules {', '.join(self.compiled_parts)} ran compiled (torch.compile per module); the replay runs "
-            "them eager, so what only their compiled programs compute is not replayed"
-        ]
 
     def _store_backend(self, folder: Path) -> bool:
         """The run's custom compile backend, pickled into the capsule; False where there is none or it does not

@@ -10,6 +10,7 @@ seen, and the compiled program is the one torch builds: the wrapper only passes 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ import torch
 
 from ..config import COMPILE_BACKENDS, CompileConfig
 from ..errors import ConfigError
-from .modules import compiled_call
+from .modules import compile_wrapper_inner, compiled_call
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class CompileOptions:
     compiler: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     """The backend itself where the call gave a function (a custom backend): what a graph trace wraps. Not in
     :meth:`to_json` (a capsule records its name)."""
+    modules: tuple[str, ...] = ()
+    """The submodules compiled one by one with these options (``block.compile()`` per block, or a block replaced
+    by ``torch.compile(block)``), the model around them eager; empty: the model itself is compiled."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -48,6 +52,7 @@ class CompileOptions:
             "dynamic": self.dynamic,
             "fullgraph": self.fullgraph,
             "options": self.options,
+            "modules": list(self.modules),
         }
 
     @classmethod
@@ -172,6 +177,16 @@ class CompileRecorder:
         except TypeError:  # a result that takes no weak reference: nothing to look up later
             pass
 
+    def parts_of(self, model: torch.nn.Module) -> CompileOptions | None:
+        """Where ``model``'s submodules were compiled one by one: the first one's options, naming them all
+        (``modules``); None where none was."""
+        parts = _compiled_blocks(model)
+        if not parts:
+            return None
+        first = self.options_of(parts[0][1])
+        assert first is not None
+        return dataclasses.replace(first, modules=tuple(name for name, _ in parts))
+
     def options_of(self, module: torch.nn.Module) -> CompileOptions | None:
         """How the compiled program a call of ``module`` runs was compiled; None: it is not compiled. A program
         compiled before the watch began has the backend ``unknown``."""
@@ -179,6 +194,44 @@ class CompileRecorder:
         if program is None:
             return None
         return self._options.get(program) or CompileOptions(backend="unknown")
+
+
+def compiled_parts(model: torch.nn.Module, recorder: CompileRecorder) -> CompileOptions | None:
+    """Where ``model()`` compiled submodules one by one and not the model: the options of the first, naming them
+    all (``modules``), with each part made eager again (a block compiled in place loses its program; one replaced
+    by its ``torch.compile`` wrapper is put back in its place, under the name it had); None where none was
+    compiled. The probes that measure the eager module need it eager; a compiled probe compiles the parts again."""
+    options = recorder.parts_of(model)
+    for name, module in _compiled_blocks(model):
+        _eager_again(model, name, module)
+    return options
+
+
+def _eager_again(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    inner = compile_wrapper_inner(module)
+    if inner is None:
+        module._compiled_call_impl = None
+        return
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, inner)
+
+
+def compile_parts(model: torch.nn.Module, names: tuple[str, ...], backend: Any, **options: Any) -> None:
+    """Each of ``model``'s submodules ``names`` compiled in place with these options, the model around them eager
+    (its parameters keep their names). Dynamo's caches are reset first: the parts of the probe's model before were
+    of the same classes, and every new instance compiled would count towards its recompile limit."""
+    torch._dynamo.reset()
+    for name in names:
+        model.get_submodule(name).compile(backend=backend, **options)
+
+
+def _compiled_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The outermost submodules whose calls run a compiled program (the model itself not compiled)."""
+    parts: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if name and not any(name.startswith(f"{part}.") for part, _ in parts) and compiled_call(module) is not None:
+            parts.append((name, module))
+    return parts
 
 
 def training_compiles(settings: CompileConfig, recorded: CompileOptions | None) -> bool:
@@ -193,17 +246,24 @@ def compiled_program(
     settings: CompileConfig,
     recorded: CompileOptions | None,
     backend: Callable[..., Any] | None = None,
+    parts_of: torch.nn.Module | None = None,
 ) -> torch.nn.Module:
     """What a compiled probe calls: ``model()``'s own compiled module where the settings change nothing (the
     user's program, a custom backend included), else ``model`` compiled with them over what ``model()`` compiled
     with: its backend (a custom one too, where ``model()`` gave the function: a module compiled in place), its
     ``dynamic`` and ``fullgraph`` (a graph break ``fullgraph`` refuses is the training's own error, in every
     variant tried, except where the settings run regions eagerly: those breaks are the doctor's); inductor where the recorded backend cannot be called (a capsule's custom one).
-    ``backend``: ``model`` compiled anew with this backend function (a graph trace's), whatever the settings say."""
+    ``backend``: ``model`` compiled anew with this backend function (a graph trace's), whatever the settings say.
+    Where ``model()`` compiled submodules one by one (``recorded.modules``), those of ``parts_of`` (the module
+    ``model()`` built, where ``model`` wraps it for the ranks) are compiled in place, and ``model`` is the program."""
     dynamic = recorded.dynamic if recorded is not None else None
     # the doctor's own graph breaks (the regions it runs eagerly) are no fault fullgraph should refuse
     fullgraph = recorded.fullgraph and not settings.eager_modules if recorded is not None else False
+    parts = recorded.modules if recorded is not None else ()
     if backend is not None:
+        if parts:
+            compile_parts(parts_of or model, parts, backend, dynamic=dynamic, fullgraph=fullgraph)
+            return model
         traced = torch.compile(model, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
         assert isinstance(traced, torch.nn.Module)
         return traced
@@ -216,6 +276,11 @@ def compiled_program(
     )
     if options is not None:
         mode = None  # torch.compile takes a mode or options, not both: the emulation is what is tried
+    if parts:  # compiled block by block, as model() compiled it: the model around them stays eager
+        compile_parts(
+            parts_of or model, parts, chosen, mode=mode, dynamic=dynamic, fullgraph=fullgraph, options=options
+        )
+        return model
     compiled = torch.compile(model, backend=chosen, mode=mode, dynamic=dynamic, fullgraph=fullgraph, options=options)
     assert isinstance(compiled, torch.nn.Module)  # torch.compile of a module is its OptimizedModule
     return compiled

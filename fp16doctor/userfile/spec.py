@@ -33,7 +33,7 @@ import torch
 
 from ..errors import DoctorError, TrainingFileError, first_line
 from .checkpoint import TrainedStart
-from .compiled import CompileOptions, CompileRecorder
+from .compiled import CompileOptions, CompileRecorder, compiled_parts
 from .modules import compile_wrapper_inner
 
 MARKER = "__fp16doctor_training_file__"
@@ -45,6 +45,19 @@ COMPILED_NOTE = (
     "their instruments see every submodule and aten operator, and the AMP probe runs compiled too, as the "
     "training does (stage 'compiled'): the diagnosis is of the compiled training"
 )
+PARTS_NOTE = "model() compiles "
+
+
+def compiled_parts_note(parts: tuple[str, ...]) -> str:
+    """The note of a model compiled block by block."""
+    shown = ", ".join(parts[:4]) + (f" and {len(parts) - 4} more" if len(parts) > 4 else "")
+    return (
+        f"{PARTS_NOTE}{shown} one by one: the instrumented probes run them eager, so that their instruments see "
+        "every submodule and aten operator, and the AMP probe runs them compiled too, as the training does (stage "
+        "'compiled'): the diagnosis is of the compiled training"
+    )
+
+
 COMPILE_OFF_NOTE = (
     "model() returns a torch.compile'd module, but the config's compile.enabled is false: every probe runs the "
     "module it wraps eager, and the diagnosis is of the eager training"
@@ -54,7 +67,10 @@ COMPILE_OFF_NOTE = (
 def notes_under(notes: list[str], compile_enabled: bool | None) -> list[str]:
     """The loaded file's notes as they hold under the config: with ``compile.enabled`` false, the compiled note
     says that every probe runs eager instead."""
-    return [COMPILE_OFF_NOTE if n == COMPILED_NOTE and compile_enabled is False else n for n in notes]
+    return [
+        COMPILE_OFF_NOTE if compile_enabled is False and (n == COMPILED_NOTE or n.startswith(PARTS_NOTE)) else n
+        for n in notes
+    ]
 
 
 OPTIONAL_CALLABLES = ("loss", "optimizer", "optimizers", "scheduler", "train_step", "parallelize")
@@ -383,9 +399,11 @@ def build_model_and_program(spec: TrainingSpec) -> tuple[torch.nn.Module, torch.
         )
     options = recorder.options_of(model)
     model, program = uncompiled(model)
+    if options is None:  # compiled block by block, the model around them eager
+        options = compiled_parts(model, recorder)
     if options is not None:
         spec.compiled = options
-        spec.note(COMPILED_NOTE)
+        spec.note(COMPILED_NOTE if not options.modules else compiled_parts_note(options.modules))
     return model, program
 
 

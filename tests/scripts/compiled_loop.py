@@ -16,6 +16,7 @@ parser.add_argument("--mode", default=None)
 parser.add_argument("--in-place", action="store_true", help="model.compile() instead of torch.compile(model)")
 parser.add_argument("--compile-step", action="store_true", help="compile the forward and loss as one function")
 parser.add_argument("--compile-blocks", action="store_true", help="compile each block, the model around them eager")
+parser.add_argument("--compile-blocks-in-place", action="store_true", help="block.compile() per block (torchtitan)")
 args = parser.parse_args()
 
 torch.manual_seed(0)
@@ -51,6 +52,10 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 scaler = torch.amp.GradScaler("cpu")
 if args.in_place:
     model.compile(mode=args.mode, dynamic=False)
+    step_model = model
+elif args.compile_blocks_in_place:
+    for block in model.blocks:
+        block.compile(mode=args.mode, dynamic=False)
     step_model = model
 elif args.compile_blocks:
     for i, block in enumerate(model.blocks):
