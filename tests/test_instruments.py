@@ -676,3 +676,27 @@ def test_a_module_non_finite_at_every_fp32_step_has_no_measured_peak():
     assert module_abs_max(summary, "mask") is None
     assert module_abs_max(summary, "head") == 12.0
     assert module_abs_max(summary, "absent") is None
+
+
+def test_the_gradient_norm_of_a_diverging_training_is_finite_where_its_gradients_are_and_unseen_by_tracers():
+    """Gradients of 1e22 (an SGD run diverging in FP32) are finite, but the squares of an fp32 norm are not: the
+    step read as 'non-finite gradients' four steps before its loss was, and the localisation's tracer named the
+    doctor's own norm as the training's first non-finite operator."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp16doctor.precision.recording import global_grad_norm
+
+    class Seen(TorchDispatchMode):
+        ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    huge, inf = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    huge.grad = torch.tensor([1e22, -1e22, 3.0])
+    inf.grad = torch.tensor([1.0, float("inf")])
+    with Seen() as seen:
+        norm = global_grad_norm([huge])
+    assert math.isclose(norm, math.sqrt(2) * 1e22, rel_tol=1e-6) and seen.ops == []
+    assert math.isinf(global_grad_norm([huge, inf]))

@@ -10,6 +10,7 @@ unscaled gradient norm, and the order of scale / unscale / clip calls.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,11 +58,21 @@ class StepTrace:
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], divide_by: float = 1.0) -> float:
-    """L2 norm over all gradients, computed in fp32 with one host synchronisation."""
-    norms = [g.float().norm() for g in map(grad_values, params) if g is not None]
-    if not norms:
-        return 0.0
-    value = torch.stack(norms).norm().item()
+    """L2 norm over all gradients, with one host synchronisation: each gradient's in fp32, summed on the host in
+    double. A gradient whose fp32 norm overflows though its values are finite (past ~1e19: a diverging training's
+    gradients still are) has its norm taken again in fp64, so that it does not read as a non-finite gradient. Out of
+    sight of the localisation's operator tracer: the doctor's own arithmetic is not the training's."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        grads = [g for g in map(grad_values, params) if g is not None]
+        if not grads:
+            return 0.0
+        values = torch.stack([g.float().norm() for g in grads]).tolist()
+        for i, v in enumerate(values):
+            if not math.isfinite(v) and bool(torch.isfinite(grads[i]).all()):
+                values[i] = grads[i].double().norm().item()
+    value = math.sqrt(sum(v * v for v in values))
     return value / divide_by if divide_by != 1.0 else value
 
 
