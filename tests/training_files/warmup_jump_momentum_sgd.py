@@ -1,9 +1,9 @@
-"""Momentum SGD warmed up to 0.3, then a main phase 300x higher: FP32 blows up three steps after the jump.
+"""Momentum SGD warmed up to 0.3, then a main phase 300x higher: FP32 blows up four steps after the jump.
 
 A large-batch recipe warms SGD up linearly over six steps to 0.3; the main phase's
 multiplier is 300 where 1 was meant. Each update at 90 multiplies the weights, the
-gradient norm grows a thousandfold a step, and FP32's gradients are inf three steps
-after the jump (AMP's scaler starts skipping at once).
+gradient norm grows a billionfold a step, and FP32's gradients are NaN four steps
+after the jump, 1.9e21 the step before (AMP's scaler starts skipping at once).
 """
 
 import torch
