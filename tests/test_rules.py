@@ -269,3 +269,12 @@ def test_hand_rolled_static_scaling_is_recognised(tmp_path):
     top = result.findings[0]
     assert top.cause == "scale-overflow" and top.evidence_json()["scaler_called"] is False
     assert "scaler.scale(loss).backward()" in top.fix.code
+
+
+def test_an_overflow_settling_only_predicts_beyond_calibration_is_a_warning_not_an_error():
+    """Ten leading skips are calibration (no symptom); the window predicting eleven is no measured fault: an error
+    there made a healthy VAE exit 1 with no symptom."""
+    from fp16doctor.diagnosis.rules.scale_overflow import ScaleOverflow, predicted_settling
+
+    (finding,) = ScaleOverflow().check(predicted_settling())
+    assert finding.severity == "warning" and "settling" in finding.title

@@ -20,7 +20,7 @@ from ...engine.records import Column
 from ...measure.symptoms import attempts, skip_runs
 from ...measure.thresholds import CALIBRATION_SKIPS, PERSISTENT_OVERFLOW_SHARE
 from .. import rule_cases as fx
-from ..findings import Evidence, EvidenceRecord, Finding, Fix, ProbeSummary, Repair, RepairKind
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, ProbeSummary, Repair, RepairKind, Severity
 from . import Rule
 from ._helpers import fp32_finite, scale_patch
 
@@ -56,6 +56,13 @@ class HandRolledScaleEvidence(EvidenceRecord):
     """Whether the step called scaler.scale() (never, for this shape)."""
 
 
+def predicted_settling() -> Evidence:
+    """Ten leading skips, the scale settling at 64, where the FP32 gradients allow 2: the window predicts a longer
+    settling than calibration, the measured skips are calibration's."""
+    scales = [2.0 ** (16 - min(i, 10)) for i in range(30)]
+    return fx.evidence(window=fx.window(1e-3, 2.0), amp=fx.probe(record=fx.records(30, range(10), scales=scales)))
+
+
 class ScaleOverflow(Rule):
     code = "scale-overflow"
     order = 70
@@ -81,6 +88,8 @@ class ScaleOverflow(Rule):
 
     triggers = ("scale_too_high.py",)
     fires_on = (
+        # ten leading skips (calibration, no symptom) where the window predicts eleven: a prediction, a warning
+        lambda: predicted_settling(),
         lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(10)))),
         # mse_loss(reduction='sum') over 256x3x32x32: FP32's gradients overflow fp16 above a scale of 14.6
         lambda: fx.evidence(window=fx.window(2.6e-4, 14.6), amp=fx.probe(record=fx.records(skipped=range(10)))),
@@ -145,6 +154,12 @@ class ScaleOverflow(Rule):
             if settling > CALIBRATION_SKIPS
             else f"{persistent:.0%} of the steps after settling still overflow"
         )
+        # only predicted: the settling the window predicts is longer than calibration, the skips measured are not
+        predicted_only = not (
+            leading == len(overflowing)
+            or leading > CALIBRATION_SKIPS
+            or (persistent >= PERSISTENT_OVERFLOW_SHARE and sum(after) >= 3)
+        )
         return [
             self.finding(
                 f"Gradients overflow in {len(steps)} of {len(rec)} AMP steps (longest run {max(map(len, runs))}): {why}; the loss scale is too high",
@@ -165,6 +180,7 @@ class ScaleOverflow(Rule):
                     code=f"scaler = torch.amp.GradScaler('cuda', init_scale={patch['scaler']['init_scale']:.0f}, backoff_factor=0.5)",
                     config_patch=patch,
                 ),
+                severity=Severity.WARNING if predicted_only else None,
             )
         ]
 
@@ -211,7 +227,8 @@ def _summed_loss_hint(ev: Evidence) -> str:
     if window is None or not math.isfinite(window.high) or window.high >= SUMMED_LOSS_SCALE:
         return ""
     return (
-        f" The gradients overflow above a scale of {window.high:.3g} (measured on FP32's): gradients that large "
-        "usually come from a loss summed over the batch and its elements (reduction='sum'); divide it by the "
-        "batch size or use reduction='mean', and the default scale fits again at any batch size."
+        f" The gradients overflow above a scale of {window.high:.3g} (measured on FP32's). Where the loss is summed "
+        "over the batch and its elements (reduction='sum'), that is what makes them so large: divide it by the "
+        "batch size or use reduction='mean', and the default scale fits again at any batch size; where it is a mean, "
+        "the gradients are that large themselves (an initialisation, unnormalised inputs or targets)."
     )
