@@ -68,6 +68,18 @@ def test_a_repeated_block_is_kept_in_fp32_as_a_class_when_one_block_alone_moves_
     assert trials[-1]["repaired"] and len(trials) <= 3  # --ci tries at most three interventions
 
 
+def test_a_deep_stacks_last_blocks_are_kept_in_fp32_not_every_block_when_the_overflow_moves_on_steps_later():
+    """The last block's overflow at step 0 held in fp32, the one before it overflows steps later: that pair repairs,
+    found by tracing the later step (the search kept all six blocks, where the user's measurement needed two)."""
+    report = diagnose("squared_relu_deep_stack.py")
+    top = report["findings"][0]
+    assert (top["cause"], top["found_by"]) == ("activation-overflow", "intervention")
+    assert top["fix"]["config_patch"]["overrides"]["fp32_modules"] == ["blocks.5", "blocks.4"]
+    trials = search_stage(report)["details"]["trials"]
+    assert trials[0]["screen"] == "the failing step stays finite" and not trials[0]["repaired"]
+    assert top["verification"]["repaired"]
+
+
 def test_an_overflowing_library_module_is_kept_in_fp32_where_it_sits_in_each_block():
     """Every layer's FFN `wo` (an nn.Linear) overflows: the set the search keeps is every FFN's wo, not every
     Linear of the model (user trial: 5 Linears, and a fix that told the user to edit nn.Linear)."""

@@ -39,6 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import pandas as pd
+
 from ..config import overrides_patch, scaler_patch
 from ..engine.records import Column, Reading, Table
 from ..measure.localise import OUTSIDE_MODEL, Localisation, trace_step
@@ -262,14 +264,26 @@ class InterventionSearch:
             not (self.codes & set(trial.symptoms_after)) and set(trial.symptoms_after) <= before - self.codes
         )
         trial.verification = verification
+        if candidate.kind == "fp32-modules" and trial.passed_screen and not trial.repaired:
+            trial.moved_to = self._fault_later(candidate, verification.amp_records)
         return trial
 
-    def _screen_fault(self, patch: dict[str, Any]) -> Localisation | None:
-        """The failing step under ``patch``, traced from the snapshot the localisation kept: the first non-finite
-        op, or None. Screened at a loss scale of 1 when the fault happens there too (a fault that does not depend
-        on the scale: a scaled backward at 65536 would overflow in healthy trainings too)."""
+    def _fault_later(self, candidate: Candidate, records: pd.DataFrame | None) -> Localisation | None:
+        """Where the fault moved to when the modules kept in fp32 held the failing step, but a later one failed
+        (a deep stack's next block overflows a few steps on): that step, traced, under the same patch."""
+        loc = self.ev.localisation
+        later = first_nonfinite(records) if records is not None and self.intrinsic is not None else None
+        if loc is None or later is None or later <= loc.step:
+            return None
+        return self._screen_fault(candidate.intervention.config_patch, at=later)
+
+    def _screen_fault(self, patch: dict[str, Any], at: int | None = None) -> Localisation | None:
+        """The failing step (or step ``at``) under ``patch``, traced from the snapshot the localisation kept: the
+        first non-finite op, or None. Screened at a loss scale of 1 when the fault happens there too (a fault that
+        does not depend on the scale: a scaled backward at 65536 would overflow in healthy trainings too)."""
         loc = self.ev.localisation
         assert loc is not None
+        step = loc.step if at is None else at
         patch = dict(patch)
         if self.intrinsic:
             patch["scaler"] = dict(patch.get("scaler", {}), enabled=False)
@@ -277,10 +291,10 @@ class InterventionSearch:
         probe = self.ctx.bench.probe("amp", config, instruments=None)
         try:
             with self.ctx.progress.planned(self._screen_steps()):
-                kept = [step for step in self.ctx.fault_snapshots if step <= loc.step]
+                kept = [s for s in self.ctx.fault_snapshots if s <= loc.step]
                 if kept:
                     probe.restore_kept(self.ctx.fault_snapshots, max(kept))
-                while probe.iteration < loc.step and probe.failed is None:
+                while probe.iteration < step and probe.failed is None:
                     probe.step()
                 if probe.failed is not None:
                     return loc  # the user's code raised before the failing step: no repair
@@ -387,7 +401,8 @@ class InterventionSearch:
 
     def _modules(self, module: str | None) -> Iterator[Candidate]:
         """The localised module, every module of its class, its parent (and its class); after a partial repair,
-        the module the fault moved to is added to the set."""
+        the module the fault moved to is added to the set. Where the module held the failing step and the fault
+        came back steps later elsewhere, that set is tried first: a deep stack's last blocks overflow, not all."""
         if not module or module in (OUTSIDE_MODEL, ROOT):
             return
         types = module_types(self.ev)
@@ -400,15 +415,25 @@ class InterventionSearch:
             if len(chain) == 3:
                 break
         library = library_modules(self.ev)
+        grown_first = False
         for index, path in enumerate(chain):
             yield self._fp32_modules([path], "module" if index == 0 else "parent")
+            if index == 0 and self._held_then_moved([module]):
+                grown_first = True
+                yield from self._grown([module])
             members = class_members(path, types)
             role = role_members(path, types) if path in library else None
             if role is not None and role.members != members:  # every FFN's wo before every Linear of the model
                 yield self._fp32_modules(role.members, "role", what=role.description())
             if members:
                 yield self._fp32_modules(members, "class", module_class=types[path])
-        yield from self._grown([module])
+        if not grown_first:
+            yield from self._grown([module])
+
+    def _held_then_moved(self, modules: list[str]) -> bool:
+        """The trial of ``modules`` held the failing step, and the fault came back later in another module."""
+        last = next((t for t in reversed(self.trials) if t.candidate.modules == modules), None)
+        return last is not None and bool(last.passed_screen) and last.moved_to is not None
 
     def _grown(self, modules: list[str]) -> Iterator[Candidate]:
         """Localise again after a partial repair: the fault moved on to another module; keep that one in fp32 too."""

@@ -222,9 +222,9 @@ class ActivationOverflow(Rule):
             return "Train in bfloat16 (fp32's range; no loss scaling), or keep the overflowing blocks in fp32.", ""
         if repair.module_class:
             return (
-                f"Run every {repair.module_class} in fp32: autocast off inside its forward, inputs cast up (one "
-                "block alone is not enough: the next one overflows instead). Or rescale what grows (a residual gain, "
-                "attention scores by 1/sqrt(d)), or train in bf16.",
+                f"Run every {repair.module_class} in fp32: autocast off inside its forward, inputs cast up (the one "
+                "that overflowed first, and it with those the overflow moved on to, did not repair). Or rescale what grows (a residual gain, attention scores by "
+                "1/sqrt(d)), or train in bf16.",
                 fp32_wrapper_code(
                     repair.module_class, per_class=True, library=repair.modules[0] in library_modules(ev)
                 ),
