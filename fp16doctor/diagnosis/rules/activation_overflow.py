@@ -223,7 +223,7 @@ class ActivationOverflow(Rule):
         if repair.module_class:
             return (
                 f"Run every {repair.module_class} in fp32: autocast off inside its forward, inputs cast up (the one "
-                "that overflowed first, and it with those the overflow moved on to, did not repair). Or rescale what grows (a residual gain, attention scores by "
+                "that overflowed first alone did not repair: another overflowed in its place). Or rescale what grows (a residual gain, attention scores by "
                 "1/sqrt(d)), or train in bf16.",
                 fp32_wrapper_code(
                     repair.module_class, per_class=True, library=repair.modules[0] in library_modules(ev)
