@@ -385,3 +385,20 @@ def test_a_micro_batch_capture_leaves_out_outputs_it_cannot_tell_from_the_batch(
     steady.next_piece()
     steady.watch("act:h", torch.zeros(2, 5, requires_grad=True))
     assert not steady.unaligned
+
+
+def test_a_counter_the_file_keeps_at_module_level_starts_every_probe_where_the_first_found_it():
+    """An accumulation counter in a module-level dict, 20 steps (not a multiple of 8): the AMP probe began counting
+    where FP32's had stopped, stepped at other micro-batches, and ended 30% off FP32 in a healthy training. Each
+    probe now starts from the counter as the first found it, and a note names it."""
+    from conftest import diagnose_ci
+
+    report = diagnose_ci(ROOT / "tests" / "training_files" / "accumulation_counter_global.py").report()
+    assert report["verdict"] == "healthy" and report["symptoms"] == []
+    losses = {
+        s["name"]: s["details"]["final_loss"]
+        for s in report["stages"]
+        if s["name"] in ("fp32 baseline", "amp as configured")
+    }
+    assert abs(losses["amp as configured"] - losses["fp32 baseline"]) < 1e-2 * losses["fp32 baseline"], losses
+    assert any("module-level _micro changed" in note for note in report["notes"])

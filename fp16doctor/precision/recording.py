@@ -68,11 +68,14 @@ def global_grad_norm(params: Iterable[torch.Tensor], divide_by: float = 1.0) -> 
         grads = [g for g in map(grad_values, params) if g is not None]
         if not grads:
             return 0.0
-        values = torch.stack([g.float().norm() for g in grads]).tolist()
-        for i, v in enumerate(values):
-            if not math.isfinite(v) and bool(torch.isfinite(grads[i]).all()):
-                values[i] = grads[i].double().norm().item()
-    value = math.sqrt(sum(v * v for v in values))
+        norms = torch.stack([g.float().norm() for g in grads])
+        value = norms.norm().item()
+        if not math.isfinite(value):  # trouble only: which overflowed fp32, and which hold an inf or NaN
+            values = norms.tolist()
+            for i, v in enumerate(values):
+                if not math.isfinite(v) and bool(torch.isfinite(grads[i]).all()):
+                    values[i] = grads[i].double().norm().item()
+            value = math.sqrt(sum(v * v for v in values))
     return value / divide_by if divide_by != 1.0 else value
 
 

@@ -17,6 +17,7 @@ breaks class identity or registers their operators twice.
 from __future__ import annotations
 
 import ast
+import copy
 import importlib.util
 import inspect
 import itertools
@@ -132,6 +133,9 @@ class TrainingSpec:
     at its top level whose names look like it (:data:`NEAR_MISSES`), each with its signature. The doctor
     ignored them and used its default; the diagnosis reads this through its evidence and warns."""
 
+    file_state: dict[str, Any] | None = None
+    """The file's module-level numbers, strings and flags as the first probe found them (:meth:`reset_file_state`);
+    None before it."""
     replays_capsule: bool = False
     """The file is a watch capsule's ``train_capsule.py``: the doctor wrote it, so none of its lines is the user's
     code (where an op is called from is named by the model's own lines)."""
@@ -139,6 +143,24 @@ class TrainingSpec:
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+
+    def reset_file_state(self) -> None:
+        """Put back the file's module-level values a probe changed (a micro-batch counter, a phase flag kept in a
+        global), so that every probe trains from the file as the first probe found it (after ``data()`` and
+        ``model()`` first ran: what they set there, a vocabulary size, stays); the first time, a note names them:
+        the file's own training would have carried them on."""
+        if self.file_state is None:
+            self.file_state = module_values(self.module)
+            return
+        current = vars(self.module)
+        changed = [k for k, v in self.file_state.items() if k in current and current[k] != v]
+        for name in changed:
+            setattr(self.module, name, copy.deepcopy(self.file_state[name]))
+        if changed:
+            self.note(
+                f"the training file's module-level {', '.join(changed[:5])} changed while a probe trained: each "
+                "probe starts from the value the file set, as a new run of the file would"
+            )
 
     @property
     def name(self) -> str:
@@ -226,6 +248,28 @@ def load_training_file(path: str | Path) -> TrainingSpec:
         near_misses=near_misses(path, module, [n for n in NEAR_MISSES if optional[n] is None]),
         **optional,
     )
+
+
+FILE_STATE_TYPES = (bool, int, float, str)
+"""The module-level values a probe may change and the next must find as the first did (a counter, a flag, a
+phase), also inside a small dict or list (``_micro = {"i": 0}``); not None, which a cache starts from."""
+FILE_STATE_ITEMS = 64
+"""A dict or list past this many items is data, not a counter: left alone."""
+
+
+def module_values(module: types.ModuleType) -> dict[str, Any]:
+    """The file's own module-level numbers, strings and flags (and small dicts and lists of them), as they are now:
+    copies."""
+    return {k: copy.deepcopy(v) for k, v in vars(module).items() if not k.startswith("__") and _plain_state(v, 0)}
+
+
+def _plain_state(value: Any, depth: int) -> bool:
+    if isinstance(value, FILE_STATE_TYPES):
+        return True
+    if depth > 1 or not isinstance(value, (dict, list)) or len(value) > FILE_STATE_ITEMS:
+        return False
+    items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+    return bool(items) and all(isinstance(k, (str, int)) and _plain_state(v, depth + 1) for k, v in items)
 
 
 def near_misses(path: Path, module: types.ModuleType, absent: list[str]) -> dict[str, dict[str, str]]:

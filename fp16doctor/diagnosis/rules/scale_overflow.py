@@ -88,8 +88,6 @@ class ScaleOverflow(Rule):
 
     triggers = ("scale_too_high.py",)
     fires_on = (
-        # ten leading skips (calibration, no symptom) where the window predicts eleven: a prediction, a warning
-        lambda: predicted_settling(),
         lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=range(10)))),
         # mse_loss(reduction='sum') over 256x3x32x32: FP32's gradients overflow fp16 above a scale of 14.6
         lambda: fx.evidence(window=fx.window(2.6e-4, 14.6), amp=fx.probe(record=fx.records(skipped=range(10)))),
@@ -100,6 +98,8 @@ class ScaleOverflow(Rule):
                 scaler_enabled=False,
             )
         ),
+        # ten leading skips (calibration, no symptom) where the window predicts eleven: a prediction, a warning
+        predicted_settling,
     )
     quiet_on = (
         lambda: fx.evidence(amp=fx.probe(record=fx.records(skipped=[0, 1]))),
