@@ -52,6 +52,16 @@ def test_fp32_probe_neutralises_the_users_half_casts(training_file):
     assert not fp32.run()["exception_type"].notna().any()
     amp = bench.probe("amp")
     assert all(p.dtype == torch.float16 for p in amp.model.parameters())
+    fp32.close()
+    assert any("the FP32 baseline runs those casts in fp32" in note for note in bench.spec.notes)  # said
+
+
+def test_a_file_without_half_casts_gets_no_note_about_them():
+    bench = bench_for(SAMPLES / "cnn_batchnorm.py", steps=2)
+    probe = bench.probe("fp32")
+    probe.run()
+    probe.close()
+    assert not any("runs those casts in fp32" in note for note in bench.spec.notes)
 
 
 def test_half_parameters_surface_as_a_recorded_exception_with_location(training_file):

@@ -213,6 +213,12 @@ def load_trained_weights(model: torch.nn.Module, start: TrainedStart) -> None:
         ) from exc
 
 
+HALF_CASTS_NOTE = (
+    "the file asks for half precision itself (.half(), .to(torch.float16), dtype=torch.float16): the FP32 baseline "
+    "runs those casts in fp32, as a twin in full precision; the file run as written with autocast off keeps them half"
+)
+
+
 class Workbench:
     """The shared ground of all probes of one command: spec, config, batches, initial weights."""
 
@@ -919,6 +925,8 @@ class Probe:
         gradients and optimizer state) is freed as soon as its last reference goes, not at the next full
         garbage collection, so the diagnosis holds one probe at a time."""
         self._watch.close()
+        if self._session.half_casts_rewritten:
+            self.spec.note(HALF_CASTS_NOTE)
         if self.instruments is not None:
             self.instruments.detach()
         self.optimizers.on_found = None  # a bound method of this probe: the cycle that kept closed probes alive

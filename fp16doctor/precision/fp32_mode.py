@@ -15,7 +15,7 @@ own ``torch.autocast`` blocks would not be a baseline. While
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,20 +49,32 @@ def _fp32_arg(value: Any) -> Any:
 
 
 class NeutraliseHalfCasts(TorchFunctionMode):
-    """Rewrites low-precision dtype requests to fp32 (see module docstring)."""
+    """Rewrites low-precision dtype requests to fp32 (see module docstring); ``on_rewrite`` is told of each."""
+
+    def __init__(self, on_rewrite: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.on_rewrite = on_rewrite
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in _DOWNCAST_METHODS and args and isinstance(args[0], torch.Tensor):
             # x.half() -> x.float(), keeping memory_format and the like
+            self._rewrote()
             return torch.Tensor.float(args[0], **kwargs)
+        asked, dtype = args, kwargs.get("dtype")
         args = tuple(_fp32_arg(a) for a in args)
         if "dtype" in kwargs:
             kwargs["dtype"] = _fp32_arg(kwargs["dtype"])
         if name == "to" and len(args) >= 2 and isinstance(args[1], torch.Tensor) and args[1].dtype in LOW:
             args = (args[0], args[1].device, torch.float32) + args[2:]  # x.to(other_half_tensor)
+        if len(args) != len(asked) or any(a is not b for a, b in zip(args, asked)) or kwargs.get("dtype") is not dtype:
+            self._rewrote()
         return func(*args, **kwargs)
+
+    def _rewrote(self) -> None:
+        if self.on_rewrite is not None:
+            self.on_rewrite()
 
 
 def disable_autocast(device_type: str, dtype: Any, enabled: bool) -> tuple[str, Any, bool]:

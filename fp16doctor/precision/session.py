@@ -41,6 +41,8 @@ class PrecisionSession:
     clipping: ClipObserver | None = field(default=None, repr=False)
     """Set once the probe has its scaler: clip calls are observed during steps."""
     user_module: types.ModuleType | None = field(default=None, repr=False)
+    half_casts_rewritten: bool = False
+    """A low-precision cast of the user's (``.half()``, ``dtype=torch.float16``) ran in fp32 in this session."""
     _local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
     @classmethod
@@ -51,6 +53,9 @@ class PrecisionSession:
         if device_type == "cpu":
             return cls(cuda_kernels=True, autocast_rewrite=cuda_to_cpu)
         return cls()
+
+    def _rewrote(self) -> None:
+        self.half_casts_rewritten = True
 
     def observe_clipping(self, observer: ClipObserver, user_module: types.ModuleType) -> None:
         """From now on the session's steps record (and with the fix, unscale before) every clip call."""
@@ -92,7 +97,7 @@ class PrecisionSession:
         if rewrite is not None:
             parts.append(lambda: rewritten_autocast(rewrite))
         if self.neutralise_half_casts:
-            parts.append(NeutraliseHalfCasts)
+            parts.append(lambda: NeutraliseHalfCasts(on_rewrite=self._rewrote))
         lines = self.fp32_lines
         if lines is not None:
             parts.append(lambda: lines)
