@@ -716,7 +716,7 @@ class TrainingObserver:
             self._adopt(model, outer)
             self._own.watch(outer)
             half = half_precision_comm_hooks(outer)
-            if half:
+            if half and not self.rank:  # the same hook on every rank: said once, by rank 0 (or a lone process)
                 self.on_note(
                     f"DDP gradients are all-reduced in half precision ({', '.join(half)}): "
                     "remove the compression hook to reduce them in fp32 (cause ddp-half-allreduce)"
