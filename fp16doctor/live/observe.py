@@ -872,8 +872,7 @@ class TrainingObserver:
                 f"complete{limit} ({type(exc).__name__}: {first_line(exc)}): another rank did not reach update()",
                 rank=self.rank,
             )
-            self.alarms.append(alarm)
-            self.on_alarm(alarm)
+            self._tell(alarm)
             self._agreeing = False
             self._stopped = True
             raise WatchStopped(alarm) from exc
@@ -913,8 +912,7 @@ class TrainingObserver:
         if "rank-divergence" not in self.options.alarms:
             return
         alarm = Alarm("rank-divergence", step, message, rank=self.rank)
-        self.alarms.append(alarm)
-        self.on_alarm(alarm)
+        self._tell(alarm)
         if self._pending_stop is None:
             self._pending_stop = alarm
 
@@ -947,6 +945,10 @@ class TrainingObserver:
             f"after optimizer step {step} (compared there once more)",
             rank=self.rank,
         )
+        self._tell(alarm)
+
+    def _tell(self, alarm: Alarm) -> None:
+        """An alarm raised here: kept (the exit code counts them) and told."""
         self.alarms.append(alarm)
         self.on_alarm(alarm)
 
@@ -996,8 +998,7 @@ class TrainingObserver:
             self._capsule_alone(watch, alarm, optimizer, scaler)
             watch.forget_step()
         if "rank-disagreement" in self.options.alarms:
-            self.alarms.append(alarm)
-            self.on_alarm(alarm)
+            self._tell(alarm)
             if self._pending_stop is None:
                 self._pending_stop = alarm
 

@@ -68,12 +68,13 @@ def global_grad_norm(params: Iterable[torch.Tensor], divide_by: float = 1.0) -> 
         grads = [g for g in map(grad_values, params) if g is not None]
         if not grads:
             return 0.0
-        norms = torch.stack([g.float().norm() for g in grads])
-        value = norms.norm().item()
+        each = [g.float().norm() for g in grads]
+        value = torch.stack(each).norm().item()
         if not math.isfinite(value):  # trouble only: which overflowed fp32, and which hold an inf or NaN
-            values = norms.tolist()
+            values = [n.item() for n in each]
             for i, v in enumerate(values):
-                if not math.isfinite(v) and bool(torch.isfinite(grads[i]).all()):
+                plain = type(grads[i]) is torch.Tensor  # a sharded DTensor's is left as the ranks reduced it
+                if not math.isfinite(v) and plain and bool(torch.isfinite(grads[i]).all()):
                     values[i] = grads[i].double().norm().item()
             value = math.sqrt(sum(v * v for v in values))
     return value / divide_by if divide_by != 1.0 else value
