@@ -233,6 +233,7 @@ def write_manifest(
     sharding: dict[str, Any] | None = None,
     not_emulated: list[str] | None = None,
     backend_stored: bool = False,
+    alarm: dict[str, Any] | None = None,
 ) -> None:
     """What a reader checks first: the format, the files, which replay the capsule supports, what the watch saw
     of the step's loss and of the state it started from, how the model was compiled, the ranks it emulates (a
@@ -253,6 +254,7 @@ def write_manifest(
         "compiled": compiled.to_json() if compiled is not None else None,
         "sharding": sharding,
         "not_emulated": not_emulated or [],
+        "alarm": alarm or {},
     }
     atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2))
 

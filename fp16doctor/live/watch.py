@@ -26,7 +26,7 @@ import math
 import os
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -507,8 +507,13 @@ class Watch:
             compiled=self.compiled,
             sharding=contents.sharding,
             not_emulated=contents.not_emulated,
+            alarm=self._alarm_record(),
             backend_stored=backend_stored,
         )
+
+    def _alarm_record(self) -> dict[str, Any]:
+        """The alarm the capsule is of, as its files record it."""
+        return {"kind": self.alarm.kind if self.alarm else None, "message": self.alarm.message if self.alarm else ""}
 
     def _store_backend(self, folder: Path) -> bool:
         """The run's custom compile backend, pickled into the capsule; False where there is none or it does not
@@ -549,11 +554,7 @@ class Watch:
             "rng": rng_state(),
             "loss": numbers.loss,
             "loss_scale": numbers.loss_scale,
-            "alarm": {
-                "kind": self.alarm.kind if self.alarm else None,
-                "message": self.alarm.message if self.alarm else "",
-            },
-            "history": [asdict(h) for h in self.history[-HISTORY_KEPT:]],
+            "alarm": self._alarm_record(),
             "import_paths": contents.import_paths,
             "shard_keys": None,  # a whole state: the replay loads "model" as it is
             "parameter_keys": None,
@@ -571,8 +572,10 @@ def history_row(numbers: StepNumbers) -> dict[str, Any]:
         "step": numbers.step,
         "loss": numbers.loss,
         "skipped": numbers.skipped,
+        "loss_scale": numbers.loss_scale,
         "lr": numbers.lr,
         "grad_norm": numbers.grad_norm,
+        "nonfinite_layers": numbers.nonfinite_layers,
     }
 
 

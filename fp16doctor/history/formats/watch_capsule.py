@@ -24,10 +24,19 @@ def capsule_folders(path: Path) -> list[Path]:
 
 
 def load_history(folder: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The capsule's recorded steps and its alarm, loaded as plain data (``weights_only``: nothing is unpickled
-    but tensors and builtins)."""
+    """The capsule's recorded steps and its alarm: from its manifest (plain JSON, however large the model), else,
+    for a capsule of an older fp16doctor, from its state (``weights_only``: nothing is unpickled but tensors and
+    builtins)."""
+    import json
+
     import torch
 
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        manifest = None
+    if isinstance(manifest, dict) and isinstance(manifest.get("history"), list):
+        return manifest["history"], dict(manifest.get("alarm") or {})
     try:
         state = torch.load(folder / CAPSULE_STATE, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds on a damaged or foreign file
