@@ -44,6 +44,18 @@ def repaired_in_fp32_and_amp(finding: dict) -> bool:
     )
 
 
+def test_a_constant_learning_rate_too_high_is_named_and_a_tenth_of_it_verified():
+    """Momentum SGD at 0.5, no schedule: FP32 diverges too. The doctor's own fp32 gradient norm once made it look
+    like 'aten::linalg_vector_norm in the loss'; a tenth of the rate keeps FP32 and AMP finite, and that is the
+    cause, not fp32-divergence's 'data, learning rate or model'."""
+    report = diagnosed("sgd_lr_too_high.py")
+    top = report["findings"][0]
+    assert (top["cause"], top["found_by"]) == ("lr-too-high", "intervention"), causes(report)
+    assert top["fix"]["config_patch"] == {"overrides": {"max_lr": 0.05}} and top["evidence"]["lr"] == 0.5
+    assert top["evidence"]["fp32_operator"] == "aten::mse_loss" and "fp32-divergence" not in causes(report)
+    assert "fp32-nonfinite" not in (top["verification"]["symptoms_after"] or [])
+
+
 @pytest.mark.parametrize(
     ("name", "lag"),
     [("warmup_jump_count_model.py", 1), ("warmup_jump_momentum_sgd.py", 4), ("warmup_jump_bf16.py", 6)],
@@ -124,8 +136,9 @@ def test_a_model_bug_nothing_repairs_is_fp32_divergence_listing_what_was_tried()
     top = report["findings"][0]
     assert (top["cause"], top["severity"]) == ("fp32-divergence", "error")
     tried = top["evidence"]["tried"]
-    assert [t["kind"] for t in tried] == ["loss-fp64"] and "still fails" in tried[0]["screen"]
-    assert tried[0]["symptoms_after"] is None  # the screen on FP32's failing step stopped it
+    assert [t["kind"] for t in tried] == ["loss-fp64", "lr-lower", "lr-lower"]  # a tenth, a hundredth of the rate
+    assert all("still fails" in t["screen"] for t in tried)
+    assert all(t["symptoms_after"] is None for t in tried)  # the screen on FP32's failing step stopped each
     assert "computing the loss in float64" in top["verification"]["reason"]
     assert stage(report, "intervention search")["status"] == "ran"
     assert "fp32-nonfinite" in top["evidence"]["symptoms"] and report["unexplained"] == []

@@ -50,6 +50,7 @@ CONTRACT_CODES = {
     "unstable-loss",
     "capsule-state",
     "loss-jump",
+    "lr-too-high",
 }
 RULES = all_rules()
 TRAINING_FILES = ROOT / "tests" / "training_files"

@@ -86,6 +86,7 @@ class RepairKind(Code):
     SCALER_SCALE = "scaler-scale"
     SCALER_GROWTH = "scaler-growth"
     LR_CAP = "lr-cap"
+    LR_LOWER = "lr-lower"
     HOLD_SCHEDULER = "hold-scheduler"
     UNSCALE_BEFORE_CLIP = "unscale-before-clip"
     DROP_NONFINITE_ROWS = "drop-nonfinite-rows"

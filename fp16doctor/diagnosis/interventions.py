@@ -50,6 +50,7 @@ from ..measure.thresholds import EXTREME_INPUT, EXTREME_ROWS_SHARE
 from ..tensors import FP16_MAX
 from .findings import Evidence, Repair, RepairKind, Verification
 from .rules._helpers import class_members, library_modules, module_types, role_members, stores_half_training_state
+from .rules.lr_too_high import LOWER_BY
 from .sharded import bf16_patch
 from .stages import StageContext, same_state_gap
 from .verify import Intervention, Verifier, drop_rows, recommended_init_scale, standardise, with_recommended_scale
@@ -79,6 +80,10 @@ CI_SEARCH_BUDGET = 3
 """--ci: at most three interventions."""
 MAX_GROWN = 3
 """A module set grown by localising again after partial repairs holds at most this many modules."""
+
+
+AGAINST_FP32 = {"trajectory-drift", "same-state-gap", "lost-updates"}
+"""The symptoms measured against a finite FP32 baseline: none while it fails."""
 
 
 @dataclass
@@ -196,10 +201,11 @@ class InterventionSearch:
     def _fp32_repair(self) -> Trial | None:
         """Where FP32 fails too and nothing repaired every symptom: the first trial that repaired FP32 without adding
         a symptom. It names the cause of FP32's failure (and the AMP symptoms it removed with it); what it left is
-        AMP's own."""
+        AMP's own. A symptom measured against FP32 (a drift, a same-state gap) could not be measured while FP32
+        failed: found after the repair, it is not added by it."""
         if "fp32-nonfinite" not in self.codes:
             return None
-        before = {s.code for s in self.ev.symptoms}
+        before = {s.code for s in self.ev.symptoms} | AGAINST_FP32
         return next(
             (
                 t
@@ -378,7 +384,7 @@ class InterventionSearch:
     def _fp32_candidates(self) -> Iterator[Candidate]:
         """What can repair a training whose FP32 baseline fails, each screened on FP32's failing step: the data
         without its non-finite or extreme rows, the LR capped before the schedule event, the loss in float64 where
-        FP32's first non-finite value is in the loss, an extreme field standardised."""
+        FP32's first non-finite value is in the loss, an extreme field standardised, and last a lower LR."""
         data = list(self._data(extreme_rows=True))
         for candidate in data:
             if candidate.kind != "standardise":
@@ -392,6 +398,26 @@ class InterventionSearch:
         for candidate in data:
             if candidate.kind == "standardise":
                 yield replace(candidate, screen="fp32")
+        yield from self._lower_lr()  # last: a smaller update postpones most faults, it repairs only this one
+
+    def _lower_lr(self) -> Iterator[Candidate]:
+        """A tenth of the highest rate FP32 trained at, for every step, then a hundredth: an update too large for
+        the model makes FP32 diverge too (tried after the schedule's own event, whose cap says more where there is
+        one)."""
+        fp32 = self.ev.fp32
+        rates = fp32.records[Column.LR].dropna() if fp32 is not None else None
+        if rates is None or rates.empty or not float(rates.max()) > 0:
+            return
+        highest = float(rates.max())
+        for factor in LOWER_BY:
+            lower = highest / factor
+            yield Candidate(
+                "lr-lower",
+                Intervention(
+                    f"a learning rate of {lower:.3g} ({highest:.3g} / {factor:g})", overrides_patch(max_lr=lower)
+                ),
+                screen="fp32",
+            )
 
     def _loss_fp64(self) -> Candidate:
         return Candidate(
