@@ -130,3 +130,39 @@ def test_batch_without_default_loss_asks_for_loss(training_file):
     bench = Workbench(load_training_file(training_file(source)), build_config({"steps": 1, "device": "cpu"}))
     with pytest.raises(BatchError, match="loss"):
         bench.probe("fp32").run()
+
+
+def test_a_files_module_level_counters_are_put_back_in_place_and_only_its_own(tmp_path):
+    """Counters the file's top level assigns are put back before each probe: a dict in place (another name for it
+    and a default argument bound to it see the reset), an empty list too; a NaN nothing changed and a name the
+    file imports are no change to note."""
+    from fp16doctor.userfile.spec import load_training_file
+
+    path = tmp_path / "counters.py"
+    path.write_text(
+        "from math import nan\n"
+        "import torch\n"
+        "_micro = {'i': 0}\n"
+        "STATE = _micro\n"
+        "seen = []\n"
+        "best = float('nan')\n"
+        "def bump(c=_micro):\n"
+        "    c['i'] += 1\n"
+        "    seen.append(c['i'])\n"
+        "def model():\n"
+        "    return torch.nn.Linear(2, 2)\n"
+        "def data():\n"
+        "    return [torch.ones(1, 2)]\n"
+    )
+    spec = load_training_file(path)
+    spec.reset_file_state()  # the first probe: what it finds is kept
+    spec.module.bump()
+    spec.module.bump()
+    spec.reset_file_state()
+    module = spec.module
+    assert module._micro == {"i": 0} and module.STATE is module._micro and module.seen == []
+    module.bump()
+    assert module._micro == {"i": 1}  # the default argument is the same dict, reset
+    notes = [n for n in spec.notes if "module-level" in n]
+    assert len(notes) == 1 and "_micro" in notes[0] and "seen" in notes[0]
+    assert "best" not in notes[0] and "nan" not in notes[0].replace("changed", "")

@@ -22,6 +22,7 @@ import importlib.util
 import inspect
 import itertools
 import keyword
+import math
 import sys
 import traceback
 import types
@@ -34,7 +35,7 @@ import torch
 
 from ..errors import DoctorError, TrainingFileError, first_line
 from .checkpoint import TrainedStart
-from .compiled import CompileOptions, CompileRecorder, compiled_parts
+from .compiled import CompileOptions, CompileRecorder, compiled_parts, make_eager
 from .modules import compile_wrapper_inner
 
 MARKER = "__fp16doctor_training_file__"
@@ -60,8 +61,8 @@ def compiled_parts_note(parts: tuple[str, ...]) -> str:
 
 
 COMPILE_OFF_NOTE = (
-    "model() returns a torch.compile'd module, but the config's compile.enabled is false: every probe runs the "
-    "module it wraps eager, and the diagnosis is of the eager training"
+    "model() returns a torch.compile'd module (or compiles its blocks), but the config's compile.enabled is false: "
+    "every probe runs the module eager, and the diagnosis is of the eager training"
 )
 
 
@@ -148,14 +149,15 @@ class TrainingSpec:
         """Put back the file's module-level values a probe changed (a micro-batch counter, a phase flag kept in a
         global), so that every probe trains from the file as the first probe found it (after ``data()`` and
         ``model()`` first ran: what they set there, a vocabulary size, stays); the first time, a note names them:
-        the file's own training would have carried them on."""
+        the file's own training would have carried them on. A dict or list is put back in place: another name
+        for it, or a default argument bound to it, sees the reset too."""
         if self.file_state is None:
-            self.file_state = module_values(self.module)
+            self.file_state = module_values(self.module, assigned_names(self.path))
             return
         current = vars(self.module)
-        changed = [k for k, v in self.file_state.items() if k in current and current[k] != v]
+        changed = [k for k, v in self.file_state.items() if k in current and not _same_value(current[k], v)]
         for name in changed:
-            setattr(self.module, name, copy.deepcopy(self.file_state[name]))
+            _put_back(self.module, name, self.file_state[name])
         if changed:
             self.note(
                 f"the training file's module-level {', '.join(changed[:5])} changed while a probe trained: each "
@@ -257,10 +259,30 @@ FILE_STATE_ITEMS = 64
 """A dict or list past this many items is data, not a counter: left alone."""
 
 
-def module_values(module: types.ModuleType) -> dict[str, Any]:
-    """The file's own module-level numbers, strings and flags (and small dicts and lists of them), as they are now:
-    copies."""
-    return {k: copy.deepcopy(v) for k, v in vars(module).items() if not k.startswith("__") and _plain_state(v, 0)}
+def module_values(module: types.ModuleType, names: set[str]) -> dict[str, Any]:
+    """The file's own module-level numbers, strings and flags (and small dicts and lists of them) of ``names``, as
+    they are now: copies."""
+    return {k: copy.deepcopy(v) for k, v in vars(module).items() if k in names and _plain_state(v, 0)}
+
+
+def assigned_names(path: Path) -> set[str]:
+    """The names the file's top level assigns (``x = ...``, ``x += ...``, ``x: int = ...``): not what it imports."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    names: set[str] = set()
+    for node in tree.body:
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
+        for target in targets:
+            names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return {n for n in names if not n.startswith("__")}
 
 
 def _plain_state(value: Any, depth: int) -> bool:
@@ -269,7 +291,29 @@ def _plain_state(value: Any, depth: int) -> bool:
     if depth > 1 or not isinstance(value, (dict, list)) or len(value) > FILE_STATE_ITEMS:
         return False
     items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
-    return bool(items) and all(isinstance(k, (str, int)) and _plain_state(v, depth + 1) for k, v in items)
+    return all(isinstance(k, (str, int)) and _plain_state(v, depth + 1) for k, v in items)
+
+
+def _same_value(current: Any, saved: Any) -> bool:
+    """Equal, a NaN equal to a NaN (a ``best = float("nan")`` that nothing changed has not changed)."""
+    if isinstance(current, float) and isinstance(saved, float) and math.isnan(current) and math.isnan(saved):
+        return True
+    try:
+        return bool(current == saved)
+    except Exception:  # noqa: BLE001 - a value whose comparison raises: changed
+        return False
+
+
+def _put_back(module: types.ModuleType, name: str, saved: Any) -> None:
+    """``saved`` under ``name`` again: a dict or list the name still holds is refilled in place."""
+    current = getattr(module, name, None)
+    if isinstance(current, dict) and isinstance(saved, dict):
+        current.clear()
+        current.update(copy.deepcopy(saved))
+    elif isinstance(current, list) and isinstance(saved, list):
+        current[:] = copy.deepcopy(saved)
+    else:
+        setattr(module, name, copy.deepcopy(saved))
 
 
 def near_misses(path: Path, module: types.ModuleType, absent: list[str]) -> dict[str, dict[str, str]]:
@@ -445,6 +489,7 @@ def build_model_and_program(spec: TrainingSpec) -> tuple[torch.nn.Module, torch.
     model, program = uncompiled(model)
     if options is None:  # compiled block by block, the model around them eager
         options = compiled_parts(model, recorder)
+    make_eager(model)  # blocks compiled inside a compiled model, or inside a compiled block: the probes see them
     if options is not None:
         spec.compiled = options
         spec.note(COMPILED_NOTE if not options.modules else compiled_parts_note(options.modules))
