@@ -288,6 +288,27 @@ def test_blocks_compiled_one_by_one_run_eager_in_the_instrumented_probes_and_com
     assert torch.equal(program(torch.ones(1, 2)), eager)  # the eager backend computes what eager does
 
 
+def test_blocks_compiled_inside_a_compiled_block_or_a_compiled_model_run_eager_in_the_instrumented_probes():
+    """Only the outermost compiled blocks are the parts a compiled probe compiles again; every compiled call under
+    them, and blocks compiled inside a model that is compiled too, are made eager for the instruments."""
+    from fp16doctor.userfile.compiled import CompileRecorder, compiled_parts, make_eager
+
+    recorder = CompileRecorder()
+    with recorder.recording():
+        inner = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        inner[0].compile(backend="eager")
+        outer = torch.nn.Sequential(inner, torch.nn.Linear(2, 2))
+        outer[0].compile(backend="eager")
+    options = compiled_parts(outer, recorder)
+    assert options is not None and options.modules == ("0",)
+    assert all(getattr(m, "_compiled_call_impl", None) is None for m in outer.modules())
+    whole = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    whole[1].compile(backend="eager")
+    whole.compile(backend="eager")
+    make_eager(whole)
+    assert whole[1]._compiled_call_impl is None and whole._compiled_call_impl is not None  # the root is uncompiled's
+
+
 def test_a_training_that_compiles_its_blocks_one_by_one_is_diagnosed_as_it_runs_them():
     """Each block's hand-written RMSNorm overflows eager fp16 on raw readings; the compiled blocks do not. The
     training as it runs is healthy, eager's fault a warning; the instrumented probes ran the blocks eager (the

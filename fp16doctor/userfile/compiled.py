@@ -179,7 +179,8 @@ class CompileRecorder:
 
     def parts_of(self, model: torch.nn.Module) -> CompileOptions | None:
         """Where ``model``'s submodules were compiled one by one: the first one's options, naming them all
-        (``modules``); None where none was."""
+        (``modules``: the outermost compiled ones); None where none was. Blocks compiled with other options than
+        the first are compiled again with the first's."""
         parts = _compiled_blocks(model)
         if not parts:
             return None
@@ -202,9 +203,18 @@ def compiled_parts(model: torch.nn.Module, recorder: CompileRecorder) -> Compile
     by its ``torch.compile`` wrapper is put back in its place, under the name it had); None where none was
     compiled. The probes that measure the eager module need it eager; a compiled probe compiles the parts again."""
     options = recorder.parts_of(model)
-    for name, module in _compiled_blocks(model):
-        _eager_again(model, name, module)
+    make_eager(model)
     return options
+
+
+def make_eager(model: torch.nn.Module) -> None:
+    """Every submodule of ``model`` that runs a compiled program, at any depth, made eager again (a block nested in
+    a compiled block, blocks compiled inside a model that is compiled too)."""
+    while True:
+        found = next(((n, m) for n, m in model.named_modules() if n and compiled_call(m) is not None), None)
+        if found is None:
+            return
+        _eager_again(model, *found)
 
 
 def _eager_again(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
@@ -277,8 +287,9 @@ def compiled_program(
     if options is not None:
         mode = None  # torch.compile takes a mode or options, not both: the emulation is what is tried
     if parts:  # compiled block by block, as model() compiled it: the model around them stays eager
+        given = {**(recorded.options if recorded is not None else {}), **(options or {})}
         compile_parts(
-            parts_of or model, parts, chosen, mode=mode, dynamic=dynamic, fullgraph=fullgraph, options=options
+            parts_of or model, parts, chosen, mode=mode, dynamic=dynamic, fullgraph=fullgraph, options=given or None
         )
         return model
     compiled = torch.compile(model, backend=chosen, mode=mode, dynamic=dynamic, fullgraph=fullgraph, options=options)
