@@ -270,13 +270,16 @@ class InterventionSearch:
             not (self.codes & set(trial.symptoms_after)) and set(trial.symptoms_after) <= before - self.codes
         )
         trial.verification = verification
-        if candidate.kind == "fp32-modules" and trial.passed_screen and not trial.repaired:
+        if candidate.scope in ("module", "relocalised") and trial.passed_screen and not trial.repaired:
             trial.moved_to = self._fault_later(candidate, verification.amp_records)
         return trial
 
     def _fault_later(self, candidate: Candidate, records: pd.DataFrame | None) -> Localisation | None:
         """Where the fault moved to when the modules kept in fp32 held the failing step, but a later one failed
-        (a deep stack's next block overflows a few steps on): that step, traced, under the same patch."""
+        (a deep stack's next block overflows a few steps on): that step, traced, under the same patch. An
+        approximation: the trace steps on from the state the localisation kept at the first failing step (the
+        unpatched run's), where the verification ran patched from the start; a fault it does not find there leaves
+        the search to the next candidate."""
         loc = self.ev.localisation
         later = first_nonfinite(records) if records is not None and self.intrinsic is not None else None
         if loc is None or later is None or later <= loc.step:
