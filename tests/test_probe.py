@@ -235,3 +235,19 @@ def data():
     assert not frame["nonfinite_loss"].any()  # faithful to CUDA's fp32 list
     with torch.autocast("cpu", dtype=torch.float16):  # what plain CPU autocast would have shown
         assert torch.isinf(torch.exp(torch.full((2,), 12.0).half())).all()
+
+
+def test_the_fp32_baseline_loads_a_half_precision_checkpoint_model_builds_from(training_file, tmp_path):
+    """model() that torch.loads a module saved in fp16 (a pretrained table, a capsule's model.pt): unpickling
+    rebuilds each fp16 tensor as an fp16 torch.empty, which the baseline's fp32 rewrite made unloadable ("Trying
+    to resize storage that is not resizable"). It loads as saved, and the baseline casts the model up."""
+    saved = tmp_path / "half.pt"
+    torch.save(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).half(), saved)
+    source = MLP_FILE.replace(
+        "return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))",
+        f"return torch.load({str(saved)!r}, weights_only=False)",
+    )
+    bench = bench_for(training_file(source), steps=2)
+    fp32 = bench.probe("fp32")
+    assert all(p.dtype == torch.float32 for p in fp32.model.parameters())
+    assert not fp32.run()["exception_type"].notna().any()

@@ -34,7 +34,7 @@ import torch
 from ..config import DoctorConfig
 from ..errors import CheckpointError, DoctorError, TrainingFileError, first_line
 from ..precision.autocast_policy import autocast_factory
-from ..precision.fp32_mode import NeutraliseHalfCasts, full_precision
+from ..precision.fp32_mode import NeutraliseHalfCasts, full_precision, half_casts_in_fp32
 from ..precision.overrides import (
     ClipObserver,
     LossInFp32,
@@ -384,7 +384,7 @@ class Probe:
         """Entered by the probe itself around its construction and every step (see :meth:`_precision`)."""
         if mode != "fp32":  # the baseline has nothing to fix
             self._session.keep_lines_in_fp32(config.overrides.fp32_lines, self.device.type)
-        with self._precision(), NeutraliseHalfCasts() if config.overrides.fp32_weights else contextlib.nullcontext():
+        with self._precision(), half_casts_in_fp32() if config.overrides.fp32_weights else contextlib.nullcontext():
             self.built_model = self._build_model()
             """The model as ``model()`` built it: :attr:`model` itself, or what ``parallelize`` wrapped."""
             self.model = parallelize(self.built_model) if parallelize is not None else self.built_model

@@ -15,6 +15,7 @@ own ``torch.autocast`` blocks would not be a baseline. While
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -77,6 +78,32 @@ class NeutraliseHalfCasts(TorchFunctionMode):
             self.on_rewrite()
 
 
+@contextlib.contextmanager
+def loads_as_saved() -> Iterator[None]:
+    """``torch.load`` out of the modes' reach while the block runs: unpickling rebuilds each saved fp16 tensor as an
+    fp16 ``torch.empty`` it then points at the saved storage, which an fp32 rewrite cannot hold ("Trying to resize
+    storage that is not resizable"). What it loads keeps its saved dtype; the FP32 baseline casts the model up."""
+    original = torch.load
+
+    @functools.wraps(original)
+    def load(*args: Any, **kwargs: Any) -> Any:
+        with torch._C.DisableTorchFunction():
+            return original(*args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
+@contextlib.contextmanager
+def half_casts_in_fp32(on_rewrite: Callable[[], None] | None = None) -> Iterator[None]:
+    """The file's half casts run in fp32 (:class:`NeutraliseHalfCasts`), and ``torch.load`` as saved."""
+    with NeutraliseHalfCasts(on_rewrite), loads_as_saved():
+        yield
+
+
 def disable_autocast(device_type: str, dtype: Any, enabled: bool) -> tuple[str, Any, bool]:
     """The rewrite of every ``torch.autocast(...)`` in the FP32 baseline: created disabled."""
     return device_type, dtype, False
@@ -90,5 +117,5 @@ def autocast_disabled() -> contextlib.AbstractContextManager[None]:
 @contextlib.contextmanager
 def full_precision() -> Iterator[None]:
     """Both guards together: what the fp32 probe runs under."""
-    with autocast_disabled(), NeutraliseHalfCasts():
+    with autocast_disabled(), half_casts_in_fp32():
         yield

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .autocast_policy import Rewrite, cuda_policy_on_cpu, cuda_to_cpu, rewritten_autocast
-from .fp32_mode import NeutraliseHalfCasts, disable_autocast
+from .fp32_mode import disable_autocast, half_casts_in_fp32
 from .overrides import ClipObserver, Fp32AtLines, watch_clipping
 
 
@@ -97,7 +97,7 @@ class PrecisionSession:
         if rewrite is not None:
             parts.append(lambda: rewritten_autocast(rewrite))
         if self.neutralise_half_casts:
-            parts.append(lambda: NeutraliseHalfCasts(on_rewrite=self._rewrote))
+            parts.append(lambda: half_casts_in_fp32(on_rewrite=self._rewrote))
         lines = self.fp32_lines
         if lines is not None:
             parts.append(lambda: lines)
