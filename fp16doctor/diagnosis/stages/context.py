@@ -178,8 +178,9 @@ def probe_at(
     (a micro-batched FP32 step would show it a part of the rows at a time). ``compiled``: the step calls the
     compiled program, as the training compiles it."""
     options: dict[str, Any] = {"batch_plan": UNSPLIT} if whole_batches else {}
+    state = fp32_state_at(ctx, step)  # first: a reference run it makes trains too, and the probe starts after it
     probe = ctx.bench.probe(mode, config, instruments=None, compiled=compiled, **options)
-    probe.model.load_state_dict(fp32_state_at(ctx, step))
+    probe.model.load_state_dict(state)
     probe.iteration = probe.cursor = step
     seed_everything(ctx.config.seed + step)  # the same dropout masks in every mode
     return probe
