@@ -461,13 +461,16 @@ class InterventionSearch:
 
     def _held_then_moved(self, modules: list[str]) -> bool:
         """The trial of ``modules`` held the failing step, and the fault came back later in another module."""
-        last = next((t for t in reversed(self.trials) if t.candidate.modules == modules), None)
+        last = self._last_trial_of(modules)
         return last is not None and bool(last.passed_screen) and last.moved_to is not None
+
+    def _last_trial_of(self, modules: list[str]) -> Trial | None:
+        return next((t for t in reversed(self.trials) if t.candidate.modules == modules), None)
 
     def _grown(self, modules: list[str]) -> Iterator[Candidate]:
         """Localise again after a partial repair: the fault moved on to another module; keep that one in fp32 too."""
         while len(modules) < MAX_GROWN:
-            last = next((t for t in reversed(self.trials) if t.candidate.modules == modules), None)
+            last = self._last_trial_of(modules)
             if last is None or last.moved_to is None:
                 return
             moved = last.moved_to

@@ -129,12 +129,12 @@ class ScaleOverflow(Rule):
         after = overflowing[leading:]
         persistent = sum(after) / len(after) if after else 1.0
         settling = self._expected_settling(ev)
-        if not (
+        measured = (  # the skips themselves pass calibration: a symptom
             leading == len(overflowing)
             or leading > CALIBRATION_SKIPS
-            or settling > CALIBRATION_SKIPS
             or (persistent >= PERSISTENT_OVERFLOW_SHARE and sum(after) >= 3)
-        ):
+        )
+        if not (measured or settling > CALIBRATION_SKIPS):
             return []
         lowest = float(rec[Column.LOSS_SCALE].min())
         safe = ev.window.high if ev.window is not None and math.isfinite(ev.window.high) else 0.0
@@ -153,12 +153,6 @@ class ScaleOverflow(Rule):
             else f"settling from init_scale {ev.config.scaler.init_scale:.3g} takes ~{settling} skipped steps"
             if settling > CALIBRATION_SKIPS
             else f"{persistent:.0%} of the steps after settling still overflow"
-        )
-        # only predicted: the settling the window predicts is longer than calibration, the skips measured are not
-        predicted_only = not (
-            leading == len(overflowing)
-            or leading > CALIBRATION_SKIPS
-            or (persistent >= PERSISTENT_OVERFLOW_SHARE and sum(after) >= 3)
         )
         return [
             self.finding(
@@ -180,7 +174,7 @@ class ScaleOverflow(Rule):
                     code=f"scaler = torch.amp.GradScaler('cuda', init_scale={patch['scaler']['init_scale']:.0f}, backoff_factor=0.5)",
                     config_patch=patch,
                 ),
-                severity=Severity.WARNING if predicted_only else None,
+                severity=None if measured else Severity.WARNING,  # only the window's predicted settling
             )
         ]
 
