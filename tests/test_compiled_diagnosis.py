@@ -527,3 +527,23 @@ def test_trains_report_of_a_compiled_steps_inf_names_the_module_the_eager_replay
     Trainer(spec, config, TrainOptions(run_dir=tmp_path / "run", checkpoint_every=5)).run()
     report = json.loads((tmp_path / "run" / "nonfinite_step_3.json").read_text())
     assert report["first_nonfinite_module"]["module"] == "lin"
+
+
+def test_a_comparison_where_both_fail_differently_does_not_say_they_agree():
+    """Eager's loss turns NaN in the forward, the compiled training only skips (its weight gradients overflow): both
+    fail, but the findings localised on eager's run may not be the compiled training's fault, and the stage says so
+    (it said "compiled and eager agree")."""
+    import dataclasses
+
+    from fp16doctor.diagnosis import rule_cases as fx
+    from fp16doctor.diagnosis.findings import CompiledOutcome
+    from fp16doctor.diagnosis.stages.compiled import _sentence
+    from fp16doctor.measure.symptoms import Symptom
+
+    skips, nonfinite = Symptom("skips", "every step skipped"), Symptom("nonfinite", "NaN loss")
+    differ = dataclasses.replace(
+        fx.compiled_comparison(CompiledOutcome.AGREE), eager_symptoms=[nonfinite, skips], compiled_symptoms=[skips]
+    )
+    assert "both fail, not alike (eager: nonfinite, skips; compiled: skips)" in _sentence(differ)
+    alike = dataclasses.replace(differ, eager_symptoms=[skips])
+    assert _sentence(alike).startswith("compiled and eager agree (skips)")

@@ -43,7 +43,7 @@ MARKER = "__fp16doctor_training_file__"
 
 REQUIRED = ("model", "data")
 COMPILED_NOTE = (
-    "model() returns a torch.compile'd module: the instrumented probes run the module it wraps eager, so that "
+    "model() returns a torch.compile'd module (or one compiled in place): the instrumented probes run it eager, so that "
     "their instruments see every submodule and aten operator, and the AMP probe runs compiled too, as the "
     "training does (stage 'compiled'): the diagnosis is of the compiled training"
 )

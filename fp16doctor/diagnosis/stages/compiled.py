@@ -318,10 +318,17 @@ def _sentence(comparison: CompiledComparison) -> str:
     timing = (
         f"compiled probe {comparison.probe_seconds:.1f} s, of which compilation ~{comparison.compile_seconds:.1f} s"
     )
-    if comparison.outcome == CompiledOutcome.AGREE:
-        verdict = "compiled and eager agree" + (
-            f" ({', '.join(s.code for s in comparison.compiled_symptoms)})" if comparison.compiled_symptoms else ""
+    eager_codes = [s.code for s in comparison.eager_symptoms]
+    compiled_codes = [s.code for s in comparison.compiled_symptoms]
+    if comparison.outcome == CompiledOutcome.AGREE and compiled_codes and set(eager_codes) != set(compiled_codes):
+        # both fail, but not alike: the findings are localised on eager's run, whose fault may not be compiled's
+        verdict = (
+            f"compiled and eager both fail, not alike (eager: {', '.join(eager_codes)}; compiled: "
+            f"{', '.join(compiled_codes)}): the findings below are eager's, localised where its instruments see; "
+            "the compiled training's own fault may lie elsewhere"
         )
+    elif comparison.outcome == CompiledOutcome.AGREE:
+        verdict = "compiled and eager agree" + (f" ({', '.join(compiled_codes)})" if compiled_codes else "")
     elif comparison.outcome == CompiledOutcome.EAGER_ONLY:
         verdict = (
             "only eager fails ("
