@@ -270,7 +270,7 @@ def test_blocks_compiled_one_by_one_run_eager_in_the_instrumented_probes_and_com
     """torchtitan's way (`block.compile()` per block) and nanoGPT-like code's (a block replaced by
     `torch.compile(block)`, its parameters renamed `_orig_mod`): both are made eager again under the names they had,
     and the options name the blocks; a compiled probe compiles the same blocks in place, the model around them eager."""
-    from fp16doctor.userfile.compiled import CompileRecorder, compiled_parts
+    from fp16doctor.userfile.compiled import CompileRecorder, make_eager
 
     recorder = CompileRecorder()
     with recorder.recording():
@@ -278,7 +278,8 @@ def test_blocks_compiled_one_by_one_run_eager_in_the_instrumented_probes_and_com
         net[1].compile(backend="eager", dynamic=False)
         net[2] = torch.compile(net[2], backend="eager", dynamic=False)
     assert "2._orig_mod.weight" in dict(net.named_parameters())
-    options = compiled_parts(net, recorder)
+    options = recorder.parts_of(net)  # the outermost compiled blocks, with their options
+    make_eager(net)
     assert options is not None and options.modules == ("1", "2") and options.backend == "eager"
     assert list(dict(net.named_parameters())) == [f"{i}.{k}" for i in range(3) for k in ("weight", "bias")]
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in net)  # eager again
@@ -291,7 +292,7 @@ def test_blocks_compiled_one_by_one_run_eager_in_the_instrumented_probes_and_com
 def test_blocks_compiled_inside_a_compiled_block_or_a_compiled_model_run_eager_in_the_instrumented_probes():
     """Only the outermost compiled blocks are the parts a compiled probe compiles again; every compiled call under
     them, and blocks compiled inside a model that is compiled too, are made eager for the instruments."""
-    from fp16doctor.userfile.compiled import CompileRecorder, compiled_parts, make_eager
+    from fp16doctor.userfile.compiled import CompileRecorder, make_eager
 
     recorder = CompileRecorder()
     with recorder.recording():
@@ -299,7 +300,8 @@ def test_blocks_compiled_inside_a_compiled_block_or_a_compiled_model_run_eager_i
         inner[0].compile(backend="eager")
         outer = torch.nn.Sequential(inner, torch.nn.Linear(2, 2))
         outer[0].compile(backend="eager")
-    options = compiled_parts(outer, recorder)
+    options = recorder.parts_of(outer)
+    make_eager(outer)
     assert options is not None and options.modules == ("0",)
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in outer.modules())
     whole = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))

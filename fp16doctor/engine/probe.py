@@ -285,7 +285,7 @@ class Workbench:
 
     def probe(self, mode: str, config: DoctorConfig | None = None, **options: Any) -> Probe:
         """A fresh probe of ``mode`` (instruments attached unless ``instruments=None``)."""
-        self.spec.reset_file_state()  # each probe trains from the file as loaded
+        self.spec.reset_file_state()  # each probe trains from the file as the first probe found it
         return Probe(self, mode, config or self.config, **options)
 
     def _spread_batches(self) -> list[Any]:

@@ -599,12 +599,10 @@ def capsule_training_file(
         def compiled_blocks(net, names, **settings):
             """The blocks the run compiled one by one, compiled in place again with its settings (one it replaced by
             its torch.compile wrapper put back first), the model around them eager."""
-            for name in names:
-                parent, _, child = name.rpartition(".")
-                owner = net.get_submodule(parent) if parent else net
-                block = getattr(getattr(owner, child), "_orig_mod", getattr(owner, child))
-                setattr(owner, child, block)
-                block.compile(**settings)
+            from fp16doctor.userfile.compiled import compile_parts, make_eager
+
+            make_eager(net)
+            compile_parts(net, tuple(names), **settings)
             return net
 
 

@@ -197,16 +197,6 @@ class CompileRecorder:
         return self._options.get(program) or CompileOptions(backend="unknown")
 
 
-def compiled_parts(model: torch.nn.Module, recorder: CompileRecorder) -> CompileOptions | None:
-    """Where ``model()`` compiled submodules one by one and not the model: the options of the first, naming them
-    all (``modules``), with each part made eager again (a block compiled in place loses its program; one replaced
-    by its ``torch.compile`` wrapper is put back in its place, under the name it had); None where none was
-    compiled. The probes that measure the eager module need it eager; a compiled probe compiles the parts again."""
-    options = recorder.parts_of(model)
-    make_eager(model)
-    return options
-
-
 def make_eager(model: torch.nn.Module) -> None:
     """Every submodule of ``model`` that runs a compiled program, at any depth, made eager again (a block nested in
     a compiled block, blocks compiled inside a model that is compiled too)."""

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import DoctorError, TrainingFileError, first_line
 from .checkpoint import TrainedStart
-from .compiled import CompileOptions, CompileRecorder, compiled_parts, make_eager
+from .compiled import CompileOptions, CompileRecorder, make_eager
 from .modules import compile_wrapper_inner
 
 MARKER = "__fp16doctor_training_file__"
@@ -265,14 +265,18 @@ def module_values(module: types.ModuleType, names: set[str]) -> dict[str, Any]:
     return {k: copy.deepcopy(v) for k, v in vars(module).items() if k in names and _plain_state(v, 0)}
 
 
+def top_level_statements(path: Path) -> list[ast.stmt]:
+    """The file's top-level statements, read from its source (none where it does not parse)."""
+    try:
+        return ast.parse(path.read_text(encoding="utf-8", errors="replace")).body
+    except (OSError, SyntaxError, ValueError):
+        return []
+
+
 def assigned_names(path: Path) -> set[str]:
     """The names the file's top level assigns (``x = ...``, ``x += ...``, ``x: int = ...``): not what it imports."""
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-    except (OSError, SyntaxError, ValueError):
-        return set()
     names: set[str] = set()
-    for node in tree.body:
+    for node in top_level_statements(path):
         targets = (
             node.targets
             if isinstance(node, ast.Assign)
@@ -323,12 +327,8 @@ def near_misses(path: Path, module: types.ModuleType, absent: list[str]) -> dict
     a torch function never counts."""
     if not absent:
         return {}
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-    except (OSError, SyntaxError, ValueError):
-        return {}
     defined: list[str] = []
-    for node in tree.body:
+    for node in top_level_statements(path):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             defined.append(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -487,9 +487,9 @@ def build_model_and_program(spec: TrainingSpec) -> tuple[torch.nn.Module, torch.
         )
     options = recorder.options_of(model)
     model, program = uncompiled(model)
-    if options is None:  # compiled block by block, the model around them eager
-        options = compiled_parts(model, recorder)
-    make_eager(model)  # blocks compiled inside a compiled model, or inside a compiled block: the probes see them
+    if options is None:  # compiled block by block, the model around them eager: a compiled probe compiles them again
+        options = recorder.parts_of(model)
+    make_eager(model)  # every block compiled, at any depth, eager again: the instrumented probes see them
     if options is not None:
         spec.compiled = options
         spec.note(COMPILED_NOTE if not options.modules else compiled_parts_note(options.modules))
