@@ -49,7 +49,14 @@ from ..measure.symptoms import Symptom, first_nonfinite, skip_runs
 from ..measure.thresholds import EXTREME_INPUT, EXTREME_ROWS_SHARE
 from ..tensors import FP16_MAX
 from .findings import Evidence, Repair, RepairKind, Verification
-from .rules._helpers import class_members, library_modules, module_types, role_members, stores_half_training_state
+from .rules._helpers import (
+    class_members,
+    highest_lr,
+    library_modules,
+    module_types,
+    role_members,
+    stores_half_training_state,
+)
 from .rules.lr_too_high import LOWER_BY
 from .sharded import bf16_patch
 from .stages import StageContext, same_state_gap
@@ -407,11 +414,9 @@ class InterventionSearch:
         """A tenth of the highest rate FP32 trained at, for every step, then a hundredth: an update too large for
         the model makes FP32 diverge too (tried after the schedule's own event, whose cap says more where there is
         one)."""
-        fp32 = self.ev.fp32
-        rates = fp32.records[Column.LR].dropna() if fp32 is not None else None
-        if rates is None or rates.empty or not float(rates.max()) > 0:
+        highest = highest_lr(self.ev.fp32)
+        if highest is None:
             return
-        highest = float(rates.max())
         for factor in LOWER_BY:
             lower = highest / factor
             yield Candidate(

@@ -227,7 +227,7 @@ def _triage(
         evidence.symptoms = list(evidence.compiled.compiled_symptoms)  # the training as it runs: compiled
     evidence.symptoms = with_parallel_symptoms(evidence)
     findings, suppressors = evaluate_rules(evidence)
-    settled = settled_by(findings)
+    settled = settled_by(suppressors)
     findings = [f for f in findings if f.cause not in settled]
     verifier = Verifier(ctx, measure_gap=lambda cfg, step: same_state_gap(ctx, cfg, step))
     findings = verify_findings(findings, evidence, verifier, hidden_by(suppressors))
@@ -679,18 +679,13 @@ def evaluate_rules(evidence: Evidence) -> tuple[list[Finding], dict[str, tuple[s
     return findings, suppressors
 
 
-def settled_by(findings: list[Finding]) -> set[str]:
-    """The causes an error finding hides whatever their fixes would measure (its rule ``settles_suppressed``)."""
+def settled_by(suppressors: dict[str, tuple[str, ...]]) -> set[str]:
+    """The causes hidden whatever their fixes would measure: those hidden by a root whose rule
+    ``settles_suppressed``."""
     from .rules import rules_by_code
 
     rules = rules_by_code()
-    return {
-        code
-        for f in findings
-        if f.severity == Severity.ERROR and rules[f.cause].settles_suppressed
-        for code in rules[f.cause].suppresses
-        if code != f.cause
-    }
+    return hidden_by(suppressors, standing={root for root in suppressors if rules[root].settles_suppressed})
 
 
 def hidden_by(suppressors: dict[str, tuple[str, ...]], standing: set[str] | None = None) -> set[str]:

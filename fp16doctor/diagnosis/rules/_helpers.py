@@ -251,3 +251,11 @@ def unheld_constant(loc: Localisation | None) -> FlushedConstant | None:
         return None
     low, high = loc.input_ranges[found.input]
     return found if found.in_dtype == 0.0 and 0.0 in (low, high) else None
+
+
+def highest_lr(probe: ProbeSummary | None) -> float | None:
+    """The highest learning rate the probe trained at; None where its record holds none above 0."""
+    rates = probe.records[Column.LR].dropna() if probe is not None else None
+    if rates is None or rates.empty or not float(rates.max()) > 0:
+        return None
+    return float(rates.max())

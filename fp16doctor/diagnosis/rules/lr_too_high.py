@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from ...engine.records import Column
+from ...measure.symptoms import first_nonfinite
 from .. import rule_cases as fx
-from ..findings import Evidence, EvidenceRecord, Finding, Fix, FoundBy, ProbeSummary, Repair, RepairKind, Severity
+from ..findings import Evidence, EvidenceRecord, Finding, Fix, FoundBy, Repair, RepairKind, Severity
 from . import Rule
+from ._helpers import highest_lr
 
 LOWER_BY = (10.0, 100.0)
 """The rates the search tries, in turn: the training's highest over each."""
@@ -65,13 +66,12 @@ class LrTooHigh(Rule):
     def repair_finding(self, repair: Repair, ev: Evidence) -> Finding:
         verified = float(repair.config_patch.get("overrides", {}).get("max_lr", 0.0))
         fp32, loc = ev.fp32, ev.fp32_localisation
-        rates = fp32.records[Column.LR].dropna() if fp32 is not None else None
         evidence = LrTooHighEvidence(
             intervention=repair.description,
             symptoms_removed=list(repair.symptoms),
-            lr=float(rates.max()) if rates is not None and not rates.empty else verified,
+            lr=highest_lr(fp32) or verified,
             verified_lr=verified,
-            fp32_first_nonfinite_step=_first_nonfinite(fp32),
+            fp32_first_nonfinite_step=first_nonfinite(fp32.records) if fp32 is not None else None,
             fp32_operator=loc.operator if loc is not None else None,
         )
         at = f" at step {evidence.fp32_first_nonfinite_step}" if evidence.fp32_first_nonfinite_step is not None else ""
@@ -91,10 +91,3 @@ class LrTooHigh(Rule):
         )
         finding = self.finding(title, evidence, fix, severity=Severity.ERROR)
         return replace(finding, found_by=FoundBy.INTERVENTION, verification=repair.verification)
-
-
-def _first_nonfinite(fp32: ProbeSummary | None) -> int | None:
-    if fp32 is None:
-        return None
-    steps = [s for s in (fp32.first_nonfinite_loss, fp32.first_nonfinite_grads) if s is not None]
-    return min(steps) if steps else None
