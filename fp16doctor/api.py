@@ -333,10 +333,18 @@ def writable_file(path: Path) -> None:
         raise DoctorError(f"'{path}' cannot be written: {folder} is not a folder this process can write to.")
 
 
-def speed(training_file: PathLike, *, config_file: PathLike | None = None, **config: Any) -> SpeedReport:
+def speed(
+    training_file: PathLike,
+    *,
+    config_file: PathLike | None = None,
+    measure_advice: bool | None = None,
+    **config: Any,
+) -> SpeedReport:
     """The training file's own step timed in FP32 and AMP, one AMP step's operators counted (half-precision FLOP
     share, casts, misaligned matrix products, host synchronisations, element-wise operators, the optimizer's
-    kind), and the changes those call for, ranked."""
+    kind), and the changes those call for, ranked. ``measure_advice``: each change the doctor can apply (a padded
+    layer, a compiled module, a fused optimizer) is applied and the step timed with it, against the step as it is;
+    None: on CUDA, not on a CPU (whose times do not predict a GPU's)."""
     loaded = load(training_file, config_file, **config)
     bench = Workbench(loaded.spec, loaded.config, batch_count=SPEED_STEPS)
-    return measure_speed(bench, loaded.spec.path)
+    return measure_speed(bench, loaded.spec.path, measure_advice)

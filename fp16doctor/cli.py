@@ -734,10 +734,19 @@ def speed(
     json_: Json = False,
     html: HtmlFile = None,
     force: Force = False,
+    measure: Annotated[
+        bool | None,
+        typer.Option(
+            "--measure/--no-measure",
+            help="Apply each change the doctor can (a padded layer, a compiled module, a fused optimizer) and time "
+            "the step with it. Default: on a GPU only (a CPU's times do not predict a GPU's).",
+        ),
+    ] = None,
     debug: Debug = False,
 ) -> None:
     """The training step timed in FP32 and AMP, one AMP step's operators counted, and what would make AMP faster,
-    ranked. Exit 0 (it reports; nothing fails), 2 bad input."""
+    ranked, each change measured where a GPU is present (or with --measure). Exit 0 (it reports; nothing fails),
+    2 bad input."""
 
     def job() -> int:
         from . import api
@@ -746,7 +755,12 @@ def speed(
         if html is not None:
             check_writable(html, force)
         with err.status("timing FP32 and AMP, then counting one AMP step's operators"):
-            report = api.speed(training_file, config_file=config, **flags(seed=seed, device=device, dtype=dtype))
+            report = api.speed(
+                training_file,
+                config_file=config,
+                measure_advice=measure,
+                **flags(seed=seed, device=device, dtype=dtype),
+            )
         if html is not None:
             from .output.html import speed_html
 

@@ -50,3 +50,15 @@ def test_cpu_diagnosis_matches_the_gpu_one(code, sample):
     on_gpu = diagnose(spec, build_config(spec.config, {"device": "cuda"}), DiagnoseOptions())
     assert on_gpu.verdict == on_cpu.verdict
     assert on_gpu.findings[0].cause == on_cpu.findings[0].cause == code
+
+
+def test_speed_on_a_gpu_measures_each_change_it_can_apply():
+    from conftest import ROOT
+
+    import fp16doctor
+
+    report = fp16doctor.speed(ROOT / "tests" / "speed" / "slow_amp.py", device="cuda")
+    assert report.device == "cuda" and report.timing["amp"]["peak_memory_bytes"] > 0
+    measured = [a for a in report.advice if a.measured is not None]
+    assert {a.change.KIND for a in measured} == {"pad-linear", "compile-module", "fuse-optimizer"}
+    assert all(a.measured.device == "cuda" for a in measured)

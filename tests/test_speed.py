@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from conftest import ROOT, SAMPLES, run_cli
 
 import fp16doctor
@@ -76,3 +77,85 @@ def _data(html, name):
     import re
 
     return float(re.search(rf'data-{name}="([^"]+)"', html).group(1))
+
+
+def test_each_change_the_doctor_can_apply_is_measured_and_the_others_say_why():
+    report = fp16doctor.speed(SLOW, measure_advice=True)
+    by_kind = {a.change.KIND if a.change else None: a for a in report.advice}
+    assert set(by_kind) == {"pad-linear", "compile-module", "fuse-optimizer", None}
+    for kind in ("pad-linear", "compile-module", "fuse-optimizer"):
+        measured = by_kind[kind].measured
+        assert measured is not None, (kind, by_kind[kind].not_measured)
+        assert measured.before_ms > 0 and measured.after_ms > 0 and measured.device == "cpu"
+        assert measured.spread[0] <= measured.speedup <= measured.spread[1]
+    assert "does not rewrite" in by_kind[None].not_measured  # the host synchronisation is a line of the file
+    item = next(a for a in report.to_json()["advice"] if a["change"] and a["change"]["kind"] == "pad-linear")
+    assert item["change"]["target"] == "head" and item["measured"]["rounds"] >= 4
+
+
+def test_by_default_a_cpu_run_measures_no_advice():
+    report = fp16doctor.speed(SLOW)
+    assert all(a.measured is None and a.not_measured is None for a in report.advice)
+
+
+def test_a_padded_linear_computes_what_the_linear_computed():
+    from torch import nn
+
+    from fp16doctor.measure.speed_changes import PaddedLinear, padded_features
+
+    torch.manual_seed(0)
+    linear = nn.Linear(61, 1001)
+    padded = PaddedLinear(linear, *padded_features(linear))
+    assert tuple(padded.weight.shape) == (1024, 64)
+    x = torch.randn(3, 5, 61, requires_grad=True)
+    assert torch.allclose(padded(x), linear(x), atol=1e-5)
+    padded(x).sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    linear(x).sum().backward()
+    assert torch.allclose(grad, x.grad, atol=1e-5)
+    assert padded.weight.grad[1001:].abs().sum() == 0 and padded.weight.grad[:, 61:].abs().sum() == 0
+
+
+def test_a_fused_optimizer_made_in_place_steps_as_one_built_fused():
+    from fp16doctor.measure.speed_changes import FuseOptimizer
+
+    torch.manual_seed(0)
+    start = torch.randn(40, 8)
+    grads = [torch.randn(40, 8) for _ in range(3)]
+    built, flipped = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    fused = torch.optim.AdamW([built], lr=1e-2, fused=True)
+    plain = torch.optim.AdamW([flipped], lr=1e-2)
+    change = FuseOptimizer("opt")
+    assert change.applicable(torch.nn.Linear(1, 1), {"opt": plain}) is None
+    change.on_optimizers({"opt": plain})
+    for grad in grads:
+        built.grad, flipped.grad = grad.clone(), grad.clone()
+        fused.step()
+        plain.step()
+    assert torch.equal(built, flipped) and plain._step_supports_amp_scaling
+
+
+def test_a_linear_whose_only_misaligned_dimension_is_the_batch_is_not_padded():
+    from fp16doctor.measure.speed_changes import PadLinear
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128))
+    reason = PadLinear("0").applicable(model, {})
+    assert "batch's rows" in reason
+    assert "pads only nn.Linear" in PadLinear("").applicable(model, {})
+
+
+def test_an_optimizer_with_no_fused_kernel_is_not_told_to_fuse(training_file):
+    source = SLOW.read_text().replace("torch.optim.AdamW(params, lr=1e-3)", "torch.optim.RMSprop(params, lr=1e-3)")
+    report = fp16doctor.speed(training_file(source, "rmsprop_amp.py"))
+    assert report.to_json()["optimizer"]["optimizers"][0]["fused"] is None
+    assert not any("fused=True" in a.what for a in report.advice)
+
+
+def test_speed_measure_from_the_command_line_prints_each_measurement(training_file):
+    source = SLOW.read_text().replace("        self.act = TanhGelu()", "        self.act = nn.GELU(approximate='tanh')")
+    proc = run_cli("speed", training_file(source, "no_swarm.py"), "--measure")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("measured: AMP step") == 2  # the padded head, the fused optimizer
+    assert "on a CPU: does not predict a GPU" in proc.stdout
+    assert "not measured: it changes your code" in proc.stdout

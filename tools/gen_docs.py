@@ -244,7 +244,10 @@ def member(cls: type, name: str) -> tuple[TypeRef, str]:
         annotations = klass.__dict__.get("__annotations__", {})
         if name in annotations:
             ns = vars(sys.modules[klass.__module__])
-            return TypeRef.of(annotations[name], ns), attribute_docs(cls).get(name, "")
+            annotation = annotations[name]
+            if isinstance(annotation, str) and annotation.startswith("ClassVar["):
+                annotation = annotation.removeprefix("ClassVar[")[:-1]  # a class's constant: its value's type
+            return TypeRef.of(annotation, ns), attribute_docs(cls).get(name, "")
     try:
         attr = inspect.getattr_static(cls, name)
     except AttributeError:

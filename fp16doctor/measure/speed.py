@@ -19,7 +19,6 @@ operators too; host synchronisations are counted only where a line of the traini
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 import traceback
@@ -37,6 +36,16 @@ from torch.utils.module_tracker import ModuleTracker
 
 from ..errors import TrainingFileError
 from ..precision.autocast_policy import emulated_low_dtype
+from .speed_changes import (
+    TENSOR_CORE_MULTIPLE,
+    ChangeMeasured,
+    CompileModule,
+    FuseOptimizer,
+    PadLinear,
+    SpeedChange,
+    measure_change,
+    padded_size,
+)
 
 aten = torch.ops.aten
 HALF = (torch.float16, torch.bfloat16)
@@ -44,8 +53,6 @@ GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._co
 SYNCS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_consecutive}
 """Operators whose result the host waits for: ``.item()``, ``float(t)``, ``if t:``, printing a tensor, ``nonzero``,
 boolean indexing (a data-dependent size)."""
-TENSOR_CORE_MULTIPLE = 8
-"""fp16/bf16 matrix dimensions tensor cores take whole: multiples of 8 (of 64 for the best tiles)."""
 SMALL_OPS_WORTH_FUSING = 12
 """A module running this many element-wise operators a step is a swarm worth fusing."""
 TIMED_STEPS = 6
@@ -183,9 +190,24 @@ class Advice:
     """What was counted, with its share."""
     effect: float
     """Its estimated share of the step's work (0..1): the larger, the earlier it is listed."""
+    change: SpeedChange | None = None
+    """How the doctor applies it to its own copy of the training to measure it (None: it rewrites the file's code,
+    which the doctor does not)."""
+    measured: ChangeMeasured | None = None
+    """The AMP step with the change against the step as it is (see :mod:`fp16doctor.measure.speed_changes`); None where not
+    measured."""
+    not_measured: str | None = None
+    """Why it was not measured, where it was asked to be."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"what": self.what, "why": self.why, "effect": round(self.effect, 4)}
+        return {
+            "what": self.what,
+            "why": self.why,
+            "effect": round(self.effect, 4),
+            "change": self.change.to_json() if self.change is not None else None,
+            "measured": self.measured.to_json() if self.measured is not None else None,
+            "not_measured": self.not_measured,
+        }
 
 
 @dataclass
@@ -269,7 +291,7 @@ def optimizer_kinds(optimizers: dict[str, torch.optim.Optimizer]) -> list[dict[s
         {
             "name": name,
             "class": type(opt).__name__,
-            "fused": bool(opt.defaults.get("fused")),
+            "fused": bool(opt.defaults["fused"]) if "fused" in opt.defaults else None,
             "foreach": opt.defaults.get("foreach"),
         }
         for name, opt in optimizers.items()
@@ -281,7 +303,7 @@ def advise(counts: StepCounts, optimizers: list[dict[str, Any]]) -> list[Advice]
     found: list[Advice] = []
     total_flops = max(counts.flops_half + counts.flops_fp32, 1)
     for module, sizes, flops in _misaligned_by_module(counts.misaligned):
-        padding = ", ".join(f"{size} to {_padded(size)}" for size in sizes)
+        padding = ", ".join(f"{size} to {padded_size(size)}" for size in sizes)
         found.append(
             Advice(
                 f"pad the dimension(s) {padding} of module '{module}'",
@@ -289,6 +311,7 @@ def advise(counts: StepCounts, optimizers: list[dict[str, Any]]) -> list[Advice]
                 f"not multiples of {TENSOR_CORE_MULTIPLE}: tensor cores cannot take them whole "
                 f"({flops / total_flops:.0%} of the step's FLOPs)",
                 flops / total_flops,
+                PadLinear(module),
             )
         )
     for line, n in counts.syncs.most_common():
@@ -308,10 +331,11 @@ def advise(counts: StepCounts, optimizers: list[dict[str, Any]]) -> list[Advice]
                     f"it runs {n} element-wise operators a step (forward and backward), each a kernel of its own "
                     "that reads and writes its whole tensor",
                     n / max(counts.elementwise, 1) * 0.1,
+                    CompileModule(module),
                 )
             )
     for opt in optimizers:
-        if not opt["fused"]:
+        if opt["fused"] is False:  # None: the class has no fused kernel to ask for
             found.append(
                 Advice(
                     f"{opt['class']}(..., fused=True)",
@@ -319,6 +343,7 @@ def advise(counts: StepCounts, optimizers: list[dict[str, Any]]) -> list[Advice]
                     f"({counts.elementwise} element-wise operators in the step, {counts.elementwise_bytes / 2**20:.1f} "
                     "MiB moved)",
                     0.02,
+                    FuseOptimizer(opt["name"]),
                 )
             )
     if counts.flops_fp32 and counts.flops_fp32 / total_flops > 0.2:
@@ -343,16 +368,11 @@ def _misaligned_by_module(misaligned: list[dict[str, Any]]) -> list[tuple[str, l
     return [(module, sorted(sizes[module]), total) for module, total in flops.most_common(5)]
 
 
-def _padded(size: int) -> int:
-    """The size to pad to: a multiple of 64 for a large dimension (a vocabulary of 50257 to 50304), else of 8."""
-    step = 64 if size >= 512 else TENSOR_CORE_MULTIPLE
-    return math.ceil(size / step) * step
-
-
-def measure_speed(bench: Any, user_file: Path) -> SpeedReport:
+def measure_speed(bench: Any, user_file: Path, measure_advice: bool | None = None) -> SpeedReport:
     """Time FP32 and AMP on ``bench`` (a :class:`~fp16doctor.engine.probe.Workbench` with enough batches), then
     count one more step of the timed AMP probe, a steady one (its optimizer's state made, its scaler calibrated),
-    and advise."""
+    and advise. ``measure_advice``: apply each piece of advice the doctor can apply and time the step with it
+    (None: on CUDA only, where the times predict the training's)."""
     timing: dict[str, dict[str, Any]] = {}
     for mode in ("fp32", "amp"):
         probe = bench.probe(mode, instruments=None)
@@ -367,7 +387,23 @@ def measure_speed(bench: Any, user_file: Path) -> SpeedReport:
                 device = probe.device.type
         finally:
             probe.close()
-    return SpeedReport(device, timing, counter.counts, {"optimizers": optimizers}, advise(counter.counts, optimizers))
+    advice = advise(counter.counts, optimizers)
+    if measure_advice or (measure_advice is None and device == "cuda"):
+        for piece in advice:
+            measure_piece(bench, piece)
+    return SpeedReport(device, timing, counter.counts, {"optimizers": optimizers}, advice)
+
+
+def measure_piece(bench: Any, advice: Advice) -> None:
+    """``advice`` applied and timed (:func:`~.speed_changes.measure_change`), or why it cannot be."""
+    if advice.change is None:
+        advice.not_measured = "it changes your code, which the doctor does not rewrite"
+        return
+    result = measure_change(bench, advice.change)
+    if isinstance(result, str):
+        advice.not_measured = result
+    else:
+        advice.measured = result
 
 
 def _raise_failure(probe: Any) -> None:

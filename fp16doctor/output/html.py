@@ -20,6 +20,7 @@ from .formatting import exact_numbers, healthy_headline, human, shown_evidence
 from .markdown import corrected_text
 from .patches import contradicted_settings, reference_to_corrected
 from .plots import Figure, comparison_figures, diagnosis_figures, speed_breakdown
+from .speed import advice_measured
 
 STYLE = """
 :root { --err: #c62828; --warn: #b26a00; --info: #1565c0; --ok: #2e7d32; --muted: #666; }
@@ -217,7 +218,12 @@ def speed_html(report: Any, training_file: str) -> str:
         f"{human(amp['step_ms'])} ms{_e(speedup)}{_e(label)}</p>"
         f'<p class="meta"><code>{_e(training_file)}</code> · device {_e(report.device)}</p>'
     )
-    advice = "".join(f"<li><b>{_e(a.what)}</b>: {_e(a.why)}</li>" for a in report.advice)
+    advice = "".join(
+        f"<li><b>{_e(a.what)}</b>: {_e(a.why)}"
+        + (f"<br><small>{_e(measured)}</small>" if (measured := advice_measured(a)) else "")
+        + "</li>"
+        for a in report.advice
+    )
     c = report.counts
     body = [
         "<h2>What would make AMP faster</h2>",

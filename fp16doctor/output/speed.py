@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.markup import escape
 
-from ..measure.speed import SpeedReport
+from ..measure.speed import Advice, SpeedReport
 from .formatting import human
 
 
@@ -40,3 +40,19 @@ def render_speed(report: SpeedReport, console: Console) -> None:
     console.print("[bold]What would make AMP faster, largest effect first:[/]")
     for rank, advice in enumerate(report.advice, 1):
         console.print(f"{rank}. [bold]{escape(advice.what)}[/]: {escape(advice.why)}")
+        measured = advice_measured(advice)
+        if measured:
+            console.print(f"   [dim]{escape(measured)}[/]")
+
+
+def advice_measured(advice: Advice) -> str | None:
+    """What the step measured with the change applied, or why it was not (None: measuring was not asked for)."""
+    m = advice.measured
+    if m is None:
+        return f"not measured: {advice.not_measured}" if advice.not_measured else None
+    verdict = "faster" if m.spread[0] > 1 else "slower" if m.spread[1] < 1 else "no clear change"
+    label = "" if m.device == "cuda" else ", on a CPU: does not predict a GPU"
+    return (
+        f"measured: AMP step {human(m.before_ms)} ms -> {human(m.after_ms)} ms with it, {human(m.speedup)}x "
+        f"(quartiles {human(m.spread[0])}-{human(m.spread[1])} over {m.rounds} rounds in turn{label}): {verdict}"
+    )
