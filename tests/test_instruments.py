@@ -700,3 +700,37 @@ def test_the_gradient_norm_of_a_diverging_training_is_finite_where_its_gradients
         norm = global_grad_norm([huge])
     assert math.isclose(norm, math.sqrt(2) * 1e22, rel_tol=1e-6) and seen.ops == []
     assert math.isinf(global_grad_norm([huge, inf]))
+
+
+def _sharded_norms(rank, world, init_file, out):
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from fp16doctor.precision.recording import global_grad_norm
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = torch.tensor([1e22, -1e22, 3.0, 4.0])  # every rank builds the same full tensor, each keeps its rows
+        huge = torch.nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+        huge.grad = distribute_tensor(full, mesh, [Shard(0)])
+        finite = global_grad_norm([huge])
+        bad = full.clone()
+        bad[3] = float("inf")  # on the last rank's shard only: every rank must read it, and none may hang
+        huge.grad = distribute_tensor(bad, mesh, [Shard(0)])
+        torch.save({"finite": finite, "bad": global_grad_norm([huge])}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_gradient_norm_of_a_diverging_training_is_finite_on_every_rank(tmp_path):
+    """FSDP2's DTensor gradients: the fp32 norm of 1e22 overflows as a plain tensor's does; the fp64 retake sums each
+    rank's shard and adds the ranks' sums, so both ranks read the true norm, and an inf on one rank's shard reads as
+    inf on both."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_sharded_norms, args=(2, tmp_path / "init", tmp_path / "norm"), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        read = torch.load(tmp_path / f"norm.{rank}")
+        assert math.isclose(read["finite"], math.sqrt(2e44 + 25), rel_tol=1e-6), (rank, read)
+        assert math.isinf(read["bad"]), (rank, read)

@@ -73,11 +73,28 @@ def global_grad_norm(params: Iterable[torch.Tensor], divide_by: float = 1.0) -> 
         if not math.isfinite(value):  # trouble only: which overflowed fp32, and which hold an inf or NaN
             values = [n.item() for n in each]
             for i, v in enumerate(values):
-                plain = type(grads[i]) is torch.Tensor  # a sharded DTensor's is left as the ranks reduced it
-                if not math.isfinite(v) and plain and bool(torch.isfinite(grads[i]).all()):
-                    values[i] = grads[i].double().norm().item()
+                if math.isfinite(v):
+                    continue
+                if type(grads[i]) is torch.Tensor:
+                    if bool(torch.isfinite(grads[i]).all()):
+                        values[i] = grads[i].double().norm().item()
+                else:  # every rank reads the same global norm, so every rank comes here: the collective is safe
+                    values[i] = _sharded_norm_fp64(grads[i], v)
             value = math.sqrt(sum(v * v for v in values))
     return value / divide_by if divide_by != 1.0 else value
+
+
+def _sharded_norm_fp64(grad: Any, fp32_norm: float) -> float:
+    """A DTensor gradient's norm in fp64: each rank squares and sums its own shard in fp64, and the ranks add their
+    sums (an inf or NaN anywhere stays in the sum, so every rank reads the same). A placement other than one mesh
+    dimension's shard or replica keeps the fp32 norm the ranks reduced."""
+    placements = getattr(grad, "placements", ())
+    if len(placements) != 1 or not (placements[0].is_shard() or placements[0].is_replicate()):
+        return fp32_norm
+    squares = grad.to_local().double().pow(2).sum()
+    if placements[0].is_shard():
+        torch.distributed.all_reduce(squares, group=grad.device_mesh.get_group())
+    return float(squares.sqrt().item())
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
