@@ -20,6 +20,7 @@ file's ``CONFIG`` and a ``config_file``, as the CLI's flags are. Bad input raise
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -296,6 +297,11 @@ def serve_check(
     It needs the optional extras: ``pip install 'fp16doctor[onnx]'``."""
     if batches < 1:
         raise DoctorError("--batches must be at least 1.")
+    if not (math.isfinite(tolerance) and tolerance > 0):
+        raise DoctorError(
+            f"--tolerance must be a share above 0 (0.01 is 1%), not {tolerance}.",
+            hint="It is how far each output may stray from FP32's, relative to its largest value.",
+        )
     request = onnx_request(onnx, onnx_out, overwrite)
     loaded = load(training_file, config_file, **config)
     seed_everything(loaded.config.seed)

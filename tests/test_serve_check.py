@@ -86,6 +86,12 @@ def test_a_checkpoint_of_another_model_is_bad_input(tmp_path):
     assert shown.exit_code == 2 and "does not hold this model's weights" in " ".join(shown.output.split())
 
 
+@pytest.mark.parametrize("tolerance", ["-1", "nan", "0"])
+def test_a_tolerance_that_is_not_a_share_above_0_is_bad_input_before_anything_runs(tolerance):
+    shown = CliRunner().invoke(app, ["serve-check", str(SAMPLES / "mlp.py"), f"--tolerance={tolerance}"])
+    assert shown.exit_code == 2 and "--tolerance must be a share above 0" in " ".join(shown.output.split())
+
+
 def test_a_model_whose_own_forward_raises_is_bad_input_with_one_message(training_file):
     path = training_file(
         """

@@ -159,3 +159,98 @@ def test_speed_measure_from_the_command_line_prints_each_measurement(training_fi
     assert proc.stdout.count("measured: AMP step") == 2  # the padded head, the fused optimizer
     assert "on a CPU: does not predict a GPU" in proc.stdout
     assert "not measured: it changes your code" in proc.stdout
+
+
+CONV_NET = """
+import torch
+from torch import nn
+
+
+def model():
+    return nn.Sequential(
+        nn.Conv2d(3, 17, 3, padding=1), nn.ReLU(), nn.Conv2d(17, 32, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 16),
+    )
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 16, (8,), generator=g)) for _ in range(4)]
+
+
+def loss(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.01, fused=True)
+"""
+
+
+def test_a_conv_nets_backward_runs_in_half_precision_and_its_channels_are_what_is_checked(training_file):
+    report = fp16doctor.speed(training_file(CONV_NET, "conv_net.py"))
+    assert report.counts.half_share == 1.0 and not report.counts.fp32_ops  # the backward's convolutions too
+    shapes = {(g["op"], g["module"]): g["shape"] for g in report.counts.misaligned}
+    assert shapes[("convolution", "0")] == {"out_channels": 17, "in_channels": 3}
+    assert shapes[("convolution_backward", "2")] == {"out_channels": 32, "in_channels": 17}
+    assert not any("more of the step in half" in a.what for a in report.advice)
+
+
+SCALER_RECIPE = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def model():
+    return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 16))
+
+
+def data():
+    g = torch.Generator().manual_seed(7)
+    for _ in range(8):
+        yield torch.randn(64, 128, generator=g), torch.randint(0, 16, (64,), generator=g)
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+
+def train_step(model, batch, optimizer, scaler, autocast):
+    x, y = batch
+    optimizer.zero_grad(set_to_none=True)
+    with autocast():
+        out = model(x)
+        keep = y > 3
+        value = F.cross_entropy(out[keep], y[keep])  # boolean-mask indexing: the host reads the mask's count
+    scaler.scale(value).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return value
+"""
+
+
+def test_the_scaler_recipe_in_a_train_step_waits_only_where_torch_does(training_file):
+    """The doctor's own reads of the scale and the skips are not the training's; GradScaler.step reads its skip
+    check on the host for an optimizer that is not fused, and an unfused AdamW's step counts live on the host (no
+    wait on a GPU); a boolean mask's count is read on the host."""
+    fused = fp16doctor.speed(training_file(SCALER_RECIPE, "recipe_fused.py"))
+    masked, backward = _line_of_text(SCALER_RECIPE, "out[keep]"), _line_of_text(SCALER_RECIPE, ".backward()")
+    assert dict(fused.counts.syncs) == {
+        f"recipe_fused.py:{masked}  {_code(SCALER_RECIPE, masked)}": 2,  # out[keep] and y[keep]
+        f"recipe_fused.py:{backward}  {_code(SCALER_RECIPE, backward)}": 1,  # out[keep]'s gradient put back by it
+    }
+    assert fused.counts.scaler_syncs == 0
+    plain = fp16doctor.speed(training_file(SCALER_RECIPE.replace(", fused=True", ""), "recipe_plain.py"))
+    assert sum(plain.counts.syncs.values()) == 3 and plain.counts.scaler_syncs == 1
+    fuse = next(a for a in plain.advice if a.what == "AdamW(..., fused=True)")
+    assert "GradScaler.step waits for the device 1 time(s)" in fuse.why
+
+
+def _line_of_text(source, text):
+    return next(n for n, line in enumerate(source.splitlines(), 1) if text in line)
+
+
+def _code(source, line):
+    return source.splitlines()[line - 1].strip()

@@ -49,12 +49,20 @@ from .speed_changes import (
 
 aten = torch.ops.aten
 HALF = (torch.float16, torch.bfloat16)
-GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.convolution, aten._convolution}
+CONVOLUTIONS = {aten.convolution, aten._convolution, aten.convolution_backward}
+GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, *CONVOLUTIONS}
+"""The products tensor cores run (a convolution's backward too: it is one operator, where a linear layer's backward
+is two ``mm``)."""
+MASKED_INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+"""Indexing that waits for the host where an index is a boolean mask: the result's size is the mask's count."""
 SYNCS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten._unique2, aten.unique_consecutive}
 """Operators whose result the host waits for: ``.item()``, ``float(t)``, ``if t:``, printing a tensor, ``nonzero``,
 boolean indexing (a data-dependent size)."""
+PAD_WORTH = 0.01
+"""A module's misaligned products worth padding: at least this share of the step's FLOPs (a 1-output gate is not)."""
 SMALL_OPS_WORTH_FUSING = 12
 """A module running this many element-wise operators a step is a swarm worth fusing."""
+SCALER_SOURCE = str(Path("torch", "amp", "grad_scaler.py"))
 TIMED_STEPS = 6
 WARMUP_STEPS = 2
 
@@ -76,6 +84,9 @@ class StepCounts:
     ``flops``."""
     syncs: Counter[str] = field(default_factory=Counter)
     """Host synchronisations per line of the training file (``file:line  code``)."""
+    scaler_syncs: int = 0
+    """Host synchronisations inside ``GradScaler.step`` (its skip check reads ``found_inf`` on the host, for an
+    optimizer that is not fused; a fused one takes it on the device): not a line of the file to move."""
     elementwise_by_module: Counter[str] = field(default_factory=Counter)
     """Element-wise operators per module of the model (forward and backward), the optimizer's under ``(outside)``."""
 
@@ -89,11 +100,14 @@ class StepCounter(TorchDispatchMode):
     """Counts every aten operator of what runs inside it (see :class:`StepCounts`); ``user_file``: the training
     file, whose lines a host synchronisation is charged to."""
 
-    def __init__(self, user_file: Path, low: torch.dtype | None = None):
+    def __init__(self, user_file: Path, low: torch.dtype | None = None, host_tensors: set[int] | None = None):
         super().__init__()
         self.user_file = str(user_file.resolve())
         self.low = low
         """The AMP dtype: on a CPU the doctor emulates half-precision products in fp32 on rounded inputs."""
+        self.host_tensors = host_tensors or set()
+        """The ``id`` of tensors a GPU training keeps on the host (see :func:`host_resident`): reading one waits for
+        nothing."""
         self.counts = StepCounts()
         self.modules = ModuleTracker()
 
@@ -122,7 +136,7 @@ class StepCounter(TorchDispatchMode):
         floating = [t for t in inputs if t.is_floating_point()]
         emulated = emulated_low_dtype()
         dtype = emulated or (floating[0].dtype if floating else None)
-        if packet in SYNCS:
+        if packet in SYNCS and not (inputs and id(inputs[0]) in self.host_tensors) or _masked(packet, args):
             self._sync()
         if emulated is not None and packet is aten._to_copy:
             return  # the emulation's own rounding: a GPU's tensor core reads half precision as it is
@@ -163,16 +177,27 @@ class StepCounter(TorchDispatchMode):
         return deepest.partition(".")[2]  # the tracker names the root by its class
 
     def _sync(self) -> None:
-        frames = [f for f in traceback.extract_stack() if f.filename == self.user_file]
+        stack = traceback.extract_stack()
+        if any(f.name == "_maybe_opt_step" and f.filename.endswith(SCALER_SOURCE) for f in stack):
+            self.counts.scaler_syncs += 1
+            return
+        frames = [f for f in stack if f.filename == self.user_file]
         if frames:
             frame = frames[-1]
             self.counts.syncs[f"{Path(frame.filename).name}:{frame.lineno}  {(frame.line or '').strip()}"] += 1
 
 
+def _masked(packet: Any, args: Any) -> bool:
+    """``x[mask]`` or ``x[mask] = y``: indexing by a boolean mask, whose size the host must read."""
+    if packet not in MASKED_INDEXING or len(args) < 2:
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+
+
 def _gemm_dims(packet: Any, tensors: list[torch.Tensor]) -> dict[str, int] | None:
     """The dimensions a tensor core tiles: M, K, N of a matrix product (the batch left out), channels of a conv."""
-    if packet in (aten.convolution, aten._convolution) and len(tensors) >= 2:
-        weight = tensors[1]
+    if packet in CONVOLUTIONS and len(tensors) >= 2:
+        weight = tensors[2] if packet is aten.convolution_backward else tensors[1]  # after the output's gradient
         return {"out_channels": weight.shape[0], "in_channels": weight.shape[1]}
     mats = tensors[-2:] if packet in (aten.addmm, aten.baddbmm) else tensors[:2]
     if len(mats) < 2 or mats[0].dim() < 2 or mats[1].dim() < 2:
@@ -224,6 +249,8 @@ class SpeedReport:
         "misaligned_gemms": "Half-precision matrix products with a dimension not a multiple of 8: ``op``, "
         "``module``, ``shape``, ``flops``.",
         "host_syncs": "Host synchronisations per AMP step by line of the training file: ``line``, ``count``.",
+        "scaler_syncs": "Host synchronisations per AMP step inside ``GradScaler.step`` (its skip check, read on the "
+        "host for an optimizer that is not fused).",
         "casts": "Casts between floating dtypes in the AMP step: ``count``, ``bytes``.",
         "elementwise": "Element-wise operators in the AMP step: ``count``, ``bytes`` moved, ``by_module``.",
         "speedup": "FP32's step time over AMP's (above 1: AMP is faster); null where either is missing.",
@@ -234,7 +261,9 @@ class SpeedReport:
     timing: dict[str, dict[str, Any]]
     counts: StepCounts
     optimizer: dict[str, Any]
-    """``optimizers``: per optimizer, ``name``, ``class``, ``fused``, ``foreach``."""
+    """``optimizers``: per optimizer, ``name``, ``class``, ``fused`` (null: the class has no fused kernel),
+    ``foreach``, ``default`` (true: the file makes no optimizer, and this is the doctor's own AdamW, so no advice
+    is given on it)."""
     advice: list[Advice]
     """The changes the counts call for, largest estimated effect first."""
 
@@ -263,6 +292,7 @@ class SpeedReport:
             },
             "misaligned_gemms": c.misaligned,
             "host_syncs": [{"line": line, "count": n} for line, n in c.syncs.most_common()],
+            "scaler_syncs": c.scaler_syncs,
             "optimizer": self.optimizer,
             "advice": [a.to_json() for a in self.advice],
         }
@@ -286,13 +316,28 @@ def time_steps(probe: Any, device: torch.device) -> dict[str, Any]:
     return {"step_ms": statistics.median(times) * 1e3, "peak_memory_bytes": peak, "device": device.type}
 
 
-def optimizer_kinds(optimizers: dict[str, torch.optim.Optimizer]) -> list[dict[str, Any]]:
+def host_resident(optimizers: dict[str, torch.optim.Optimizer]) -> set[int]:
+    """The ``id`` of the optimizers' step counts that live on the host in a GPU training too: a torch optimizer
+    that is neither fused nor capturable keeps its ``step`` as a CPU scalar, and its ``.item()`` reads it there."""
+    return {
+        id(state["step"])
+        for optimizer in optimizers.values()
+        if not (optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
+        for state in optimizer.state.values()
+        if isinstance(state.get("step"), torch.Tensor) and state["step"].dim() == 0
+    }
+
+
+def optimizer_kinds(optimizers: dict[str, torch.optim.Optimizer], default: bool = False) -> list[dict[str, Any]]:
+    """Per optimizer: its name, class, ``fused`` (None: the class has no fused kernel) and ``foreach``; ``default``:
+    the file makes none, and this is the doctor's own AdamW."""
     return [
         {
             "name": name,
             "class": type(opt).__name__,
             "fused": bool(opt.defaults["fused"]) if "fused" in opt.defaults else None,
             "foreach": opt.defaults.get("foreach"),
+            "default": default,
         }
         for name, opt in optimizers.items()
     ]
@@ -303,6 +348,8 @@ def advise(counts: StepCounts, optimizers: list[dict[str, Any]]) -> list[Advice]
     found: list[Advice] = []
     total_flops = max(counts.flops_half + counts.flops_fp32, 1)
     for module, sizes, flops in _misaligned_by_module(counts.misaligned):
+        if flops / total_flops < PAD_WORTH:
+            continue
         padding = ", ".join(f"{size} to {padded_size(size)}" for size in sizes)
         found.append(
             Advice(
@@ -335,14 +382,21 @@ def advise(counts: StepCounts, optimizers: list[dict[str, Any]]) -> list[Advice]
                 )
             )
     for opt in optimizers:
-        if opt["fused"] is False:  # None: the class has no fused kernel to ask for
+        # None: the class has no fused kernel to ask for; the doctor's own default is not the training's optimizer
+        if opt["fused"] is False and not opt.get("default"):
             found.append(
                 Advice(
                     f"{opt['class']}(..., fused=True)",
                     f"optimizer '{opt['name']}' is not fused: its update runs as many small element-wise kernels "
                     f"({counts.elementwise} element-wise operators in the step, {counts.elementwise_bytes / 2**20:.1f} "
-                    "MiB moved)",
-                    0.02,
+                    "MiB moved)"
+                    + (
+                        f", and GradScaler.step waits for the device {counts.scaler_syncs} time(s) a step to read its "
+                        "skip check on the host, which a fused optimizer reads on the device"
+                        if counts.scaler_syncs
+                        else ""
+                    ),
+                    0.02 + (0.05 * counts.scaler_syncs if counts.scaler_syncs else 0.0),
                     FuseOptimizer(opt["name"]),
                 )
             )
@@ -380,10 +434,11 @@ def measure_speed(bench: Any, user_file: Path, measure_advice: bool | None = Non
             timing[mode] = time_steps(probe, probe.device)
             _raise_failure(probe)
             if mode == "amp":
-                with StepCounter(user_file, probe.settings.low_dtype) as counter:
+                host = host_resident(probe.optimizers.by_name)
+                with StepCounter(user_file, probe.settings.low_dtype, host) as counter:
                     probe.step()
                 _raise_failure(probe)
-                optimizers = optimizer_kinds(probe.optimizers.by_name)
+                optimizers = optimizer_kinds(probe.optimizers.by_name, default=not probe.spec.defines_optimizer)
                 device = probe.device.type
         finally:
             probe.close()

@@ -31,6 +31,7 @@ def render_speed(report: SpeedReport, console: Console) -> None:
     console.print(
         f"casts: {c.casts} ({c.cast_bytes / 2**20:.2f} MiB); element-wise operators: {c.elementwise} "
         f"({c.elementwise_bytes / 2**20:.2f} MiB moved); host synchronisations: {sum(c.syncs.values())}"
+        + (f" (and {c.scaler_syncs} in GradScaler.step's skip check)" if c.scaler_syncs else "")
     )
     for line, count in c.syncs.most_common():
         console.print(f"  [yellow]{escape(line)}[/] ({count} a step)")

@@ -57,14 +57,21 @@ class StepTrace:
     each clip, as ``unscale_`` takes it over the parameters unscaled so far)."""
 
 
+def out_of_sight() -> Any:
+    """A block of the doctor's own reads and arithmetic inside the user's step (the scale it records, the skips it
+    reads, a gradient norm), run with the dispatch modes set aside: the localisation's operator tracer and
+    ``speed``'s counter see the training's operators and host synchronisations, not the doctor's."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def global_grad_norm(params: Iterable[torch.Tensor], divide_by: float = 1.0) -> float:
     """L2 norm over all gradients, with one host synchronisation: each gradient's in fp32, summed on the host in
     double. A gradient whose fp32 norm overflows though its values are finite (past ~1e19: a diverging training's
     gradients still are) has its norm taken again in fp64, so that it does not read as a non-finite gradient. Out of
     sight of the localisation's operator tracer: the doctor's own arithmetic is not the training's."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
+    with out_of_sight():
         grads = [g for g in map(grad_values, params) if g is not None]
         if not grads:
             return 0.0
@@ -88,7 +95,7 @@ def _sharded_norm_fp64(grad: Any, fp32_norm: float) -> float:
     """A DTensor gradient's norm in fp64: each rank squares and sums its own shard in fp64, and the ranks add their
     sums (an inf or NaN anywhere stays in the sum, so every rank reads the same). A placement other than one mesh
     dimension's shard or replica keeps the fp32 norm the ranks reduced."""
-    placements = getattr(grad, "placements", ())
+    placements: tuple[Any, ...] = tuple(getattr(grad, "placements", ()))
     if len(placements) != 1 or not (placements[0].is_shard() or placements[0].is_replicate()):
         return fp32_norm
     squares = grad.to_local().double().pow(2).sum()
@@ -121,7 +128,8 @@ class RecordingGradScaler(torch.amp.GradScaler):
         self.trace.calls.append("scale")
         if self.is_enabled():
             self.trace.scaled = True
-            self.trace.scale_used = float(self.get_scale())
+            with out_of_sight():
+                self.trace.scale_used = float(self.get_scale())
         if isinstance(outputs, torch.Tensor):
             self.trace.loss_dtype = dtype_name(outputs.dtype)
         return super().scale(outputs)
@@ -160,15 +168,19 @@ class RecordingGradScaler(torch.amp.GradScaler):
         self.trace.scaler_calls.append("update")
         self.trace.calls.append("update")
         if self.is_enabled():
-            found = []
-            for key, state in self._per_optimizer_states.items():
-                skipped = bool(sum(v.item() for v in state["found_inf_per_device"].values()))
-                found += list(state["found_inf_per_device"].values())
-                if skipped and state["stage"].name == "STEPPED":
-                    self.trace.skipped_optimizers.append(self.names.get(key, "optimizer"))
-            if found:
-                self.trace.found_inf = bool(sum(v.item() for v in found))
+            with out_of_sight():
+                self._read_found_inf()
         super().update(new_scale)
+
+    def _read_found_inf(self) -> None:
+        found = []
+        for key, state in self._per_optimizer_states.items():
+            skipped = bool(sum(v.item() for v in state["found_inf_per_device"].values()))
+            found += list(state["found_inf_per_device"].values())
+            if skipped and state["stage"].name == "STEPPED":
+                self.trace.skipped_optimizers.append(self.names.get(key, "optimizer"))
+        if found:
+            self.trace.found_inf = bool(sum(v.item() for v in found))
 
 
 class OptimizerWatch:

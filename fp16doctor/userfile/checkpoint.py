@@ -92,7 +92,7 @@ class TrainedStart:
         if differ:
             raise CheckpointError(
                 f"the checkpoint '{self.source}' does not fit this model's shapes ({_few(differ)}).",
-                hint="--from-checkpoint takes a checkpoint of the model that model() builds (same shapes).",
+                hint="The checkpoint must be one of the model that model() builds (same shapes).",
             )
         return state
 
@@ -108,7 +108,7 @@ class TrainedStart:
         return CheckpointError(
             f"the checkpoint '{self.source}' does not hold this model's weights: missing {_few(missing)}; "
             f"unexpected {_few(unexpected)}.",
-            hint="--from-checkpoint takes a checkpoint of the model that model() builds (same architecture).",
+            hint="The checkpoint must be one of the model that model() builds (same architecture).",
         )
 
     def optimizer_states_for(self, names: list[str]) -> list[dict[str, Any]] | None:
@@ -165,7 +165,7 @@ def _few(keys: list[str]) -> str:
 def load_checkpoint(path: Path, from_step: int | None = None, trust: bool = False) -> TrainedStart:
     """Read a checkpoint (file or Hugging Face folder) into the state the probes start from."""
     if not path.exists():
-        raise CheckpointError(f"checkpoint '{path}' does not exist.", hint="Check the path given to --from-checkpoint.")
+        raise CheckpointError(f"checkpoint '{path}' does not exist.", hint="Check the checkpoint's path.")
     start = _hf_folder(path, trust) if path.is_dir() else _from_file(path, trust)
     if from_step is not None:
         start.step = from_step
@@ -180,7 +180,7 @@ def _load(path: Path, trust: bool) -> Any:
         if not needed:  # no global it would take: not a file torch.save wrote
             raise CheckpointError(
                 f"'{path}' is not a checkpoint torch.load reads ({type(exc).__name__}).",
-                hint="--from-checkpoint takes a file torch.save wrote (a .pt, .pth, .bin or Lightning .ckpt), or a "
+                hint="A checkpoint is a file torch.save wrote (a .pt, .pth, .bin or Lightning .ckpt), or a "
                 "Hugging Face checkpoint-N folder.",
             ) from exc
         raise CheckpointError(

@@ -165,6 +165,12 @@ class TrainingSpec:
             )
 
     @property
+    def defines_optimizer(self) -> bool:
+        """The file makes its optimizers (``optimizer`` or ``optimizers``); else the doctor trains with its default
+        AdamW."""
+        return self.optimizer is not None or self.optimizers is not None
+
+    @property
     def name(self) -> str:
         return self.path.stem
 
