@@ -67,41 +67,60 @@ def out_of_sight() -> Any:
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], divide_by: float = 1.0) -> float:
-    """L2 norm over all gradients, with one host synchronisation: each gradient's in fp32, summed on the host in
-    double. A gradient whose fp32 norm overflows though its values are finite (past ~1e19: a diverging training's
-    gradients still are) has its norm taken again in fp64, so that it does not read as a non-finite gradient. Out of
-    sight of the localisation's operator tracer: the doctor's own arithmetic is not the training's."""
+    """L2 norm over all gradients, with one host synchronisation: each gradient's in fp32, squared and summed on
+    the host in double. A gradient whose fp32 norm overflows though its values are finite (past ~1e19: a diverging
+    training's gradients still are) has its norm taken again in fp64, so that it does not read as a non-finite
+    gradient. A sharded gradient (FSDP2's DTensor) counts its whole: each rank's shard, the ranks' sums of squares
+    added up (one all-reduce, which every rank makes at the same call). Out of sight of the localisation's operator
+    tracer: the doctor's own arithmetic is not the training's."""
     with out_of_sight():
         grads = [g for g in map(grad_values, params) if g is not None]
-        if not grads:
-            return 0.0
-        each = [g.float().norm() for g in grads]
-        value = torch.stack(each).norm().item()
-        if not math.isfinite(value):  # trouble only: which overflowed fp32, and which hold an inf or NaN
-            values = [n.item() for n in each]
-            for i, v in enumerate(values):
-                if math.isfinite(v):
-                    continue
-                if type(grads[i]) is torch.Tensor:
-                    if bool(torch.isfinite(grads[i]).all()):
-                        values[i] = grads[i].double().norm().item()
-                else:  # every rank reads the same global norm, so every rank comes here: the collective is safe
-                    values[i] = _sharded_norm_fp64(grads[i], v)
-            value = math.sqrt(sum(v * v for v in values))
+        plain = [g for g in grads if not _is_dtensor(g)]
+        squares = _squares(plain)
+        if len(plain) < len(grads):
+            squares += _sharded_squares([g for g in grads if _is_dtensor(g)])
+    value = math.sqrt(squares)
     return value / divide_by if divide_by != 1.0 else value
 
 
-def _sharded_norm_fp64(grad: Any, fp32_norm: float) -> float:
-    """A DTensor gradient's norm in fp64: each rank squares and sums its own shard in fp64, and the ranks add their
-    sums (an inf or NaN anywhere stays in the sum, so every rank reads the same). A placement other than one mesh
-    dimension's shard or replica keeps the fp32 norm the ranks reduced."""
-    placements: tuple[Any, ...] = tuple(getattr(grad, "placements", ()))
-    if len(placements) != 1 or not (placements[0].is_shard() or placements[0].is_replicate()):
-        return fp32_norm
-    squares = grad.to_local().double().pow(2).sum()
-    if placements[0].is_shard():
-        torch.distributed.all_reduce(squares, group=grad.device_mesh.get_group())
-    return float(squares.sqrt().item())
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor) is not torch.Tensor and hasattr(tensor, "to_local") and hasattr(tensor, "placements")
+
+
+def _squares(tensors: list[torch.Tensor]) -> float:
+    """The sum of the tensors' squared norms, read with one synchronisation; an fp32 norm that overflows is taken
+    again in fp64 where the tensor's values are finite (an inf or NaN stays)."""
+    if not tensors:
+        return 0.0
+    each = [t.float().norm() for t in tensors]
+    value = torch.stack(each).double().pow(2).sum().item()
+    if math.isfinite(value):
+        return float(value)
+    values = [n.item() for n in each]  # trouble only: which overflowed fp32, and which hold an inf or NaN
+    for i, v in enumerate(values):
+        if not math.isfinite(v) and bool(torch.isfinite(tensors[i]).all()):
+            values[i] = tensors[i].double().norm().item()
+    return sum(v * v for v in values)
+
+
+def _sharded_squares(grads: list[Any]) -> float:
+    """DTensor gradients' squared norms, whole: a shard over one mesh dimension adds the ranks' sums of squares, a
+    replica counts its local copy once, and any other placement is gathered whole first."""
+    total = 0.0
+    sharded: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for grad in grads:
+        placements = tuple(grad.placements)
+        if all(p.is_replicate() for p in placements):
+            total += _squares([grad.to_local()])
+        elif len(placements) == 1 and placements[0].is_shard():
+            sharded.setdefault(id(grad.device_mesh), (grad.device_mesh, []))[1].append(grad.to_local())
+        else:
+            total += _squares([grad.full_tensor()])
+    for mesh, shards in sharded.values():
+        ours = torch.tensor(_squares(shards), dtype=torch.float64, device=shards[0].device)
+        torch.distributed.all_reduce(ours, group=mesh.get_group())  # an inf or NaN on any rank reaches every rank
+        total += float(ours.item())
+    return total
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
