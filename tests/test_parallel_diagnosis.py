@@ -49,6 +49,9 @@ def test_fsdp2_reducing_in_fp16_is_measured_on_each_ranks_shard_and_reduce_dtype
     details = _stage(report, "parallel")["details"]
     assert details["topology"].startswith("FSDP") and details["policy"]["reduce_dtype"] == "float16"
     assert details["policy"]["param_dtype"] == "bfloat16"
+    # output_dtype is unset, but the loss casts the bf16 outputs up: it runs in fp32, and no half-outputs is said
+    assert details["loss_dtypes"] == ["float32"]
+    assert "half-outputs" not in {f["cause"] for f in report["findings"]}
 
 
 def test_an_fp16_reduce_scatter_within_range_is_measured_at_2_and_4_ranks_and_reported_as_its_growth():
@@ -94,6 +97,7 @@ def test_fsdp2_fp16_params_without_a_scaler_and_half_outputs_are_warnings_on_a_h
     assert "GradScaler" in unscaled["fix"]["summary"]
     outputs = found["half-outputs"]
     assert outputs["evidence"]["param_dtype"] == "float16" and outputs["evidence"]["output_dtype"] is None
+    assert details["loss_dtypes"] == ["float16"]  # the loss took the fp16 logits as they came
     assert "output_dtype=torch.float32" in outputs["fix"]["code"]
     assert "half-precision-reduce" not in found
 

@@ -757,6 +757,9 @@ class ParallelComparison:
     growth: dict[int, ReductionAtWorld] = field(default_factory=dict)
     """The as-run reduction's worst parameter per world size: ``world``'s own and the other of 2 and 4, where the
     reduction is in half precision and the machine runs that many ranks."""
+    loss_dtypes: list[str] = field(default_factory=list)
+    """The dtypes the as-run pass's loss came out in (empty: not recorded): a loss in fp32 was computed from
+    outputs it cast up."""
 
     @property
     def half_precision_reduction(self) -> str | None:
@@ -834,6 +837,7 @@ class ParallelComparison:
             "scaler_enabled": self.scaler_enabled,
             "micro_batches": self.micro_batches,
             "growth": {str(world): self.growth[world].to_json() for world in sorted(self.growth)},
+            "loss_dtypes": self.loss_dtypes,
             "seconds": round(self.seconds, 2),
         }
 

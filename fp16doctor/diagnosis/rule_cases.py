@@ -366,9 +366,11 @@ def parallel(
     micro_steps: int = 1,
     world: int = 2,
     hooks: list[str] | None = None,
+    loss_dtypes: list[str] | None = None,
 ) -> ParallelComparison:
     """A healthy parallel stage under FSDP2 (``FSDP2_POLICY`` with ``policy``'s entries on top): its fp32-close
-    reduction, the ranks agreeing, ``micro_steps`` backward passes per optimizer step."""
+    reduction, the ranks agreeing, ``micro_steps`` backward passes per optimizer step; ``loss_dtypes``: what the
+    loss came out in (by default the outputs' dtype under the policy: a loss that does not cast them)."""
     rows = []
     for i in range(10 * micro_steps):
         micro = (i + 1) % micro_steps != 0
@@ -393,4 +395,9 @@ def parallel(
         ranks_agree=True,
         records={"as_run": as_run},
         scaler_enabled=scaler_enabled,
+        loss_dtypes=loss_dtypes if loss_dtypes is not None else [_outputs_dtype({**FSDP2_POLICY, **(policy or {})})],
     )
+
+
+def _outputs_dtype(policy: dict[str, Any]) -> str:
+    return policy.get("output_dtype") or policy.get("param_dtype") or "float32"

@@ -76,6 +76,8 @@ class ParallelPass:
     topology's reduction is not measured (FSDP1's flat parameters)."""
     fingerprints: list[dict[str, float]]
     """Per rank, after the pass: the parameters' sum and absolute sum, the loss scale and the skipped steps."""
+    loss_dtypes: list[str] = field(default_factory=list)
+    """The dtypes the loss came out in (rank 0's, as the scaler was handed it): what the loss was computed in."""
 
 
 @dataclass
@@ -318,7 +320,8 @@ def _run_pass(probe: Probe, meter: ReductionMeter, rank: Rank, name: str, steps:
     records = probe.frame()
     if len(records):
         records["loss"] = rank.mean([float(v) for v in records["loss"].fillna(float("nan"))])
-    return ParallelPass(records, meter.table(), rank.gather(_fingerprint(probe)))
+    dtypes = sorted({r.trace.loss_dtype for r in probe.records if r.trace and r.trace.loss_dtype})
+    return ParallelPass(records, meter.table(), rank.gather(_fingerprint(probe)), dtypes)
 
 
 def _fingerprint(probe: Probe) -> dict[str, float]:

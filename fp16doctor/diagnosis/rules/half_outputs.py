@@ -7,8 +7,10 @@ overflows at 65504, a bf16 loss keeps about 2.4 significant digits. Under autoca
 fp32 by themselves; under FSDP's cast parameters nothing does. ``output_dtype=torch.float32`` on the root's policy
 gives the loss fp32 outputs.
 
-Evidence: the parallel stage's FSDP policy of the root module (``param_dtype``, ``output_dtype``). A static fact, a
-warning: a loss made in half precision that overflows or stalls is measured by the other rules.
+Evidence: the parallel stage's FSDP policy of the root module (``param_dtype``, ``output_dtype``), and the dtype
+its AMP pass's loss came out in: a loss in fp32 was computed from outputs the loss cast up (``logits.float()``), and
+is left alone. A static fact, a warning: a loss made in half precision that overflows or stalls is measured by the
+other rules.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class HalfOutputs(Rule):
         lambda: fx.evidence(parallel=fx.parallel()),  # output_dtype=torch.float32
         lambda: fx.evidence(parallel=fx.parallel({"param_dtype": None, "output_dtype": None})),  # fp32 parameters
         lambda: fx.evidence(parallel=None),  # no parallel stage
+        lambda: fx.evidence(parallel=fx.parallel({"output_dtype": None}, loss_dtypes=["float32"])),  # loss casts up
     )
 
     def check(self, ev: Evidence) -> list[Finding]:
@@ -58,6 +61,8 @@ class HalfOutputs(Rule):
         param_dtype, output_dtype = policy.get("param_dtype"), policy.get("output_dtype")
         if param_dtype not in HALF_DTYPES or (output_dtype is not None and output_dtype not in HALF_DTYPES):
             return []
+        if parallel.loss_dtypes and not any(d in HALF_DTYPES for d in parallel.loss_dtypes):
+            return []  # the loss cast the outputs up: it ran in fp32
         half = output_dtype or param_dtype
         evidence = HalfOutputsEvidence(parallel.world, parallel.topology, param_dtype, output_dtype)
         unset = "output_dtype unset" if output_dtype is None else f"output_dtype=torch.{output_dtype}"

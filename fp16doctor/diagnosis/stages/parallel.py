@@ -111,6 +111,7 @@ def comparison_of(result: ParallelResult, single: list[str], bf16: bool) -> Para
         seconds=result.seconds,
         scaler_enabled=result.scaler_enabled,
         growth=_own_growth(result),
+        loss_dtypes=passes["as_run"].loss_dtypes,
     )
 
 
