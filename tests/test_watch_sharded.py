@@ -20,6 +20,8 @@ import pytest
 from conftest import ROOT
 from rank_launches import launch_ranks
 
+from fp16doctor.live.observe import SHARDED_DISAGREEMENT
+
 pytestmark = pytest.mark.slow
 
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -178,6 +180,8 @@ def test_fsdp1_with_a_plain_gradscaler_lets_the_ranks_disagree_on_an_overflow_in
         "which all-reduces the found-inf so that every rank skips together."
     )
     assert said(proc, disagreement.format(0), times=1) and said(proc, disagreement.format(1), times=1)
+    # both ranks' lines say why there is no capsule, not only the writing rank's
+    assert said(proc, f"together. No capsule: {SHARDED_DISAGREEMENT}.", times=2)
     assert said(
         proc,
         "fp16doctor: skip-streak at optimizer step 3 on rank 1: 1 optimizer steps skipped in a row (inf/NaN gradients "

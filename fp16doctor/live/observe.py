@@ -997,10 +997,22 @@ class TrainingObserver:
                 watch.alarm = alarm
             self._capsule_alone(watch, alarm, optimizer, scaler)
             watch.forget_step()
+        elif last is not None:
+            alarm.no_capsule = self._written_elsewhere(last[0], writers)
         if "rank-disagreement" in self.options.alarms:
             self._tell(alarm)
             if self._pending_stop is None:
                 self._pending_stop = alarm
+
+    def _written_elsewhere(self, watch: Watch, writers: list[int]) -> str:
+        """What a rank that writes no capsule of a disagreement says of it: which rank writes it (the skipping ranks,
+        or rank 0 where only the scale differs), or what stops that rank too."""
+        shape = self._topologies.get(id(watch))
+        if watch.no_capsule == TOGETHER and (shape is None or not shape.replicated):
+            return SHARDED_DISAGREEMENT
+        if watch.no_capsule not in (None, TOGETHER):
+            return watch.no_capsule  # what stops the writing rank stops it too
+        return f"{ranks_text(writers)} {'writes' if len(writers) == 1 else 'write'} it"
 
     def _capsule_alone(self, watch: Watch, alarm: Alarm, optimizer: torch.optim.Optimizer, scaler: GradScaler) -> None:
         """The capsule of an alarm the ranks raise in ``update()`` from their table (a disagreement), which the
