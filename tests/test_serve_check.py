@@ -47,6 +47,15 @@ def test_a_healthy_model_is_safe_to_serve_in_fp16_and_needs_no_keep_set():
     assert result.to_json()["verdict"] == "safe"
 
 
+def test_a_tolerance_only_fp32_meets_keeps_the_whole_model_and_says_so():
+    result = fp16doctor.serve_check(SAMPLES / "mlp.py", tolerance=1e-7)  # fp16's own rounding is past it
+    assert not result.safe and result.keep.verified and result.keep.whole_model
+    shown = CliRunner().invoke(app, ["serve-check", str(SAMPLES / "mlp.py"), "--tolerance", "1e-7"])
+    assert shown.exit_code == 1 and "Only the whole model in fp32 serves it" in " ".join(shown.output.split())
+    held = fp16doctor.serve_check(SERVING / "logits_past_fp16.py").keep
+    assert held.modules == ["head"] and not held.whole_model
+
+
 def test_parameters_fp16_cannot_hold_are_named_with_their_counts(training_file):
     path = training_file(
         """

@@ -118,6 +118,8 @@ class KeepSet:
     """Every set run, in order."""
     first_nonfinite: str | None = None
     """In fp16 with nothing kept: the first module whose output is non-finite from finite inputs (None: none)."""
+    whole_model: bool = False
+    """The set holds every module that holds parameters: nothing of the model is served in fp16."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -126,6 +128,7 @@ class KeepSet:
             "rel_dev": json_number(self.rel_dev),
             "tried": self.tried,
             "first_nonfinite": self.first_nonfinite,
+            "whole_model": self.whole_model,
         }
 
 
@@ -591,7 +594,13 @@ def search_keep_set(
         smaller, _ = fp16_with_kept(build, batches, loss_fn, reference, fewer)
         if smaller.within(tolerance):
             kept, result = fewer, smaller
-    return KeepSet(kept, True, result.rel_dev, tried, first_nonfinite)
+    return KeepSet(kept, True, result.rel_dev, tried, first_nonfinite, _covers_every_weight(build(), kept))
+
+
+def _covers_every_weight(model: torch.nn.Module, kept: list[str]) -> bool:
+    """Every module holding parameters is kept, or inside a kept one."""
+    holders = [name for name, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    return all(name in kept or _inside(name, kept) for name in holders)
 
 
 def _inside(name: str, kept: list[str]) -> bool:

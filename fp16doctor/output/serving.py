@@ -59,6 +59,11 @@ def render_serve_check(result: ServeCheck, console: Console) -> None:
         )
     if keep is None or not keep.modules:
         console.print("No set of modules kept in fp32 was found that serves it.")
+    elif keep.verified and keep.whole_model:
+        console.print(
+            f"Only the whole model in fp32 serves it within {tolerance} ({', '.join(keep.modules)}: every module "
+            "that holds parameters): serve it in fp32 or bf16, or look at what --tolerance it needs."
+        )
     elif keep.verified:
         console.print(
             f"Keep in fp32: [bold]{', '.join(keep.modules)}[/] (verified: finite, {human(keep.rel_dev, percent=True)} "
