@@ -251,3 +251,33 @@ def test_the_fp32_baseline_loads_a_half_precision_checkpoint_model_builds_from(t
     fp32 = bench.probe("fp32")
     assert all(p.dtype == torch.float32 for p in fp32.model.parameters())
     assert not fp32.run()["exception_type"].notna().any()
+
+
+def test_a_bug_inside_the_doctors_own_hooks_is_raised_not_blamed_on_the_training(monkeypatch, training_file):
+    """An exception the doctor's instruments raise is its own bug: it goes up as one (the CLI's internal error, exit
+    3), not into the record as the training's failure at the user's line. The user's own exception still is
+    evidence."""
+    from fp16doctor.engine.instruments import Instruments
+    from fp16doctor.tensors import grad_values
+
+    def broken(self, module, args, output):
+        grad_values(None)  # the package's own code raises: None has no .grad
+
+    monkeypatch.setattr(Instruments, "_post_forward", broken)
+    with pytest.raises(AttributeError, match="grad"):
+        bench_for(training_file(MLP_FILE), steps=2).probe("amp").step()
+    monkeypatch.undo()
+    raising = training_file(
+        """
+        import torch
+        def model():
+            return torch.nn.Linear(4, 2)
+        def data():
+            return [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
+        def loss(model, batch):
+            raise ValueError("the user's own")
+        """
+    )
+    probe = bench_for(raising, steps=2).probe("amp")
+    record = probe.step()
+    assert probe.failed is record and record.exception_type == "ValueError"

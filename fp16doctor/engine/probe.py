@@ -700,6 +700,8 @@ class Probe:
         except (DoctorError, *OUT_OF_MEMORY):
             raise
         except Exception as exc:  # noqa: BLE001 - a user's exception is evidence, not a crash
+            if raised_by_doctor(exc):
+                raise  # a bug of the doctor's own, inside its hooks: not the training's, and not blamed on it
             self._end_instruments(trace)
             record = self._exception_record(exc, batch_index, lr, scale, trace)
             self.failed = record
@@ -981,6 +983,28 @@ def raising_module(exc: BaseException, model: torch.nn.Module) -> str | None:
             found = names[id(owner)]
         tb = tb.tb_next
     return found
+
+
+PACKAGE = Path(__file__).resolve().parent.parent
+PASSING_THROUGH = ("__torch_dispatch__", "__torch_function__")
+"""The doctor's dispatch and function modes call every operator of the step: an operator's error surfaces in them."""
+
+
+def raised_by_doctor(exc: BaseException) -> bool:
+    """``exc`` was raised by the doctor's own code (its instruments, its measurements), not by the training's: the
+    frame that raised it lies in the package, outside the precision machinery that wraps the user's calls and the
+    user-facing loop (the default loss), and outside the modes every operator passes through."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return False
+    last = frames[-1]
+    try:
+        where = Path(last.filename).resolve()
+    except OSError:
+        return False
+    if PACKAGE not in where.parents or last.name in PASSING_THROUGH:
+        return False
+    return where.parent.name not in ("precision", "userfile")
 
 
 def _outside_torch_frame(exc: BaseException) -> str | None:
