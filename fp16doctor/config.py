@@ -253,16 +253,41 @@ class ShardingConfig:
             "param_dtype, and those of a module kept in fp32 (overrides.fp32_modules) to float32."
         ),
     )
+    output_dtype: str | None = field(
+        default=None,
+        metadata=_doc(
+            "The policy's output_dtype: the model's floating-point outputs are cast to it; null: left in the dtype "
+            "they were computed in. " + " | ".join(SHARDED_DTYPES) + " or null."
+        ),
+    )
+    module_policies: dict[str, dict[str, Any]] = field(
+        default_factory=dict,
+        metadata=_doc(
+            "Submodules sharded with a policy of their own (fully_shard(block, mp_policy=...)), by path: "
+            "param_dtype, reduce_dtype, output_dtype (dtype names or null) and cast_forward_inputs, as they take "
+            "effect. Their parameters are cast, their gradients reduced and their inputs and outputs cast as that "
+            "policy says; the root's policy covers the rest. A watched run's capsule records them."
+        ),
+    )
 
     def validate(self) -> None:
         _require(self.world >= 1, "sharding.world", "an integer >= 1")
         _require(self.micro_batches >= 1, "sharding.micro_batches", "an integer >= 1")
         _require(self.wrapper in SHARDED_WRAPPERS, "sharding.wrapper", " | ".join(SHARDED_WRAPPERS))
-        for key in ("param_dtype", "reduce_dtype"):
+        for key in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, key)
             _require(
                 value is None or value in SHARDED_DTYPES, f"sharding.{key}", " | ".join(SHARDED_DTYPES) + " or null"
             )
+        _require(isinstance(self.module_policies, dict), "sharding.module_policies", "a mapping of module paths")
+        for path, policy in self.module_policies.items():
+            where = f"sharding.module_policies.{path}"
+            _require(isinstance(policy, dict), where, "a mapping of param_dtype, reduce_dtype, output_dtype")
+            for key in ("param_dtype", "reduce_dtype", "output_dtype"):
+                value = policy.get(key)
+                _require(
+                    value is None or value in SHARDED_DTYPES, f"{where}.{key}", " | ".join(SHARDED_DTYPES) + " or null"
+                )
 
     @property
     def emulated(self) -> bool:
@@ -335,6 +360,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"config key '{key}' must be a list of strings, got {value!r}.")
         return list(value)
+    if tp in ("dict[str, dict[str, Any]]",):  # a mapping of mappings, checked field by field by its validate()
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"config key '{key}' must be a mapping of names to mappings, got {value!r}.")
+        return {k: dict(v) if isinstance(v, Mapping) else v for k, v in value.items()}
     tp = {"bool": bool, "int": int, "float": float, "str": str}.get(tp, tp)
     if tp is bool:
         if isinstance(value, bool):

@@ -271,3 +271,50 @@ def test_each_step_of_emulated_ranks_takes_batches_of_its_own(training_file):
         probe.step()
     probe.close()
     assert seen == list(range(12))
+
+
+def test_a_modules_own_policy_casts_its_parameters_inputs_outputs_and_reduction_as_fsdp2_does():
+    """fully_shard(model[1], mp_policy=MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=..., output_dtype=fp16))
+    under a root policy of fp16: its parameters and inputs run in fp32, its outputs leave in fp16, and its
+    gradients are reduced in its own reduce_dtype, the rest in the root's."""
+    seen = {}
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    for name, module in model.named_children():
+        module.register_forward_hook(
+            lambda m, args, out, name=name: seen.__setitem__(name, (m.weight.dtype, args[0].dtype, out.dtype))
+        )
+    batch = (torch.randn(3, 2), torch.randn(3, 2))
+    own = {"param_dtype": "float32", "reduce_dtype": "float32", "output_dtype": "float16"}
+    root = {"param_dtype": "float16", "reduce_dtype": "float16", "autocast": False}
+    outputs = []
+
+    def loss(model, batch):
+        out = model(batch[0])
+        outputs.append(out.dtype)
+        return ((out.float() - batch[1]) ** 2).mean()
+
+    sharding = ShardingConfig(world=2, **root, module_policies={"1": own})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    emulated_ranks_step(
+        model, [batch, batch], optimizer, torch.amp.GradScaler("cpu", enabled=False), contextlib.nullcontext, loss,
+        sharding,
+    )  # fmt: skip
+    # the hooks see a module's output before its policy's cast, which the loss then receives
+    assert seen == {"0": (torch.float16,) * 3, "1": (torch.float32,) * 3} and outputs == [torch.float16] * 2
+
+    def reduced(policy):  # a gradient of about 2e5 on the second layer's weight: past fp16, within fp32
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        with torch.no_grad():
+            net[0].weight.fill_(10.0)
+            net[1].weight.fill_(10.0)
+        big = (torch.full((3, 2), 3.0), torch.full((3, 2), -1e3))
+        reading = ReductionReading()
+        sharding = ShardingConfig(world=2, param_dtype="float32", reduce_dtype="float16", module_policies=policy)
+        _step(net, [big, big], sharding, reading=reading)
+        return reading
+
+    fp16_everywhere = reduced({})
+    assert "1.weight" in fp16_everywhere.nonfinite_steps and fp16_everywhere.local_max["1.weight"] > 65504
+    own_fp32 = reduced({"1": {"param_dtype": "float32", "reduce_dtype": "float32"}})
+    assert "1.weight" not in own_fp32.nonfinite_steps and "0.weight" in own_fp32.nonfinite_steps

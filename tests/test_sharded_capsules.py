@@ -85,14 +85,13 @@ def test_an_fsdp1_ranks_bad_batch_is_captured_together_rebuilt_unwrapped_and_rep
     assert "(rank 1's micro-batch 0)" in top["title"] and top["verification"]["repaired"] is True
 
 
-HEAD_OWN_POLICY = "module 'head' had a policy of their own (param_dtype float32); the replay applies the root's"
 TIED_LM = ["--tie", "--momentum", "0.9", "--nan-rank", "1", "--nan-step", "3"]  # one weight for both, moments
 
 
 @pytest.mark.parametrize(
     ("script", "args", "unlike"),
     [
-        (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--head-fp32"], [HEAD_OWN_POLICY]),
+        (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--head-fp32"], []),  # its policy is replayed
         (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--fsdp1"], []),
         (FSDP2, ["--poison-rank", "1", "--poison-step", "3", "--fsdp1", "--orig-params"], []),
         (RMSNORM, ["--checkpoint-mlp"], []),  # the plain module keeps the checkpoint wrapper, whose segment DCP drops
@@ -138,6 +137,15 @@ def test_a_state_past_the_gather_limit_is_saved_in_shards_and_replays_as_the_gat
         assert all(m.lm_head.weight is m.embed.weight for m in models) and len(list(models[1].parameters())) == 4
     assert json.loads((sharded / "manifest.json").read_text())["not_emulated"] == unlike
     if "--head-fp32" in args:
+        own = json.loads((sharded / "config.json").read_text())["sharding"]["module_policies"]
+        assert own == {
+            "head": {
+                "param_dtype": "float32",
+                "reduce_dtype": "float32",
+                "output_dtype": None,
+                "cast_forward_inputs": True,
+            }
+        }, own
         top = diagnosed(sharded)["findings"][0]  # the replay itself, once
         assert top["cause"] == "nonfinite-data" and top["evidence"]["ranks"] == [1], top
 

@@ -222,27 +222,29 @@ def test_each_wrappers_own_gradients_are_checked_before_the_reduction_and_name_t
 
 
 @pytest.mark.parametrize(
-    ("head_policy", "said"),
+    ("head_policy", "own"),
     [
-        ({"param_dtype": torch.float32}, "param_dtype float32"),  # reduced in fp32, as the root
-        ({"param_dtype": torch.float16, "reduce_dtype": torch.float16}, "reduce_dtype float16"),
+        ({"param_dtype": torch.float32}, ("float32", "float32", None)),  # reduced in its param_dtype
+        ({"param_dtype": torch.float16, "reduce_dtype": torch.float16}, ("float16", "float16", None)),
         (
             {"param_dtype": torch.float16, "reduce_dtype": torch.float32, "output_dtype": torch.float32},
-            "output_dtype float32",
+            ("float16", "float32", "float32"),
         ),
         ({"param_dtype": torch.float16, "reduce_dtype": torch.float32}, None),  # the root's own, given again
     ],
 )
-def test_a_modules_own_fsdp2_policy_is_said_as_it_takes_effect(one_rank, head_policy, said):
-    """The replay applies the root's policy to the whole model: a module's own that differs, once no reduce_dtype
-    is read as param_dtype, is said; a user's attribute named mixed_precision is no policy."""
+def test_a_modules_own_fsdp2_policy_is_recorded_as_it_takes_effect_for_the_replay(one_rank, head_policy, own):
+    """A module's own policy that differs from the root's, once no reduce_dtype is read as param_dtype, is recorded
+    for the replay (which applies it to that module's parameters, reduction and outputs), not said as left out; a
+    user's attribute named mixed_precision is no policy."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from fp16doctor.live.sharded_capsule import not_emulated
+    from fp16doctor.live.sharded_capsule import module_policies, not_emulated
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     model[0].mixed_precision = "bf16"
     fully_shard(model[2], mp_policy=MixedPrecisionPolicy(**head_policy))
     fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
-    expected = [f"module '2' had a policy of their own ({said}); the replay applies the root's"] if said else []
-    assert not_emulated(model) == expected
+    keys = ("param_dtype", "reduce_dtype", "output_dtype")
+    expected = {"2": {**dict(zip(keys, own)), "cast_forward_inputs": True}} if own else {}
+    assert module_policies(model) == expected and not_emulated(model) == []

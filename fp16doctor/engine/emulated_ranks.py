@@ -119,12 +119,17 @@ def emulated_ranks_step(
     root's param_dtype>))``: their parameters stay fp32 and their outputs go back to the root's dtype."""
     optimizer.zero_grad(set_to_none=True)
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    param_dtype = _dtype(sharding.param_dtype) if policy_dtypes else None
-    reduce_dtype = _dtype(sharding.reduce_dtype) if policy_dtypes else None
-    kept = tuple(f"{path}." for path in fp32_modules)
+    root = OwnPolicy.root(sharding) if policy_dtypes else OwnPolicy("")
+    own = own_policies(sharding, fp32_modules, root) if policy_dtypes else []
+    policy_of = {name: owner(name, own, root) for name, _ in params}
+    reduce_dtypes = {name: policy.reduce_dtype for name, policy in policy_of.items()}
     # One reduction per micro-batch where the ranks reduce after every backward (FSDP2's default), else one of the
     # gradients each rank accumulated unsharded over its micro-batches (gradient sync off until the last).
     reductions = sharding.micro_batches if sharding.sync_each_micro_batch else 1
+    accumulate_in = {
+        name: _accumulated_in(sharding, dtype, reductions, sharding.micro_batches)
+        for name, dtype in reduce_dtypes.items()
+    }
     reduced: list[dict[str, torch.Tensor]] = [{} for _ in range(reductions)]
     local_bad: set[str] = set()
     total: torch.Tensor | None = None
@@ -134,23 +139,19 @@ def emulated_ranks_step(
         # and in the dtype FSDP reduces them from.
         with torch._C.DisableTorchFunction():
             leaves = {
-                name: p.detach().to(p.dtype if name.startswith(kept) else param_dtype or p.dtype).requires_grad_(True)
-                for name, p in params
+                name: p.detach().to(policy_of[name].param_dtype or p.dtype).requires_grad_(True) for name, p in params
             }
-        casts = (
-            _inputs_cast(model, fp32_modules, param_dtype) if sharding.cast_forward_inputs else contextlib.nullcontext()
-        )
         held: dict[str, torch.Tensor] = {}  # with sync off: the micro-batches' gradients so far, unsharded
-        with _parameters_replaced(model, leaves), casts, _outputs_cast(model, fp32_modules, param_dtype):
+        with _parameters_replaced(model, leaves), _inputs_cast(model, [root, *own]), _outputs_cast(model, [root, *own]):
             for micro, batch in enumerate(mine):
                 with autocast() if sharding.autocast else contextlib.nullcontext():
                     loss = loss_fn(model, batch)
                 scaler.scale(loss).backward()
                 total = loss.detach().float() if total is None else total + loss.detach().float()
-                _accumulate(leaves, held, _accumulated_in(sharding, reduce_dtype, reductions, len(mine)))
+                _accumulate(leaves, held, accumulate_in)
                 if reductions > 1 or micro == len(mine) - 1:
                     _hand_over(
-                        held, reduced[micro if reductions > 1 else 0], local_bad, reduce_dtype, sharding, reading
+                        held, reduced[micro if reductions > 1 else 0], local_bad, reduce_dtypes, sharding, reading
                     )
     if reading is not None:
         for name in sorted(local_bad):
@@ -180,16 +181,18 @@ def emulated_ranks_step(
 
 
 def _accumulate(
-    leaves: dict[str, torch.Tensor], held: dict[str, torch.Tensor], reduce_dtype: torch.dtype | None
+    leaves: dict[str, torch.Tensor], held: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype | None]
 ) -> None:
-    """A micro-batch's gradients moved off the leaves into ``held``. ``reduce_dtype`` is given where gradient sync
-    is off over several micro-batches: FSDP2 then accumulates them unsharded in it (its
-    ``unsharded_accumulated_grad``); else (None, or no policy dtype) in ``param_dtype``, the leaves' own."""
+    """A micro-batch's gradients moved off the leaves into ``held``. A parameter's dtype in ``dtypes`` is its
+    ``reduce_dtype`` where gradient sync is off over several micro-batches: FSDP2 then accumulates them unsharded
+    in it (its ``unsharded_accumulated_grad``); else (None, or no policy dtype) in ``param_dtype``, the leaves'
+    own."""
     with _reduction(), torch._C.DisableTorchFunction():
         for name, leaf in leaves.items():
             if leaf.grad is None:
                 continue
-            grad = leaf.grad if reduce_dtype is None else leaf.grad.to(reduce_dtype)
+            dtype = dtypes.get(name)
+            grad = leaf.grad if dtype is None else leaf.grad.to(dtype)
             held[name] = grad if name not in held else held[name] + grad
             leaf.grad = None
 
@@ -198,14 +201,15 @@ def _hand_over(
     held: dict[str, torch.Tensor],
     sums: dict[str, torch.Tensor],
     local_bad: set[str],
-    reduce_dtype: torch.dtype | None,
+    reduce_dtypes: dict[str, torch.dtype | None],
     sharding: ShardingConfig,
     reading: ReductionReading | None,
 ) -> None:
-    """A rank's gradients so far added to a reduction, then cleared (the next micro-batch's start from zero)."""
+    """A rank's gradients so far added to a reduction, each in its parameter's ``reduce_dtype``, then cleared (the
+    next micro-batch's start from zero)."""
     with _reduction():
         for name, grad in held.items():
-            sums[name] = _add_rank(sums.get(name), grad, reduce_dtype, sharding, reading, name)
+            sums[name] = _add_rank(sums.get(name), grad, reduce_dtypes.get(name), sharding, reading, name)
             if not bool(torch.isfinite(grad).all()):
                 local_bad.add(name)
         held.clear()
@@ -247,13 +251,65 @@ def _parameters_replaced(model: torch.nn.Module, tensors: dict[str, torch.Tensor
         yield
 
 
+@dataclass(frozen=True)
+class OwnPolicy:
+    """A mixed-precision policy as it takes effect on the parameters one ``fully_shard`` call groups: the root's,
+    or a submodule's own (``fully_shard(block, mp_policy=...)``: FSDP2 gives each group its own policy)."""
+
+    path: str
+    """The module's path ("": the root)."""
+    param_dtype: torch.dtype | None = None
+    """What its parameters are cast to (None: their own dtype)."""
+    reduce_dtype: torch.dtype | None = None
+    """What its gradients are reduced in (None: their own dtype, ``param_dtype``)."""
+    output_dtype: torch.dtype | None = None
+    """What its outputs are cast to (None: left as computed)."""
+    cast_inputs: bool = False
+    """Its floating inputs are cast to ``param_dtype`` (``cast_forward_inputs``, where ``param_dtype`` is set)."""
+
+    @classmethod
+    def root(cls, sharding: ShardingConfig) -> OwnPolicy:
+        param = _dtype(sharding.param_dtype)
+        return cls(
+            "", param, _dtype(sharding.reduce_dtype), _dtype(sharding.output_dtype), sharding.cast_forward_inputs
+        )
+
+
+def own_policies(sharding: ShardingConfig, fp32_modules: tuple[str, ...], root: OwnPolicy) -> list[OwnPolicy]:
+    """The submodules' own policies: those the run's ``fully_shard`` calls gave (``sharding.module_policies``), and
+    each module a fix keeps in fp32, sharded as FSDP2 keeps one: ``MixedPrecisionPolicy(param_dtype=torch.float32,
+    output_dtype=<the root's param_dtype>)``."""
+    found = [
+        OwnPolicy(
+            path,
+            _dtype(policy.get("param_dtype")),
+            _dtype(policy.get("reduce_dtype") or policy.get("param_dtype")),
+            _dtype(policy.get("output_dtype")),
+            bool(policy.get("cast_forward_inputs", True)),
+        )
+        for path, policy in sharding.module_policies.items()
+        if path not in fp32_modules
+    ]
+    kept = [
+        OwnPolicy(path, torch.float32, torch.float32, root.param_dtype, sharding.cast_forward_inputs)
+        for path in fp32_modules
+    ]
+    return found + kept
+
+
+def owner(name: str, own: list[OwnPolicy], root: OwnPolicy) -> OwnPolicy:
+    """The policy of the parameter ``name``: its deepest module's with a policy of its own, else the root's. A
+    policy without dtypes (a module with none: fp32) applies to its parameters as FSDP2's does: they stay as they
+    are."""
+    mine = [policy for policy in own if name.startswith(f"{policy.path}.")]
+    return max(mine, key=lambda policy: len(policy.path)) if mine else root
+
+
 @contextmanager
-def _inputs_cast(model: torch.nn.Module, kept: tuple[str, ...], param_dtype: torch.dtype | None) -> Iterator[None]:
-    """FSDP2's ``cast_forward_inputs``: the root's floating-point inputs cast to ``param_dtype``, and those of each
-    module at ``kept`` (sharded with an fp32 policy of its own) to float32, while the block runs."""
-    if param_dtype is None:
-        yield
-        return
+def _inputs_cast(model: torch.nn.Module, policies: list[OwnPolicy]) -> Iterator[None]:
+    """``cast_forward_inputs``: each module's floating-point inputs cast to its policy's ``param_dtype`` while the
+    block runs (the root's to the root's; a module kept in fp32 to float32)."""
+    targets = [(model.get_submodule(p.path), p.param_dtype) for p in policies if p.cast_inputs and p.param_dtype]
 
     def cast_to(dtype: torch.dtype) -> Callable[..., Any]:
         def cast(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
@@ -262,7 +318,6 @@ def _inputs_cast(model: torch.nn.Module, kept: tuple[str, ...], param_dtype: tor
 
         return cast
 
-    targets = [(model, param_dtype)] + [(model.get_submodule(path), torch.float32) for path in kept]
     handles = [m.register_forward_pre_hook(cast_to(dtype), with_kwargs=True) for m, dtype in targets]
     try:
         yield
@@ -272,17 +327,18 @@ def _inputs_cast(model: torch.nn.Module, kept: tuple[str, ...], param_dtype: tor
 
 
 @contextmanager
-def _outputs_cast(model: torch.nn.Module, paths: tuple[str, ...], dtype: torch.dtype | None) -> Iterator[None]:
-    """The outputs of the modules at ``paths`` cast to ``dtype`` (FSDP's ``output_dtype``) while the block runs."""
-    if dtype is None or not paths:
-        yield
-        return
+def _outputs_cast(model: torch.nn.Module, policies: list[OwnPolicy]) -> Iterator[None]:
+    """Each module's outputs cast to its policy's ``output_dtype`` while the block runs."""
+    targets = [(model.get_submodule(p.path), p.output_dtype) for p in policies if p.output_dtype is not None]
 
-    def cast(module: torch.nn.Module, args: Any, output: Any) -> Any:
-        with torch._C.DisableTorchFunction():
-            return floats_to(output, dtype)
+    def cast_to(dtype: torch.dtype) -> Callable[..., Any]:
+        def cast(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            with torch._C.DisableTorchFunction():
+                return floats_to(output, dtype)
 
-    handles = [model.get_submodule(path).register_forward_hook(cast) for path in paths]
+        return cast
+
+    handles = [m.register_forward_hook(cast_to(dtype)) for m, dtype in targets]
     try:
         yield
     finally:
@@ -301,5 +357,5 @@ def _accumulated_in(
     return reduce_dtype if unreduced and sharding.wrapper == "fully_shard" else None
 
 
-def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else getattr(torch, name)
+def _dtype(name: Any) -> torch.dtype | None:
+    return None if name in (None, "None") else getattr(torch, str(name))

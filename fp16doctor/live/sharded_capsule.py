@@ -82,29 +82,51 @@ def policy_dtypes(model: torch.nn.Module) -> dict[str, Any]:
     return {
         "param_dtype": policy.get("param_dtype"),
         "reduce_dtype": policy.get("reduce_dtype"),
+        "output_dtype": _dtype_name(policy.get("output_dtype")),
         "cast_forward_inputs": bool(policy.get("cast_forward_inputs", True)) or bool(root_cast),
+        "module_policies": module_policies(model),
     }
 
 
+def module_policies(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """FSDP2's submodules whose own ``fully_shard`` policy differs from the root's as it takes effect, by path:
+    what the replay applies to each (:class:`~fp16doctor.engine.emulated_ranks.OwnPolicy`)."""
+    from ..engine.parallel import policy_of
+
+    root = _in_effect(policy_of(model) or {})
+    found = {}
+    for name, module in model.named_modules():
+        if module is model or not callable(getattr(module, "_get_fsdp_state", None)):
+            continue
+        own = _in_effect(policy_of(module) or {})
+        if own != root:
+            found[clean_name(name)] = own
+    return found
+
+
+def _dtype_name(value: Any) -> str | None:
+    return None if value in (None, "None") else str(value)
+
+
 def not_emulated(model: torch.nn.Module) -> list[str]:
-    """What the run's policies did that the replay, which applies the root's one policy to the whole model, leaves
-    out: the FSDP modules with a policy of their own that differs from the root's as it takes effect (grouped by
-    policy), and FSDP1's ``buffer_dtype`` where the model has floating-point buffers (the replay keeps them in
-    their own dtype)."""
+    """What the run's policies did that the replay leaves out: FSDP1's units with a policy of their own that
+    differs from the root's as it takes effect (grouped by policy; FSDP2's own policies are replayed, see
+    :func:`module_policies`), and FSDP1's ``buffer_dtype`` where the model has floating-point buffers (the replay
+    keeps them in their own dtype)."""
     from ..engine.parallel import policy_of
 
     root_policy = policy_of(model) or {}
     root = _in_effect(root_policy)
     differing: dict[str, list[str]] = {}
     for name, module in model.named_modules():
-        if module is model or not (is_fsdp1_unit(module) or callable(getattr(module, "_get_fsdp_state", None))):
+        if module is model or not is_fsdp1_unit(module):
             continue
         own = _in_effect(policy_of(module) or {})
         fields = ", ".join(f"{k} {v}" for k, v in own.items() if v != root.get(k))
         if fields:
             differing.setdefault(fields, []).append(f"'{clean_name(name)}'")
     said = [
-        f"{'module' if len(names) == 1 else 'modules'} {', '.join(names)} had a policy of their own ({fields}); "
+        f"FSDP1 {'unit' if len(names) == 1 else 'units'} {', '.join(names)} had a policy of their own ({fields}); "
         "the replay applies the root's"
         for fields, names in differing.items()
     ]
@@ -122,7 +144,7 @@ def _in_effect(policy: dict[str, Any]) -> dict[str, Any]:
     return {
         "param_dtype": param,
         "reduce_dtype": policy.get("reduce_dtype") or param,
-        "output_dtype": policy.get("output_dtype"),
+        "output_dtype": _dtype_name(policy.get("output_dtype")),
         "cast_forward_inputs": bool(policy.get("cast_forward_inputs", True)),
     }
 
