@@ -254,3 +254,90 @@ def _line_of_text(source, text):
 
 def _code(source, line):
     return source.splitlines()[line - 1].strip()
+
+
+def test_a_change_the_training_cannot_take_is_not_measured_and_says_why(training_file):
+    """A file whose optimizers() reads the head's shape refuses the padded head: the measurement says so, the rest
+    of the report stands."""
+    source = SLOW.read_text() + (
+        "\n\ndef optimizers(model):\n"
+        "    assert model.head.weight.shape[0] == VOCAB, 'the head must hold the vocabulary'\n"
+        "    return torch.optim.AdamW(model.parameters(), lr=1e-3)\n"
+    )
+    source = source.replace("def optimizer(params):", "def unused_optimizer(params):")
+    report = fp16doctor.speed(training_file(source, "checks_head.py"), measure_advice=True)
+    pad = next(a for a in report.advice if a.change is not None and a.change.KIND == "pad-linear")
+    assert pad.measured is None and "could not run" in pad.not_measured and "AssertionError" in pad.not_measured
+    fuse = next(a for a in report.advice if a.change is not None and a.change.KIND == "fuse-optimizer")
+    assert fuse.measured is not None
+
+
+def test_a_padded_layer_is_still_a_linear_layer_and_a_tied_weight_is_not_padded():
+    from torch import nn
+
+    from fp16doctor.measure.speed_changes import PaddedLinear, PadLinear
+
+    assert isinstance(PaddedLinear(nn.Linear(3, 5), 8, 8), nn.Linear)  # minGPT groups weight decay by it
+    model = nn.ModuleDict({"embed": nn.Embedding(1001, 64), "head": nn.Linear(64, 1001, bias=False)})
+    model["head"].weight = model["embed"].weight
+    assert "shared with another module" in PadLinear("head").applicable(model, {})
+
+
+def test_each_probe_stepped_in_turn_keeps_its_own_module_level_counters(training_file):
+    from fp16doctor.userfile.spec import load_training_file
+
+    source = "CALLS = 0\n\ndef model():\n    return None\n\ndef data():\n    return [0]\n"
+    spec = load_training_file(training_file(source, "counter.py"))
+    spec.reset_file_state()  # the first probe records the file's values
+    first, second = {}, {}
+    for _ in range(3):
+        with spec.own_file_state(first):
+            spec.module.CALLS += 1
+    with spec.own_file_state(second):
+        spec.module.CALLS += 1
+    assert first == {"CALLS": 3} and second == {"CALLS": 1}
+
+
+OWN_OPTIMIZER_SYNC = """
+import torch
+from torch import nn
+
+
+class ClippedSGD(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.abs().max().item() < 1e3:  # reads each gradient on the host
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def model():
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(32, 64, generator=g), torch.randint(0, 8, (32,), generator=g)) for _ in range(4)]
+
+
+def loss(model, batch):
+    x, y = batch
+    logits = model(x).float()
+    logits[y == 0] = 0.0  # a masked fill: no host wait
+    return nn.functional.cross_entropy(logits, y)
+
+
+def optimizer(params):
+    return ClippedSGD(params)
+"""
+
+
+def test_an_optimizers_own_waits_are_its_lines_and_the_scalers_check_is_counted_apart(training_file):
+    report = fp16doctor.speed(training_file(OWN_OPTIMIZER_SYNC, "own_opt.py"))
+    line = _line_of_text(OWN_OPTIMIZER_SYNC, ".item() < 1e3")
+    assert dict(report.counts.syncs) == {f"own_opt.py:{line}  {_code(OWN_OPTIMIZER_SYNC, line)}": 4}  # 4 tensors
+    assert report.counts.scaler_syncs == 1  # GradScaler.step's skip check, before it calls the step

@@ -256,7 +256,9 @@ def test_torchrun_ranks_that_disagree_on_the_scale_are_an_alarm(tmp_path):
             f"fp16doctor: rank-disagreement at optimizer step 0 on rank {rank}: the ranks disagree (rank 0: scale "
             "65536, stepped, rank 1: scale 4096, stepped)."
         ) in proc.stderr
-    assert "stepped). No capsule: rank 0 writes it." in proc.stderr  # rank 1's line points at the capsule's writer
+    assert (
+        "stepped). No capsule: rank 0 is to write it (its line says where)." in proc.stderr
+    )  # rank 1's line points at the capsule's writer
 
 
 GAN_LOOP = SCRIPTS / "gan_loop.py"

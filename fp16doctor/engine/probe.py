@@ -46,6 +46,7 @@ from ..precision.recording import (
     RecordingGradScaler,
     StepTrace,
     finish_trace,
+    out_of_sight,
     step_outcome,
 )
 from ..precision.session import PrecisionSession
@@ -690,7 +691,8 @@ class Probe:
         batch_index = self.cursor if batch_index is None else batch_index
         batch = to_device(batch, self.device, torch.float32 if self.mode == "fp32" else None)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+        with out_of_sight():  # the doctor's read, not the training's
+            scale = float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
         self.scaler.trace = trace = StepTrace(scale_used=scale)
         rng_before = rng_state() if self.align else None
         if self.instruments is not None:

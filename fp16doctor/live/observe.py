@@ -1012,7 +1012,7 @@ class TrainingObserver:
             return SHARDED_DISAGREEMENT
         if watch.no_capsule not in (None, TOGETHER):
             return watch.no_capsule  # what stops the writing rank stops it too
-        return f"{ranks_text(writers)} {'writes' if len(writers) == 1 else 'write'} it"
+        return f"{ranks_text(writers)} {'is' if len(writers) == 1 else 'are'} to write it (its line says where)"
 
     def _capsule_alone(self, watch: Watch, alarm: Alarm, optimizer: torch.optim.Optimizer, scaler: GradScaler) -> None:
         """The capsule of an alarm the ranks raise in ``update()`` from their table (a disagreement), which the

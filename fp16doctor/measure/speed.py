@@ -63,6 +63,8 @@ PAD_WORTH = 0.01
 SMALL_OPS_WORTH_FUSING = 12
 """A module running this many element-wise operators a step is a swarm worth fusing."""
 SCALER_SOURCE = str(Path("torch", "amp", "grad_scaler.py"))
+PLUMBING = tuple(str(Path("torch", *part)) for part in (("_compile.py",), ("_dynamo", "eval_frame.py")))
+"""Frames between an operator and the counter's dispatch: dynamo's wrappers of the mode's own code."""
 TIMED_STEPS = 6
 WARMUP_STEPS = 2
 
@@ -178,7 +180,7 @@ class StepCounter(TorchDispatchMode):
 
     def _sync(self) -> None:
         stack = traceback.extract_stack()
-        if any(f.name == "_maybe_opt_step" and f.filename.endswith(SCALER_SOURCE) for f in stack):
+        if _asked_by(stack).endswith(SCALER_SOURCE):  # GradScaler's own read, not an optimizer's step inside it
             self.counts.scaler_syncs += 1
             return
         frames = [f for f in stack if f.filename == self.user_file]
@@ -187,11 +189,26 @@ class StepCounter(TorchDispatchMode):
             self.counts.syncs[f"{Path(frame.filename).name}:{frame.lineno}  {(frame.line or '').strip()}"] += 1
 
 
+def _asked_by(stack: list[traceback.FrameSummary]) -> str:
+    """The file of the code that asked for the operator: the innermost frame outside this counter and the dispatch
+    machinery between them."""
+    for frame in reversed(stack):
+        if frame.filename != __file__ and not frame.filename.endswith(PLUMBING):
+            return frame.filename
+    return ""
+
+
 def _masked(packet: Any, args: Any) -> bool:
-    """``x[mask]`` or ``x[mask] = y``: indexing by a boolean mask, whose size the host must read."""
+    """``x[mask]`` or ``x[mask] = y``: indexing by a boolean mask, whose size the host must read. ``x[mask] =
+    scalar`` is not: PyTorch fills it (``masked_fill_``) without reading the mask's count."""
     if packet not in MASKED_INDEXING or len(args) < 2:
         return False
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+    if not masks:
+        return False
+    if packet is not aten.index and len(args) > 2 and isinstance(args[2], torch.Tensor) and args[2].numel() == 1:
+        return len(args[1]) != 1  # one mask and one value: a masked fill
+    return True
 
 
 def _gemm_dims(packet: Any, tensors: list[torch.Tensor]) -> dict[str, int] | None:

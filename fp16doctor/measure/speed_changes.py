@@ -31,30 +31,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import DoctorError, first_line
+from ..tensors import OUT_OF_MEMORY
+
 TENSOR_CORE_MULTIPLE = 8
 """fp16/bf16 matrix dimensions tensor cores take whole: multiples of 8 (of 64 for the best tiles)."""
-ROUNDS = 6
-"""Timed rounds, each one step of either probe."""
+ROUNDS = 8
+"""Timed rounds, each one step of either probe, the order alternating."""
 WARMUP = 2
 """Untimed steps of each probe first: the optimizer's state made, the scaler calibrated, a compile done."""
 
 
-class PaddedLinear(nn.Module):
+class PaddedLinear(nn.Linear):
     """``linear`` with its output and input features zero-padded to ``out_to`` and ``in_to``: the same outputs,
-    sliced back to ``linear``'s, computed by a product whose dimensions tensor cores take whole."""
+    sliced back to ``linear``'s, computed by a product whose dimensions tensor cores take whole. Still an
+    ``nn.Linear``: a file that groups its optimizer's parameters by ``isinstance(m, nn.Linear)`` (minGPT's weight
+    decay) groups it as it grouped the layer."""
 
     def __init__(self, linear: nn.Linear, out_to: int, in_to: int) -> None:
-        super().__init__()
         weight = linear.weight.detach()
-        padded = weight.new_zeros(out_to, in_to)
-        padded[: linear.out_features, : linear.in_features] = weight
-        self.weight = nn.Parameter(padded)
-        self.bias = None
-        if linear.bias is not None:
-            bias = linear.bias.detach().new_zeros(out_to)
-            bias[: linear.out_features] = linear.bias.detach()
-            self.bias = nn.Parameter(bias)
-        self.out_features = linear.out_features
+        super().__init__(in_to, out_to, bias=linear.bias is not None, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.weight.zero_()
+            self.weight[: linear.out_features, : linear.in_features] = weight
+            if self.bias is not None and linear.bias is not None:
+                self.bias.zero_()
+                self.bias[: linear.out_features] = linear.bias.detach()
+        self.out_features = linear.out_features  # what the layer hands on, as the file's code reads it
         self.in_padding = in_to - linear.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +102,11 @@ class PadLinear(SpeedChange):
         if not isinstance(module, nn.Linear):
             kind = type(module).__name__ if module is not None else "model's own forward"
             return f"'{self.target or 'the model'}' is a {kind}: the doctor pads only nn.Linear layers"
+        if _shared(model, module.weight):
+            return (
+                f"'{self.target}'s weight is shared with another module (a head tied to its embedding): padding it "
+                "alone would untie them"
+            )
         if padded_features(module) == (module.out_features, module.in_features):
             return (
                 f"'{self.target}' has {module.in_features} input and {module.out_features} output features, "
@@ -164,6 +172,10 @@ class FuseOptimizer(SpeedChange):
         optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
 
 
+def _shared(model: nn.Module, tensor: torch.Tensor) -> bool:
+    return sum(1 for _, p in model.named_parameters(remove_duplicate=False) if p is tensor) > 1
+
+
 def _submodule(model: nn.Module, path: str) -> nn.Module | None:
     try:
         return model.get_submodule(path)
@@ -202,29 +214,45 @@ class ChangeMeasured:
 def measure_change(bench: Any, change: SpeedChange) -> ChangeMeasured | str:
     """``change`` applied to a fresh AMP probe of ``bench`` and timed against one without it; where it cannot be
     applied (or the changed step fails), why, as a sentence."""
-    as_is = bench.probe("amp", instruments=None)
-    changed = None
+    states: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+    probes: list[Any] = []
     try:
-        reason = change.applicable(as_is.model, as_is.optimizers.by_name)
+        with bench.spec.own_file_state(states[0]):
+            probes.append(bench.probe("amp", instruments=None))
+        reason = change.applicable(probes[0].model, probes[0].optimizers.by_name)
         if reason is not None:
             return reason
-        changed = bench.probe("amp", instruments=None, parallelize=change.wrap_model)
-        change.on_optimizers(changed.optimizers.by_name)
-        return _timed_in_turn(as_is, changed)
+        with bench.spec.own_file_state(states[1]):
+            probes.append(bench.probe("amp", instruments=None, parallelize=change.wrap_model))
+        change.on_optimizers(probes[1].optimizers.by_name)
+        return _timed_in_turn(bench.spec, probes, states)
+    except (DoctorError, *OUT_OF_MEMORY) as exc:  # the changed training's own failure is what was measured
+        return f"the training with the change could not run ({type(exc).__name__}: {first_line(exc)})"
     finally:
-        as_is.close()
-        if changed is not None:
-            changed.close()
+        for probe in probes:
+            probe.close()
 
 
-def _timed_in_turn(as_is: Any, changed: Any) -> ChangeMeasured | str:
+def _timed_in_turn(spec: Any, probes: list[Any], states: tuple[dict[str, Any], ...]) -> ChangeMeasured | str:
+    """Each probe's warm-up, then rounds of one step each, the order alternating from round to round; each probe
+    steps with its own module-level state of the file (a micro-batch counter counts its own steps)."""
+
+    def seconds(which: int) -> float:
+        with spec.own_file_state(states[which]):
+            return _step_seconds(probes[which])
+
     for _ in range(WARMUP):
-        as_is.step()
-        changed.step()
+        seconds(0)
+        seconds(1)
     before, after = [], []
-    for _ in range(ROUNDS):
-        before.append(_step_seconds(as_is))
-        after.append(_step_seconds(changed))
+    for round_ in range(ROUNDS):
+        if round_ % 2:
+            after.append(seconds(1))
+            before.append(seconds(0))
+        else:
+            before.append(seconds(0))
+            after.append(seconds(1))
+    as_is, changed = probes
     if changed.failed is not None:
         return f"the step with the change raised {changed.failed.exception_type}: {changed.failed.exception}"
     if as_is.failed is not None:

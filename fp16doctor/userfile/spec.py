@@ -17,6 +17,7 @@ breaks class identity or registers their operators twice.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import importlib.util
 import inspect
@@ -163,6 +164,21 @@ class TrainingSpec:
                 f"the training file's module-level {', '.join(changed[:5])} changed while a probe trained: each "
                 "probe starts from the value the file set, as a new run of the file would"
             )
+
+    @contextlib.contextmanager
+    def own_file_state(self, kept: dict[str, Any]) -> Iterator[None]:
+        """Run the block with the file's module-level values as ``kept`` holds them (empty: as the file set them),
+        and keep in it what the block left: two probes stepped in turn each carry their own counters and flags,
+        as two runs of the file would."""
+        if self.file_state is None:
+            yield
+            return
+        for name, value in (kept or self.file_state).items():
+            _put_back(self.module, name, value)
+        try:
+            yield
+        finally:
+            kept.update(module_values(self.module, set(self.file_state)))
 
     @property
     def defines_optimizer(self) -> bool:
