@@ -35,9 +35,21 @@ def test_a_model_whose_fp16_serving_breaks_gets_the_keep_set_that_repairs_it(nam
     overflowing = list(result.overflowing["module"])
     assert (past_range in overflowing) if past_range else overflowing == []
     assert result.keep.first_nonfinite == kept[0]
+    assert result.keep.why == {kept[0]: "its fp16 output is inf or NaN from finite inputs"}
     report = result.to_json()
     assert report["verdict"] == "unsafe" and report["keep_fp32"]["modules"] == kept
     json.dumps(report, allow_nan=False)  # JSON without NaN or inf
+
+
+def test_a_norm_whose_overflow_stays_inside_it_is_kept_for_how_far_it_strays():
+    """fp16's inf sum of squares makes the norm's output 0, finite: no module turns inf or NaN, and no FP32 output
+    passes 65504; the norm is found by its deviation from FP32, and the keep-set says so."""
+    result = fp16doctor.serve_check(SERVING / "rms_sum_of_squares.py")
+    assert not result.safe and result.modes["fp16"].finite and list(result.overflowing["module"]) == []
+    assert result.keep.verified and result.keep.modules == ["norm"] and result.keep.first_nonfinite is None
+    assert result.keep.why["norm"].startswith("its fp16 output strays furthest from FP32's")
+    shown = CliRunner().invoke(app, ["serve-check", str(SERVING / "rms_sum_of_squares.py")])
+    assert shown.exit_code == 1 and "norm: kept because its fp16 output strays furthest" in " ".join(shown.output.split())
 
 
 def test_a_healthy_model_is_safe_to_serve_in_fp16_and_needs_no_keep_set():

@@ -120,6 +120,9 @@ class KeepSet:
     """In fp16 with nothing kept: the first module whose output is non-finite from finite inputs (None: none)."""
     whole_model: bool = False
     """The set holds every module that holds parameters: nothing of the model is served in fp16."""
+    why: dict[str, str] = field(default_factory=dict)
+    """Per kept module, why the search kept it (its fp16 output turned inf or NaN, its FP32 output passes 65504,
+    or it strayed furthest from FP32's)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -129,6 +132,7 @@ class KeepSet:
             "tried": self.tried,
             "first_nonfinite": self.first_nonfinite,
             "whole_model": self.whole_model,
+            "why": self.why,
         }
 
 
@@ -477,12 +481,16 @@ def _serve(
     return ModeResult(mode, compare_outputs(outputs, reference))
 
 
+Culprit = tuple[str, str]
+"""A module to keep in fp32 next, and why, in words."""
+
+
 def fp16_with_kept(
     build: Callable[[], torch.nn.Module], batches: list[Any], loss_fn: LossFn, reference: list[Any], kept: list[str]
-) -> tuple[ModeResult, str | None]:
-    """fp16 serving with ``kept`` in fp32, and its culprit: the first module whose fp16 output is non-finite from
-    finite inputs, else the module holding parameters whose output on the first batch deviates most from FP32's
-    (None where nothing is left to keep)."""
+) -> tuple[ModeResult, Culprit | None]:
+    """fp16 serving with ``kept`` in fp32, and its culprit with why: the first module whose fp16 output is
+    non-finite from finite inputs, else the module holding parameters whose output on the first batch deviates most
+    from FP32's (None where nothing is left to keep)."""
     model = build().half()
     source = build()
     first_bad: list[str] = []
@@ -499,7 +507,7 @@ def fp16_with_kept(
         half_outputs.close()
     result = ModeResult("fp16", compare_outputs(outputs, reference))
     if first_bad or not result.finite:  # a non-finite run's culprit is where it turned non-finite, or none
-        return result, first_bad[0] if first_bad else None
+        return result, (first_bad[0], "its fp16 output is inf or NaN from finite inputs") if first_bad else None
     fp32_outputs = _FirstOutputs(source, [], [])
     try:
         served_outputs(source, batches[:1], loss_fn, None)
@@ -550,7 +558,7 @@ class _FirstOutputs:
 
 def _deviating_most(
     half: dict[str, torch.Tensor], full: dict[str, torch.Tensor], model: torch.nn.Module, kept: list[str]
-) -> str | None:
+) -> Culprit | None:
     """The module holding parameters, not kept, whose first output strays furthest from FP32's (relative)."""
     worst, name_of_worst = 0.0, None
     for name, module in model.named_modules():
@@ -562,7 +570,9 @@ def _deviating_most(
         deviation = float((half[name] - full[name]).abs().max()) / scale
         if math.isfinite(deviation) and deviation > worst:
             worst, name_of_worst = deviation, name
-    return name_of_worst
+    if name_of_worst is None:
+        return None
+    return name_of_worst, f"its fp16 output strays furthest from FP32's ({worst:.2%} of its largest value)"
 
 
 def search_keep_set(
@@ -575,26 +585,30 @@ def search_keep_set(
 ) -> KeepSet:
     """Add the failing run's culprit until fp16 serving passes, then drop each member the rest pass without."""
     kept: list[str] = []
+    why: dict[str, str] = {}
     tried: list[list[str]] = []
     pending = [m for m in overflowing["module"] if m != "(model)"]
     result, culprit = fp16_with_kept(build, batches, loss_fn, reference, kept)
-    first_nonfinite = culprit if not result.finite else None
+    first_nonfinite = culprit[0] if culprit is not None and not result.finite else None
     while not result.within(tolerance) and len(kept) < MAX_KEPT:
-        candidate = culprit or next((m for m in pending if m not in kept and not _inside(m, kept)), None)
-        if candidate is None or candidate in kept:
+        past_range = next((m for m in pending if m not in kept and not _inside(m, kept)), None)
+        candidate = culprit or ((past_range, "its FP32 output passes fp16's 65504") if past_range else None)
+        if candidate is None or candidate[0] in kept:
             break
-        kept.append(candidate)
+        kept.append(candidate[0])
+        why[candidate[0]] = candidate[1]
         tried.append(list(kept))
         result, culprit = fp16_with_kept(build, batches, loss_fn, reference, kept)
     if not result.within(tolerance):
-        return KeepSet(kept, False, result.rel_dev, tried, first_nonfinite)
+        return KeepSet(kept, False, result.rel_dev, tried, first_nonfinite, why=why)
     for member in list(kept):
         fewer = [m for m in kept if m != member]
         tried.append(fewer)
         smaller, _ = fp16_with_kept(build, batches, loss_fn, reference, fewer)
         if smaller.within(tolerance):
             kept, result = fewer, smaller
-    return KeepSet(kept, True, result.rel_dev, tried, first_nonfinite, _covers_every_weight(build(), kept))
+    whole = _covers_every_weight(build(), kept)
+    return KeepSet(kept, True, result.rel_dev, tried, first_nonfinite, whole, {m: why[m] for m in kept})
 
 
 def _covers_every_weight(model: torch.nn.Module, kept: list[str]) -> bool:

@@ -69,6 +69,8 @@ def render_serve_check(result: ServeCheck, console: Console) -> None:
             f"Keep in fp32: [bold]{', '.join(keep.modules)}[/] (verified: finite, {human(keep.rel_dev, percent=True)} "
             "from FP32). In an ONNX fp16 conversion, these are the block list."
         )
+        for module, why in keep.why.items():
+            console.print(f"  {module}: kept because {why}")
     else:
         console.print(f"Kept in fp32 so far, not enough: {', '.join(keep.modules)}.")
     if result.modes["fp16"].scalar_overflow:
