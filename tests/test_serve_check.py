@@ -49,7 +49,8 @@ def test_a_norm_whose_overflow_stays_inside_it_is_kept_for_how_far_it_strays():
     assert result.keep.verified and result.keep.modules == ["norm"] and result.keep.first_nonfinite is None
     assert result.keep.why["norm"].startswith("its fp16 output strays furthest from FP32's")
     shown = CliRunner().invoke(app, ["serve-check", str(SERVING / "rms_sum_of_squares.py")])
-    assert shown.exit_code == 1 and "norm: kept because its fp16 output strays furthest" in " ".join(shown.output.split())
+    said = " ".join(shown.output.split())
+    assert shown.exit_code == 1 and "norm: kept because its fp16 output strays furthest" in said
 
 
 def test_a_healthy_model_is_safe_to_serve_in_fp16_and_needs_no_keep_set():
