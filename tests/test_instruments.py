@@ -704,7 +704,7 @@ def test_the_gradient_norm_of_a_diverging_training_is_finite_where_its_gradients
 
 def _sharded_norms(rank, world, init_file, out):
     import torch.distributed as dist
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
     from fp16doctor.precision.recording import global_grad_norm
 
@@ -718,7 +718,10 @@ def _sharded_norms(rank, world, init_file, out):
         bad = full.clone()
         bad[3] = float("inf")  # on the last rank's shard only: every rank must read it, and none may hang
         huge.grad = distribute_tensor(bad, mesh, [Shard(0)])
-        torch.save({"finite": finite, "bad": global_grad_norm([huge])}, f"{out}.{rank}")
+        replica = torch.nn.Parameter(distribute_tensor(torch.zeros(2), mesh, [Replicate()]))
+        replica.grad = distribute_tensor(torch.tensor([3.0, 4.0]), mesh, [Replicate()])  # whole on each rank: once
+        read = {"finite": finite, "bad": global_grad_norm([huge]), "replica": global_grad_norm([replica])}
+        torch.save(read, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -733,4 +736,4 @@ def test_a_sharded_gradient_norm_of_a_diverging_training_is_finite_on_every_rank
     for rank in range(2):
         read = torch.load(tmp_path / f"norm.{rank}")
         assert math.isclose(read["finite"], math.sqrt(2e44 + 25), rel_tol=1e-6), (rank, read)
-        assert math.isinf(read["bad"]), (rank, read)
+        assert math.isinf(read["bad"]) and read["replica"] == 5.0, (rank, read)

@@ -104,21 +104,23 @@ def _squares(tensors: list[torch.Tensor]) -> float:
 
 
 def _sharded_squares(grads: list[Any]) -> float:
-    """DTensor gradients' squared norms, whole: a shard over one mesh dimension adds the ranks' sums of squares, a
-    replica counts its local copy once, and any other placement is gathered whole first."""
+    """DTensor gradients' squared norms, whole: each rank's local part squared, the sums added over every mesh
+    dimension that shards it (a replica counted once: FSDP2's hybrid sharding adds over the shard dimension only);
+    a partial placement is gathered whole first. One all-reduce per mesh dimension, in the same order on every
+    rank."""
     total = 0.0
-    sharded: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    buckets: dict[tuple[int, tuple[int, ...]], tuple[Any, list[torch.Tensor]]] = {}
     for grad in grads:
         placements = tuple(grad.placements)
-        if all(p.is_replicate() for p in placements):
-            total += _squares([grad.to_local()])
-        elif len(placements) == 1 and placements[0].is_shard():
-            sharded.setdefault(id(grad.device_mesh), (grad.device_mesh, []))[1].append(grad.to_local())
-        else:
+        if not all(p.is_shard() or p.is_replicate() for p in placements):
             total += _squares([grad.full_tensor()])
-    for mesh, shards in sharded.values():
-        ours = torch.tensor(_squares(shards), dtype=torch.float64, device=shards[0].device)
-        torch.distributed.all_reduce(ours, group=mesh.get_group())  # an inf or NaN on any rank reaches every rank
+            continue
+        sharded_dims = tuple(i for i, p in enumerate(placements) if p.is_shard())
+        buckets.setdefault((id(grad.device_mesh), sharded_dims), (grad.device_mesh, []))[1].append(grad.to_local())
+    for (_, sharded_dims), (mesh, parts) in buckets.items():
+        ours = torch.tensor(_squares(parts), dtype=torch.float64, device=parts[0].device)
+        for dim in sharded_dims:  # an inf or NaN on any rank reaches every rank
+            torch.distributed.all_reduce(ours, group=mesh.get_group(dim))
         total += float(ours.item())
     return total
 
