@@ -59,11 +59,26 @@ def test_one_ranks_bad_batch_is_replayed_from_the_ranks_capsule_and_its_data_nam
         "cast_forward_inputs": True,
         "autocast": False,
         "sync_each_micro_batch": True,
+        "output_dtype": None,
+        "module_policies": {},
     }
     top = diagnosed(capsule)["findings"][0]
     assert top["cause"] == "nonfinite-data" and top["severity"] == "error", top
     assert top["evidence"]["ranks"] == [1], top["evidence"]  # rank 1's part of the step, not rank 0's
     assert "(rank 1's micro-batch 0)" in top["title"]
+    assert top["verification"]["repaired"] is True
+
+
+def test_a_batch_is_captured_as_the_training_passed_it_not_as_the_policy_cast_it(tmp_path):
+    """Rank 1's fp32 batch holds 1e6, past fp16 once FSDP2's cast_forward_inputs casts it to param_dtype: the
+    capsule keeps the fp32 batch (the watch reads the inputs before FSDP's pre-forward hook), so the replay's FP32
+    baseline is finite and the cause is the raw input's scale, cast by the replayed policy, not a non-finite batch."""
+    capsule = watched_capsule(tmp_path, FSDP2, "--poison-rank", "1", "--poison-step", "2", "--poison-value", "1e6")
+    batches = torch.load(capsule / "capsule.pt", weights_only=False)["batches"]
+    features = batches[1]["args"][0]
+    assert features.dtype == torch.float32 and features.abs().max() == 1e6
+    top = diagnosed(capsule)["findings"][0]
+    assert top["cause"] == "extreme-data" and top["evidence"]["abs_max"] == 1e6, top
     assert top["verification"]["repaired"] is True
 
 

@@ -230,6 +230,8 @@ class TrainingObserver:
         self._compiles = CompileRecorder(_ACTIVE_OBSERVER)
         self._warning_filter: Any = None
         self._calls: list[ModelCall] = []
+        self._passed_inputs: dict[int, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+        """Per hooked model, the inputs of its forwards under way, as the training passed them."""
         self._losses: list[torch.Tensor] = []
         self._last_scaled: tuple[torch.Tensor, torch.Tensor] | None = None
         self._backward_scaled = False
@@ -338,6 +340,7 @@ class TrainingObserver:
             for root in self._roots:
                 self._own.watch(root)
             self._handles += [m.register_forward_pre_hook(self._model_pre_forward) for m in self._hook_sites]
+            self._handles += [self._inputs_hook(m) for m in self._hook_sites]
             self._discover(bool(self._unmatched) or not self._models)
         return self
 
@@ -460,6 +463,8 @@ class TrainingObserver:
         if not (module.training and torch.is_grad_enabled()):
             return
         self._autocast_dtype = self._autocast_dtype or autocast_dtype()
+        passed = self._passed_inputs.get(id(module))
+        args, kwargs = passed.pop() if passed else (tuple(args), dict(kwargs or {}))
         call = ModelCall(unwrapped(module), {"args": tuple(args), "kwargs": dict(kwargs or {})})
         if self.rank is not None:  # under torchrun: whether this micro-batch's gradients are reduced at once
             call.synced = gradient_sync_on(self._outers.get(id(call.module), module))  # DDP's flag is the wrapper's
@@ -533,6 +538,19 @@ class TrainingObserver:
         self._hook_sites.append(site)
         self._handles.append(site.register_forward_hook(self._model_forward, with_kwargs=True))
         self._handles.append(site.register_forward_pre_hook(self._model_pre_forward))
+        self._handles.append(self._inputs_hook(site))
+
+    def _inputs_hook(self, site: torch.nn.Module) -> Any:
+        """The model's inputs as the training passes them, kept before any other pre-forward hook (FSDP's cast of
+        the inputs to ``param_dtype``, which hands the forward hooks the cast ones): a capsule replays the batch
+        the training had, and casts it as the run's policy does."""
+        return site.register_forward_pre_hook(self._model_inputs, prepend=True, with_kwargs=True)
+
+    def _model_inputs(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if self.failure is None and module.training and torch.is_grad_enabled():
+            under_way = self._passed_inputs.setdefault(id(module), [])
+            under_way.append((tuple(args), dict(kwargs or {})))
+            del under_way[:-4]  # forwards that raised leave theirs: not held past a few
 
     def call_starts(self, module: torch.nn.Module, args: Any) -> None:
         """A module compiled in place is called (outside its compiled program): what its hooks would do."""

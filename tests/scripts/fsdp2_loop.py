@@ -5,7 +5,8 @@ MixedPrecisionPolicy, AdamW over the sharded (DTensor) parameters, the model cla
 ``--param-dtype bfloat16`` trains without a scaler. ``--param-dtype float32 --reduce-dtype float16``: fp32 compute,
 gradients communicated in fp16 (with the scaler).
 ``--feature-scale S``: raw features S times larger (unnormalised measurements).
-``--poison-rank R --poison-step K``: rank R's batch of step K carries a NaN feature (one broken shard of the data).
+``--poison-rank R --poison-step K``: rank R's batch of step K carries a NaN feature (one broken shard of the data);
+``--poison-value V``: that feature is V instead (1e6: finite in the fp32 batch, past fp16 once the policy casts it).
 ``--micro-batches M``: each step accumulates M micro-batches (the poisoned one is the first);
 ``--sync-last-only``: with gradient sync off until the last of them (``set_requires_gradient_sync``).
 ``--fsdp1``: FSDP1 instead, FullyShardedDataParallel with a MixedPrecision, each block its own unit
@@ -59,6 +60,7 @@ def main():
     parser.add_argument("--scaler", default="sharded", choices=["sharded", "plain"])
     parser.add_argument("--poison-rank", type=int, default=-1)
     parser.add_argument("--poison-step", type=int, default=-1)
+    parser.add_argument("--poison-value", type=float, default=float("nan"))
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--sync-last-only", action="store_true")
     parser.add_argument("--fsdp1", action="store_true")
@@ -105,7 +107,7 @@ def main():
         for micro in range(args.micro_batches):
             x, y = torch.randn(16, 12, generator=g) * args.feature_scale, torch.randint(0, 5, (16,), generator=g)
             if rank == args.poison_rank and step == args.poison_step and micro == 0:
-                x[3, 2] = float("nan")
+                x[3, 2] = args.poison_value
             x, y = x.to(device), y.to(device)
             if args.sync_last_only:
                 model.set_requires_gradient_sync(micro == args.micro_batches - 1)
