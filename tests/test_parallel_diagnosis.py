@@ -74,6 +74,10 @@ def test_an_fp16_reduce_scatter_within_range_is_measured_at_2_and_4_ranks_and_re
         assert growth[world]["nonfinite_steps"] == 0 and 0 < growth[world]["local_max"] < 65504
     warning = next(f for f in report["findings"] if f["cause"] == "half-precision-reduce")
     assert warning["severity"] == "warning"
+    # the fix keeps the user's own policy settings beside the fp32 reduction
+    assert (
+        "param_dtype=torch.bfloat16, output_dtype=torch.float32, reduce_dtype=torch.float32" in warning["fix"]["code"]
+    )
     evidence = warning["evidence"]
     assert evidence["growth"] == {world: growth[world]["relative_error"] for world in ("2", "4")}
     # FSDP2 pre-divides by 2 at 2 ranks: the sum of two halves peaks at the largest local gradient
@@ -226,3 +230,16 @@ def test_compare_nproc_on_a_healthy_ddp_training_is_healthy_on_the_ranks_too(tmp
     assert "amp on 2 ranks" in (tmp_path / "steps.csv").read_text()  # the ranks' records beside one process's
     assert "On 2 ranks" in proc.stdout and "DistributedDataParallel (the doctor's default)" in proc.stdout
     assert "the ranks agree" in proc.stdout
+
+
+def test_a_fix_verified_in_one_process_is_measured_on_the_ranks_with_the_reduction_they_need_too():
+    """Two faults: the head's fp16 backward overflows (keeping the linear layers in fp32 repairs one process) and
+    the fp16 reduce-scatter overflows the offset's gradient (only the ranks show it). The corrected config is run on
+    the ranks: alone it leaves them skipping; with the reduction in fp32 too, nothing is left, and the corrected
+    config names that change."""
+    proc = run_cli("diagnose", FILES / "fsdp2_price_scale_two_faults.py", "--nproc", "2", "--json", timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    corrected = json.loads(proc.stdout)["corrected"]
+    assert corrected["symptoms_after"] == [] and corrected["ranks_symptoms_after"] == [], corrected
+    assert corrected["needs_code_changes"] == ["half-precision-reduce"], corrected
+    assert corrected["ranks_summary"] == "with 2 ranks: skips; with its reduction in fp32 too: no symptom left"

@@ -279,3 +279,13 @@ def test_an_overflow_settling_only_predicts_beyond_calibration_is_a_warning_not_
 
     (finding,) = ScaleOverflow().check(predicted_settling())
     assert finding.severity == "warning" and "settling" in finding.title
+
+
+def test_a_reduction_that_breaks_finite_gradients_under_another_fault_is_an_error_that_says_both():
+    """The reduction made inf of gradients every rank held finite on 20 steps, and the same training reduced in fp32
+    still skips (a backward overflow on top): measured, so an error, not 'no symptom yet', naming the other fault."""
+    from fp16doctor.diagnosis.rules.half_precision_reduce import HalfPrecisionReduce, reduction_case
+
+    (found,) = HalfPrecisionReduce().check(reduction_case(float("inf"), 20, ["skips"], ["skips"]))
+    assert found.severity.value == "error" and "no symptom" not in found.title
+    assert "reduced in fp32 the ranks still show skips: another cause on top of it" in found.title

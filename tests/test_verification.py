@@ -167,6 +167,10 @@ def test_the_verification_and_corrected_records_keep_their_documented_json_keys(
         "healthy_after",
         "summary",
         "needs_data_changes",
+        "needs_code_changes",
+        "ranks_not_rerun",
+        "ranks_symptoms_after",
+        "ranks_summary",
     }
 
 

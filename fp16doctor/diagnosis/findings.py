@@ -265,13 +265,24 @@ class CorrectedConfig:
     """What the corrected config measured, in a sentence."""
     needs_data_changes: list[str] = field(default_factory=list)
     """Error causes whose tried fix is a data change, which no config patch carries."""
+    needs_code_changes: list[str] = field(default_factory=list)
+    """Where the training runs on ranks (``--nproc``): error causes whose fix changes the training's code (the
+    policy in ``parallelize()``), which no config patch carries."""
+    ranks_not_rerun: bool = False
+    """The training runs on ranks (``--nproc``) and the corrected config could not be run on them (``ranks_summary``
+    says why): measured in one process only."""
+    ranks_symptoms_after: list[str] | None = None
+    """Where the training runs on ranks: the symptoms its ranks show with the corrected config and the code changes
+    ``needs_code_changes`` names for the ranks (a reduction in fp32); None where not measured there."""
+    ranks_summary: str | None = None
+    """What the ranks measured with it, in words."""
     amp_records: pd.DataFrame | None = field(default=None, repr=False)
     """The AMP probe's record with the corrected config (the plots draw it); not in the JSON."""
 
     @property
     def healthy_after(self) -> bool:
-        """No symptom is left with the corrected config."""
-        return not self.symptoms_after
+        """No symptom is left with the corrected config (on the ranks too, where they were measured)."""
+        return not self.symptoms_after and not self.ranks_symptoms_after
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -282,7 +293,23 @@ class CorrectedConfig:
             "healthy_after": self.healthy_after,
             "summary": self.summary,
             "needs_data_changes": self.needs_data_changes,
+            "needs_code_changes": self.needs_code_changes,
+            "ranks_not_rerun": self.ranks_not_rerun,
+            "ranks_symptoms_after": self.ranks_symptoms_after,
+            "ranks_summary": self.ranks_summary,
         }
+
+    @property
+    def caveats(self) -> str:
+        """What the corrected config alone does not cover, as a clause (empty: nothing)."""
+        parts = []
+        if self.needs_data_changes:
+            parts.append(f"also needs data changes: {', '.join(self.needs_data_changes)}")
+        if self.needs_code_changes:
+            parts.append(f"also needs code changes: {', '.join(self.needs_code_changes)}")
+        if self.ranks_summary:
+            parts.append(self.ranks_summary)
+        return "; ".join(parts)
 
 
 @dataclass(frozen=True)

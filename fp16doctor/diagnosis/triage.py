@@ -421,7 +421,10 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
             release_memory(verifier.ctx.bench.device)
             return None
         after, summary, records = [s.code for s in outcome.symptoms], outcome.summary(), outcome.amp
-    return CorrectedConfig(
+    code = [
+        f.cause for f in findings if f.severity == Severity.ERROR and not f.fix.config_patch and f.cause not in data
+    ]
+    corrected = CorrectedConfig(
         # the lists whole, as --fix-config writes them: merged by "a list replaces a list", it keeps the user's own
         config_patch=whole_lists(verifier.ctx.config.to_dict(), patch),
         from_findings=[f.cause for f in usable],
@@ -429,8 +432,36 @@ def verify_corrected(findings: list[Finding], ev: Evidence, verifier: Verifier) 
         symptoms_after=after,
         summary=summary,
         needs_data_changes=data,
+        needs_code_changes=code if ev.parallel is not None else [],
         amp_records=records,
     )
+    return _on_the_ranks(corrected, findings, verifier, patch) if ev.parallel is not None else corrected
+
+
+def _on_the_ranks(
+    corrected: CorrectedConfig, findings: list[Finding], verifier: Verifier, patch: dict[str, Any]
+) -> CorrectedConfig:
+    """The corrected config measured where the training runs: on its ranks. A fix measured in one process can leave
+    the ranks failing, from what only the ranks compute: where the diagnosis found the reduction in half precision
+    breaking gradients, the ranks run it with the reduction in fp32 too, and that change joins the corrected
+    config's code changes where it is what repairs the ranks."""
+    from .stages.parallel import corrected_on_ranks
+
+    reduction = any(f.cause == "half-precision-reduce" and f.severity != Severity.INFO for f in findings)
+    found = corrected_on_ranks(verifier.ctx, patch, reduce_in_fp32=reduction)
+    if isinstance(found, str):
+        return replace(corrected, ranks_not_rerun=True, ranks_summary=f"not measured on the ranks: {found}")
+    world = verifier.ctx.nproc
+    as_run = [s.code for s in found["as_run"]]
+    summary = f"with {world} ranks: " + (", ".join(as_run) if as_run else "no symptom left")
+    if not as_run or "fp32_reduce" not in found:
+        return replace(corrected, ranks_symptoms_after=as_run, ranks_summary=summary)
+    reduced = [s.code for s in found["fp32_reduce"]]
+    summary += "; with its reduction in fp32 too: " + (", ".join(reduced) if reduced else "no symptom left")
+    code = corrected.needs_code_changes
+    if not reduced and "half-precision-reduce" not in code:
+        code = [*code, "half-precision-reduce"]
+    return replace(corrected, ranks_symptoms_after=reduced, ranks_summary=summary, needs_code_changes=code)
 
 
 def _verification_sentence(findings: list[Finding], corrected: CorrectedConfig | None) -> str:

@@ -93,8 +93,8 @@ def corrected_text(c: CorrectedConfig) -> str:
         f"Measured with the corrected config ({', '.join(c.from_findings)}): symptoms before: {before}; "
         f"after: {after} ({c.summary})."
     )
-    if c.needs_data_changes:
-        text += f" Data changes still needed: {', '.join(c.needs_data_changes)}."
+    if c.caveats:
+        text += f" Not covered: {c.caveats}."
     return text
 
 

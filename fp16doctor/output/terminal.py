@@ -222,7 +222,7 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
         console.print(
             f"[{style}]corrected config[/] ({', '.join(c.from_findings)}): {escape(c.summary)}"
             + ("" if c.healthy_after else f"; symptoms left: {', '.join(c.symptoms_after)}")
-            + (f"; also needs data changes: {', '.join(c.needs_data_changes)}" if c.needs_data_changes else "")
+            + (f"; {c.caveats}" if c.caveats else "")
         )
         if contested:  # the findings point here instead of printing patches that contradict each other
             console.print(

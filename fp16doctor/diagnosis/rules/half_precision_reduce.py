@@ -12,8 +12,10 @@ reduction made an inf or NaN from finite local gradients), the largest local gra
 the world size, the same worst error at the other of 2 and 4 ranks (its growth), and for an fp16 reduction the
 largest value it is predicted to hold (the largest local gradient, summed over the ranks after FSDP2's pre-divide
 factor) against 65504. An error where the parallel training shows a symptom that the same training with its reduction in
-fp32 does not (the fix, tried under torchrun on the same weights and batches); a warning where the reduction is
-measurably worse than fp32's rounding but the probe's steps show no symptom yet.
+fp32 does not (the fix, tried under torchrun on the same weights and batches), or where the reduction made an inf or
+NaN of gradients every rank held finite while the ranks show a symptom (the fp32-reduced training failing too: a
+second cause on top); a warning where the reduction is measurably worse than fp32's rounding but the probe's steps
+show no symptom yet.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ DDP_FIX = Fix(
 def _fsdp_fix(policy: dict[str, Any], wrapper: str = "fully_shard") -> Fix:
     """FSDP's policy with its reduction in fp32, its parameters' dtype kept as the training has it: FSDP2's
     ``MixedPrecisionPolicy``, or FSDP1's ``MixedPrecision`` (``wrapper="fsdp1"``)."""
-    param_dtype = policy.get("param_dtype")
-    keep = f"param_dtype=torch.{param_dtype}, " if param_dtype else ""
+    kept_fields = ("param_dtype", "output_dtype", "buffer_dtype")  # the user's own settings, which the fix keeps
+    keep = "".join(f"{k}=torch.{policy[k]}, " for k in kept_fields if policy.get(k) not in (None, "None"))
     if wrapper == "fsdp1":
         where, code = "FSDP's MixedPrecision", "FullyShardedDataParallel(model, mixed_precision=MixedPrecision("
     else:
@@ -219,6 +221,8 @@ class HalfPrecisionReduce(Rule):
     nothing_to_try = "the parallel stage did not run the training with its reduction in fp32"
     fires_on = (
         lambda: reduction_case(float("inf"), 6, ["skips", "trajectory-drift"], []),
+        # the reduction overflows, and an overflow in the backward skips the fp32-reduced steps too: both faults
+        lambda: reduction_case(float("inf"), 20, ["skips"], ["skips"]),
         lambda: reduction_case(0.4, 0, ["trajectory-drift"], []),
         lambda: reduction_case(0.05, 0, [], []),  # measurably worse than rounding, no symptom yet: a warning
         lambda: reduction_case(4e-4, 0, [], []),  # an fp16 hook within rounding: the fact and its headroom, a warning
@@ -265,6 +269,14 @@ class HalfPrecisionReduce(Rule):
         fix = _fix(parallel)
         if repairs:
             return [self.finding(_title(parallel, evidence), evidence, fix)]
+        if evidence.nonfinite_steps and parallel.symptoms:
+            # measured: the reduction made inf or NaN of gradients every rank held finite; the same training reduced
+            # in fp32 still fails, so another cause sits on top of it, and both need their fix
+            still = ", ".join(s.code for s in parallel.repaired_symptoms)
+            title = _title(parallel, evidence) + (
+                f"; reduced in fp32 the ranks still show {still}: another cause on top of it" if still else ""
+            )
+            return [self.finding(title, evidence, fix)]
         if parallel.reduction_faulty:
             title = _title(parallel, evidence) + "; the probe's steps show no symptom of it yet"
         else:

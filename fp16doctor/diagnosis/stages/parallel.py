@@ -29,6 +29,7 @@ from typing import Any
 
 import pandas as pd
 
+from ...config import apply_patch, build_config
 from ...engine.parallel import (
     ParallelRequest,
     ParallelResult,
@@ -58,6 +59,27 @@ def stage_parallel(ctx: StageContext) -> StageReport:
             ev.parallel.growth.update(growth)
             ev.parallel.seconds += seconds
     return StageReport(StageName.PARALLEL, StageStatus.RAN, _sentence(ev.parallel), details=ev.parallel.to_json())
+
+
+def corrected_on_ranks(
+    ctx: StageContext, patch: dict[str, Any], reduce_in_fp32: bool
+) -> dict[str, list[Symptom]] | str:
+    """The training as its ranks run it with the corrected config, against the parallel stage's FP32 baseline: the
+    symptoms left on the ranks (``as_run``), and with ``reduce_in_fp32`` also with its reduction in fp32
+    (``fp32_reduce``: the change to ``parallelize()`` a half-precision reduction calls for), both in one launch;
+    where the run failed, why, in words."""
+    assert ctx.evidence.parallel is not None, "the ranks ran before"
+    config = build_config(apply_patch(ctx.config.to_dict(), patch))
+    request = request_for(ctx.bench.spec.path, config, ctx.evidence.steps)
+    names = ("as_run", "fp32_reduce") if reduce_in_fp32 else ("as_run",)
+    with tempfile.TemporaryDirectory(prefix="fp16doctor-corrected-") as folder:
+        try:
+            result = run_parallel(dataclasses.replace(request, passes=names), ctx.nproc, Path(folder), ctx.rank_timeout)
+        except DoctorError as exc:
+            return first_line(exc)
+    fp32 = ctx.evidence.parallel.records["fp32"]
+    bf16 = config.dtype == "bfloat16"
+    return {name: _symptoms(result.passes[name].records, fp32, bf16, ctx.nproc) for name in names}
 
 
 def _growth(
