@@ -136,7 +136,7 @@ def test_a_model_bug_nothing_repairs_is_fp32_divergence_listing_what_was_tried()
     top = report["findings"][0]
     assert (top["cause"], top["severity"]) == ("fp32-divergence", "error")
     tried = top["evidence"]["tried"]
-    assert [t["kind"] for t in tried] == ["loss-fp64", "lr-lower", "lr-lower"]  # a tenth, a hundredth of the rate
+    assert [t["kind"] for t in tried] == ["loss-fp64", "lr-lower", "lr-lower"]  # --ci: three tries, a 1000th not reached
     assert all("still fails" in t["screen"] for t in tried)
     assert all(t["symptoms_after"] is None for t in tried)  # the screen on FP32's failing step stopped each
     assert "computing the loss in float64" in top["verification"]["reason"]
@@ -293,3 +293,14 @@ def test_a_growth_is_the_run_of_rising_values_up_to_the_step_before_the_trouble(
     values = pd.Series([1.0, 0.9, 1.1, 5.0, 80.0, 3e4, float("inf")])
     assert growth_before(values, trouble=6) == (3e4 / 0.9, 2)
     assert growth_before(pd.Series([1.0, 2.0, 1.5, float("nan")]), trouble=3) is None  # fell right before
+
+
+def test_a_peak_rate_typed_three_orders_too_high_is_lowered_until_amp_stops_skipping_too():
+    """A warm-up to 3.0 (meant 3e-3): a tenth still diverges, a hundredth keeps FP32 finite but leaves AMP skipping
+    most steps; the rate that leaves the fewest symptoms is named, and no skip is left unexplained."""
+    proc = run_cli("diagnose", ROOT / "tests" / "training_files" / "warmup_peak_typo.py", "--json", timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    top = report["findings"][0]
+    assert top["cause"] == "lr-too-high" and top["fix"]["config_patch"] == {"overrides": {"max_lr": 0.003}}, top
+    assert "unexplained" not in causes(report)

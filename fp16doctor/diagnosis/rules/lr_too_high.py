@@ -24,7 +24,7 @@ from ..findings import Evidence, EvidenceRecord, Finding, Fix, FoundBy, Repair, 
 from . import Rule
 from ._helpers import highest_lr
 
-LOWER_BY = (10.0, 100.0)
+LOWER_BY = (10.0, 100.0, 1000.0)
 """The rates the search tries, in turn: the training's highest over each."""
 
 
