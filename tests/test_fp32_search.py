@@ -136,7 +136,7 @@ def test_a_model_bug_nothing_repairs_is_fp32_divergence_listing_what_was_tried()
     top = report["findings"][0]
     assert (top["cause"], top["severity"]) == ("fp32-divergence", "error")
     tried = top["evidence"]["tried"]
-    assert [t["kind"] for t in tried] == ["loss-fp64", "lr-lower", "lr-lower"]  # --ci: three tries, a 1000th not reached
+    assert [t["kind"] for t in tried] == ["loss-fp64", "lr-lower", "lr-lower"]  # --ci: three tries, no 1000th
     assert all("still fails" in t["screen"] for t in tried)
     assert all(t["symptoms_after"] is None for t in tried)  # the screen on FP32's failing step stopped each
     assert "computing the loss in float64" in top["verification"]["reason"]

@@ -3,6 +3,7 @@ reduce-scattered in fp16 to halve their traffic. The model de-normalises its out
 scale (1000) and offset, so the squared error of prices near 5e5 sends gradients past fp16 twice over: in the head's
 fp16 backward, and in the fp16 reduction of the offset's fp32 gradient. Two faults: keeping the linear layers in
 fp32 repairs one process, and the ranks only with their reduction in fp32 too."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -1,6 +1,7 @@
 """A tabular regressor whose warm-up climbs to a peak rate typed three orders too high (3.0 for 3e-3), then decays
 on a cosine. Momentum SGD diverges in FP32 within a few steps; a tenth or a hundredth of the rate still leaves AMP's
 scaler skipping most steps, and only the rate that was meant trains cleanly in both."""
+
 import math
 
 import torch
