@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import SAMPLES, diagnosed
 
 from fp16doctor.diagnosis import rule_cases as fx
 from fp16doctor.diagnosis.findings import Verification
@@ -80,6 +81,23 @@ def test_module_names_read_as_names_not_counts():
     assert fx.localisation("optimizer", None).place == "the optimizer"
     assert fx.localisation("loss", "<loss: outside the model>").place == "the loss computation, outside the model"
     assert "in module '6' (forward) at step 0" in fx.localisation("forward", "6").describe()
+
+
+def test_the_line_that_called_the_culprit_is_named_where_a_line_of_code_did():
+    import dataclasses
+
+    loss = dataclasses.replace(fx.localisation("loss", "<loss: outside the model>"), line="/runs/train.py:31")
+    assert loss.place == "the loss computation, outside the model at train.py:31"
+    forward = dataclasses.replace(fx.localisation("forward", "attn"), line="/runs/train.py:21")
+    assert forward.place == "module 'attn' (forward, at train.py:21)"
+    assert fx.localisation("backward", "attn").place == "module 'attn' (backward)"  # autograd's: its node says
+
+
+def test_a_loss_operator_that_breaks_is_traced_to_its_line_of_the_training_file():
+    source = (SAMPLES / "log_of_zero.py").read_text().splitlines()
+    line = next(n for n, text in enumerate(source, 1) if "torch.log(rate)" in text)
+    loc = diagnosed("log_of_zero.py")[1].evidence.localisation
+    assert loc.operator == "aten::log" and loc.line.endswith(f"log_of_zero.py:{line}"), loc
 
 
 @pytest.mark.parametrize(

@@ -421,6 +421,8 @@ class NonFiniteTracer(TorchDispatchMode):
                 "parameter": parameter,
                 # a rounding cast reports its input's producer, whose inputs these are not
                 "flushed_constant": self._unheld_input([*prior, *read]) if operator == name else None,
+                # the line that called it, where a line of code did (a backward op is autograd's: its node says)
+                "line": _calling_line(self.user_path) if operator == name and phase in ("forward", "loss") else None,
                 **(_autograd_node() if phase == "backward" else {}),
             }
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -137,6 +138,10 @@ class Localisation:
     flushed_constant: FlushedConstant | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
     """The Python number that made one of the culprit's inputs and that its low-precision dtype cannot hold (a
     clamp's ``min=1e-10``, 0 in fp16), when one did; omitted from the JSON when none did."""
+    line: str | None = field(default=None, metadata={OMITTED_WHEN_NONE: True})
+    """``file:line`` of the code that called the culprit operator, in the forward or the loss: the training file's
+    line where one is on the stack, else the deepest outside PyTorch and the doctor (a library's model). Omitted
+    in the backward (autograd ran it: ``autograd_node`` says which) and where no line called it."""
     replayed: list[tuple[float, float]] = field(default_factory=list, repr=False)
     """(loss, loss scale) of each step the replay took before the traced one: compared with the original
     run's, they tell whether the fault reproduces deterministically."""
@@ -149,15 +154,16 @@ class Localisation:
         """Where, as prose reads it: ``module '6' (forward)``, ``the optimizer``. Module names are quoted: a
         Sequential's children are numbers ("in 6" reads as a count)."""
         outside = {"optimizer": "the optimizer", "data": "the data", "loss": "the loss", "reduction": REDUCTION}
+        at = f" at {Path(self.line).name}" if self.line else ""
         if not self.module:
-            return outside.get(self.phase, f"the {self.phase}")
+            return outside.get(self.phase, f"the {self.phase}") + at
         if self.module == OUTSIDE_MODEL:
-            return "the loss computation, outside the model" + ("" if self.phase == "loss" else f" ({self.phase})")
+            return "the loss computation, outside the model" + (f" ({self.phase})" if self.phase != "loss" else at)
         if self.module == ROOT:
             return "the model's own forward code, outside its submodules" + (
-                "" if self.phase == "forward" else f" ({self.phase})"
+                at if self.phase == "forward" else f" ({self.phase})"
             )
-        return f"module '{self.module}' ({self.phase})"
+        return f"module '{self.module}' ({self.phase}{at.replace(' at ', ', at ')})"
 
     @property
     def overflowed(self) -> bool:
