@@ -243,3 +243,10 @@ def test_a_fix_verified_in_one_process_is_measured_on_the_ranks_with_the_reducti
     assert corrected["symptoms_after"] == [] and corrected["ranks_symptoms_after"] == [], corrected
     assert corrected["needs_code_changes"] == ["half-precision-reduce"], corrected
     assert corrected["ranks_summary"] == "with 2 ranks: skips; with its reduction in fp32 too: no symptom left"
+
+
+def test_more_cpu_ranks_than_cores_is_said_as_slower_not_different():
+    from fp16doctor.diagnosis.stages.parallel import shared_cores
+
+    assert shared_cores(8, "cpu", 2).startswith("8 ranks share this machine's 2 CPU cores: the parallel stage runs")
+    assert shared_cores(2, "cpu", 2) is None and shared_cores(8, "cuda", 2) is None

@@ -289,3 +289,14 @@ def test_a_reduction_that_breaks_finite_gradients_under_another_fault_is_an_erro
     (found,) = HalfPrecisionReduce().check(reduction_case(float("inf"), 20, ["skips"], ["skips"]))
     assert found.severity.value == "error" and "no symptom" not in found.title
     assert "reduced in fp32 the ranks still show skips: another cause on top of it" in found.title
+
+
+def test_a_reduction_within_rounding_at_2_ranks_that_overflows_at_4_says_so_first():
+    from fp16doctor.diagnosis.rules.half_precision_reduce import HalfPrecisionReduce, reduction_case
+
+    (found,) = HalfPrecisionReduce().check(reduction_case(4e-4, 0, [], [], growth={4: float("inf")}))
+    assert found.severity.value == "warning"
+    assert found.title.startswith(
+        "The gradients are reduced in half precision (fp16_compress_hook): over 4 ranks the reduction makes an inf "
+        "or NaN of finite gradients; over 2 it is within 0.0004 of fp32"
+    ), found.title

@@ -181,8 +181,10 @@ def reduction_case(
     hooks: list[str] | None = None,
     policy: dict[str, Any] | None = None,
     local_max: float = 8.0e5,
+    growth: dict[int, float] | None = None,
 ) -> Evidence:
-    """A parallel stage's comparison: two ranks, fp16_compress_hook, the head's weight as the worst parameter."""
+    """A parallel stage's comparison: two ranks, fp16_compress_hook, the head's weight as the worst parameter;
+    ``growth``: the worst relative error measured at other world sizes."""
     ev = fx.evidence()
     table = pd.DataFrame(
         [
@@ -202,6 +204,10 @@ def reduction_case(
         single_process_symptoms=single or [],
         reduction=table,
         ranks_agree=True,
+        growth={
+            world: ReductionAtWorld(world, "head.weight", "head", error, 0, local_max)
+            for world, error in (growth or {}).items()
+        },
     )
     ev.symptoms = list(ev.parallel.symptoms)
     return ev
@@ -226,6 +232,8 @@ class HalfPrecisionReduce(Rule):
         lambda: reduction_case(0.4, 0, ["trajectory-drift"], []),
         lambda: reduction_case(0.05, 0, [], []),  # measurably worse than rounding, no symptom yet: a warning
         lambda: reduction_case(4e-4, 0, [], []),  # an fp16 hook within rounding: the fact and its headroom, a warning
+        # within rounding at 2 ranks, an overflow at 4: the warning leads with it
+        lambda: reduction_case(4e-4, 0, [], [], growth={4: float("inf")}),
         lambda: emulated_case([0, 1], ["skips"]),  # a sharded capsule's emulated ranks
         # FSDP2 reducing in fp16 within rounding: its headroom, after the pre-divide factor, a warning
         lambda: reduction_case(4e-4, 0, [], [], policy=FSDP2_FP16_REDUCE, local_max=0.5),
@@ -368,8 +376,15 @@ def _peak(parallel: ParallelComparison, local_max: float) -> dict[str, float | N
 
 def _headroom(parallel: ParallelComparison, evidence: HalfPrecisionReduceEvidence) -> str:
     """A half-precision reduction measured within rounding of fp32: the fact, its growth, fp16's headroom left."""
+    broken = [world for world, error in evidence.growth.items() if error == "inf" and int(world) != parallel.world]
     what = f"The gradients are reduced in half precision ({parallel.half_precision_reduction}), measured within "
     what += f"{float(evidence.relative_error):.1g} of fp32 over {parallel.world} ranks"
+    if broken:  # a sum that overflows at more ranks: said first, where it cannot be missed
+        what = (
+            f"The gradients are reduced in half precision ({parallel.half_precision_reduction}): over "
+            f"{' and '.join(broken)} ranks the reduction makes an inf or NaN of finite gradients; over "
+            f"{parallel.world} it is within {float(evidence.relative_error):.1g} of fp32"
+        )
     others = [
         f"{float(error):.1g} over {world}"
         for world, error in evidence.growth.items()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,9 @@ def stage_parallel(ctx: StageContext) -> StageReport:
     if ctx.nproc <= 1:
         return StageReport(StageName.PARALLEL, StageStatus.SKIPPED, "one process (--nproc N runs the ranks)")
     ev = ctx.evidence
+    shared = shared_cores(ctx.nproc, ctx.bench.device.type, os.cpu_count() or 1)
+    if shared:
+        ctx.bench.spec.note(shared)
     request = request_for(ctx.bench.spec.path, ctx.config, ev.steps)
     with tempfile.TemporaryDirectory(prefix="fp16doctor-parallel-") as folder:
         result = run_parallel(request, ctx.nproc, Path(folder), ctx.rank_timeout)
@@ -59,6 +63,16 @@ def stage_parallel(ctx: StageContext) -> StageReport:
             ev.parallel.growth.update(growth)
             ev.parallel.seconds += seconds
     return StageReport(StageName.PARALLEL, StageStatus.RAN, _sentence(ev.parallel), details=ev.parallel.to_json())
+
+
+def shared_cores(nproc: int, device: str, cores: int) -> str | None:
+    """Where gloo's ranks outnumber the CPU cores, what that changes: the time, not the numbers."""
+    if device != "cpu" or nproc <= cores:
+        return None
+    return (
+        f"{nproc} ranks share this machine's {cores} CPU cores: the parallel stage runs slower, not differently "
+        "(each rank computes what it would alone)"
+    )
 
 
 def corrected_on_ranks(
