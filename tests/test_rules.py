@@ -300,3 +300,35 @@ def test_a_reduction_within_rounding_at_2_ranks_that_overflows_at_4_says_so_firs
         "The gradients are reduced in half precision (fp16_compress_hook): over 4 ranks the reduction makes an inf "
         "or NaN of finite gradients; over 2 it is within 0.0004 of fp32"
     ), found.title
+
+
+def test_the_reduction_fix_is_written_for_the_users_wrapper_keeping_its_own_fields():
+    from fp16doctor.diagnosis.rules.half_precision_reduce import _fix, reduction_case
+
+    fsdp1 = reduction_case(
+        float("inf"),
+        3,
+        ["skips"],
+        [],
+        policy={"param_dtype": "float16", "reduce_dtype": "float16", "buffer_dtype": "float16"},
+    ).parallel
+    fsdp1.topology = "FullyShardedDataParallel"
+    code = _fix(fsdp1).code
+    assert code.startswith("FullyShardedDataParallel(model, mixed_precision=MixedPrecision(") and "buffer_dtype" in code
+    fsdp2 = reduction_case(
+        float("inf"),
+        3,
+        ["skips"],
+        [],
+        policy={
+            "param_dtype": "bfloat16",
+            "reduce_dtype": "float16",
+            "output_dtype": "float32",
+            "cast_forward_inputs": False,
+        },
+    ).parallel
+    fsdp2.topology = "FSDPNet"
+    assert _fix(fsdp2).code == (
+        "fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32, "
+        "cast_forward_inputs=False, reduce_dtype=torch.float32))"
+    )

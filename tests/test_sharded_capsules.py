@@ -69,11 +69,12 @@ def test_one_ranks_bad_batch_is_replayed_from_the_ranks_capsule_and_its_data_nam
     assert top["verification"]["repaired"] is True
 
 
-def test_a_batch_is_captured_as_the_training_passed_it_not_as_the_policy_cast_it(tmp_path):
+@pytest.mark.parametrize("step", ["0", "2"])  # while the watch is still finding the model, and after
+def test_a_batch_is_captured_as_the_training_passed_it_not_as_the_policy_cast_it(tmp_path, step):
     """Rank 1's fp32 batch holds 1e6, past fp16 once FSDP2's cast_forward_inputs casts it to param_dtype: the
     capsule keeps the fp32 batch (the watch reads the inputs before FSDP's pre-forward hook), so the replay's FP32
     baseline is finite and the cause is the raw input's scale, cast by the replayed policy, not a non-finite batch."""
-    capsule = watched_capsule(tmp_path, FSDP2, "--poison-rank", "1", "--poison-step", "2", "--poison-value", "1e6")
+    capsule = watched_capsule(tmp_path, FSDP2, "--poison-rank", "1", "--poison-step", step, "--poison-value", "1e6")
     batches = torch.load(capsule / "capsule.pt", weights_only=False)["batches"]
     features = batches[1]["args"][0]
     assert features.dtype == torch.float32 and features.abs().max() == 1e6

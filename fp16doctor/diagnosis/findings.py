@@ -307,7 +307,7 @@ class CorrectedConfig:
             parts.append(f"also needs data changes: {', '.join(self.needs_data_changes)}")
         if self.needs_code_changes:
             parts.append(f"also needs code changes: {', '.join(self.needs_code_changes)}")
-        if self.ranks_summary:
+        if self.ranks_summary and (self.ranks_symptoms_after or self.ranks_not_rerun):
             parts.append(self.ranks_summary)
         return "; ".join(parts)
 

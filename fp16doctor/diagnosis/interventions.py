@@ -207,8 +207,8 @@ class InterventionSearch:
 
     def _fp32_repair(self) -> Trial | None:
         """Where FP32 fails too and nothing repaired every symptom: of the trials that repaired FP32 without adding
-        a symptom, the one that left the fewest (the first among equals: a rate a hundredth of a typo's that leaves
-        AMP skipping gives way to a thousandth that does not). It names the cause of FP32's failure (and the AMP
+        a symptom, the first in the search's order, unless a later one left strictly less (a rate a hundredth of a
+        typo's that leaves AMP skipping gives way to a thousandth that does not). It names the cause of FP32's failure (and the AMP
         symptoms it removed with it); what it left is AMP's own. A symptom measured against FP32 (a drift, a
         same-state gap) could not be measured while FP32 failed: found after the repair, it is not added by it."""
         if "fp32-nonfinite" not in self.codes:
@@ -221,7 +221,11 @@ class InterventionSearch:
             and "fp32-nonfinite" not in t.symptoms_after
             and set(t.symptoms_after) <= before
         ]
-        return min(repairs, key=lambda t: len(t.symptoms_after or []), default=None)
+        best = repairs[0] if repairs else None
+        for trial in repairs[1:]:  # a later trial only where it leaves strictly less: the search's order says more
+            if best is not None and set(trial.symptoms_after or []) < set(best.symptoms_after or []):
+                best = trial
+        return best
 
     def _with_recommended_scale(self, trial: Trial) -> Candidate | None:
         """The candidate again with the sweep's recommended initial loss scale, when it removed the fault but

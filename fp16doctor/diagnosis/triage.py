@@ -458,10 +458,11 @@ def _on_the_ranks(
         return replace(corrected, ranks_symptoms_after=as_run, ranks_summary=summary)
     reduced = [s.code for s in found["fp32_reduce"]]
     summary += "; with its reduction in fp32 too: " + (", ".join(reduced) if reduced else "no symptom left")
-    code = corrected.needs_code_changes
-    if not reduced and "half-precision-reduce" not in code:
-        code = [*code, "half-precision-reduce"]
-    return replace(corrected, ranks_symptoms_after=reduced, ranks_summary=summary, needs_code_changes=code)
+    if reduced:  # the reduction's change did not repair the ranks either: what the corrected config leaves
+        return replace(corrected, ranks_symptoms_after=as_run, ranks_summary=summary)
+    code = [*corrected.needs_code_changes, "half-precision-reduce"]
+    code = list(dict.fromkeys(code))
+    return replace(corrected, ranks_symptoms_after=[], ranks_summary=summary, needs_code_changes=code)
 
 
 def _verification_sentence(findings: list[Finding], corrected: CorrectedConfig | None) -> str:

@@ -230,7 +230,7 @@ class TrainingObserver:
         self._compiles = CompileRecorder(_ACTIVE_OBSERVER)
         self._warning_filter: Any = None
         self._calls: list[ModelCall] = []
-        self._passed_inputs: dict[int, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
+        self._passed_inputs: dict[int, list[tuple[tuple[Any, ...], dict[str, Any] | None]]] = {}
         """Per hooked model, the inputs of its forwards under way, as the training passed them."""
         self._losses: list[torch.Tensor] = []
         self._last_scaled: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -290,6 +290,7 @@ class TrainingObserver:
         self.failure = what
         self._own.on = False
         self._calls, self._losses, self._last_scaled = [], [], None
+        self._passed_inputs.clear()
         where = f"rank {self.rank}: " if self.rank is not None else ""
         self.on_note(
             f"{where}the watch's {what} failed ({type(exc).__name__}: {first_line(exc)}); the training goes on "
@@ -351,6 +352,7 @@ class TrainingObserver:
                 handle.remove()
             _remove_global_hooks(self._module_hooks)
             self._handles, self._module_hooks = [], []
+            self._passed_inputs.clear()
             self._own.remove()
             if self._warning_filter in warnings.filters:  # an "ignore" left no registry entry to clear
                 warnings.filters.remove(self._warning_filter)  # type: ignore[attr-defined]
@@ -415,6 +417,7 @@ class TrainingObserver:
             return
         if self._depth == 0 and not any(unwrapped(module) is m for m in self._models):  # a found model's own hook
             self._model_pre_forward(module, args)
+            self._keep_inputs(module, args, None)  # global hooks run before FSDP's cast: the inputs as passed
         self._depth += 1
 
     def _model_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -464,7 +467,9 @@ class TrainingObserver:
             return
         self._autocast_dtype = self._autocast_dtype or autocast_dtype()
         passed = self._passed_inputs.get(id(module))
-        args, kwargs = passed.pop() if passed else (tuple(args), dict(kwargs or {}))
+        if passed:
+            args, kept = passed.pop()
+            kwargs = kwargs if kept is None else kept
         call = ModelCall(unwrapped(module), {"args": tuple(args), "kwargs": dict(kwargs or {})})
         if self.rank is not None:  # under torchrun: whether this micro-batch's gradients are reduced at once
             call.synced = gradient_sync_on(self._outers.get(id(call.module), module))  # DDP's flag is the wrapper's
@@ -547,9 +552,13 @@ class TrainingObserver:
         return site.register_forward_pre_hook(self._model_inputs, prepend=True, with_kwargs=True)
 
     def _model_inputs(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        self._keep_inputs(module, args, kwargs)
+
+    def _keep_inputs(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        """``kwargs`` None: a global hook's, which gets none; the forward hook's then stand."""
         if self.failure is None and module.training and torch.is_grad_enabled():
             under_way = self._passed_inputs.setdefault(id(module), [])
-            under_way.append((tuple(args), dict(kwargs or {})))
+            under_way.append((tuple(args), None if kwargs is None else dict(kwargs)))
             del under_way[:-4]  # forwards that raised leave theirs: not held past a few
 
     def call_starts(self, module: torch.nn.Module, args: Any) -> None:

@@ -95,6 +95,8 @@ def corrected_text(c: CorrectedConfig) -> str:
     )
     if c.caveats:
         text += f" Not covered: {c.caveats}."
+    elif c.ranks_summary:
+        text += f" On the ranks: {c.ranks_summary}."
     return text
 
 

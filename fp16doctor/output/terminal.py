@@ -221,8 +221,13 @@ def render_diagnosis(diagnosis: Diagnosis, console: Console, training_file: str)
         style = "green" if c.healthy_after else "yellow"
         console.print(
             f"[{style}]corrected config[/] ({', '.join(c.from_findings)}): {escape(c.summary)}"
-            + ("" if c.healthy_after else f"; symptoms left: {', '.join(c.symptoms_after)}")
+            + ("" if c.healthy_after or not c.symptoms_after else f"; symptoms left: {', '.join(c.symptoms_after)}")
             + (f"; {c.caveats}" if c.caveats else "")
+            + (
+                f"; {c.ranks_summary}"
+                if c.ranks_summary and not c.ranks_symptoms_after and not c.ranks_not_rerun
+                else ""
+            )
         )
         if contested:  # the findings point here instead of printing patches that contradict each other
             console.print(

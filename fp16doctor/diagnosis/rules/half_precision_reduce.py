@@ -53,8 +53,11 @@ DDP_FIX = Fix(
 def _fsdp_fix(policy: dict[str, Any], wrapper: str = "fully_shard") -> Fix:
     """FSDP's policy with its reduction in fp32, its parameters' dtype kept as the training has it: FSDP2's
     ``MixedPrecisionPolicy``, or FSDP1's ``MixedPrecision`` (``wrapper="fsdp1"``)."""
-    kept_fields = ("param_dtype", "output_dtype", "buffer_dtype")  # the user's own settings, which the fix keeps
+    # the user's own settings, which the fix keeps: each wrapper's own fields
+    kept_fields = ("param_dtype", "buffer_dtype") if wrapper == "fsdp1" else ("param_dtype", "output_dtype")
     keep = "".join(f"{k}=torch.{policy[k]}, " for k in kept_fields if policy.get(k) not in (None, "None"))
+    if wrapper != "fsdp1" and policy.get("cast_forward_inputs") is False:
+        keep += "cast_forward_inputs=False, "
     if wrapper == "fsdp1":
         where, code = "FSDP's MixedPrecision", "FullyShardedDataParallel(model, mixed_precision=MixedPrecision("
     else:
@@ -67,7 +70,10 @@ def _fsdp_fix(policy: dict[str, Any], wrapper: str = "fully_shard") -> Fix:
 
 
 def _fix(parallel: ParallelComparison) -> Fix:
-    return _fsdp_fix(parallel.policy) if parallel.policy is not None else DDP_FIX
+    if parallel.policy is None:
+        return DDP_FIX
+    fsdp1 = parallel.topology.startswith("FullyShardedDataParallel")  # FSDP2's class is FSDP<the model's>
+    return _fsdp_fix(parallel.policy, "fsdp1" if fsdp1 else "fully_shard")
 
 
 FSDP2_FP16_REDUCE = {

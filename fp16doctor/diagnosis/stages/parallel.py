@@ -83,15 +83,22 @@ def corrected_on_ranks(
     (``fp32_reduce``: the change to ``parallelize()`` a half-precision reduction calls for), both in one launch;
     where the run failed, why, in words."""
     assert ctx.evidence.parallel is not None, "the ranks ran before"
+    from ..verify import Intervention
+
     config = build_config(apply_patch(ctx.config.to_dict(), patch))
     request = request_for(ctx.bench.spec.path, config, ctx.evidence.steps)
-    names = ("as_run", "fp32_reduce") if reduce_in_fp32 else ("as_run",)
+    names: tuple[str, ...] = ("as_run", "fp32_reduce") if reduce_in_fp32 else ("as_run",)
+    # a patch that changes FP32 too (a lower rate, the loss in float64) is measured against FP32 run with it
+    anew = Intervention("the corrected config", config_patch=patch).touches_fp32
     with tempfile.TemporaryDirectory(prefix="fp16doctor-corrected-") as folder:
         try:
-            result = run_parallel(dataclasses.replace(request, passes=names), ctx.nproc, Path(folder), ctx.rank_timeout)
+            passes = ("fp32", *names) if anew else names
+            result = run_parallel(
+                dataclasses.replace(request, passes=passes), ctx.nproc, Path(folder), ctx.rank_timeout
+            )
         except DoctorError as exc:
             return first_line(exc)
-    fp32 = ctx.evidence.parallel.records["fp32"]
+    fp32 = result.passes["fp32"].records if anew else ctx.evidence.parallel.records["fp32"]
     bf16 = config.dtype == "bfloat16"
     return {name: _symptoms(result.passes[name].records, fp32, bf16, ctx.nproc) for name in names}
 
