@@ -20,7 +20,6 @@ operators too; host synchronisations are counted only where a line of the traini
 from __future__ import annotations
 
 import statistics
-import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from ..errors import TrainingFileError
 from ..precision.autocast_policy import emulated_low_dtype
 from .speed_changes import (
     TENSOR_CORE_MULTIPLE,
+    WARMUP_STEPS,
     ChangeMeasured,
     CompileModule,
     FuseOptimizer,
@@ -45,6 +45,7 @@ from .speed_changes import (
     SpeedChange,
     measure_change,
     padded_size,
+    step_seconds,
 )
 
 aten = torch.ops.aten
@@ -66,7 +67,6 @@ SCALER_SOURCE = str(Path("torch", "amp", "grad_scaler.py"))
 PLUMBING = tuple(str(Path("torch", *part)) for part in (("_compile.py",), ("_dynamo", "eval_frame.py")))
 """Frames between an operator and the counter's dispatch: dynamo's wrappers of the mode's own code."""
 TIMED_STEPS = 6
-WARMUP_STEPS = 2
 
 
 @dataclass
@@ -322,13 +322,7 @@ def time_steps(probe: Any, device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(TIMED_STEPS):
-        began = time.perf_counter()
-        probe.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - began)
+    times = [step_seconds(probe) for _ in range(TIMED_STEPS)]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {"step_ms": statistics.median(times) * 1e3, "peak_memory_bytes": peak, "device": device.type}
 

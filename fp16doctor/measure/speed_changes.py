@@ -38,8 +38,8 @@ TENSOR_CORE_MULTIPLE = 8
 """fp16/bf16 matrix dimensions tensor cores take whole: multiples of 8 (of 64 for the best tiles)."""
 ROUNDS = 8
 """Timed rounds, each one step of either probe, the order alternating."""
-WARMUP = 2
-"""Untimed steps of each probe first: the optimizer's state made, the scaler calibrated, a compile done."""
+WARMUP_STEPS = 2
+"""Untimed steps of a timed probe first: the optimizer's state made, the scaler calibrated, a compile done."""
 
 
 class PaddedLinear(nn.Linear):
@@ -239,9 +239,9 @@ def _timed_in_turn(spec: Any, probes: list[Any], states: tuple[dict[str, Any], .
 
     def seconds(which: int) -> float:
         with spec.own_file_state(states[which]):
-            return _step_seconds(probes[which])
+            return step_seconds(probes[which])
 
-    for _ in range(WARMUP):
+    for _ in range(WARMUP_STEPS):
         seconds(0)
         seconds(1)
     before, after = [], []
@@ -269,7 +269,8 @@ def _timed_in_turn(spec: Any, probes: list[Any], states: tuple[dict[str, Any], .
     )
 
 
-def _step_seconds(probe: Any) -> float:
+def step_seconds(probe: Any) -> float:
+    """One step of ``probe``, timed; on CUDA from an idle device to the step's last kernel."""
     synchronise = torch.cuda.synchronize if probe.device.type == "cuda" else (lambda *_: None)
     synchronise(probe.device)
     began = time.perf_counter()
